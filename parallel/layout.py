@@ -1,0 +1,83 @@
+"""The parallel layout of a run, and its validation against the model and world size.
+
+Validation runs before any process group starts, and every error names the config
+field and the values that would work (as Megatron-LM's ``validate_args`` does, but
+with the fix in the message).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot work for this model or world size."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Sizes of the parallel dimensions (Megatron-Core names).
+
+    ``data_parallel_size`` is what is left of the world size:
+    ``world_size / (tensor_model_parallel_size * pipeline_model_parallel_size)``.
+    """
+
+    world_size: int = 1
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.model_parallel_size
+
+
+def validate_layout(
+    layout: ParallelLayout,
+    *,
+    num_layers: int,
+    num_attention_heads: int,
+    num_query_groups: int,
+    prefix: str = "parallel.",
+) -> None:
+    """Check that ``layout`` can run the model on ``layout.world_size`` processes.
+
+    Raises:
+        LayoutError: naming the field (e.g. ``parallel.tensor_model_parallel_size``),
+            the constraint broken and the valid values for this model and world size.
+    """
+    tp, pp, ws = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.world_size
+    for field, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+        if not isinstance(value, int) or value < 1:
+            raise LayoutError(f"{prefix}{field}={value!r}: must be a positive integer")
+    valid_tp = [d for d in _divisors(num_query_groups) if num_attention_heads % d == 0 and ws % d == 0]
+    if num_attention_heads % tp or num_query_groups % tp:
+        raise LayoutError(
+            f"{prefix}tensor_model_parallel_size={tp} must divide the model's {num_attention_heads} attention "
+            f"heads and {num_query_groups} KV heads (query groups); valid values with world size {ws}: {valid_tp}")
+    if ws % tp:
+        raise LayoutError(
+            f"{prefix}tensor_model_parallel_size={tp} does not divide the world size {ws} "
+            f"(number of processes); valid values: {valid_tp}")
+    if num_layers % pp:
+        valid_pp = [d for d in _divisors(num_layers) if ws % (tp * d) == 0]
+        raise LayoutError(
+            f"{prefix}pipeline_model_parallel_size={pp} must divide the model's {num_layers} layers; "
+            f"valid values with tensor_model_parallel_size={tp} and world size {ws}: {valid_pp}")
+    if ws % (tp * pp):
+        valid_pp = [d for d in _divisors(num_layers) if ws % (tp * d) == 0]
+        raise LayoutError(
+            f"world size {ws} is not divisible by tensor_model_parallel_size x pipeline_model_parallel_size "
+            f"= {tp} x {pp}; set {prefix}pipeline_model_parallel_size to one of {valid_pp} "
+            f"or launch a multiple of {tp * pp} processes")
+    if layout.sequence_parallel and tp == 1:
+        raise LayoutError(f"{prefix}sequence_parallel=true needs tensor_model_parallel_size > 1 "
+                          f"(it splits the sequence over the TP group); set it to false or raise TP")

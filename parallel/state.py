@@ -1,0 +1,89 @@
+"""Process groups: start ``torch.distributed`` from the launcher's environment and
+build Megatron-Core's tensor/pipeline/data-parallel groups for a :class:`ParallelLayout`.
+
+Works under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``), under ``srun``
+(``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``) and as a plain single process.
+Uses NCCL when a GPU is present, else gloo plus :mod:`parallel.cpu_compat`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from parallel.layout import ParallelLayout
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def env_world() -> tuple[int, int, int]:
+    """``(rank, world_size, local_rank)`` from torchrun or Slurm variables; ``(0, 1, 0)`` alone."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    if "SLURM_PROCID" in os.environ:
+        return int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]), int(os.environ.get("SLURM_LOCALID", 0))
+    return 0, 1, 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: int = 60) -> None:
+    """Start the default process group and Megatron's model-parallel groups.
+
+    Call only after :func:`parallel.layout.validate_layout` passed. Idempotent for the
+    default group; (re)builds Megatron's groups for ``layout`` each call, so tests can
+    try several layouts in one launch.
+    """
+    rank, world_size, local_rank = env_world()
+    if world_size != layout.world_size:
+        raise ValueError(f"layout.world_size={layout.world_size} but the launcher started {world_size} processes")
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            if world_size > 1:
+                raise RuntimeError("MASTER_PORT is not set: launch with torchrun or srun (see README)")
+            os.environ["MASTER_PORT"] = str(_free_port())
+        if on_gpu():
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(
+            backend="nccl" if on_gpu() else "gloo", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes))
+    if not on_gpu():
+        from parallel import cpu_compat
+
+        cpu_compat.apply()
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tensor_model_parallel_size,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+    )
+    if on_gpu():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        from parallel import cpu_compat
+
+        cpu_compat.model_parallel_manual_seed(seed)
+
+
+def shutdown() -> None:
+    """Destroy Megatron's groups and the default process group."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

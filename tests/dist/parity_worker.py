@@ -1,0 +1,78 @@
+"""torchrun worker: Megatron logits == HF transformers logits for several layouts.
+
+Run: torchrun --nproc-per-node 2 tests/dist/parity_worker.py OUT.json
+Writes {layout_name: {"max_abs_diff": float, "export_max_abs_diff": float}} from rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from alignment.models.bridges.llama import get_bridge
+from alignment.models.gpt import build_gpt_model, transformer_config
+from alignment.models.weights import export_hf_weights, load_hf_weights
+from alignment.trainers.megatron_step import forward_backward
+from parallel.layout import ParallelLayout, validate_layout
+from parallel.state import env_world, init_distributed, shutdown
+from tests.dist.tiny_llama import tiny_llama
+
+LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+
+
+def megatron_logits(hf_model, input_ids, tp, pp, world):
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    layout = ParallelLayout(world_size=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    cfg = hf_model.config
+    validate_layout(layout, num_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+                    num_query_groups=cfg.num_key_value_heads)
+    init_distributed(layout)
+    bridge = get_bridge(cfg)
+    model = build_gpt_model(cfg, transformer_config(cfg, tensor_model_parallel_size=tp,
+                                                    pipeline_model_parallel_size=pp)).eval()
+    load_hf_weights(model, hf_model.state_dict(), bridge)
+    mb = {"input_ids": input_ids, "position_ids": torch.arange(input_ids.shape[1]).expand_as(input_ids)}
+
+    def collect(mb, logits):
+        full = gather_from_tensor_model_parallel_region(logits)[..., : cfg.vocab_size]
+        return logits.sum() * 0, {"logits": full}
+
+    with torch.no_grad():
+        out = forward_backward(model, [mb], collect, forward_only=True)
+    exported = export_hf_weights(model, bridge)
+    ref = hf_model.state_dict()
+    export_diff = max((exported[k] - ref[k]).abs().max().item() for k in exported)
+    missing = sorted(set(ref) - set(exported) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
+    logits = out[0]["logits"] if ps.is_pipeline_last_stage() else None
+    return logits, export_diff, missing
+
+
+def main(path: str) -> None:
+    rank, world, _ = env_world()
+    results = {}
+    for tie in (False, True):
+        hf = tiny_llama(seed=1, tie_word_embeddings=tie)
+        torch.manual_seed(2)
+        input_ids = torch.randint(0, hf.config.vocab_size, (2, 11))
+        with torch.no_grad():
+            ref = hf(input_ids).logits
+        for name, (tp, pp) in LAYOUTS.items():
+            logits, export_diff, missing = megatron_logits(hf, input_ids, tp, pp, world)
+            diff = torch.tensor((logits - ref).abs().max().item() if logits is not None else 0.0)
+            dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+            results[f"{name}{'_tied' if tie else ''}"] = {
+                "max_abs_diff": diff.item(), "export_max_abs_diff": export_diff, "export_missing": missing,
+                "ref_logit_std": ref.std().item()}
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
