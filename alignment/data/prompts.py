@@ -1,0 +1,45 @@
+"""Prompt construction: a task question rendered with the model's chat template."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from alignment.data.tasks import TASKS
+
+#: Instruction appended to the question, per task.
+INSTRUCTIONS: dict[str, str] = {
+    "arithmetic": "Answer with a single number.",
+    "gsm8k": "Answer with a single number.",
+}
+
+
+def build_prompt_ids(tokenizer: Any, question: str, task: str) -> list[int]:
+    """Token ids of a chat prompt asking ``question``, ending with the assistant generation prefix.
+
+    The prompt is one user message, ``question`` followed by the task's instruction from
+    :data:`INSTRUCTIONS`, rendered with ``tokenizer.apply_chat_template(...,
+    add_generation_prompt=True, tokenize=True)``; the template's default system prompt is kept.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        question: the raw problem text (``Problem.question``).
+        task: a task name from ``alignment.data.tasks.TASKS``.
+
+    Returns:
+        A flat ``list[int]`` (transformers 5 may return a BatchEncoding; it is unwrapped).
+
+    Raises:
+        ValueError: unknown ``task``.
+    """
+    if task not in INSTRUCTIONS:
+        raise ValueError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
+    messages = [{"role": "user", "content": f"{question.strip()}\n{INSTRUCTIONS[task]}"}]
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(out, Mapping) or hasattr(out, "keys"):
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if out and isinstance(out[0], (list, tuple)):
+        out = out[0]
+    return [int(t) for t in out]

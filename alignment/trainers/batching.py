@@ -1,0 +1,51 @@
+"""Turn rollouts into padded training tensors and micro-batches.
+
+Alignment convention (shared with :func:`alignment.trainers.megatron_step.token_logprobs`):
+position ``t`` of every ``[batch, seq]`` tensor refers to predicting token ``t + 1``.
+So ``response_mask[i, t] = 1`` exactly when ``input_ids[i, t + 1]`` is a response token,
+and ``rollout_logprobs[i, t]`` is the engine's logprob of that token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from alignment.rollout.base import Sample
+
+
+def make_batch(samples: list[Sample], pad_id: int, pad_to_multiple: int = 8) -> dict[str, torch.Tensor]:
+    """Right-padded tensors for ``N`` samples.
+
+    Returns ``input_ids``, ``position_ids``, ``response_mask`` (float), ``rollout_logprobs``:
+    all ``[N, S]`` with ``S`` the longest prompt+response rounded up to ``pad_to_multiple``;
+    ``response_lengths`` ``[N]``. Raises ValueError for an empty list.
+    """
+    if not samples:
+        raise ValueError("make_batch needs at least one sample")
+    longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    seq = -(-longest // pad_to_multiple) * pad_to_multiple
+    n = len(samples)
+    input_ids = torch.full((n, seq), pad_id, dtype=torch.long)
+    mask = torch.zeros(n, seq)
+    rollout_lp = torch.zeros(n, seq)
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        input_ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
+        mask[i, p - 1 : p + r - 1] = 1.0
+        rollout_lp[i, p - 1 : p + r - 1] = torch.tensor(s.logprobs, dtype=torch.float32)
+    return {
+        "input_ids": input_ids,
+        "position_ids": torch.arange(seq).expand(n, seq).contiguous(),
+        "response_mask": mask,
+        "rollout_logprobs": rollout_lp,
+        "response_lengths": torch.tensor([len(s.response_ids) for s in samples]),
+    }
+
+
+def split_microbatches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """Split every ``[N, ...]`` tensor of ``batch`` into chunks of ``micro_batch_size`` rows
+    (the last may be smaller). Raises ValueError for ``micro_batch_size < 1``."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size={micro_batch_size}: must be >= 1")
+    n = batch["input_ids"].shape[0]
+    return [{k: v[i : i + micro_batch_size] for k, v in batch.items()} for i in range(0, n, micro_batch_size)]

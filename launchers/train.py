@@ -1,0 +1,172 @@
+"""Entry point: ``torchrun --nproc-per-node 2 launchers/train.py [hydra overrides]``.
+
+config -> validate (before any process group) -> init groups -> build models ->
+GRPO loop (:mod:`alignment.trainers.grpo`) -> checkpoints. Works the same under
+``srun`` and as a single process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from alignment.config import register  # noqa: E402
+
+register()
+
+
+def _lazy_safetensors(hf_dir: Path):
+    """Mapping view over the safetensors files: tensors are read only when asked for."""
+    from safetensors import safe_open
+
+    handles = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        h = safe_open(str(f), framework="pt")
+        for k in h.keys():
+            handles[k] = h
+
+    class View(dict):
+        def __missing__(self, key):
+            return handles[key].get_tensor(key)
+
+    return View()
+
+
+def build(cfg, hf_dir: Path, hf_config, rank: int):
+    import torch
+
+    from alignment.models.bridges.llama import get_bridge
+    from alignment.models.gpt import build_gpt_model, transformer_config
+    from alignment.models.weights import load_hf_weights
+    from alignment.rollout.vllm_engine import VLLMEngine
+    from alignment.trainers.grpo import Models
+    from alignment.trainers.megatron_step import OptimConfig, setup_training
+
+    dtype = getattr(torch, cfg.model.dtype)
+    bridge = get_bridge(hf_config)
+    hf_state = _lazy_safetensors(hf_dir)
+
+    def shard():
+        tcfg = transformer_config(hf_config, params_dtype=dtype, **cfg.parallel)
+        model = build_gpt_model(hf_config, tcfg)
+        load_hf_weights(model, hf_state, bridge)
+        return model
+
+    policy, optimizer = setup_training(shard(), OptimConfig(lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
+                                                            clip_grad=cfg.trainer.clip_grad))
+    reference = None
+    if cfg.algorithm.kl_coef > 0:
+        reference = shard().eval()
+        for p in reference.parameters():
+            p.requires_grad_(False)
+    r = cfg.rollout
+    engine = VLLMEngine(str(hf_dir), max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
+                        gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.seed + rank,
+                        dtype=cfg.model.dtype)
+    return Models(policy, optimizer, reference, engine, bridge, engine.tokenizer, hf_config.vocab_size)
+
+
+def run(cfg: DictConfig) -> dict:
+    """Run a GRPO job; returns the summary written to ``<output_dir>/summary.json``."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    from alignment.config import validate
+    from alignment.data.tasks import load_problems
+    from alignment.models.hf_assets import prepare_hf_dir
+    from alignment.trainers import grpo
+    from alignment.trainers.checkpoint import save_hf_checkpoint, save_megatron_checkpoint
+    from parallel.layout import ParallelLayout
+    from parallel.state import env_world, init_distributed, shutdown
+
+    rank, world, local_rank = env_world()
+    hf_dir = prepare_hf_dir(cfg.model.path)
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    validate(cfg, world_size=world, hf_config=hf_config)  # before any process group starts
+
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world) if not torch.cuda.is_available() else 8)
+    init_distributed(ParallelLayout(world_size=world, **cfg.parallel), seed=cfg.seed)
+    from megatron.core import parallel_state as ps
+
+    out = Path(cfg.output_dir)
+    writer = None
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(str(out / "tensorboard"))
+    models = build(cfg, hf_dir, hf_config, rank)
+    train = load_problems(cfg.data.task, "train", cfg.data.train_size, seed=cfg.seed)
+    heldout = load_problems(cfg.data.task, "heldout", cfg.data.heldout_size, seed=cfg.seed)
+
+    def log(values: dict, step: int):
+        if writer is not None:
+            for k, v in values.items():
+                writer.add_scalar(k, v, step)
+            writer.flush()
+
+    acc_before = grpo.evaluate(models, heldout, cfg.data.task, cfg.rollout.eval_max_tokens)
+    log({"heldout/accuracy": acc_before}, 0)
+    if rank == 0:
+        print(f"held-out accuracy before training: {acc_before:.3f} ({len(heldout)} problems)", flush=True)
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    per_rank = cfg.rollout.prompts_per_step // dp
+    steps = range(cfg.trainer.steps)
+    if rank == 0 and cfg.trainer.progress_bar:
+        from tqdm import tqdm
+
+        steps = tqdm(steps, desc="grpo", dynamic_ncols=True)
+    history = []
+    for step in steps:
+        start = (step * cfg.rollout.prompts_per_step + dp_rank * per_rank) % len(train)
+        problems = [train[(start + i) % len(train)] for i in range(per_rank)]
+        t0 = time.perf_counter()
+        metrics, times = grpo.grpo_step(models, problems, cfg)
+        step_time = time.perf_counter() - t0
+        metrics["tokens_per_s"] = metrics.pop("tokens") / step_time
+        metrics.update({f"time/{k}": v for k, v in times.items()}, **{"time/step": step_time})
+        if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0 and step + 1 < cfg.trainer.steps:
+            metrics["heldout/accuracy"] = grpo.evaluate(models, heldout, cfg.data.task, cfg.rollout.eval_max_tokens)
+        log(metrics, step + 1)
+        history.append(metrics)
+        if rank == 0 and hasattr(steps, "set_postfix"):
+            steps.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}",
+                              s=f"{step_time:.1f}")
+
+    acc_after = grpo.evaluate(models, heldout, cfg.data.task, cfg.rollout.eval_max_tokens)
+    log({"heldout/accuracy": acc_after}, cfg.trainer.steps)
+    if cfg.trainer.save_checkpoint:
+        save_megatron_checkpoint(models.policy, out / "checkpoints" / f"step_{cfg.trainer.steps}")
+    if cfg.trainer.export_hf:
+        save_hf_checkpoint(models.policy, models.bridge, hf_config, models.tokenizer, out / "hf")
+    summary = {"heldout_accuracy_before": acc_before, "heldout_accuracy_after": acc_after,
+               "heldout_size": len(heldout), "steps": cfg.trainer.steps, "world_size": world, "history": history}
+    if rank == 0:
+        print(f"held-out accuracy after training: {acc_after:.3f} (before: {acc_before:.3f})", flush=True)
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        writer.close()
+    dist.barrier()
+    models.engine.close()
+    shutdown()
+    return summary
+
+
+@hydra.main(version_base=None, config_path="../configs", config_name="grpo")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

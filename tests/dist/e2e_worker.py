@@ -1,0 +1,41 @@
+"""torchrun worker: the real GRPO pipeline (launchers/train.py's ``run``) on a model dir.
+
+    torchrun --nproc-per-node 2 tests/dist/e2e_worker.py MODEL_DIR OUT_DIR [REWARD] [overrides...] RESULT.json
+
+REWARD ``task`` keeps the task's own grader. REWARD ``even_length`` replaces it by a
+deterministic synthetic reward (1 if the response text has an even number of characters): a tiny
+random model never solves arithmetic, so with the real grader every reward, advantage
+and gradient would be zero and the test could not see learning or weight sync.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def main() -> None:
+    model_dir, out_dir, reward, *overrides, result_path = sys.argv[1:]
+    from alignment.config import register
+    from alignment.trainers import grpo
+    from launchers.train import run
+
+    if reward == "even_length":
+        grpo.score_response = lambda problem, text: float(len(text) % 2 == 0)
+    register()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        cfg = compose("grpo", overrides=[f"model.path={model_dir}", f"output_dir={out_dir}", *overrides])
+    summary = run(cfg)
+    import os
+
+    if os.environ.get("RANK", "0") == "0":
+        Path(result_path).write_text(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
