@@ -11,6 +11,7 @@ group starts. Field names follow Megatron (``tensor_model_parallel_size``,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
@@ -30,7 +31,10 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    task: str = "arithmetic"  # arithmetic (reasoning-gym) | gsm8k
+    task: str = "arithmetic"  # arithmetic (reasoning-gym chain_sum) | gsm8k
+    # reasoning-gym chain_sum settings for task=arithmetic
+    generator_kwargs: dict[str, Any] = field(default_factory=lambda: {
+        "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
     train_size: int = 2000
     heldout_size: int = 100
 
@@ -39,7 +43,7 @@ class DataConfig:
 class RolloutConfig:
     prompts_per_step: int = 8
     group_size: int = 8  # vLLM SamplingParams(n=group_size)
-    temperature: float = 1.0
+    temperature: float = 0.7
     top_p: float = 1.0
     max_tokens: int = 48
     eval_max_tokens: int = 48
@@ -112,6 +116,8 @@ def validate(cfg, *, world_size: int, hf_config) -> None:
         raise ConfigError(f"algorithm.kl_estimator={cfg.algorithm.kl_estimator!r}: valid values are k1, k2, k3")
     if cfg.data.task not in ("arithmetic", "gsm8k"):
         raise ConfigError(f"data.task={cfg.data.task!r}: valid values are arithmetic, gsm8k")
+    if r.temperature <= 0:
+        raise ConfigError(f"rollout.temperature={r.temperature}: GRPO samples, it needs a temperature > 0")
     if r.group_size < 2:
         raise ConfigError(f"rollout.group_size={r.group_size}: GRPO needs at least 2 samples per prompt")
     if r.prompts_per_step % dp:

@@ -107,8 +107,9 @@ def run(cfg: DictConfig) -> dict:
 
         writer = SummaryWriter(str(out / "tensorboard"))
     models = build(cfg, hf_dir, hf_config, rank)
-    train = load_problems(cfg.data.task, "train", cfg.data.train_size, seed=cfg.seed)
-    heldout = load_problems(cfg.data.task, "heldout", cfg.data.heldout_size, seed=cfg.seed)
+    kw = {"generator_kwargs": dict(cfg.data.generator_kwargs)} if cfg.data.task == "arithmetic" else {}
+    train = load_problems(cfg.data.task, "train", cfg.data.train_size, seed=cfg.seed, **kw)
+    heldout = load_problems(cfg.data.task, "heldout", cfg.data.heldout_size, seed=cfg.seed, **kw)
 
     def log(values: dict, step: int):
         if writer is not None:

@@ -9,7 +9,7 @@ HF state dict (what the rollout engine and the HF export need).
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -61,8 +61,12 @@ def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor]
 
 
 @torch.no_grad()
-def export_hf_weights(model: torch.nn.Module, bridge: LlamaBridge, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def export_hf_weights(model: torch.nn.Module, bridge: LlamaBridge, dtype: torch.dtype | None = None,
+                      source: Callable[[torch.nn.Parameter], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Full HF state dict of the model, identical on every rank (collective: all ranks call it).
+
+    ``source`` picks the tensor exported per parameter (default: its data; e.g.
+    ``lambda p: p.main_grad`` exports Megatron's accumulated gradients in HF layout).
 
     TP shards are all-gathered inside each tensor-parallel group; each pipeline stage
     then broadcasts its HF tensors to the other stages of its pipeline group (shapes are
@@ -76,7 +80,7 @@ def export_hf_weights(model: torch.nn.Module, bridge: LlamaBridge, dtype: torch.
     for _, gname, param in global_param_names(model):
         if gname == "output_layer.weight" and bridge.dims.tie_word_embeddings:
             continue
-        p = param.detach()
+        p = source(param) if source is not None else param.detach()
         if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
             shards = [torch.empty_like(p) for _ in range(tp_size)]
             dist.all_gather(shards, p.contiguous(), group=tp_group)

@@ -39,6 +39,10 @@ def _retie_embeddings(worker) -> None:
 class VLLMEngine:
     """One vLLM ``LLM`` per trainer rank (``tensor_parallel_size=1``).
 
+    Logprobs are vLLM's ``processed_logprobs``: of the distribution actually sampled
+    from (after temperature), which the trainer reproduces by dividing logits by the
+    same temperature (verl's convention).
+
     Args:
         model_dir: HF directory (config, safetensors, tokenizer) with the initial weights.
         max_model_len: longest prompt + response in tokens.
@@ -62,7 +66,8 @@ class VLLMEngine:
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
-                       seed=seed, tensor_parallel_size=1, enable_prefix_caching=True, **kwargs)
+                       seed=seed, tensor_parallel_size=1, enable_prefix_caching=True,
+                       logprobs_mode="processed_logprobs", **kwargs)
         self.tokenizer = self.llm.get_tokenizer()
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:

@@ -69,11 +69,12 @@ def all_reduce_sum(values: list[float], group=None) -> list[float]:
     return t.tolist()
 
 
-def policy_logprobs(model, microbatches, vocab_size: int) -> torch.Tensor | None:
-    """Forward-only logprobs ``[N, seq]`` (last pipeline stage; ``None`` elsewhere)."""
+def policy_logprobs(model, microbatches, vocab_size: int, temperature: float = 1.0) -> torch.Tensor | None:
+    """Forward-only logprobs ``[N, seq]`` of ``softmax(logits / temperature)`` (last
+    pipeline stage; ``None`` elsewhere)."""
 
     def collect(mb, logits):
-        return logits.sum() * 0, {"logprobs": token_logprobs(logits, mb["input_ids"], vocab_size)}
+        return logits.sum() * 0, {"logprobs": token_logprobs(logits / temperature, mb["input_ids"], vocab_size)}
 
     with torch.no_grad():
         out = forward_backward(model, microbatches, collect, forward_only=True)
@@ -89,14 +90,17 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
     global_tokens = all_reduce_sum([batch["response_mask"].sum().item()], ps.get_data_parallel_group())[0]
 
     def loss_fn(mb, logits):
+        # The policy being optimised is the one vLLM samples from: softmax(logits / T).
+        logits = logits / cfg.rollout.temperature
+        mask = mb["response_mask"]
+        entropy_sum = (token_entropy(logits, models.vocab_size) * mask).sum()  # before logprobs consume logits
         lp = token_logprobs(logits, mb["input_ids"], models.vocab_size)
         # One optimizer step per rollout batch: the sampling policy is the current one,
         # so old_logprobs are the current logprobs without gradient (ratio == 1).
         loss, m = grpo_loss(lp, lp.detach(), mb.get("ref_logprobs"), mb["advantages"], mb["response_mask"],
                             global_tokens, loss_cfg)
-        mask = mb["response_mask"]
+        m["entropy_sum"] = entropy_sum
         with torch.no_grad():
-            m["entropy_sum"] = (token_entropy(logits, models.vocab_size) * mask).sum()
             m["prob_error_sum"] = (torch.exp((lp.detach() - mb["rollout_logprobs"]).abs()) * mask).sum()
         return loss, m
 
@@ -157,7 +161,7 @@ def grpo_step(models: Models, problems: list[Problem], cfg) -> tuple[dict[str, f
     batch["advantages"] = adv
     if models.reference is not None and cfg.algorithm.kl_coef > 0:
         ref = policy_logprobs(models.reference, split_microbatches(batch, cfg.trainer.micro_batch_size),
-                              models.vocab_size)
+                              models.vocab_size, r.temperature)
         batch["ref_logprobs"] = ref if ref is not None else torch.zeros_like(batch["response_mask"])
     times["logprobs"] = time.perf_counter() - t
 

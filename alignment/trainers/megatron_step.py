@@ -130,6 +130,9 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, vocab_size: in
     Returns:
         ``[batch, seq]``: position ``t`` holds ``log p(input_ids[t+1] | input_ids[:t+1])``;
         the last position is 0. Differentiable (Megatron's ``vocab_parallel_cross_entropy``).
+
+    Consumes ``logits``: Megatron's cross entropy exponentiates its input in place to
+    save memory, so compute anything else from the logits (e.g. entropy) BEFORE this.
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 

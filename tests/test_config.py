@@ -1,0 +1,59 @@
+"""The Hydra config composes, overrides apply, the schema rejects unknown keys, and
+values that cannot work together are refused with the field and the fix."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from transformers import LlamaConfig
+
+from alignment.config import ConfigError, register, validate
+from parallel.layout import LayoutError
+from tests.conftest import ROOT
+
+SMOLLM2 = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576,
+                      max_position_embeddings=8192)
+
+
+def cfg(*overrides, name="grpo"):
+    register()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        return compose(name, overrides=list(overrides))
+
+
+def test_defaults_and_overrides():
+    c = cfg("parallel.tensor_model_parallel_size=3", "algorithm.kl_coef=0.01")
+    assert c.parallel.tensor_model_parallel_size == 3 and c.algorithm.kl_coef == 0.01
+    assert c.model.path == "smollm2" and c.data.task == "arithmetic" and c.rollout.group_size == 8
+    validate(cfg(), world_size=2, hf_config=SMOLLM2)
+    validate(c, world_size=6, hf_config=SMOLLM2)
+    g = cfg(name="grpo_gsm8k")
+    assert g.data.task == "gsm8k" and g.rollout.max_tokens == 256
+    validate(g, world_size=2, hf_config=SMOLLM2)
+
+
+def test_schema_rejects_unknown_keys_and_bad_types():
+    with pytest.raises(ConfigCompositionException):
+        cfg("algorithm.kl_coeff=0.1")  # typo
+    with pytest.raises(ConfigCompositionException):
+        cfg("trainer.steps=many")
+
+
+def test_layout_refused_before_start():
+    with pytest.raises(LayoutError, match="tensor_model_parallel_size=3 does not divide the world size 2"):
+        validate(cfg("parallel.tensor_model_parallel_size=3"), world_size=2, hf_config=SMOLLM2)
+
+
+@pytest.mark.parametrize("override, world, message", [
+    ("rollout.prompts_per_step=3", 2, r"rollout.prompts_per_step=3 must be a multiple of the data-parallel size 2"),
+    ("trainer.micro_batch_size=5", 2, r"trainer.micro_batch_size=5 must divide the 32 samples .* \[1, 2, 4, 8, 16, 32\]"),
+    ("rollout.group_size=1", 2, r"rollout.group_size=1: GRPO needs at least 2"),
+    ("algorithm.kl_estimator=k4", 2, r"algorithm.kl_estimator='k4': valid values are k1, k2, k3"),
+    ("data.task=mmlu", 2, r"data.task='mmlu': valid values are arithmetic, gsm8k"),
+    ("rollout.max_model_len=9000", 2, r"rollout.max_model_len=9000 exceeds the model's max_position_embeddings=8192"),
+    ("rollout.temperature=0", 2, r"rollout.temperature=0.0: GRPO samples"),
+])
+def test_invalid_values_name_the_field(override, world, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg(override), world_size=world, hf_config=SMOLLM2)
