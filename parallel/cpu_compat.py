@@ -23,7 +23,7 @@ _APPLIED = False
 def _is_cuda_device(device) -> bool:
     if device is None:
         return False
-    if isinstance(device, int):  # torch.cuda.current_device() style ordinal
+    if isinstance(device, int):  # a CUDA ordinal, e.g. device=0
         return True
     if isinstance(device, str):
         return device.startswith("cuda")
@@ -164,9 +164,12 @@ def apply() -> None:
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    # torch.cuda.current_device() raises without CUDA; an ordinal is what Megatron
-    # passes on as `device=`, and CudaToCpuMode turns it into "cpu".
-    torch.cuda.current_device = lambda: 0
+    # torch.cuda.current_device() raises without CUDA. Megatron passes its result on as
+    # `device=`; returning the CPU device works even where CudaToCpuMode is not active:
+    # torch-function modes are not applied inside autograd's backward pass, where
+    # e.g. the sequence-parallel reduce-scatter of LinearWithGradAccumulation... allocates
+    # `torch.empty(..., device=torch.cuda.current_device())`.
+    torch.cuda.current_device = lambda: torch.device("cpu")
     # p2p_communication (pipeline send/recv) synchronises CUDA streams after batched
     # isend/irecv; CPU collectives are already complete when wait() returns.
     torch.cuda.synchronize = lambda device=None: None

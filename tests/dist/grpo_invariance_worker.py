@@ -5,7 +5,8 @@ reference logprobs, masks), the gradient of the GRPO loss computed by
 ``alignment.trainers.megatron_step.forward_backward`` (Megatron DDP + schedule) must
 equal the gradient of the same loss computed by plain autograd on the HF
 ``transformers`` model over the whole batch in one process, for:
-  DP=2 with micro-batch sizes 1, 2 and 4; TP=2 (DP=1) with micro-batch 2 and 4; PP=2 (DP=1) with micro-batch 2.
+  DP=2 with micro-batch sizes 1, 2 and 4; TP=2 (DP=1) with micro-batch 2 and 4; TP=2 with sequence
+  parallelism (norm gradients all-reduced over TP); PP=2 (DP=1) with micro-batch 2.
 Writes {case: {"loss": float, "max_grad_diff": float, "max_grad": float}} + the reference loss.
 """
 
@@ -28,8 +29,9 @@ from parallel.state import env_world, init_distributed, shutdown
 from tests.dist.tiny_llama import tiny_llama
 
 CFG = GRPOLossConfig(clip_ratio=0.2, kl_coef=0.1, kl_estimator="k3")
-CASES = {"dp2_mbs1": (1, 1, 1), "dp2_mbs2": (1, 1, 2), "dp2_mbs4": (1, 1, 4),
-         "tp2_mbs2": (2, 1, 2), "tp2_mbs4": (2, 1, 4), "pp2_mbs2": (1, 2, 2)}
+CASES = {"dp2_mbs1": (1, 1, 1, False), "dp2_mbs2": (1, 1, 2, False), "dp2_mbs4": (1, 1, 4, False),
+         "tp2_mbs2": (2, 1, 2, False), "tp2_mbs4": (2, 1, 4, False), "tp2_sp_mbs2": (2, 1, 2, True),
+         "pp2_mbs2": (1, 2, 2, False)}
 
 
 def make_batch(vocab: int):
@@ -61,13 +63,15 @@ def hf_reference(hf, batch):
     return loss.item(), {k: p.grad.clone() for k, p in hf.named_parameters()}
 
 
-def megatron_case(hf, batch, tp, pp, mbs, world):
+def megatron_case(hf, batch, tp, pp, mbs, sp, world):
     from megatron.core import parallel_state as ps
 
-    layout = ParallelLayout(world_size=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    layout = ParallelLayout(world_size=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                            sequence_parallel=sp)
     init_distributed(layout)
     cfg = hf.config
-    model = build_gpt_model(cfg, transformer_config(cfg, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp))
+    model = build_gpt_model(cfg, transformer_config(cfg, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                    sequence_parallel=sp))
     bridge = get_bridge(cfg)
     load_hf_weights(model, hf.state_dict(), bridge)
     ddp, _ = setup_training(model, OptimConfig())
@@ -98,8 +102,8 @@ def main(path: str) -> None:
     ref_loss, ref_grads = hf_reference(hf, batch)
     results = {"reference_loss": ref_loss,
                "reference_max_grad": max(g.abs().max().item() for g in ref_grads.values())}
-    for name, (tp, pp, mbs) in CASES.items():
-        loss, grads = megatron_case(hf, batch, tp, pp, mbs, world)
+    for name, (tp, pp, mbs, sp) in CASES.items():
+        loss, grads = megatron_case(hf, batch, tp, pp, mbs, sp, world)
         assert set(grads) == set(ref_grads), sorted(set(ref_grads) ^ set(grads))
         diff = max((grads[k] - ref_grads[k]).abs().max().item() for k in grads)
         results[name] = {"loss": loss, "max_grad_diff": diff}

@@ -20,22 +20,46 @@ from parallel.layout import ParallelLayout, validate_layout
 from parallel.state import env_world, init_distributed, shutdown
 from tests.dist.tiny_llama import tiny_llama
 
-LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+LAYOUTS = {"tp1": (1, 1, False), "tp2": (2, 1, False), "tp2_sp": (2, 1, True), "pp2": (1, 2, False)}
 
 
-def megatron_logits(hf_model, input_ids, tp, pp, world):
+@torch.no_grad()
+def randomize(model) -> None:
+    """Give a Megatron shard its own random weights (not from HF): the same on every rank
+    for replicated parameters, different per TP rank for TP-split ones."""
+    from megatron.core import parallel_state as ps
+
+    from alignment.models.weights import global_param_names
+
+    for _, gname, p in global_param_names(model):
+        split = getattr(p, "tensor_model_parallel", False)
+        if gname == "output_layer.weight" and model.share_embeddings_and_output_weights:
+            gname = "embedding.word_embeddings.weight"  # PP>1: the last stage's copy of the tied embedding
+        seed = sum(map(ord, gname)) * 7 + (ps.get_tensor_model_parallel_rank() if split else 0)
+        g = torch.Generator().manual_seed(seed)
+        if p.dim() == 1:
+            p.copy_(0.5 + torch.rand(p.shape, generator=g))
+        else:
+            p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def megatron_logits(hf_model, input_ids, tp, pp, world, sp=False, own_weights=False):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    layout = ParallelLayout(world_size=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    layout = ParallelLayout(world_size=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                            sequence_parallel=sp)
     cfg = hf_model.config
     validate_layout(layout, num_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
                     num_query_groups=cfg.num_key_value_heads)
     init_distributed(layout)
     bridge = get_bridge(cfg)
     model = build_gpt_model(cfg, transformer_config(cfg, tensor_model_parallel_size=tp,
-                                                    pipeline_model_parallel_size=pp)).eval()
-    load_hf_weights(model, hf_model.state_dict(), bridge)
+                                                    pipeline_model_parallel_size=pp, sequence_parallel=sp)).eval()
+    if own_weights:
+        randomize(model)
+    else:
+        load_hf_weights(model, hf_model.state_dict(), bridge)
     mb = {"input_ids": input_ids, "position_ids": torch.arange(input_ids.shape[1]).expand_as(input_ids)}
 
     def collect(mb, logits):
@@ -45,11 +69,19 @@ def megatron_logits(hf_model, input_ids, tp, pp, world):
     with torch.no_grad():
         out = forward_backward(model, [mb], collect, forward_only=True)
     exported = export_hf_weights(model, bridge)
+    logits = out[0]["logits"] if ps.is_pipeline_last_stage() else None
+    if own_weights:
+        return logits, exported
     ref = hf_model.state_dict()
     export_diff = max((exported[k] - ref[k]).abs().max().item() for k in exported)
     missing = sorted(set(ref) - set(exported) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
-    logits = out[0]["logits"] if ps.is_pipeline_last_stage() else None
     return logits, export_diff, missing
+
+
+def max_diff_on_last_stage(logits, ref) -> float:
+    diff = torch.tensor((logits - ref).abs().max().item() if logits is not None else 0.0)
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    return diff.item()
 
 
 def main(path: str) -> None:
@@ -58,16 +90,24 @@ def main(path: str) -> None:
     for tie in (False, True):
         hf = tiny_llama(seed=1, tie_word_embeddings=tie)
         torch.manual_seed(2)
-        input_ids = torch.randint(0, hf.config.vocab_size, (2, 11))
+        input_ids = torch.randint(0, hf.config.vocab_size, (2, 12))
         with torch.no_grad():
             ref = hf(input_ids).logits
-        for name, (tp, pp) in LAYOUTS.items():
-            logits, export_diff, missing = megatron_logits(hf, input_ids, tp, pp, world)
-            diff = torch.tensor((logits - ref).abs().max().item() if logits is not None else 0.0)
-            dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        for name, (tp, pp, sp) in LAYOUTS.items():
+            logits, export_diff, missing = megatron_logits(hf, input_ids, tp, pp, world, sp=sp)
             results[f"{name}{'_tied' if tie else ''}"] = {
-                "max_abs_diff": diff.item(), "export_max_abs_diff": export_diff, "export_missing": missing,
-                "ref_logit_std": ref.std().item()}
+                "max_abs_diff": max_diff_on_last_stage(logits, ref), "export_max_abs_diff": export_diff,
+                "export_missing": missing, "ref_logit_std": ref.std().item()}
+        # Export on its own: a Megatron model with its own weights -> HF -> transformers logits.
+        for name, (tp, pp, sp) in LAYOUTS.items():
+            logits, exported = megatron_logits(hf, input_ids, tp, pp, world, sp=sp, own_weights=True)
+            fresh = type(hf)(hf.config).eval()
+            fresh.load_state_dict(exported, strict=not tie)
+            with torch.no_grad():
+                hf_logits = fresh(input_ids).logits
+            results[f"export_{name}{'_tied' if tie else ''}"] = {
+                "max_abs_diff": max_diff_on_last_stage(logits, hf_logits), "ref_logit_std": hf_logits.std().item(),
+                "export_max_abs_diff": 0.0, "export_missing": []}
     if rank == 0:
         with open(path, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,0 +1,77 @@
+"""The Llama bridge against layouts written out by hand (Megatron-LM's checkpoint
+conventions), each direction on its own, so that a bug mirrored in import and export
+cannot hide behind a round trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from alignment.models.bridges.llama import LlamaBridge, LlamaDims
+
+# 4 query heads, 2 KV heads (2 query heads per group), head_dim 1, hidden 1, ffn 2, vocab 3
+DIMS = LlamaDims(num_layers=1, hidden_size=1, num_attention_heads=4, num_query_groups=2, head_dim=1,
+                 ffn_hidden_size=2, vocab_size=3, tie_word_embeddings=False, make_vocab_size_divisible_by=2)
+B = LlamaBridge(DIMS)
+QKV = "decoder.layers.0.self_attention.linear_qkv.weight"
+HF = {  # values name themselves: q heads 10-13, k heads 20-21, v heads 30-31, gate 40-41, up 50-51
+    "model.layers.0.self_attn.q_proj.weight": torch.tensor([[10.], [11.], [12.], [13.]]),
+    "model.layers.0.self_attn.k_proj.weight": torch.tensor([[20.], [21.]]),
+    "model.layers.0.self_attn.v_proj.weight": torch.tensor([[30.], [31.]]),
+    "model.layers.0.mlp.gate_proj.weight": torch.tensor([[40.], [41.]]),
+    "model.layers.0.mlp.up_proj.weight": torch.tensor([[50.], [51.]]),
+    "model.layers.0.mlp.down_proj.weight": torch.tensor([[60., 61.]]),
+    "model.embed_tokens.weight": torch.tensor([[70.], [71.], [72.]]),
+}
+
+
+def col(*v):
+    return torch.tensor([[float(x)] for x in v])
+
+
+def test_import_qkv_is_interleaved_per_query_group():
+    # Megatron: for each KV group [q_a, q_b, k, v]; TP=2 gives each rank one whole group.
+    assert torch.equal(B.to_megatron_shard(QKV, HF, 0, 1), col(10, 11, 20, 30, 12, 13, 21, 31))
+    assert torch.equal(B.to_megatron_shard(QKV, HF, 0, 2), col(10, 11, 20, 30))
+    assert torch.equal(B.to_megatron_shard(QKV, HF, 1, 2), col(12, 13, 21, 31))
+
+
+def test_import_gate_up_and_vocab_padding_and_row_split():
+    fc1 = "decoder.layers.0.mlp.linear_fc1.weight"
+    assert torch.equal(B.to_megatron_shard(fc1, HF, 0, 1), col(40, 41, 50, 51))
+    assert torch.equal(B.to_megatron_shard(fc1, HF, 0, 2), col(40, 50))  # [gate_r; up_r]
+    assert torch.equal(B.to_megatron_shard(fc1, HF, 1, 2), col(41, 51))
+    emb = "embedding.word_embeddings.weight"  # vocab 3 -> padded to 4 (multiple of 2 x TP 2)
+    assert torch.equal(B.to_megatron_shard(emb, HF, 0, 2), col(70, 71))
+    assert torch.equal(B.to_megatron_shard(emb, HF, 1, 2), col(72, 0))
+    fc2 = "decoder.layers.0.mlp.linear_fc2.weight"
+    assert torch.equal(B.to_megatron_shard(fc2, HF, 1, 2), torch.tensor([[61.]]))
+
+
+def test_export_from_hand_written_megatron_shards():
+    out = B.to_hf(QKV, [col(10, 11, 20, 30), col(12, 13, 21, 31)])
+    assert torch.equal(out["model.layers.0.self_attn.q_proj.weight"], col(10, 11, 12, 13))
+    assert torch.equal(out["model.layers.0.self_attn.k_proj.weight"], col(20, 21))
+    assert torch.equal(out["model.layers.0.self_attn.v_proj.weight"], col(30, 31))
+    out = B.to_hf("decoder.layers.0.mlp.linear_fc1.weight", [col(40, 50), col(41, 51)])
+    assert torch.equal(out["model.layers.0.mlp.gate_proj.weight"], col(40, 41))
+    assert torch.equal(out["model.layers.0.mlp.up_proj.weight"], col(50, 51))
+    out = B.to_hf("embedding.word_embeddings.weight", [col(70, 71), col(72, 0)])
+    assert torch.equal(out["model.embed_tokens.weight"], col(70, 71, 72))  # padding dropped
+    out = B.to_hf("decoder.layers.0.mlp.linear_fc2.weight", [torch.tensor([[60.]]), torch.tensor([[61.]])])
+    assert torch.equal(out["model.layers.0.mlp.down_proj.weight"], torch.tensor([[60., 61.]]))
+    out = B.to_hf("decoder.layers.0.pre_mlp_layernorm.weight", [torch.tensor([5.])])
+    assert list(out) == ["model.layers.0.post_attention_layernorm.weight"]
+
+
+def test_names_shapes_and_errors():
+    assert B.hf_names("output_layer.weight") == ["lm_head.weight"]
+    assert B.hf_names("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight") == [
+        "model.layers.0.input_layernorm.weight"]  # transformer-engine fused-norm name
+    assert B.hf_shape("model.layers.0.self_attn.k_proj.weight") == (2, 1)
+    assert DIMS.padded_vocab_size(2) == 4 and DIMS.padded_vocab_size(1) == 4
+    tied = LlamaBridge(LlamaDims(**{**DIMS.__dict__, "tie_word_embeddings": True}))
+    assert "output_layer.weight" not in tied.megatron_names()
+    assert tied.to_hf("output_layer.weight", [col(1, 2)]) == {}
+    with pytest.raises(KeyError, match="no HF mapping"):
+        B.hf_names("decoder.layers.0.mlp.router.weight")
