@@ -70,6 +70,9 @@ class TrainerConfig:
     clip_grad: float = 1.0
     eval_every: int = 0  # 0: evaluate before and after training only
     save_checkpoint: bool = True
+    save_every: int = 0  # also checkpoint every N steps (model + optimizer + step); 0: final only
+    resume: bool = True  # continue from the latest complete checkpoint in <output_dir>/checkpoints
+    use_distributed_optimizer: bool = False  # shard Adam state over data-parallel ranks
     export_hf: bool = True
     progress_bar: bool = True
 

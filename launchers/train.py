@@ -60,8 +60,9 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
         load_hf_weights(model, hf_state, bridge)
         return model
 
-    policy, optimizer = setup_training(shard(), OptimConfig(lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
-                                                            clip_grad=cfg.trainer.clip_grad))
+    policy, optimizer = setup_training(shard(), OptimConfig(
+        lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay, clip_grad=cfg.trainer.clip_grad,
+        use_distributed_optimizer=cfg.trainer.use_distributed_optimizer))
     reference = None
     if cfg.algorithm.kl_coef > 0:
         reference = shard().eval()
@@ -84,7 +85,12 @@ def run(cfg: DictConfig) -> dict:
     from alignment.data.tasks import load_problems
     from alignment.models.hf_assets import prepare_hf_dir
     from alignment.trainers import grpo
-    from alignment.trainers.checkpoint import save_hf_checkpoint, save_megatron_checkpoint
+    from alignment.trainers.checkpoint import (
+        latest_checkpoint,
+        load_megatron_checkpoint,
+        save_hf_checkpoint,
+        save_megatron_checkpoint,
+    )
     from parallel.layout import ParallelLayout
     from parallel.state import env_world, init_distributed, shutdown
 
@@ -117,18 +123,30 @@ def run(cfg: DictConfig) -> dict:
                 writer.add_scalar(k, v, step)
             writer.flush()
 
+    ckpt_dir, start_step = out / "checkpoints", 0
+    latest = latest_checkpoint(ckpt_dir) if cfg.trainer.resume else None
+    if latest is not None:
+        start_step = load_megatron_checkpoint(models.policy, latest, models.optimizer)
+        grpo.sync_weights(models)
+        if rank == 0:
+            print(f"resumed from {latest} (step {start_step})", flush=True)
+
+    def checkpoint(step: int) -> None:
+        save_megatron_checkpoint(models.policy, ckpt_dir / f"step_{step}", optimizer=models.optimizer, step=step)
+
     acc_before = grpo.evaluate(models, heldout, cfg.data.task, cfg.rollout.eval_max_tokens)
-    log({"heldout/accuracy": acc_before}, 0)
+    log({"heldout/accuracy": acc_before}, start_step)
     if rank == 0:
-        print(f"held-out accuracy before training: {acc_before:.3f} ({len(heldout)} problems)", flush=True)
+        what = f"at step {start_step} (resumed)" if start_step else "before training"
+        print(f"held-out accuracy {what}: {acc_before:.3f} ({len(heldout)} problems)", flush=True)
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     per_rank = cfg.rollout.prompts_per_step // dp
-    steps = range(cfg.trainer.steps)
+    steps = range(start_step, cfg.trainer.steps)
     if rank == 0 and cfg.trainer.progress_bar:
         from tqdm import tqdm
 
-        steps = tqdm(steps, desc="grpo", dynamic_ncols=True)
+        steps = tqdm(steps, desc="grpo", dynamic_ncols=True, initial=start_step, total=cfg.trainer.steps)
     history = []
     for step in steps:
         start = (step * cfg.rollout.prompts_per_step + dp_rank * per_rank) % len(train)
@@ -142,17 +160,19 @@ def run(cfg: DictConfig) -> dict:
             metrics["heldout/accuracy"] = grpo.evaluate(models, heldout, cfg.data.task, cfg.rollout.eval_max_tokens)
         log(metrics, step + 1)
         history.append(metrics)
+        if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0 and step + 1 < cfg.trainer.steps:
+            checkpoint(step + 1)
         if rank == 0 and hasattr(steps, "set_postfix"):
             steps.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}",
                               s=f"{step_time:.1f}")
 
     acc_after = grpo.evaluate(models, heldout, cfg.data.task, cfg.rollout.eval_max_tokens)
     log({"heldout/accuracy": acc_after}, cfg.trainer.steps)
-    if cfg.trainer.save_checkpoint:
-        save_megatron_checkpoint(models.policy, out / "checkpoints" / f"step_{cfg.trainer.steps}")
+    if cfg.trainer.save_checkpoint and start_step < cfg.trainer.steps:
+        checkpoint(cfg.trainer.steps)
     if cfg.trainer.export_hf:
         save_hf_checkpoint(models.policy, models.bridge, hf_config, models.tokenizer, out / "hf")
-    summary = {"heldout_accuracy_before": acc_before, "heldout_accuracy_after": acc_after,
+    summary = {"heldout_accuracy_before": acc_before, "heldout_accuracy_after": acc_after, "start_step": start_step,
                "heldout_size": len(heldout), "steps": cfg.trainer.steps, "world_size": world, "history": history}
     if rank == 0:
         print(f"held-out accuracy after training: {acc_after:.3f} (before: {acc_before:.3f})", flush=True)

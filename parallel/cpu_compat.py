@@ -152,6 +152,54 @@ class SequenceParallelTorchNorm:
         return norm
 
 
+def _patch_distributed_optimizer_loading() -> None:
+    """Make ``DistributedOptimizer`` checkpoints load correctly with ``torch.optim.AdamW``.
+
+    Why: without apex/transformer-engine Megatron (0.16.1) falls back to torch's AdamW,
+    whose per-parameter state carries a ``step`` tensor, and ``distrib_optimizer.py``
+    mishandles it on load: (1) ``sharded_state_dict(is_loading=True)`` calls
+    ``state_dict()``, which asserts ``len(steps) == 1`` over the (still empty) state;
+    (2) ``load_state_dict`` then puts ONE ``step`` tensor object into every parameter's
+    state, and AdamW increments it in place once per parameter per step, corrupting
+    Adam's bias correction after a resume (measured here: step 3 -> 29 after two steps).
+    (3) the parameter-state load then copies every key of the live state, ``step``
+    included, from checkpoint tensors that carry no ``step`` (``KeyError: 'step'``).
+    We give every parameter a ``step`` before loading, keep it out of (3), and give each
+    parameter its own copy after.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original_sharded, original_load = DistributedOptimizer.sharded_state_dict, DistributedOptimizer.load_state_dict
+    original_set = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_main_param_and_optimizer_states(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        step = state.pop("step", None)
+        try:
+            original_set(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, *args, **kwargs):
+        if is_loading:
+            self.init_state_fn(self.optimizer, self.config)
+            for state in self.optimizer.state.values():
+                state.setdefault("step", torch.tensor(0.0))
+        return original_sharded(self, model_sharded_state_dict, is_loading, *args, **kwargs)
+
+    def load_state_dict(self, state_dict):
+        original_load(self, state_dict)
+        for state in self.optimizer.state.values():
+            if "step" in state:
+                state["step"] = state["step"].detach().clone()
+
+    DistributedOptimizer.sharded_state_dict = sharded_state_dict
+    DistributedOptimizer.load_state_dict = load_state_dict
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
+
+
 def apply() -> None:
     """Install the CPU shims (idempotent). Call before building any Megatron model."""
     global _APPLIED
@@ -182,5 +230,6 @@ def apply() -> None:
             for attr, value in list(vars(module).items()):
                 if value is WrappedTorchNorm:
                     setattr(module, attr, SequenceParallelTorchNorm)
+    _patch_distributed_optimizer_loading()
     CudaToCpuMode().__enter__()
     _APPLIED = True

@@ -38,16 +38,72 @@ def _fresh_tmp(final: Path) -> Path:
     return tmp
 
 
-def save_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike) -> Path:
-    """Megatron distributed checkpoint (``torch_dist`` format) of the model; collective.
-    Loadable at another TP/PP layout with ``dist_checkpointing.load``."""
+def _optimizer_metadata(optimizer) -> dict:  # noqa: ARG001 - same for every optimizer type
+    # The distributed optimizer's default sharding type needs ShardedTensor.flattened_range,
+    # which torch_dist checkpoints refuse; "fully_reshardable" also allows a new DP size.
+    return {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _optimizer_kind(optimizer) -> str | None:
+    if optimizer is None:
+        return None
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return "distributed" if any(isinstance(o, DistributedOptimizer) for o in inner) else "plain"
+
+
+def _state(model, optimizer, step: int, is_loading: bool) -> dict:
+    model_sd = unwrap(model).sharded_state_dict()
+    state = {"model": model_sd, "step": step, "optimizer_kind": _optimizer_kind(optimizer)}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                          metadata=_optimizer_metadata(optimizer))
+    return state
+
+
+def save_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, optimizer=None, step: int = 0) -> Path:
+    """Megatron distributed checkpoint (``torch_dist`` format): model shards, optionally the
+    optimizer state (Adam moments, sharded as the optimizer is) and the step; collective.
+    The model part loads at another TP/PP layout with ``dist_checkpointing.load``."""
     from megatron.core import dist_checkpointing
 
     final = Path(path)
     tmp = _fresh_tmp(final)
-    dist_checkpointing.save(unwrap(model).sharded_state_dict(), str(tmp))
+    dist_checkpointing.save(_state(model, optimizer, step, is_loading=False), str(tmp))
     _publish(tmp, final)
     return final
+
+
+def load_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, optimizer=None) -> int:
+    """Load what :func:`save_megatron_checkpoint` wrote into ``model`` (and ``optimizer``);
+    returns the saved step. Collective. Raises FileNotFoundError naming the path."""
+    from megatron.core import dist_checkpointing
+
+    if not (Path(path) / "metadata.json").exists():
+        raise FileNotFoundError(f"no Megatron checkpoint at {path} (metadata.json missing)")
+    if optimizer is not None:
+        saved = dist_checkpointing.load_common_state_dict(str(path)).get("optimizer_kind")
+        if saved != _optimizer_kind(optimizer):
+            raise ValueError(
+                f"checkpoint {path} holds {saved or 'no'} optimizer state but this run uses the "
+                f"{_optimizer_kind(optimizer)} optimizer: resume with trainer.use_distributed_optimizer="
+                f"{'true' if saved == 'distributed' else 'false'}, or start a new output_dir")
+    loaded = dist_checkpointing.load(_state(model, optimizer, 0, is_loading=True), str(path))
+    unwrap(model).load_state_dict(loaded["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    return int(loaded["step"])
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The complete ``step_N`` checkpoint with the largest N under ``directory`` (``*.tmp``
+    leftovers of an interrupted save are ignored), or None."""
+    found = []
+    for d in Path(directory).glob("step_*"):
+        if d.name[5:].isdigit() and (d / "metadata.json").exists():
+            found.append((int(d.name[5:]), d))
+    return max(found)[1] if found else None
 
 
 def save_hf_checkpoint(model: torch.nn.Module, bridge, hf_config, tokenizer, path: str | os.PathLike) -> Path:

@@ -28,6 +28,7 @@ class OptimConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
+    use_distributed_optimizer: bool = False  # shard optimizer state over data-parallel ranks (ZeRO-1)
 
 
 def _finalize_grads_summed(model, num_tokens=None, **kwargs):
@@ -49,14 +50,14 @@ def setup_training(model: torch.nn.Module, optim: OptimConfig):
     ddp = DistributedDataParallel(
         config,
         DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                      use_distributed_optimizer=False),
+                                      use_distributed_optimizer=optim.use_distributed_optimizer),
         module=model,
     )
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay,
                         adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
                         clip_grad=optim.clip_grad, bf16=config.bf16, params_dtype=config.params_dtype,
-                        use_distributed_optimizer=False),
+                        use_distributed_optimizer=optim.use_distributed_optimizer),
         [ddp],
     )
     config.no_sync_func = ddp.no_sync

@@ -1,0 +1,102 @@
+"""torchrun worker (2 processes, DP=2): a run resumed from a Megatron checkpoint (model +
+optimizer state + step) continues exactly like an uninterrupted run, with Megatron's
+plain and distributed optimizer (the latter needs cpu_compat's state-loading shim).
+
+    torchrun --nproc-per-node 2 tests/dist/resume_worker.py CKPT_DIR RESULT.json
+Writes {"<optimizer>": {"resumed_vs_straight": float, "model_only_vs_straight": float, "step": int}}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from alignment.algorithms.grpo_loss import grpo_loss
+from alignment.models.bridges.llama import get_bridge
+from alignment.models.gpt import build_gpt_model, transformer_config
+from alignment.models.weights import export_hf_weights, load_hf_weights
+from alignment.trainers.batching import split_microbatches
+from alignment.trainers.checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
+from alignment.trainers.megatron_step import OptimConfig, forward_backward, setup_training, token_logprobs
+from parallel.layout import ParallelLayout
+from parallel.state import env_world, init_distributed, shutdown
+from tests.dist.grpo_invariance_worker import CFG, make_batch
+from tests.dist.tiny_llama import tiny_llama
+
+
+def fresh(hf, distributed: bool):
+    cfg = hf.config
+    model = build_gpt_model(cfg, transformer_config(cfg, tensor_model_parallel_size=1, pipeline_model_parallel_size=1))
+    load_hf_weights(model, hf.state_dict(), get_bridge(cfg))
+    return setup_training(model, OptimConfig(lr=1e-2, use_distributed_optimizer=distributed))
+
+
+def train(ddp, optimizer, hf, steps: range) -> None:
+    from megatron.core import parallel_state as ps
+
+    for step in steps:
+        batch = make_batch(hf.config.vocab_size)
+        batch["advantages"] = batch["advantages"] * (1 + step)  # a different batch each step
+        rows = batch["input_ids"].shape[0] // ps.get_data_parallel_world_size()
+        r = ps.get_data_parallel_rank()
+        local = {k: v[r * rows : (r + 1) * rows] for k, v in batch.items()}
+        total = batch["response_mask"].sum()
+
+        def loss_fn(mb, logits):
+            lp = token_logprobs(logits, mb["input_ids"], hf.config.vocab_size)
+            return grpo_loss(lp, lp.detach() + mb["old_delta"], mb["ref_logprobs"], mb["advantages"],
+                             mb["response_mask"], total, CFG)
+
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        forward_backward(ddp, split_microbatches(local, 2), loss_fn, forward_only=False)
+        optimizer.step()
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def main(ckpt_root: str, path: str) -> None:
+    rank, world, _ = env_world()
+    init_distributed(ParallelLayout(world_size=world))
+    hf = tiny_llama(seed=4)
+    bridge = get_bridge(hf.config)
+    results = {}
+    for distributed in (False, True):
+        name = "distributed_optimizer" if distributed else "optimizer"
+        ddp, opt = fresh(hf, distributed)
+        train(ddp, opt, hf, range(3))
+        straight = export_hf_weights(ddp, bridge)
+
+        ddp, opt = fresh(hf, distributed)
+        train(ddp, opt, hf, range(2))
+        ckpt = f"{ckpt_root}/{name}/step_2"
+        save_megatron_checkpoint(ddp, ckpt, optimizer=opt, step=2)
+        ddp, opt = fresh(hf, distributed)  # a new process would start from the initial weights
+        step = load_megatron_checkpoint(ddp, ckpt, optimizer=opt)
+        train(ddp, opt, hf, range(step, 3))
+        resumed = export_hf_weights(ddp, bridge)
+
+        ddp, opt = fresh(hf, distributed)  # control: model restored but Adam state lost
+        load_megatron_checkpoint(ddp, ckpt)
+        train(ddp, opt, hf, range(2, 3))
+        results[name] = {"resumed_vs_straight": max_diff(resumed, straight),
+                         "model_only_vs_straight": max_diff(export_hf_weights(ddp, bridge), straight),
+                         "step": step}
+    ddp, opt = fresh(hf, True)  # a plain-optimizer checkpoint cannot fill a distributed optimizer
+    try:
+        load_megatron_checkpoint(ddp, f"{ckpt_root}/optimizer/step_2", optimizer=opt)
+        results["mismatch_error"] = None
+    except ValueError as e:
+        results["mismatch_error"] = str(e)
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
