@@ -64,6 +64,8 @@ def generate_for_group(engine, prompts: list[list[int]], sampling: SamplingConfi
 
 
 def all_reduce_sum(values: list[float], group=None) -> list[float]:
+    """Element-wise sum of ``values`` over the ranks of ``group`` (default: all ranks), in
+    float64 so that token counts and metric sums stay exact; collective."""
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, group=group)
     return t.tolist()
