@@ -1,11 +1,12 @@
-"""PPO clipped surrogate objective, as a per-token loss."""
+"""PPO clipped surrogate objectives (symmetric, clip-higher, dual-clip) and
+the entropy bonus, as per-token losses."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-__all__ = ["clipped_surrogate_loss"]
+__all__ = ["clipped_surrogate_loss", "entropy_bonus", "ppo_policy_loss"]
 
 
 def clipped_surrogate_loss(
@@ -44,6 +45,12 @@ def clipped_surrogate_loss(
     """
     if clip_ratio <= 0:
         raise ValueError(f"clip_ratio must be > 0, got clip_ratio={clip_ratio}")
+    # The symmetric special case of the clip-higher loss below.
+    return ppo_policy_loss(logprobs, old_logprobs, advantages, clip_ratio, clip_ratio)
+
+
+def _broadcast_advantages(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor) -> Tensor:
+    """Validate shapes and return detached ``[batch, seq]`` advantages."""
     if logprobs.dim() != 2 or logprobs.shape != old_logprobs.shape:
         raise ValueError(
             f"logprobs {tuple(logprobs.shape)} and old_logprobs "
@@ -58,11 +65,108 @@ def clipped_surrogate_loss(
             f"advantages shape {tuple(advantages.shape)} must be [batch] or "
             f"[batch, seq] matching logprobs {tuple(logprobs.shape)}"
         )
-    adv = adv.detach()
+    return adv.detach()
+
+
+def ppo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Per-token PPO loss with asymmetric (clip-higher) and optional dual clip.
+
+    Clip-higher: DAPO (Yu et al. 2025, "DAPO: An Open-Source LLM
+    Reinforcement Learning System at Scale", eq. 10 / Sec. 3.1) decouples the
+    lower and upper trust-region bounds. Dual clip: Ye et al. 2020,
+    "Mastering Complex Control in MOBA Games with Deep Reinforcement
+    Learning", eq. 5, bounds the loss of tokens with ``A < 0`` and a very
+    large ratio. Same computation as verl ``core_algos.compute_policy_loss``
+    (``clip_ratio_low``/``clip_ratio_high``/``clip_ratio_c``)::
+
+        ratio   = exp(logprobs - old_logprobs)
+        clipped = clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+        ppo     = max(-ratio * A, -clipped * A)
+        loss    = min(ppo, -clip_ratio_c * A)   where A < 0 (dual clip on)
+                  ppo                           otherwise
+
+    With ``clip_ratio_low == clip_ratio_high == eps`` and
+    ``clip_ratio_c=None`` this equals :func:`clipped_surrogate_loss` with
+    ``clip_ratio=eps`` exactly. Gradient flows through ``logprobs`` only.
+
+    Args:
+        logprobs: ``[batch, seq]`` log-probs (nats) under the current policy.
+        old_logprobs: ``[batch, seq]`` log-probs (nats) under the behaviour
+            policy.
+        advantages: ``[batch]`` (broadcast over ``seq``) or ``[batch, seq]``.
+        clip_ratio_low: lower epsilon, > 0 (ratio clipped at ``1 - low``).
+        clip_ratio_high: upper epsilon, > 0 (ratio clipped at ``1 + high``;
+            DAPO uses 0.28 with low 0.2).
+        clip_ratio_c: dual-clip constant ``c > 1`` (Ye et al. use 3), or None
+            to disable the dual clip.
+
+    Returns:
+        ``(per_token_loss, is_clipped)``, both ``[batch, seq]``;
+        ``is_clipped`` (bool) is True where a constant (zero-gradient) clip
+        branch is active: the PPO clipped term is strictly larger than the
+        unclipped one, or (dual clip, ``A < 0``) ``-c * A`` is strictly smaller
+        than the PPO term. No masking applied.
+
+    Raises:
+        ValueError: ``clip_ratio_low <= 0``, ``clip_ratio_high <= 0``,
+            ``clip_ratio_c <= 1``, or shapes mismatch.
+    """
+    if clip_ratio_low <= 0:
+        raise ValueError(f"clip_ratio_low must be > 0, got clip_ratio_low={clip_ratio_low}")
+    if clip_ratio_high <= 0:
+        raise ValueError(
+            f"clip_ratio_high must be > 0, got clip_ratio_high={clip_ratio_high}"
+        )
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(
+            f"clip_ratio_c must be > 1 (or None), got clip_ratio_c={clip_ratio_c}"
+        )
+    adv = _broadcast_advantages(logprobs, old_logprobs, advantages)
     ratio = torch.exp(logprobs - old_logprobs.detach())
-    clipped = torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio)
+    clipped = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_unclipped = -ratio * adv
     loss_clipped = -clipped * adv
     per_token_loss = torch.maximum(loss_unclipped, loss_clipped)
     is_clipped = loss_clipped > loss_unclipped
+    if clip_ratio_c is not None:
+        loss_dual = -clip_ratio_c * adv
+        negative = adv < 0
+        dual_active = negative & (loss_dual < per_token_loss)
+        per_token_loss = torch.where(
+            negative, torch.minimum(per_token_loss, loss_dual), per_token_loss
+        )
+        is_clipped = is_clipped | dual_active
     return per_token_loss, is_clipped
+
+
+def entropy_bonus(entropy: Tensor, coef: float) -> Tensor:
+    """Per-token entropy bonus as a loss term: ``-coef * entropy``.
+
+    Adding this to the loss (to minimise) maximises the policy entropy, as in
+    the ``- c2 * S[pi](s_t)`` term of Schulman et al. 2017, eq. 9 (verl
+    ``entropy_coeff``). Aggregate it with the same mask / normaliser as the
+    policy loss.
+
+    Args:
+        entropy: ``[batch, seq]`` per-token entropy (nats) of the policy's
+            next-token distribution.
+        coef: entropy coefficient, >= 0 (0 disables it).
+
+    Returns:
+        ``[batch, seq]`` tensor ``-coef * entropy``.
+
+    Raises:
+        ValueError: ``coef < 0`` or ``entropy`` is not 2-D.
+    """
+    if not coef >= 0:
+        raise ValueError(f"coef must be >= 0, got coef={coef}")
+    if entropy.dim() != 2:
+        raise ValueError(f"entropy must be [batch, seq], got shape {tuple(entropy.shape)}")
+    return -coef * entropy
