@@ -11,7 +11,7 @@ group starts. Field names follow Megatron (``tensor_model_parallel_size``,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -55,10 +55,14 @@ class RolloutConfig:
 @dataclass
 class AlgorithmConfig:
     name: str = "grpo"
-    clip_ratio: float = 0.2
+    # grpo | grpo_no_std (Dr.GRPO) | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline
+    advantage_estimator: str = "grpo"
+    clip_ratio: float = 0.2  # lower clip bound (and upper, unless clip_ratio_high is set)
+    clip_ratio_high: Optional[float] = None  # DAPO clip-higher, e.g. 0.28
     kl_coef: float = 0.04
-    kl_estimator: str = "k3"
-    normalize_advantages_by_std: bool = True
+    kl_estimator: str = "k3"  # k1 | k2 | k3 | k3_clamped
+    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)
+    loss_agg_mode: str = "token-mean"
 
 
 @dataclass
@@ -115,8 +119,21 @@ def validate(cfg, *, world_size: int, hf_config) -> None:
     r, t = cfg.rollout, cfg.trainer
     if cfg.algorithm.name != "grpo":
         raise ConfigError(f"algorithm.name={cfg.algorithm.name!r}: only 'grpo' is implemented by this entry point")
-    if cfg.algorithm.kl_estimator not in ("k1", "k2", "k3"):
-        raise ConfigError(f"algorithm.kl_estimator={cfg.algorithm.kl_estimator!r}: valid values are k1, k2, k3")
+    from alignment.algorithms.advantages import ADVANTAGE_ESTIMATORS
+    from alignment.algorithms.aggregation import AGGREGATION_MODES
+    from alignment.algorithms.kl import KL_ESTIMATORS
+
+    a = cfg.algorithm
+    if a.kl_estimator not in KL_ESTIMATORS:
+        raise ConfigError(f"algorithm.kl_estimator={a.kl_estimator!r}: valid values are {', '.join(KL_ESTIMATORS)}")
+    group_estimators = [k for k in ADVANTAGE_ESTIMATORS if k != "gae"]  # gae needs a critic (PPO)
+    if a.advantage_estimator not in group_estimators:
+        raise ConfigError(f"algorithm.advantage_estimator={a.advantage_estimator!r}: valid values are "
+                          f"{', '.join(group_estimators)}")
+    if a.loss_agg_mode not in AGGREGATION_MODES:
+        raise ConfigError(f"algorithm.loss_agg_mode={a.loss_agg_mode!r}: valid values are {', '.join(AGGREGATION_MODES)}")
+    if a.clip_ratio <= 0 or (a.clip_ratio_high is not None and a.clip_ratio_high <= 0):
+        raise ConfigError(f"algorithm.clip_ratio={a.clip_ratio} / clip_ratio_high={a.clip_ratio_high}: must be > 0")
     if cfg.data.task not in ("arithmetic", "gsm8k"):
         raise ConfigError(f"data.task={cfg.data.task!r}: valid values are arithmetic, gsm8k")
     if r.temperature <= 0:

@@ -33,6 +33,19 @@ def test_defaults_and_overrides():
     validate(g, world_size=2, hf_config=SMOLLM2)
 
 
+def test_algorithm_variant_configs():
+    expected = {"grpo_dr": ("grpo_no_std", "seq-mean-token-sum-norm", None, 0.04),
+                "dapo": ("grpo", "token-mean", 0.28, 0.0),
+                "rloo": ("rloo", "token-mean", None, 0.04),
+                "reinforce_pp": ("reinforce_plus_plus_baseline", "token-mean", None, 0.04)}
+    for name, (estimator, agg, high, kl) in expected.items():
+        c = cfg(name=name)
+        a = c.algorithm
+        assert (a.advantage_estimator, a.loss_agg_mode, a.clip_ratio_high, a.kl_coef) == (estimator, agg, high, kl)
+        assert c.run_name == f"{name}_smollm2_arithmetic" and c.trainer.steps == 12
+        validate(c, world_size=2, hf_config=SMOLLM2)
+
+
 def test_schema_rejects_unknown_keys_and_bad_types():
     with pytest.raises(ConfigCompositionException):
         cfg("algorithm.kl_coeff=0.1")  # typo
@@ -49,7 +62,10 @@ def test_layout_refused_before_start():
     ("rollout.prompts_per_step=3", 2, r"rollout.prompts_per_step=3 must be a multiple of the data-parallel size 2"),
     ("trainer.micro_batch_size=5", 2, r"trainer.micro_batch_size=5 must divide the 32 samples .* \[1, 2, 4, 8, 16, 32\]"),
     ("rollout.group_size=1", 2, r"rollout.group_size=1: GRPO needs at least 2"),
-    ("algorithm.kl_estimator=k4", 2, r"algorithm.kl_estimator='k4': valid values are k1, k2, k3"),
+    ("algorithm.kl_estimator=k4", 2, r"algorithm.kl_estimator='k4': valid values are k1, k2, k3, k3_clamped"),
+    ("algorithm.advantage_estimator=gae", 2, r"algorithm.advantage_estimator='gae': valid values are grpo, .*rloo"),
+    ("algorithm.loss_agg_mode=mean", 2, r"algorithm.loss_agg_mode='mean': valid values are token-mean, seq-mean"),
+    ("algorithm.clip_ratio_high=-1", 2, r"clip_ratio_high=-1.0: must be > 0"),
     ("data.task=mmlu", 2, r"data.task='mmlu': valid values are arithmetic, gsm8k"),
     ("rollout.max_model_len=9000", 2, r"rollout.max_model_len=9000 exceeds the model's max_position_embeddings=8192"),
     ("rollout.temperature=0", 2, r"rollout.temperature=0.0: GRPO samples"),

@@ -437,3 +437,16 @@ def test_sft_loss_by_hand():
     torch.testing.assert_close(lp.grad, -mask.to(D) / 6)
     with pytest.raises(ValueError, match="global_token_count"):
         sft_loss(lp, mask, 0)
+
+
+def test_global_normalizer_per_mode():
+    from alignment.algorithms.aggregation import global_normalizer
+
+    # 37 valid tokens in 8 sequences, generation budget 16 tokens
+    assert global_normalizer("token-mean", 37, 8, 16) == 37.0
+    assert global_normalizer("seq-mean-token-sum", 37, 8, 16) == 8.0
+    assert global_normalizer("seq-mean-token-mean", 37, 8, 16) == 8.0
+    assert global_normalizer("seq-mean-token-sum-norm", 37, 8, 16) == 128.0  # 8 x 16 (Dr.GRPO)
+    assert global_normalizer("token-mean", 0, 8, 16) == 1.0  # never divides by zero
+    with pytest.raises(ValueError, match="loss_agg_mode='mean': valid modes are token-mean"):
+        global_normalizer("mean", 1, 1, 1)

@@ -128,3 +128,28 @@ def aggregate(
     # "token-mean" and "seq-mean-token-sum-norm" differ only in what the
     # caller passes as the normaliser.
     return masked.sum() / global_normalizer
+
+
+def global_normalizer(mode: str, num_tokens: float, num_seqs: float, max_len: int) -> float:
+    """The ``global_normalizer`` :func:`aggregate` expects for ``mode``, from global counts.
+
+    Args:
+        num_tokens: valid (response) tokens over the whole global batch (all micro-batches, DP ranks).
+        num_seqs: sequences in the whole global batch.
+        max_len: the generation budget (``max_tokens``), Dr.GRPO's constant length.
+    Returns:
+        ``num_tokens`` for "token-mean"; ``num_seqs`` for "seq-mean-token-sum" and
+        "seq-mean-token-mean"; ``num_seqs * max_len`` for "seq-mean-token-sum-norm"
+        (Liu et al. 2025, Dr.GRPO, Sec. 3.1; verl ``agg_loss``). At least 1.
+    Raises:
+        ValueError: unknown ``mode`` (lists the valid ones).
+    """
+    if mode == "token-mean":
+        n = num_tokens
+    elif mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+        n = num_seqs
+    elif mode == "seq-mean-token-sum-norm":
+        n = num_seqs * max_len
+    else:
+        raise ValueError(f"loss_agg_mode={mode!r}: valid modes are {', '.join(AGGREGATION_MODES)}")
+    return max(float(n), 1.0)

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from alignment.algorithms.aggregation import token_mean
+from alignment.algorithms.aggregation import aggregate
 from alignment.algorithms.kl import kl_penalty
-from alignment.algorithms.policy_loss import clipped_surrogate_loss
+from alignment.algorithms.policy_loss import ppo_policy_loss
 
 __all__ = ["GRPOLossConfig", "grpo_loss"]
 
@@ -25,6 +25,11 @@ class GRPOLossConfig:
     clip_ratio: float = 0.2
     kl_coef: float = 0.04
     kl_estimator: str = "k3"
+    # Variants: DAPO's clip-higher upper bound (None: = clip_ratio) and the aggregation
+    # mode (alignment.algorithms.aggregation.AGGREGATION_MODES; Dr.GRPO uses
+    # "seq-mean-token-sum-norm"). The normaliser the caller passes must match the mode.
+    clip_ratio_high: float | None = None
+    loss_agg_mode: str = "token-mean"
 
 
 def grpo_loss(
@@ -51,7 +56,9 @@ def grpo_loss(
         ref_logprobs: ``[batch, seq]`` reference-policy log-probs, or None.
         advantages: ``[batch]`` (or ``[batch, seq]``) advantages.
         response_mask: ``[batch, seq]`` 1 on response tokens, 0 elsewhere.
-        global_token_count: valid tokens in the whole global batch (> 0).
+        global_token_count: the global normaliser for ``cfg.loss_agg_mode`` (> 0): for
+            "token-mean" the valid tokens of the whole global batch; for the seq-mean
+            modes see :func:`alignment.algorithms.aggregation.aggregate`.
         cfg: :class:`GRPOLossConfig`.
 
     Returns:
@@ -71,9 +78,8 @@ def grpo_loss(
             f"{tuple(logprobs.shape)}"
         )
     mask = response_mask.to(logprobs.dtype)
-    pg_loss, is_clipped = clipped_surrogate_loss(
-        logprobs, old_logprobs, advantages, cfg.clip_ratio
-    )
+    high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
+    pg_loss, is_clipped = ppo_policy_loss(logprobs, old_logprobs, advantages, cfg.clip_ratio, high)
     per_token = pg_loss
     use_kl = cfg.kl_coef != 0 and ref_logprobs is not None
     if use_kl:
@@ -82,7 +88,7 @@ def grpo_loss(
         kl_sum = (kl.detach() * mask).sum()
     else:
         kl_sum = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    loss = token_mean(per_token, mask, global_token_count)
+    loss = aggregate(per_token, mask, cfg.loss_agg_mode, global_token_count)
 
     with torch.no_grad():
         ratio = torch.exp(logprobs.detach() - old_logprobs.detach())

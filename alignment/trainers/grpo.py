@@ -1,4 +1,7 @@
-"""GRPO (DeepSeekMath, Shao et al. 2024) on Megatron-Core with colocated vLLM rollouts.
+"""GRPO (DeepSeekMath, Shao et al. 2024) on Megatron-Core with colocated vLLM rollouts,
+and its critic-free variants by config: Dr.GRPO (``advantage_estimator=grpo_no_std``,
+``loss_agg_mode=seq-mean-token-sum-norm``), DAPO's clip-higher (``clip_ratio_high``),
+RLOO (``rloo``) and REINFORCE++ (``reinforce_plus_plus[_baseline]``).
 
 One step, top to bottom:
   1. rollout   — each rank's vLLM engine samples ``group_size`` responses for its prompts
@@ -19,7 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from alignment.algorithms.advantages import grpo_advantages
+from alignment.algorithms.advantages import get_advantage_estimator
+from alignment.algorithms.aggregation import global_normalizer
 from alignment.algorithms.grpo_loss import GRPOLossConfig, grpo_loss
 from alignment.data.prompts import build_prompt_ids
 from alignment.data.tasks import Problem, score_response
@@ -86,10 +90,13 @@ def policy_logprobs(model, microbatches, vocab_size: int, temperature: float = 1
 def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
     """One optimizer step on this rank's share of the global batch. Returns global metrics."""
     ps = _ps()
-    loss_cfg = GRPOLossConfig(clip_ratio=cfg.algorithm.clip_ratio, kl_coef=cfg.algorithm.kl_coef,
-                              kl_estimator=cfg.algorithm.kl_estimator)
-    # The normaliser: valid response tokens over the WHOLE global batch (all DP ranks).
-    global_tokens = all_reduce_sum([batch["response_mask"].sum().item()], ps.get_data_parallel_group())[0]
+    a = cfg.algorithm
+    loss_cfg = GRPOLossConfig(clip_ratio=a.clip_ratio, clip_ratio_high=a.clip_ratio_high, kl_coef=a.kl_coef,
+                              kl_estimator=a.kl_estimator, loss_agg_mode=a.loss_agg_mode)
+    # The normaliser of the loss over the WHOLE global batch (all micro-batches, all DP ranks).
+    tokens, seqs = all_reduce_sum([batch["response_mask"].sum().item(), float(batch["input_ids"].shape[0])],
+                                  ps.get_data_parallel_group())
+    normalizer = global_normalizer(a.loss_agg_mode, tokens, seqs, cfg.rollout.max_tokens)
 
     def loss_fn(mb, logits):
         # The policy being optimised is the one vLLM samples from: softmax(logits / T).
@@ -100,7 +107,7 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
         # One optimizer step per rollout batch: the sampling policy is the current one,
         # so old_logprobs are the current logprobs without gradient (ratio == 1).
         loss, m = grpo_loss(lp, lp.detach(), mb.get("ref_logprobs"), mb["advantages"], mb["response_mask"],
-                            global_tokens, loss_cfg)
+                            normalizer, loss_cfg)
         m["entropy_sum"] = entropy_sum
         with torch.no_grad():
             m["prob_error_sum"] = (torch.exp((lp.detach() - mb["rollout_logprobs"]).abs()) * mask).sum()
@@ -159,8 +166,7 @@ def grpo_step(models: Models, problems: list[Problem], cfg) -> tuple[dict[str, f
 
     t = time.perf_counter()
     batch = make_batch(samples, pad_id=models.tokenizer.pad_token_id or 0)
-    adv = grpo_advantages(rewards, r.group_size, normalize_by_std=cfg.algorithm.normalize_advantages_by_std)
-    batch["advantages"] = adv
+    batch["advantages"] = get_advantage_estimator(cfg.algorithm.advantage_estimator)(rewards, r.group_size)
     if models.reference is not None and cfg.algorithm.kl_coef > 0:
         ref = policy_logprobs(models.reference, split_microbatches(batch, cfg.trainer.micro_batch_size),
                               models.vocab_size, r.temperature)
