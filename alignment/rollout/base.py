@@ -40,6 +40,8 @@ class Sample:
 
 
 class RolloutEngine(Protocol):
+    """What trainers need from an inference engine (implemented by :class:`alignment.rollout.vllm_engine.VLLMEngine`)."""
+
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
         """For each prompt (token ids), ``sampling.n`` samples, in prompt order."""
 

@@ -22,6 +22,8 @@ import torch
 
 @dataclass
 class OptimConfig:
+    """Adam settings for ``get_megatron_optimizer`` (``lr`` per step, ``clip_grad`` max global grad norm)."""
+
     lr: float = 1e-6
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
