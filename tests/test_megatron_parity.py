@@ -14,5 +14,6 @@ def test_logits_match_transformers_for_tp_and_pp(torchrun_json):
     for name, r in results.items():
         assert r["ref_logit_std"] > 0.5, name  # logits far from zero: the comparison has teeth
         assert r["max_abs_diff"] <= 1e-4, (name, r)
-        assert r["export_max_abs_diff"] == 0.0, (name, r)
-        assert r["export_missing"] == [], (name, r)
+        if not name.startswith("export_"):  # loaded from HF: the export must give back the HF tensors
+            assert r["export_max_abs_diff"] == 0.0, (name, r)
+            assert r["export_missing"] == [], (name, r)
