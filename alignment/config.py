@@ -1,4 +1,5 @@
-"""Typed configuration of a GRPO job (Hydra structured config).
+"""Typed configuration of every job (Hydra structured config): RL (GRPO and variants, PPO)
+and training on fixed data (SFT, reward model, DPO family), picked by ``algorithm.name``.
 
 The dataclasses are the schema: Hydra checks every YAML value and command-line
 override against them (unknown keys and wrong types are errors), and
@@ -35,9 +36,13 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    """Task and split sizes (problems); held-out problems are never trained on."""
+    """Task or dataset and split sizes; held-out records are never trained on."""
 
-    task: str = "arithmetic"  # arithmetic (reasoning-gym chain_sum) | gsm8k
+    task: str = "arithmetic"  # RL jobs: arithmetic (reasoning-gym chain_sum) | gsm8k
+    # SFT / RM / DPO jobs: alpaca_en_demo (SFT) | dpo_en_demo (pairs), from the llamafactory sdist
+    dataset: str = "dpo_en_demo"
+    max_length: int = 256  # tokens of prompt + response (longer ones are truncated)
+    max_prompt_length: int = 128  # the prompt keeps its last max_prompt_length tokens
     # reasoning-gym chain_sum settings for task=arithmetic
     generator_kwargs: dict[str, Any] = field(default_factory=lambda: {
         "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
@@ -62,9 +67,10 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
-    """GRPO and its critic-free variants: advantage estimator, clipping, KL to the reference, loss aggregation."""
+    """The algorithm (``name``) and its settings: GRPO-family advantage estimator, clipping, KL to the
+    reference, loss aggregation; preference-loss settings for ``dpo`` and ``rm``."""
 
-    name: str = "grpo"
+    name: str = "grpo"  # grpo | sft | rm | dpo
     # grpo | grpo_no_std (Dr.GRPO) | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline
     advantage_estimator: str = "grpo"
     clip_ratio: float = 0.2  # lower clip bound (and upper, unless clip_ratio_high is set)
@@ -73,14 +79,23 @@ class AlgorithmConfig:
     kl_estimator: str = "k3"  # k1 | k2 | k3 | k3_clamped
     # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)
     loss_agg_mode: str = "token-mean"
+    # dpo: sigmoid (DPO; cDPO with label_smoothing) | ipo | hinge | kto | simpo | orpo
+    loss_type: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    orpo_lambda: float = 0.1
+    center_coef: float = 0.0  # rm: reward-centering weight (Eisenstein et al. 2023)
 
 
 @dataclass
 class TrainerConfig:
     """Optimisation (Adam ``lr``, ``micro_batch_size`` sequences per forward), evaluation and checkpointing."""
 
-    steps: int = 20
-    micro_batch_size: int = 8
+    steps: int = 20  # RL: optimizer steps; SFT/RM/DPO: 0 = run `epochs` epochs, else at most this many
+    epochs: int = 1  # SFT/RM/DPO: passes over the training split
+    global_batch_size: int = 32  # SFT/RM/DPO: examples (pairs) per optimizer step, over all DP ranks
+    micro_batch_size: int = 8  # RL: sequences per forward; SFT/RM/DPO: examples (pairs) per forward
     lr: float = 1e-6
     weight_decay: float = 0.0
     clip_grad: float = 1.0
@@ -94,8 +109,8 @@ class TrainerConfig:
 
 
 @dataclass
-class GRPOJobConfig:
-    """The whole GRPO job (schema ``grpo_schema``; YAML defaults in ``configs/grpo.yaml``)."""
+class JobConfig:
+    """A whole job (schema ``job_schema``, alias ``grpo_schema``; YAML defaults in ``configs/*.yaml``)."""
 
     run_name: str = "grpo"
     output_dir: str = "outputs/${run_name}"
@@ -109,12 +124,46 @@ class GRPOJobConfig:
 
 
 def register() -> None:
-    """Register the schema as ``grpo_schema`` for configs' ``defaults`` lists."""
-    ConfigStore.instance().store(name="grpo_schema", node=GRPOJobConfig)
+    """Register the schema as ``job_schema`` (and ``grpo_schema``) for configs' ``defaults`` lists."""
+    for name in ("job_schema", "grpo_schema"):
+        ConfigStore.instance().store(name=name, node=JobConfig)
 
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the field and the fix."""
+
+
+RL_ALGORITHMS = ("grpo",)
+OFFLINE_ALGORITHMS = ("sft", "rm", "dpo")
+
+
+def _validate_offline(cfg, dp: int) -> None:
+    """SFT / reward model / DPO: dataset matches the algorithm, batch sizes divide."""
+    from alignment.trainers.dpo import LOSS_TYPES
+
+    a, d, t = cfg.algorithm, cfg.data, cfg.trainer
+    wanted = "alpaca_en_demo" if a.name == "sft" else "dpo_en_demo"
+    if d.dataset != wanted:
+        raise ConfigError(f"data.dataset={d.dataset!r}: algorithm.name={a.name} trains on {wanted}")
+    if a.name == "dpo" and a.loss_type not in LOSS_TYPES:
+        raise ConfigError(f"algorithm.loss_type={a.loss_type!r}: valid values are {', '.join(LOSS_TYPES)}")
+    if a.name == "dpo" and a.beta <= 0:
+        raise ConfigError(f"algorithm.beta={a.beta}: must be > 0")
+    if not 0 < d.max_prompt_length < d.max_length:
+        raise ConfigError(f"data.max_prompt_length={d.max_prompt_length} must be in [1, data.max_length="
+                          f"{d.max_length})")
+    if t.global_batch_size % dp:
+        raise ConfigError(f"trainer.global_batch_size={t.global_batch_size} must be a multiple of the data-parallel "
+                          f"size {dp}; e.g. {[k * dp for k in range(1, 5)]}")
+    per_rank = t.global_batch_size // dp
+    if t.micro_batch_size < 1 or per_rank % t.micro_batch_size:
+        valid = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+        raise ConfigError(f"trainer.micro_batch_size={t.micro_batch_size} must divide the {per_rank} examples each "
+                          f"data-parallel rank gets per step (global_batch_size / DP); valid values: {valid}")
+    if d.heldout_size < dp:
+        raise ConfigError(f"data.heldout_size={d.heldout_size} must be >= the data-parallel size {dp}")
+    if t.epochs < 1:
+        raise ConfigError(f"trainer.epochs={t.epochs}: must be >= 1")
 
 
 def validate(cfg, *, world_size: int, hf_config) -> None:
@@ -131,8 +180,13 @@ def validate(cfg, *, world_size: int, hf_config) -> None:
                     num_query_groups=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
     dp = layout.data_parallel_size
     r, t = cfg.rollout, cfg.trainer
-    if cfg.algorithm.name != "grpo":
-        raise ConfigError(f"algorithm.name={cfg.algorithm.name!r}: only 'grpo' is implemented by this entry point")
+    if cfg.model.dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"model.dtype={cfg.model.dtype!r}: valid values are float32, bfloat16")
+    if cfg.algorithm.name in OFFLINE_ALGORITHMS:
+        return _validate_offline(cfg, dp)
+    if cfg.algorithm.name not in RL_ALGORITHMS:
+        raise ConfigError(f"algorithm.name={cfg.algorithm.name!r}: valid values are "
+                          f"{', '.join(RL_ALGORITHMS + OFFLINE_ALGORITHMS)}")
     from alignment.algorithms.advantages import ADVANTAGE_ESTIMATORS
     from alignment.algorithms.aggregation import AGGREGATION_MODES
     from alignment.algorithms.kl import KL_ESTIMATORS
@@ -164,8 +218,6 @@ def validate(cfg, *, world_size: int, hf_config) -> None:
         raise ConfigError(f"trainer.micro_batch_size={t.micro_batch_size} must divide the {per_rank} samples each "
                           f"data-parallel rank trains on per step (prompts_per_step / DP x group_size); "
                           f"valid values: {valid}")
-    if cfg.model.dtype not in ("float32", "bfloat16"):
-        raise ConfigError(f"model.dtype={cfg.model.dtype!r}: valid values are float32, bfloat16")
     if r.max_model_len > hf_config.max_position_embeddings:
         raise ConfigError(f"rollout.max_model_len={r.max_model_len} exceeds the model's max_position_embeddings="
                           f"{hf_config.max_position_embeddings}; set rollout.max_model_len<={hf_config.max_position_embeddings}")

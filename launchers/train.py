@@ -23,23 +23,6 @@ from alignment.config import register  # noqa: E402
 register()
 
 
-def _lazy_safetensors(hf_dir: Path):
-    """Mapping view over the safetensors files: tensors are read only when asked for."""
-    from safetensors import safe_open
-
-    handles = {}
-    for f in sorted(hf_dir.glob("*.safetensors")):
-        h = safe_open(str(f), framework="pt")
-        for k in h.keys():
-            handles[k] = h
-
-    class View(dict):
-        def __missing__(self, key):
-            return handles[key].get_tensor(key)
-
-    return View()
-
-
 def build(cfg, hf_dir: Path, hf_config, rank: int):
     """This rank's policy (DDP + optimizer), frozen reference (when ``kl_coef > 0``) and vLLM engine,
     all loaded from the HF weights in ``hf_dir``."""
@@ -47,14 +30,14 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
 
     from alignment.models.bridges.llama import get_bridge
     from alignment.models.gpt import build_gpt_model, transformer_config
-    from alignment.models.weights import load_hf_weights
+    from alignment.models.weights import lazy_safetensors, load_hf_weights
     from alignment.rollout.vllm_engine import VLLMEngine
     from alignment.trainers.grpo import Models
     from alignment.trainers.megatron_step import OptimConfig, setup_training
 
     dtype = getattr(torch, cfg.model.dtype)
     bridge = get_bridge(hf_config)
-    hf_state = _lazy_safetensors(hf_dir)
+    hf_state = lazy_safetensors(hf_dir)
 
     def shard():
         tcfg = transformer_config(hf_config, params_dtype=dtype, **cfg.parallel)
@@ -78,7 +61,22 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
 
 
 def run(cfg: DictConfig) -> dict:
-    """Run a GRPO job; returns the summary written to ``<output_dir>/summary.json``."""
+    """Run the job ``cfg.algorithm.name`` names; returns the summary written to ``<output_dir>/summary.json``.
+
+    ``sft``, ``rm`` and ``dpo`` train on fixed data (:mod:`launchers.offline_job`); the RL
+    algorithms run the loop below.
+    """
+    from alignment.config import OFFLINE_ALGORITHMS
+
+    if cfg.algorithm.name in OFFLINE_ALGORITHMS:
+        from launchers.offline_job import run as run_offline
+
+        return run_offline(cfg)
+    return run_rl(cfg)
+
+
+def run_rl(cfg: DictConfig) -> dict:
+    """Run a GRPO-family job; returns the summary written to ``<output_dir>/summary.json``."""
     import torch
     import torch.distributed as dist
     from transformers import AutoConfig
@@ -188,7 +186,8 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base=None, config_path="../configs", config_name="grpo")
 def main(cfg: DictConfig) -> None:
-    """Hydra entry point: compose ``configs/grpo.yaml`` with command-line overrides and run."""
+    """Hydra entry point: compose ``configs/grpo.yaml`` (or ``--config-name sft|rm|dpo|...``)
+    with command-line overrides and run."""
     run(cfg)
 
 

@@ -75,3 +75,18 @@ def test_names_shapes_and_errors():
     assert tied.to_hf("output_layer.weight", [col(1, 2)]) == {}
     with pytest.raises(KeyError, match="no HF mapping"):
         B.hf_names("decoder.layers.0.mlp.router.weight")
+
+
+def test_score_head_maps_to_hf_sequence_classifier():
+    tied = LlamaDims(**{**DIMS.__dict__, "tie_word_embeddings": True})
+    lm, rm = LlamaBridge(tied), LlamaBridge(tied, head="score")
+    # tied LM: no output layer of its own; reward model: the head is score.weight [1, hidden]
+    assert "output_layer.weight" not in lm.megatron_names() and lm.output_layer_tied
+    assert rm.megatron_names()[-1] == "output_layer.weight" and not rm.output_layer_tied
+    assert rm.hf_names("output_layer.weight") == ["score.weight"] and rm.hf_shape("score.weight") == (1, 1)
+    score = {"score.weight": torch.tensor([[7.0]])}
+    for tp_rank in (0, 1):  # replicated on every TP rank, not vocabulary-split
+        assert torch.equal(rm.to_megatron_shard("output_layer.weight", score, tp_rank, 2), score["score.weight"])
+    assert torch.equal(rm.to_hf("output_layer.weight", [torch.tensor([[7.0]])])["score.weight"], torch.tensor([[7.0]]))
+    with pytest.raises(ValueError, match="head="):
+        LlamaBridge(DIMS, head="value")

@@ -73,3 +73,21 @@ def test_layout_refused_before_start():
 def test_invalid_values_name_the_field(override, world, message):
     with pytest.raises(ConfigError, match=message):
         validate(cfg(override), world_size=world, hf_config=SMOLLM2)
+
+
+@pytest.mark.parametrize("name", ["sft", "rm", "dpo"])
+def test_offline_configs_validate(name):
+    validate(cfg(name=name), world_size=2, hf_config=SMOLLM2)
+
+
+def test_offline_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="data.dataset='alpaca_en_demo': algorithm.name=dpo trains on dpo_en_demo"):
+        validate(cfg("data.dataset=alpaca_en_demo", name="dpo"), world_size=2, hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match="algorithm.loss_type='dpop'"):
+        validate(cfg("algorithm.loss_type=dpop", name="dpo"), world_size=2, hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match="trainer.global_batch_size=15 must be a multiple"):
+        validate(cfg("trainer.global_batch_size=15", name="rm"), world_size=2, hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match=r"trainer.micro_batch_size=3 .* valid values: \[1, 2, 4, 8\]"):
+        validate(cfg("trainer.micro_batch_size=3", name="sft"), world_size=2, hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match="algorithm.name='ppo2'"):
+        validate(cfg("algorithm.name=ppo2"), world_size=2, hf_config=SMOLLM2)

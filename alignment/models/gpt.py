@@ -71,9 +71,10 @@ def rope_theta(hf_config) -> float:
     return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
 
 
-def build_gpt_model(hf_config, config, *, vp_stage: int | None = None):
+def build_gpt_model(hf_config, config, *, vp_stage: int | None = None, share_embeddings: bool | None = None):
     """This rank's ``GPTModel`` shard (its TP slice of its PP stage's layers), uninitialised
-    weights. Raises ValueError for RoPE scaling types Megatron's local path cannot match."""
+    weights. ``share_embeddings`` defaults to the HF config's ``tie_word_embeddings``.
+    Raises ValueError for RoPE scaling types Megatron's local path cannot match."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -94,7 +95,7 @@ def build_gpt_model(hf_config, config, *, vp_stage: int | None = None):
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-        share_embeddings_and_output_weights=d.tie_word_embeddings,
+        share_embeddings_and_output_weights=d.tie_word_embeddings if share_embeddings is None else share_embeddings,
         position_embedding_type="rope",
         rotary_base=rope_theta(hf_config),
         vp_stage=vp_stage,

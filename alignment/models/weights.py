@@ -42,11 +42,13 @@ def global_param_names(model: torch.nn.Module) -> Iterator[tuple[str, str, torch
 
 
 @torch.no_grad()
-def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor], bridge: LlamaBridge) -> None:
+def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor], bridge: LlamaBridge,
+                    skip: tuple[str, ...] = ()) -> None:
     """Copy HF weights into this rank's shard (TP slice of its PP stage).
 
     Args:
         hf_state: HF name -> full tensor (e.g. a ``safetensors.safe_open`` view or a dict).
+        skip: global Megatron names to leave as initialised (e.g. a new reward head).
     Raises:
         ValueError: a shape mismatch, naming the parameter.
     """
@@ -54,6 +56,8 @@ def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor]
 
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     for _, gname, param in global_param_names(model):
+        if gname in skip:
+            continue
         shard = bridge.to_megatron_shard(gname, hf_state, tp_rank, tp_size)
         if shard.shape != param.shape:
             raise ValueError(f"{gname}: HF gives shard {tuple(shard.shape)}, model has {tuple(param.shape)}")
@@ -78,7 +82,7 @@ def export_hf_weights(model: torch.nn.Module, bridge: LlamaBridge, dtype: torch.
     tp_size = ps.get_tensor_model_parallel_world_size()
     local: dict[str, torch.Tensor] = {}
     for _, gname, param in global_param_names(model):
-        if gname == "output_layer.weight" and bridge.dims.tie_word_embeddings:
+        if gname == "output_layer.weight" and bridge.output_layer_tied:
             continue
         p = source(param) if source is not None else param.detach()
         if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
@@ -107,3 +111,24 @@ def export_hf_weights(model: torch.nn.Module, bridge: LlamaBridge, dtype: torch.
             full[name] = t
     return full
 
+
+def lazy_safetensors(hf_dir) -> Mapping[str, torch.Tensor]:
+    """Mapping view over an HF directory's safetensors files: a tensor is read only when asked for
+    (so each rank reads just its shards' sources). Raises KeyError for a missing name."""
+    from pathlib import Path
+    from safetensors import safe_open
+
+    handles = {}
+    for f in sorted(Path(hf_dir).glob("*.safetensors")):
+        h = safe_open(str(f), framework="pt")
+        for k in h.keys():
+            handles[k] = h
+
+    class View(dict):
+        def __missing__(self, key):
+            return handles[key].get_tensor(key)
+
+        def __contains__(self, key):
+            return key in handles
+
+    return View()

@@ -49,3 +49,33 @@ def split_microbatches(batch: dict[str, torch.Tensor], micro_batch_size: int) ->
         raise ValueError(f"micro_batch_size={micro_batch_size}: must be >= 1")
     n = batch["input_ids"].shape[0]
     return [{k: v[i : i + micro_batch_size] for k, v in batch.items()} for i in range(0, n, micro_batch_size)]
+
+
+def make_sequence_batch(rows: list[tuple[list[int], int]], pad_id: int,
+                        pad_to_multiple: int = 8) -> dict[str, torch.Tensor]:
+    """Right-padded tensors for tokenised ``(ids, prompt_len)`` rows (SFT, reward model, DPO).
+
+    Returns ``input_ids``, ``position_ids`` and ``loss_mask`` ``[N, S]`` (same convention
+    as :func:`make_batch`: ``loss_mask[i, t] = 1`` when ``input_ids[i, t + 1]`` is a
+    response token), ``last_index`` ``[N]`` (position of each row's last real token, where
+    a reward model reads its score) and ``response_lengths`` ``[N]``.
+    Raises ValueError for an empty list or a row without response tokens.
+    """
+    if not rows:
+        raise ValueError("make_sequence_batch needs at least one row")
+    seq = -(-max(len(ids) for ids, _ in rows) // pad_to_multiple) * pad_to_multiple
+    n = len(rows)
+    input_ids = torch.full((n, seq), pad_id, dtype=torch.long)
+    mask = torch.zeros(n, seq)
+    for i, (ids, p) in enumerate(rows):
+        if not 0 < p < len(ids):
+            raise ValueError(f"row {i}: prompt_len={p} must be in [1, {len(ids) - 1}] (a response is needed)")
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        mask[i, p - 1 : len(ids) - 1] = 1.0
+    return {
+        "input_ids": input_ids,
+        "position_ids": torch.arange(seq).expand(n, seq).contiguous(),
+        "loss_mask": mask,
+        "last_index": torch.tensor([len(ids) - 1 for ids, _ in rows]),
+        "response_lengths": torch.tensor([len(ids) - p for ids, p in rows]),
+    }

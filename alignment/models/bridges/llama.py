@@ -94,8 +94,16 @@ class LlamaBridge:
     ``[0, num_layers)``); translating a pipeline stage's local index is the caller's job.
     """
 
-    def __init__(self, dims: LlamaDims):
+    def __init__(self, dims: LlamaDims, head: str = "lm"):
+        if head not in ("lm", "score"):
+            raise ValueError(f"head={head!r}: valid values are lm (LM head), score (scalar reward/value head)")
         self.dims = dims
+        self.head = head
+
+    @property
+    def output_layer_tied(self) -> bool:
+        """True when ``output_layer.weight`` is the embedding (tied LM head): not exported on its own."""
+        return self.head == "lm" and self.dims.tie_word_embeddings
 
     # ---- names -------------------------------------------------------------------
     def megatron_names(self) -> list[str]:
@@ -108,7 +116,7 @@ class LlamaBridge:
                 "self_attention.linear_proj.weight", "pre_mlp_layernorm.weight",
                 "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")]
         names.append("decoder.final_layernorm.weight")
-        if not self.dims.tie_word_embeddings:
+        if not self.output_layer_tied:
             names.append("output_layer.weight")
         return names
 
@@ -120,6 +128,8 @@ class LlamaBridge:
                 return ["model.embed_tokens.weight"]
             if rest == "decoder.final_layernorm.weight":
                 return ["model.norm.weight"]
+            if rest == "output_layer.weight" and self.head == "score":
+                return ["score.weight"]  # HF LlamaForSequenceClassification, num_labels=1
             if rest == "output_layer.weight":
                 return ["model.embed_tokens.weight"] if self.dims.tie_word_embeddings else ["lm_head.weight"]
             raise KeyError(f"no HF mapping for Megatron parameter {mg_name!r}")
@@ -150,6 +160,8 @@ class LlamaBridge:
             "up_proj.weight": (d.ffn_hidden_size, d.hidden_size),
             "down_proj.weight": (d.hidden_size, d.ffn_hidden_size),
         }
+        if hf_name == "score.weight":
+            return (1, d.hidden_size)
         if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
             return (d.vocab_size, d.hidden_size)
         for suffix, shape in suffix_shapes.items():
@@ -159,6 +171,8 @@ class LlamaBridge:
 
     def _kind(self, mg_name: str) -> str:
         _, rest = split_layer_name(mg_name)
+        if rest == "output_layer.weight" and self.head == "score":
+            return "replicated"  # [1, hidden] on every TP rank
         if rest in ("embedding.word_embeddings.weight", "output_layer.weight"):
             return "vocab"
         if rest.endswith("linear_qkv.weight"):
@@ -218,7 +232,7 @@ class LlamaBridge:
         d = self.dims
         kind = self._kind(mg_name)
         names = self.hf_names(mg_name)
-        if mg_name == "output_layer.weight" and d.tie_word_embeddings:
+        if mg_name == "output_layer.weight" and self.output_layer_tied:
             return {}
         if kind == "replicated":
             return {names[0]: shards[0]}
@@ -238,12 +252,14 @@ class LlamaBridge:
 BRIDGES: dict[str, Callable[[LlamaDims], LlamaBridge]] = {
     "LlamaForCausalLM": LlamaBridge,
     "MistralForCausalLM": LlamaBridge,
+    "LlamaForSequenceClassification": LlamaBridge,
 }
 
 
-def get_bridge(hf_config) -> LlamaBridge:
-    """Bridge for an HF config's architecture. Raises ValueError naming supported ones."""
+def get_bridge(hf_config, head: str = "lm") -> LlamaBridge:
+    """Bridge for an HF config's architecture; ``head="score"`` for a reward model / critic
+    (scalar head, HF ``score.weight``). Raises ValueError naming supported architectures."""
     arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
     if arch not in BRIDGES:
         raise ValueError(f"model architecture {arch!r} is not supported; supported: {sorted(BRIDGES)}")
-    return BRIDGES[arch](LlamaDims.from_hf_config(hf_config))
+    return BRIDGES[arch](LlamaDims.from_hf_config(hf_config), head=head)

@@ -1,0 +1,109 @@
+"""Training on fixed data (SFT, reward model, DPO family): one optimizer step per global
+batch, with the objective (:mod:`.sft`, :mod:`.reward_model`, :mod:`.dpo`) supplying the
+loss of a micro-batch and the global normaliser.
+
+Every data-parallel rank takes a contiguous slice of the global batch; the loss of a
+micro-batch is divided by the normaliser summed over all DP ranks, so the gradient is
+the gradient of the global-batch loss for any micro-batch split and layout
+(tested against single-process autograd in ``tests/dist/offline_invariance_worker.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from alignment.trainers.batching import make_sequence_batch, split_microbatches
+from alignment.trainers.megatron_step import forward_backward, token_logprobs
+
+
+@dataclass
+class OfflineModels:
+    """This rank's trained model shard (DDP), its optimizer, the optional frozen reference
+    (DPO family), the bridge to HF names and the tokenizer."""
+
+    model: torch.nn.Module
+    optimizer: object
+    reference: torch.nn.Module | None
+    bridge: object
+    tokenizer: object
+
+
+def _ps():
+    from megatron.core import parallel_state as ps
+
+    return ps
+
+
+def global_sums(outputs: list[dict], keys: list[str] | None = None) -> dict[str, float]:
+    """Sum metric tensors over micro-batches and over all ranks, counting each model replica
+    once (the last pipeline stage's TP rank 0 of every DP rank); collective."""
+    ps = _ps()
+    if keys is None:
+        keys = sorted(outputs[0]) if outputs else []
+        obj = [keys]
+        dist.broadcast_object_list(obj, src=dist.get_world_size() - 1)  # the last rank is a last stage
+        keys = obj[0]
+    mine = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    local = torch.tensor([sum(float(o[k]) for o in outputs) if mine else 0.0 for k in keys], dtype=torch.float64)
+    dist.all_reduce(local)
+    return dict(zip(keys, local.tolist()))
+
+
+def sequence_logps(model, batch: dict, micro_batch_size: int, vocab_size: int) -> torch.Tensor:
+    """Forward-only summed response log-probs ``[N]`` of every row (the reference's for DPO);
+    zeros on ranks that are not the last pipeline stage (they never read them)."""
+
+    def collect(mb, logits):
+        lp = token_logprobs(logits, mb["input_ids"], vocab_size)
+        return logits.sum() * 0, {"logps": (lp * mb["loss_mask"]).sum(1)}
+
+    with torch.no_grad():
+        out = forward_backward(model, split_microbatches(batch, micro_batch_size), collect, forward_only=True)
+    return torch.cat([o["logps"] for o in out]) if out else torch.zeros(batch["input_ids"].shape[0])
+
+
+def build_batch(rows: list[tuple[list[int], int]], pad_id: int, models: OfflineModels, objective,
+                micro_batch_size: int) -> dict[str, torch.Tensor]:
+    """Padded tensors for this rank's rows, with the reference's log-probs when the objective needs them.
+
+    ``micro_batch_size`` counts ROWS here (examples x ``objective.rows_per_example``).
+    """
+    batch = make_sequence_batch(rows, pad_id)
+    if objective.needs_reference:
+        vocab = models.bridge.dims.vocab_size
+        batch["ref_logps"] = sequence_logps(models.reference, batch, micro_batch_size, vocab)
+    return batch
+
+
+def train_step(models: OfflineModels, objective, batch: dict, micro_batch_size: int) -> dict[str, float]:
+    """One optimizer step on this rank's slice of the global batch; returns global metrics
+    (the objective's, plus ``grad_norm``). ``micro_batch_size`` counts rows."""
+    ps = _ps()
+    [normalizer] = _all_reduce([objective.normalizer(batch)], ps.get_data_parallel_group())
+    models.model.zero_grad_buffer()
+    models.optimizer.zero_grad()
+    out = forward_backward(models.model, split_microbatches(batch, micro_batch_size),
+                           lambda mb, o: objective.loss(mb, o, normalizer), forward_only=False)
+    _, grad_norm, _ = models.optimizer.step()
+    metrics = objective.metrics(global_sums(out))
+    metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+    return metrics
+
+
+@torch.no_grad()
+def evaluate(models: OfflineModels, objective, batches: list[dict], micro_batch_size: int) -> dict[str, float]:
+    """Global metrics of the objective over held-out ``batches`` (this rank's slices), no update."""
+    outs = []
+    for batch in batches:
+        outs += forward_backward(models.model, split_microbatches(batch, micro_batch_size),
+                                 lambda mb, o: objective.loss(mb, o, 1.0), forward_only=True)
+    return objective.metrics(global_sums(outs))
+
+
+def _all_reduce(values: list[float], group) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return t.tolist()

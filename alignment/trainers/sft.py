@@ -1,0 +1,41 @@
+"""Supervised fine-tuning objective: next-token NLL on response tokens only, token-mean
+over the whole global batch (Megatron-LM / verl SFT convention)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from alignment.algorithms.sft_loss import sft_loss
+from alignment.trainers.megatron_step import token_logprobs
+
+
+class SFTObjective:
+    """Loss function for :mod:`alignment.trainers.offline` (one row per example).
+
+    Batches come from :func:`alignment.trainers.batching.make_sequence_batch`.
+    """
+
+    rows_per_example = 1
+    needs_reference = False
+    value_head = False
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def normalizer(self, batch: dict[str, torch.Tensor]) -> float:
+        """This rank's share of the global normaliser: its response-token count."""
+        return float(batch["loss_mask"].sum())
+
+    def loss(self, mb, logits, normalizer: float):
+        """``(loss, metric sums)`` for one micro-batch; ``logits`` ``[mbs, seq, vocab/tp]``."""
+        lp = token_logprobs(logits, mb["input_ids"], self.vocab_size)
+        loss = sft_loss(lp, mb["loss_mask"], normalizer)
+        return loss, {"nll_sum": -(lp.detach() * mb["loss_mask"]).sum(), "count": mb["loss_mask"].sum()}
+
+    @staticmethod
+    def metrics(sums: dict[str, float]) -> dict[str, float]:
+        """Global metrics from summed ``nll_sum`` and ``count`` (tokens)."""
+        nll = sums["nll_sum"] / max(sums["count"], 1.0)
+        return {"loss": nll, "perplexity": math.exp(min(nll, 50.0))}

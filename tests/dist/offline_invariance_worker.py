@@ -1,0 +1,166 @@
+"""torchrun worker (2 processes): SFT, reward-model and DPO gradients through Megatron equal
+plain autograd on the HF model over the whole batch, for DP=2 (micro-batches of 1 and 2
+examples), TP=2, TP=2 + sequence parallelism and PP=2.
+
+Also checks the reward model's forward against HF ``LlamaForSequenceClassification``
+(its own pooling at the last non-pad token) for every layout.
+Writes {objective: {case: {"loss", "max_grad_diff"}, "reference_loss", "reference_max_grad"}}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import LlamaForSequenceClassification
+
+from alignment.models.bridges.llama import get_bridge
+from alignment.models.gpt import build_gpt_model, transformer_config
+from alignment.models.value_head import build_value_model
+from alignment.models.weights import export_hf_weights, load_hf_weights
+from alignment.trainers import offline
+from alignment.trainers.batching import make_sequence_batch
+from alignment.trainers.dpo import DPOObjective
+from alignment.trainers.megatron_step import OptimConfig, setup_training
+from alignment.trainers.reward_model import RewardModelObjective
+from alignment.trainers.sft import SFTObjective
+from parallel.layout import ParallelLayout
+from parallel.state import env_world, init_distributed, shutdown
+from tests.dist.tiny_llama import tiny_llama, tiny_llama_config
+
+PAD = 0
+# (tp, pp, sp, examples per micro-batch)
+CASES = {"dp2_mbs1": (1, 1, False, 1), "dp2_mbs2": (1, 1, False, 2), "tp2": (2, 1, False, 2),
+         "tp2_sp": (2, 1, True, 1), "pp2": (1, 2, False, 1)}
+
+
+def rows(vocab: int, n: int):
+    """``n`` (ids, prompt_len) rows of uneven lengths, no PAD token inside."""
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for i in range(n):
+        length = 7 + (i * 5) % 9
+        ids = torch.randint(1, vocab, (length,), generator=g).tolist()
+        out.append((ids, 2 + i % 4))
+    return out
+
+
+def hf_models(seed=3):
+    lm = tiny_llama(seed=seed, tie_word_embeddings=False)
+    cfg = tiny_llama_config(tie_word_embeddings=False)
+    cfg.num_labels, cfg.pad_token_id = 1, PAD
+    rm = LlamaForSequenceClassification(cfg).float().eval()
+    state = {k: v for k, v in lm.state_dict().items() if k.startswith("model.")}
+    state["score.weight"] = 0.3 * torch.randn(1, cfg.hidden_size, generator=torch.Generator().manual_seed(9))
+    rm.load_state_dict(state)
+    return lm, rm
+
+
+def hf_logps(lm, batch):
+    logits = lm(batch["input_ids"]).logits.float()
+    lp = torch.log_softmax(logits, -1)[:, :-1].gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    return torch.cat([lp, lp.new_zeros(lp.shape[0], 1)], 1)
+
+
+def reference(kind, lm, rm, batch):
+    """Loss of the whole batch and HF-named gradients by plain autograd in one process."""
+    model = rm if kind == "rm" else lm
+    model.zero_grad()
+    obj = objective(kind, lm.config.vocab_size)
+    if kind == "rm":
+        out = rm.score(rm.model(batch["input_ids"]).last_hidden_state)
+        loss, _ = obj.loss(batch, out, obj.normalizer(batch))
+    else:
+        logps = hf_logps(lm, batch)
+        loss = reference_loss(kind, obj, batch, logps)
+    loss.backward()
+    return loss.item(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def reference_loss(kind, obj, batch, logps):
+    """The objective's loss written out on HF log-probs (independent of Megatron)."""
+    mask = batch["loss_mask"]
+    if kind == "sft":
+        return -(logps * mask).sum() / mask.sum()
+    seq = (logps * mask).sum(1)
+    h = (seq[0::2] - batch["ref_logps"][0::2]) - (seq[1::2] - batch["ref_logps"][1::2])
+    return -torch.nn.functional.logsigmoid(obj.beta * h).mean()  # DPO eq. 7, mean over pairs
+
+
+def objective(kind, vocab):
+    return {"sft": lambda: SFTObjective(vocab), "rm": lambda: RewardModelObjective(),
+            "dpo": lambda: DPOObjective(vocab, beta=0.5)}[kind]()
+
+
+def megatron_case(kind, lm, rm, batch, tp, pp, sp, mbs, world):
+    from megatron.core import parallel_state as ps
+
+    init_distributed(ParallelLayout(world_size=world, tensor_model_parallel_size=tp,
+                                    pipeline_model_parallel_size=pp, sequence_parallel=sp))
+    cfg = lm.config
+    tcfg = transformer_config(cfg, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp)
+    if kind == "rm":
+        model, bridge, hf = build_value_model(cfg, tcfg), get_bridge(cfg, head="score"), rm
+    else:
+        model, bridge, hf = build_gpt_model(cfg, tcfg), get_bridge(cfg), lm
+    load_hf_weights(model, hf.state_dict(), bridge)
+    ddp, opt = setup_training(model, OptimConfig())
+    obj = objective(kind, cfg.vocab_size)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    n = batch["input_ids"].shape[0] // dp
+    local = {k: v[dp_rank * n : (dp_rank + 1) * n] for k, v in batch.items()}
+    models = offline.OfflineModels(ddp, opt, None, bridge, None)
+    scores = None
+    if kind == "rm":  # forward parity with HF's own sequence-classification pooling
+        out = offline.forward_backward(ddp, [local], lambda mb, v: (v.sum() * 0, {"v": v.squeeze(-1)}),
+                                       forward_only=True)
+        if out:
+            from alignment.models.value_head import sequence_scores
+
+            scores = sequence_scores(out[0]["v"], local["last_index"])
+    ddp.zero_grad_buffer()
+    [normalizer] = offline._all_reduce([obj.normalizer(local)], ps.get_data_parallel_group())
+    out = offline.forward_backward(ddp, offline.split_microbatches(local, mbs * obj.rows_per_example),
+                                   lambda mb, o: obj.loss(mb, o, normalizer), forward_only=False)
+    sums = offline.global_sums(out)
+    loss = (sums.get("loss_sum", sums.get("nll_sum")) / (sums["count"]))
+    grads = export_hf_weights(ddp, bridge, source=lambda p: p.main_grad)
+    del models
+    return loss, grads, scores, dp_rank, n
+
+
+def main(path: str) -> None:
+    rank, world, _ = env_world()
+    lm, rm = hf_models()
+    batch = make_sequence_batch(rows(lm.config.vocab_size, 8), PAD)
+    with torch.no_grad():  # a reference near the policy, so the DPO loss is near log 2, not saturated
+        seq = (hf_logps(lm, batch) * batch["loss_mask"]).sum(1)
+    batch["ref_logps"] = seq + 0.5 * torch.randn(8, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        hf_scores = rm(batch["input_ids"]).logits[:, 0]  # HF pools at the last non-pad token
+    results = {}
+    for kind in ("sft", "rm", "dpo"):
+        ref_loss, ref_grads = reference(kind, lm, rm, batch)
+        res = {"reference_loss": ref_loss, "reference_max_grad": max(g.abs().max().item() for g in ref_grads.values())}
+        for name, (tp, pp, sp, mbs) in CASES.items():
+            loss, grads, scores, dp_rank, n = megatron_case(kind, lm, rm, batch, tp, pp, sp, mbs, world)
+            assert set(grads) == set(ref_grads), sorted(set(ref_grads) ^ set(grads))
+            res[name] = {"loss": loss, "max_grad_diff": max((grads[k] - ref_grads[k]).abs().max().item() for k in grads)}
+            if kind == "rm":
+                diff = torch.zeros(())
+                if scores is not None:
+                    diff = (scores - hf_scores[dp_rank * n : (dp_rank + 1) * n]).abs().max()
+                dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+                res[name]["max_score_diff"] = diff.item()
+        results[kind] = res
+    results["hf_score_std"] = hf_scores.std().item()
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
