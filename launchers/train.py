@@ -63,8 +63,8 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
 def run(cfg: DictConfig) -> dict:
     """Run the job ``cfg.algorithm.name`` names; returns the summary written to ``<output_dir>/summary.json``.
 
-    ``sft``, ``rm`` and ``dpo`` train on fixed data (:mod:`launchers.offline_job`); the RL
-    algorithms run the loop below.
+    ``sft``, ``rm`` and ``dpo`` train on fixed data (:mod:`launchers.offline_job`), ``ppo`` runs
+    :mod:`launchers.ppo_job`; the GRPO family runs the loop below.
     """
     from alignment.config import OFFLINE_ALGORITHMS
 
@@ -72,6 +72,10 @@ def run(cfg: DictConfig) -> dict:
         from launchers.offline_job import run as run_offline
 
         return run_offline(cfg)
+    if cfg.algorithm.name == "ppo":
+        from launchers.ppo_job import run as run_ppo
+
+        return run_ppo(cfg)
     return run_rl(cfg)
 
 

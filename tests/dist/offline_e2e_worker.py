@@ -1,4 +1,4 @@
-"""torchrun worker: a real SFT / RM / DPO job (launchers/train.py's ``run``) on a model dir.
+"""torchrun worker: a real SFT / RM / DPO / PPO job (launchers/train.py's ``run``) on a model dir.
 
     torchrun --nproc-per-node 2 tests/dist/offline_e2e_worker.py CONFIG MODEL_DIR OUT_DIR [overrides...] RESULT.json
 """

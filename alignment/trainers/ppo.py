@@ -1,0 +1,190 @@
+"""PPO with a critic and a learned reward model (Ouyang et al. 2022, InstructGPT; the
+token-level formulation of Ziegler et al. 2019 as in verl / OpenRLHF).
+
+One step, top to bottom:
+  1. rollout    — each rank's vLLM engine samples one response per prompt
+  2. score      — the frozen reward model scores prompt + response at its last token
+  3. forward    — old_logprobs (policy), ref_logprobs (reference), values (critic), no grad
+  4. advantages — per-token reward = -kl_coef * (old_logprobs - ref_logprobs), plus the score at
+                  the last token (KL in the reward); GAE(gamma, gae_lambda); advantages whitened
+                  over the global batch
+  5. train      — ``ppo_epochs`` passes over ``num_mini_batches`` mini-batches: clipped
+                  surrogate for the policy, clipped value loss for the critic; one Adam step
+                  each per mini-batch, every loss token-mean over the global mini-batch
+  6. sync       — new policy weights into the running vLLM engines
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from alignment.algorithms.advantages import gae
+from alignment.algorithms.grpo_loss import GRPOLossConfig, grpo_loss
+from alignment.algorithms.kl import kl_in_reward
+from alignment.algorithms.value_loss import value_loss
+from alignment.models.value_head import sequence_scores
+from alignment.rollout.base import SamplingConfig
+from alignment.trainers.batching import make_batch, split_microbatches
+from alignment.trainers.grpo import all_reduce_sum, generate_for_group, policy_logprobs, sync_weights
+from alignment.trainers.megatron_step import forward_backward, token_entropy, token_logprobs
+from alignment.trainers.offline import global_sums
+
+
+@dataclass
+class PPOModels:
+    """What one rank holds for PPO: policy and critic shards (DDP) with their optimizers, the
+    frozen reference and reward model, the rollout engine, bridge and tokenizer."""
+
+    policy: torch.nn.Module
+    optimizer: object
+    critic: torch.nn.Module
+    critic_optimizer: object
+    reference: torch.nn.Module | None
+    reward_model: torch.nn.Module
+    engine: object
+    bridge: object
+    tokenizer: object
+    vocab_size: int
+
+
+def _ps():
+    from megatron.core import parallel_state as ps
+
+    return ps
+
+
+def head_outputs(model, microbatches) -> torch.Tensor | None:
+    """Forward-only scalar-head outputs ``[N, seq]`` (last pipeline stage; None elsewhere)."""
+    with torch.no_grad():
+        out = forward_backward(model, microbatches, lambda mb, v: (v.sum() * 0, {"v": v.squeeze(-1).float()}),
+                               forward_only=True)
+    return torch.cat([o["v"] for o in out]) if out else None
+
+
+def score(reward_model, batch: dict, micro_batch_size: int) -> torch.Tensor:
+    """Reward-model scores ``[N]`` at each sequence's last token (zeros off the last stage)."""
+    last = batch["response_mask"].sum(1).long() + batch["prompt_lengths"] - 1
+    values = head_outputs(reward_model, split_microbatches(batch, micro_batch_size))
+    return sequence_scores(values, last) if values is not None else torch.zeros(len(last))
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, group) -> torch.Tensor:
+    """``(x - mean) / std`` over the valid tokens of the whole global batch (all DP ranks)."""
+    n, s1, s2 = all_reduce_sum([mask.sum().item(), (x * mask).sum().item(), (x * x * mask).sum().item()], group)
+    mean = s1 / n
+    std = max(s2 / n - mean * mean, 0.0) ** 0.5
+    return (x - mean) / (std + 1e-8) * mask
+
+
+def _train_critic(models: PPOModels, mb_list, normalizer: float, value_clip: float | None) -> list[dict]:
+    def loss_fn(mb, v):
+        per_token = value_loss(v.squeeze(-1).float(), mb["values"], mb["returns"], value_clip)
+        mask = mb["response_mask"]
+        return (per_token * mask).sum() / normalizer, {"value_loss_sum": (per_token.detach() * mask).sum()}
+
+    models.critic.zero_grad_buffer()
+    models.critic_optimizer.zero_grad()
+    out = forward_backward(models.critic, mb_list, loss_fn, forward_only=False)
+    models.critic_optimizer.step()
+    return out
+
+
+def _train_policy(models: PPOModels, mb_list, normalizer: float, loss_cfg: GRPOLossConfig,
+                  temperature: float) -> tuple[list[dict], float]:
+    def loss_fn(mb, logits):
+        logits = logits / temperature
+        entropy_sum = (token_entropy(logits, models.vocab_size) * mb["response_mask"]).sum()
+        lp = token_logprobs(logits, mb["input_ids"], models.vocab_size)
+        loss, m = grpo_loss(lp, mb["old_logprobs"], None, mb["advantages"], mb["response_mask"], normalizer, loss_cfg)
+        m["entropy_sum"] = entropy_sum
+        return loss, m
+
+    models.policy.zero_grad_buffer()
+    models.optimizer.zero_grad()
+    out = forward_backward(models.policy, mb_list, loss_fn, forward_only=False)
+    _, grad_norm, _ = models.optimizer.step()
+    return out, float(grad_norm) if grad_norm is not None else 0.0
+
+
+def ppo_step(models: PPOModels, prompts: list[list[int]], cfg) -> tuple[dict[str, float], dict[str, float]]:
+    """One PPO step on this DP rank's ``prompts`` (token ids). Returns (metrics, phase seconds)."""
+    ps = _ps()
+    a, r, t = cfg.algorithm, cfg.rollout, cfg.trainer
+    dp_group = ps.get_data_parallel_group()
+    times = {}
+    t0 = time.perf_counter()
+    groups = generate_for_group(models.engine, prompts, SamplingConfig(
+        n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens))
+    samples = [s for g in groups for s in g]
+    times["rollout"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    batch = make_batch(samples, pad_id=models.tokenizer.pad_token_id or 0)
+    batch["prompt_lengths"] = torch.tensor([len(s.prompt_ids) for s in samples])
+    mbs = t.micro_batch_size
+    rewards = score(models.reward_model, batch, mbs)
+    mask = batch["response_mask"]
+    zeros = torch.zeros_like(mask)
+    old = policy_logprobs(models.policy, split_microbatches(batch, mbs), models.vocab_size, r.temperature)
+    old = old if old is not None else zeros
+    ref = zeros if models.reference is None else policy_logprobs(
+        models.reference, split_microbatches(batch, mbs), models.vocab_size, r.temperature)
+    ref = ref if ref is not None else zeros
+    values = head_outputs(models.critic, split_microbatches(batch, mbs))
+    values = values * mask if values is not None else zeros
+    token_rewards = kl_in_reward(rewards, old, ref, mask, a.kl_coef, "k1")
+    advantages, returns = gae(token_rewards, values, mask, a.gamma, a.gae_lambda)
+    batch.update(old_logprobs=old, values=values, returns=returns,
+                 advantages=masked_whiten(advantages, mask, dp_group) if a.whiten_advantages else advantages)
+    times["logprobs"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    loss_cfg = GRPOLossConfig(clip_ratio=a.clip_ratio, clip_ratio_high=a.clip_ratio_high, kl_coef=0.0)
+    n = batch["input_ids"].shape[0]
+    size = n // a.num_mini_batches
+    policy_out, critic_out, grad_norms = [], [], []
+    for _ in range(a.ppo_epochs):
+        for k in range(a.num_mini_batches):
+            mini = {key: v[k * size : (k + 1) * size] for key, v in batch.items()}
+            [tokens] = all_reduce_sum([mini["response_mask"].sum().item()], dp_group)
+            mb_list = split_microbatches(mini, mbs)
+            critic_out += _train_critic(models, mb_list, tokens, a.value_clip)
+            out, norm = _train_policy(models, mb_list, tokens, loss_cfg, r.temperature)
+            policy_out += out
+            grad_norms.append(norm)
+    times["train"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    sync_weights(models)
+    times["weight_sync"] = time.perf_counter() - t0
+
+    # Global statistics: policy/critic sums counted once per replica; batch statistics once per DP rank.
+    p, c = global_sums(policy_out), global_sums(critic_out)
+    # (values, logprobs and scores live on the last pipeline stage; TP ranks hold copies)
+    keep = 1.0 if ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage() else 0.0
+    resid = (returns - values) * mask
+    prob_error = torch.exp((old - batch["rollout_logprobs"]).abs()) * mask  # vLLM vs trainer, same weights
+    tok, s_r, s_r2, s_e, s_e2, kl, n_seq, r_sum, r_sq, length, perr = all_reduce_sum([keep * v for v in [
+        mask.sum().item(), (returns * mask).sum().item(), (returns ** 2 * mask).sum().item(),
+        resid.sum().item(), (resid ** 2).sum().item(), ((old - ref) * mask).sum().item(),
+        float(n), rewards.sum().item(), (rewards ** 2).sum().item(), batch["response_lengths"].sum().item(),
+        prob_error.sum().item()]])
+    var_r = s_r2 / tok - (s_r / tok) ** 2
+    var_e = s_e2 / tok - (s_e / tok) ** 2
+    updates = a.ppo_epochs * a.num_mini_batches
+    mean_r = r_sum / n_seq
+    metrics = {
+        "reward/mean": mean_r, "reward/std": max(r_sq / n_seq - mean_r ** 2, 0.0) ** 0.5,
+        "kl": kl / tok, "response_length": length / n_seq,
+        "loss/policy": p["policy_loss_sum"] / max(p["tokens"], 1.0),
+        "loss/value": c["value_loss_sum"] / max(tok * updates, 1.0),
+        "clip_fraction": p["clipped_tokens"] / max(p["tokens"], 1.0),
+        "entropy": p["entropy_sum"] / max(p["tokens"], 1.0),
+        "explained_variance": 1.0 - var_e / var_r if var_r > 0 else 0.0,
+        "grad_norm": sum(grad_norms) / len(grad_norms),
+        "token_mult_prob_error": perr / tok,
+    }
+    return metrics, times

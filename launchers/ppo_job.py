@@ -1,0 +1,209 @@
+"""PPO job (``algorithm.name=ppo``), run by ``launchers/train.py --config-name ppo``.
+
+config -> validate -> groups -> policy (from ``model.path``, e.g. the SFT export) + reference,
+critic (from ``model.critic_path`` or the reward model) and frozen reward model
+(``model.reward_model_path``) + vLLM engine -> held-out greedy responses of the initial
+policy, scored by the reward model -> PPO steps on the dpo_en_demo training prompts ->
+held-out responses of the trained policy -> win rate (trained vs initial, judged by the
+reward model) and response-length drift -> checkpoint + HF export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+
+def build(cfg, hf_dir: Path, hf_config, rank: int):
+    """This rank's :class:`alignment.trainers.ppo.PPOModels`."""
+    from transformers import AutoConfig
+
+    from alignment.models.bridges.llama import get_bridge
+    from alignment.models.gpt import build_gpt_model, transformer_config
+    from alignment.models.hf_assets import prepare_hf_dir
+    from alignment.models.value_head import build_value_model
+    from alignment.models.weights import lazy_safetensors, load_hf_weights
+    from alignment.rollout.vllm_engine import VLLMEngine
+    from alignment.trainers.megatron_step import OptimConfig, setup_training
+    from alignment.trainers.ppo import PPOModels
+
+    dtype = getattr(torch, cfg.model.dtype)
+    t = cfg.trainer
+
+    def shard(path, value_head: bool):
+        path = prepare_hf_dir(path)
+        hcfg = AutoConfig.from_pretrained(path)
+        tcfg = transformer_config(hcfg, params_dtype=dtype, **cfg.parallel)
+        model = build_value_model(hcfg, tcfg, seed=cfg.seed) if value_head else build_gpt_model(hcfg, tcfg)
+        state = lazy_safetensors(path)
+        skip = ("output_layer.weight",) if value_head and "score.weight" not in state else ()
+        load_hf_weights(model, state, get_bridge(hcfg, head="score" if value_head else "lm"), skip=skip)
+        return model
+
+    def frozen(model):
+        model.eval().requires_grad_(False)
+        return model
+
+    optim = dict(weight_decay=t.weight_decay, clip_grad=t.clip_grad, use_distributed_optimizer=t.use_distributed_optimizer)
+    policy, optimizer = setup_training(shard(cfg.model.path, False), OptimConfig(lr=t.lr, **optim))
+    critic, critic_optimizer = setup_training(shard(cfg.model.critic_path or cfg.model.reward_model_path, True),
+                                              OptimConfig(lr=t.critic_lr, **optim))
+    reference = frozen(shard(cfg.model.path, False)) if cfg.algorithm.kl_coef > 0 else None
+    reward_model = frozen(shard(cfg.model.reward_model_path, True))
+    r = cfg.rollout
+    engine = VLLMEngine(str(hf_dir), max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
+                        gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.seed + rank, dtype=cfg.model.dtype)
+    return PPOModels(policy, optimizer, critic, critic_optimizer, reference, reward_model, engine,
+                     get_bridge(hf_config), engine.tokenizer, hf_config.vocab_size)
+
+
+def prompts_of(cfg, tokenizer, split: str) -> list[list[int]]:
+    """Chat-template prompt ids of the dpo_en_demo split, keeping the last ``data.max_prompt_length`` tokens."""
+    from alignment.data.chat_data import encode_prompt, load_preference_pairs
+
+    pairs = load_preference_pairs(split, cfg.data.heldout_size, "dpo_en_demo")
+    out = [encode_prompt(tokenizer, p.messages)[-cfg.data.max_prompt_length:] for p in pairs]
+    return out[: cfg.data.train_size] if split == "train" else out
+
+
+def heldout_responses(models, prompts: list[list[int]], cfg) -> dict[str, list[float]]:
+    """Greedy responses of the current policy to this DP rank's held-out prompts, scored by the
+    reward model: ``{"scores": [...], "lengths": [...]}`` (last pipeline stage's values)."""
+    from alignment.rollout.base import SamplingConfig
+    from alignment.trainers.batching import make_batch
+    from alignment.trainers.grpo import generate_for_group
+    from alignment.trainers.ppo import score
+
+    groups = generate_for_group(models.engine, prompts, SamplingConfig(n=1, temperature=0.0,
+                                                                       max_tokens=cfg.rollout.max_tokens))
+    samples = [g[0] for g in groups]
+    batch = make_batch(samples, pad_id=models.tokenizer.pad_token_id or 0)
+    batch["prompt_lengths"] = torch.tensor([len(s.prompt_ids) for s in samples])
+    scores = score(models.reward_model, batch, cfg.trainer.micro_batch_size)
+    return {"scores": scores.tolist(), "lengths": [float(len(s.response_ids)) for s in samples]}
+
+
+def compare(before: dict, after: dict) -> dict[str, float]:
+    """Global win rate of ``after`` over ``before`` (ties count half) and mean score and length
+    of both; each DP rank's held-out prompts counted once (collective)."""
+    from megatron.core import parallel_state as ps
+
+    from alignment.trainers.grpo import all_reduce_sum
+
+    keep = 1.0 if ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage() else 0.0
+    sb, sa = torch.tensor(before["scores"]), torch.tensor(after["scores"])
+    wins = ((sa > sb).float() + 0.5 * (sa == sb).float()).sum().item()
+    n, w, rb, ra, lb, la = all_reduce_sum([keep * v for v in [
+        float(len(sb)), wins, sb.sum().item(), sa.sum().item(), sum(before["lengths"]), sum(after["lengths"])]])
+    return {"win_rate": w / n, "reward_before": rb / n, "reward_after": ra / n,
+            "length_before": lb / n, "length_after": la / n, "prompts": n}
+
+
+def run(cfg) -> dict:
+    """Run a PPO job; returns the summary written to ``<output_dir>/summary.json``."""
+    from transformers import AutoConfig
+
+    from alignment.config import validate
+    from alignment.models.hf_assets import prepare_hf_dir
+    from alignment.trainers.checkpoint import (
+        latest_checkpoint,
+        load_megatron_checkpoint,
+        save_hf_checkpoint,
+        save_megatron_checkpoint,
+    )
+    from alignment.trainers.grpo import sync_weights
+    from alignment.trainers.ppo import ppo_step
+    from parallel.layout import ParallelLayout
+    from parallel.state import env_world, init_distributed, shutdown
+
+    rank, world, _ = env_world()
+    hf_dir = prepare_hf_dir(cfg.model.path)
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    validate(cfg, world_size=world, hf_config=hf_config)  # before any process group starts
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world) if not torch.cuda.is_available() else 8)
+    init_distributed(ParallelLayout(world_size=world, **cfg.parallel), seed=cfg.seed)
+    from megatron.core import parallel_state as ps
+
+    out = Path(cfg.output_dir)
+    writer = None
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(str(out / "tensorboard"))
+    models = build(cfg, hf_dir, hf_config, rank)
+    train, heldout = prompts_of(cfg, models.tokenizer, "train"), prompts_of(cfg, models.tokenizer, "heldout")
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    my_heldout = heldout[: len(heldout) // dp * dp][dp_rank::dp]
+
+    def log(values: dict, step: int):
+        if writer is not None:
+            for k, v in values.items():
+                writer.add_scalar(k, v, step)
+            writer.flush()
+
+    ckpt_dir, start_step = out / "checkpoints", 0
+    latest = latest_checkpoint(ckpt_dir) if cfg.trainer.resume else None
+    if latest is not None:  # policy and critic (with their Adam states) resume together
+        start_step = load_megatron_checkpoint(models.policy, latest / "policy", models.optimizer)
+        load_megatron_checkpoint(models.critic, latest / "critic", models.critic_optimizer)
+    # The initial (SFT) policy's held-out responses are the baseline of the win rate; the
+    # engine still holds the initial weights here, even after a resume.
+    baseline = heldout_responses(models, my_heldout, cfg)
+    if latest is not None:
+        sync_weights(models)
+
+    def checkpoint(step: int) -> None:
+        final = ckpt_dir / f"step_{step}"
+        tmp = ckpt_dir / f"step_{step}.parts"
+        save_megatron_checkpoint(models.policy, tmp / "policy", optimizer=models.optimizer, step=step)
+        save_megatron_checkpoint(models.critic, tmp / "critic", optimizer=models.critic_optimizer, step=step)
+        if rank == 0:  # both parts complete: publish them together, then mark complete
+            os.replace(tmp, final)
+            (final / "metadata.json").write_text(json.dumps({"step": step}))
+        dist.barrier()
+
+    per_rank = cfg.rollout.prompts_per_step // dp
+    steps = range(start_step, cfg.trainer.steps)
+    if rank == 0 and cfg.trainer.progress_bar:
+        from tqdm import tqdm
+
+        steps = tqdm(steps, desc="ppo", dynamic_ncols=True, initial=start_step, total=cfg.trainer.steps)
+    history = []
+    for step in steps:
+        start = (step * cfg.rollout.prompts_per_step + dp_rank * per_rank) % len(train)
+        prompts = [train[(start + i) % len(train)] for i in range(per_rank)]
+        t0 = time.perf_counter()
+        metrics, times = ppo_step(models, prompts, cfg)
+        metrics.update({f"time/{k}": v for k, v in times.items()}, **{"time/step": time.perf_counter() - t0})
+        log(metrics, step + 1)
+        history.append(metrics)
+        if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0 and step + 1 < cfg.trainer.steps:
+            checkpoint(step + 1)
+        if rank == 0 and hasattr(steps, "set_postfix"):
+            steps.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}")
+
+    result = compare(baseline, heldout_responses(models, my_heldout, cfg))
+    log({f"heldout/{k}": v for k, v in result.items()}, cfg.trainer.steps)
+    if cfg.trainer.save_checkpoint and start_step < cfg.trainer.steps:
+        checkpoint(cfg.trainer.steps)
+    if cfg.trainer.export_hf:
+        save_hf_checkpoint(models.policy, models.bridge, hf_config, models.tokenizer, out / "hf")
+    summary = {"heldout": result, "start_step": start_step, "steps": cfg.trainer.steps, "world_size": world,
+               "history": history}
+    if rank == 0:
+        print(f"held-out (reward model judge): {json.dumps(result)}", flush=True)
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        writer.close()
+    dist.barrier()
+    models.engine.close()
+    shutdown()
+    return summary
