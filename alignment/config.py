@@ -92,8 +92,13 @@ class AlgorithmConfig:
     gamma: float = 1.0
     gae_lambda: float = 0.95
     value_clip: Optional[float] = 0.2  # critic value clipping half-width; null disables
-    ppo_epochs: int = 1  # passes over each rollout batch
-    num_mini_batches: int = 1  # optimizer steps per pass
+    ppo_epochs: int = 1  # passes over each rollout batch (ppo and the GRPO family)
+    num_mini_batches: int = 1  # optimizer steps per pass (ppo and the GRPO family)
+    # DAPO: dynamic sampling (drop groups whose rewards are all equal, sample more prompts)
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 3
+    overlong_buffer_len: int = 0  # DAPO soft overlong punishment interval (tokens); 0 disables
+    overlong_penalty_factor: float = 1.0
     whiten_advantages: bool = True
 
 
@@ -253,6 +258,14 @@ def validate(cfg, *, world_size: int, hf_config) -> None:
         raise ConfigError(f"trainer.micro_batch_size={t.micro_batch_size} must divide the {per_rank} samples each "
                           f"data-parallel rank trains on per step (prompts_per_step / DP x group_size); "
                           f"valid values: {valid}")
+    if a.ppo_epochs < 1 or a.num_mini_batches < 1 or (per_rank // t.micro_batch_size) % a.num_mini_batches:
+        raise ConfigError(f"algorithm.num_mini_batches={a.num_mini_batches} must divide the {per_rank // t.micro_batch_size}"
+                          f" micro-batches of each data-parallel rank, and ppo_epochs={a.ppo_epochs} must be >= 1")
+    if a.overlong_buffer_len and not 0 < a.overlong_buffer_len <= r.max_tokens:
+        raise ConfigError(f"algorithm.overlong_buffer_len={a.overlong_buffer_len} must be in (0, rollout.max_tokens="
+                          f"{r.max_tokens}], or 0 to disable")
+    if a.dynamic_sampling and a.max_sampling_rounds < 1:
+        raise ConfigError(f"algorithm.max_sampling_rounds={a.max_sampling_rounds} must be >= 1")
     _validate_rollout_lengths(r, hf_config)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -156,7 +157,12 @@ def run_rl(cfg: DictConfig) -> dict:
         start = (step * cfg.rollout.prompts_per_step + dp_rank * per_rank) % len(train)
         problems = [train[(start + i) % len(train)] for i in range(per_rank)]
         t0 = time.perf_counter()
-        metrics, times = grpo.grpo_step(models, problems, cfg)
+        refill_rng = random.Random(hash((cfg.seed, step, dp_rank)))
+
+        def refill(k: int):  # more training problems for DAPO dynamic sampling
+            return [train[refill_rng.randrange(len(train))] for _ in range(k)]
+
+        metrics, times = grpo.grpo_step(models, problems, cfg, refill)
         step_time = time.perf_counter() - t0
         metrics["tokens_per_s"] = metrics.pop("tokens") / step_time
         metrics.update({f"time/{k}": v for k, v in times.items()}, **{"time/step": step_time})

@@ -316,3 +316,23 @@ def test_grpo_loss_microbatch_invariance():
     torch.testing.assert_close(lp_mb.grad, lp_full.grad, rtol=0, atol=1e-14)
     for k in m_full:
         torch.testing.assert_close(metrics[k], m_full[k], rtol=0, atol=1e-12)
+
+
+def test_overlong_penalty_dapo_eq13_by_hand():
+    from alignment.algorithms.reward_shaping import overlong_penalty
+
+    # L_max = 10, L_cache = 4: no penalty up to 6 tokens, then -1/4 per token, -1 beyond 10
+    lengths = torch.tensor([0, 6, 7, 8, 10, 11])
+    assert overlong_penalty(lengths, 10, 4).tolist() == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+    assert overlong_penalty(lengths, 10, 4, penalty_factor=0.5).tolist() == [0.0, 0.0, -0.125, -0.25, -0.5, -0.5]
+    with pytest.raises(ValueError, match="overlong_buffer_len=11"):
+        overlong_penalty(lengths, 10, 11)
+
+
+def test_informative_groups_drop_all_equal_rewards():
+    from alignment.algorithms.reward_shaping import informative_groups
+
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.5, 0.0, 0.0, 0.0])
+    assert informative_groups(rewards, 3).tolist() == [False, True, False]
+    with pytest.raises(ValueError, match="whole number of groups"):
+        informative_groups(rewards, 4)

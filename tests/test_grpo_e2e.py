@@ -61,7 +61,8 @@ def test_two_grpo_steps_tiny_model(tmp_path):
 
 def test_variant_rloo_dr_grpo_aggregation_clip_higher_without_reference(tmp_path):
     """The critic-free variants run through the same pipeline: RLOO advantages, Dr.GRPO's
-    constant-length normalisation, DAPO's clip-higher, and kl_coef=0 (no reference model)."""
+    constant-length normalisation, DAPO's clip-higher, dynamic sampling and overlong shaping,
+    two epochs of two mini-batches, and kl_coef=0 (no reference model)."""
     model_dir = save_tiny_hf_dir(tmp_path / "tiny")
     out, result = tmp_path / "run", tmp_path / "result.json"
     run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=2",
@@ -69,9 +70,13 @@ def test_variant_rloo_dr_grpo_aggregation_clip_higher_without_reference(tmp_path
                  "data.heldout_size=8", "data.train_size=50", "rollout.max_tokens=16", "rollout.eval_max_tokens=8",
                  "trainer.lr=1e-3", "trainer.progress_bar=false", "algorithm.advantage_estimator=rloo",
                  "algorithm.loss_agg_mode=seq-mean-token-sum-norm", "algorithm.clip_ratio_high=0.28",
-                 "algorithm.kl_coef=0.0", str(result), timeout=900)
+                 "algorithm.kl_coef=0.0", "algorithm.dynamic_sampling=true", "algorithm.overlong_buffer_len=8",
+                 "algorithm.ppo_epochs=2", "algorithm.num_mini_batches=2", str(result), timeout=900)
     first, second = json.loads(result.read_text())["history"]
     assert first["grad_norm"] > 0.0 and second["grad_norm"] > 0.0
     assert first["kl"] == 0.0 and second["kl"] == 0.0  # no KL term without a reference model
     for m in (first, second):
+        # old_logprobs come from the trainer before the first update: they match the engine's
         assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
+        assert m["clip_fraction"] > 0.0  # later updates move the ratio away from 1
+        assert 1 <= m["dynamic_sampling/rounds"] <= 3 and m["dynamic_sampling/filled_groups"] >= 0

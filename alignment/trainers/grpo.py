@@ -17,6 +17,7 @@ model-parallel (TP x PP) group share the same data and split only its generation
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from alignment.algorithms.advantages import get_advantage_estimator
 from alignment.algorithms.aggregation import global_normalizer
 from alignment.algorithms.grpo_loss import GRPOLossConfig, grpo_loss
+from alignment.algorithms.reward_shaping import informative_groups, overlong_penalty
 from alignment.data.prompts import build_prompt_ids
 from alignment.data.tasks import Problem, score_response
 from alignment.rollout.base import Sample, SamplingConfig
@@ -88,38 +90,49 @@ def policy_logprobs(model, microbatches, vocab_size: int, temperature: float = 1
 
 
 def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
-    """One optimizer step on this rank's share of the global batch. Returns global metrics."""
+    """``algorithm.ppo_epochs`` passes over ``algorithm.num_mini_batches`` mini-batches of this
+    rank's share of the rollout batch, one Adam step per mini-batch. Returns global metrics
+    averaged over the updates.
+
+    With a single update the sampling policy is the current one, so ``old_logprobs`` are the
+    current logprobs without gradient (ratio 1); otherwise they are ``batch["old_logprobs"]``,
+    computed before the first update.
+    """
     ps = _ps()
     a = cfg.algorithm
     loss_cfg = GRPOLossConfig(clip_ratio=a.clip_ratio, clip_ratio_high=a.clip_ratio_high, kl_coef=a.kl_coef,
                               kl_estimator=a.kl_estimator, loss_agg_mode=a.loss_agg_mode)
-    # The normaliser of the loss over the WHOLE global batch (all micro-batches, all DP ranks).
-    tokens, seqs = all_reduce_sum([batch["response_mask"].sum().item(), float(batch["input_ids"].shape[0])],
-                                  ps.get_data_parallel_group())
-    normalizer = global_normalizer(a.loss_agg_mode, tokens, seqs, cfg.rollout.max_tokens)
-
-    def loss_fn(mb, logits):
-        # The policy being optimised is the one vLLM samples from: softmax(logits / T).
-        logits = logits / cfg.rollout.temperature
-        mask = mb["response_mask"]
-        entropy_sum = (token_entropy(logits, models.vocab_size) * mask).sum()  # before logprobs consume logits
-        lp = token_logprobs(logits, mb["input_ids"], models.vocab_size)
-        # One optimizer step per rollout batch: the sampling policy is the current one,
-        # so old_logprobs are the current logprobs without gradient (ratio == 1).
-        loss, m = grpo_loss(lp, lp.detach(), mb.get("ref_logprobs"), mb["advantages"], mb["response_mask"],
-                            normalizer, loss_cfg)
-        m["entropy_sum"] = entropy_sum
-        with torch.no_grad():
-            m["prob_error_sum"] = (torch.exp((lp.detach() - mb["rollout_logprobs"]).abs()) * mask).sum()
-        return loss, m
-
-    models.policy.zero_grad_buffer()
-    models.optimizer.zero_grad()
-    out = forward_backward(models.policy, split_microbatches(batch, cfg.trainer.micro_batch_size), loss_fn,
-                           forward_only=False)
-    _, grad_norm, _ = models.optimizer.step()
+    size = batch["input_ids"].shape[0] // a.num_mini_batches
     keys = ["policy_loss_sum", "kl_sum", "clipped_tokens", "entropy_sum", "prob_error_sum", "tokens"]
-    local = [sum(o[k].item() for o in out) for k in keys]
+    local, grad_norms = [0.0] * len(keys), []
+    for _ in range(a.ppo_epochs):
+        for k in range(a.num_mini_batches):
+            mini = {key: v[k * size : (k + 1) * size] for key, v in batch.items()}
+            # The normaliser of the loss over the WHOLE global mini-batch (all micro-batches, all DP ranks).
+            tokens, seqs = all_reduce_sum([mini["response_mask"].sum().item(), float(size)],
+                                          ps.get_data_parallel_group())
+            normalizer = global_normalizer(a.loss_agg_mode, tokens, seqs, cfg.rollout.max_tokens)
+
+            def loss_fn(mb, logits):
+                # The policy being optimised is the one vLLM samples from: softmax(logits / T).
+                logits = logits / cfg.rollout.temperature
+                mask = mb["response_mask"]
+                entropy_sum = (token_entropy(logits, models.vocab_size) * mask).sum()  # before logprobs consume logits
+                lp = token_logprobs(logits, mb["input_ids"], models.vocab_size)
+                old = mb["old_logprobs"] if "old_logprobs" in mb else lp.detach()
+                loss, m = grpo_loss(lp, old, mb.get("ref_logprobs"), mb["advantages"], mask, normalizer, loss_cfg)
+                m["entropy_sum"] = entropy_sum
+                with torch.no_grad():
+                    m["prob_error_sum"] = (torch.exp((old - mb["rollout_logprobs"]).abs()) * mask).sum()
+                return loss, m
+
+            models.policy.zero_grad_buffer()
+            models.optimizer.zero_grad()
+            out = forward_backward(models.policy, split_microbatches(mini, cfg.trainer.micro_batch_size), loss_fn,
+                                   forward_only=False)
+            _, grad_norm, _ = models.optimizer.step()
+            grad_norms.append(float(grad_norm) if grad_norm is not None else 0.0)
+            local = [acc + sum(o[key].item() for o in out) for acc, key in zip(local, keys)]
     # Only one rank per model-parallel group contributes (the last stage's TP rank 0).
     if not (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0):
         local = [0.0] * len(keys)
@@ -131,7 +144,7 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
         "clip_fraction": sums["clipped_tokens"] / n,
         "entropy": sums["entropy_sum"] / n,
         "token_mult_prob_error": sums["prob_error_sum"] / n,
-        "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+        "grad_norm": sum(grad_norms) / len(grad_norms),
     }
 
 
@@ -152,25 +165,62 @@ def evaluate(models: Models, problems: list[Problem], task: str, max_tokens: int
     return all_reduce_sum([correct])[0] / len(problems)
 
 
-def grpo_step(models: Models, problems: list[Problem], cfg) -> tuple[dict[str, float], dict[str, float]]:
-    """One GRPO step on this DP rank's ``problems``. Returns (metrics, phase seconds)."""
+def sample_groups(models: Models, problems: list[Problem], cfg, refill: Callable[[int], list[Problem]] | None = None):
+    """Sample ``group_size`` responses per problem and reward them.
+
+    Reward = the task grader's score, plus DAPO's overlong penalty when
+    ``algorithm.overlong_buffer_len > 0``. With ``algorithm.dynamic_sampling`` (DAPO Sec. 3.2),
+    groups whose rewards are all equal are set aside and ``refill(k)`` problems are sampled
+    instead, for at most ``algorithm.max_sampling_rounds`` rounds; if still short, set-aside
+    groups fill the batch (they have zero advantage). Always returns ``len(problems)`` groups.
+
+    Returns:
+        ``(samples, rewards [N], info)`` with ``info`` = {"rounds", "filled_groups"}.
+    """
+    a, r = cfg.algorithm, cfg.rollout
+    sampling = SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
+    kept, dropped, rounds, todo = [], [], 0, problems
+    while True:
+        rounds += 1
+        prompts = [build_prompt_ids(models.tokenizer, p.question, cfg.data.task) for p in todo]
+        for p, g in zip(todo, generate_for_group(models.engine, prompts, sampling)):
+            rw = torch.tensor([score_response(p, s.text) for s in g])
+            if a.overlong_buffer_len > 0:
+                lengths = torch.tensor([len(s.response_ids) for s in g])
+                rw = rw + overlong_penalty(lengths, r.max_tokens, a.overlong_buffer_len, a.overlong_penalty_factor)
+            useful = bool(informative_groups(rw, r.group_size)[0])
+            (kept if useful or not a.dynamic_sampling else dropped).append((g, rw))
+        missing = len(problems) - len(kept)
+        if missing <= 0 or refill is None or rounds >= a.max_sampling_rounds:
+            break
+        todo = refill(missing)
+    chosen = (kept + dropped)[: len(problems)]
+    samples = [s for g, _ in chosen for s in g]
+    rewards = torch.cat([rw for _, rw in chosen])
+    return samples, rewards, {"rounds": float(rounds), "filled_groups": float(max(len(problems) - len(kept), 0))}
+
+
+def grpo_step(models: Models, problems: list[Problem], cfg,
+              refill: Callable[[int], list[Problem]] | None = None) -> tuple[dict[str, float], dict[str, float]]:
+    """One GRPO step on this DP rank's ``problems`` (``refill`` supplies more for dynamic
+    sampling). Returns (metrics, phase seconds)."""
     ps = _ps()
-    r, times = cfg.rollout, {}
+    r, a, times = cfg.rollout, cfg.algorithm, {}
     t = time.perf_counter()
-    prompts = [build_prompt_ids(models.tokenizer, p.question, cfg.data.task) for p in problems]
-    groups = generate_for_group(models.engine, prompts, SamplingConfig(
-        n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens))
-    samples = [s for g in groups for s in g]
-    rewards = torch.tensor([score_response(p, s.text) for p, g in zip(problems, groups) for s in g])
+    samples, rewards, info = sample_groups(models, problems, cfg, refill if a.dynamic_sampling else None)
     times["rollout"] = time.perf_counter() - t
 
     t = time.perf_counter()
     batch = make_batch(samples, pad_id=models.tokenizer.pad_token_id or 0)
-    batch["advantages"] = get_advantage_estimator(cfg.algorithm.advantage_estimator)(rewards, r.group_size)
-    if models.reference is not None and cfg.algorithm.kl_coef > 0:
-        ref = policy_logprobs(models.reference, split_microbatches(batch, cfg.trainer.micro_batch_size),
-                              models.vocab_size, r.temperature)
-        batch["ref_logprobs"] = ref if ref is not None else torch.zeros_like(batch["response_mask"])
+    batch["advantages"] = get_advantage_estimator(a.advantage_estimator)(rewards, r.group_size)
+    mbs = cfg.trainer.micro_batch_size
+    zeros = torch.zeros_like(batch["response_mask"])
+    if models.reference is not None and a.kl_coef > 0:
+        ref = policy_logprobs(models.reference, split_microbatches(batch, mbs), models.vocab_size, r.temperature)
+        batch["ref_logprobs"] = ref if ref is not None else zeros
+    if a.ppo_epochs > 1 or a.num_mini_batches > 1:  # several updates: freeze the sampling policy's logprobs
+        old = policy_logprobs(models.policy, split_microbatches(batch, mbs), models.vocab_size, r.temperature)
+        batch["old_logprobs"] = old if old is not None else zeros
     times["logprobs"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -183,13 +233,17 @@ def grpo_step(models: Models, problems: list[Problem], cfg) -> tuple[dict[str, f
 
     # Reward and length statistics over the global batch (one contribution per DP rank).
     dp_leader = ps.get_model_parallel_group().rank() == 0
-    n, s1, s2, length, tokens = all_reduce_sum([
+    n, s1, s2, length, tokens, rounds, filled = all_reduce_sum([
         float(len(samples)) if dp_leader else 0.0,
         rewards.sum().item() if dp_leader else 0.0,
         (rewards ** 2).sum().item() if dp_leader else 0.0,
         batch["response_lengths"].sum().item() if dp_leader else 0.0,
-        float(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)) if dp_leader else 0.0])
+        float(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)) if dp_leader else 0.0,
+        info["rounds"] if dp_leader else 0.0, info["filled_groups"] if dp_leader else 0.0])
     mean = s1 / n
     metrics.update({"reward/mean": mean, "reward/std": max(s2 / n - mean * mean, 0.0) ** 0.5,
                     "response_length": length / n, "tokens": tokens})
+    if a.dynamic_sampling:
+        dp = ps.get_data_parallel_world_size()
+        metrics.update({"dynamic_sampling/rounds": rounds / dp, "dynamic_sampling/filled_groups": filled})
     return metrics, times
