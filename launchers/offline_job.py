@@ -9,13 +9,10 @@ steps over shuffled global batches -> held-out metrics -> checkpoint + HF export
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from omegaconf import OmegaConf
 
 
 def make_objective(cfg, vocab_size: int):
@@ -99,10 +96,8 @@ def export_config(cfg, hf_config, tokenizer):
 
 def run(cfg) -> dict:
     """Run an SFT / RM / DPO job; returns the summary written to ``<output_dir>/summary.json``."""
-    from transformers import AutoConfig
+    from megatron.core import parallel_state as ps
 
-    from alignment.config import validate
-    from alignment.models.hf_assets import prepare_hf_dir
     from alignment.trainers import offline
     from alignment.trainers.checkpoint import (
         latest_checkpoint,
@@ -110,47 +105,24 @@ def run(cfg) -> dict:
         save_hf_checkpoint,
         save_megatron_checkpoint,
     )
-    from parallel.layout import ParallelLayout
-    from parallel.state import env_world, init_distributed, shutdown
+    from launchers.common import start
 
-    rank, world, _ = env_world()
-    hf_dir = prepare_hf_dir(cfg.model.path)
-    hf_config = AutoConfig.from_pretrained(hf_dir)
-    validate(cfg, world_size=world, hf_config=hf_config)  # before any process group starts
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world) if not torch.cuda.is_available() else 8)
-    init_distributed(ParallelLayout(world_size=world, **cfg.parallel), seed=cfg.seed)
-    from megatron.core import parallel_state as ps
-
-    out = Path(cfg.output_dir)
-    writer = None
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(str(out / "tensorboard"))
-    objective = make_objective(cfg, hf_config.vocab_size)
-    models = build(cfg, hf_dir, hf_config, objective)
+    job = start(cfg)  # validates the config before any process group starts
+    objective = make_objective(cfg, job.hf_config.vocab_size)
+    models = build(cfg, job.hf_dir, job.hf_config, objective)
     tok = models.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     train, heldout = tokenize_split(cfg, tok, "train"), tokenize_split(cfg, tok, "heldout")
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    rows_per_mb = cfg.trainer.micro_batch_size * objective.rows_per_example
+    mbs = cfg.trainer.micro_batch_size
+    rows_per_mb = mbs * objective.rows_per_example
 
     def batch_of(examples) -> dict:
-        rows = [r for e in examples for r in e]
-        return offline.build_batch(rows, pad, models, objective, rows_per_mb)
+        return offline.build_batch([r for e in examples for r in e], pad, models, objective, rows_per_mb)
 
     mine = heldout[: len(heldout) // dp * dp][dp_rank::dp]
-    heldout_batches = [batch_of(mine[i : i + cfg.trainer.micro_batch_size])
-                       for i in range(0, len(mine), cfg.trainer.micro_batch_size)]
-
-    def log(values: dict, step: int):
-        if writer is not None:
-            for k, v in values.items():
-                writer.add_scalar(k, v, step)
-            writer.flush()
+    heldout_batches = [batch_of(mine[i : i + mbs]) for i in range(0, len(mine), mbs)]
+    evaluate = lambda: offline.evaluate(models, objective, heldout_batches, rows_per_mb)  # noqa: E731
 
     gbs = cfg.trainer.global_batch_size
     steps_per_epoch = len(train) // gbs
@@ -158,56 +130,47 @@ def run(cfg) -> dict:
         raise ValueError(f"trainer.global_batch_size={gbs} exceeds the {len(train)} training examples")
     total = steps_per_epoch * cfg.trainer.epochs
     total = min(total, cfg.trainer.steps) if cfg.trainer.steps else total
-    ckpt_dir, start_step = out / "checkpoints", 0
+    ckpt_dir, start_step = job.out / "checkpoints", 0
     latest = latest_checkpoint(ckpt_dir) if cfg.trainer.resume else None
     if latest is not None:
         start_step = load_megatron_checkpoint(models.model, latest, models.optimizer)
-    before = offline.evaluate(models, objective, heldout_batches, rows_per_mb)
-    log({f"heldout/{k}": v for k, v in before.items()}, start_step)
-    if rank == 0:
+
+    def checkpoint(step: int) -> None:
+        save_megatron_checkpoint(models.model, ckpt_dir / f"step_{step}", optimizer=models.optimizer, step=step)
+
+    before = evaluate()
+    job.log({f"heldout/{k}": v for k, v in before.items()}, start_step)
+    if job.rank == 0:
         print(f"held-out before ({len(mine) * dp} examples): {json.dumps(before)}", flush=True)
 
-    steps = range(start_step, total)
-    if rank == 0 and cfg.trainer.progress_bar:
-        from tqdm import tqdm
-
-        steps = tqdm(steps, desc=cfg.algorithm.name, dynamic_ncols=True, initial=start_step, total=total)
-    history = []
     per_rank = gbs // dp
+    steps = job.progress(start_step, total, cfg.algorithm.name)
     for step in steps:
-        epoch, k = divmod(step, steps_per_epoch)
+        epoch, k = divmod(step, steps_per_epoch)  # a fresh shuffle per epoch, the same on every rank
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
         idx = order[k * gbs + dp_rank * per_rank : k * gbs + (dp_rank + 1) * per_rank]
         t0 = time.perf_counter()
         batch = batch_of([train[i] for i in idx])
         metrics = offline.train_step(models, objective, batch, rows_per_mb)
-        tokens = offline._all_reduce([float((batch["input_ids"] != pad).sum()) if
-                                      ps.get_model_parallel_group().rank() == 0 else 0.0], None)[0]
+        leader = ps.get_model_parallel_group().rank() == 0
+        [tokens] = offline._all_reduce([float((batch["input_ids"] != pad).sum()) if leader else 0.0], None)
         dt = time.perf_counter() - t0
         metrics.update({"time/step": dt, "tokens_per_s": tokens / dt, "epoch": epoch + (k + 1) / steps_per_epoch})
-        log({f"train/{k_}": v for k_, v in metrics.items()}, step + 1)
-        history.append(metrics)
+        job.log({f"train/{name}": v for name, v in metrics.items()}, step + 1)
+        job.history.append(metrics)
         if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0 and step + 1 < total:
-            log({f"heldout/{k_}": v for k_, v in offline.evaluate(models, objective, heldout_batches,
-                                                                   rows_per_mb).items()}, step + 1)
+            job.log({f"heldout/{name}": v for name, v in evaluate().items()}, step + 1)
         if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0 and step + 1 < total:
-            save_megatron_checkpoint(models.model, ckpt_dir / f"step_{step + 1}", optimizer=models.optimizer,
-                                     step=step + 1)
-        if rank == 0 and hasattr(steps, "set_postfix"):
+            checkpoint(step + 1)
+        if hasattr(steps, "set_postfix"):
             steps.set_postfix(loss=f"{metrics['loss']:.4f}", s=f"{dt:.1f}")
-    after = offline.evaluate(models, objective, heldout_batches, rows_per_mb)
-    log({f"heldout/{k}": v for k, v in after.items()}, total)
+    after = evaluate()
+    job.log({f"heldout/{k}": v for k, v in after.items()}, total)
     if cfg.trainer.save_checkpoint and start_step < total:
-        save_megatron_checkpoint(models.model, ckpt_dir / f"step_{total}", optimizer=models.optimizer, step=total)
+        checkpoint(total)
     if cfg.trainer.export_hf:
-        save_hf_checkpoint(models.model, models.bridge, export_config(cfg, hf_config, tok), tok, out / "hf")
+        save_hf_checkpoint(models.model, models.bridge, export_config(cfg, job.hf_config, tok), tok, job.out / "hf")
     summary = {"heldout_before": before, "heldout_after": after, "start_step": start_step, "steps": total,
-               "heldout_size": len(mine) * dp, "train_size": len(train), "world_size": world, "history": history}
-    if rank == 0:
-        print(f"held-out after: {json.dumps(after)}", flush=True)
-        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
-        writer.close()
-    dist.barrier()
-    shutdown()
-    return summary
-
+               "heldout_size": len(mine) * dp, "train_size": len(train), "world_size": job.world,
+               "history": job.history}
+    return job.finish(summary, f"held-out after: {json.dumps(after)}")

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
 
 def build(cfg, hf_dir: Path, hf_config, rank: int):
@@ -59,8 +58,8 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     r = cfg.rollout
     engine = VLLMEngine(str(hf_dir), max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
                         gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.seed + rank, dtype=cfg.model.dtype)
-    return PPOModels(policy, optimizer, critic, critic_optimizer, reference, reward_model, engine,
-                     get_bridge(hf_config), engine.tokenizer, hf_config.vocab_size)
+    return PPOModels(policy, optimizer, reference, engine, get_bridge(hf_config), engine.tokenizer,
+                     hf_config.vocab_size, critic=critic, critic_optimizer=critic_optimizer, reward_model=reward_model)
 
 
 def prompts_of(cfg, tokenizer, split: str) -> list[list[int]]:
@@ -107,10 +106,8 @@ def compare(before: dict, after: dict) -> dict[str, float]:
 
 def run(cfg) -> dict:
     """Run a PPO job; returns the summary written to ``<output_dir>/summary.json``."""
-    from transformers import AutoConfig
+    from megatron.core import parallel_state as ps
 
-    from alignment.config import validate
-    from alignment.models.hf_assets import prepare_hf_dir
     from alignment.trainers.checkpoint import (
         latest_checkpoint,
         load_megatron_checkpoint,
@@ -119,38 +116,15 @@ def run(cfg) -> dict:
     )
     from alignment.trainers.grpo import sync_weights
     from alignment.trainers.ppo import ppo_step
-    from parallel.layout import ParallelLayout
-    from parallel.state import env_world, init_distributed, shutdown
+    from launchers.common import start
 
-    rank, world, _ = env_world()
-    hf_dir = prepare_hf_dir(cfg.model.path)
-    hf_config = AutoConfig.from_pretrained(hf_dir)
-    validate(cfg, world_size=world, hf_config=hf_config)  # before any process group starts
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world) if not torch.cuda.is_available() else 8)
-    init_distributed(ParallelLayout(world_size=world, **cfg.parallel), seed=cfg.seed)
-    from megatron.core import parallel_state as ps
-
-    out = Path(cfg.output_dir)
-    writer = None
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(str(out / "tensorboard"))
-    models = build(cfg, hf_dir, hf_config, rank)
+    job = start(cfg)  # validates the config before any process group starts
+    models = build(cfg, job.hf_dir, job.hf_config, job.rank)
     train, heldout = prompts_of(cfg, models.tokenizer, "train"), prompts_of(cfg, models.tokenizer, "heldout")
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     my_heldout = heldout[: len(heldout) // dp * dp][dp_rank::dp]
 
-    def log(values: dict, step: int):
-        if writer is not None:
-            for k, v in values.items():
-                writer.add_scalar(k, v, step)
-            writer.flush()
-
-    ckpt_dir, start_step = out / "checkpoints", 0
+    ckpt_dir, start_step = job.out / "checkpoints", 0
     latest = latest_checkpoint(ckpt_dir) if cfg.trainer.resume else None
     if latest is not None:  # policy and critic (with their Adam states) resume together
         start_step = load_megatron_checkpoint(models.policy, latest / "policy", models.optimizer)
@@ -162,48 +136,35 @@ def run(cfg) -> dict:
         sync_weights(models)
 
     def checkpoint(step: int) -> None:
-        final = ckpt_dir / f"step_{step}"
-        tmp = ckpt_dir / f"step_{step}.parts"
-        save_megatron_checkpoint(models.policy, tmp / "policy", optimizer=models.optimizer, step=step)
-        save_megatron_checkpoint(models.critic, tmp / "critic", optimizer=models.critic_optimizer, step=step)
-        if rank == 0:  # both parts complete: publish them together, then mark complete
-            os.replace(tmp, final)
+        final, parts = ckpt_dir / f"step_{step}", ckpt_dir / f"step_{step}.parts"
+        save_megatron_checkpoint(models.policy, parts / "policy", optimizer=models.optimizer, step=step)
+        save_megatron_checkpoint(models.critic, parts / "critic", optimizer=models.critic_optimizer, step=step)
+        if job.rank == 0:  # both parts complete: publish them together, then mark the step complete
+            os.replace(parts, final)
             (final / "metadata.json").write_text(json.dumps({"step": step}))
         dist.barrier()
 
     per_rank = cfg.rollout.prompts_per_step // dp
-    steps = range(start_step, cfg.trainer.steps)
-    if rank == 0 and cfg.trainer.progress_bar:
-        from tqdm import tqdm
-
-        steps = tqdm(steps, desc="ppo", dynamic_ncols=True, initial=start_step, total=cfg.trainer.steps)
-    history = []
+    steps = job.progress(start_step, cfg.trainer.steps, "ppo")
     for step in steps:
-        start = (step * cfg.rollout.prompts_per_step + dp_rank * per_rank) % len(train)
-        prompts = [train[(start + i) % len(train)] for i in range(per_rank)]
+        first = (step * cfg.rollout.prompts_per_step + dp_rank * per_rank) % len(train)
+        prompts = [train[(first + i) % len(train)] for i in range(per_rank)]
         t0 = time.perf_counter()
         metrics, times = ppo_step(models, prompts, cfg)
         metrics.update({f"time/{k}": v for k, v in times.items()}, **{"time/step": time.perf_counter() - t0})
-        log(metrics, step + 1)
-        history.append(metrics)
+        job.log(metrics, step + 1)
+        job.history.append(metrics)
         if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0 and step + 1 < cfg.trainer.steps:
             checkpoint(step + 1)
-        if rank == 0 and hasattr(steps, "set_postfix"):
+        if hasattr(steps, "set_postfix"):
             steps.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}")
 
     result = compare(baseline, heldout_responses(models, my_heldout, cfg))
-    log({f"heldout/{k}": v for k, v in result.items()}, cfg.trainer.steps)
+    job.log({f"heldout/{k}": v for k, v in result.items()}, cfg.trainer.steps)
     if cfg.trainer.save_checkpoint and start_step < cfg.trainer.steps:
         checkpoint(cfg.trainer.steps)
     if cfg.trainer.export_hf:
-        save_hf_checkpoint(models.policy, models.bridge, hf_config, models.tokenizer, out / "hf")
-    summary = {"heldout": result, "start_step": start_step, "steps": cfg.trainer.steps, "world_size": world,
-               "history": history}
-    if rank == 0:
-        print(f"held-out (reward model judge): {json.dumps(result)}", flush=True)
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
-        writer.close()
-    dist.barrier()
-    models.engine.close()
-    shutdown()
-    return summary
+        save_hf_checkpoint(models.policy, models.bridge, job.hf_config, models.tokenizer, job.out / "hf")
+    summary = {"heldout": result, "start_step": start_step, "steps": cfg.trainer.steps, "world_size": job.world,
+               "history": job.history}
+    return job.finish(summary, f"held-out (reward model judge): {json.dumps(result)}", models.engine)

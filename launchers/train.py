@@ -7,8 +7,6 @@ GRPO loop (:mod:`alignment.trainers.grpo`) -> checkpoints. Works the same under
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import sys
 import time
@@ -17,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hydra  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
 from alignment.config import register  # noqa: E402
 
@@ -82,13 +80,9 @@ def run(cfg: DictConfig) -> dict:
 
 def run_rl(cfg: DictConfig) -> dict:
     """Run a GRPO-family job; returns the summary written to ``<output_dir>/summary.json``."""
-    import torch
-    import torch.distributed as dist
-    from transformers import AutoConfig
+    from megatron.core import parallel_state as ps
 
-    from alignment.config import validate
     from alignment.data.tasks import load_problems
-    from alignment.models.hf_assets import prepare_hf_dir
     from alignment.trainers import grpo
     from alignment.trainers.checkpoint import (
         latest_checkpoint,
@@ -96,102 +90,68 @@ def run_rl(cfg: DictConfig) -> dict:
         save_hf_checkpoint,
         save_megatron_checkpoint,
     )
-    from parallel.layout import ParallelLayout
-    from parallel.state import env_world, init_distributed, shutdown
+    from launchers.common import start
 
-    rank, world, local_rank = env_world()
-    hf_dir = prepare_hf_dir(cfg.model.path)
-    hf_config = AutoConfig.from_pretrained(hf_dir)
-    validate(cfg, world_size=world, hf_config=hf_config)  # before any process group starts
-
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world) if not torch.cuda.is_available() else 8)
-    init_distributed(ParallelLayout(world_size=world, **cfg.parallel), seed=cfg.seed)
-    from megatron.core import parallel_state as ps
-
-    out = Path(cfg.output_dir)
-    writer = None
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(str(out / "tensorboard"))
-    models = build(cfg, hf_dir, hf_config, rank)
+    job = start(cfg)  # validates the config before any process group starts
+    models = build(cfg, job.hf_dir, job.hf_config, job.rank)
     kw = {"generator_kwargs": dict(cfg.data.generator_kwargs)} if cfg.data.task == "arithmetic" else {}
     train = load_problems(cfg.data.task, "train", cfg.data.train_size, seed=cfg.seed, **kw)
     heldout = load_problems(cfg.data.task, "heldout", cfg.data.heldout_size, seed=cfg.seed, **kw)
 
-    def log(values: dict, step: int):
-        if writer is not None:
-            for k, v in values.items():
-                writer.add_scalar(k, v, step)
-            writer.flush()
-
-    ckpt_dir, start_step = out / "checkpoints", 0
+    ckpt_dir, start_step = job.out / "checkpoints", 0
     latest = latest_checkpoint(ckpt_dir) if cfg.trainer.resume else None
     if latest is not None:
         start_step = load_megatron_checkpoint(models.policy, latest, models.optimizer)
         grpo.sync_weights(models)
-        if rank == 0:
+        if job.rank == 0:
             print(f"resumed from {latest} (step {start_step})", flush=True)
 
     def checkpoint(step: int) -> None:
         save_megatron_checkpoint(models.policy, ckpt_dir / f"step_{step}", optimizer=models.optimizer, step=step)
 
     acc_before = grpo.evaluate(models, heldout, cfg.data.task, cfg.rollout.eval_max_tokens)
-    log({"heldout/accuracy": acc_before}, start_step)
-    if rank == 0:
+    job.log({"heldout/accuracy": acc_before}, start_step)
+    if job.rank == 0:
         what = f"at step {start_step} (resumed)" if start_step else "before training"
         print(f"held-out accuracy {what}: {acc_before:.3f} ({len(heldout)} problems)", flush=True)
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     per_rank = cfg.rollout.prompts_per_step // dp
-    steps = range(start_step, cfg.trainer.steps)
-    if rank == 0 and cfg.trainer.progress_bar:
-        from tqdm import tqdm
-
-        steps = tqdm(steps, desc="grpo", dynamic_ncols=True, initial=start_step, total=cfg.trainer.steps)
-    history = []
+    steps = job.progress(start_step, cfg.trainer.steps, "grpo")
     for step in steps:
-        start = (step * cfg.rollout.prompts_per_step + dp_rank * per_rank) % len(train)
-        problems = [train[(start + i) % len(train)] for i in range(per_rank)]
-        t0 = time.perf_counter()
+        first = (step * cfg.rollout.prompts_per_step + dp_rank * per_rank) % len(train)
+        problems = [train[(first + i) % len(train)] for i in range(per_rank)]
         refill_rng = random.Random(hash((cfg.seed, step, dp_rank)))
 
         def refill(k: int):  # more training problems for DAPO dynamic sampling
             return [train[refill_rng.randrange(len(train))] for _ in range(k)]
 
+        t0 = time.perf_counter()
         metrics, times = grpo.grpo_step(models, problems, cfg, refill)
         step_time = time.perf_counter() - t0
         metrics["tokens_per_s"] = metrics.pop("tokens") / step_time
         metrics.update({f"time/{k}": v for k, v in times.items()}, **{"time/step": step_time})
         if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0 and step + 1 < cfg.trainer.steps:
             metrics["heldout/accuracy"] = grpo.evaluate(models, heldout, cfg.data.task, cfg.rollout.eval_max_tokens)
-        log(metrics, step + 1)
-        history.append(metrics)
+        job.log(metrics, step + 1)
+        job.history.append(metrics)
         if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0 and step + 1 < cfg.trainer.steps:
             checkpoint(step + 1)
-        if rank == 0 and hasattr(steps, "set_postfix"):
+        if hasattr(steps, "set_postfix"):
             steps.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}",
                               s=f"{step_time:.1f}")
 
     acc_after = grpo.evaluate(models, heldout, cfg.data.task, cfg.rollout.eval_max_tokens)
-    log({"heldout/accuracy": acc_after}, cfg.trainer.steps)
+    job.log({"heldout/accuracy": acc_after}, cfg.trainer.steps)
     if cfg.trainer.save_checkpoint and start_step < cfg.trainer.steps:
         checkpoint(cfg.trainer.steps)
     if cfg.trainer.export_hf:
-        save_hf_checkpoint(models.policy, models.bridge, hf_config, models.tokenizer, out / "hf")
+        save_hf_checkpoint(models.policy, models.bridge, job.hf_config, models.tokenizer, job.out / "hf")
     summary = {"heldout_accuracy_before": acc_before, "heldout_accuracy_after": acc_after, "start_step": start_step,
-               "heldout_size": len(heldout), "steps": cfg.trainer.steps, "world_size": world, "history": history}
-    if rank == 0:
-        print(f"held-out accuracy after training: {acc_after:.3f} (before: {acc_before:.3f})", flush=True)
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
-        writer.close()
-    dist.barrier()
-    models.engine.close()
-    shutdown()
-    return summary
+               "heldout_size": len(heldout), "steps": cfg.trainer.steps, "world_size": job.world,
+               "history": job.history}
+    return job.finish(summary, f"held-out accuracy after training: {acc_after:.3f} (before: {acc_before:.3f})",
+                      models.engine)
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="grpo")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
+from alignment.data.chat_data import encode_prompt
 from alignment.data.tasks import TASKS
 
 #: Instruction appended to the question, per task.
@@ -35,11 +35,4 @@ def build_prompt_ids(tokenizer: Any, question: str, task: str) -> list[int]:
     if task not in INSTRUCTIONS:
         raise ValueError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
     messages = [{"role": "user", "content": f"{question.strip()}\n{INSTRUCTIONS[task]}"}]
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(out, Mapping) or hasattr(out, "keys"):
-        out = out["input_ids"]
-    if hasattr(out, "tolist"):
-        out = out.tolist()
-    if out and isinstance(out[0], (list, tuple)):
-        out = out[0]
-    return [int(t) for t in out]
+    return encode_prompt(tokenizer, messages)

@@ -28,26 +28,19 @@ from alignment.algorithms.value_loss import value_loss
 from alignment.models.value_head import sequence_scores
 from alignment.rollout.base import SamplingConfig
 from alignment.trainers.batching import make_batch, split_microbatches
-from alignment.trainers.grpo import all_reduce_sum, generate_for_group, policy_logprobs, sync_weights
+from alignment.trainers.grpo import Models, all_reduce_sum, generate_for_group, policy_logprobs, sync_weights
 from alignment.trainers.megatron_step import forward_backward, token_entropy, token_logprobs
 from alignment.trainers.offline import global_sums
 
 
 @dataclass
-class PPOModels:
-    """What one rank holds for PPO: policy and critic shards (DDP) with their optimizers, the
-    frozen reference and reward model, the rollout engine, bridge and tokenizer."""
+class PPOModels(Models):
+    """:class:`alignment.trainers.grpo.Models` plus the critic shard (DDP) with its optimizer
+    and the frozen reward model."""
 
-    policy: torch.nn.Module
-    optimizer: object
-    critic: torch.nn.Module
-    critic_optimizer: object
-    reference: torch.nn.Module | None
-    reward_model: torch.nn.Module
-    engine: object
-    bridge: object
-    tokenizer: object
-    vocab_size: int
+    critic: torch.nn.Module = None
+    critic_optimizer: object = None
+    reward_model: torch.nn.Module = None
 
 
 def _ps():

@@ -1,0 +1,88 @@
+"""What every job does around its loop: resolve the model directory, validate the config
+before any process group starts, start the groups, write the resolved config, log to
+TensorBoard, show progress, write ``summary.json`` and shut down."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+
+@dataclass
+class Run:
+    """One job's process-wide state: ranks, the HF model dir and config, the output dir and
+    (rank 0 only) the TensorBoard writer."""
+
+    cfg: object
+    rank: int
+    world: int
+    hf_dir: Path
+    hf_config: object
+    out: Path
+    writer: object = None
+    history: list = field(default_factory=list)
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        """Scalars to TensorBoard at ``step`` (rank 0 writes)."""
+        if self.writer is not None:
+            for k, v in values.items():
+                self.writer.add_scalar(k, v, step)
+            self.writer.flush()
+
+    def progress(self, start: int, total: int, desc: str):
+        """``range(start, total)``, with a tqdm bar on rank 0 when ``trainer.progress_bar``."""
+        steps = range(start, total)
+        if self.rank == 0 and self.cfg.trainer.progress_bar:
+            from tqdm import tqdm
+
+            return tqdm(steps, desc=desc, dynamic_ncols=True, initial=start, total=total)
+        return steps
+
+    def finish(self, summary: dict, message: str, engine=None) -> dict:
+        """Rank 0 prints ``message`` and writes ``summary.json``; all ranks wait, then the rollout
+        ``engine`` is closed (vLLM's teardown also tears down torch.distributed) and the groups shut down."""
+        from parallel.state import shutdown
+
+        if self.rank == 0:
+            print(message, flush=True)
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
+            self.writer.close()
+        dist.barrier()
+        if engine is not None:
+            engine.close()
+        shutdown()
+        return summary
+
+
+def start(cfg) -> Run:
+    """Validate ``cfg`` against the world size and the model (before any process group), set
+    the CPU threads per process, initialise the parallel groups, create the output dir with
+    ``config.yaml`` and a TensorBoard writer."""
+    from transformers import AutoConfig
+
+    from alignment.config import validate
+    from alignment.models.hf_assets import prepare_hf_dir
+    from parallel.layout import ParallelLayout
+    from parallel.state import env_world, init_distributed
+
+    rank, world, _ = env_world()
+    hf_dir = prepare_hf_dir(cfg.model.path)
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    validate(cfg, world_size=world, hf_config=hf_config)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world) if not torch.cuda.is_available() else 8)
+    init_distributed(ParallelLayout(world_size=world, **cfg.parallel), seed=cfg.seed)
+    run = Run(cfg, rank, world, hf_dir, hf_config, Path(cfg.output_dir))
+    if rank == 0:
+        run.out.mkdir(parents=True, exist_ok=True)
+        (run.out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        from torch.utils.tensorboard import SummaryWriter
+
+        run.writer = SummaryWriter(str(run.out / "tensorboard"))
+    return run
