@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import sys
 
-import torch
 
 from alignment.algorithms.grpo_loss import grpo_loss
 from alignment.models.bridges.llama import get_bridge
