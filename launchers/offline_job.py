@@ -153,7 +153,7 @@ def run(cfg) -> dict:
         batch = batch_of([train[i] for i in idx])
         metrics = offline.train_step(models, objective, batch, rows_per_mb)
         leader = ps.get_model_parallel_group().rank() == 0
-        [tokens] = offline._all_reduce([float((batch["input_ids"] != pad).sum()) if leader else 0.0], None)
+        [tokens] = offline.all_reduce_sum([float((batch["input_ids"] != pad).sum()) if leader else 0.0], None)
         dt = time.perf_counter() - t0
         metrics.update({"time/step": dt, "tokens_per_s": tokens / dt, "epoch": epoch + (k + 1) / steps_per_epoch})
         job.log({f"train/{name}": v for name, v in metrics.items()}, step + 1)

@@ -93,7 +93,7 @@ def compare(before: dict, after: dict) -> dict[str, float]:
     of both; each DP rank's held-out prompts counted once (collective)."""
     from megatron.core import parallel_state as ps
 
-    from alignment.trainers.grpo import all_reduce_sum
+    from alignment.trainers.megatron_step import all_reduce_sum
 
     keep = 1.0 if ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage() else 0.0
     sb, sa = torch.tensor(before["scores"]), torch.tensor(after["scores"])

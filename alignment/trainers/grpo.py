@@ -31,7 +31,7 @@ from alignment.data.prompts import build_prompt_ids
 from alignment.data.tasks import Problem, score_response
 from alignment.rollout.base import Sample, SamplingConfig
 from alignment.trainers.batching import make_batch, split_microbatches
-from alignment.trainers.megatron_step import forward_backward, token_entropy, token_logprobs
+from alignment.trainers.megatron_step import all_reduce_sum, forward_backward, token_entropy, token_logprobs
 
 
 @dataclass
@@ -67,14 +67,6 @@ def generate_for_group(engine, prompts: list[list[int]], sampling: SamplingConfi
     for r, part in enumerate(gathered):
         out[r::size] = part
     return out
-
-
-def all_reduce_sum(values: list[float], group=None) -> list[float]:
-    """Element-wise sum of ``values`` over the ranks of ``group`` (default: all ranks), in
-    float64 so that token counts and metric sums stay exact; collective."""
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, group=group)
-    return t.tolist()
 
 
 def policy_logprobs(model, microbatches, vocab_size: int, temperature: float = 1.0) -> torch.Tensor | None:

@@ -163,3 +163,13 @@ def token_entropy(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         dist.all_reduce(sums, group=group)
     z, ex = sums[0], sums[1]
     return torch.log(z) + m.squeeze(-1) - ex / z
+
+
+def all_reduce_sum(values: list[float], group=None) -> list[float]:
+    """Element-wise sum of ``values`` over the ranks of ``group`` (default: all ranks), in
+    float64 so that token counts and metric sums stay exact; collective."""
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return t.tolist()

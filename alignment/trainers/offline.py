@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from alignment.trainers.batching import make_sequence_batch, split_microbatches
-from alignment.trainers.megatron_step import forward_backward, token_logprobs
+from alignment.trainers.megatron_step import all_reduce_sum, forward_backward, token_logprobs
 
 
 @dataclass
@@ -82,7 +82,7 @@ def train_step(models: OfflineModels, objective, batch: dict, micro_batch_size: 
     """One optimizer step on this rank's slice of the global batch; returns global metrics
     (the objective's, plus ``grad_norm``). ``micro_batch_size`` counts rows."""
     ps = _ps()
-    [normalizer] = _all_reduce([objective.normalizer(batch)], ps.get_data_parallel_group())
+    [normalizer] = all_reduce_sum([objective.normalizer(batch)], ps.get_data_parallel_group())
     models.model.zero_grad_buffer()
     models.optimizer.zero_grad()
     out = forward_backward(models.model, split_microbatches(batch, micro_batch_size),
@@ -101,9 +101,3 @@ def evaluate(models: OfflineModels, objective, batches: list[dict], micro_batch_
         outs += forward_backward(models.model, split_microbatches(batch, micro_batch_size),
                                  lambda mb, o: objective.loss(mb, o, 1.0), forward_only=True)
     return objective.metrics(global_sums(outs))
-
-
-def _all_reduce(values: list[float], group) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, group=group)
-    return t.tolist()

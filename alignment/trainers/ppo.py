@@ -28,8 +28,8 @@ from alignment.algorithms.value_loss import value_loss
 from alignment.models.value_head import sequence_scores
 from alignment.rollout.base import SamplingConfig
 from alignment.trainers.batching import make_batch, split_microbatches
-from alignment.trainers.grpo import Models, all_reduce_sum, generate_for_group, policy_logprobs, sync_weights
-from alignment.trainers.megatron_step import forward_backward, token_entropy, token_logprobs
+from alignment.trainers.grpo import Models, generate_for_group, policy_logprobs, sync_weights
+from alignment.trainers.megatron_step import all_reduce_sum, forward_backward, token_entropy, token_logprobs
 from alignment.trainers.offline import global_sums
 
 

@@ -121,7 +121,7 @@ def megatron_case(kind, lm, rm, batch, tp, pp, sp, mbs, world):
 
             scores = sequence_scores(out[0]["v"], local["last_index"])
     ddp.zero_grad_buffer()
-    [normalizer] = offline._all_reduce([obj.normalizer(local)], ps.get_data_parallel_group())
+    [normalizer] = offline.all_reduce_sum([obj.normalizer(local)], ps.get_data_parallel_group())
     out = offline.forward_backward(ddp, offline.split_microbatches(local, mbs * obj.rows_per_example),
                                    lambda mb, o: obj.loss(mb, o, normalizer), forward_only=False)
     sums = offline.global_sums(out)
