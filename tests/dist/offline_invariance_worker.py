@@ -106,12 +106,11 @@ def megatron_case(kind, lm, rm, batch, tp, pp, sp, mbs, world):
     else:
         model, bridge, hf = build_gpt_model(cfg, tcfg), get_bridge(cfg), lm
     load_hf_weights(model, hf.state_dict(), bridge)
-    ddp, opt = setup_training(model, OptimConfig())
+    ddp, _ = setup_training(model, OptimConfig())
     obj = objective(kind, cfg.vocab_size)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     n = batch["input_ids"].shape[0] // dp
     local = {k: v[dp_rank * n : (dp_rank + 1) * n] for k, v in batch.items()}
-    models = offline.OfflineModels(ddp, opt, None, bridge, None)
     scores = None
     if kind == "rm":  # forward parity with HF's own sequence-classification pooling
         out = offline.forward_backward(ddp, [local], lambda mb, v: (v.sum() * 0, {"v": v.squeeze(-1)}),
@@ -127,7 +126,6 @@ def megatron_case(kind, lm, rm, batch, tp, pp, sp, mbs, world):
     sums = offline.global_sums(out)
     loss = (sums.get("loss_sum", sums.get("nll_sum")) / (sums["count"]))
     grads = export_hf_weights(ddp, bridge, source=lambda p: p.main_grad)
-    del models
     return loss, grads, scores, dp_rank, n
 
 
