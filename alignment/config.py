@@ -119,6 +119,9 @@ class TrainerConfig:
     resume: bool = True  # continue from the latest complete checkpoint in <output_dir>/checkpoints
     use_distributed_optimizer: bool = False  # shard Adam state over data-parallel ranks
     critic_lr: float = 1e-5  # ppo: the critic's Adam learning rate
+    # RL jobs: between phases, move idle models' weights, gradient buffers and Adam state to host
+    # memory (verl's param/grad/optimizer_offload). GPU only: a no-op on CPU, where host = device.
+    offload: bool = False
     export_hf: bool = True
     progress_bar: bool = True
 
@@ -186,6 +189,9 @@ def _validate_offline(cfg, dp: int) -> None:
         raise ConfigError(f"algorithm.loss_type={a.loss_type!r}: valid values are {', '.join(LOSS_TYPES)}")
     if a.name == "dpo" and a.beta <= 0:
         raise ConfigError(f"algorithm.beta={a.beta}: must be > 0")
+    if t.offload:
+        raise ConfigError(f"trainer.offload=true: algorithm.name={a.name} uses every model at every step, so "
+                          "there is nothing idle to offload; it applies to the RL jobs (grpo family, ppo)")
     if not 0 < d.max_prompt_length < d.max_length:
         raise ConfigError(f"data.max_prompt_length={d.max_prompt_length} must be in [1, data.max_length="
                           f"{d.max_length})")

@@ -79,6 +79,10 @@ def start(cfg) -> Run:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world) if not torch.cuda.is_available() else 8)
     init_distributed(ParallelLayout(world_size=world, **cfg.parallel), seed=cfg.seed)
     run = Run(cfg, rank, world, hf_dir, hf_config, Path(cfg.output_dir))
+    from alignment.trainers.offload import offload_enabled
+
+    if cfg.trainer.offload and not offload_enabled(True) and rank == 0:
+        print("trainer.offload=true is a no-op without a GPU (host memory is the device memory)", flush=True)
     if rank == 0:
         run.out.mkdir(parents=True, exist_ok=True)
         (run.out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))

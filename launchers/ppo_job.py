@@ -30,6 +30,7 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     from alignment.models.weights import lazy_safetensors, load_hf_weights
     from alignment.rollout.vllm_engine import VLLMEngine
     from alignment.trainers.megatron_step import OptimConfig, setup_training
+    from alignment.trainers.offload import DevicePlacement, offload_enabled
     from alignment.trainers.ppo import PPOModels
 
     dtype = getattr(torch, cfg.model.dtype)
@@ -58,8 +59,14 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     r = cfg.rollout
     engine = VLLMEngine(str(hf_dir), max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
                         gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.seed + rank, dtype=cfg.model.dtype)
+    placement = DevicePlacement(enabled=offload_enabled(t.offload))
+    placement.add_model("policy", policy, optimizer)
+    placement.add_model("critic", critic, critic_optimizer)
+    placement.add_model("reference", reference)
+    placement.add_model("reward_model", reward_model)
     return PPOModels(policy, optimizer, reference, engine, get_bridge(hf_config), engine.tokenizer,
-                     hf_config.vocab_size, critic=critic, critic_optimizer=critic_optimizer, reward_model=reward_model)
+                     hf_config.vocab_size, placement, critic=critic, critic_optimizer=critic_optimizer,
+                     reward_model=reward_model)
 
 
 def prompts_of(cfg, tokenizer, split: str) -> list[list[int]]:
@@ -84,6 +91,7 @@ def heldout_responses(models, prompts: list[list[int]], cfg) -> dict[str, list[f
     samples = [g[0] for g in groups]
     batch = make_batch(samples, pad_id=models.tokenizer.pad_token_id or 0)
     batch["prompt_lengths"] = torch.tensor([len(s.prompt_ids) for s in samples])
+    models.placement.keep("reward_model")
     scores = score(models.reward_model, batch, cfg.trainer.micro_batch_size)
     return {"scores": scores.tolist(), "lengths": [float(len(s.response_ids)) for s in samples]}
 
@@ -115,6 +123,7 @@ def run(cfg) -> dict:
         save_megatron_checkpoint,
     )
     from alignment.trainers.grpo import sync_weights
+    from alignment.trainers.offload import trainable
     from alignment.trainers.ppo import ppo_step
     from launchers.common import start
 
@@ -133,10 +142,12 @@ def run(cfg) -> dict:
     # engine still holds the initial weights here, even after a resume.
     baseline = heldout_responses(models, my_heldout, cfg)
     if latest is not None:
+        models.placement.keep("policy")
         sync_weights(models)
 
     def checkpoint(step: int) -> None:
         final, parts = ckpt_dir / f"step_{step}", ckpt_dir / f"step_{step}.parts"
+        models.placement.keep(*trainable("policy"), *trainable("critic"))
         save_megatron_checkpoint(models.policy, parts / "policy", optimizer=models.optimizer, step=step)
         save_megatron_checkpoint(models.critic, parts / "critic", optimizer=models.critic_optimizer, step=step)
         if job.rank == 0:  # both parts complete: publish them together, then mark the step complete
@@ -164,6 +175,7 @@ def run(cfg) -> dict:
     if cfg.trainer.save_checkpoint and start_step < cfg.trainer.steps:
         checkpoint(cfg.trainer.steps)
     if cfg.trainer.export_hf:
+        models.placement.keep("policy")
         save_hf_checkpoint(models.policy, models.bridge, job.hf_config, models.tokenizer, job.out / "hf")
     summary = {"heldout": result, "start_step": start_step, "steps": cfg.trainer.steps, "world_size": job.world,
                "history": job.history}

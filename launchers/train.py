@@ -33,6 +33,7 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     from alignment.rollout.vllm_engine import VLLMEngine
     from alignment.trainers.grpo import Models
     from alignment.trainers.megatron_step import OptimConfig, setup_training
+    from alignment.trainers.offload import DevicePlacement, offload_enabled
 
     dtype = getattr(torch, cfg.model.dtype)
     bridge = get_bridge(hf_config)
@@ -56,7 +57,10 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     engine = VLLMEngine(str(hf_dir), max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
                         gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.seed + rank,
                         dtype=cfg.model.dtype)
-    return Models(policy, optimizer, reference, engine, bridge, engine.tokenizer, hf_config.vocab_size)
+    placement = DevicePlacement(enabled=offload_enabled(cfg.trainer.offload))
+    placement.add_model("policy", policy, optimizer)
+    placement.add_model("reference", reference)
+    return Models(policy, optimizer, reference, engine, bridge, engine.tokenizer, hf_config.vocab_size, placement)
 
 
 def run(cfg: DictConfig) -> dict:
@@ -90,6 +94,7 @@ def run_rl(cfg: DictConfig) -> dict:
         save_hf_checkpoint,
         save_megatron_checkpoint,
     )
+    from alignment.trainers.offload import trainable
     from launchers.common import start
 
     job = start(cfg)  # validates the config before any process group starts
@@ -107,6 +112,7 @@ def run_rl(cfg: DictConfig) -> dict:
             print(f"resumed from {latest} (step {start_step})", flush=True)
 
     def checkpoint(step: int) -> None:
+        models.placement.keep(*trainable("policy"))
         save_megatron_checkpoint(models.policy, ckpt_dir / f"step_{step}", optimizer=models.optimizer, step=step)
 
     acc_before = grpo.evaluate(models, heldout, cfg.data.task, cfg.rollout.eval_max_tokens)
@@ -146,6 +152,7 @@ def run_rl(cfg: DictConfig) -> dict:
     if cfg.trainer.save_checkpoint and start_step < cfg.trainer.steps:
         checkpoint(cfg.trainer.steps)
     if cfg.trainer.export_hf:
+        models.placement.keep("policy")
         save_hf_checkpoint(models.policy, models.bridge, job.hf_config, models.tokenizer, job.out / "hf")
     summary = {"heldout_accuracy_before": acc_before, "heldout_accuracy_after": acc_after, "start_step": start_step,
                "heldout_size": len(heldout), "steps": cfg.trainer.steps, "world_size": job.world,

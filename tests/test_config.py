@@ -89,5 +89,7 @@ def test_offline_config_errors_name_the_field():
         validate(cfg("trainer.global_batch_size=15", name="rm"), world_size=2, hf_config=SMOLLM2)
     with pytest.raises(ConfigError, match=r"trainer.micro_batch_size=3 .* valid values: \[1, 2, 4, 8\]"):
         validate(cfg("trainer.micro_batch_size=3", name="sft"), world_size=2, hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match="trainer.offload=true: algorithm.name=dpo uses every model"):
+        validate(cfg("trainer.offload=true", name="dpo"), world_size=2, hf_config=SMOLLM2)
     with pytest.raises(ConfigError, match="algorithm.name='ppo2'"):
         validate(cfg("algorithm.name=ppo2"), world_size=2, hf_config=SMOLLM2)

@@ -32,7 +32,11 @@ def test_ppo_steps_update_policy_and_critic_and_resume(tmp_path):
     assert h["prompts"] == 4 and 0.0 <= h["win_rate"] <= 1.0 and h["length_before"] > 0
     assert (out / "checkpoints" / "step_2" / "policy" / "metadata.json").exists()
     assert (out / "checkpoints" / "step_2" / "critic" / "metadata.json").exists()
-    run_torchrun("offline_e2e_worker.py", *common, "trainer.steps=3", str(result), timeout=900)
+    # resume with the four models offloaded between phases (forced on CPU: the same copies as on GPU)
+    run_torchrun("offline_e2e_worker.py", *common, "trainer.steps=3", "trainer.offload=true", str(result),
+                 timeout=900, env={"MEGALIGN_OFFLOAD_ON_CPU": "1"})
     resumed = json.loads(result.read_text())
     assert resumed["start_step"] == 2 and len(resumed["history"]) == 1
-    assert 1.0 <= resumed["history"][0]["token_mult_prob_error"] < 1.0 + 1e-4  # the engine got the resumed policy
+    m = resumed["history"][0]
+    assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4  # the engine got the resumed (and reloaded) policy
+    assert m["clip_fraction"] > 0.0 and m["offload/gb_moved"] > 0

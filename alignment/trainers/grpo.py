@@ -10,6 +10,8 @@ One step, top to bottom:
   4. logprobs  — frozen reference model's logprobs (for the k3 KL term)
   5. train     — clipped surrogate + kl_coef * KL, token-mean over the global batch, one Adam step
   6. sync      — new weights into the running vLLM engines, in memory
+With ``trainer.offload`` each phase keeps on the device only the models it uses
+(``models.placement.keep``); the others wait in host memory.
 Data layout: every data-parallel (DP) rank owns whole prompt groups; ranks of one
 model-parallel (TP x PP) group share the same data and split only its generation.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -32,12 +34,14 @@ from alignment.data.tasks import Problem, score_response
 from alignment.rollout.base import Sample, SamplingConfig
 from alignment.trainers.batching import make_batch, split_microbatches
 from alignment.trainers.megatron_step import all_reduce_sum, forward_backward, token_entropy, token_logprobs
+from alignment.trainers.offload import DevicePlacement, trainable
 
 
 @dataclass
 class Models:
     """What one rank holds: its policy shard (DDP-wrapped), optimizer, optional reference
-    shard, rollout engine, and the bridge + tokenizer to talk to HF-format engines."""
+    shard, rollout engine, and the bridge + tokenizer to talk to HF-format engines.
+    ``placement`` moves idle models to host memory between phases (``trainer.offload``)."""
 
     policy: torch.nn.Module
     optimizer: object
@@ -46,6 +50,7 @@ class Models:
     bridge: object
     tokenizer: object
     vocab_size: int
+    placement: DevicePlacement = field(default_factory=lambda: DevicePlacement(enabled=False))
 
 
 def _ps():
@@ -199,6 +204,7 @@ def grpo_step(models: Models, problems: list[Problem], cfg,
     ps = _ps()
     r, a, times = cfg.rollout, cfg.algorithm, {}
     t = time.perf_counter()
+    models.placement.keep()  # rollout: only the engine works
     samples, rewards, info = sample_groups(models, problems, cfg, refill if a.dynamic_sampling else None)
     times["rollout"] = time.perf_counter() - t
 
@@ -208,18 +214,22 @@ def grpo_step(models: Models, problems: list[Problem], cfg,
     mbs = cfg.trainer.micro_batch_size
     zeros = torch.zeros_like(batch["response_mask"])
     if models.reference is not None and a.kl_coef > 0:
+        models.placement.keep("reference")
         ref = policy_logprobs(models.reference, split_microbatches(batch, mbs), models.vocab_size, r.temperature)
         batch["ref_logprobs"] = ref if ref is not None else zeros
     if a.ppo_epochs > 1 or a.num_mini_batches > 1:  # several updates: freeze the sampling policy's logprobs
+        models.placement.keep("policy")
         old = policy_logprobs(models.policy, split_microbatches(batch, mbs), models.vocab_size, r.temperature)
         batch["old_logprobs"] = old if old is not None else zeros
     times["logprobs"] = time.perf_counter() - t
 
     t = time.perf_counter()
+    models.placement.keep(*trainable("policy"))
     metrics = train_step(models, batch, cfg)
     times["train"] = time.perf_counter() - t
 
     t = time.perf_counter()
+    models.placement.keep("policy")
     sync_weights(models)
     times["weight_sync"] = time.perf_counter() - t
 
@@ -235,6 +245,7 @@ def grpo_step(models: Models, problems: list[Problem], cfg,
     mean = s1 / n
     metrics.update({"reward/mean": mean, "reward/std": max(s2 / n - mean * mean, 0.0) ** 0.5,
                     "response_length": length / n, "tokens": tokens})
+    metrics.update(models.placement.pop_stats())
     if a.dynamic_sampling:
         dp = ps.get_data_parallel_world_size()
         metrics.update({"dynamic_sampling/rounds": rounds / dp, "dynamic_sampling/filled_groups": filled})

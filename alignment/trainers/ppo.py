@@ -8,10 +8,12 @@ One step, top to bottom:
   4. advantages — per-token reward = -kl_coef * (old_logprobs - ref_logprobs), plus the score at
                   the last token (KL in the reward); GAE(gamma, gae_lambda); advantages whitened
                   over the global batch
-  5. train      — ``ppo_epochs`` passes over ``num_mini_batches`` mini-batches: clipped
-                  surrogate for the policy, clipped value loss for the critic; one Adam step
-                  each per mini-batch, every loss token-mean over the global mini-batch
+  5. train      — the critic, then the policy (as verl; advantages are fixed, so the order
+                  changes nothing): ``ppo_epochs`` passes over ``num_mini_batches``
+                  mini-batches, clipped value loss / clipped surrogate, one Adam step per
+                  mini-batch, every loss token-mean over the global mini-batch
   6. sync       — new policy weights into the running vLLM engines
+With ``trainer.offload`` each phase keeps on the device only the models it uses.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from alignment.trainers.batching import make_batch, split_microbatches
 from alignment.trainers.grpo import Models, generate_for_group, policy_logprobs, sync_weights
 from alignment.trainers.megatron_step import all_reduce_sum, forward_backward, token_entropy, token_logprobs
 from alignment.trainers.offline import global_sums
+from alignment.trainers.offload import trainable
 
 
 @dataclass
@@ -109,6 +112,7 @@ def ppo_step(models: PPOModels, prompts: list[list[int]], cfg) -> tuple[dict[str
     dp_group = ps.get_data_parallel_group()
     times = {}
     t0 = time.perf_counter()
+    models.placement.keep()  # rollout: only the engine works
     groups = generate_for_group(models.engine, prompts, SamplingConfig(
         n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens))
     samples = [s for g in groups for s in g]
@@ -118,14 +122,18 @@ def ppo_step(models: PPOModels, prompts: list[list[int]], cfg) -> tuple[dict[str
     batch = make_batch(samples, pad_id=models.tokenizer.pad_token_id or 0)
     batch["prompt_lengths"] = torch.tensor([len(s.prompt_ids) for s in samples])
     mbs = t.micro_batch_size
+    models.placement.keep("reward_model")
     rewards = score(models.reward_model, batch, mbs)
     mask = batch["response_mask"]
     zeros = torch.zeros_like(mask)
+    models.placement.keep("policy")
     old = policy_logprobs(models.policy, split_microbatches(batch, mbs), models.vocab_size, r.temperature)
     old = old if old is not None else zeros
+    models.placement.keep("reference")
     ref = zeros if models.reference is None else policy_logprobs(
         models.reference, split_microbatches(batch, mbs), models.vocab_size, r.temperature)
     ref = ref if ref is not None else zeros
+    models.placement.keep("critic")
     values = head_outputs(models.critic, split_microbatches(batch, mbs))
     values = values * mask if values is not None else zeros
     token_rewards = kl_in_reward(rewards, old, ref, mask, a.kl_coef, "k1")
@@ -138,19 +146,26 @@ def ppo_step(models: PPOModels, prompts: list[list[int]], cfg) -> tuple[dict[str
     loss_cfg = GRPOLossConfig(clip_ratio=a.clip_ratio, clip_ratio_high=a.clip_ratio_high, kl_coef=0.0)
     n = batch["input_ids"].shape[0]
     size = n // a.num_mini_batches
+    minis = []
+    for k in range(a.num_mini_batches):
+        mini = {key: v[k * size : (k + 1) * size] for key, v in batch.items()}
+        [tokens] = all_reduce_sum([mini["response_mask"].sum().item()], dp_group)
+        minis.append((split_microbatches(mini, mbs), tokens))
     policy_out, critic_out, grad_norms = [], [], []
+    models.placement.keep(*trainable("critic"))
     for _ in range(a.ppo_epochs):
-        for k in range(a.num_mini_batches):
-            mini = {key: v[k * size : (k + 1) * size] for key, v in batch.items()}
-            [tokens] = all_reduce_sum([mini["response_mask"].sum().item()], dp_group)
-            mb_list = split_microbatches(mini, mbs)
+        for mb_list, tokens in minis:
             critic_out += _train_critic(models, mb_list, tokens, a.value_clip)
+    models.placement.keep(*trainable("policy"))
+    for _ in range(a.ppo_epochs):
+        for mb_list, tokens in minis:
             out, norm = _train_policy(models, mb_list, tokens, loss_cfg, r.temperature)
             policy_out += out
             grad_norms.append(norm)
     times["train"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
+    models.placement.keep("policy")
     sync_weights(models)
     times["weight_sync"] = time.perf_counter() - t0
 
@@ -179,5 +194,6 @@ def ppo_step(models: PPOModels, prompts: list[list[int]], cfg) -> tuple[dict[str
         "explained_variance": 1.0 - var_e / var_r if var_r > 0 else 0.0,
         "grad_norm": sum(grad_norms) / len(grad_norms),
         "token_mult_prob_error": perr / tok,
+        **models.placement.pop_stats(),
     }
     return metrics, times
