@@ -65,6 +65,8 @@ class RolloutConfig:
     max_model_len: int = 512
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE, whole GiB
     gpu_memory_utilization: float = 0.3
+    sync_bucket_mb: int = 64  # weight sync: staging budget per bucket (the largest tensor always fits)
+    check_weight_sync: bool = False  # after every sync, verify every engine parameter (a probe W @ u)
 
 
 @dataclass

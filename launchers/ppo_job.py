@@ -32,6 +32,7 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     from alignment.trainers.megatron_step import OptimConfig, setup_training
     from alignment.trainers.offload import DevicePlacement, offload_enabled
     from alignment.trainers.ppo import PPOModels
+    from parallel.reshard import Resharder
 
     dtype = getattr(torch, cfg.model.dtype)
     t = cfg.trainer
@@ -64,8 +65,10 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     placement.add_model("critic", critic, critic_optimizer)
     placement.add_model("reference", reference)
     placement.add_model("reward_model", reward_model)
-    return PPOModels(policy, optimizer, reference, engine, get_bridge(hf_config), engine.tokenizer,
-                     hf_config.vocab_size, placement, critic=critic, critic_optimizer=critic_optimizer,
+    bridge = get_bridge(hf_config)
+    resharder = Resharder(policy, bridge.dims, vllm_tp=1, bucket_bytes=r.sync_bucket_mb << 20)  # one TP=1 engine per rank
+    return PPOModels(policy, optimizer, reference, engine, bridge, engine.tokenizer,
+                     hf_config.vocab_size, placement, resharder, critic=critic, critic_optimizer=critic_optimizer,
                      reward_model=reward_model)
 
 
@@ -143,7 +146,7 @@ def run(cfg) -> dict:
     baseline = heldout_responses(models, my_heldout, cfg)
     if latest is not None:
         models.placement.keep("policy")
-        sync_weights(models)
+        sync_weights(models, cfg.rollout.check_weight_sync)
 
     def checkpoint(step: int) -> None:
         final, parts = ckpt_dir / f"step_{step}", ckpt_dir / f"step_{step}.parts"

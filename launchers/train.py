@@ -34,6 +34,7 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     from alignment.trainers.grpo import Models
     from alignment.trainers.megatron_step import OptimConfig, setup_training
     from alignment.trainers.offload import DevicePlacement, offload_enabled
+    from parallel.reshard import Resharder
 
     dtype = getattr(torch, cfg.model.dtype)
     bridge = get_bridge(hf_config)
@@ -60,7 +61,9 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     placement = DevicePlacement(enabled=offload_enabled(cfg.trainer.offload))
     placement.add_model("policy", policy, optimizer)
     placement.add_model("reference", reference)
-    return Models(policy, optimizer, reference, engine, bridge, engine.tokenizer, hf_config.vocab_size, placement)
+    resharder = Resharder(policy, bridge.dims, vllm_tp=1, bucket_bytes=r.sync_bucket_mb << 20)  # one TP=1 engine per rank
+    return Models(policy, optimizer, reference, engine, bridge, engine.tokenizer, hf_config.vocab_size, placement,
+                  resharder)
 
 
 def run(cfg: DictConfig) -> dict:
@@ -107,7 +110,7 @@ def run_rl(cfg: DictConfig) -> dict:
     latest = latest_checkpoint(ckpt_dir) if cfg.trainer.resume else None
     if latest is not None:
         start_step = load_megatron_checkpoint(models.policy, latest, models.optimizer)
-        grpo.sync_weights(models)
+        grpo.sync_weights(models, cfg.rollout.check_weight_sync)
         if job.rank == 0:
             print(f"resumed from {latest} (step {start_step})", flush=True)
 

@@ -90,3 +90,23 @@ def test_score_head_maps_to_hf_sequence_classifier():
     assert torch.equal(rm.to_hf("output_layer.weight", [torch.tensor([[7.0]])])["score.weight"], torch.tensor([[7.0]]))
     with pytest.raises(ValueError, match="head="):
         LlamaBridge(DIMS, head="value")
+
+
+def test_qwen2_qkv_bias_is_interleaved_like_the_weight():
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(vocab_size=64, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, architectures=["Qwen2ForCausalLM"])
+    d = LlamaDims.from_hf_config(cfg)  # head_dim 2, groups of 2 query heads
+    assert d.qkv_bias
+    b = LlamaBridge(d)
+    assert "decoder.layers.0.self_attention.linear_qkv.bias" in b.megatron_names()
+    p = "model.layers.0.self_attn."
+    hf = {p + "q_proj.bias": torch.arange(8.0), p + "k_proj.bias": 100 + torch.arange(4.0),
+          p + "v_proj.bias": 200 + torch.arange(4.0)}
+    name = "decoder.layers.0.self_attention.linear_qkv.bias"
+    # TP rank 0 holds query group 0: q heads 0,1 (elements 0..3), k head 0, v head 0
+    assert b.to_megatron_shard(name, hf, 0, 2).tolist() == [0, 1, 2, 3, 100, 101, 200, 201]
+    assert b.to_megatron_shard(name, hf, 1, 2).tolist() == [4, 5, 6, 7, 102, 103, 202, 203]
+    back = b.to_hf(name, [b.to_megatron_shard(name, hf, j, 2) for j in range(2)])
+    assert all(torch.equal(back[k], hf[k]) for k in hf) and b.hf_shape(p + "k_proj.bias") == (4,)

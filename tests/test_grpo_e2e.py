@@ -19,9 +19,13 @@ def test_two_grpo_steps_tiny_model(tmp_path):
     run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=2",
                  "rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=2",
                  "data.heldout_size=8", "data.train_size=50", "rollout.max_tokens=16", "rollout.eval_max_tokens=8",
-                 "trainer.lr=1e-3", "trainer.progress_bar=false", str(result), timeout=900)
+                 "trainer.lr=1e-3", "trainer.progress_bar=false", "rollout.check_weight_sync=true", str(result),
+                 timeout=900)
     s = json.loads(result.read_text())
     first, second = s["history"]
+    for m in (first, second):  # DP=2, TP=1: every rank rewrites its own full shard, nothing moves;
+        # the check probed all 26 engine parameters (embedding, final norm, 6 per layer; LM head tied)
+        assert m["weight_sync/sent_mb"] == 0.0 and m["weight_sync/checked"] == 26.0, m
     assert first["kl"] == 0.0 and first["grad_norm"] > 0.0 and 0.0 < first["reward/std"]
     assert second["kl"] > 0.0  # the policy moved away from the reference
     # vLLM sampled step 2 with the weights trained in step 1: its logprobs must match the trainer's
@@ -66,7 +70,8 @@ def test_two_grpo_steps_tiny_model(tmp_path):
 def test_variant_rloo_dr_grpo_aggregation_clip_higher_without_reference(tmp_path):
     """The critic-free variants run through the same pipeline: RLOO advantages, Dr.GRPO's
     constant-length normalisation, DAPO's clip-higher, dynamic sampling and overlong shaping,
-    two epochs of two mini-batches, and kl_coef=0 (no reference model)."""
+    two epochs of two mini-batches, and kl_coef=0 (no reference model); trained with TP=2, so the
+    weight sync reshards across ranks into each rank's TP=1 engine."""
     model_dir = save_tiny_hf_dir(tmp_path / "tiny")
     out, result = tmp_path / "run", tmp_path / "result.json"
     run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=2",
@@ -75,8 +80,11 @@ def test_variant_rloo_dr_grpo_aggregation_clip_higher_without_reference(tmp_path
                  "trainer.lr=1e-3", "trainer.progress_bar=false", "algorithm.advantage_estimator=rloo",
                  "algorithm.loss_agg_mode=seq-mean-token-sum-norm", "algorithm.clip_ratio_high=0.28",
                  "algorithm.kl_coef=0.0", "algorithm.dynamic_sampling=true", "algorithm.overlong_buffer_len=8",
-                 "algorithm.ppo_epochs=2", "algorithm.num_mini_batches=2", str(result), timeout=900)
+                 "algorithm.ppo_epochs=2", "algorithm.num_mini_batches=2", "parallel.tensor_model_parallel_size=2",
+                 str(result), timeout=900)
     first, second = json.loads(result.read_text())["history"]
+    # TP=2 training, a TP=1 engine on each rank: each rank receives the other half of every split tensor
+    assert first["weight_sync/sent_mb"] > 0.0 and first["weight_sync/peak_staged_mb"] > 0.0
     assert first["grad_norm"] > 0.0 and second["grad_norm"] > 0.0
     assert first["kl"] == 0.0 and second["kl"] == 0.0  # no KL term without a reference model
     for m in (first, second):

@@ -1,5 +1,6 @@
 """In-memory weight update of a running vLLM engine: afterwards its logprobs equal
-transformers' on the new weights. The tied case is a regression test: vLLM 0.32's
+transformers' on the new weights, for full HF tensors and for streamed vLLM-layout tensors
+(with the weight check, which must catch a swapped pair of query heads). The tied case is a regression test: vLLM 0.32's
 in-place reload left the CPU-packed LM head on the old weights (error 0.75)."""
 
 from __future__ import annotations
@@ -22,3 +23,6 @@ def test_update_weights_reaches_the_engine(tmp_path):
     r = json.loads(result.read_text())
     assert r["untied"] <= 1e-4, r
     assert r["tied"] <= 1e-4, r
+    # vLLM-layout tensors (fused qkv_proj / gate_up_proj) streamed in buckets, checked by the probe
+    assert r["resharded_untied"] <= 1e-4, r
+    assert r["resharded_tied"] <= 1e-4, r

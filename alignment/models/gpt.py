@@ -45,7 +45,7 @@ def transformer_config(hf_config, *, tensor_model_parallel_size: int, pipeline_m
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=bool(getattr(hf_config, "attention_bias", False)),
+        add_qkv_bias=d.qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tensor_model_parallel_size,

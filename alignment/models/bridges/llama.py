@@ -53,10 +53,14 @@ class LlamaDims:
     vocab_size: int
     tie_word_embeddings: bool
     make_vocab_size_divisible_by: int = 128
+    qkv_bias: bool = False  # Qwen2: q/k/v projections have a bias
 
     @classmethod
     def from_hf_config(cls, cfg, make_vocab_size_divisible_by: int = 128) -> "LlamaDims":
         heads = cfg.num_attention_heads
+        arch = (getattr(cfg, "architectures", None) or [""])[0]
+        qkv_bias = bool(getattr(cfg, "attention_bias", False)) or getattr(cfg, "model_type", "") == "qwen2" \
+            or arch.startswith("Qwen2")
         return cls(
             num_layers=cfg.num_hidden_layers,
             hidden_size=cfg.hidden_size,
@@ -67,6 +71,7 @@ class LlamaDims:
             vocab_size=cfg.vocab_size,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+            qkv_bias=qkv_bias,
         )
 
     def padded_vocab_size(self, tp_size: int) -> int:
@@ -115,6 +120,8 @@ class LlamaBridge:
                 "input_layernorm.weight", "self_attention.linear_qkv.weight",
                 "self_attention.linear_proj.weight", "pre_mlp_layernorm.weight",
                 "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")]
+            if self.dims.qkv_bias:
+                names.append(p + "self_attention.linear_qkv.bias")
         names.append("decoder.final_layernorm.weight")
         if not self.output_layer_tied:
             names.append("output_layer.weight")
@@ -139,6 +146,8 @@ class LlamaBridge:
             "pre_mlp_layernorm.weight": [p + "post_attention_layernorm.weight"],
             "self_attention.linear_qkv.weight": [p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
                                                  p + "self_attn.v_proj.weight"],
+            "self_attention.linear_qkv.bias": [p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias",
+                                               p + "self_attn.v_proj.bias"],
             "self_attention.linear_proj.weight": [p + "self_attn.o_proj.weight"],
             "mlp.linear_fc1.weight": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
             "mlp.linear_fc2.weight": [p + "mlp.down_proj.weight"],
@@ -159,6 +168,9 @@ class LlamaBridge:
             "gate_proj.weight": (d.ffn_hidden_size, d.hidden_size),
             "up_proj.weight": (d.ffn_hidden_size, d.hidden_size),
             "down_proj.weight": (d.hidden_size, d.ffn_hidden_size),
+            "q_proj.bias": (d.num_attention_heads * d.head_dim,),
+            "k_proj.bias": (d.num_query_groups * d.head_dim,),
+            "v_proj.bias": (d.num_query_groups * d.head_dim,),
         }
         if hf_name == "score.weight":
             return (1, d.hidden_size)
@@ -175,7 +187,7 @@ class LlamaBridge:
             return "replicated"  # [1, hidden] on every TP rank
         if rest in ("embedding.word_embeddings.weight", "output_layer.weight"):
             return "vocab"
-        if rest.endswith("linear_qkv.weight"):
+        if rest.endswith("linear_qkv.weight") or rest.endswith("linear_qkv.bias"):
             return "qkv"
         if rest.endswith("linear_fc1.weight"):
             return "gate_up"
@@ -213,11 +225,11 @@ class LlamaBridge:
         if kind == "gate_up":
             gate, up = srcs
             return torch.cat([gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]])
-        # qkv
+        # qkv (weight [rows, H] or bias [rows])
         q, k, v = srcs
-        nkv, g, hd, h = d.num_query_groups, d.num_attention_heads // d.num_query_groups, d.head_dim, d.hidden_size
-        fused = torch.cat([q.reshape(nkv, g * hd, h), k.reshape(nkv, hd, h), v.reshape(nkv, hd, h)], dim=1)
-        return fused.chunk(tp_size, dim=0)[tp_rank].reshape(-1, h)
+        nkv, g, hd, rest = d.num_query_groups, d.num_attention_heads // d.num_query_groups, d.head_dim, q.shape[1:]
+        fused = torch.cat([q.reshape(nkv, g * hd, *rest), k.reshape(nkv, hd, *rest), v.reshape(nkv, hd, *rest)], dim=1)
+        return fused.chunk(tp_size, dim=0)[tp_rank].reshape(-1, *rest)
 
     # ---- Megatron -> HF ------------------------------------------------------------
     def to_hf(self, mg_name: str, shards: list[Tensor]) -> dict[str, Tensor]:
@@ -243,16 +255,17 @@ class LlamaBridge:
         if kind == "gate_up":
             halves = [s.chunk(2, dim=0) for s in shards]
             return {names[0]: torch.cat([a for a, _ in halves]), names[1]: torch.cat([b for _, b in halves])}
-        nkv, g, hd, h = d.num_query_groups, d.num_attention_heads // d.num_query_groups, d.head_dim, d.hidden_size
-        fused = torch.cat(shards, dim=0).reshape(nkv, (g + 2) * hd, h)
+        nkv, g, hd, rest = d.num_query_groups, d.num_attention_heads // d.num_query_groups, d.head_dim, shards[0].shape[1:]
+        fused = torch.cat(shards, dim=0).reshape(nkv, (g + 2) * hd, *rest)
         q, k, v = fused.split([g * hd, hd, hd], dim=1)
-        return {names[0]: q.reshape(-1, h), names[1]: k.reshape(-1, h), names[2]: v.reshape(-1, h)}
+        return {names[0]: q.reshape(-1, *rest), names[1]: k.reshape(-1, *rest), names[2]: v.reshape(-1, *rest)}
 
 
 BRIDGES: dict[str, Callable[[LlamaDims], LlamaBridge]] = {
     "LlamaForCausalLM": LlamaBridge,
     "MistralForCausalLM": LlamaBridge,
     "LlamaForSequenceClassification": LlamaBridge,
+    "Qwen2ForCausalLM": LlamaBridge,  # Llama + QKV bias (LlamaDims.qkv_bias)
 }
 
 

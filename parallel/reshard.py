@@ -1,0 +1,271 @@
+"""Reshard Megatron training shards into vLLM's tensor-parallel layout, rank to rank, in
+bounded buckets, without gathering the full model anywhere.
+
+Every rank computes the same plan (deterministic, no coordinator; cached for the run):
+  1. each rank publishes which Megatron parameters it holds (global names, TP/PP/DP
+     coordinates, shapes): one ``all_gather_object`` when the plan is built;
+  2. for every destination rank ``d`` (vLLM TP rank ``d % vllm_tp``) and every vLLM tensor, the
+     pieces of :func:`parallel.vllm_layout.vllm_tensors` get a source rank: ``d`` itself when it
+     holds the piece, else the lowest rank of ``d``'s own data-parallel replica that does (so
+     traffic stays inside one model-parallel group), else the lowest rank holding it;
+  3. tensors are cut into buckets so that, on every rank, the destination tensors of a bucket
+     plus its send and receive buffers stay within ``bucket_bytes`` (a tensor larger than
+     that forms a bucket of its own).
+Per bucket, each rank packs the slices others need into one buffer per peer, exchanges them
+with ``batch_isend_irecv``, copies its local slices, and yields the finished vLLM tensors.
+A destination tensor that is exactly one whole local parameter (e.g. a norm, or a row-parallel
+weight when both TP sizes agree) is yielded as that parameter, without a copy. With equal TP
+sizes and PP=1 nothing moves between ranks: each rank rewrites its own shard.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from alignment.models.bridges.llama import LlamaDims
+from parallel.vllm_layout import ANY_TP_RANK, Piece, VLLMTensor, vllm_tensors
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What one rank of the training world holds: coordinates and ``{global name: shape}``."""
+
+    rank: int
+    tp: int
+    pp: int
+    dp: int
+    params: dict
+
+
+@dataclass
+class Bucket:
+    """This rank's share of one bucket of the plan."""
+
+    tensors: list[VLLMTensor]  # this rank's destination tensors, in vLLM order
+    alias: dict[str, str]  # tensor name -> local parameter yielded as is
+    local: list[tuple[str, Piece]]  # (tensor, piece) this rank copies from itself
+    send: dict[int, list[Piece]]  # peer -> pieces packed (in order) into one buffer
+    recv: dict[int, list[tuple[str, Piece]]]  # peer -> (tensor, piece) unpacked in order
+    staged_bytes: int  # destination copies + send + receive buffers on this rank
+
+
+@dataclass
+class ReshardStats:
+    """Measured by :meth:`Resharder.buckets`: bytes this rank sent and received, the peak of
+    bytes it staged at once (buffers + destination copies), buckets, and seconds spent."""
+
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    peak_staged_bytes: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
+
+
+def _numel(shape: tuple[int, ...], piece: Piece) -> int:
+    n = piece.length
+    for i, s in enumerate(shape):
+        if i != piece.dim:
+            n *= s
+    return n
+
+
+class ReshardPlan:
+    """The whole plan, the same on every rank, and this rank's buckets.
+
+    Args:
+        dims: model dimensions.
+        infos: every training rank's :class:`RankInfo` (index = global rank).
+        megatron_tp: training tensor-parallel size. vllm_tp: the engines' ``tensor_parallel_size``
+            (vLLM TP groups are consecutive ranks: rank ``d`` is vLLM TP rank ``d % vllm_tp``).
+        rank: this rank. bucket_bytes: staging budget per bucket. element_size: bytes per element.
+    Raises:
+        ValueError: sizes that do not divide (world size vs ``vllm_tp``, heads), or a piece no rank holds.
+    """
+
+    def __init__(self, dims: LlamaDims, infos: list[RankInfo], megatron_tp: int, vllm_tp: int, rank: int,
+                 bucket_bytes: int, element_size: int):
+        world = len(infos)
+        if world % vllm_tp:
+            raise ValueError(f"rollout.tensor_parallel_size={vllm_tp} must divide the world size {world}")
+        self.rank, self.world, self.vllm_tp = rank, world, vllm_tp
+        per_rank = {r: vllm_tensors(dims, megatron_tp, vllm_tp, r, dims.qkv_bias) for r in range(vllm_tp)}
+        holders: dict[tuple[str, int], list[RankInfo]] = defaultdict(list)
+        for info in infos:
+            for name in info.params:
+                holders[(name, info.tp)].append(info)
+                holders[(name, ANY_TP_RANK)].append(info)
+
+        def source(piece: Piece, dst: int) -> int:
+            cands = holders.get((piece.source, piece.source_tp_rank))
+            if not cands:
+                raise ValueError(f"no training rank holds {piece.source} (TP rank {piece.source_tp_rank})")
+            if any(c.rank == dst for c in cands):
+                return dst
+            same = [c.rank for c in cands if c.dp == infos[dst].dp]
+            return min(same) if same else min(c.rank for c in cands)
+
+        n = len(per_rank[0])
+        # routes[i][dst] = [(src, piece)] for tensor i of destination dst
+        routes = [[[(source(p, d), p) for p in per_rank[d % vllm_tp][i].pieces] for d in range(world)]
+                  for i in range(n)]
+
+        def aliased(i: int, d: int) -> str | None:
+            t = per_rank[d % vllm_tp][i]
+            if len(t.pieces) != 1 or routes[i][d][0][0] != d:
+                return None
+            p = t.pieces[0]
+            shape = tuple(infos[d].params[p.source])
+            whole = p.source_start == 0 and p.dest_start == 0 and shape == t.shape and p.length == shape[p.dim]
+            return p.source if whole else None
+
+        def costs(i: int) -> list[int]:
+            """Bytes tensor ``i`` stages on each rank: its copy + what it sends + what it receives."""
+            b = [0 if aliased(i, x) else _prod(per_rank[x % vllm_tp][i].shape) for x in range(world)]
+            for d in range(world):
+                shape = per_rank[d % vllm_tp][i].shape
+                for src, p in routes[i][d]:
+                    if src != d:
+                        b[src] += _numel(shape, p)
+                        b[d] += _numel(shape, p)
+            return [v * element_size for v in b]
+
+        cost = [costs(i) for i in range(n)]
+        # Bucket boundaries: the same on every rank (the largest cost over ranks decides).
+        bounds, start, acc = [], 0, 0
+        for i in range(n):
+            c = max(cost[i])
+            if i > start and acc + c > bucket_bytes:
+                bounds.append((start, i))
+                start, acc = i, 0
+            acc += c
+        bounds.append((start, n))
+
+        mine = per_rank[rank % vllm_tp]
+        self.buckets: list[Bucket] = []
+        for lo, hi in bounds:
+            b = Bucket([mine[i] for i in range(lo, hi)], {}, [], defaultdict(list), defaultdict(list), 0)
+            for i in range(lo, hi):
+                name = mine[i].name
+                if (src := aliased(i, rank)) is not None:
+                    b.alias[name] = src
+                for src, p in routes[i][rank]:
+                    if src == rank and name not in b.alias:
+                        b.local.append((name, p))
+                    elif src != rank:
+                        b.recv[src].append((name, p))
+                for d in range(world):
+                    if d != rank:
+                        b.send[d] += [p for src, p in routes[i][d] if src == rank]
+            b.send = {k: v for k, v in b.send.items() if v}
+            b.staged_bytes = sum(cost[i][rank] for i in range(lo, hi))
+            self.buckets.append(b)
+        self.moves_data = any(b.send or b.recv for b in self.buckets)
+
+
+def _prod(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def gather_rank_infos(model) -> list[RankInfo]:
+    """Every rank's :class:`RankInfo` (collective over the default group)."""
+    from megatron.core import parallel_state as ps
+
+    from alignment.models.weights import global_param_names
+
+    mine = RankInfo(dist.get_rank(), ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                    ps.get_data_parallel_rank(),
+                    {g: tuple(p.shape) for _, g, p in global_param_names(model)})
+    infos = [None] * dist.get_world_size()
+    dist.all_gather_object(infos, mine)
+    return infos
+
+
+@dataclass
+class Resharder:
+    """Streams this rank's vLLM-layout tensors of ``model`` (a Megatron GPTModel shard, DDP or not).
+
+    Build once per run (the plan is cached); call :meth:`buckets` after every optimizer step.
+    ``vllm_tp``: the engines' TP size; ``bucket_bytes``: staging budget (at least the largest
+    tensor is always allowed).
+    """
+
+    model: torch.nn.Module
+    dims: LlamaDims
+    vllm_tp: int = 1
+    bucket_bytes: int = 64 << 20
+    stats: ReshardStats = field(default_factory=ReshardStats)
+
+    def __post_init__(self):
+        from megatron.core import parallel_state as ps
+
+        from alignment.models.weights import global_param_names
+
+        self._params = {g: p for _, g, p in global_param_names(self.model)}
+        dtype = next(iter(self._params.values())).dtype
+        self.dtype = dtype
+        self.plan = ReshardPlan(self.dims, gather_rank_infos(self.model), ps.get_tensor_model_parallel_world_size(),
+                                self.vllm_tp, dist.get_rank(), self.bucket_bytes,
+                                torch.tensor([], dtype=dtype).element_size())
+
+    def _slice(self, piece: Piece) -> torch.Tensor:
+        return self._params[piece.source].detach().narrow(piece.dim, piece.source_start, piece.length)
+
+    @torch.no_grad()
+    def buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Yield, bucket by bucket, ``[(vllm_name, tensor)]`` of this rank's vLLM TP shard
+        (shapes as :func:`parallel.vllm_layout.vllm_tensors`, dtype of the parameters).
+
+        Collective: every rank must consume every bucket in step. Tensors of a bucket are
+        valid until the next one is requested (consume or copy them before); aliased ones are
+        the live parameters: do not modify them.
+        """
+        t0, st = time.perf_counter(), self.stats
+        for b in self.plan.buckets:
+            out: dict[str, torch.Tensor] = {}
+            for t in b.tensors:
+                if t.name in b.alias:
+                    out[t.name] = self._params[b.alias[t.name]].detach()
+                else:
+                    out[t.name] = torch.zeros(t.shape, dtype=self.dtype, device=self._device())
+            shapes = {t.name: t.shape for t in b.tensors}
+            send = {peer: torch.cat([self._slice(p).reshape(-1) for p in pieces]) for peer, pieces in b.send.items()}
+            recv = {peer: torch.empty(sum(_numel(shapes[n], p) for n, p in items), dtype=self.dtype,
+                                      device=self._device()) for peer, items in b.recv.items()}
+            ops = [dist.P2POp(dist.isend, buf, peer) for peer, buf in send.items()]
+            ops += [dist.P2POp(dist.irecv, buf, peer) for peer, buf in recv.items()]
+            reqs = dist.batch_isend_irecv(ops) if ops else []
+            for name, p in b.local:
+                out[name].narrow(p.dim, p.dest_start, p.length).copy_(self._slice(p))
+            for r in reqs:
+                r.wait()
+            for peer, items in b.recv.items():
+                offset, buf = 0, recv[peer]
+                for name, p in items:
+                    region = out[name].narrow(p.dim, p.dest_start, p.length)
+                    k = region.numel()
+                    region.copy_(buf[offset : offset + k].view(region.shape))
+                    offset += k
+            esize = torch.tensor([], dtype=self.dtype).element_size()
+            staged = sum(v.numel() for v in send.values()) + sum(v.numel() for v in recv.values()) + sum(
+                out[t.name].numel() for t in b.tensors if t.name not in b.alias)
+            st.peak_staged_bytes = max(st.peak_staged_bytes, staged * esize)
+            st.sent_bytes += sum(v.numel() for v in send.values()) * esize
+            st.received_bytes += sum(v.numel() for v in recv.values()) * esize
+            st.buckets += 1
+            del send, recv
+            st.seconds += time.perf_counter() - t0
+            yield [(t.name, out[t.name]) for t in b.tensors]
+            t0 = time.perf_counter()
+            del out
+
+    def _device(self):
+        return next(iter(self._params.values())).device

@@ -1,0 +1,92 @@
+"""torchrun worker (4 processes): Megatron shards -> vLLM TP layout through parallel.reshard.
+
+For each model x training layout (TP, PP; DP = the rest) x vLLM TP, every rank streams its
+vLLM shard in small buckets; every tensor must equal what vLLM's own weight loaders put in
+that vLLM rank's parameter from the full HF tensors (alignment.rollout.weight_check.vllm_reference_shard).
+Also measured per case: bytes sent and received (summed over ranks), the largest number of
+bytes any rank staged at once, and the largest single-tensor bucket (the floor of any budget).
+Writes {case: {...}}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from alignment.models.bridges.llama import LlamaDims, get_bridge
+from alignment.models.gpt import build_gpt_model, transformer_config
+from alignment.models.weights import load_hf_weights
+from parallel.layout import ParallelLayout
+from parallel.reshard import Resharder
+from parallel.state import env_world, init_distributed
+from alignment.rollout.weight_check import vllm_reference_shard
+
+MODELS = {  # heads, KV heads, head_dim, hidden, ffn, vocab, tied
+    "gqa": (8, 4, 16, 96, 64, 512, False),
+    "gqa_kv2_tied_vocab300": (4, 2, 32, 64, 80, 300, True),
+    "mqa": (4, 1, 16, 48, 64, 250, False),
+}
+LAYOUTS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]  # (TP, PP) on 4 ranks
+BUCKET = 16 << 10  # 16 KiB: many buckets even for these tiny models
+
+
+def hf_model(name: str) -> LlamaForCausalLM:
+    nq, nkv, hd, h, f, v, tied = MODELS[name]
+    cfg = LlamaConfig(vocab_size=v, hidden_size=h, intermediate_size=f, num_hidden_layers=4, num_attention_heads=nq,
+                      num_key_value_heads=nkv, head_dim=hd, tie_word_embeddings=tied, torch_dtype="float32")
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(cfg).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    return model
+
+
+def main(path: str) -> None:
+    rank, world, _ = env_world()
+    results = {}
+    for model_name in MODELS:
+        hf = hf_model(model_name)
+        dims = LlamaDims.from_hf_config(hf.config)
+        state = hf.state_dict()
+        for tp, pp in LAYOUTS:
+            if dims.num_query_groups % tp:
+                continue  # Megatron needs whole KV groups per TP rank
+            init_distributed(ParallelLayout(world_size=world, tensor_model_parallel_size=tp,
+                                            pipeline_model_parallel_size=pp))
+            model = build_gpt_model(hf.config, transformer_config(hf.config, tensor_model_parallel_size=tp,
+                                                                  pipeline_model_parallel_size=pp))
+            load_hf_weights(model, state, get_bridge(hf.config))
+            for vtp in (1, 2, 4):
+                resharder = Resharder(model, dims, vllm_tp=vtp, bucket_bytes=BUCKET)
+                wrong, count = [], 0
+                for bucket in resharder.buckets():
+                    for name, tensor in bucket:
+                        want = vllm_reference_shard(dims, state, name, vtp, rank % vtp)
+                        count += 1
+                        if tensor.shape != want.shape or not torch.equal(tensor, want):
+                            wrong.append(name)
+                st = resharder.stats
+                singles = [b.staged_bytes for b in resharder.plan.buckets if len(b.tensors) == 1]
+                t = torch.tensor([len(wrong), st.sent_bytes, st.received_bytes, count], dtype=torch.float64)
+                dist.all_reduce(t)
+                m = torch.tensor([st.peak_staged_bytes, max(singles, default=0)], dtype=torch.float64)
+                dist.all_reduce(m, op=dist.ReduceOp.MAX)
+                results[f"{model_name}/tp{tp}_pp{pp}->vllm_tp{vtp}"] = {
+                    "wrong": int(t[0]), "first_wrong": wrong[:3], "sent_bytes": int(t[1]), "received_bytes": int(t[2]),
+                    "tensors": int(t[3]), "peak_staged_bytes": int(m[0]), "largest_single_bucket": int(m[1]),
+                    "buckets": st.buckets, "moves_data": resharder.plan.moves_data,
+                    "model_bytes": 4 * sum(v.numel() for v in state.values()),
+                }
+            del model
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

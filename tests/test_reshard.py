@@ -1,0 +1,65 @@
+"""Resharding Megatron shards into vLLM's TP layout rank to rank (parallel/reshard.py) under
+torchrun with 4 processes: every tensor of every destination rank equals vLLM's own sharding
+of the HF tensors, for TP 1/2/4 x PP 1/2 training layouts (TP4 x PP2 needs 8 ranks: not run)
+and vLLM TP 1/2/4; only the needed slices move; staging stays within the bucket budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist.reshard_worker import BUCKET, LAYOUTS, MODELS
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    import json
+
+    from tests.conftest import run_torchrun
+
+    path = tmp_path_factory.mktemp("reshard") / "reshard.json"
+    run_torchrun("reshard_worker.py", str(path), nproc=4, timeout=900)
+    return json.loads(path.read_text())
+
+
+def test_every_destination_tensor_equals_vllms_sharding(cases):
+    # gqa: 8 heads / 4 KV heads (TP 1, 2, 4); kv2: 2 KV heads (TP 1, 2); mqa: 1 KV head (TP 1)
+    expected_cases = sum(3 * len([1 for tp, _ in LAYOUTS if MODELS[m][1] % tp == 0]) for m in MODELS)
+    assert len(cases) == expected_cases == 33
+    for name, c in cases.items():
+        assert c["wrong"] == 0, (name, c["first_wrong"])
+        per_rank = 2 + 4 * 6 + (not MODELS[name.split("/")[0]][6])  # embed, norm, 6 per layer, lm_head if untied
+        assert c["tensors"] == 4 * per_rank, name
+
+
+def test_equal_tp_without_pp_moves_nothing(cases):
+    for name in ("gqa/tp1_pp1->vllm_tp1", "gqa/tp2_pp1->vllm_tp2", "gqa/tp4_pp1->vllm_tp4", "mqa/tp1_pp1->vllm_tp1",
+                 "gqa_kv2_tied_vocab300/tp1_pp1->vllm_tp1", "gqa/tp1_pp1->vllm_tp4"):
+        assert cases[name]["sent_bytes"] == 0 and not cases[name]["moves_data"], name
+    # TP4 -> vLLM TP4 with whole KV groups and an aligned vocabulary: every tensor IS the local shard
+    assert cases["gqa/tp4_pp1->vllm_tp4"]["peak_staged_bytes"] == 0
+    # Vocabulary 300: Megatron pads to 512 (256 rows per TP rank), vLLM to 320 (160 per rank). vLLM rank 1
+    # needs rows 160..255 from Megatron TP rank 0: 96 rows x 64 hidden x 4 bytes, in each of 2 DP replicas.
+    c = cases["gqa_kv2_tied_vocab300/tp2_pp1->vllm_tp2"]
+    assert c["sent_bytes"] == c["received_bytes"] == 2 * 96 * 64 * 4
+
+
+def test_only_the_needed_slices_move(cases):
+    # gqa TP2 -> vLLM TP1: each rank needs its partner's half of every TP-split tensor (2 DP replicas x
+    # 2 ranks). Split elements: embedding + LM head 2 x 512 x 96; per layer qkv (8+2*4)*16 x 96,
+    # o_proj 96 x 128, gate_up 128 x 96, down 96 x 64. Norms are replicated and never move.
+    split = 2 * 512 * 96 + 4 * (16 * 16 * 96 + 96 * 128 + 128 * 96 + 96 * 64)
+    assert cases["gqa/tp2_pp1->vllm_tp1"]["sent_bytes"] == 4 * (split // 2) * 4
+    # TP2 (ranks 0,1 | 2,3 are the two replicas) -> vLLM TP4 (rank d is vLLM rank d): vLLM slices 0 and 3
+    # lie in the rank's own Megatron shard; slice 1 (rank 1) comes from rank 0, slice 2 (rank 2) from
+    # rank 3. So 2 ranks receive a quarter of every split tensor.
+    assert cases["gqa/tp2_pp1->vllm_tp4"]["sent_bytes"] == 2 * (split // 4) * 4
+    for name, c in cases.items():
+        # never more than every rank receiving the whole model (the naive gather's volume)
+        assert c["received_bytes"] <= 4 * c["model_bytes"], name
+
+
+def test_staging_stays_within_one_bucket(cases):
+    for name, c in cases.items():
+        # a bucket holds more than one tensor only while it fits the budget; one tensor alone may exceed it
+        assert c["peak_staged_bytes"] <= max(BUCKET, c["largest_single_bucket"]), name
+    assert cases["gqa/tp2_pp2->vllm_tp1"]["buckets"] > 10  # 16 KiB buckets: streamed, not all at once
