@@ -5,10 +5,12 @@ in one run. Prints a table (rank 0).
 
     torchrun --standalone --nproc-per-node 2 bench/reshard.py [--model smollm2] [--repeats 3] [--engine]
 
-The model is SmolLM2-135M-Instruct's shape (134.5M parameters, 538 MB in fp32), weights as
-loaded from the package. Layouts: every (TP, PP) the world size allows; destination vLLM TP 1
-(the CPU engine's) and TP = world size (plan and movement only). ``--engine`` also loads into a
-running vLLM engine per rank both ways and times it.
+``--model smollm2``: SmolLM2-135M-Instruct (134.5M parameters, 538 MB in fp32; 9 heads and 3 KV
+heads, so TP=1 only). ``--model gqa8``: a random Llama of the same size with 8 heads and 4 KV
+heads (so TP=2 works), written once to ``$TMPDIR/megalign_bench_gqa8``. Layouts: every (TP, PP)
+the world size and the model allow; destination vLLM TP 1 (the CPU engine's) and TP = world
+size where the model splits (plan and movement only). ``--engine`` also loads into a running
+vLLM engine per rank both ways and times it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,23 @@ def memcpy_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     for _ in range(repeats):
         t0 = time.perf_counter()
         dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def p2p_gbps(nbytes: int = 128 << 20, repeats: int = 3) -> float:
+    """Point-to-point bandwidth between ranks 0 and 1 of the default group (the transport's limit:
+    gloo over loopback TCP here, NCCL on GPUs), in GB/s."""
+    buf = torch.ones(nbytes, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if dist.get_rank() == 0:
+            dist.send(buf, 1)
+        elif dist.get_rank() == 1:
+            dist.recv(buf, 0)
+        dist.barrier()
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9
 
@@ -63,15 +82,18 @@ def main() -> None:
     from parallel.layout import ParallelLayout
     from parallel.reshard import Resharder
     from parallel.state import env_world, init_distributed
+    from parallel.vllm_layout import check_tp_sizes
 
     rank, world, _ = env_world()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    hf_dir = prepare_hf_dir(args.model)
+    init_distributed(ParallelLayout(world_size=world))  # the default group, before vLLM looks for one
+    hf_dir = synthetic_gqa8(rank) if args.model == "gqa8" else prepare_hf_dir(args.model)
     hf_config = AutoConfig.from_pretrained(hf_dir)
     bridge = get_bridge(hf_config)
     state = lazy_safetensors(hf_dir)
     model_bytes = 4 * sum(state[k].numel() for k in bridge_names(bridge))
     peak_copy = memcpy_gbps()
+    p2p = p2p_gbps() if world > 1 else float("nan")
     engine = None
     if args.engine:
         from alignment.rollout.vllm_engine import VLLMEngine
@@ -86,6 +108,10 @@ def main() -> None:
         load_hf_weights(model, state, bridge)
         naive = timed(lambda: export_hf_weights(model, bridge), args.repeats)
         for vtp in sorted({1, world}):
+            try:
+                check_tp_sizes(bridge.dims, tp, vtp)
+            except ValueError:
+                continue
             r = Resharder(model, bridge.dims, vllm_tp=vtp, bucket_bytes=args.bucket_mb << 20)
             shard_bytes = 0
 
@@ -106,11 +132,33 @@ def main() -> None:
                 row["load_naive_s"] = timed(lambda: engine.update_weights(export_hf_weights(model, bridge).items()),
                                             args.repeats)
             rows.append(row)
-        del model
+        model = r = None  # free before the next layout is built
     if rank == 0:
-        print_table(rows, peak_copy, model_bytes, world, args)
+        print_table(rows, peak_copy, p2p, model_bytes, world, args)
     if engine is not None:
         engine.close()
+
+
+def synthetic_gqa8(rank: int):
+    """An HF dir with a random SmolLM2-sized Llama (8 heads, 4 KV heads) and SmolLM2's tokenizer."""
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from alignment.models.hf_assets import prepare_hf_dir
+
+    path = Path(tempfile.gettempdir()) / "megalign_bench_gqa8"
+    if rank == 0 and not (path / "config.json").exists():
+        tok = AutoTokenizer.from_pretrained(prepare_hf_dir("smollm2"))
+        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True,
+                          torch_dtype="float32")
+        torch.manual_seed(0)
+        LlamaForCausalLM(cfg).save_pretrained(path)
+        tok.save_pretrained(path)
+    dist.barrier()
+    return path
 
 
 def bridge_names(bridge) -> list[str]:
@@ -127,10 +175,12 @@ def layouts(world: int, dims) -> list[tuple[int, int]]:
     return out
 
 
-def print_table(rows, peak_copy: float, model_bytes: int, world: int, args) -> None:
+def print_table(rows, peak_copy: float, p2p: float, model_bytes: int, world: int, args) -> None:
     print(f"\nweight sync, {args.model} ({model_bytes / 2**20:.0f} MB fp32), {world} ranks, "
           f"bucket {args.bucket_mb} MB, best of {args.repeats}")
-    print(f"memcpy bandwidth of this machine (1 thread per rank's share): {peak_copy:.2f} GB/s\n")
+    print(f"memcpy bandwidth (every rank copying at once): {peak_copy:.2f} GB/s; "
+          f"rank-to-rank send/recv: {p2p:.2f} GB/s")
+    print("GB/s = this rank's vLLM shard / reshard time; above memcpy means tensors passed on without a copy\n")
     head = ["layout", "vLLM TP", "shard MB", "reshard s", "GB/s", "% memcpy", "naive gather s", "naive/reshard",
             "sent MB", "peak staged MB", "naive extra MB"]
     if any("load_reshard_s" in r for r in rows):

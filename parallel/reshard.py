@@ -11,8 +11,10 @@ Every rank computes the same plan (deterministic, no coordinator; cached for the
   3. tensors are cut into buckets so that, on every rank, the destination tensors of a bucket
      plus its send and receive buffers stay within ``bucket_bytes`` (a tensor larger than
      that forms a bucket of its own).
-Per bucket, each rank packs the slices others need into one buffer per peer, exchanges them
-with ``batch_isend_irecv``, copies its local slices, and yields the finished vLLM tensors.
+Per bucket, each rank packs the slices others need into one buffer per peer (a single row
+range goes as a view of the parameter and lands directly in the destination tensor),
+exchanges them with ``batch_isend_irecv``, copies its local slices, and yields the finished
+vLLM tensors.
 A destination tensor that is exactly one whole local parameter (e.g. a norm, or a row-parallel
 weight when both TP sizes agree) is yielded as that parameter, without a copy. With equal TP
 sizes and PP=1 nothing moves between ranks: each rank rewrites its own shard.
@@ -237,9 +239,18 @@ class Resharder:
                 else:
                     out[t.name] = torch.zeros(t.shape, dtype=self.dtype, device=self._device())
             shapes = {t.name: t.shape for t in b.tensors}
-            send = {peer: torch.cat([self._slice(p).reshape(-1) for p in pieces]) for peer, pieces in b.send.items()}
-            recv = {peer: torch.empty(sum(_numel(shapes[n], p) for n, p in items), dtype=self.dtype,
-                                      device=self._device()) for peer, items in b.recv.items()}
+            # One message per peer. A message of one row range (dim 0) is sent from / received into
+            # the tensor itself (a contiguous view); others are packed into a staging buffer.
+            send, recv, staged = {}, {}, 0
+            for peer, pieces in b.send.items():
+                direct = len(pieces) == 1 and pieces[0].dim == 0
+                send[peer] = self._slice(pieces[0]) if direct else torch.cat([self._slice(p).reshape(-1) for p in pieces])
+                staged += 0 if direct else send[peer].numel()
+            for peer, items in b.recv.items():
+                (name, p), direct = items[0], len(items) == 1 and items[0][1].dim == 0
+                recv[peer] = out[name].narrow(0, p.dest_start, p.length) if direct else torch.empty(
+                    sum(_numel(shapes[n], q) for n, q in items), dtype=self.dtype, device=self._device())
+                staged += 0 if direct else recv[peer].numel()
             ops = [dist.P2POp(dist.isend, buf, peer) for peer, buf in send.items()]
             ops += [dist.P2POp(dist.irecv, buf, peer) for peer, buf in recv.items()]
             reqs = dist.batch_isend_irecv(ops) if ops else []
@@ -249,14 +260,15 @@ class Resharder:
                 r.wait()
             for peer, items in b.recv.items():
                 offset, buf = 0, recv[peer]
+                if len(items) == 1 and items[0][1].dim == 0:
+                    continue  # received in place
                 for name, p in items:
                     region = out[name].narrow(p.dim, p.dest_start, p.length)
                     k = region.numel()
                     region.copy_(buf[offset : offset + k].view(region.shape))
                     offset += k
             esize = torch.tensor([], dtype=self.dtype).element_size()
-            staged = sum(v.numel() for v in send.values()) + sum(v.numel() for v in recv.values()) + sum(
-                out[t.name].numel() for t in b.tensors if t.name not in b.alias)
+            staged += sum(out[t.name].numel() for t in b.tensors if t.name not in b.alias)
             st.peak_staged_bytes = max(st.peak_staged_bytes, staged * esize)
             st.sent_bytes += sum(v.numel() for v in send.values()) * esize
             st.received_bytes += sum(v.numel() for v in recv.values()) * esize

@@ -1,7 +1,7 @@
 """Resharding Megatron shards into vLLM's TP layout rank to rank (parallel/reshard.py) under
-torchrun with 4 processes: every tensor of every destination rank equals vLLM's own sharding
-of the HF tensors, for TP 1/2/4 x PP 1/2 training layouts (TP4 x PP2 needs 8 ranks: not run)
-and vLLM TP 1/2/4; only the needed slices move; staging stays within the bucket budget."""
+torchrun: every tensor of every destination rank equals vLLM's own sharding of the HF
+tensors, for TP 1/2/4 x PP 1/2 training layouts (4 processes; TP4 x PP2 with 8) and vLLM
+TP 1/2/4 (and 8); only the needed slices move; staging stays within the bucket budget."""
 
 from __future__ import annotations
 
@@ -56,6 +56,24 @@ def test_only_the_needed_slices_move(cases):
     for name, c in cases.items():
         # never more than every rank receiving the whole model (the naive gather's volume)
         assert c["received_bytes"] <= 4 * c["model_bytes"], name
+
+
+def test_tp4_pp2_on_eight_ranks(tmp_path):
+    import json
+
+    from tests.conftest import run_torchrun
+
+    path = tmp_path / "reshard8.json"
+    run_torchrun("reshard_worker.py", "4x2", "gqa", str(path), nproc=8, timeout=900)
+    cases = json.loads(path.read_text())
+    assert sorted(cases) == [f"gqa/tp4_pp2->vllm_tp{t}" for t in (1, 2, 4, 8)]
+    for name, c in cases.items():  # vLLM TP 8 > 4 KV heads: each KV head on 2 vLLM ranks
+        assert c["wrong"] == 0 and c["tensors"] == 8 * (2 + 4 * 6 + 1), (name, c["first_wrong"])
+        assert c["peak_staged_bytes"] <= max(BUCKET, c["largest_single_bucket"]), name
+    # TP4 PP2 -> vLLM TP4: each rank lacks exactly the other stage's 2 layers of its own TP shard (and
+    # the embedding or LM head): half of its vLLM shard moves
+    c = cases["gqa/tp4_pp2->vllm_tp4"]
+    assert 0 < c["sent_bytes"] == c["received_bytes"] < c["model_bytes"] * 8 / 4
 
 
 def test_staging_stays_within_one_bucket(cases):

@@ -1,4 +1,7 @@
-"""torchrun worker (4 processes): Megatron shards -> vLLM TP layout through parallel.reshard.
+"""torchrun worker: Megatron shards -> vLLM TP layout through parallel.reshard.
+
+    torchrun --nproc-per-node 4 tests/dist/reshard_worker.py RESULT.json            # LAYOUTS, all models
+    torchrun --nproc-per-node 8 tests/dist/reshard_worker.py 4x2 gqa RESULT.json    # one layout, one model
 
 For each model x training layout (TP, PP; DP = the rest) x vLLM TP, every rank streams its
 vLLM shard in small buckets; every tensor must equal what vLLM's own weight loaders put in
@@ -46,14 +49,14 @@ def hf_model(name: str) -> LlamaForCausalLM:
     return model
 
 
-def main(path: str) -> None:
+def main(path: str, layouts: list[tuple[int, int]], models: list[str]) -> None:
     rank, world, _ = env_world()
     results = {}
-    for model_name in MODELS:
+    for model_name in models:
         hf = hf_model(model_name)
         dims = LlamaDims.from_hf_config(hf.config)
         state = hf.state_dict()
-        for tp, pp in LAYOUTS:
+        for tp, pp in layouts:
             if dims.num_query_groups % tp:
                 continue  # Megatron needs whole KV groups per TP rank
             init_distributed(ParallelLayout(world_size=world, tensor_model_parallel_size=tp,
@@ -61,7 +64,7 @@ def main(path: str) -> None:
             model = build_gpt_model(hf.config, transformer_config(hf.config, tensor_model_parallel_size=tp,
                                                                   pipeline_model_parallel_size=pp))
             load_hf_weights(model, state, get_bridge(hf.config))
-            for vtp in (1, 2, 4):
+            for vtp in sorted({1, 2, 4, world}):
                 resharder = Resharder(model, dims, vllm_tp=vtp, bucket_bytes=BUCKET)
                 wrong, count = [], 0
                 for bucket in resharder.buckets():
@@ -80,7 +83,7 @@ def main(path: str) -> None:
                     "wrong": int(t[0]), "first_wrong": wrong[:3], "sent_bytes": int(t[1]), "received_bytes": int(t[2]),
                     "tensors": int(t[3]), "peak_staged_bytes": int(m[0]), "largest_single_bucket": int(m[1]),
                     "buckets": st.buckets, "moves_data": resharder.plan.moves_data,
-                    "model_bytes": 4 * sum(v.numel() for v in state.values()),
+                    "model_bytes": 4 * sum(v.numel() for v in state.values()), "world": world,
                 }
             del model
     if rank == 0:
@@ -89,4 +92,8 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if len(sys.argv) == 4:
+        tp, pp = map(int, sys.argv[1].split("x"))
+        main(sys.argv[3], [(tp, pp)], [sys.argv[2]])
+    else:
+        main(sys.argv[1], LAYOUTS, list(MODELS))
