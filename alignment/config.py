@@ -65,6 +65,9 @@ class RolloutConfig:
     max_model_len: int = 512
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE, whole GiB
     gpu_memory_utilization: float = 0.3
+    # vLLM TP size of each engine: 1 = one engine per rank; t > 1 = one engine per t consecutive
+    # ranks (vLLM external_launcher), fed its shards by the resharder
+    tensor_parallel_size: int = 1
     sync_bucket_mb: int = 64  # weight sync: staging budget per bucket (the largest tensor always fits)
     check_weight_sync: bool = False  # after every sync, verify every engine parameter (a probe W @ u)
 
@@ -211,6 +214,20 @@ def _validate_offline(cfg, dp: int) -> None:
         raise ConfigError(f"trainer.epochs={t.epochs}: must be >= 1")
 
 
+def _validate_rollout_tp(t: int, world_size: int, training_tp: int, hf_config) -> None:
+    """The engines' ``rollout.tensor_parallel_size``: divides the world and splits the model."""
+    from alignment.models.bridges.llama import LlamaDims
+    from parallel.vllm_layout import check_tp_sizes
+
+    if t < 1 or world_size % t:
+        valid = [k for k in range(1, world_size + 1) if world_size % k == 0]
+        raise ConfigError(f"rollout.tensor_parallel_size={t} must divide the world size {world_size}; valid: {valid}")
+    try:
+        check_tp_sizes(LlamaDims.from_hf_config(hf_config), training_tp, t)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
 def validate(cfg, *, world_size: int, hf_config) -> None:
     """Check values that depend on each other, the world size and the model.
 
@@ -236,6 +253,7 @@ def validate(cfg, *, world_size: int, hf_config) -> None:
     from alignment.algorithms.aggregation import AGGREGATION_MODES
     from alignment.algorithms.kl import KL_ESTIMATORS
 
+    _validate_rollout_tp(r.tensor_parallel_size, world_size, cfg.parallel.tensor_model_parallel_size, hf_config)
     a = cfg.algorithm
     if a.name == "ppo":
         _validate_ppo(cfg, dp)

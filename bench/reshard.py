@@ -3,14 +3,14 @@ the naive path (every rank gathers the full HF state dict, then loads it), next 
 machine's memcpy bandwidth (the physical limit of any in-memory sync), measured side by side
 in one run. Prints a table (rank 0).
 
-    torchrun --standalone --nproc-per-node 2 bench/reshard.py [--model smollm2] [--repeats 3] [--engine]
+    torchrun --standalone --nproc-per-node 2 bench/reshard.py [--model smollm2|gqa8] [--repeats 3] [--engine [--engine-tp 2]]
 
 ``--model smollm2``: SmolLM2-135M-Instruct (134.5M parameters, 538 MB in fp32; 9 heads and 3 KV
 heads, so TP=1 only). ``--model gqa8``: a random Llama of the same size with 8 heads and 4 KV
 heads (so TP=2 works), written once to ``$TMPDIR/megalign_bench_gqa8``. Layouts: every (TP, PP)
 the world size and the model allow; destination vLLM TP 1 (the CPU engine's) and TP = world
 size where the model splits (plan and movement only). ``--engine`` also loads into a running
-vLLM engine per rank both ways and times it.
+vLLM engine per rank (or one TP=``--engine-tp`` engine over the ranks) both ways and times it.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--engine", action="store_true")
+    ap.add_argument("--engine-tp", type=int, default=1, help="vLLM TP of the engine (> 1: one engine over the ranks)")
     args = ap.parse_args()
 
     from transformers import AutoConfig
@@ -98,7 +99,8 @@ def main() -> None:
     if args.engine:
         from alignment.rollout.vllm_engine import VLLMEngine
 
-        engine = VLLMEngine(str(hf_dir), max_model_len=256, seed=rank)
+        engine = VLLMEngine(str(hf_dir), max_model_len=256, seed=rank // args.engine_tp,
+                            tensor_parallel_size=args.engine_tp)
     rows = []
     for tp, pp in layouts(world, bridge.dims):
         init_distributed(ParallelLayout(world_size=world, tensor_model_parallel_size=tp,
@@ -127,7 +129,7 @@ def main() -> None:
             row = {"layout": f"TP{tp} PP{pp} DP{world // tp // pp}", "vllm_tp": vtp, "shard_mb": stats[2] / 2**20,
                    "reshard_s": t_reshard, "gbps": stats[2] / t_reshard / 1e9, "naive_s": naive,
                    "sent_mb": stats[0] / 2**20, "peak_mb": stats[1] / 2**20, "naive_extra_mb": model_bytes / 2**20}
-            if engine is not None and vtp == 1:
+            if engine is not None and vtp == args.engine_tp:
                 row["load_reshard_s"] = timed(lambda: engine.load_resharded(r.buckets()), args.repeats)
                 row["load_naive_s"] = timed(lambda: engine.update_weights(export_hf_weights(model, bridge).items()),
                                             args.repeats)

@@ -59,14 +59,16 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     reward_model = frozen(shard(cfg.model.reward_model_path, True))
     r = cfg.rollout
     engine = VLLMEngine(str(hf_dir), max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
-                        gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.seed + rank, dtype=cfg.model.dtype)
+                        gpu_memory_utilization=r.gpu_memory_utilization,
+                        seed=cfg.seed + rank // r.tensor_parallel_size,
+                        tensor_parallel_size=r.tensor_parallel_size, dtype=cfg.model.dtype)
     placement = DevicePlacement(enabled=offload_enabled(t.offload))
     placement.add_model("policy", policy, optimizer)
     placement.add_model("critic", critic, critic_optimizer)
     placement.add_model("reference", reference)
     placement.add_model("reward_model", reward_model)
     bridge = get_bridge(hf_config)
-    resharder = Resharder(policy, bridge.dims, vllm_tp=1, bucket_bytes=r.sync_bucket_mb << 20)  # one TP=1 engine per rank
+    resharder = Resharder(policy, bridge.dims, vllm_tp=r.tensor_parallel_size, bucket_bytes=r.sync_bucket_mb << 20)
     return PPOModels(policy, optimizer, reference, engine, bridge, engine.tokenizer,
                      hf_config.vocab_size, placement, resharder, critic=critic, critic_optimizer=critic_optimizer,
                      reward_model=reward_model)

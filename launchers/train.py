@@ -56,12 +56,14 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
             p.requires_grad_(False)
     r = cfg.rollout
     engine = VLLMEngine(str(hf_dir), max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
-                        gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.seed + rank,
+                        gpu_memory_utilization=r.gpu_memory_utilization,
+                        seed=cfg.seed + rank // r.tensor_parallel_size,
+                        tensor_parallel_size=r.tensor_parallel_size,
                         dtype=cfg.model.dtype)
     placement = DevicePlacement(enabled=offload_enabled(cfg.trainer.offload))
     placement.add_model("policy", policy, optimizer)
     placement.add_model("reference", reference)
-    resharder = Resharder(policy, bridge.dims, vllm_tp=1, bucket_bytes=r.sync_bucket_mb << 20)  # one TP=1 engine per rank
+    resharder = Resharder(policy, bridge.dims, vllm_tp=r.tensor_parallel_size, bucket_bytes=r.sync_bucket_mb << 20)
     return Models(policy, optimizer, reference, engine, bridge, engine.tokenizer, hf_config.vocab_size, placement,
                   resharder)
 

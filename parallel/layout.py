@@ -30,6 +30,8 @@ class ParallelLayout:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     sequence_parallel: bool = False
+    # model chunks per pipeline rank (interleaved schedule); only the resharder handles them yet
+    virtual_pipeline_model_parallel_size: int | None = None
 
     @property
     def model_parallel_size(self) -> int:

@@ -177,15 +177,20 @@ def _prod(shape) -> int:
     return n
 
 
+def _chunks(model) -> list[torch.nn.Module]:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
 def gather_rank_infos(model) -> list[RankInfo]:
-    """Every rank's :class:`RankInfo` (collective over the default group)."""
+    """Every rank's :class:`RankInfo` (collective over the default group); ``model`` is a shard
+    or the list of a rank's virtual-pipeline chunks."""
     from megatron.core import parallel_state as ps
 
     from alignment.models.weights import global_param_names
 
     mine = RankInfo(dist.get_rank(), ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                     ps.get_data_parallel_rank(),
-                    {g: tuple(p.shape) for _, g, p in global_param_names(model)})
+                    {g: tuple(p.shape) for chunk in _chunks(model) for _, g, p in global_param_names(chunk)})
     infos = [None] * dist.get_world_size()
     dist.all_gather_object(infos, mine)
     return infos
@@ -193,7 +198,9 @@ def gather_rank_infos(model) -> list[RankInfo]:
 
 @dataclass
 class Resharder:
-    """Streams this rank's vLLM-layout tensors of ``model`` (a Megatron GPTModel shard, DDP or not).
+    """Streams this rank's vLLM-layout tensors of ``model`` (a Megatron GPTModel shard, DDP or
+    not, or the list of a rank's virtual-pipeline chunks: global layer names come from each
+    layer's ``layer_number``, which Megatron offsets by pipeline stage and virtual stage).
 
     Build once per run (the plan is cached); call :meth:`buckets` after every optimizer step.
     ``vllm_tp``: the engines' TP size; ``bucket_bytes``: staging budget (at least the largest
@@ -211,7 +218,7 @@ class Resharder:
 
         from alignment.models.weights import global_param_names
 
-        self._params = {g: p for _, g, p in global_param_names(self.model)}
+        self._params = {g: p for chunk in _chunks(self.model) for _, g, p in global_param_names(chunk)}
         dtype = next(iter(self._params.values())).dtype
         self.dtype = dtype
         self.plan = ReshardPlan(self.dims, gather_rank_infos(self.model), ps.get_tensor_model_parallel_world_size(),

@@ -71,6 +71,7 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: 
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tensor_model_parallel_size,
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
     )
     if on_gpu():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)

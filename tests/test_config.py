@@ -13,7 +13,7 @@ from parallel.layout import LayoutError
 from tests.conftest import ROOT
 
 SMOLLM2 = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576,
-                      max_position_embeddings=8192)
+                      intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192)
 
 
 def cfg(*overrides, name="grpo"):
@@ -69,6 +69,9 @@ def test_layout_refused_before_start():
     ("data.task=mmlu", 2, r"data.task='mmlu': valid values are arithmetic, gsm8k"),
     ("rollout.max_model_len=9000", 2, r"rollout.max_model_len=9000 exceeds the model's max_position_embeddings=8192"),
     ("rollout.temperature=0", 2, r"rollout.temperature=0.0: GRPO samples"),
+    ("rollout.tensor_parallel_size=3", 2, r"rollout.tensor_parallel_size=3 must divide the world size 2; valid: \[1, 2\]"),
+    # SmolLM2 has 9 attention heads: a TP=2 engine cannot split them
+    ("rollout.tensor_parallel_size=2", 2, r"rollout.tensor_parallel_size=2 must divide the attention heads \(9\)"),
 ])
 def test_invalid_values_name_the_field(override, world, message):
     with pytest.raises(ConfigError, match=message):

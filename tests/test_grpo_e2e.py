@@ -53,18 +53,23 @@ def test_two_grpo_steps_tiny_model(tmp_path):
     assert torch.isfinite(torch.tensor(first["entropy"]))
 
     # Same output dir, one more step: the run resumes from step 2 (model, Adam state, step), with
-    # idle models offloaded between phases (forced on CPU: the same copies as on GPU).
+    # idle models offloaded between phases (forced on CPU: the same copies as on GPU), and ONE vLLM
+    # engine with tensor_parallel_size=2 across both ranks (external_launcher): each rank gets its
+    # vLLM TP shard from the resharder; the two DP ranks' prompts are generated together; dynamic
+    # sampling keeps both ranks in step.
     run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=3",
                  "rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=2",
                  "data.heldout_size=8", "data.train_size=50", "rollout.max_tokens=16", "rollout.eval_max_tokens=8",
-                 "trainer.lr=1e-3", "trainer.progress_bar=false", "trainer.offload=true", str(result), timeout=900,
-                 env={"MEGALIGN_OFFLOAD_ON_CPU": "1"})
+                 "trainer.lr=1e-3", "trainer.progress_bar=false", "trainer.offload=true",
+                 "rollout.tensor_parallel_size=2", "rollout.check_weight_sync=true", "algorithm.dynamic_sampling=true",
+                 str(result), timeout=900, env={"MEGALIGN_OFFLOAD_ON_CPU": "1"})
     resumed = json.loads(result.read_text())
     assert resumed["start_step"] == 2 and len(resumed["history"]) == 1
     assert (out / "checkpoints" / "step_3" / "metadata.json").exists()
     m = resumed["history"][0]
     assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4  # engine got the resumed (and reloaded) weights
     assert m["offload/gb_moved"] > 0 and m["offload/seconds"] > 0
+    assert m["weight_sync/checked"] == 26.0  # every parameter of this rank's vLLM TP shard verified
 
 
 def test_variant_rloo_dr_grpo_aggregation_clip_higher_without_reference(tmp_path):

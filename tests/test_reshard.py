@@ -76,6 +76,23 @@ def test_tp4_pp2_on_eight_ranks(tmp_path):
     assert 0 < c["sent_bytes"] == c["received_bytes"] < c["model_bytes"] * 8 / 4
 
 
+def test_virtual_pipeline_chunks(tmp_path):
+    """TP2 x PP2 with 2 virtual stages: each rank holds 2 one-layer chunks (rank with PP stage 0
+    has layers 0 and 2, stage 1 has 1 and 3); global layer names come from Megatron's offsets."""
+    import json
+
+    from tests.conftest import run_torchrun
+
+    path = tmp_path / "reshard_vpp.json"
+    run_torchrun("reshard_worker.py", "2x2v2", "gqa", str(path), nproc=4, timeout=900)
+    cases = json.loads(path.read_text())
+    assert sorted(cases) == [f"gqa/tp2_pp2_vpp2->vllm_tp{t}" for t in (1, 2, 4)]
+    for name, c in cases.items():
+        assert c["wrong"] == 0 and c["tensors"] == 4 * (2 + 4 * 6 + 1), (name, c["first_wrong"])
+    # same bytes as without virtual stages: only which rank holds which layer changed
+    assert cases["gqa/tp2_pp2_vpp2->vllm_tp2"]["sent_bytes"] > 0
+
+
 def test_staging_stays_within_one_bucket(cases):
     for name, c in cases.items():
         # a bucket holds more than one tensor only while it fits the budget; one tensor alone may exceed it

@@ -22,7 +22,8 @@ def _have_transformer_engine() -> bool:
 
 
 def transformer_config(hf_config, *, tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
-                       sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32):
+                       sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
+                       virtual_pipeline_model_parallel_size: int | None = None):
     """Megatron ``TransformerConfig`` equal to an HF Llama config (RMSNorm, SwiGLU, RoPE, GQA, no bias).
 
     ``calculate_per_token_loss=True``: megalign's loss functions are already divided by
@@ -50,6 +51,7 @@ def transformer_config(hf_config, *, tensor_model_parallel_size: int, pipeline_m
         attention_dropout=0.0,
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,

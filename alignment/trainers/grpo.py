@@ -66,7 +66,7 @@ def generate_for_group(engine, prompts: list[list[int]], sampling: SamplingConfi
     ps = _ps()
     group = ps.get_model_parallel_group()
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    mine = engine.generate(prompts[rank::size], sampling) if prompts[rank::size] else []
+    mine = engine.generate(prompts[rank::size], sampling)  # called even with no prompts: collective for TP>1
     gathered = [None] * size
     dist.all_gather_object(gathered, mine, group=group)
     out = [None] * len(prompts)
@@ -184,7 +184,7 @@ def evaluate(models: Models, problems: list[Problem], task: str, max_tokens: int
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = problems[rank::world]
     prompts = [build_prompt_ids(models.tokenizer, p.question, task) for p in mine]
-    outs = models.engine.generate(prompts, SamplingConfig(n=1, temperature=0.0, max_tokens=max_tokens)) if mine else []
+    outs = models.engine.generate(prompts, SamplingConfig(n=1, temperature=0.0, max_tokens=max_tokens))
     correct = sum(score_response(p, o[0].text) == 1.0 for p, o in zip(mine, outs))
     return all_reduce_sum([correct])[0] / len(problems)
 
@@ -205,7 +205,7 @@ def sample_groups(models: Models, problems: list[Problem], cfg, refill: Callable
     sampling = SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
     kept, dropped, rounds, todo = [], [], 0, problems
     while True:
-        rounds += 1
+        rounds += 1 if todo else 0
         prompts = [build_prompt_ids(models.tokenizer, p.question, cfg.data.task) for p in todo]
         for p, g in zip(todo, generate_for_group(models.engine, prompts, sampling)):
             rw = torch.tensor([score_response(p, s.text) for s in g])
@@ -215,9 +215,12 @@ def sample_groups(models: Models, problems: list[Problem], cfg, refill: Callable
             useful = bool(informative_groups(rw, r.group_size)[0])
             (kept if useful or not a.dynamic_sampling else dropped).append((g, rw))
         missing = len(problems) - len(kept)
-        if missing <= 0 or refill is None or rounds >= a.max_sampling_rounds:
+        more = missing > 0 and refill is not None and rounds < a.max_sampling_rounds
+        # generation is collective (model-parallel groups, TP>1 engines): every rank keeps taking
+        # part, with no prompts once it has enough, until no rank wants another round
+        if not all_reduce_sum([float(more)])[0]:
             break
-        todo = refill(missing)
+        todo = refill(missing) if more else []
     chosen = (kept + dropped)[: len(problems)]
     samples = [s for g, _ in chosen for s in g]
     rewards = torch.cat([rw for _, rw in chosen])

@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 4 tests/dist/reshard_worker.py RESULT.json            # LAYOUTS, all models
     torchrun --nproc-per-node 8 tests/dist/reshard_worker.py 4x2 gqa RESULT.json    # one layout, one model
+    torchrun --nproc-per-node 4 tests/dist/reshard_worker.py 2x2v2 gqa RESULT.json  # ... with virtual PP 2
 
 For each model x training layout (TP, PP; DP = the rest) x vLLM TP, every rank streams its
 vLLM shard in small buckets; every tensor must equal what vLLM's own weight loaders put in
@@ -49,21 +50,26 @@ def hf_model(name: str) -> LlamaForCausalLM:
     return model
 
 
-def main(path: str, layouts: list[tuple[int, int]], models: list[str]) -> None:
+def main(path: str, layouts: list[tuple[int, ...]], models: list[str]) -> None:
     rank, world, _ = env_world()
     results = {}
     for model_name in models:
         hf = hf_model(model_name)
         dims = LlamaDims.from_hf_config(hf.config)
         state = hf.state_dict()
-        for tp, pp in layouts:
+        for tp, pp, *rest in layouts:
+            vpp = rest[0] if rest else None
             if dims.num_query_groups % tp:
                 continue  # Megatron needs whole KV groups per TP rank
             init_distributed(ParallelLayout(world_size=world, tensor_model_parallel_size=tp,
-                                            pipeline_model_parallel_size=pp))
-            model = build_gpt_model(hf.config, transformer_config(hf.config, tensor_model_parallel_size=tp,
-                                                                  pipeline_model_parallel_size=pp))
-            load_hf_weights(model, state, get_bridge(hf.config))
+                                            pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp))
+            tcfg = transformer_config(hf.config, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                      virtual_pipeline_model_parallel_size=vpp)
+            chunks = [build_gpt_model(hf.config, tcfg, vp_stage=v) for v in range(vpp)] if vpp else [
+                build_gpt_model(hf.config, tcfg)]
+            for chunk in chunks:
+                load_hf_weights(chunk, state, get_bridge(hf.config))
+            model = chunks if vpp else chunks[0]
             for vtp in sorted({1, 2, 4, world}):
                 resharder = Resharder(model, dims, vllm_tp=vtp, bucket_bytes=BUCKET)
                 wrong, count = [], 0
@@ -79,7 +85,7 @@ def main(path: str, layouts: list[tuple[int, int]], models: list[str]) -> None:
                 dist.all_reduce(t)
                 m = torch.tensor([st.peak_staged_bytes, max(singles, default=0)], dtype=torch.float64)
                 dist.all_reduce(m, op=dist.ReduceOp.MAX)
-                results[f"{model_name}/tp{tp}_pp{pp}->vllm_tp{vtp}"] = {
+                results[f"{model_name}/tp{tp}_pp{pp}{f'_vpp{vpp}' if vpp else ''}->vllm_tp{vtp}"] = {
                     "wrong": int(t[0]), "first_wrong": wrong[:3], "sent_bytes": int(t[1]), "received_bytes": int(t[2]),
                     "tensors": int(t[3]), "peak_staged_bytes": int(m[0]), "largest_single_bucket": int(m[1]),
                     "buckets": st.buckets, "moves_data": resharder.plan.moves_data,
@@ -93,7 +99,8 @@ def main(path: str, layouts: list[tuple[int, int]], models: list[str]) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) == 4:
-        tp, pp = map(int, sys.argv[1].split("x"))
-        main(sys.argv[3], [(tp, pp)], [sys.argv[2]])
+        tp, rest = sys.argv[1].split("x")
+        pp, _, vpp = rest.partition("v")
+        main(sys.argv[3], [(int(tp), int(pp), *([int(vpp)] if vpp else []))], [sys.argv[2]])
     else:
         main(sys.argv[1], LAYOUTS, list(MODELS))
