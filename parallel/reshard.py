@@ -22,6 +22,7 @@ sizes and PP=1 nothing moves between ranks: each rank rewrites its own shard.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -70,11 +71,8 @@ class ReshardStats:
 
 
 def _numel(shape: tuple[int, ...], piece: Piece) -> int:
-    n = piece.length
-    for i, s in enumerate(shape):
-        if i != piece.dim:
-            n *= s
-    return n
+    """Elements of ``piece`` in a destination tensor of ``shape``."""
+    return piece.length * math.prod(s for i, s in enumerate(shape) if i != piece.dim)
 
 
 class ReshardPlan:
@@ -128,7 +126,7 @@ class ReshardPlan:
 
         def costs(i: int) -> list[int]:
             """Bytes tensor ``i`` stages on each rank: its copy + what it sends + what it receives."""
-            b = [0 if aliased(i, x) else _prod(per_rank[x % vllm_tp][i].shape) for x in range(world)]
+            b = [0 if aliased(i, x) else math.prod(per_rank[x % vllm_tp][i].shape) for x in range(world)]
             for d in range(world):
                 shape = per_rank[d % vllm_tp][i].shape
                 for src, p in routes[i][d]:
@@ -168,13 +166,6 @@ class ReshardPlan:
             b.staged_bytes = sum(cost[i][rank] for i in range(lo, hi))
             self.buckets.append(b)
         self.moves_data = any(b.send or b.recv for b in self.buckets)
-
-
-def _prod(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _chunks(model) -> list[torch.nn.Module]:
