@@ -121,7 +121,6 @@ def main() -> None:
                 nonlocal shard_bytes
                 shard_bytes = sum(t.numel() * t.element_size() for b in r.buckets() for _, t in b)
 
-            r.stats.peak_staged_bytes = 0
             t_reshard = timed(stream, args.repeats)
             stats = torch.tensor([r.stats.sent_bytes / args.repeats, r.stats.peak_staged_bytes, shard_bytes],
                                  dtype=torch.float64)

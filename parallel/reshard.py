@@ -60,8 +60,9 @@ class Bucket:
 
 @dataclass
 class ReshardStats:
-    """Measured by :meth:`Resharder.buckets`: bytes this rank sent and received, the peak of
-    bytes it staged at once (buffers + destination copies), buckets, and seconds spent."""
+    """Measured by :meth:`Resharder.buckets`: bytes this rank sent and received, buckets and
+    seconds spent (all cumulative), and the peak of bytes it staged at once (buffers +
+    destination copies) during the latest sync."""
 
     sent_bytes: int = 0
     received_bytes: int = 0
@@ -229,6 +230,7 @@ class Resharder:
         the live parameters: do not modify them.
         """
         t0, st = time.perf_counter(), self.stats
+        st.peak_staged_bytes = 0
         for b in self.plan.buckets:
             out: dict[str, torch.Tensor] = {}
             for t in b.tensors:

@@ -51,7 +51,7 @@ class Models:
     tokenizer: object
     vocab_size: int
     placement: DevicePlacement = field(default_factory=lambda: DevicePlacement(enabled=False))
-    resharder: object = None  # parallel.reshard.Resharder of the policy (None: gather full HF tensors)
+    resharder: object = None  # parallel.reshard.Resharder of the policy; sync_weights needs it
 
 
 def _ps():
@@ -149,19 +149,13 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
 def sync_weights(models: Models, check: bool = False) -> dict[str, float]:
     """New policy weights into every rank's running vLLM engine, in memory.
 
-    With ``models.resharder``: Megatron shards -> this rank's vLLM TP shard, rank to rank in
-    bounded buckets (:mod:`parallel.reshard`), streamed into the engine; ``check`` verifies every
-    engine parameter (``rollout.check_weight_sync``). Without: every rank gathers the full HF
-    state dict (the naive path). Returns timing and traffic metrics (``weight_sync/...``).
+    Megatron shards -> this rank's vLLM TP shard, rank to rank in bounded buckets
+    (``models.resharder``, :mod:`parallel.reshard`), streamed into the engine; ``check`` verifies
+    every engine parameter (``rollout.check_weight_sync``). Returns timing and traffic metrics
+    (``weight_sync/...``).
     """
-    if models.resharder is None:
-        from alignment.models.weights import export_hf_weights
-
-        models.engine.update_weights(export_hf_weights(models.policy, models.bridge).items())
-        return {}
     st = models.resharder.stats
     before = (st.seconds, st.sent_bytes)
-    st.peak_staged_bytes = 0
     out = models.engine.load_resharded(models.resharder.buckets())
     reshard_s = st.seconds - before[0]
     metrics = {"weight_sync/reshard_s": reshard_s, "weight_sync/engine_load_s": out["load_s"] - reshard_s,
