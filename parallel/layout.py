@@ -22,20 +22,26 @@ def _divisors(n: int) -> list[int]:
 class ParallelLayout:
     """Sizes of the parallel dimensions (Megatron-Core names).
 
-    ``data_parallel_size`` is what is left of the world size:
-    ``world_size / (tensor_model_parallel_size * pipeline_model_parallel_size)``.
+    ``data_parallel_size`` is what is left of the world size: ``world_size /
+    (tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size)``.
+    ``context_parallel_size`` splits every sequence over that many ranks; ``cp_comm_type``
+    picks how attention sees the whole sequence: ``p2p`` (ring attention) or ``a2a``
+    (Ulysses all-to-all), as transformer-engine names them.
     """
 
     world_size: int = 1
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     sequence_parallel: bool = False
+    context_parallel_size: int = 1
+    cp_comm_type: str = "p2p"
     # model chunks per pipeline rank (interleaved schedule); only the resharder handles them yet
     virtual_pipeline_model_parallel_size: int | None = None
 
     @property
     def model_parallel_size(self) -> int:
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        """Ranks of one model replica: TP x PP x CP (they share the same data)."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
 
     @property
     def data_parallel_size(self) -> int:
@@ -57,7 +63,9 @@ def validate_layout(
             the constraint broken and the valid values for this model and world size.
     """
     tp, pp, ws = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.world_size
-    for field, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+    cp = layout.context_parallel_size
+    for field, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                         ("context_parallel_size", cp)):
         if not isinstance(value, int) or value < 1:
             raise LayoutError(f"{prefix}{field}={value!r}: must be a positive integer")
     valid_tp = [d for d in _divisors(num_query_groups) if num_attention_heads % d == 0 and ws % d == 0]
@@ -80,6 +88,23 @@ def validate_layout(
             f"world size {ws} is not divisible by tensor_model_parallel_size x pipeline_model_parallel_size "
             f"= {tp} x {pp}; set {prefix}pipeline_model_parallel_size to one of {valid_pp} "
             f"or launch a multiple of {tp * pp} processes")
+    if ws % (tp * pp * cp):
+        valid_cp = [d for d in _divisors(ws) if ws % (tp * pp * d) == 0]
+        raise LayoutError(
+            f"world size {ws} is not divisible by tensor x pipeline x context parallel sizes = {tp} x {pp} x {cp}; "
+            f"set {prefix}context_parallel_size to one of {valid_cp} or launch a multiple of {tp * pp * cp} processes")
+    if layout.cp_comm_type not in ("p2p", "a2a"):
+        raise LayoutError(f"{prefix}cp_comm_type={layout.cp_comm_type!r}: valid values are p2p (ring attention) "
+                          f"and a2a (Ulysses)")
+    if cp > 1 and layout.cp_comm_type == "a2a":
+        from parallel.ulysses import check_ulysses_heads
+
+        why = check_ulysses_heads(num_attention_heads // tp, num_query_groups // tp, cp)
+        if why:
+            ok = [d for d in _divisors(ws // (tp * pp))
+                  if d > 1 and check_ulysses_heads(num_attention_heads // tp, num_query_groups // tp, d) is None]
+            raise LayoutError(f"{prefix}context_parallel_size={cp} with {prefix}cp_comm_type=a2a (Ulysses): {why}; "
+                              f"valid Ulysses sizes here: {ok}, or use {prefix}cp_comm_type=p2p (ring attention)")
     if layout.sequence_parallel and tp == 1:
         raise LayoutError(f"{prefix}sequence_parallel=true needs tensor_model_parallel_size > 1 "
                           f"(it splits the sequence over the TP group); set it to false or raise TP")

@@ -72,7 +72,9 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: 
         tensor_model_parallel_size=layout.tensor_model_parallel_size,
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
+        context_parallel_size=layout.context_parallel_size,
     )
+    _build_replica_group()
     if on_gpu():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
@@ -81,10 +83,37 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: 
         cpu_compat.model_parallel_manual_seed(seed)
 
 
+_REPLICA_GROUP = None
+
+
+def _build_replica_group() -> None:
+    """One group per data-parallel index: the TP x CP x PP ranks of one model replica."""
+    global _REPLICA_GROUP
+    from megatron.core import parallel_state as ps
+
+    dp_ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(dp_ranks, ps.get_data_parallel_rank())
+    mine = ps.get_data_parallel_rank()
+    for d in sorted(set(dp_ranks)):  # every rank creates every group, in the same order
+        group = dist.new_group([r for r, x in enumerate(dp_ranks) if x == d])
+        if d == mine:
+            _REPLICA_GROUP = group
+
+
+def replica_group():
+    """The ranks that hold one model replica and the same data: tensor x context x pipeline
+    parallel (Megatron's model-parallel group is TP x PP only). Set by :func:`init_distributed`."""
+    if _REPLICA_GROUP is None:
+        raise RuntimeError("replica_group() before init_distributed()")
+    return _REPLICA_GROUP
+
+
 def shutdown() -> None:
     """Destroy Megatron's groups and the default process group."""
     from megatron.core import parallel_state as ps
 
+    global _REPLICA_GROUP
+    _REPLICA_GROUP = None
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     if dist.is_initialized():

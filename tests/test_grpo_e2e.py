@@ -56,12 +56,14 @@ def test_two_grpo_steps_tiny_model(tmp_path):
     # idle models offloaded between phases (forced on CPU: the same copies as on GPU), and ONE vLLM
     # engine with tensor_parallel_size=2 across both ranks (external_launcher): each rank gets its
     # vLLM TP shard from the resharder; the two DP ranks' prompts are generated together; dynamic
-    # sampling keeps both ranks in step.
+    # sampling keeps both ranks in step; sequences are re-dealt over the DP ranks by token count
+    # (balance_batch) and trained packed.
     run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=3",
                  "rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=2",
                  "data.heldout_size=8", "data.train_size=50", "rollout.max_tokens=16", "rollout.eval_max_tokens=8",
                  "trainer.lr=1e-3", "trainer.progress_bar=false", "trainer.offload=true",
                  "rollout.tensor_parallel_size=2", "rollout.check_weight_sync=true", "algorithm.dynamic_sampling=true",
+                 "trainer.sequence_packing=true", "trainer.balance_batch=true",
                  str(result), timeout=900, env={"MEGALIGN_OFFLOAD_ON_CPU": "1"})
     resumed = json.loads(result.read_text())
     assert resumed["start_step"] == 2 and len(resumed["history"]) == 1
@@ -97,3 +99,27 @@ def test_variant_rloo_dr_grpo_aggregation_clip_higher_without_reference(tmp_path
         assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
         assert m["clip_fraction"] > 0.0  # later updates move the ratio away from 1
         assert 1 <= m["dynamic_sampling/rounds"] <= 3 and m["dynamic_sampling/filled_groups"] >= 0
+
+
+def test_context_parallel_ring_and_ulysses_with_packing(tmp_path):
+    """The GRPO job with every sequence split over 2 ranks: ring attention (CP=2) with packed
+    token-budget micro-batches, then Ulysses (CP=2, all-to-all) with packing. The trainer's
+    logprobs of the sampled tokens equal vLLM's (token_mult_prob_error ~ 1): the whole
+    CP + packing path computes the same model as the engine."""
+    model_dir = save_tiny_hf_dir(tmp_path / "tiny")
+    common = ["trainer.steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=4",
+              "data.heldout_size=8", "data.train_size=50", "rollout.max_tokens=16", "rollout.eval_max_tokens=8",
+              "trainer.lr=1e-3", "trainer.progress_bar=false", "parallel.context_parallel_size=2",
+              "trainer.sequence_packing=true", "trainer.export_hf=false"]
+    for name, extra in (("ring", ["parallel.cp_comm_type=p2p", "trainer.max_tokens_per_microbatch=512",
+                                  "rollout.max_model_len=512"]),
+                        ("ulysses", ["parallel.cp_comm_type=a2a"])):
+        out, result = tmp_path / name, tmp_path / f"{name}.json"
+        run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", *common, *extra, str(result),
+                     timeout=900)
+        first, second = json.loads(result.read_text())["history"]
+        assert (out / "checkpoints" / "step_2" / "metadata.json").exists(), name  # CP peers save one replica
+        assert first["kl"] == 0.0 and second["kl"] > 0.0, name  # trained: the policy left the reference
+        for m in (first, second):
+            assert m["grad_norm"] > 0.0, (name, m)
+            assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, (name, m)

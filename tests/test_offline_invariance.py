@@ -1,10 +1,13 @@
 """SFT, reward-model and DPO gradients through Megatron equal single-process autograd on
-the HF model, for any micro-batch split and layout; the reward model's scores equal HF
+the HF model, for any micro-batch split and layout (packed sequences and context
+parallelism, ring and Ulysses, included); the reward model's scores equal HF
 ``LlamaForSequenceClassification``'s."""
 
 from __future__ import annotations
 
 import pytest
+
+from tests.dist.offline_invariance_worker import CASES
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +22,7 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["sft", "rm", "dpo"])
-@pytest.mark.parametrize("case", ["dp2_mbs1", "dp2_mbs2", "tp2", "tp2_sp", "pp2"])
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_gradients_equal_single_process(results, kind, case):
     r = results[kind]
     assert r["reference_max_grad"] > 1e-3
@@ -27,7 +30,7 @@ def test_gradients_equal_single_process(results, kind, case):
     assert r[case]["max_grad_diff"] <= 1e-5 * r["reference_max_grad"] + 1e-7, r[case]
 
 
-@pytest.mark.parametrize("case", ["dp2_mbs1", "dp2_mbs2", "tp2", "tp2_sp", "pp2"])
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_reward_scores_equal_hf_sequence_classifier(results, case):
     assert results["hf_score_std"] > 0.05  # scores differ between sequences
     assert results["rm"][case]["max_score_diff"] <= 2e-5, results["rm"][case]

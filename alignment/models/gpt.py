@@ -23,12 +23,14 @@ def _have_transformer_engine() -> bool:
 
 def transformer_config(hf_config, *, tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
                        sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
-                       virtual_pipeline_model_parallel_size: int | None = None):
+                       virtual_pipeline_model_parallel_size: int | None = None,
+                       context_parallel_size: int = 1, cp_comm_type: str = "p2p"):
     """Megatron ``TransformerConfig`` equal to an HF Llama config (RMSNorm, SwiGLU, RoPE, GQA, no bias).
 
     ``calculate_per_token_loss=True``: megalign's loss functions are already divided by
     the global token count, so Megatron must sum micro-batch losses and DP gradients
     rather than average them (see :mod:`alignment.trainers.megatron_step`).
+    ``context_parallel_size``/``cp_comm_type``: see :class:`parallel.layout.ParallelLayout`.
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -53,6 +55,8 @@ def transformer_config(hf_config, *, tensor_model_parallel_size: int, pipeline_m
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         sequence_parallel=sequence_parallel,
+        context_parallel_size=context_parallel_size,
+        cp_comm_type=cp_comm_type,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=bf16,
@@ -73,26 +77,45 @@ def rope_theta(hf_config) -> float:
     return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
 
 
-def build_gpt_model(hf_config, config, *, vp_stage: int | None = None, share_embeddings: bool | None = None):
-    """This rank's ``GPTModel`` shard (its TP slice of its PP stage's layers), uninitialised
-    weights. ``share_embeddings`` defaults to the HF config's ``tie_word_embeddings``.
-    Raises ValueError for RoPE scaling types Megatron's local path cannot match."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
+def layer_spec(core_attention: str = "megalign"):
+    """The transformer layer spec: transformer-engine's on GPU when installed (its attention
+    does context parallelism and packed input itself), else Megatron's local spec with
+    :class:`parallel.attention.ContextParallelAttention` as core attention
+    (``core_attention="megatron"`` keeps Megatron's ``DotProductAttention``: the reference the
+    parity tests compare against; it has no CP or packing)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    if _have_transformer_engine():
+        return get_gpt_layer_with_transformer_engine_spec()
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if core_attention == "megalign":
+        from parallel.attention import ContextParallelAttention
+
+        spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+    elif core_attention != "megatron":
+        raise ValueError(f"core_attention={core_attention!r}: expected 'megalign' or 'megatron'")
+    return spec
+
+
+def build_gpt_model(hf_config, config, *, vp_stage: int | None = None, share_embeddings: bool | None = None,
+                    core_attention: str = "megalign"):
+    """This rank's ``GPTModel`` shard (its TP slice of its PP stage's layers), uninitialised
+    weights. ``share_embeddings`` defaults to the HF config's ``tie_word_embeddings``;
+    ``core_attention``: see :func:`layer_spec`.
+    Raises ValueError for RoPE scaling types Megatron's local path cannot match."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
     scaling = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_type", "default")
     if scaling not in (None, "default"):
         raise ValueError(f"model.rope_scaling type {scaling!r} is not supported yet (only default RoPE)")
     d = LlamaDims.from_hf_config(hf_config)
-    spec = (get_gpt_layer_with_transformer_engine_spec() if _have_transformer_engine()
-            else get_gpt_layer_local_spec(normalization="RMSNorm"))
     return GPTModel(
         config=config,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=layer_spec(core_attention),
         vocab_size=d.padded_vocab_size(config.tensor_model_parallel_size),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

@@ -1,6 +1,6 @@
 """Turn rollouts into padded training tensors and micro-batches.
 
-Alignment convention (shared with :func:`alignment.trainers.megatron_step.token_logprobs`):
+Alignment convention (shared with :class:`alignment.trainers.megatron_step.LogprobOutputs`):
 position ``t`` of every ``[batch, seq]`` tensor refers to predicting token ``t + 1``.
 So ``response_mask[i, t] = 1`` exactly when ``input_ids[i, t + 1]`` is a response token,
 and ``rollout_logprobs[i, t]`` is the engine's logprob of that token.
@@ -18,7 +18,8 @@ def make_batch(samples: list[Sample], pad_id: int, pad_to_multiple: int = 8) -> 
 
     Returns ``input_ids``, ``position_ids``, ``response_mask`` (float), ``rollout_logprobs``:
     all ``[N, S]`` with ``S`` the longest prompt+response rounded up to ``pad_to_multiple``;
-    ``response_lengths`` ``[N]``. Raises ValueError for an empty list.
+    ``response_lengths`` and ``seq_lengths`` (prompt + response) ``[N]``. Raises ValueError
+    for an empty list.
     """
     if not samples:
         raise ValueError("make_batch needs at least one sample")
@@ -39,16 +40,43 @@ def make_batch(samples: list[Sample], pad_id: int, pad_to_multiple: int = 8) -> 
         "response_mask": mask,
         "rollout_logprobs": rollout_lp,
         "response_lengths": torch.tensor([len(s.response_ids) for s in samples]),
+        "seq_lengths": torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples]),
     }
 
 
-def split_microbatches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
-    """Split every ``[N, ...]`` tensor of ``batch`` into chunks of ``micro_batch_size`` rows
-    (the last may be smaller). Raises ValueError for ``micro_batch_size < 1``."""
+def split_microbatches(batch: dict[str, torch.Tensor], micro_batch_size: int, max_tokens: int = 0,
+                       rows_per_unit: int = 1) -> list[dict[str, torch.Tensor]]:
+    """Split every ``[N, ...]`` tensor of ``batch`` into micro-batches.
+
+    ``max_tokens = 0``: consecutive chunks of ``micro_batch_size`` rows (the last may be
+    smaller). ``max_tokens > 0`` (``trainer.max_tokens_per_microbatch``): the fewest
+    micro-batches whose real tokens (``batch["seq_lengths"]``) fit the budget, balanced by
+    Karmarkar-Karp (:func:`parallel.balance.token_budget_partition`); ``rows_per_unit``
+    consecutive rows stay together in order (2 for DPO's chosen/rejected pairs).
+    Each micro-batch carries ``row_index`` ``[m]``: its rows' positions in ``batch``
+    (:func:`cat_rows` puts outputs back in batch order).
+    Raises ValueError for ``micro_batch_size < 1`` or a unit longer than ``max_tokens``.
+    """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size={micro_batch_size}: must be >= 1")
     n = batch["input_ids"].shape[0]
-    return [{k: v[i : i + micro_batch_size] for k, v in batch.items()} for i in range(0, n, micro_batch_size)]
+    if max_tokens > 0:
+        from parallel.balance import token_budget_partition
+
+        per_unit = batch["seq_lengths"].view(-1, rows_per_unit).sum(1).tolist()
+        parts = [torch.tensor([u * rows_per_unit + j for u in p for j in range(rows_per_unit)])
+                 for p in token_budget_partition(per_unit, max_tokens)]
+    else:
+        parts = [torch.arange(i, min(i + micro_batch_size, n)) for i in range(0, n, micro_batch_size)]
+    return [{**{k: v[idx] for k, v in batch.items()}, "row_index": idx} for idx in parts]
+
+
+def cat_rows(outputs: list[dict[str, torch.Tensor]], key: str, microbatches: list[dict]) -> torch.Tensor:
+    """Concatenate ``outputs[i][key]`` (one per micro-batch, rows first) in the order of the
+    batch the micro-batches were split from (their ``row_index``)."""
+    values = torch.cat([o[key] for o in outputs])
+    order = torch.cat([mb["row_index"] for mb in microbatches])
+    return values.index_select(0, torch.argsort(order))
 
 
 def make_sequence_batch(rows: list[tuple[list[int], int]], pad_id: int,
@@ -58,7 +86,7 @@ def make_sequence_batch(rows: list[tuple[list[int], int]], pad_id: int,
     Returns ``input_ids``, ``position_ids`` and ``loss_mask`` ``[N, S]`` (same convention
     as :func:`make_batch`: ``loss_mask[i, t] = 1`` when ``input_ids[i, t + 1]`` is a
     response token), ``last_index`` ``[N]`` (position of each row's last real token, where
-    a reward model reads its score) and ``response_lengths`` ``[N]``.
+    a reward model reads its score), ``response_lengths`` and ``seq_lengths`` ``[N]``.
     Raises ValueError for an empty list or a row without response tokens.
     """
     if not rows:
@@ -78,4 +106,5 @@ def make_sequence_batch(rows: list[tuple[list[int], int]], pad_id: int,
         "loss_mask": mask,
         "last_index": torch.tensor([len(ids) - 1 for ids, _ in rows]),
         "response_lengths": torch.tensor([len(ids) - p for ids, p in rows]),
+        "seq_lengths": torch.tensor([len(ids) for ids, _ in rows]),
     }

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from alignment.algorithms.preference_loss import dpo_loss, kto_loss, orpo_loss, simpo_loss
-from alignment.trainers.megatron_step import token_logprobs
+from alignment.trainers.megatron_step import LogprobOutputs
 
 REFERENCE_FREE = ("simpo", "orpo")
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "kto", "simpo", "orpo")
@@ -44,15 +44,16 @@ class DPOObjective:
         self.vocab_size, self.beta, self.loss_type = vocab_size, beta, loss_type
         self.label_smoothing, self.simpo_gamma, self.orpo_lambda = label_smoothing, simpo_gamma, orpo_lambda
         self.needs_reference = loss_type not in REFERENCE_FREE
+        self.outputs = LogprobOutputs(vocab_size)  # what forward_backward hands to loss()
 
     def normalizer(self, batch: dict[str, torch.Tensor]) -> float:
         """This rank's number of pairs."""
         return batch["input_ids"].shape[0] / 2
 
-    def loss(self, mb, logits, normalizer: float):
-        """``(loss, metric sums)`` for one micro-batch; ``logits`` ``[mbs, seq, vocab/tp]``."""
+    def loss(self, mb, out, normalizer: float):
+        """``(loss, metric sums)`` for one micro-batch; ``out["logprobs"]`` ``[mbs, seq]``."""
         mask = mb["loss_mask"]
-        logps = (token_logprobs(logits, mb["input_ids"], self.vocab_size) * mask).sum(1)  # [rows]
+        logps = (out["logprobs"] * mask).sum(1)  # [rows]
         lengths = mask.sum(1)
         c, r = slice(0, None, 2), slice(1, None, 2)
         t = self.loss_type

@@ -12,8 +12,9 @@ One step, top to bottom:
   6. sync      — new weights into the running vLLM engines, in memory
 With ``trainer.offload`` each phase keeps on the device only the models it uses
 (``models.placement.keep``); the others wait in host memory.
-Data layout: every data-parallel (DP) rank owns whole prompt groups; ranks of one
-model-parallel (TP x PP) group share the same data and split only its generation.
+Data layout: every data-parallel (DP) rank owns whole prompt groups; the ranks of one
+model replica (TP x CP x PP) share the same data and split only its generation. With
+``trainer.balance_batch`` the sequences are then re-dealt over DP ranks by token count.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from alignment.algorithms.reward_shaping import informative_groups, overlong_pen
 from alignment.data.prompts import build_prompt_ids
 from alignment.data.tasks import Problem, score_response
 from alignment.rollout.base import Sample, SamplingConfig
-from alignment.trainers.batching import make_batch, split_microbatches
-from alignment.trainers.megatron_step import all_reduce_sum, forward_backward, token_entropy, token_logprobs
+from alignment.trainers.batching import cat_rows, make_batch, split_microbatches
+from alignment.trainers.dp_balance import balance_over_dp
+from alignment.trainers.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
 from alignment.trainers.offload import DevicePlacement, trainable
 
 
@@ -62,9 +64,10 @@ def _ps():
 
 def generate_for_group(engine, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
     """Generate for this DP rank's prompts, splitting the work over the ranks of its
-    model-parallel group (each has an engine) and gathering every group's samples."""
-    ps = _ps()
-    group = ps.get_model_parallel_group()
+    model replica (TP x CP x PP, each has an engine) and gathering every rank's samples."""
+    from parallel.state import replica_group
+
+    group = replica_group()
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     mine = engine.generate(prompts[rank::size], sampling)  # called even with no prompts: collective for TP>1
     gathered = [None] * size
@@ -75,16 +78,23 @@ def generate_for_group(engine, prompts: list[list[int]], sampling: SamplingConfi
     return out
 
 
-def policy_logprobs(model, microbatches, vocab_size: int, temperature: float = 1.0) -> torch.Tensor | None:
-    """Forward-only logprobs ``[N, seq]`` of ``softmax(logits / temperature)`` (last
-    pipeline stage; ``None`` elsewhere)."""
+def policy_logprobs(model, microbatches, vocab_size: int, temperature: float = 1.0,
+                    packing: bool = False) -> torch.Tensor | None:
+    """Forward-only logprobs ``[N, seq]`` of ``softmax(logits / temperature)`` in batch row
+    order (last pipeline stage; ``None`` elsewhere). ``packing``: ``trainer.sequence_packing``."""
 
-    def collect(mb, logits):
-        return logits.sum() * 0, {"logprobs": token_logprobs(logits / temperature, mb["input_ids"], vocab_size)}
+    def collect(mb, out):
+        return out["logprobs"].sum() * 0, {"logprobs": out["logprobs"]}
 
     with torch.no_grad():
-        out = forward_backward(model, microbatches, collect, forward_only=True)
-    return torch.cat([o["logprobs"] for o in out]) if out else None
+        out = forward_backward(model, microbatches, collect, outputs=LogprobOutputs(vocab_size, temperature),
+                               forward_only=True, packing=packing)
+    return cat_rows(out, "logprobs", microbatches) if out else None
+
+
+def microbatches(batch: dict, cfg) -> list[dict]:
+    """``trainer.micro_batch_size`` rows, or ``trainer.max_tokens_per_microbatch`` tokens, per micro-batch."""
+    return split_microbatches(batch, cfg.trainer.micro_batch_size, cfg.trainer.max_tokens_per_microbatch)
 
 
 def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
@@ -111,12 +121,10 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
                                           ps.get_data_parallel_group())
             normalizer = global_normalizer(a.loss_agg_mode, tokens, seqs, cfg.rollout.max_tokens)
 
-            def loss_fn(mb, logits):
-                # The policy being optimised is the one vLLM samples from: softmax(logits / T).
-                logits = logits / cfg.rollout.temperature
+            def loss_fn(mb, out):
                 mask = mb["response_mask"]
-                entropy_sum = (token_entropy(logits, models.vocab_size) * mask).sum()  # before logprobs consume logits
-                lp = token_logprobs(logits, mb["input_ids"], models.vocab_size)
+                entropy_sum = (out["entropy"] * mask).sum()
+                lp = out["logprobs"]
                 old = mb["old_logprobs"] if "old_logprobs" in mb else lp.detach()
                 loss, m = grpo_loss(lp, old, mb.get("ref_logprobs"), mb["advantages"], mask, normalizer, loss_cfg)
                 m["entropy_sum"] = entropy_sum
@@ -126,13 +134,15 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
 
             models.policy.zero_grad_buffer()
             models.optimizer.zero_grad()
-            out = forward_backward(models.policy, split_microbatches(mini, cfg.trainer.micro_batch_size), loss_fn,
-                                   forward_only=False)
+            # The policy being optimised is the one vLLM samples from: softmax(logits / T).
+            out = forward_backward(models.policy, microbatches(mini, cfg), loss_fn, forward_only=False,
+                                   outputs=LogprobOutputs(models.vocab_size, cfg.rollout.temperature, entropy=True),
+                                   packing=cfg.trainer.sequence_packing)
             _, grad_norm, _ = models.optimizer.step()
             grad_norms.append(float(grad_norm) if grad_norm is not None else 0.0)
             local = [acc + sum(o[key].item() for o in out) for acc, key in zip(local, keys)]
-    # Only one rank per model-parallel group contributes (the last stage's TP rank 0).
-    if not (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0):
+    # Only one rank per model replica contributes (the last stage's TP rank 0, CP rank 0).
+    if not is_output_rank():
         local = [0.0] * len(keys)
     sums = dict(zip(keys, all_reduce_sum(local)))
     n = max(sums.pop("tokens"), 1.0)
@@ -233,17 +243,20 @@ def grpo_step(models: Models, problems: list[Problem], cfg,
     times["rollout"] = time.perf_counter() - t
 
     t = time.perf_counter()
+    advantages = get_advantage_estimator(a.advantage_estimator)(rewards, r.group_size)
+    if cfg.trainer.balance_batch:  # after the group statistics: groups may now be split over ranks
+        samples, (rewards, advantages) = balance_over_dp(samples, [rewards, advantages])
     batch = make_batch(samples, pad_id=models.tokenizer.pad_token_id or 0)
-    batch["advantages"] = get_advantage_estimator(a.advantage_estimator)(rewards, r.group_size)
-    mbs = cfg.trainer.micro_batch_size
+    batch["advantages"] = advantages
+    packing = cfg.trainer.sequence_packing
     zeros = torch.zeros_like(batch["response_mask"])
     if models.reference is not None and a.kl_coef > 0:
         models.placement.keep("reference")
-        ref = policy_logprobs(models.reference, split_microbatches(batch, mbs), models.vocab_size, r.temperature)
+        ref = policy_logprobs(models.reference, microbatches(batch, cfg), models.vocab_size, r.temperature, packing)
         batch["ref_logprobs"] = ref if ref is not None else zeros
     if a.ppo_epochs > 1 or a.num_mini_batches > 1:  # several updates: freeze the sampling policy's logprobs
         models.placement.keep("policy")
-        old = policy_logprobs(models.policy, split_microbatches(batch, mbs), models.vocab_size, r.temperature)
+        old = policy_logprobs(models.policy, microbatches(batch, cfg), models.vocab_size, r.temperature, packing)
         batch["old_logprobs"] = old if old is not None else zeros
     times["logprobs"] = time.perf_counter() - t
 
@@ -258,7 +271,9 @@ def grpo_step(models: Models, problems: list[Problem], cfg,
     times["weight_sync"] = time.perf_counter() - t
 
     # Reward and length statistics over the global batch (one contribution per DP rank).
-    dp_leader = ps.get_model_parallel_group().rank() == 0
+    from parallel.state import replica_group
+
+    dp_leader = replica_group().rank() == 0
     n, s1, s2, length, tokens, rounds, filled = all_reduce_sum([
         float(len(samples)) if dp_leader else 0.0,
         rewards.sum().item() if dp_leader else 0.0,

@@ -67,44 +67,123 @@ def setup_training(model: torch.nn.Module, optim: OptimConfig):
     return ddp, optimizer
 
 
+def _model_inputs(microbatches: list[dict], packing: bool, pad_id: int, sequence_parallel: bool) -> list:
+    """Every micro-batch as this rank's shard eats it (:func:`parallel.packing.model_inputs`);
+    with pipeline parallelism all padded to one length (the stages exchange fixed shapes)."""
+    from megatron.core import parallel_state as ps
+
+    from parallel.packing import alignment, model_inputs
+
+    cp, tp = ps.get_context_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
+    kw = dict(packed=packing, pad_id=pad_id, cp_size=cp, cp_rank=ps.get_context_parallel_rank(),
+              cp_group=ps.get_context_parallel_group() if cp > 1 else None)
+
+    def build(mb, pad_to=None):
+        ids = mb["input_ids"]
+        lengths = mb.get("seq_lengths")
+        if lengths is None:  # no lengths: every row counts as full (correct, only slower)
+            lengths = torch.full((ids.shape[0],), ids.shape[1])
+        return model_inputs(ids, lengths, align=alignment(cp, tp, sequence_parallel), pad_to=pad_to, **kw)
+
+    inputs = [build(mb) for mb in microbatches]
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        longest = max(x.seq_length for x in inputs)
+        inputs = [x if x.seq_length == longest else build(mb, longest) for x, mb in zip(inputs, microbatches)]
+    return inputs
+
+
 def forward_backward(
     model: torch.nn.Module,
     microbatches: list[dict[str, torch.Tensor]],
-    loss_fn: Callable[[dict[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, dict]],
+    loss_fn: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], tuple[torch.Tensor, dict]],
     *,
+    outputs: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]],
     forward_only: bool,
+    packing: bool = False,
+    pad_id: int = 0,
 ) -> list[dict]:
     """Run all micro-batches through Megatron's schedule (1F1B under PP).
 
+    The model sees each micro-batch packed (``packing=True``: ``thd``, no padding between
+    sequences) or padded, and split over the context-parallel group (:mod:`parallel.packing`).
+    ``outputs`` turns this rank's model output into per-token tensors; they are gathered over
+    CP and put back in ``[mbs, seq]`` form before ``loss_fn`` sees them, so a loss never
+    depends on the layout (every CP rank computes the same loss; the gather's backward keeps
+    each rank's share, and Megatron sums gradients over DP x CP).
+
     Args:
-        microbatches: each has ``input_ids`` and ``position_ids`` ``[mbs, seq]`` (every
-            micro-batch padded to the same ``seq``) plus whatever ``loss_fn`` reads.
-        loss_fn: ``(microbatch, logits [mbs, seq, vocab/tp]) -> (loss, metrics)``,
-            ``loss`` already divided by the global normaliser.
+        microbatches: each has ``input_ids`` ``[mbs, seq]`` (right-padded),
+            ``seq_lengths`` ``[mbs]`` (real tokens per row; all of ``seq`` if absent) and
+            whatever ``loss_fn`` reads.
+        loss_fn: ``(microbatch, outputs [mbs, seq] each) -> (loss, metrics)``, ``loss``
+            already divided by the global normaliser.
+        outputs: ``(model output [b, s_local, ...], target_ids [b, s_local]) -> {name: [b, s_local]}``,
+            e.g. :class:`LogprobOutputs` or :func:`value_outputs`.
     Returns:
         the metrics dicts of every micro-batch on the last pipeline stage; ``[]`` elsewhere.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    def loss_func(mb, logits):
-        loss, metrics = loss_fn(mb, logits)
+    inputs = _model_inputs(microbatches, packing, pad_id, bool(model.config.sequence_parallel))
+
+    def loss_func(mb, inp, output):
+        full = {k: inp.restore(v) for k, v in outputs(output, inp.target_ids).items()}
+        loss, metrics = loss_fn(mb, full)
         return loss, torch.tensor(1, dtype=torch.int), metrics
 
     def forward_step(data_iterator, m):
-        mb = next(data_iterator)
-        logits = m(mb["input_ids"], mb["position_ids"], attention_mask=None)
-        return logits, partial(loss_func, mb)
+        mb, inp = next(data_iterator)
+        out = m(inp.input_ids, inp.position_ids, attention_mask=None, packed_seq_params=inp.packed_seq_params)
+        return out, partial(loss_func, mb, inp)
 
-    mbs, seq = microbatches[0]["input_ids"].shape
     return get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(microbatches),
+        data_iterator=iter(list(zip(microbatches, inputs))),
         model=[model],
         num_microbatches=len(microbatches),
-        seq_length=seq,
-        micro_batch_size=mbs,
+        seq_length=inputs[0].seq_length,
+        micro_batch_size=inputs[0].input_ids.shape[0],
         forward_only=forward_only,
     )
+
+
+@dataclass
+class LogprobOutputs:
+    """Per-token ``logprobs`` (and ``entropy``, nats, no gradient, when ``entropy``) of
+    ``softmax(logits / temperature)`` from vocabulary-parallel logits; position ``t`` is the
+    log-probability of the token after ``t`` in its sequence. Positions with no next token
+    (a row's last real token, padding) hold meaningless values: losses mask them.
+    Consumes the logits: Megatron's ``vocab_parallel_cross_entropy`` works in place (entropy
+    is computed first)."""
+
+    vocab_size: int
+    temperature: float = 1.0
+    entropy: bool = False
+
+    def __call__(self, logits: torch.Tensor, target_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        out = {}
+        if self.entropy:  # before the cross entropy, which overwrites its input
+            out["entropy"] = token_entropy(logits, self.vocab_size)
+        out["logprobs"] = -vocab_parallel_cross_entropy(mask_padded_vocab(logits.float(), self.vocab_size), target_ids)
+        return out
+
+
+def value_outputs(values: torch.Tensor, target_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{"values": [b, s]}`` float32 from a scalar head's ``[b, s, 1]``."""
+    return {"values": values.squeeze(-1).float()}
+
+
+def is_output_rank() -> bool:
+    """True on the one rank per model replica whose gathered outputs count for metrics:
+    last pipeline stage, tensor-parallel rank 0, context-parallel rank 0."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0)
 
 
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -122,27 +201,6 @@ def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         return logits
     col = torch.arange(start, start + v_local, device=logits.device)
     return logits.masked_fill(col >= vocab_size, torch.finfo(logits.dtype).min)
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Log-probability of each next token under vocabulary-parallel logits.
-
-    Args:
-        logits: ``[batch, seq, vocab_padded/tp]``.
-        input_ids: ``[batch, seq]``.
-    Returns:
-        ``[batch, seq]``: position ``t`` holds ``log p(input_ids[t+1] | input_ids[:t+1])``;
-        the last position is 0. Differentiable (Megatron's ``vocab_parallel_cross_entropy``).
-
-    Consumes ``logits``: Megatron's cross entropy exponentiates its input in place to
-    save memory, so compute anything else from the logits (e.g. entropy) BEFORE this.
-    """
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    targets = torch.roll(input_ids, shifts=-1, dims=1)
-    logits = mask_padded_vocab(logits.float(), vocab_size)
-    lp = -vocab_parallel_cross_entropy(logits, targets)
-    return torch.cat([lp[:, :-1], lp.new_zeros(lp.shape[0], 1)], dim=1)
 
 
 @torch.no_grad()

@@ -15,8 +15,24 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from alignment.trainers.batching import make_sequence_batch, split_microbatches
-from alignment.trainers.megatron_step import all_reduce_sum, forward_backward, token_logprobs
+from alignment.trainers.batching import cat_rows, make_sequence_batch, split_microbatches
+from alignment.trainers.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a batch of rows becomes micro-batches: ``micro_batch_size`` rows each, or at most
+    ``max_tokens`` real tokens each (``trainer.max_tokens_per_microbatch``; ``rows_per_unit``
+    consecutive rows stay together), and whether the model sees them packed
+    (``trainer.sequence_packing``)."""
+
+    micro_batch_size: int
+    max_tokens: int = 0
+    rows_per_unit: int = 1
+    packing: bool = False
+
+    def split(self, batch: dict) -> list[dict]:
+        return split_microbatches(batch, self.micro_batch_size, self.max_tokens, self.rows_per_unit)
 
 
 @dataclass
@@ -39,54 +55,52 @@ def _ps():
 
 def global_sums(outputs: list[dict], keys: list[str] | None = None) -> dict[str, float]:
     """Sum metric tensors over micro-batches and over all ranks, counting each model replica
-    once (the last pipeline stage's TP rank 0 of every DP rank); collective."""
-    ps = _ps()
+    once (:func:`alignment.trainers.megatron_step.is_output_rank`); collective."""
     if keys is None:
         keys = sorted(outputs[0]) if outputs else []
         obj = [keys]
         dist.broadcast_object_list(obj, src=dist.get_world_size() - 1)  # the last rank is a last stage
         keys = obj[0]
-    mine = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    mine = is_output_rank()
     local = torch.tensor([sum(float(o[k]) for o in outputs) if mine else 0.0 for k in keys], dtype=torch.float64)
     dist.all_reduce(local)
     return dict(zip(keys, local.tolist()))
 
 
-def sequence_logps(model, batch: dict, micro_batch_size: int, vocab_size: int) -> torch.Tensor:
+def sequence_logps(model, batch: dict, mb: MicroBatching, vocab_size: int) -> torch.Tensor:
     """Forward-only summed response log-probs ``[N]`` of every row (the reference's for DPO);
     zeros on ranks that are not the last pipeline stage (they never read them)."""
 
-    def collect(mb, logits):
-        lp = token_logprobs(logits, mb["input_ids"], vocab_size)
-        return logits.sum() * 0, {"logps": (lp * mb["loss_mask"]).sum(1)}
+    def collect(micro, out):
+        return out["logprobs"].sum() * 0, {"logps": (out["logprobs"] * micro["loss_mask"]).sum(1)}
 
+    parts = mb.split(batch)
     with torch.no_grad():
-        out = forward_backward(model, split_microbatches(batch, micro_batch_size), collect, forward_only=True)
-    return torch.cat([o["logps"] for o in out]) if out else torch.zeros(batch["input_ids"].shape[0])
+        out = forward_backward(model, parts, collect, outputs=LogprobOutputs(vocab_size), forward_only=True,
+                               packing=mb.packing)
+    return cat_rows(out, "logps", parts) if out else torch.zeros(batch["input_ids"].shape[0])
 
 
 def build_batch(rows: list[tuple[list[int], int]], pad_id: int, models: OfflineModels, objective,
-                micro_batch_size: int) -> dict[str, torch.Tensor]:
-    """Padded tensors for this rank's rows, with the reference's log-probs when the objective needs them.
-
-    ``micro_batch_size`` counts ROWS here (examples x ``objective.rows_per_example``).
-    """
+                mb: MicroBatching) -> dict[str, torch.Tensor]:
+    """Padded tensors for this rank's rows, with the reference's log-probs when the objective
+    needs them. ``mb.micro_batch_size`` counts ROWS here (examples x ``objective.rows_per_example``)."""
     batch = make_sequence_batch(rows, pad_id)
     if objective.needs_reference:
         vocab = models.bridge.dims.vocab_size
-        batch["ref_logps"] = sequence_logps(models.reference, batch, micro_batch_size, vocab)
+        batch["ref_logps"] = sequence_logps(models.reference, batch, mb, vocab)
     return batch
 
 
-def train_step(models: OfflineModels, objective, batch: dict, micro_batch_size: int) -> dict[str, float]:
+def train_step(models: OfflineModels, objective, batch: dict, mb: MicroBatching) -> dict[str, float]:
     """One optimizer step on this rank's slice of the global batch; returns global metrics
-    (the objective's, plus ``grad_norm``). ``micro_batch_size`` counts rows."""
+    (the objective's, plus ``grad_norm``). ``mb.micro_batch_size`` counts rows."""
     ps = _ps()
     [normalizer] = all_reduce_sum([objective.normalizer(batch)], ps.get_data_parallel_group())
     models.model.zero_grad_buffer()
     models.optimizer.zero_grad()
-    out = forward_backward(models.model, split_microbatches(batch, micro_batch_size),
-                           lambda mb, o: objective.loss(mb, o, normalizer), forward_only=False)
+    out = forward_backward(models.model, mb.split(batch), lambda micro, o: objective.loss(micro, o, normalizer),
+                           outputs=objective.outputs, forward_only=False, packing=mb.packing)
     _, grad_norm, _ = models.optimizer.step()
     metrics = objective.metrics(global_sums(out))
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
@@ -94,10 +108,10 @@ def train_step(models: OfflineModels, objective, batch: dict, micro_batch_size: 
 
 
 @torch.no_grad()
-def evaluate(models: OfflineModels, objective, batches: list[dict], micro_batch_size: int) -> dict[str, float]:
+def evaluate(models: OfflineModels, objective, batches: list[dict], mb: MicroBatching) -> dict[str, float]:
     """Global metrics of the objective over held-out ``batches`` (this rank's slices), no update."""
     outs = []
     for batch in batches:
-        outs += forward_backward(models.model, split_microbatches(batch, micro_batch_size),
-                                 lambda mb, o: objective.loss(mb, o, 1.0), forward_only=True)
+        outs += forward_backward(models.model, mb.split(batch), lambda micro, o: objective.loss(micro, o, 1.0),
+                                 outputs=objective.outputs, forward_only=True, packing=mb.packing)
     return objective.metrics(global_sums(outs))

@@ -29,9 +29,16 @@ from alignment.algorithms.kl import kl_in_reward
 from alignment.algorithms.value_loss import value_loss
 from alignment.models.value_head import sequence_scores
 from alignment.rollout.base import SamplingConfig
-from alignment.trainers.batching import make_batch, split_microbatches
-from alignment.trainers.grpo import Models, generate_for_group, policy_logprobs, sync_weights
-from alignment.trainers.megatron_step import all_reduce_sum, forward_backward, token_entropy, token_logprobs
+from alignment.trainers.batching import cat_rows, make_batch
+from alignment.trainers.dp_balance import balance_over_dp
+from alignment.trainers.grpo import Models, generate_for_group, microbatches, policy_logprobs, sync_weights
+from alignment.trainers.megatron_step import (
+    LogprobOutputs,
+    all_reduce_sum,
+    forward_backward,
+    is_output_rank,
+    value_outputs,
+)
 from alignment.trainers.offline import global_sums
 from alignment.trainers.offload import trainable
 
@@ -52,18 +59,19 @@ def _ps():
     return ps
 
 
-def head_outputs(model, microbatches) -> torch.Tensor | None:
-    """Forward-only scalar-head outputs ``[N, seq]`` (last pipeline stage; None elsewhere)."""
+def head_outputs(model, mbs: list[dict], packing: bool = False) -> torch.Tensor | None:
+    """Forward-only scalar-head outputs ``[N, seq]`` in batch row order (last pipeline stage;
+    None elsewhere). ``packing``: ``trainer.sequence_packing``."""
     with torch.no_grad():
-        out = forward_backward(model, microbatches, lambda mb, v: (v.sum() * 0, {"v": v.squeeze(-1).float()}),
-                               forward_only=True)
-    return torch.cat([o["v"] for o in out]) if out else None
+        out = forward_backward(model, mbs, lambda mb, o: (o["values"].sum() * 0, {"v": o["values"]}),
+                               outputs=value_outputs, forward_only=True, packing=packing)
+    return cat_rows(out, "v", mbs) if out else None
 
 
-def score(reward_model, batch: dict, micro_batch_size: int) -> torch.Tensor:
+def score(reward_model, batch: dict, cfg) -> torch.Tensor:
     """Reward-model scores ``[N]`` at each sequence's last token (zeros off the last stage)."""
     last = batch["response_mask"].sum(1).long() + batch["prompt_lengths"] - 1
-    values = head_outputs(reward_model, split_microbatches(batch, micro_batch_size))
+    values = head_outputs(reward_model, microbatches(batch, cfg), cfg.trainer.sequence_packing)
     return sequence_scores(values, last) if values is not None else torch.zeros(len(last))
 
 
@@ -75,32 +83,34 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, group) -> torch.Tensor:
     return (x - mean) / (std + 1e-8) * mask
 
 
-def _train_critic(models: PPOModels, mb_list, normalizer: float, value_clip: float | None) -> list[dict]:
-    def loss_fn(mb, v):
-        per_token = value_loss(v.squeeze(-1).float(), mb["values"], mb["returns"], value_clip)
+def _train_critic(models: PPOModels, mb_list, normalizer: float, value_clip: float | None,
+                  packing: bool) -> list[dict]:
+    def loss_fn(mb, out):
+        per_token = value_loss(out["values"], mb["values"], mb["returns"], value_clip)
         mask = mb["response_mask"]
         return (per_token * mask).sum() / normalizer, {"value_loss_sum": (per_token.detach() * mask).sum()}
 
     models.critic.zero_grad_buffer()
     models.critic_optimizer.zero_grad()
-    out = forward_backward(models.critic, mb_list, loss_fn, forward_only=False)
+    out = forward_backward(models.critic, mb_list, loss_fn, outputs=value_outputs, forward_only=False,
+                           packing=packing)
     models.critic_optimizer.step()
     return out
 
 
 def _train_policy(models: PPOModels, mb_list, normalizer: float, loss_cfg: GRPOLossConfig,
-                  temperature: float) -> tuple[list[dict], float]:
-    def loss_fn(mb, logits):
-        logits = logits / temperature
-        entropy_sum = (token_entropy(logits, models.vocab_size) * mb["response_mask"]).sum()
-        lp = token_logprobs(logits, mb["input_ids"], models.vocab_size)
+                  temperature: float, packing: bool) -> tuple[list[dict], float]:
+    def loss_fn(mb, out):
+        entropy_sum = (out["entropy"] * mb["response_mask"]).sum()
+        lp = out["logprobs"]
         loss, m = grpo_loss(lp, mb["old_logprobs"], None, mb["advantages"], mb["response_mask"], normalizer, loss_cfg)
         m["entropy_sum"] = entropy_sum
         return loss, m
 
     models.policy.zero_grad_buffer()
     models.optimizer.zero_grad()
-    out = forward_backward(models.policy, mb_list, loss_fn, forward_only=False)
+    out = forward_backward(models.policy, mb_list, loss_fn, forward_only=False, packing=packing,
+                           outputs=LogprobOutputs(models.vocab_size, temperature, entropy=True))
     _, grad_norm, _ = models.optimizer.step()
     return out, float(grad_norm) if grad_norm is not None else 0.0
 
@@ -116,25 +126,27 @@ def ppo_step(models: PPOModels, prompts: list[list[int]], cfg) -> tuple[dict[str
     groups = generate_for_group(models.engine, prompts, SamplingConfig(
         n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens))
     samples = [s for g in groups for s in g]
+    if t.balance_batch:  # nothing is per group in PPO: re-deal the sequences by token count now
+        samples, _ = balance_over_dp(samples, [])
     times["rollout"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     batch = make_batch(samples, pad_id=models.tokenizer.pad_token_id or 0)
     batch["prompt_lengths"] = torch.tensor([len(s.prompt_ids) for s in samples])
-    mbs = t.micro_batch_size
+    packing = t.sequence_packing
     models.placement.keep("reward_model")
-    rewards = score(models.reward_model, batch, mbs)
+    rewards = score(models.reward_model, batch, cfg)
     mask = batch["response_mask"]
     zeros = torch.zeros_like(mask)
     models.placement.keep("policy")
-    old = policy_logprobs(models.policy, split_microbatches(batch, mbs), models.vocab_size, r.temperature)
+    old = policy_logprobs(models.policy, microbatches(batch, cfg), models.vocab_size, r.temperature, packing)
     old = old if old is not None else zeros
     models.placement.keep("reference")
     ref = zeros if models.reference is None else policy_logprobs(
-        models.reference, split_microbatches(batch, mbs), models.vocab_size, r.temperature)
+        models.reference, microbatches(batch, cfg), models.vocab_size, r.temperature, packing)
     ref = ref if ref is not None else zeros
     models.placement.keep("critic")
-    values = head_outputs(models.critic, split_microbatches(batch, mbs))
+    values = head_outputs(models.critic, microbatches(batch, cfg), packing)
     values = values * mask if values is not None else zeros
     token_rewards = kl_in_reward(rewards, old, ref, mask, a.kl_coef, "k1")
     advantages, returns = gae(token_rewards, values, mask, a.gamma, a.gae_lambda)
@@ -150,16 +162,16 @@ def ppo_step(models: PPOModels, prompts: list[list[int]], cfg) -> tuple[dict[str
     for k in range(a.num_mini_batches):
         mini = {key: v[k * size : (k + 1) * size] for key, v in batch.items()}
         [tokens] = all_reduce_sum([mini["response_mask"].sum().item()], dp_group)
-        minis.append((split_microbatches(mini, mbs), tokens))
+        minis.append((microbatches(mini, cfg), tokens))
     policy_out, critic_out, grad_norms = [], [], []
     models.placement.keep(*trainable("critic"))
     for _ in range(a.ppo_epochs):
         for mb_list, tokens in minis:
-            critic_out += _train_critic(models, mb_list, tokens, a.value_clip)
+            critic_out += _train_critic(models, mb_list, tokens, a.value_clip, packing)
     models.placement.keep(*trainable("policy"))
     for _ in range(a.ppo_epochs):
         for mb_list, tokens in minis:
-            out, norm = _train_policy(models, mb_list, tokens, loss_cfg, r.temperature)
+            out, norm = _train_policy(models, mb_list, tokens, loss_cfg, r.temperature, packing)
             policy_out += out
             grad_norms.append(norm)
     times["train"] = time.perf_counter() - t0
@@ -172,7 +184,7 @@ def ppo_step(models: PPOModels, prompts: list[list[int]], cfg) -> tuple[dict[str
     # Global statistics: policy/critic sums counted once per replica; batch statistics once per DP rank.
     p, c = global_sums(policy_out), global_sums(critic_out)
     # (values, logprobs and scores live on the last pipeline stage; TP ranks hold copies)
-    keep = 1.0 if ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage() else 0.0
+    keep = 1.0 if is_output_rank() else 0.0
     resid = (returns - values) * mask
     prob_error = torch.exp((old - batch["rollout_logprobs"]).abs()) * mask  # vLLM vs trainer, same weights
     tok, s_r, s_r2, s_e, s_e2, kl, n_seq, r_sum, r_sq, length, perr = all_reduce_sum([keep * v for v in [

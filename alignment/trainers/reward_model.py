@@ -13,6 +13,7 @@ import torch
 
 from alignment.algorithms.preference_loss import bradley_terry_loss
 from alignment.models.value_head import sequence_scores
+from alignment.trainers.megatron_step import value_outputs
 
 
 class RewardModelObjective:
@@ -25,6 +26,7 @@ class RewardModelObjective:
     rows_per_example = 2
     needs_reference = False
     value_head = True
+    outputs = staticmethod(value_outputs)  # what forward_backward hands to loss()
 
     def __init__(self, center_coef: float = 0.0):
         self.center_coef = center_coef
@@ -33,9 +35,9 @@ class RewardModelObjective:
         """This rank's number of pairs."""
         return batch["input_ids"].shape[0] / 2
 
-    def loss(self, mb, values, normalizer: float):
-        """``(loss, metric sums)``; ``values`` ``[mbs, seq, 1]`` from the scalar head."""
-        scores = sequence_scores(values.float(), mb["last_index"])
+    def loss(self, mb, out, normalizer: float):
+        """``(loss, metric sums)``; ``out["values"]`` ``[mbs, seq]`` from the scalar head."""
+        scores = sequence_scores(out["values"], mb["last_index"])
         chosen, rejected = scores[0::2], scores[1::2]
         losses, _ = bradley_terry_loss(chosen, rejected, center_coef=self.center_coef)
         c, r = chosen.detach(), rejected.detach()

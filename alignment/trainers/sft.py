@@ -8,7 +8,7 @@ import math
 import torch
 
 from alignment.algorithms.sft_loss import sft_loss
-from alignment.trainers.megatron_step import token_logprobs
+from alignment.trainers.megatron_step import LogprobOutputs
 
 
 class SFTObjective:
@@ -23,14 +23,15 @@ class SFTObjective:
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
+        self.outputs = LogprobOutputs(vocab_size)  # what forward_backward hands to loss()
 
     def normalizer(self, batch: dict[str, torch.Tensor]) -> float:
         """This rank's share of the global normaliser: its response-token count."""
         return float(batch["loss_mask"].sum())
 
-    def loss(self, mb, logits, normalizer: float):
-        """``(loss, metric sums)`` for one micro-batch; ``logits`` ``[mbs, seq, vocab/tp]``."""
-        lp = token_logprobs(logits, mb["input_ids"], self.vocab_size)
+    def loss(self, mb, out, normalizer: float):
+        """``(loss, metric sums)`` for one micro-batch; ``out["logprobs"]`` ``[mbs, seq]``."""
+        lp = out["logprobs"]
         loss = sft_loss(lp, mb["loss_mask"], normalizer)
         return loss, {"nll_sum": -(lp.detach() * mb["loss_mask"]).sum(), "count": mb["loss_mask"].sum()}
 

@@ -23,7 +23,7 @@ from alignment.models.bridges.llama import get_bridge
 from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.weights import export_hf_weights, load_hf_weights
 from alignment.trainers.batching import split_microbatches
-from alignment.trainers.megatron_step import OptimConfig, forward_backward, setup_training, token_logprobs
+from alignment.trainers.megatron_step import LogprobOutputs, OptimConfig, forward_backward, setup_training
 from parallel.layout import ParallelLayout
 from parallel.state import env_world, init_distributed, shutdown
 from tests.dist.tiny_llama import tiny_llama
@@ -80,13 +80,14 @@ def megatron_case(hf, batch, tp, pp, mbs, sp, world):
     local = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in batch.items()}
     total = batch["response_mask"].sum()  # the global normaliser, passed in
 
-    def loss_fn(mb, logits):
-        lp = token_logprobs(logits, mb["input_ids"], cfg.vocab_size)
+    def loss_fn(mb, out):
+        lp = out["logprobs"]
         return grpo_loss(lp, lp.detach() + mb["old_delta"], mb["ref_logprobs"], mb["advantages"],
                          mb["response_mask"], total, CFG)
 
     ddp.zero_grad_buffer()
-    out = forward_backward(ddp, split_microbatches(local, mbs), loss_fn, forward_only=False)
+    out = forward_backward(ddp, split_microbatches(local, mbs), loss_fn, forward_only=False,
+                           outputs=LogprobOutputs(cfg.vocab_size))
     loss = torch.tensor(sum(o["policy_loss_sum"].item() + CFG.kl_coef * o["kl_sum"].item() for o in out)
                         if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 else 0.0,
                         dtype=torch.float64)

@@ -23,7 +23,7 @@ from alignment.models.weights import export_hf_weights, load_hf_weights
 from alignment.trainers import offline
 from alignment.trainers.batching import make_sequence_batch
 from alignment.trainers.dpo import DPOObjective
-from alignment.trainers.megatron_step import OptimConfig, setup_training
+from alignment.trainers.megatron_step import OptimConfig, setup_training, value_outputs
 from alignment.trainers.reward_model import RewardModelObjective
 from alignment.trainers.sft import SFTObjective
 from parallel.layout import ParallelLayout
@@ -31,9 +31,11 @@ from parallel.state import env_world, init_distributed, shutdown
 from tests.dist.tiny_llama import tiny_llama, tiny_llama_config
 
 PAD = 0
-# (tp, pp, sp, examples per micro-batch)
-CASES = {"dp2_mbs1": (1, 1, False, 1), "dp2_mbs2": (1, 1, False, 2), "tp2": (2, 1, False, 2),
-         "tp2_sp": (2, 1, True, 1), "pp2": (1, 2, False, 1)}
+# (tp, pp, sp, examples per micro-batch, context_parallel_size, cp_comm_type, sequence packing)
+CASES = {"dp2_mbs1": (1, 1, False, 1, 1, "p2p", False), "dp2_mbs2": (1, 1, False, 2, 1, "p2p", False),
+         "tp2": (2, 1, False, 2, 1, "p2p", False), "tp2_sp": (2, 1, True, 1, 1, "p2p", False),
+         "pp2": (1, 2, False, 1, 1, "p2p", False), "dp2_packed": (1, 1, False, 2, 1, "p2p", True),
+         "cp2_ring_packed": (1, 1, False, 2, 2, "p2p", True), "cp2_ulysses": (1, 1, False, 1, 2, "a2a", False)}
 
 
 def rows(vocab: int, n: int):
@@ -70,8 +72,8 @@ def reference(kind, lm, rm, batch):
     model.zero_grad()
     obj = objective(kind, lm.config.vocab_size)
     if kind == "rm":
-        out = rm.score(rm.model(batch["input_ids"]).last_hidden_state)
-        loss, _ = obj.loss(batch, out, obj.normalizer(batch))
+        values = rm.score(rm.model(batch["input_ids"]).last_hidden_state)  # [N, seq, 1]
+        loss, _ = obj.loss(batch, {"values": values.squeeze(-1)}, obj.normalizer(batch))
     else:
         logps = hf_logps(lm, batch)
         loss = reference_loss(kind, obj, batch, logps)
@@ -94,13 +96,14 @@ def objective(kind, vocab):
             "dpo": lambda: DPOObjective(vocab, beta=0.5)}[kind]()
 
 
-def megatron_case(kind, lm, rm, batch, tp, pp, sp, mbs, world):
+def megatron_case(kind, lm, rm, batch, tp, pp, sp, mbs, cp, comm, packed, world):
     from megatron.core import parallel_state as ps
 
-    init_distributed(ParallelLayout(world_size=world, tensor_model_parallel_size=tp,
-                                    pipeline_model_parallel_size=pp, sequence_parallel=sp))
+    init_distributed(ParallelLayout(world_size=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                    sequence_parallel=sp, context_parallel_size=cp, cp_comm_type=comm))
     cfg = lm.config
-    tcfg = transformer_config(cfg, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp)
+    tcfg = transformer_config(cfg, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp,
+                              context_parallel_size=cp, cp_comm_type=comm)
     if kind == "rm":
         model, bridge, hf = build_value_model(cfg, tcfg), get_bridge(cfg, head="score"), rm
     else:
@@ -113,8 +116,8 @@ def megatron_case(kind, lm, rm, batch, tp, pp, sp, mbs, world):
     local = {k: v[dp_rank * n : (dp_rank + 1) * n] for k, v in batch.items()}
     scores = None
     if kind == "rm":  # forward parity with HF's own sequence-classification pooling
-        out = offline.forward_backward(ddp, [local], lambda mb, v: (v.sum() * 0, {"v": v.squeeze(-1)}),
-                                       forward_only=True)
+        out = offline.forward_backward(ddp, [local], lambda mb, o: (o["values"].sum() * 0, {"v": o["values"]}),
+                                       outputs=value_outputs, forward_only=True, packing=packed)
         if out:
             from alignment.models.value_head import sequence_scores
 
@@ -122,7 +125,8 @@ def megatron_case(kind, lm, rm, batch, tp, pp, sp, mbs, world):
     ddp.zero_grad_buffer()
     [normalizer] = offline.all_reduce_sum([obj.normalizer(local)], ps.get_data_parallel_group())
     out = offline.forward_backward(ddp, offline.split_microbatches(local, mbs * obj.rows_per_example),
-                                   lambda mb, o: obj.loss(mb, o, normalizer), forward_only=False)
+                                   lambda mb, o: obj.loss(mb, o, normalizer), outputs=obj.outputs, forward_only=False,
+                                   packing=packed)
     sums = offline.global_sums(out)
     loss = (sums.get("loss_sum", sums.get("nll_sum")) / (sums["count"]))
     grads = export_hf_weights(ddp, bridge, source=lambda p: p.main_grad)
@@ -142,8 +146,8 @@ def main(path: str) -> None:
     for kind in ("sft", "rm", "dpo"):
         ref_loss, ref_grads = reference(kind, lm, rm, batch)
         res = {"reference_loss": ref_loss, "reference_max_grad": max(g.abs().max().item() for g in ref_grads.values())}
-        for name, (tp, pp, sp, mbs) in CASES.items():
-            loss, grads, scores, dp_rank, n = megatron_case(kind, lm, rm, batch, tp, pp, sp, mbs, world)
+        for name, case in CASES.items():
+            loss, grads, scores, dp_rank, n = megatron_case(kind, lm, rm, batch, *case, world)
             assert set(grads) == set(ref_grads), sorted(set(ref_grads) ^ set(grads))
             res[name] = {"loss": loss, "max_grad_diff": max((grads[k] - ref_grads[k]).abs().max().item() for k in grads)}
             if kind == "rm":

@@ -24,7 +24,7 @@ from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.weights import export_hf_weights, load_hf_weights
 from alignment.trainers.batching import split_microbatches
 from alignment.trainers.grpo import policy_logprobs
-from alignment.trainers.megatron_step import OptimConfig, forward_backward, setup_training, token_logprobs
+from alignment.trainers.megatron_step import LogprobOutputs, OptimConfig, forward_backward, setup_training
 from alignment.trainers.offload import DevicePlacement, trainable
 from parallel.layout import ParallelLayout
 from parallel.state import env_world, init_distributed
@@ -81,15 +81,16 @@ def run(hf, batch, tp: int, distopt: bool, offload: bool):
         if offload and step == 2:
             info.update({k.replace(".", "_") + "_bytes": v for k, v in place.resident_bytes().items()})
 
-        def loss_fn(mb, logits):
-            lp = token_logprobs(logits, mb["input_ids"], vocab)
+        def loss_fn(mb, out):
+            lp = out["logprobs"]
             return grpo_loss(lp, mb["old"], mb["ref"], mb["advantages"], mb["response_mask"],
                              batch["response_mask"].sum(), CFG)
 
         local.update(ref=ref, old=old + local["old_delta"])
         policy.zero_grad_buffer()
         optimizer.zero_grad()
-        out = forward_backward(policy, split_microbatches(local, 2), loss_fn, forward_only=False)
+        out = forward_backward(policy, split_microbatches(local, 2), loss_fn, forward_only=False,
+                               outputs=LogprobOutputs(vocab))
         _, grad_norm, _ = optimizer.step()
         place.keep("policy")  # weight sync reads the parameters only
         trace += [ref, old, torch.tensor([o["policy_loss_sum"].item() for o in out]), torch.tensor(float(grad_norm))]

@@ -62,12 +62,12 @@ def megatron_logits(hf_model, input_ids, tp, pp, world, sp=False, own_weights=Fa
         load_hf_weights(model, hf_model.state_dict(), bridge)
     mb = {"input_ids": input_ids, "position_ids": torch.arange(input_ids.shape[1]).expand_as(input_ids)}
 
-    def collect(mb, logits):
-        full = gather_from_tensor_model_parallel_region(logits)[..., : cfg.vocab_size]
-        return logits.sum() * 0, {"logits": full}
+    def full_logits(logits, target_ids):
+        return {"logits": gather_from_tensor_model_parallel_region(logits)[..., : cfg.vocab_size]}
 
     with torch.no_grad():
-        out = forward_backward(model, [mb], collect, forward_only=True)
+        out = forward_backward(model, [mb], lambda mb, o: (o["logits"].sum() * 0, o), outputs=full_logits,
+                               forward_only=True)
     exported = export_hf_weights(model, bridge)
     logits = out[0]["logits"] if ps.is_pipeline_last_stage() else None
     if own_weights:

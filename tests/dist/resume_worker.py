@@ -18,7 +18,7 @@ from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.weights import export_hf_weights, load_hf_weights
 from alignment.trainers.batching import split_microbatches
 from alignment.trainers.checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
-from alignment.trainers.megatron_step import OptimConfig, forward_backward, setup_training, token_logprobs
+from alignment.trainers.megatron_step import LogprobOutputs, OptimConfig, forward_backward, setup_training
 from parallel.layout import ParallelLayout
 from parallel.state import env_world, init_distributed, shutdown
 from tests.dist.grpo_invariance_worker import CFG, make_batch
@@ -43,14 +43,15 @@ def train(ddp, optimizer, hf, steps: range) -> None:
         local = {k: v[r * rows : (r + 1) * rows] for k, v in batch.items()}
         total = batch["response_mask"].sum()
 
-        def loss_fn(mb, logits):
-            lp = token_logprobs(logits, mb["input_ids"], hf.config.vocab_size)
+        def loss_fn(mb, out):
+            lp = out["logprobs"]
             return grpo_loss(lp, lp.detach() + mb["old_delta"], mb["ref_logprobs"], mb["advantages"],
                              mb["response_mask"], total, CFG)
 
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        forward_backward(ddp, split_microbatches(local, 2), loss_fn, forward_only=False)
+        forward_backward(ddp, split_microbatches(local, 2), loss_fn, forward_only=False,
+                         outputs=LogprobOutputs(hf.config.vocab_size))
         optimizer.step()
 
 

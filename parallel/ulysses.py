@@ -1,0 +1,117 @@
+"""Ulysses sequence parallelism (DeepSpeed-Ulysses, Jacobs et al. 2023, Sec. 3): around
+attention, one all-to-all turns "all heads of my sequence shard" into "my heads of the whole
+sequence"; attention runs locally on whole sequences; a second all-to-all turns it back.
+
+It shares the context-parallel group and the zig-zag token layout of
+:mod:`parallel.context_parallel` (so RoPE, packing and the output gather are the same for
+both); after the first all-to-all the tokens are put back in natural order with one index
+permutation. With GQA and fewer KV heads than Ulysses ranks, KV heads are replicated so that
+each rank holds the KV head its query heads use.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from parallel.context_parallel import zigzag_index
+
+
+def check_ulysses_heads(num_heads: int, num_kv_heads: int, ulysses_size: int) -> str | None:
+    """The reason ``ulysses_size`` cannot split these (per tensor-parallel rank) head counts,
+    or None when it can: query heads must divide evenly and KV heads must either divide
+    evenly or divide ``ulysses_size`` (then they are replicated)."""
+    if num_heads % ulysses_size:
+        return (f"{num_heads} query heads per tensor-parallel rank are not divisible by "
+                f"context_parallel_size={ulysses_size}")
+    if num_kv_heads % ulysses_size and ulysses_size % num_kv_heads:
+        return (f"{num_kv_heads} KV heads per tensor-parallel rank neither divide nor are divisible by "
+                f"context_parallel_size={ulysses_size}")
+    return None
+
+
+class _AllToAll(torch.autograd.Function):
+    """``x[i]`` goes to rank ``i``; ``out[i]`` comes from rank ``i``. Its own adjoint."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous()  # (empty_like would copy a view's strides; the collective writes rows)
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
+def _heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """``[B, H, T, D]`` (all heads, my tokens) -> ``[B, H/n, n*T, D]`` (my heads, every rank's
+    tokens in rank order)."""
+    n = group.size()
+    b, h, t, d = x.shape
+    y = _AllToAll.apply(x.reshape(b, n, h // n, t, d).transpose(0, 1), group)  # [n(src), B, H/n, T, D]
+    return y.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * t, d)
+
+
+def _sequence_to_heads(y: torch.Tensor, group) -> torch.Tensor:
+    """Inverse of :func:`_heads_to_sequence`."""
+    n = group.size()
+    b, hn, nt, d = y.shape
+    x = _AllToAll.apply(y.reshape(b, hn, n, nt // n, d).permute(2, 0, 1, 3, 4), group)  # [n(head grp), B, H/n, T, D]
+    return x.transpose(0, 1).reshape(b, n * hn, nt // n, d)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lens: list[int],
+                     scale: float) -> torch.Tensor:
+    """Causal attention within each sequence laid end to end along dim 2.
+
+    Args:
+        q: ``[B, heads, T, head_dim]``; ``k``, ``v``: ``[B, kv_heads, T, head_dim]``.
+        seg_lens: lengths of the sequences along ``T`` (block-diagonal causal mask).
+    Returns:
+        ``[B, heads, T, head_dim]``.
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if len(seg_lens) == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    outs, offset = [], 0
+    for length in seg_lens:
+        s = slice(offset, offset + length)
+        outs.append(F.scaled_dot_product_attention(q[:, :, s], k[:, :, s], v[:, :, s], is_causal=True,
+                                                   scale=scale, enable_gqa=gqa))
+        offset += length
+    return torch.cat(outs, dim=2)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lens: list[int], scale: float,
+                      group) -> torch.Tensor:
+    """Causal attention for this rank's zig-zag tokens by head-parallel all-to-all.
+
+    Args:
+        q: ``[B, heads, T_local, head_dim]``; ``k``, ``v``: ``[B, kv_heads, T_local, head_dim]``
+            (this rank's tokens, local order of :func:`parallel.context_parallel.zigzag_index`).
+        seg_lens: GLOBAL length of each sequence (each a multiple of ``2 * group.size()``).
+        scale: softmax scale.
+        group: the context-parallel process group (``n`` ranks).
+    Returns:
+        ``[B, heads, T_local, head_dim]``. Differentiable (all-to-all is its own adjoint).
+    Raises:
+        ValueError: head counts that ``n`` cannot split (:func:`check_ulysses_heads`).
+    """
+    n = group.size()
+    why = check_ulysses_heads(q.shape[1], k.shape[1], n)
+    if why:
+        raise ValueError(f"Ulysses (parallel.cp_comm_type=a2a): {why}; use cp_comm_type=p2p (ring) or another size")
+    if k.shape[1] % n:  # fewer KV heads than ranks: rank r needs KV head r // (n / kv_heads)
+        k, v = (t.repeat_interleave(n // k.shape[1], dim=1) for t in (k, v))
+    order = zigzag_index(seg_lens, n).flatten()  # natural position of each gathered token
+    natural = torch.argsort(order)
+    q, k, v = (_heads_to_sequence(t, group).index_select(2, natural) for t in (q, k, v))
+    out = causal_attention(q, k, v, seg_lens, scale)
+    return _sequence_to_heads(out.index_select(2, order), group)
