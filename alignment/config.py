@@ -255,6 +255,10 @@ def validate(cfg, *, world_size: int, hf_config) -> None:
     if t.max_tokens_per_microbatch < 0:
         raise ConfigError(f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch}: must be >= 0 (0: "
                           f"use trainer.micro_batch_size rows)")
+    if t.max_tokens_per_microbatch and layout.pipeline_model_parallel_size > 1 and not t.sequence_packing:
+        raise ConfigError("trainer.max_tokens_per_microbatch with parallel.pipeline_model_parallel_size > 1 needs "
+                          "trainer.sequence_packing=true (pipeline stages exchange one shape for every micro-batch; "
+                          "packed micro-batches are one row each, padded micro-batches would differ in rows)")
     if cfg.model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype={cfg.model.dtype!r}: valid values are float32, bfloat16")
     if cfg.algorithm.name in OFFLINE_ALGORITHMS:

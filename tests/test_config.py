@@ -56,6 +56,13 @@ def test_schema_rejects_unknown_keys_and_bad_types():
 def test_layout_refused_before_start():
     with pytest.raises(LayoutError, match="tensor_model_parallel_size=3 does not divide the world size 2"):
         validate(cfg("parallel.tensor_model_parallel_size=3"), world_size=2, hf_config=SMOLLM2)
+    # SmolLM2's 9 heads cannot be split by a Ulysses group of 2; ring attention can run them
+    with pytest.raises(LayoutError, match=r"cp_comm_type=a2a \(Ulysses\): 9 query heads .* valid Ulysses sizes here: \[\]"):
+        validate(cfg("parallel.context_parallel_size=2", "parallel.cp_comm_type=a2a"), world_size=2, hf_config=SMOLLM2)
+    validate(cfg("parallel.context_parallel_size=2", "trainer.sequence_packing=true"), world_size=2, hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match="needs trainer.sequence_packing=true"):
+        validate(cfg("parallel.pipeline_model_parallel_size=2", "trainer.max_tokens_per_microbatch=1024"),
+                 world_size=2, hf_config=SMOLLM2)
 
 
 @pytest.mark.parametrize("override, world, message", [
@@ -72,6 +79,8 @@ def test_layout_refused_before_start():
     ("rollout.tensor_parallel_size=3", 2, r"rollout.tensor_parallel_size=3 must divide the world size 2; valid: \[1, 2\]"),
     # SmolLM2 has 9 attention heads: a TP=2 engine cannot split them
     ("rollout.tensor_parallel_size=2", 2, r"rollout.tensor_parallel_size=2 must divide the attention heads \(9\)"),
+    ("trainer.max_tokens_per_microbatch=-1", 2, r"trainer.max_tokens_per_microbatch=-1: must be >= 0"),
+    ("trainer.max_tokens_per_microbatch=100", 2, r"trainer.max_tokens_per_microbatch=100 is below rollout.max_model_len"),
 ])
 def test_invalid_values_name_the_field(override, world, message):
     with pytest.raises(ConfigError, match=message):

@@ -32,8 +32,11 @@ def test_ppo_steps_update_policy_and_critic_and_resume(tmp_path):
     assert h["prompts"] == 4 and 0.0 <= h["win_rate"] <= 1.0 and h["length_before"] > 0
     assert (out / "checkpoints" / "step_2" / "policy" / "metadata.json").exists()
     assert (out / "checkpoints" / "step_2" / "critic" / "metadata.json").exists()
-    # resume with the four models offloaded between phases (forced on CPU: the same copies as on GPU)
-    run_torchrun("offline_e2e_worker.py", *common, "trainer.steps=3", "trainer.offload=true", str(result),
+    # resume with the four models offloaded between phases (forced on CPU: the same copies as on GPU),
+    # in another layout: every sequence split over both ranks (ring CP=2, DP=1), packed; the policy,
+    # reference, critic and reward model all run through context-parallel attention
+    run_torchrun("offline_e2e_worker.py", *common, "trainer.steps=3", "trainer.offload=true",
+                 "parallel.context_parallel_size=2", "trainer.sequence_packing=true", str(result),
                  timeout=900, env={"MEGALIGN_OFFLOAD_ON_CPU": "1"})
     resumed = json.loads(result.read_text())
     assert resumed["start_step"] == 2 and len(resumed["history"]) == 1
