@@ -52,6 +52,19 @@ class ModelInputs:
     packed_seq_params: object = None
     cp_group: object = None
 
+    def to(self, device) -> "ModelInputs":
+        """The same inputs on ``device`` (the model's; a no-op on CPU)."""
+        if self.input_ids.device == torch.device(device):
+            return self
+        p = self.packed_seq_params
+        if p is not None:
+            from dataclasses import replace
+
+            p = replace(p, **{k: getattr(p, k).to(device) for k in
+                              ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")})
+        return ModelInputs(self.input_ids.to(device), self.position_ids.to(device), self.target_ids.to(device),
+                           self.index.to(device), self.shape, p, self.cp_group)
+
     @property
     def seq_length(self) -> int:
         """Global (all CP ranks) tokens per row: what Megatron's schedule calls ``seq_length``."""

@@ -124,7 +124,8 @@ def forward_backward(
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    inputs = _model_inputs(microbatches, packing, pad_id, bool(model.config.sequence_parallel))
+    device = next(model.parameters()).device
+    inputs = [x.to(device) for x in _model_inputs(microbatches, packing, pad_id, bool(model.config.sequence_parallel))]
 
     def loss_func(mb, inp, output):
         full = {k: inp.restore(v) for k, v in outputs(output, inp.target_ids).items()}
@@ -133,6 +134,7 @@ def forward_backward(
 
     def forward_step(data_iterator, m):
         mb, inp = next(data_iterator)
+        mb = {k: v.to(device) for k, v in mb.items()}  # the loss reads them next to the outputs
         out = m(inp.input_ids, inp.position_ids, attention_mask=None, packed_seq_params=inp.packed_seq_params)
         return out, partial(loss_func, mb, inp)
 
