@@ -99,6 +99,7 @@ def run(cfg) -> dict:
     from megatron.core import parallel_state as ps
 
     from alignment.trainers import offline
+    from alignment.trainers.batching import MicroBatching
     from alignment.trainers.checkpoint import (
         latest_checkpoint,
         load_megatron_checkpoint,
@@ -116,8 +117,7 @@ def run(cfg) -> dict:
     train, heldout = tokenize_split(cfg, tok, "train"), tokenize_split(cfg, tok, "heldout")
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mbs = cfg.trainer.micro_batch_size
-    rows_per_mb = offline.MicroBatching(mbs * objective.rows_per_example, cfg.trainer.max_tokens_per_microbatch,
-                                        objective.rows_per_example, cfg.trainer.sequence_packing)
+    rows_per_mb = MicroBatching.from_trainer(cfg.trainer, objective.rows_per_example)
 
     def batch_of(examples) -> dict:
         return offline.build_batch([r for e in examples for r in e], pad, models, objective, rows_per_mb)

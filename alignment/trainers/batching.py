@@ -8,6 +8,8 @@ and ``rollout_logprobs[i, t]`` is the engine's logprob of that token.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from alignment.rollout.base import Sample
@@ -108,3 +110,26 @@ def make_sequence_batch(rows: list[tuple[list[int], int]], pad_id: int,
         "response_lengths": torch.tensor([len(ids) - p for ids, p in rows]),
         "seq_lengths": torch.tensor([len(ids) for ids, _ in rows]),
     }
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a batch of rows becomes micro-batches: ``micro_batch_size`` rows each, or at most
+    ``max_tokens`` real tokens each (``trainer.max_tokens_per_microbatch``; ``rows_per_unit``
+    consecutive rows stay together), and whether the model sees them packed
+    (``trainer.sequence_packing``)."""
+
+    micro_batch_size: int
+    max_tokens: int = 0
+    rows_per_unit: int = 1
+    packing: bool = False
+
+    @classmethod
+    def from_trainer(cls, trainer, rows_per_unit: int = 1) -> "MicroBatching":
+        """From the ``trainer`` config: ``micro_batch_size`` counts units of ``rows_per_unit`` rows."""
+        return cls(trainer.micro_batch_size * rows_per_unit, trainer.max_tokens_per_microbatch, rows_per_unit,
+                   trainer.sequence_packing)
+
+    def split(self, batch: dict) -> list[dict]:
+        """:func:`split_microbatches` with these settings."""
+        return split_microbatches(batch, self.micro_batch_size, self.max_tokens, self.rows_per_unit)

@@ -33,7 +33,7 @@ from alignment.algorithms.reward_shaping import informative_groups, overlong_pen
 from alignment.data.prompts import build_prompt_ids
 from alignment.data.tasks import Problem, score_response
 from alignment.rollout.base import Sample, SamplingConfig
-from alignment.trainers.batching import cat_rows, make_batch, split_microbatches
+from alignment.trainers.batching import MicroBatching, cat_rows, make_batch
 from alignment.trainers.dp_balance import balance_over_dp
 from alignment.trainers.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
 from alignment.trainers.offload import DevicePlacement, trainable
@@ -94,7 +94,7 @@ def policy_logprobs(model, microbatches, vocab_size: int, temperature: float = 1
 
 def microbatches(batch: dict, cfg) -> list[dict]:
     """``trainer.micro_batch_size`` rows, or ``trainer.max_tokens_per_microbatch`` tokens, per micro-batch."""
-    return split_microbatches(batch, cfg.trainer.micro_batch_size, cfg.trainer.max_tokens_per_microbatch)
+    return MicroBatching.from_trainer(cfg.trainer).split(batch)
 
 
 def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:

@@ -15,24 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from alignment.trainers.batching import cat_rows, make_sequence_batch, split_microbatches
+from alignment.trainers.batching import MicroBatching, cat_rows, make_sequence_batch
 from alignment.trainers.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
-
-
-@dataclass(frozen=True)
-class MicroBatching:
-    """How a batch of rows becomes micro-batches: ``micro_batch_size`` rows each, or at most
-    ``max_tokens`` real tokens each (``trainer.max_tokens_per_microbatch``; ``rows_per_unit``
-    consecutive rows stay together), and whether the model sees them packed
-    (``trainer.sequence_packing``)."""
-
-    micro_batch_size: int
-    max_tokens: int = 0
-    rows_per_unit: int = 1
-    packing: bool = False
-
-    def split(self, batch: dict) -> list[dict]:
-        return split_microbatches(batch, self.micro_batch_size, self.max_tokens, self.rows_per_unit)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.value_head import build_value_model
 from alignment.models.weights import export_hf_weights, load_hf_weights
 from alignment.trainers import offline
-from alignment.trainers.batching import make_sequence_batch
+from alignment.trainers.batching import make_sequence_batch, split_microbatches
 from alignment.trainers.dpo import DPOObjective
 from alignment.trainers.megatron_step import OptimConfig, setup_training, value_outputs
 from alignment.trainers.reward_model import RewardModelObjective
@@ -124,7 +124,7 @@ def megatron_case(kind, lm, rm, batch, tp, pp, sp, mbs, cp, comm, packed, world)
             scores = sequence_scores(out[0]["v"], local["last_index"])
     ddp.zero_grad_buffer()
     [normalizer] = offline.all_reduce_sum([obj.normalizer(local)], ps.get_data_parallel_group())
-    out = offline.forward_backward(ddp, offline.split_microbatches(local, mbs * obj.rows_per_example),
+    out = offline.forward_backward(ddp, split_microbatches(local, mbs * obj.rows_per_example),
                                    lambda mb, o: obj.loss(mb, o, normalizer), outputs=obj.outputs, forward_only=False,
                                    packing=packed)
     sums = offline.global_sums(out)
