@@ -142,6 +142,22 @@ class TrainerConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """``profile.enabled``: ``torch.profiler`` traces of chosen steps on chosen ranks, plus a
+    memory report (peak RSS on CPU; CUDA peak allocated/reserved and a memory snapshot on GPU).
+    Read by :mod:`launchers.profiling`; ``tools/profile_step.py`` turns a run into a report."""
+
+    enabled: bool = False
+    steps: list[int] = field(default_factory=lambda: [2])  # optimizer steps to trace, 1-based (step 1 warms up)
+    ranks: list[int] = field(default_factory=lambda: [0])  # global ranks that trace
+    dir: str = "${output_dir}/profile"  # traces: <dir>/rank<r>_step<s>.*.pt.trace.json (Chrome/TensorBoard)
+    record_shapes: bool = True
+    profile_memory: bool = True
+    with_stack: bool = False
+    memory_snapshot: bool = True  # GPU: torch.cuda.memory snapshot of the traced steps (pytorch.org/memory_viz)
+
+
+@dataclass
 class JobConfig:
     """A whole job (schema ``job_schema``, alias ``grpo_schema``; YAML defaults in ``configs/*.yaml``)."""
 
@@ -154,6 +170,7 @@ class JobConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 def register() -> None:
@@ -252,6 +269,11 @@ def validate(cfg, *, world_size: int, hf_config) -> None:
                     num_query_groups=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
     dp = layout.data_parallel_size
     r, t = cfg.rollout, cfg.trainer
+    prof = cfg.profile
+    if prof.enabled and (not prof.steps or min(prof.steps) < 1):
+        raise ConfigError(f"profile.steps={list(prof.steps)}: give 1-based optimizer steps, e.g. [2] (step 1 warms up)")
+    if prof.enabled and (not prof.ranks or min(prof.ranks) < 0 or max(prof.ranks) >= world_size):
+        raise ConfigError(f"profile.ranks={list(prof.ranks)}: global ranks in [0, {world_size}), e.g. [0]")
     if t.max_tokens_per_microbatch < 0:
         raise ConfigError(f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch}: must be >= 0 (0: "
                           f"use trainer.micro_batch_size rows)")

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from launchers.profiling import PhaseTimers, StepProfiler, memory_report
+
 
 @dataclass
 class Run:
@@ -27,6 +29,8 @@ class Run:
     out: Path
     writer: object = None
     history: list = field(default_factory=list)
+    profiler: object = None  # launchers.profiling.StepProfiler (profile.*)
+    timers: PhaseTimers = field(default_factory=PhaseTimers)  # summed phase times, e.g. checkpoint
 
     def log(self, values: dict[str, float], step: int) -> None:
         """Scalars to TensorBoard at ``step`` (rank 0 writes)."""
@@ -49,6 +53,10 @@ class Run:
         ``engine`` is closed (vLLM's teardown also tears down torch.distributed) and the groups shut down."""
         from parallel.state import shutdown
 
+        reports = [None] * self.world
+        traces = self.profiler.written if self.profiler is not None else []
+        dist.all_gather_object(reports, {**memory_report(self.rank), "host": os.uname().nodename, "traces": traces})
+        summary.update(memory=reports, phase_timers=self.timers.as_dict())
         if self.rank == 0:
             print(message, flush=True)
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
@@ -81,6 +89,7 @@ def start(cfg) -> Run:
     run = Run(cfg, rank, world, hf_dir, hf_config, Path(cfg.output_dir))
     from alignment.trainers.offload import offload_enabled
 
+    run.profiler = StepProfiler(cfg.profile, rank)
     if cfg.trainer.offload and not offload_enabled(True) and rank == 0:
         print("trainer.offload=true is a no-op without a GPU (host memory is the device memory)", flush=True)
     if rank == 0:

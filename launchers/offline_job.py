@@ -137,8 +137,11 @@ def run(cfg) -> dict:
     if latest is not None:
         start_step = load_megatron_checkpoint(models.model, latest, models.optimizer)
 
+        if job.rank == 0:
+            print(f"resumed from {latest} (step {start_step})", flush=True)
     def checkpoint(step: int) -> None:
-        save_megatron_checkpoint(models.model, ckpt_dir / f"step_{step}", optimizer=models.optimizer, step=step)
+        with job.timers("checkpoint"):
+            save_megatron_checkpoint(models.model, ckpt_dir / f"step_{step}", optimizer=models.optimizer, step=step)
 
     before = evaluate()
     job.log({f"heldout/{k}": v for k, v in before.items()}, start_step)
@@ -149,15 +152,19 @@ def run(cfg) -> dict:
     steps = job.progress(start_step, total, cfg.algorithm.name)
     for step in steps:
         epoch, k = divmod(step, steps_per_epoch)  # a fresh shuffle per epoch, the same on every rank
+        job.profiler.begin(step)
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
         idx = order[k * gbs + dp_rank * per_rank : k * gbs + (dp_rank + 1) * per_rank]
         t0 = time.perf_counter()
         batch = batch_of([train[i] for i in idx])
         metrics = offline.train_step(models, objective, batch, rows_per_mb)
         leader = replica_group().rank() == 0
-        [tokens] = offline.all_reduce_sum([float((batch["input_ids"] != pad).sum()) if leader else 0.0], None)
+        real = batch["input_ids"] != pad
+        tokens, rows = offline.all_reduce_sum([float(real.sum()) if leader else 0.0,
+                                              float(real.any(-1).sum()) if leader else 0.0], None)
         dt = time.perf_counter() - t0
-        metrics.update({"time/step": dt, "tokens_per_s": tokens / dt, "epoch": epoch + (k + 1) / steps_per_epoch})
+        job.profiler.end(step)
+        metrics.update({"time/train": dt, "time/step": dt, "tokens_per_s": tokens / dt, "seq_length": tokens / rows, "epoch": epoch + (k + 1) / steps_per_epoch})
         job.log({f"train/{name}": v for name, v in metrics.items()}, step + 1)
         job.history.append(metrics)
         if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0 and step + 1 < total:

@@ -142,6 +142,8 @@ def run(cfg) -> dict:
         start_step = load_megatron_checkpoint(models.policy, latest / "policy", models.optimizer)
         load_megatron_checkpoint(models.critic, latest / "critic", models.critic_optimizer)
     # The initial (SFT) policy's held-out responses are the baseline of the win rate; the
+        if job.rank == 0:
+            print(f"resumed from {latest} (step {start_step})", flush=True)
     # engine still holds the initial weights here, even after a resume.
     baseline = heldout_responses(models, my_heldout, cfg)
     if latest is not None:
@@ -149,14 +151,15 @@ def run(cfg) -> dict:
         sync_weights(models, cfg.rollout.check_weight_sync)
 
     def checkpoint(step: int) -> None:
-        final, parts = ckpt_dir / f"step_{step}", ckpt_dir / f"step_{step}.parts"
-        models.placement.keep(*trainable("policy"), *trainable("critic"))
-        save_megatron_checkpoint(models.policy, parts / "policy", optimizer=models.optimizer, step=step)
-        save_megatron_checkpoint(models.critic, parts / "critic", optimizer=models.critic_optimizer, step=step)
-        if job.rank == 0:  # both parts complete: publish them together, then mark the step complete
-            os.replace(parts, final)
-            (final / "metadata.json").write_text(json.dumps({"step": step}))
-        dist.barrier()
+        with job.timers("checkpoint"):
+            final, parts = ckpt_dir / f"step_{step}", ckpt_dir / f"step_{step}.parts"
+            models.placement.keep(*trainable("policy"), *trainable("critic"))
+            save_megatron_checkpoint(models.policy, parts / "policy", optimizer=models.optimizer, step=step)
+            save_megatron_checkpoint(models.critic, parts / "critic", optimizer=models.critic_optimizer, step=step)
+            if job.rank == 0:  # both parts complete: publish them together, then mark the step complete
+                os.replace(parts, final)
+                (final / "metadata.json").write_text(json.dumps({"step": step}))
+            dist.barrier()
 
     per_rank = cfg.rollout.prompts_per_step // dp
     steps = job.progress(start_step, cfg.trainer.steps, "ppo")
@@ -165,7 +168,9 @@ def run(cfg) -> dict:
         prompts = [train[(first + i) % len(train)] for i in range(per_rank)]
         t0 = time.perf_counter()
         metrics, times = ppo_step(models, prompts, cfg)
+        job.profiler.begin(step)
         metrics.update({f"time/{k}": v for k, v in times.items()}, **{"time/step": time.perf_counter() - t0})
+        job.profiler.end(step)
         job.log(metrics, step + 1)
         job.history.append(metrics)
         if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0 and step + 1 < cfg.trainer.steps:

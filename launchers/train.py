@@ -117,8 +117,9 @@ def run_rl(cfg: DictConfig) -> dict:
             print(f"resumed from {latest} (step {start_step})", flush=True)
 
     def checkpoint(step: int) -> None:
-        models.placement.keep(*trainable("policy"))
-        save_megatron_checkpoint(models.policy, ckpt_dir / f"step_{step}", optimizer=models.optimizer, step=step)
+        with job.timers("checkpoint"):
+            models.placement.keep(*trainable("policy"))
+            save_megatron_checkpoint(models.policy, ckpt_dir / f"step_{step}", optimizer=models.optimizer, step=step)
 
     acc_before = grpo.evaluate(models, heldout, cfg.data.task, cfg.rollout.eval_max_tokens)
     job.log({"heldout/accuracy": acc_before}, start_step)
@@ -139,7 +140,9 @@ def run_rl(cfg: DictConfig) -> dict:
 
         t0 = time.perf_counter()
         metrics, times = grpo.grpo_step(models, problems, cfg, refill)
+        job.profiler.begin(step)
         step_time = time.perf_counter() - t0
+        job.profiler.end(step)
         metrics["tokens_per_s"] = metrics.pop("tokens") / step_time
         metrics.update({f"time/{k}": v for k, v in times.items()}, **{"time/step": step_time})
         if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0 and step + 1 < cfg.trainer.steps:

@@ -23,6 +23,12 @@ def on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def comm_device() -> torch.device:
+    """Where host-made tensors go before a collective: this rank's GPU under NCCL (which has no
+    CPU tensors), the CPU under gloo."""
+    return torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
+
+
 def env_world() -> tuple[int, int, int]:
     """``(rank, world_size, local_rank)`` from torchrun or Slurm variables; ``(0, 1, 0)`` alone."""
     if "RANK" in os.environ:

@@ -113,7 +113,7 @@ def build_gpt_model(hf_config, config, *, vp_stage: int | None = None, share_emb
     if scaling not in (None, "default"):
         raise ValueError(f"model.rope_scaling type {scaling!r} is not supported yet (only default RoPE)")
     d = LlamaDims.from_hf_config(hf_config)
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(core_attention),
         vocab_size=d.padded_vocab_size(config.tensor_model_parallel_size),
@@ -125,3 +125,16 @@ def build_gpt_model(hf_config, config, *, vp_stage: int | None = None, share_emb
         rotary_base=rope_theta(hf_config),
         vp_stage=vp_stage,
     )
+    return place_shard(model)
+
+
+def place_shard(model: torch.nn.Module) -> torch.nn.Module:
+    """Put a freshly built shard where Megatron-LM's ``get_model`` puts it: every parameter in
+    ``params_dtype`` when bf16 (``Float16Module`` casts the norms too; the local spec builds
+    them in fp32) and, on GPU, on this rank's device (the local spec builds norms on the CPU
+    even without ``use_cpu_initialization``). Returns ``model``."""
+    if model.config.bf16:
+        model.bfloat16()
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model

@@ -51,12 +51,12 @@ def build_value_model(hf_config, config, *, vp_stage: int | None = None, seed: i
     last stage. Load weights with ``load_hf_weights(model, hf, get_bridge(cfg, head="score"))``
     (pass ``skip=("output_layer.weight",)`` when starting from a causal-LM checkpoint).
     """
-    from alignment.models.gpt import build_gpt_model
+    from alignment.models.gpt import build_gpt_model, place_shard
 
     model = build_gpt_model(hf_config, config, vp_stage=vp_stage, share_embeddings=False)
     if model.post_process:
         model.output_layer = ScalarHead(config, seed=seed)
-    return model
+    return place_shard(model)
 
 
 def sequence_scores(values: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:

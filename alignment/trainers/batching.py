@@ -75,10 +75,11 @@ def split_microbatches(batch: dict[str, torch.Tensor], micro_batch_size: int, ma
 
 def cat_rows(outputs: list[dict[str, torch.Tensor]], key: str, microbatches: list[dict]) -> torch.Tensor:
     """Concatenate ``outputs[i][key]`` (one per micro-batch, rows first) in the order of the
-    batch the micro-batches were split from (their ``row_index``)."""
+    batch the micro-batches were split from (their ``row_index``), on the host: batches live on
+    the CPU and ``forward_backward`` moves each micro-batch to the model's device."""
     values = torch.cat([o[key] for o in outputs])
-    order = torch.cat([mb["row_index"] for mb in microbatches])
-    return values.index_select(0, torch.argsort(order))
+    order = torch.cat([mb["row_index"] for mb in microbatches]).to(values.device)
+    return values.index_select(0, torch.argsort(order)).cpu()
 
 
 def make_sequence_batch(rows: list[tuple[list[int], int]], pad_id: int,

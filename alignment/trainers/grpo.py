@@ -283,7 +283,7 @@ def grpo_step(models: Models, problems: list[Problem], cfg,
         info["rounds"] if dp_leader else 0.0, info["filled_groups"] if dp_leader else 0.0])
     mean = s1 / n
     metrics.update({"reward/mean": mean, "reward/std": max(s2 / n - mean * mean, 0.0) ** 0.5,
-                    "response_length": length / n, "tokens": tokens})
+                    "response_length": length / n, "tokens": tokens, "seq_length": tokens / n})
     metrics.update(models.placement.pop_stats(), **sync_metrics)
     if a.dynamic_sampling:
         dp = ps.get_data_parallel_world_size()

@@ -230,6 +230,8 @@ def all_reduce_sum(values: list[float], group=None) -> list[float]:
     float64 so that token counts and metric sums stay exact; collective."""
     import torch.distributed as dist
 
-    t = torch.tensor(values, dtype=torch.float64)
+    from parallel.state import comm_device
+
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
     dist.all_reduce(t, group=group)
     return t.tolist()

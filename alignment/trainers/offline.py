@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from alignment.trainers.batching import MicroBatching, cat_rows, make_sequence_batch
 from alignment.trainers.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
+from parallel.state import comm_device
 
 
 @dataclass
@@ -46,7 +47,8 @@ def global_sums(outputs: list[dict], keys: list[str] | None = None) -> dict[str,
         dist.broadcast_object_list(obj, src=dist.get_world_size() - 1)  # the last rank is a last stage
         keys = obj[0]
     mine = is_output_rank()
-    local = torch.tensor([sum(float(o[k]) for o in outputs) if mine else 0.0 for k in keys], dtype=torch.float64)
+    local = torch.tensor([sum(float(o[k]) for o in outputs) if mine else 0.0 for k in keys], dtype=torch.float64,
+                         device=comm_device())
     dist.all_reduce(local)
     return dict(zip(keys, local.tolist()))
 

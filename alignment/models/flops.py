@@ -1,0 +1,61 @@
+"""Model FLOPs per token of a Llama-family model, and a measured matmul peak, for MFU.
+
+MFU (model FLOPs utilization, PaLM, Chowdhery et al. 2022, appendix B) = the FLOPs the model
+needs for the tokens processed / (time x peak FLOP/s). Only matrix products count; norms,
+activations and softmax are left out, as in PaLM and Megatron-LM's reports.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from alignment.models.bridges.llama import LlamaDims
+
+
+def matmul_params(d: LlamaDims) -> int:
+    """Weights that take part in a matrix product per token: per layer Q, K, V, O and the SwiGLU
+    gate, up and down projections, plus the output layer ``[vocab, hidden]`` (the input
+    embedding is a lookup, not a product). Biases are left out."""
+    attn = d.hidden_size * d.head_dim * (2 * d.num_attention_heads + 2 * d.num_query_groups)
+    mlp = 3 * d.hidden_size * d.ffn_hidden_size
+    return d.num_layers * (attn + mlp) + d.vocab_size * d.hidden_size
+
+
+def flops_per_token(d: LlamaDims, seq_length: float, *, training: bool = True) -> float:
+    """Model FLOPs for one token of a sequence of ``seq_length`` tokens.
+
+    Forward: ``2 N`` for the weights (a multiply and an add per weight, ``N`` =
+    :func:`matmul_params`) plus causal attention ``2 L H d_head T``: ``Q K^T`` and ``A V`` each
+    cost ``2 H d_head`` per key and a token attends to ``T / 2`` keys on average (PaLM's
+    ``12 L H Q T`` training term counts all ``T`` keys; ours is its causal half).
+    Training (forward + backward): 3 x forward.
+
+    Args:
+        seq_length: mean tokens per sequence (> 0).
+    Raises:
+        ValueError: ``seq_length <= 0``.
+    """
+    if seq_length <= 0:
+        raise ValueError(f"seq_length={seq_length}: must be > 0")
+    forward = 2 * matmul_params(d) + 2 * d.num_layers * d.num_attention_heads * d.head_dim * seq_length
+    return 3 * forward if training else forward
+
+
+def measured_matmul_peak(device: str = "cpu", dtype: torch.dtype = torch.float32, n: int = 2048,
+                         repeats: int = 5) -> float:
+    """FLOP/s of an ``n x n @ n x n`` product on ``device`` with the current torch threads: the
+    best of ``repeats`` timed products after one warm-up (``2 n^3`` FLOPs each)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    a @ b
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
