@@ -142,6 +142,21 @@ class TrainerConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """Where the job runs (``configs/cluster/``): the allocation nemo-run asks for
+    (``launchers/nemo_launch.py``) and, when ``gpus_per_node > 0``, the world size every rank
+    checks at start (``nodes x gpus_per_node`` processes, one per GPU)."""
+
+    name: str = "local"
+    nodes: int = 1
+    gpus_per_node: int = 0  # processes per node; 0: whatever the launcher started (not checked)
+    partition: str = ""
+    account: str = ""
+    time: str = "04:00:00"  # Slurm --time
+    preempt_signal_seconds: int = 300  # Slurm --signal=B:USR1@<seconds>: checkpoint this long before the end
+
+
+@dataclass
 class ProfileConfig:
     """``profile.enabled``: ``torch.profiler`` traces of chosen steps on chosen ranks, plus a
     memory report (peak RSS on CPU; CUDA peak allocated/reserved and a memory snapshot on GPU).
@@ -171,6 +186,7 @@ class JobConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
 def register() -> None:
@@ -269,6 +285,14 @@ def validate(cfg, *, world_size: int, hf_config) -> None:
                     num_query_groups=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
     dp = layout.data_parallel_size
     r, t = cfg.rollout, cfg.trainer
+    c = cfg.cluster
+    if c.nodes < 1 or c.gpus_per_node < 0:
+        raise ConfigError(f"cluster.nodes={c.nodes} / cluster.gpus_per_node={c.gpus_per_node}: nodes must be >= 1, "
+                          f"gpus_per_node >= 0 (0: not checked)")
+    if c.gpus_per_node and world_size != c.nodes * c.gpus_per_node:
+        raise ConfigError(f"cluster.nodes x cluster.gpus_per_node = {c.nodes} x {c.gpus_per_node} = "
+                          f"{c.nodes * c.gpus_per_node} processes, but {world_size} were started: launch one "
+                          f"process per GPU, or set cluster=local / cluster.gpus_per_node=0")
     prof = cfg.profile
     if prof.enabled and (not prof.steps or min(prof.steps) < 1):
         raise ConfigError(f"profile.steps={list(prof.steps)}: give 1-based optimizer steps, e.g. [2] (step 1 warms up)")

@@ -32,6 +32,12 @@ class Run:
     profiler: object = None  # launchers.profiling.StepProfiler (profile.*)
     timers: PhaseTimers = field(default_factory=PhaseTimers)  # summed phase times, e.g. checkpoint
 
+    @property
+    def resolved_config(self) -> str:
+        """The job's config with every interpolation resolved (YAML), as saved with the run and
+        with every checkpoint."""
+        return OmegaConf.to_yaml(self.cfg, resolve=True)
+
     def log(self, values: dict[str, float], step: int) -> None:
         """Scalars to TensorBoard at ``step`` (rank 0 writes)."""
         if self.writer is not None:
@@ -87,14 +93,14 @@ def start(cfg) -> Run:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world) if not torch.cuda.is_available() else 8)
     init_distributed(ParallelLayout(world_size=world, **cfg.parallel), seed=cfg.seed)
     run = Run(cfg, rank, world, hf_dir, hf_config, Path(cfg.output_dir))
+    run.profiler = StepProfiler(cfg.profile, rank)
     from alignment.trainers.offload import offload_enabled
 
-    run.profiler = StepProfiler(cfg.profile, rank)
     if cfg.trainer.offload and not offload_enabled(True) and rank == 0:
         print("trainer.offload=true is a no-op without a GPU (host memory is the device memory)", flush=True)
     if rank == 0:
         run.out.mkdir(parents=True, exist_ok=True)
-        (run.out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        (run.out / "config.yaml").write_text(run.resolved_config)
         from torch.utils.tensorboard import SummaryWriter
 
         run.writer = SummaryWriter(str(run.out / "tensorboard"))

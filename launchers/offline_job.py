@@ -136,12 +136,13 @@ def run(cfg) -> dict:
     latest = latest_checkpoint(ckpt_dir) if cfg.trainer.resume else None
     if latest is not None:
         start_step = load_megatron_checkpoint(models.model, latest, models.optimizer)
-
         if job.rank == 0:
             print(f"resumed from {latest} (step {start_step})", flush=True)
+
     def checkpoint(step: int) -> None:
         with job.timers("checkpoint"):
-            save_megatron_checkpoint(models.model, ckpt_dir / f"step_{step}", optimizer=models.optimizer, step=step)
+            save_megatron_checkpoint(models.model, ckpt_dir / f"step_{step}", optimizer=models.optimizer, step=step,
+                                     config=job.resolved_config)
 
     before = evaluate()
     job.log({f"heldout/{k}": v for k, v in before.items()}, start_step)
@@ -151,8 +152,8 @@ def run(cfg) -> dict:
     per_rank = gbs // dp
     steps = job.progress(start_step, total, cfg.algorithm.name)
     for step in steps:
-        epoch, k = divmod(step, steps_per_epoch)  # a fresh shuffle per epoch, the same on every rank
         job.profiler.begin(step)
+        epoch, k = divmod(step, steps_per_epoch)  # a fresh shuffle per epoch, the same on every rank
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
         idx = order[k * gbs + dp_rank * per_rank : k * gbs + (dp_rank + 1) * per_rank]
         t0 = time.perf_counter()

@@ -141,9 +141,9 @@ def run(cfg) -> dict:
     if latest is not None:  # policy and critic (with their Adam states) resume together
         start_step = load_megatron_checkpoint(models.policy, latest / "policy", models.optimizer)
         load_megatron_checkpoint(models.critic, latest / "critic", models.critic_optimizer)
-    # The initial (SFT) policy's held-out responses are the baseline of the win rate; the
         if job.rank == 0:
             print(f"resumed from {latest} (step {start_step})", flush=True)
+    # The initial (SFT) policy's held-out responses are the baseline of the win rate; the
     # engine still holds the initial weights here, even after a resume.
     baseline = heldout_responses(models, my_heldout, cfg)
     if latest is not None:
@@ -154,8 +154,9 @@ def run(cfg) -> dict:
         with job.timers("checkpoint"):
             final, parts = ckpt_dir / f"step_{step}", ckpt_dir / f"step_{step}.parts"
             models.placement.keep(*trainable("policy"), *trainable("critic"))
-            save_megatron_checkpoint(models.policy, parts / "policy", optimizer=models.optimizer, step=step)
-            save_megatron_checkpoint(models.critic, parts / "critic", optimizer=models.critic_optimizer, step=step)
+            for name, model, opt in (("policy", models.policy, models.optimizer),
+                                     ("critic", models.critic, models.critic_optimizer)):
+                save_megatron_checkpoint(model, parts / name, optimizer=opt, step=step, config=job.resolved_config)
             if job.rank == 0:  # both parts complete: publish them together, then mark the step complete
                 os.replace(parts, final)
                 (final / "metadata.json").write_text(json.dumps({"step": step}))
@@ -167,10 +168,10 @@ def run(cfg) -> dict:
         first = (step * cfg.rollout.prompts_per_step + dp_rank * per_rank) % len(train)
         prompts = [train[(first + i) % len(train)] for i in range(per_rank)]
         t0 = time.perf_counter()
-        metrics, times = ppo_step(models, prompts, cfg)
         job.profiler.begin(step)
-        metrics.update({f"time/{k}": v for k, v in times.items()}, **{"time/step": time.perf_counter() - t0})
+        metrics, times = ppo_step(models, prompts, cfg)
         job.profiler.end(step)
+        metrics.update({f"time/{k}": v for k, v in times.items()}, **{"time/step": time.perf_counter() - t0})
         job.log(metrics, step + 1)
         job.history.append(metrics)
         if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0 and step + 1 < cfg.trainer.steps:

@@ -119,7 +119,8 @@ def run_rl(cfg: DictConfig) -> dict:
     def checkpoint(step: int) -> None:
         with job.timers("checkpoint"):
             models.placement.keep(*trainable("policy"))
-            save_megatron_checkpoint(models.policy, ckpt_dir / f"step_{step}", optimizer=models.optimizer, step=step)
+            save_megatron_checkpoint(models.policy, ckpt_dir / f"step_{step}", optimizer=models.optimizer, step=step,
+                                     config=job.resolved_config)
 
     acc_before = grpo.evaluate(models, heldout, cfg.data.task, cfg.rollout.eval_max_tokens)
     job.log({"heldout/accuracy": acc_before}, start_step)
@@ -139,10 +140,10 @@ def run_rl(cfg: DictConfig) -> dict:
             return [train[refill_rng.randrange(len(train))] for _ in range(k)]
 
         t0 = time.perf_counter()
-        metrics, times = grpo.grpo_step(models, problems, cfg, refill)
         job.profiler.begin(step)
-        step_time = time.perf_counter() - t0
+        metrics, times = grpo.grpo_step(models, problems, cfg, refill)
         job.profiler.end(step)
+        step_time = time.perf_counter() - t0
         metrics["tokens_per_s"] = metrics.pop("tokens") / step_time
         metrics.update({f"time/{k}": v for k, v in times.items()}, **{"time/step": step_time})
         if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0 and step + 1 < cfg.trainer.steps:

@@ -113,3 +113,45 @@ def test_profile_fields_are_checked():
     with pytest.raises(ConfigError, match=r"profile.steps=\[0\]: give 1-based optimizer steps"):
         validate(cfg("profile.enabled=true", "profile.steps=[0]"), world_size=2, hf_config=SMOLLM2)
     validate(cfg("profile.ranks=[5]"), world_size=2, hf_config=SMOLLM2)  # not checked while profiling is off
+
+
+GROUPS = {"model": ["smollm2", "smollm2_sft_rm"],
+          "algorithm": ["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "ppo", "sft", "rm", "dpo"],
+          "parallel": ["single", "tp2", "tp2_sp", "pp2", "cp2_ring", "cp2_ulysses", "tp2_pp2"],
+          "rollout": ["default", "long"], "data": ["arithmetic", "gsm8k", "alpaca_en_demo", "dpo_en_demo"],
+          "cluster": ["local", "slurm_h100x8"]}
+
+
+def test_config_groups_list_every_option():
+    for group, options in GROUPS.items():
+        assert sorted(p.stem for p in (ROOT / "configs" / group).glob("*.yaml")) == sorted(options), group
+
+
+def test_swapping_a_group_takes_its_values_and_keeps_the_rest():
+    c = cfg("algorithm=dr_grpo", "parallel=tp2_sp")
+    assert c.algorithm.advantage_estimator == "grpo_no_std" and c.algorithm.loss_agg_mode == "seq-mean-token-sum-norm"
+    assert c.parallel.tensor_model_parallel_size == 2 and c.parallel.sequence_parallel
+    assert c.trainer.steps == 12 and c.run_name == "grpo_smollm2_arithmetic"  # the job's own values stay
+    with pytest.raises(LayoutError, match=r"tensor_model_parallel_size=2 must divide the model's 9 attention"):
+        validate(c, world_size=6, hf_config=SMOLLM2)  # SmolLM2: 9 heads / 3 KV heads; TP=3 works
+    c = cfg("algorithm=dr_grpo", "parallel=tp2_sp", "parallel.tensor_model_parallel_size=3")
+    validate(c, world_size=6, hf_config=SMOLLM2)
+    g = cfg(name="grpo_gsm8k")  # a job made of other groups
+    assert (g.data.task, g.rollout.max_tokens, g.rollout.max_model_len, g.algorithm.kl_coef) == ("gsm8k", 256, 768, 0.04)
+    d = cfg(name="dapo")
+    assert d.algorithm.clip_ratio_high == 0.28 and d.algorithm.dynamic_sampling and d.data.task == "arithmetic"
+    with pytest.raises(LayoutError, match=r"cp_comm_type=a2a \(Ulysses\)"):
+        validate(cfg("parallel=cp2_ulysses"), world_size=2, hf_config=SMOLLM2)
+    with pytest.raises(ConfigCompositionException, match="tp3"):
+        cfg("parallel=tp3")
+
+
+def test_cluster_group_checks_the_world_size():
+    c = cfg("cluster=slurm_h100x8", "parallel.tensor_model_parallel_size=3", "rollout.prompts_per_step=8",
+            "parallel.pipeline_model_parallel_size=1")
+    assert (c.cluster.nodes, c.cluster.gpus_per_node) == (2, 8)
+    validate(cfg("cluster=slurm_h100x8", "rollout.prompts_per_step=16"), world_size=16, hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match=r"cluster.nodes x cluster.gpus_per_node = 2 x 8 = 16 processes, but 8"):
+        validate(cfg("cluster=slurm_h100x8"), world_size=8, hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match=r"cluster.nodes=0"):
+        validate(cfg("cluster.nodes=0"), world_size=2, hf_config=SMOLLM2)

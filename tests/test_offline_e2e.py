@@ -32,6 +32,12 @@ def test_sft_learns_checkpoints_resumes_and_exports(tmp_path):
     assert len(losses) == 3 and losses[0] > losses[1] > losses[2]  # same 8 examples each step
     assert s["heldout_before"]["loss"] > 8.0  # a random model: about ln(49152) = 10.8 nats
     assert (out / "checkpoints" / "step_3" / "metadata.json").exists()
+    # the resolved config travels with the run and with every checkpoint
+    import yaml
+
+    saved = yaml.safe_load((out / "checkpoints" / "step_3" / "config.yaml").read_text())
+    assert saved == yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["output_dir"] == str(out) and saved["trainer"]["epochs"] == 3 and saved["algorithm"]["name"] == "sft"
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(out / "hf")

@@ -62,14 +62,19 @@ def _state(model, optimizer, step: int, is_loading: bool) -> dict:
     return state
 
 
-def save_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, optimizer=None, step: int = 0) -> Path:
+def save_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, optimizer=None, step: int = 0,
+                             config: str | None = None) -> Path:
     """Megatron distributed checkpoint (``torch_dist`` format): model shards, optionally the
     optimizer state (Adam moments, sharded as the optimizer is) and the step; collective.
-    The model part loads at another TP/PP layout with ``dist_checkpointing.load``."""
+    The model part loads at another TP/PP layout with ``dist_checkpointing.load``.
+    ``config``: the run's resolved config (YAML text), written as ``config.yaml`` inside the
+    checkpoint before it is published."""
     from megatron.core import dist_checkpointing
 
     final = Path(path)
     tmp = _fresh_tmp(final)
+    if config is not None and dist.get_rank() == 0:
+        (tmp / "config.yaml").write_text(config)
     dist_checkpointing.save(_state(model, optimizer, step, is_loading=False), str(tmp))
     _publish(tmp, final)
     return final

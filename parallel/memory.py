@@ -1,0 +1,320 @@
+"""Memory per GPU of a training layout (and of a colocated vLLM engine), in bytes.
+
+Pure functions of a :class:`alignment.models.bridges.llama.LlamaDims`-style model and a
+:class:`parallel.layout.ParallelLayout`; no process groups, no tensors. What is counted is
+what megalign's training path allocates (Megatron-Core 0.16.1 DDP and optimizer, the local
+layer spec with :mod:`parallel.attention`, :class:`alignment.trainers.megatron_step.LogprobOutputs`):
+
+* **weights**: the parameters of the largest pipeline stage, this TP rank's shard.
+* **grads**: Megatron DDP's contiguous gradient buffer. megalign builds DDP with
+  ``grad_reduce_in_fp32=True`` (``megatron_step.setup_training``), so ``main_grad`` is fp32
+  (4 bytes/param) whatever the weights' dtype (``distributed_data_parallel.py``:
+  ``grad_dtype = torch.float if grad_reduce_in_fp32 else param.dtype``). Plus one transient
+  gradient of the stage's largest weight in the weights' dtype: megalign runs without
+  ``gradient_accumulation_fusion``, so autograd allocates ``param.grad`` before DDP's hook adds
+  it into ``main_grad`` and frees it.
+* **optimizer**: Adam ``exp_avg`` + ``exp_avg_sq`` in fp32 (8 bytes/param), plus an fp32 master
+  copy for bf16 weights (``Float16OptimizerWithFloat16Params``; fp32 weights are their own
+  master, ``FP32Optimizer``): 8 or 12 bytes/param, divided by DP x CP with the distributed
+  optimizer (it shards over the data-parallel-with-context group; for fp32 weights the master
+  shard is a view of the parameter buffer, ``distrib_optimizer.py``). This is the table of the
+  Megatron-LM distributed-optimizer docs: bf16 18 -> 6 + 12/d bytes/param, fp32 16 -> 8 + 8/d.
+  Its padding (each bucket to a multiple of lcm(d, 128) elements, each parameter to 64) is
+  ignored: under 64 elements per parameter.
+* **activations**: what autograd keeps for the backward pass, per layer (see
+  :func:`layer_activation_bytes`), times the layers of one stage, times the micro-batches
+  in flight on it under 1F1B (:func:`microbatches_in_flight`).
+* **logits**: ``[s, b, vocab/TP]`` logits of the one micro-batch at the loss
+  (:func:`logits_bytes`): often the largest single term for small models.
+* **rollout_weights**, **kv_cache**: a colocated vLLM engine's own copy of the weights and its
+  KV cache (:func:`kv_cache_bytes`), when one is planned.
+
+Not counted: the CUDA context, NCCL buffers and allocator fragmentation (leave a reserve),
+torch's foreach/fused-Adam temporaries, the entropy metric's temporaries in RL jobs
+(``no_grad``, freed before the loss), activation recomputation (megalign does not recompute).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from parallel.layout import ParallelLayout
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+GiB = 1024**3
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of ``dtype`` (``model.dtype`` values). Raises ValueError for others."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype={dtype!r}: valid values are {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+# ---- parameters -----------------------------------------------------------------------------
+
+def layer_parameters(dims, tp: int) -> int:
+    """Parameters of one transformer layer on one TP rank (elements).
+
+    ``linear_qkv`` ``[(nq + 2 nkv) hd / tp, H]`` (+ its bias for Qwen2), ``linear_proj``
+    ``[H, nq hd / tp]``, ``linear_fc1`` ``[2 F / tp, H]`` (gate and up), ``linear_fc2``
+    ``[H, F / tp]``; the two RMSNorm weights ``[H]`` are replicated over TP.
+    """
+    d = dims
+    qkv_out = (d.num_attention_heads + 2 * d.num_query_groups) * d.head_dim // tp
+    return (qkv_out * d.hidden_size + (qkv_out if d.qkv_bias else 0)
+            + d.hidden_size * d.num_attention_heads * d.head_dim // tp
+            + 3 * d.ffn_hidden_size * d.hidden_size // tp
+            + 2 * d.hidden_size)
+
+
+def stage_parameters(dims, tp: int, pp: int, stage: int) -> int:
+    """Parameters held by pipeline rank ``stage`` (0-based) on one TP rank (elements).
+
+    Every stage holds ``num_layers / pp`` layers (with virtual PP, its chunks together hold the
+    same). The first stage adds the word embedding ``[V_pad / tp, H]``; the last stage the final
+    norm ``[H]`` and the output layer ``[V_pad / tp, H]``, except when the embeddings are tied
+    and ``pp == 1`` (one tensor serves both). With tied embeddings and ``pp > 1`` the last stage
+    keeps its own copy, as Megatron does (``shared_embedding``, kept equal by an all-reduce of
+    the gradients between the first and last stage). ``V_pad``: :meth:`LlamaDims.padded_vocab_size`.
+    Raises ValueError for ``stage`` outside ``[0, pp)``.
+    """
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage={stage}: must be in [0, {pp})")
+    n = dims.num_layers // pp * layer_parameters(dims, tp)
+    vocab_shard = dims.padded_vocab_size(tp) // tp * dims.hidden_size
+    if stage == 0:
+        n += vocab_shard
+    if stage == pp - 1:
+        n += dims.hidden_size
+        if not (dims.tie_word_embeddings and pp == 1):
+            n += vocab_shard
+    return n
+
+
+def largest_weight(dims, tp: int, pp: int, stage: int) -> int:
+    """Elements of the stage's largest single weight (its transient gradient, see module doc)."""
+    d = dims
+    biggest = max(2 * d.ffn_hidden_size * d.hidden_size // tp,
+                  (d.num_attention_heads + 2 * d.num_query_groups) * d.head_dim // tp * d.hidden_size)
+    if stage == 0 or stage == pp - 1:
+        biggest = max(biggest, d.padded_vocab_size(tp) // tp * d.hidden_size)
+    return biggest
+
+
+def optimizer_bytes_per_param(dtype: str) -> int:
+    """Adam state per parameter: fp32 ``exp_avg`` and ``exp_avg_sq`` (8), plus an fp32 master
+    copy (4) when the weights are not fp32."""
+    return 8 + (4 if dtype_bytes(dtype) != 4 else 0)
+
+
+# ---- activations ----------------------------------------------------------------------------
+
+def layer_activation_bytes(dims, tokens: int, tp: int, sequence_parallel: bool, dtype: str) -> int:
+    """Bytes autograd keeps for one layer's backward, for ``tokens`` tokens on this rank
+    (``micro_batch_size * seq_length / cp``).
+
+    Adapted from Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+    Transformer Models" (arXiv:2205.05198), Sec. 4: ``sbh (34 + 5 a s / h)`` bytes per layer
+    with 16-bit activations, ``/ t`` with tensor + sequence parallelism (their eq. 5), and
+    ``sbh (10 + 24 / t + 5 a s / (h t))`` with TP alone (eq. 4: norms and the inputs of the
+    first linear layers stay replicated). Their count is for GPT (LayerNorm, GeLU MLP, dropout,
+    multi-head attention that stores the ``a s^2`` softmax). megalign's layer (Megatron's local
+    spec) differs, and the count below is what autograd's saved tensors hold in it (checked
+    tensor by tensor with ``torch.autograd`` graph inspection on a 1-layer model), in elements
+    per token (``H`` hidden, ``hd`` head dim, ``nq``/``nkv`` query/KV heads, ``F`` MLP size):
+
+    * each RMSNorm (two): its input, the normalised input (for the weight's gradient) and its
+      output = the next linear layer's input: ``3 H`` each, ``6 H``;
+    * attention: the QKV projection output ``(nq + 2 nkv) hd`` (``v`` is a view of it), the
+      RoPE'd ``q`` ``nq hd`` and ``k`` ``nkv hd``, the attention output ``nq hd`` (also
+      ``linear_proj``'s input), the softmax log-sum-exp ``nq`` in fp32. Flash attention
+      (``scaled_dot_product_attention``, ring attention) keeps no ``s x s`` probabilities, so
+      Korthikanti's ``5 a s / h`` term is gone (Dao et al. 2022, FlashAttention);
+    * SwiGLU MLP: the ``linear_fc1`` output ``2 F``, ``silu(gate)`` ``F``, a copy of ``up``
+      ``F`` and ``linear_fc2``'s input ``F``: ``5 F``.
+
+    No dropout (megalign sets it to 0), so no masks. With tensor parallelism everything but the
+    norm terms is divided by ``tp``; with sequence parallelism the norm terms too (the linear
+    layers keep their sequence-split input and gather it again in backward).
+    """
+    d, b = dims, dtype_bytes(dtype)
+    norm = 6 * d.hidden_size / (tp if sequence_parallel else 1)
+    attn = ((d.num_attention_heads + 2 * d.num_query_groups) * d.head_dim
+            + d.num_attention_heads * d.head_dim + d.num_query_groups * d.head_dim
+            + d.num_attention_heads * d.head_dim) / tp
+    mlp = 5 * d.ffn_hidden_size / tp
+    lse = 4 * d.num_attention_heads / tp  # fp32 whatever the dtype
+    return int(tokens * ((norm + attn + mlp) * b + lse))
+
+
+def microbatches_in_flight(pp: int, stage: int, num_microbatches: int | None = None,
+                           vpp: int | None = None) -> int:
+    """Model chunks x micro-batches whose activations pipeline rank ``stage`` holds at its peak.
+
+    1F1B (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+    Clusters Using Megatron-LM", Sec. 2.2.1): rank ``r`` runs ``pp - r - 1`` warm-up forwards,
+    so it holds ``min(pp - r, m)`` micro-batches; the first stage holds ``pp``, i.e. as much
+    as one micro-batch through all layers (Korthikanti et al. 2022, Sec. 4.2.3). Interleaved
+    (``vpp`` chunks per rank, Megatron's ``get_forward_backward_func``): warm-up
+    ``(pp - r - 1) * 2 + (vpp - 1) * pp`` chunk-forwards, capped by ``m * vpp``; on the first
+    stage that is ``L (1 + (pp - 1) / (pp vpp))`` layers' worth (Korthikanti Sec. 4.2.3).
+    ``num_microbatches=None`` assumes enough micro-batches to fill the pipeline.
+    """
+    if pp == 1:
+        return 1
+    v = vpp or 1
+    warmup = (pp - stage - 1) * (2 if v > 1 else 1) + (v - 1) * pp
+    return warmup + 1 if num_microbatches is None else min(warmup + 1, num_microbatches * v)
+
+
+def logits_bytes(dims, tokens: int, tp: int, dtype: str) -> int:
+    """Peak bytes of the ``[tokens, V_pad / tp]`` logits of one micro-batch at the loss.
+
+    :class:`alignment.trainers.megatron_step.LogprobOutputs` upcasts the logits to fp32 (a copy
+    when the weights are bf16: the bf16 logits and the fp32 copy coexist), masks the vocabulary
+    padding (a second fp32 copy, on the TP rank whose slice holds padding, i.e. when
+    ``V_pad > V``), and Megatron's ``vocab_parallel_cross_entropy`` turns its fp32 input into the
+    softmax in place and keeps it for backward, where the gradient is written over it. So
+    ``4 + (2 if bf16) + (4 if padded)`` bytes per entry, at least the fp32 softmax.
+    """
+    entries = tokens * (dims.padded_vocab_size(tp) // tp)
+    per = 4 + (dtype_bytes(dtype) if dtype_bytes(dtype) != 4 else 0)
+    if dims.padded_vocab_size(tp) > dims.vocab_size:
+        per += 4
+    return entries * per
+
+
+# ---- vLLM -------------------------------------------------------------------------------------
+
+def kv_cache_bytes(dims, tokens: int, rollout_tp: int, dtype: str) -> int:
+    """vLLM's paged KV cache for ``tokens`` tokens on one GPU of a ``rollout_tp`` engine:
+    ``2 (K and V) x layers x kv_heads_per_rank x head_dim x bytes x tokens``. vLLM replicates
+    the KV heads when ``rollout_tp > nkv`` (``max(1, nkv / tp)`` heads per rank)."""
+    heads = max(1, dims.num_query_groups // rollout_tp)
+    return 2 * dims.num_layers * heads * dims.head_dim * dtype_bytes(dtype) * tokens
+
+
+def rollout_weight_bytes(dims, rollout_tp: int, dtype: str) -> int:
+    """The vLLM engine's own copy of the weights on one GPU (colocated with the trainer):
+    every layer and the vocabulary split ``rollout_tp`` ways (vLLM pads the vocabulary to 64);
+    replicated KV heads when ``rollout_tp > nkv``."""
+    d = dims
+    kv = max(1, d.num_query_groups // rollout_tp)
+    qkv = (d.num_attention_heads // rollout_tp + 2 * kv) * d.head_dim
+    layer = (qkv * d.hidden_size + (qkv if d.qkv_bias else 0) + d.num_attention_heads * d.head_dim // rollout_tp
+             * d.hidden_size + 3 * d.ffn_hidden_size // rollout_tp * d.hidden_size + 2 * d.hidden_size)
+    vocab = -(-d.vocab_size // 64) * 64 // rollout_tp * d.hidden_size
+    return (d.num_layers * layer + vocab * (1 if d.tie_word_embeddings else 2) + d.hidden_size) * dtype_bytes(dtype)
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """A colocated vLLM engine: its TP size, the KV-cache tokens it holds per engine (e.g.
+    ``max_model_len x`` concurrent sequences) and its dtype."""
+
+    tensor_parallel_size: int = 1
+    kv_cache_tokens: int = 0
+    dtype: str = "bfloat16"
+
+
+# ---- the whole estimate -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per GPU on pipeline rank ``stage`` (the largest one, from :func:`estimate_memory`).
+
+    ``optimizer`` is the Adam state for the chosen setting; ``optimizer_plain`` /
+    ``optimizer_distributed`` give both settings."""
+
+    stage: int
+    weights: int
+    grads: int
+    optimizer: int
+    optimizer_plain: int
+    optimizer_distributed: int
+    activations: int
+    logits: int
+    rollout_weights: int = 0
+    kv_cache: int = 0
+
+    @property
+    def total(self) -> int:
+        """Bytes per GPU: weights + grads + optimizer + activations + logits + vLLM."""
+        return (self.weights + self.grads + self.optimizer + self.activations + self.logits
+                + self.rollout_weights + self.kv_cache)
+
+    def as_dict(self) -> dict[str, int]:
+        """Every field and ``total``, in bytes."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["total"] = self.total
+        return out
+
+
+def stage_memory(dims, layout: ParallelLayout, stage: int, *, dtype: str, micro_batch_size: int, seq_length: int,
+                 distributed_optimizer: bool, num_microbatches: int | None = None,
+                 rollout: RolloutPlan | None = None) -> MemoryBreakdown:
+    """:class:`MemoryBreakdown` of pipeline rank ``stage`` (see :func:`estimate_memory`)."""
+    tp, pp, cp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.context_parallel_size
+    vpp = layout.virtual_pipeline_model_parallel_size
+    shard = layout.data_parallel_size * cp
+    n = stage_parameters(dims, tp, pp, stage)
+    b = dtype_bytes(dtype)
+    tokens = micro_batch_size * seq_length // cp
+    per_adam = optimizer_bytes_per_param(dtype)
+    plain, dist = n * per_adam, -(-n * per_adam // shard)
+    layers = dims.num_layers // (pp * (vpp or 1))
+    acts = layers * layer_activation_bytes(dims, tokens, tp, layout.sequence_parallel, dtype)
+    acts *= microbatches_in_flight(pp, stage, num_microbatches, vpp)
+    if stage < pp - 1:  # each in-flight micro-batch's stage output, kept by the schedule for backward
+        acts += microbatches_in_flight(pp, stage, num_microbatches, vpp) * tokens * dims.hidden_size * b \
+            // (tp if layout.sequence_parallel else 1)
+    logits = 0
+    if stage == pp - 1:  # final norm (3 H per token, as a layer's norm) + the logits
+        acts += 3 * tokens * dims.hidden_size * b // (tp if layout.sequence_parallel else 1)
+        logits = logits_bytes(dims, tokens, tp, dtype)
+    rw = kv = 0
+    if rollout is not None:
+        rw = rollout_weight_bytes(dims, rollout.tensor_parallel_size, rollout.dtype)
+        kv = kv_cache_bytes(dims, rollout.kv_cache_tokens, rollout.tensor_parallel_size, rollout.dtype)
+    return MemoryBreakdown(stage=stage, weights=n * b, grads=n * 4 + largest_weight(dims, tp, pp, stage) * b,
+                           optimizer=dist if distributed_optimizer else plain, optimizer_plain=plain,
+                           optimizer_distributed=dist, activations=acts, logits=logits,
+                           rollout_weights=rw, kv_cache=kv)
+
+
+def estimate_memory(dims, layout: ParallelLayout, *, dtype: str = "bfloat16", micro_batch_size: int = 1,
+                    seq_length: int = 4096, distributed_optimizer: bool = False,
+                    num_microbatches: int | None = None, rollout: RolloutPlan | None = None) -> MemoryBreakdown:
+    """Bytes per GPU of training ``dims`` at ``layout``: the pipeline stage with the largest total.
+
+    Args:
+        dims: a :class:`LlamaDims` (``from_hf_config``).
+        layout: TP, PP (+ virtual PP), CP, DP (from ``world_size``), sequence parallelism.
+        dtype: the weights' dtype, ``float32`` or ``bfloat16`` (``model.dtype``); activations
+            use it too.
+        micro_batch_size: sequences per forward (``trainer.micro_batch_size``).
+        seq_length: tokens per sequence (padded), split over CP.
+        distributed_optimizer: ``trainer.use_distributed_optimizer``.
+        num_microbatches: micro-batches per step and DP rank; ``None`` = enough to fill the pipeline.
+        rollout: a colocated vLLM engine to add (:class:`RolloutPlan`), or ``None``.
+    Returns:
+        the :class:`MemoryBreakdown` of the largest stage.
+    Raises:
+        ValueError: a non-positive size, an unknown dtype, or a layout whose sizes do not
+            divide the model (run :func:`parallel.layout.validate_layout` first for the full check).
+    """
+    for name, value in (("micro_batch_size", micro_batch_size), ("seq_length", seq_length)):
+        if value < 1:
+            raise ValueError(f"{name}={value}: must be >= 1")
+    dtype_bytes(dtype)
+    pp, vpp = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size or 1
+    if dims.num_layers % (pp * vpp):
+        raise ValueError(f"pipeline_model_parallel_size={pp} x virtual={vpp} must divide the {dims.num_layers} layers")
+    if layout.data_parallel_size < 1 or layout.world_size % layout.model_parallel_size:
+        raise ValueError(f"world_size={layout.world_size} is not a multiple of TP x PP x CP = "
+                         f"{layout.model_parallel_size}")
+    stages = [stage_memory(dims, layout, s, dtype=dtype, micro_batch_size=micro_batch_size, seq_length=seq_length,
+                           distributed_optimizer=distributed_optimizer, num_microbatches=num_microbatches,
+                           rollout=rollout) for s in sorted({0, pp - 1})]
+    return max(stages, key=lambda m: m.total)
