@@ -78,6 +78,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lens
         ``[B, heads, T, head_dim]``.
     """
     gqa = q.shape[1] != k.shape[1]
+    if len(seg_lens) > 1 and q.shape[0] == 1 and q.device.type == "cuda":
+        return _varlen_causal(q, k, v, seg_lens, scale)
     with _sdpa_backends(q):
         if len(seg_lens) == 1:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
@@ -88,6 +90,35 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lens
                                                        scale=scale, enable_gqa=gqa))
             offset += length
         return torch.cat(outs, dim=2)
+
+
+def _varlen_causal(q, k, v, seg_lens: list[int], scale: float) -> torch.Tensor:
+    """Packed sequences on CUDA in one FlashAttention varlen call (``torch.nn.attention.varlen``,
+    ``cu_seqlens`` as in Megatron's thd format) instead of one SDPA call per sequence, whose
+    host time grew with the number of sequences (2.1 s vs 0.72 s per SmolLM2 SFT step on an
+    H100). ``q``: ``[1, heads, T, d]``; ``k``, ``v``: ``[1, kv_heads, T, d]``."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    lens = torch.tensor(seg_lens, dtype=torch.int32, device=q.device)
+    cu = torch.nn.functional.pad(lens.cumsum(0, dtype=torch.int32), (1, 0))
+    qt, kt, vt = (t[0].transpose(0, 1) for t in (q, k, v))  # [T, heads, d]
+    params = inspect.signature(varlen_attn).parameters
+    kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            rep = q.shape[1] // k.shape[1]
+            kt, vt = kt.repeat_interleave(rep, dim=1), vt.repeat_interleave(rep, dim=1)
+    if "scale" in params:
+        kw["scale"] = scale
+    elif abs(scale - q.shape[-1] ** -0.5) > 1e-12:
+        raise NotImplementedError("this torch's varlen_attn has no scale argument; softmax scale must be 1/sqrt(d)")
+    n = max(seg_lens)
+    out = varlen_attn(qt, kt, vt, cu, cu, n, n, **kw)
+    return out.transpose(0, 1).unsqueeze(0)
 
 
 def _sdpa_backends(q: torch.Tensor):
