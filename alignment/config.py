@@ -271,8 +271,29 @@ def _validate_rollout_tp(t: int, world_size: int, training_tp: int, hf_config) -
         raise ConfigError(str(e)) from e
 
 
-def validate(cfg, *, world_size: int, hf_config) -> None:
-    """Check values that depend on each other, the world size and the model.
+def _validate_lengths(cfg, layout, hf_config, tokenizer_size: int | None) -> None:
+    """The tokenizer fits the embedding; the longest sequence, padded to the CP/SP alignment,
+    fits the model's positions."""
+    from parallel.packing import alignment
+
+    if tokenizer_size is not None and tokenizer_size > hf_config.vocab_size:
+        raise ConfigError(f"model.path={cfg.model.path}: its tokenizer has {tokenizer_size} tokens but the model's "
+                          f"vocab_size is {hf_config.vocab_size}, so token ids >= {hf_config.vocab_size} would index "
+                          f"past the embedding; use the model's own tokenizer")
+    align = alignment(layout.context_parallel_size, layout.tensor_model_parallel_size, layout.sequence_parallel)
+    field, longest = (("data.max_length", cfg.data.max_length) if cfg.algorithm.name in OFFLINE_ALGORITHMS
+                      else ("rollout.max_model_len", cfg.rollout.max_model_len))
+    padded = -(-longest // align) * align
+    if longest <= hf_config.max_position_embeddings < padded:  # longer still: refused by the length checks
+        raise ConfigError(f"{field}={longest} padded to a multiple of {align} (2 x context_parallel_size"
+                          f"{' x tensor_model_parallel_size with sequence_parallel' if layout.sequence_parallel else ''}"
+                          f") is {padded} > the model's max_position_embeddings={hf_config.max_position_embeddings}; "
+                          f"set {field}<={hf_config.max_position_embeddings // align * align}")
+
+
+def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = None) -> None:
+    """Check values that depend on each other, the world size and the model (``tokenizer_size``:
+    tokens of the model's tokenizer, checked against its vocabulary when given).
 
     Raises:
         ConfigError / parallel.layout.LayoutError: naming the field and valid values.
@@ -285,6 +306,7 @@ def validate(cfg, *, world_size: int, hf_config) -> None:
                     num_query_groups=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
     dp = layout.data_parallel_size
     r, t = cfg.rollout, cfg.trainer
+    _validate_lengths(cfg, layout, hf_config, tokenizer_size)
     c = cfg.cluster
     if c.nodes < 1 or c.gpus_per_node < 0:
         raise ConfigError(f"cluster.nodes={c.nodes} / cluster.gpus_per_node={c.gpus_per_node}: nodes must be >= 1, "

@@ -82,13 +82,17 @@ def start(cfg) -> Run:
 
     from alignment.config import validate
     from alignment.models.hf_assets import prepare_hf_dir
+    from launchers.preemption import install
     from parallel.layout import ParallelLayout
     from parallel.state import env_world, init_distributed
 
+    install()  # SIGUSR1/SIGTERM: checkpoint at the next step boundary and exit (launchers/preemption.py)
     rank, world, _ = env_world()
     hf_dir = prepare_hf_dir(cfg.model.path)
     hf_config = AutoConfig.from_pretrained(hf_dir)
-    validate(cfg, world_size=world, hf_config=hf_config)
+    from transformers import AutoTokenizer
+
+    validate(cfg, world_size=world, hf_config=hf_config, tokenizer_size=len(AutoTokenizer.from_pretrained(hf_dir)))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world) if not torch.cuda.is_available() else 8)
     init_distributed(ParallelLayout(world_size=world, **cfg.parallel), seed=cfg.seed)

@@ -106,6 +106,7 @@ def run(cfg) -> dict:
         save_hf_checkpoint,
         save_megatron_checkpoint,
     )
+    from launchers import preemption
     from launchers.common import start
     from parallel.state import replica_group
 
@@ -170,6 +171,8 @@ def run(cfg) -> dict:
         job.history.append(metrics)
         if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0 and step + 1 < total:
             job.log({f"heldout/{name}": v for name, v in evaluate().items()}, step + 1)
+        if preemption.stop_requested():  # SIGUSR1/SIGTERM on any rank: save this step, exit 75
+            preemption.save_and_exit(job, step + 1, checkpoint)
         if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0 and step + 1 < total:
             checkpoint(step + 1)
         if hasattr(steps, "set_postfix"):

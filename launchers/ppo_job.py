@@ -128,6 +128,7 @@ def run(cfg) -> dict:
     from alignment.trainers.grpo import sync_weights
     from alignment.trainers.offload import trainable
     from alignment.trainers.ppo import ppo_step
+    from launchers import preemption
     from launchers.common import start
 
     job = start(cfg)  # validates the config before any process group starts
@@ -174,6 +175,8 @@ def run(cfg) -> dict:
         metrics.update({f"time/{k}": v for k, v in times.items()}, **{"time/step": time.perf_counter() - t0})
         job.log(metrics, step + 1)
         job.history.append(metrics)
+        if preemption.stop_requested():  # SIGUSR1/SIGTERM on any rank: save this step, exit 75
+            preemption.save_and_exit(job, step + 1, checkpoint, models.engine)
         if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0 and step + 1 < cfg.trainer.steps:
             checkpoint(step + 1)
         if hasattr(steps, "set_postfix"):

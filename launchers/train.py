@@ -100,6 +100,7 @@ def run_rl(cfg: DictConfig) -> dict:
         save_megatron_checkpoint,
     )
     from alignment.trainers.offload import trainable
+    from launchers import preemption
     from launchers.common import start
 
     job = start(cfg)  # validates the config before any process group starts
@@ -150,6 +151,8 @@ def run_rl(cfg: DictConfig) -> dict:
             metrics["heldout/accuracy"] = grpo.evaluate(models, heldout, cfg.data.task, cfg.rollout.eval_max_tokens)
         job.log(metrics, step + 1)
         job.history.append(metrics)
+        if preemption.stop_requested():  # SIGUSR1/SIGTERM on any rank: save this step, exit 75
+            preemption.save_and_exit(job, step + 1, checkpoint, models.engine)
         if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0 and step + 1 < cfg.trainer.steps:
             checkpoint(step + 1)
         if hasattr(steps, "set_postfix"):
@@ -173,7 +176,11 @@ def run_rl(cfg: DictConfig) -> dict:
 @hydra.main(version_base=None, config_path="../configs", config_name="grpo")
 def main(cfg: DictConfig) -> None:
     """Hydra entry point: compose ``configs/grpo.yaml`` (or ``--config-name sft|rm|dpo|...``)
-    with command-line overrides and run."""
+    with command-line overrides and run. Exits with ``launchers.preemption.PREEMPTED_EXIT_CODE``
+    (75) when stopped by SIGUSR1/SIGTERM after saving a checkpoint."""
+    from launchers.preemption import install
+
+    install()  # as early as possible: a signal before this would kill the process
     run(cfg)
 
 

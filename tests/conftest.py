@@ -36,3 +36,28 @@ def torchrun_json(tmp_path):
         return json.loads(path.read_text())
 
     return _run
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A real 2-node Slurm cluster on this host (:mod:`tests.slurm_cluster`), started once per
+    session; skips when Slurm is not installed or we are not root (slurmd launches the jobs)."""
+    from tests.slurm_cluster import SlurmCluster, slurm_installed
+
+    if not slurm_installed():
+        pytest.skip("Slurm is not installed (apt-get install -y --no-install-recommends slurmctld slurmd "
+                    "slurm-client munge; .ci/run does)")
+    if os.geteuid() != 0:
+        pytest.skip("the local Slurm test cluster needs root (slurmd starts the jobs)")
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """An HF directory with a tiny random Llama and SmolLM2's tokenizer (:mod:`tests.dist.tiny_llama`)."""
+    from tests.dist.tiny_llama import save_tiny_hf_dir
+
+    return save_tiny_hf_dir(tmp_path_factory.mktemp("tiny") / "model")

@@ -155,3 +155,20 @@ def test_cluster_group_checks_the_world_size():
         validate(cfg("cluster=slurm_h100x8"), world_size=8, hf_config=SMOLLM2)
     with pytest.raises(ConfigError, match=r"cluster.nodes=0"):
         validate(cfg("cluster.nodes=0"), world_size=2, hf_config=SMOLLM2)
+
+
+def test_vocabulary_and_aligned_lengths_are_checked():
+    validate(cfg(), world_size=2, hf_config=SMOLLM2, tokenizer_size=49152)
+    with pytest.raises(ConfigError, match=r"its tokenizer has 50000 tokens but the model's vocab_size is 49152"):
+        validate(cfg(), world_size=2, hf_config=SMOLLM2, tokenizer_size=50000)
+    small = LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                        intermediate_size=80, vocab_size=250, max_position_embeddings=510)
+    ok = ("rollout.max_model_len=508", "rollout.max_tokens=48")
+    validate(cfg(*ok), world_size=2, hf_config=small)  # 508 is already a multiple of 4
+    # CP=2 x TP=2 with SP: sequences padded to multiples of 8; 505 -> 512 > 510
+    with pytest.raises(ConfigError, match=r"rollout.max_model_len=505 padded to a multiple of 8 .* is 512 > the "
+                                          r"model's max_position_embeddings=510; set rollout.max_model_len<=504"):
+        validate(cfg("rollout.max_model_len=505", "parallel=cp2_ring", "parallel.tensor_model_parallel_size=2",
+                     "parallel.sequence_parallel=true", "trainer.sequence_packing=true"), world_size=4, hf_config=small)
+    with pytest.raises(ConfigError, match=r"data.max_length=509 padded to a multiple of 4 .* set data.max_length<=508"):
+        validate(cfg("parallel=cp2_ring", "data.max_length=509", name="sft"), world_size=2, hf_config=small)
