@@ -42,6 +42,7 @@ def mfu(summary: dict, cfg, hf_config, peak_flops: float) -> dict | None:
     for the RL jobs) / ``time/train`` / ``peak_flops`` (FLOP/s of all devices together).
     ``None`` when the run logged no token counts (PPO). Forward-only passes (rollout, old and
     reference logprobs, DPO's reference) are not counted."""
+    from alignment.config import OFFLINE_ALGORITHMS
     from alignment.models.bridges.llama import LlamaDims
     from alignment.models.flops import flops_per_token
 
@@ -51,7 +52,7 @@ def mfu(summary: dict, cfg, hf_config, peak_flops: float) -> dict | None:
     if tps is None or seq is None or not train_s:
         return None
     tokens = tps * step_s  # tokens per step
-    passes = cfg.algorithm.ppo_epochs if cfg.algorithm.name not in ("sft", "rm", "dpo") else 1
+    passes = 1 if cfg.algorithm.name in OFFLINE_ALGORITHMS else cfg.algorithm.ppo_epochs
     flops = tokens * passes * flops_per_token(LlamaDims.from_hf_config(hf_config), seq)
     return {"tokens_per_step": tokens, "train_flops_per_step": flops, "achieved_flops": flops / train_s,
             "peak_flops": peak_flops, "mfu": flops / train_s / peak_flops}

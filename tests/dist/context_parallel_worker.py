@@ -14,7 +14,6 @@ shorter than the CP alignment (2 x CP x TP).
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -33,7 +32,8 @@ from alignment.trainers.megatron_step import (
     setup_training,
 )
 from parallel.layout import ParallelLayout
-from parallel.state import env_world, init_distributed, shutdown
+from parallel.state import env_world, init_distributed
+from tests.dist.report import write_results_and_shutdown
 from tests.dist.tiny_llama import tiny_llama
 
 CFG = GRPOLossConfig(clip_ratio=0.2, kl_coef=0.1, kl_estimator="k3", loss_agg_mode="token-mean")
@@ -172,10 +172,7 @@ def main(path: str) -> None:
         results[name] = run_case(hf, batch, CASES[name], world, ref)
         if rank == 0:
             print(name, results[name], flush=True)
-    if rank == 0:
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
-    shutdown()
+    write_results_and_shutdown(path, results)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ Writes {case: {"loss": float, "max_grad_diff": float, "max_grad": float}} + the 
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -25,7 +24,8 @@ from alignment.models.weights import export_hf_weights, load_hf_weights
 from alignment.trainers.batching import split_microbatches
 from alignment.trainers.megatron_step import LogprobOutputs, OptimConfig, forward_backward, setup_training
 from parallel.layout import ParallelLayout
-from parallel.state import env_world, init_distributed, shutdown
+from parallel.state import env_world, init_distributed
+from tests.dist.report import write_results_and_shutdown
 from tests.dist.tiny_llama import tiny_llama
 
 CFG = GRPOLossConfig(clip_ratio=0.2, kl_coef=0.1, kl_estimator="k3")
@@ -108,10 +108,7 @@ def main(path: str) -> None:
         assert set(grads) == set(ref_grads), sorted(set(ref_grads) ^ set(grads))
         diff = max((grads[k] - ref_grads[k]).abs().max().item() for k in grads)
         results[name] = {"loss": loss, "max_grad_diff": diff}
-    if rank == 0:
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
-    shutdown()
+    write_results_and_shutdown(path, results)
 
 
 if __name__ == "__main__":

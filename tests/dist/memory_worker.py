@@ -18,9 +18,10 @@ follows the live tensors. Writes ``{"TP:PP:DIST_OPT": [per rank dict]}`` from ra
 from __future__ import annotations
 
 import gc
-import json
 import sys
 import time
+
+from tests.dist.report import write_results_and_shutdown
 
 CONFIG = dict(vocab_size=8000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
               num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, rms_norm_eps=1e-5,
@@ -129,7 +130,7 @@ def measure(tp: int, pp: int, dist_opt: bool) -> dict:
 def main(layouts: str, path: str) -> None:
     import torch.distributed as dist
 
-    from parallel.state import env_world, shutdown
+    from parallel.state import env_world
 
     rank, world, _ = env_world()
     results = {}
@@ -140,10 +141,7 @@ def main(layouts: str, path: str) -> None:
         ranks = [None] * world
         dist.all_gather_object(ranks, mine)
         results[spec] = ranks
-    if rank == 0:
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
-    shutdown()
+    write_results_and_shutdown(path, results)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ Writes {objective: {case: {"loss", "max_grad_diff"}, "reference_loss", "referenc
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -27,7 +26,8 @@ from alignment.trainers.megatron_step import OptimConfig, setup_training, value_
 from alignment.trainers.reward_model import RewardModelObjective
 from alignment.trainers.sft import SFTObjective
 from parallel.layout import ParallelLayout
-from parallel.state import env_world, init_distributed, shutdown
+from parallel.state import env_world, init_distributed
+from tests.dist.report import write_results_and_shutdown
 from tests.dist.tiny_llama import tiny_llama, tiny_llama_config
 
 PAD = 0
@@ -158,10 +158,7 @@ def main(path: str) -> None:
                 res[name]["max_score_diff"] = diff.item()
         results[kind] = res
     results["hf_score_std"] = hf_scores.std().item()
-    if rank == 0:
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
-    shutdown()
+    write_results_and_shutdown(path, results)
 
 
 if __name__ == "__main__":

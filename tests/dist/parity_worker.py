@@ -6,7 +6,6 @@ Writes {layout_name: {"max_abs_diff": float, "export_max_abs_diff": float}} from
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -17,7 +16,8 @@ from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.weights import export_hf_weights, load_hf_weights
 from alignment.trainers.megatron_step import forward_backward
 from parallel.layout import ParallelLayout, validate_layout
-from parallel.state import env_world, init_distributed, shutdown
+from parallel.state import env_world, init_distributed
+from tests.dist.report import write_results_and_shutdown
 from tests.dist.tiny_llama import tiny_llama
 
 LAYOUTS = {"tp1": (1, 1, False), "tp2": (2, 1, False), "tp2_sp": (2, 1, True), "pp2": (1, 2, False)}
@@ -107,10 +107,7 @@ def main(path: str) -> None:
                 hf_logits = fresh(input_ids).logits
             results[f"export_{name}{'_tied' if tie else ''}"] = {
                 "max_abs_diff": max_diff_on_last_stage(logits, hf_logits), "ref_logit_std": hf_logits.std().item()}
-    if rank == 0:
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
-    shutdown()
+    write_results_and_shutdown(path, results)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ Writes {"<optimizer>": {"resumed_vs_straight": float, "model_only_vs_straight": 
 
 from __future__ import annotations
 
-import json
 import sys
 
 
@@ -20,8 +19,9 @@ from alignment.trainers.batching import split_microbatches
 from alignment.trainers.checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
 from alignment.trainers.megatron_step import LogprobOutputs, OptimConfig, forward_backward, setup_training
 from parallel.layout import ParallelLayout
-from parallel.state import env_world, init_distributed, shutdown
+from parallel.state import env_world, init_distributed
 from tests.dist.grpo_invariance_worker import CFG, make_batch
+from tests.dist.report import write_results_and_shutdown
 from tests.dist.tiny_llama import tiny_llama
 
 
@@ -92,10 +92,7 @@ def main(ckpt_root: str, path: str) -> None:
         results["mismatch_error"] = None
     except ValueError as e:
         results["mismatch_error"] = str(e)
-    if rank == 0:
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
-    shutdown()
+    write_results_and_shutdown(path, results)
 
 
 if __name__ == "__main__":
