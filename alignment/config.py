@@ -137,7 +137,8 @@ class TrainerConfig:
     # > 0: micro-batches by token budget (real tokens), balanced by Karmarkar-Karp, instead of
     # micro_batch_size rows (verl's use_dynamic_bsz + ppo_max_token_len_per_gpu)
     max_tokens_per_microbatch: int = 0
-    # RL: re-deal each step's sequences over data-parallel ranks by token count (verl's balance_batch)
+    # re-deal each step's sequences (RL) or examples (SFT/RM/DPO) over data-parallel ranks by token
+    # count, Karmarkar-Karp with equal counts (verl's balance_batch)
     balance_batch: bool = False
 
 

@@ -106,6 +106,7 @@ def run(cfg) -> dict:
         save_hf_checkpoint,
         save_megatron_checkpoint,
     )
+    from alignment.trainers.dp_balance import global_batch_share
     from launchers import preemption
     from launchers.common import start
     from parallel.state import replica_group
@@ -150,13 +151,15 @@ def run(cfg) -> dict:
     if job.rank == 0:
         print(f"held-out before ({len(mine) * dp} examples): {json.dumps(before)}", flush=True)
 
-    per_rank = gbs // dp
     steps = job.progress(start_step, total, cfg.algorithm.name)
     for step in steps:
         job.profiler.begin(step)
         epoch, k = divmod(step, steps_per_epoch)  # a fresh shuffle per epoch, the same on every rank
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
-        idx = order[k * gbs + dp_rank * per_rank : k * gbs + (dp_rank + 1) * per_rank]
+        step_idx = order[k * gbs : (k + 1) * gbs]
+        share, imbalance = global_batch_share([sum(len(ids) for ids, _ in train[i]) for i in step_idx], dp, dp_rank,
+                                             cfg.trainer.balance_batch)
+        idx = [step_idx[j] for j in share]
         t0 = time.perf_counter()
         batch = batch_of([train[i] for i in idx])
         metrics = offline.train_step(models, objective, batch, rows_per_mb)
@@ -166,7 +169,8 @@ def run(cfg) -> dict:
                                               float(real.any(-1).sum()) if leader else 0.0], None)
         dt = time.perf_counter() - t0
         job.profiler.end(step)
-        metrics.update({"time/train": dt, "time/step": dt, "tokens_per_s": tokens / dt, "seq_length": tokens / rows, "epoch": epoch + (k + 1) / steps_per_epoch})
+        metrics.update({"time/train": dt, "time/step": dt, "tokens_per_s": tokens / dt, "seq_length": tokens / rows,
+                        "dp_token_imbalance": imbalance, "epoch": epoch + (k + 1) / steps_per_epoch})
         job.log({f"train/{name}": v for name, v in metrics.items()}, step + 1)
         job.history.append(metrics)
         if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0 and step + 1 < total:

@@ -141,3 +141,17 @@ def test_layout_checks_for_context_parallel_and_ulysses():
     assert ParallelLayout(world_size=8, tensor_model_parallel_size=2, context_parallel_size=2).data_parallel_size == 2
     assert check_ulysses_heads(4, 2, 4) is None  # KV heads replicated 2x
     assert "KV heads" in check_ulysses_heads(6, 3, 2)
+
+
+def test_global_batch_share_contiguous_or_balanced_by_hand():
+    from alignment.trainers.dp_balance import global_batch_share
+
+    lengths = [8, 7, 6, 5, 4, 3, 2, 1]  # 36 tokens
+    assert global_batch_share(lengths, 2, 0, False) == ([0, 1, 2, 3], 26 * 2 / 36)  # 26 vs 10 tokens
+    assert global_batch_share(lengths, 2, 1, False)[0] == [4, 5, 6, 7]
+    a, imbalance = global_batch_share(lengths, 2, 0, True)
+    b, _ = global_batch_share(lengths, 2, 1, True)
+    assert sorted(a + b) == list(range(8)) and len(a) == len(b) == 4
+    assert sum(lengths[i] for i in a) == sum(lengths[i] for i in b) == 18 and imbalance == 1.0
+    with pytest.raises(ValueError, match="7 examples cannot be split over 2 data-parallel ranks"):
+        global_batch_share(lengths[:7], 2, 0, True)

@@ -42,3 +42,29 @@ def balance_over_dp(samples: list[Sample], per_sample: list[torch.Tensor]) -> tu
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in everyone]
     mine = karmarkar_karp(lengths, dp, equal_size=True)[group.rank()]
     return [everyone[i] for i in mine], [c[mine] for c in columns]
+
+
+def global_batch_share(lengths: list[int], dp: int, dp_rank: int, balance: bool) -> tuple[list[int], float]:
+    """Which examples of a global batch data-parallel rank ``dp_rank`` trains on (SFT / RM / DPO).
+
+    Args:
+        lengths: token count of every example of the global batch (a pair: both sequences).
+        dp, dp_rank: data-parallel size and this rank's index; ``len(lengths) % dp == 0``.
+        balance: ``trainer.balance_batch``: this rank's Karmarkar-Karp part (equal counts,
+            nearly equal tokens; :func:`parallel.balance.karmarkar_karp`) instead of the
+            contiguous slice. Every rank computes the same partition: no communication.
+    Returns:
+        ``(positions, imbalance)``: sorted positions into ``lengths`` for this rank, and the
+        largest rank's tokens over the mean rank's (1.0 = perfectly even).
+    Raises:
+        ValueError: ``len(lengths)`` not a multiple of ``dp``.
+    """
+    from parallel.balance import karmarkar_karp
+
+    if len(lengths) % dp:
+        raise ValueError(f"global_batch_share: {len(lengths)} examples cannot be split over {dp} data-parallel ranks")
+    per = len(lengths) // dp
+    parts = (karmarkar_karp(lengths, dp, equal_size=True) if balance
+             else [list(range(r * per, (r + 1) * per)) for r in range(dp)])
+    sums = [sum(lengths[i] for i in p) for p in parts]
+    return sorted(parts[dp_rank]), max(sums) * dp / max(sum(sums), 1)
