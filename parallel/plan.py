@@ -10,17 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel.layout import LayoutError, ParallelLayout, validate_layout
+from parallel.layout import LayoutError, ParallelLayout, _divisors, validate_layout
 from parallel.memory import MemoryBreakdown, RolloutPlan, estimate_memory
 
 RULE = ("the fitting layout with the smallest model-parallel size TP x PP x CP, i.e. the largest DP "
         "(model parallelism only as large as needed, then data parallelism: Narayanan et al. 2021, "
         "Megatron-LM on GPU clusters, Sec. 3); among equals the fewest pipeline stages (no bubble), "
         "then CP=1, then the least memory")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ each rank holds the KV head its query heads use.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -92,19 +94,28 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lens
         return torch.cat(outs, dim=2)
 
 
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    """Argument names of this torch's ``varlen_attn`` (2.11: ``window_size``, no ``enable_gqa``;
+    earlier: ``is_causal``), read once instead of on every layer's call."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
 def _varlen_causal(q, k, v, seg_lens: list[int], scale: float) -> torch.Tensor:
     """Packed sequences on CUDA in one FlashAttention varlen call (``torch.nn.attention.varlen``,
     ``cu_seqlens`` as in Megatron's thd format) instead of one SDPA call per sequence, whose
     host time grew with the number of sequences (2.1 s vs 0.72 s per SmolLM2 SFT step on an
     H100). ``q``: ``[1, heads, T, d]``; ``k``, ``v``: ``[1, kv_heads, T, d]``."""
-    import inspect
-
     from torch.nn.attention.varlen import varlen_attn
 
     lens = torch.tensor(seg_lens, dtype=torch.int32, device=q.device)
     cu = torch.nn.functional.pad(lens.cumsum(0, dtype=torch.int32), (1, 0))
     qt, kt, vt = (t[0].transpose(0, 1) for t in (q, k, v))  # [T, heads, d]
-    params = inspect.signature(varlen_attn).parameters
+    params = _varlen_params()
     kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in params:

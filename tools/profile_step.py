@@ -135,9 +135,7 @@ def report(out_dir: str | os.PathLike, peak: tuple[float, str] | None = None) ->
 
 def _output_dir(hydra_args: list[str]) -> Path:
     """The resolved ``output_dir`` of the job these Hydra arguments compose."""
-    from hydra import compose, initialize_config_dir
-
-    from alignment.config import register
+    from launchers.preflight import compose
 
     name, overrides, args = "grpo", [], list(hydra_args)
     while args:
@@ -146,10 +144,7 @@ def _output_dir(hydra_args: list[str]) -> Path:
             name = a.split("=", 1)[1] if "=" in a else args.pop(0)
         elif not a.startswith("-"):
             overrides.append(a)
-    register()
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-        cfg = compose(name, overrides=overrides)
-    return Path(cfg.output_dir)
+    return Path(compose(name, overrides).output_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
