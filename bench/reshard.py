@@ -76,14 +76,13 @@ def main() -> None:
 
     from transformers import AutoConfig
 
-    from alignment.models.bridges.llama import get_bridge
+    from alignment.models.families import get_bridge
     from alignment.models.gpt import build_gpt_model, transformer_config
     from alignment.models.hf_assets import prepare_hf_dir
     from alignment.models.weights import export_hf_weights, lazy_safetensors, load_hf_weights
     from parallel.layout import ParallelLayout
     from parallel.reshard import Resharder
     from parallel.state import env_world, init_distributed
-    from parallel.vllm_layout import check_tp_sizes
 
     rank, world, _ = env_world()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -111,10 +110,10 @@ def main() -> None:
         naive = timed(lambda: export_hf_weights(model, bridge), args.repeats)
         for vtp in sorted({1, world}):
             try:
-                check_tp_sizes(bridge.dims, tp, vtp)
+                layout = bridge.vllm_layout(tp, vtp)
             except ValueError:
                 continue
-            r = Resharder(model, bridge.dims, vllm_tp=vtp, bucket_bytes=args.bucket_mb << 20)
+            r = Resharder(model, layout, vllm_tp=vtp, bucket_bytes=args.bucket_mb << 20)
             shard_bytes = 0
 
             def stream():

@@ -74,6 +74,27 @@ class Run:
         return summary
 
 
+def job_transformer_config(cfg, hf_config):
+    """Megatron ``TransformerConfig`` of a job's model: ``parallel.*`` sizes, ``model.dtype``
+    weights, and for mixture-of-experts models ``model.moe_aux_loss_coeff`` (null: the HF
+    config's ``router_aux_loss_coef``). See :func:`alignment.models.gpt.transformer_config`."""
+    from alignment.models.gpt import transformer_config
+
+    coeff = cfg.model.moe_aux_loss_coeff
+    if coeff is None:
+        coeff = float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
+    return transformer_config(hf_config, params_dtype=getattr(torch, cfg.model.dtype), moe_aux_loss_coeff=coeff,
+                              **cfg.parallel)
+
+
+def rollout_layout(bridge, cfg):
+    """The resharder's target layout (:meth:`alignment.models.bridge.Bridge.vllm_layout`) for this
+    job's training TP (and expert TP) and its engines' ``rollout.tensor_parallel_size``."""
+    p = cfg.parallel
+    return bridge.vllm_layout(p.tensor_model_parallel_size, cfg.rollout.tensor_parallel_size,
+                              p.get("expert_tensor_parallel_size"))
+
+
 def start(cfg) -> Run:
     """Validate ``cfg`` against the world size and the model (before any process group), set
     the CPU threads per process, initialise the parallel groups, create the output dir with

@@ -49,16 +49,16 @@ def build(cfg, hf_dir: Path, hf_config, objective):
     """This rank's trained shard (DDP + optimizer) and the frozen reference when needed."""
     from transformers import AutoTokenizer
 
-    from alignment.models.bridges.llama import get_bridge
-    from alignment.models.gpt import build_gpt_model, transformer_config
+    from alignment.models.families import get_bridge
+    from alignment.models.gpt import build_gpt_model
     from alignment.models.value_head import build_value_model
     from alignment.models.weights import lazy_safetensors, load_hf_weights
     from alignment.trainers.megatron_step import OptimConfig, setup_training
     from alignment.trainers.offline import OfflineModels
+    from launchers.common import job_transformer_config
 
-    dtype = getattr(torch, cfg.model.dtype)
     hf_state = lazy_safetensors(hf_dir)
-    tcfg = lambda: transformer_config(hf_config, params_dtype=dtype, **cfg.parallel)  # noqa: E731
+    tcfg = lambda: job_transformer_config(cfg, hf_config)  # noqa: E731
     if objective.value_head:
         bridge = get_bridge(hf_config, head="score")
         model = build_value_model(hf_config, tcfg(), seed=cfg.seed)
@@ -79,12 +79,13 @@ def build(cfg, hf_dir: Path, hf_config, objective):
     return OfflineModels(ddp, optimizer, reference, bridge, AutoTokenizer.from_pretrained(hf_dir))
 
 
-def export_config(cfg, hf_config, tokenizer):
-    """The HF config written with the export: a sequence classifier (``score`` head) for a reward model."""
+def export_config(cfg, hf_config, tokenizer, bridge):
+    """The HF config written with the export: a sequence classifier (``score`` head, the family's
+    ``*ForSequenceClassification``) for a reward model."""
     if cfg.algorithm.name != "rm":
         return hf_config
     out = type(hf_config).from_dict(hf_config.to_dict())
-    out.architectures = ["LlamaForSequenceClassification"]
+    out.architectures = [bridge.hf_architecture]
     out.num_labels = 1
     # HF pools at the last token that is not ``pad_token_id``; our score is read at the real
     # last token, which is the EOS. So the exported pad id must not be the EOS (SmolLM2 pads
@@ -186,7 +187,8 @@ def run(cfg) -> dict:
     if cfg.trainer.save_checkpoint and start_step < total:
         checkpoint(total)
     if cfg.trainer.export_hf:
-        save_hf_checkpoint(models.model, models.bridge, export_config(cfg, job.hf_config, tok), tok, job.out / "hf")
+        save_hf_checkpoint(models.model, models.bridge, export_config(cfg, job.hf_config, tok, models.bridge), tok,
+                           job.out / "hf")
     summary = {"heldout_before": before, "heldout_after": after, "start_step": start_step, "steps": total,
                "heldout_size": len(mine) * dp, "train_size": len(train), "world_size": job.world,
                "history": job.history}

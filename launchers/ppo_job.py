@@ -23,8 +23,8 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     """This rank's :class:`alignment.trainers.ppo.PPOModels`."""
     from transformers import AutoConfig
 
-    from alignment.models.bridges.llama import get_bridge
-    from alignment.models.gpt import build_gpt_model, transformer_config
+    from alignment.models.families import get_bridge
+    from alignment.models.gpt import build_gpt_model
     from alignment.models.hf_assets import prepare_hf_dir
     from alignment.models.value_head import build_value_model
     from alignment.models.weights import lazy_safetensors, load_hf_weights
@@ -32,15 +32,15 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     from alignment.trainers.megatron_step import OptimConfig, setup_training
     from alignment.trainers.offload import DevicePlacement, offload_enabled
     from alignment.trainers.ppo import PPOModels
+    from launchers.common import job_transformer_config, rollout_layout
     from parallel.reshard import Resharder
 
-    dtype = getattr(torch, cfg.model.dtype)
     t = cfg.trainer
 
     def shard(path, value_head: bool):
         path = prepare_hf_dir(path)
         hcfg = AutoConfig.from_pretrained(path)
-        tcfg = transformer_config(hcfg, params_dtype=dtype, **cfg.parallel)
+        tcfg = job_transformer_config(cfg, hcfg)
         model = build_value_model(hcfg, tcfg, seed=cfg.seed) if value_head else build_gpt_model(hcfg, tcfg)
         state = lazy_safetensors(path)
         skip = ("output_layer.weight",) if value_head and "score.weight" not in state else ()
@@ -68,7 +68,8 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     placement.add_model("reference", reference)
     placement.add_model("reward_model", reward_model)
     bridge = get_bridge(hf_config)
-    resharder = Resharder(policy, bridge.dims, vllm_tp=r.tensor_parallel_size, bucket_bytes=r.sync_bucket_mb << 20)
+    resharder = Resharder(policy, rollout_layout(bridge, cfg), vllm_tp=r.tensor_parallel_size,
+                          bucket_bytes=r.sync_bucket_mb << 20)
     return PPOModels(policy, optimizer, reference, engine, bridge, engine.tokenizer,
                      hf_config.vocab_size, placement, resharder, critic=critic, critic_optimizer=critic_optimizer,
                      reward_model=reward_model)

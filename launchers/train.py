@@ -25,23 +25,21 @@ register()
 def build(cfg, hf_dir: Path, hf_config, rank: int):
     """This rank's policy (DDP + optimizer), frozen reference (when ``kl_coef > 0``) and vLLM engine,
     all loaded from the HF weights in ``hf_dir``."""
-    import torch
-
-    from alignment.models.bridges.llama import get_bridge
-    from alignment.models.gpt import build_gpt_model, transformer_config
+    from alignment.models.families import get_bridge
+    from alignment.models.gpt import build_gpt_model
     from alignment.models.weights import lazy_safetensors, load_hf_weights
     from alignment.rollout.vllm_engine import VLLMEngine
     from alignment.trainers.grpo import Models
     from alignment.trainers.megatron_step import OptimConfig, setup_training
     from alignment.trainers.offload import DevicePlacement, offload_enabled
+    from launchers.common import job_transformer_config, rollout_layout
     from parallel.reshard import Resharder
 
-    dtype = getattr(torch, cfg.model.dtype)
     bridge = get_bridge(hf_config)
     hf_state = lazy_safetensors(hf_dir)
 
     def shard():
-        tcfg = transformer_config(hf_config, params_dtype=dtype, **cfg.parallel)
+        tcfg = job_transformer_config(cfg, hf_config)
         model = build_gpt_model(hf_config, tcfg)
         load_hf_weights(model, hf_state, bridge)
         return model
@@ -63,7 +61,8 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     placement = DevicePlacement(enabled=offload_enabled(cfg.trainer.offload))
     placement.add_model("policy", policy, optimizer)
     placement.add_model("reference", reference)
-    resharder = Resharder(policy, bridge.dims, vllm_tp=r.tensor_parallel_size, bucket_bytes=r.sync_bucket_mb << 20)
+    resharder = Resharder(policy, rollout_layout(bridge, cfg), vllm_tp=r.tensor_parallel_size,
+                          bucket_bytes=r.sync_bucket_mb << 20)
     return Models(policy, optimizer, reference, engine, bridge, engine.tokenizer, hf_config.vocab_size, placement,
                   resharder)
 
@@ -105,7 +104,7 @@ def run_rl(cfg: DictConfig) -> dict:
 
     job = start(cfg)  # validates the config before any process group starts
     models = build(cfg, job.hf_dir, job.hf_config, job.rank)
-    kw = {"generator_kwargs": dict(cfg.data.generator_kwargs)} if cfg.data.task == "arithmetic" else {}
+    kw = {"generator_kwargs": dict(cfg.data.generator_kwargs)} if cfg.data.task in ("arithmetic", "length") else {}
     train = load_problems(cfg.data.task, "train", cfg.data.train_size, seed=cfg.seed, **kw)
     heldout = load_problems(cfg.data.task, "heldout", cfg.data.heldout_size, seed=cfg.seed, **kw)
 

@@ -5,7 +5,8 @@ Megatron-Core is written for CUDA: device placement is hard-coded in ~175 places
 its RNG tracker forks the CUDA generator, and its torch-norm wrapper refuses
 sequence parallelism. This module is the ONLY place in megalign that knows about
 that. :func:`apply` is called once by :mod:`parallel.state` when no GPU is present;
-on a GPU machine nothing here runs and the CUDA/transformer-engine paths are used.
+on a GPU machine only :func:`apply_without_transformer_engine` runs (gaps Megatron leaves
+when transformer-engine is missing, GPU or not).
 
 Each shim below carries a docstring saying which Megatron code needs it and why.
 """
@@ -156,6 +157,107 @@ class SequenceParallelTorchNorm:
         return norm
 
 
+class HostStream:
+    """Stand-in for ``torch.cuda.Stream`` / ``torch.cuda.Event`` on the CPU.
+
+    Why: Megatron's MoE ``alltoall`` token dispatcher creates a side stream at construction
+    (``MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = torch.cuda.Stream()``) and, every forward,
+    copies the routing counts device-to-host on it and synchronises through an event
+    (``stream.record_event()`` ... ``event.synchronize()``), comparing it with
+    ``torch.cuda.current_stream()``. On the host every operation has finished when it returns,
+    so one stream object that is also its own event, with no-op waits, is exact.
+    """
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream=None) -> None:
+        pass
+
+    def wait_event(self, event=None) -> None:
+        pass
+
+    def record_event(self, event=None) -> "HostStream":
+        return self
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_HOST_STREAM = HostStream()
+
+
+def _patch_moe_split_sizes() -> None:
+    """Give the MoE ``alltoall`` dispatcher its split sizes as numpy arrays on the CPU too.
+
+    Why: the dispatcher computes ``input_splits`` / ``output_splits`` as tensors and converts
+    them with ``maybe_move_tensor_to_cpu(t, as_numpy=True)``, which only converts tensors that
+    are on CUDA; on the CPU they stay tensors and ``all_to_all_single`` rejects them ("incompatible
+    function arguments": it wants a sequence of ints). Here ``as_numpy`` is honoured for host
+    tensors as well, which is what the GPU path hands the collective.
+    """
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def _patch_uneven_sequence_collectives() -> None:
+    """All-gather / reduce-scatter with uneven split sizes on gloo.
+
+    Why: with expert tensor parallelism the MoE ``alltoall`` dispatcher gathers the tokens routed
+    to this rank's experts over the expert-TP group with per-rank counts
+    (``gather_from_sequence_parallel_region(..., output_split_sizes=...)``) and reduce-scatters
+    them back with the same counts (also in the backward pass). Megatron does both with
+    ``torch.distributed.all_gather`` / ``reduce_scatter`` over tensor lists of different sizes,
+    which gloo refuses ("ProcessGroupGloo::allgather: invalid tensor size"). Here the gather pads
+    every part to the largest and trims, and the reduce-scatter all-reduces the whole tensor and
+    keeps this rank's rows: the same values, more bytes (CPU runs are small).
+    The module functions are replaced (not intercepted by the torch-function mode) because the
+    backward pass runs outside that mode.
+    """
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or len(set(output_split_sizes)) <= 1 or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        longest = max(output_split_sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in output_split_sizes]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, output_split_sizes)])
+
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or len(set(input_split_sizes)) <= 1 or group.size() == 1:
+            return scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        start = sum(input_split_sizes[: group.rank()])
+        return total[start : start + input_split_sizes[group.rank()]].clone()
+
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
+
+
 def _patch_distributed_optimizer_loading() -> None:
     """Make ``DistributedOptimizer`` checkpoints load correctly with ``torch.optim.AdamW``.
 
@@ -204,6 +306,20 @@ def _patch_distributed_optimizer_loading() -> None:
     DistributedOptimizer._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
 
 
+def apply_without_transformer_engine() -> None:
+    """Shims for Megatron without transformer-engine, on CPU and GPU alike (idempotent).
+
+    Why: ``moe_utils`` imports ``te_general_gemm`` inside ``try: ... except ImportError`` without a
+    fallback, and the MoE router's gating GEMM (``RouterGatingLinearFunction``) then tests
+    ``te_general_gemm is not None``: a ``NameError`` on every MoE forward without transformer-engine.
+    ``None`` selects its own ``torch.mm`` path.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply() -> None:
     """Install the CPU shims (idempotent). Call before building any Megatron model."""
     global _APPLIED
@@ -225,6 +341,10 @@ def apply() -> None:
     # p2p_communication (pipeline send/recv) synchronises CUDA streams after batched
     # isend/irecv; CPU collectives are already complete when wait() returns.
     torch.cuda.synchronize = lambda device=None: None
+    # MoE token dispatcher (alltoall): a device-to-host side stream and its events (see HostStream).
+    torch.cuda.Stream = HostStream
+    torch.cuda.current_stream = lambda device=None: _HOST_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
     mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     # Specs and the transformer block import the norm class under several names
@@ -235,5 +355,8 @@ def apply() -> None:
                 if value is WrappedTorchNorm:
                     setattr(module, attr, SequenceParallelTorchNorm)
     _patch_distributed_optimizer_loading()
+    _patch_moe_split_sizes()
+    _patch_uneven_sequence_collectives()
+    apply_without_transformer_engine()
     CudaToCpuMode().__enter__()
     _APPLIED = True

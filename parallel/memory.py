@@ -1,11 +1,13 @@
 """Memory per GPU of a training layout (and of a colocated vLLM engine), in bytes.
 
-Pure functions of a :class:`alignment.models.bridges.llama.LlamaDims`-style model and a
+Pure functions of a ``ModelDims``-style model (:class:`alignment.models.dims.ModelDims`) and a
 :class:`parallel.layout.ParallelLayout`; no process groups, no tensors. What is counted is
 what megalign's training path allocates (Megatron-Core 0.16.1 DDP and optimizer, the local
 layer spec with :mod:`parallel.attention`, :class:`alignment.trainers.megatron_step.LogprobOutputs`):
 
-* **weights**: the parameters of the largest pipeline stage, this TP rank's shard.
+* **weights**: the parameters of the largest pipeline stage, this TP rank's shard; in
+  mixture-of-experts layers the replicated router and this expert-parallel rank's experts
+  (``E / EP``, each split over expert TP).
 * **grads**: Megatron DDP's contiguous gradient buffer. megalign builds DDP with
   ``grad_reduce_in_fp32=True`` (``megatron_step.setup_training``), so ``main_grad`` is fp32
   (4 bytes/param) whatever the weights' dtype (``distributed_data_parallel.py``:
@@ -17,13 +19,15 @@ layer spec with :mod:`parallel.attention`, :class:`alignment.trainers.megatron_s
   copy for bf16 weights (``Float16OptimizerWithFloat16Params``; fp32 weights are their own
   master, ``FP32Optimizer``): 8 or 12 bytes/param, divided by DP x CP with the distributed
   optimizer (it shards over the data-parallel-with-context group; for fp32 weights the master
-  shard is a view of the parameter buffer, ``distrib_optimizer.py``). This is the table of the
+  shard is a view of the parameter buffer, ``distrib_optimizer.py``); expert parameters are
+  sharded over the expert-data-parallel group instead (world / (expert TP x EP x PP)). This is the table of the
   Megatron-LM distributed-optimizer docs: bf16 18 -> 6 + 12/d bytes/param, fp32 16 -> 8 + 8/d.
   Its padding (each bucket to a multiple of lcm(d, 128) elements, each parameter to 64) is
   ignored: under 64 elements per parameter.
 * **activations**: what autograd keeps for the backward pass, per layer (see
-  :func:`layer_activation_bytes`), times the layers of one stage, times the micro-batches
-  in flight on it under 1F1B (:func:`microbatches_in_flight`).
+  :func:`layer_activation_bytes`; MoE layers :func:`moe_activation_bytes`, balanced routing
+  assumed), times the layers of one stage, times the micro-batches in flight on it under 1F1B
+  (:func:`microbatches_in_flight`).
 * **logits**: ``[s, b, vocab/TP]`` logits of the one micro-batch at the loss
   (:func:`logits_bytes`): often the largest single term for small models.
 * **rollout_weights**, **kv_cache**: a colocated vLLM engine's own copy of the weights and its
@@ -53,35 +57,62 @@ def dtype_bytes(dtype: str) -> int:
 
 # ---- parameters -----------------------------------------------------------------------------
 
-def layer_parameters(dims, tp: int) -> int:
+def layer_parameters(dims, tp: int, *, moe: bool = False, ep: int = 1, etp: int | None = None) -> int:
     """Parameters of one transformer layer on one TP rank (elements).
 
     ``linear_qkv`` ``[(nq + 2 nkv) hd / tp, H]`` (+ its bias for Qwen2), ``linear_proj``
-    ``[H, nq hd / tp]``, ``linear_fc1`` ``[2 F / tp, H]`` (gate and up), ``linear_fc2``
-    ``[H, F / tp]``; the two RMSNorm weights ``[H]`` are replicated over TP.
+    ``[H, nq hd / tp]``, the two RMSNorm weights ``[H]`` and Qwen3's QK-norms ``[hd]``
+    (replicated over TP); then a dense MLP, ``linear_fc1`` ``[2 F / tp, H]`` (gate and up) and
+    ``linear_fc2`` ``[H, F / tp]``, or for an MoE layer (``moe``) the router ``[E, H]``
+    (replicated) and this rank's ``E / ep`` experts of ``3 F_e H / etp`` each
+    (:func:`expert_parameters`; ``etp`` defaults to ``tp``, as Megatron's).
     """
     d = dims
     qkv_out = (d.num_attention_heads + 2 * d.num_query_groups) * d.head_dim // tp
-    return (qkv_out * d.hidden_size + (qkv_out if d.qkv_bias else 0)
-            + d.hidden_size * d.num_attention_heads * d.head_dim // tp
-            + 3 * d.ffn_hidden_size * d.hidden_size // tp
-            + 2 * d.hidden_size)
+    attention = (qkv_out * d.hidden_size + (qkv_out if d.qkv_bias else 0)
+                 + d.hidden_size * d.num_attention_heads * d.head_dim // tp
+                 + 2 * d.hidden_size + (2 * d.head_dim if d.qk_layernorm else 0))
+    if moe:
+        return attention + d.num_experts * d.hidden_size + expert_parameters(dims, ep, etp or tp)
+    return attention + 3 * d.ffn_hidden_size * d.hidden_size // tp
 
 
-def stage_parameters(dims, tp: int, pp: int, stage: int) -> int:
+def expert_parameters(dims, ep: int, etp: int) -> int:
+    """This rank's expert parameters in one MoE layer: ``E / ep`` experts, each ``linear_fc1``
+    ``[2 F_e / etp, H]`` + ``linear_fc2`` ``[H, F_e / etp]`` (Megatron's ``SequentialMLP``)."""
+    return dims.num_experts // ep * 3 * dims.moe_ffn_hidden_size * dims.hidden_size // etp
+
+
+def stage_layers(dims, pp: int, stage: int, vpp: int | None = None) -> list[int]:
+    """Global indices of the layers pipeline rank ``stage`` holds: with ``vpp`` model chunks per
+    rank, chunk ``v`` holds layers ``[(v pp + stage) c, (v pp + stage + 1) c)`` with
+    ``c = L / (pp vpp)`` (Megatron's interleaved assignment); without, one contiguous block."""
+    v = vpp or 1
+    c = dims.num_layers // (pp * v)
+    return [i for chunk in range(v) for i in range((chunk * pp + stage) * c, (chunk * pp + stage + 1) * c)]
+
+
+def _is_moe(dims, layer: int) -> bool:
+    return bool(getattr(dims, "num_experts", 0)) and bool(dims.moe_layer_pattern[layer])
+
+
+def stage_parameters(dims, tp: int, pp: int, stage: int, *, ep: int = 1, etp: int | None = None,
+                     vpp: int | None = None) -> int:
     """Parameters held by pipeline rank ``stage`` (0-based) on one TP rank (elements).
 
     Every stage holds ``num_layers / pp`` layers (with virtual PP, its chunks together hold the
-    same). The first stage adds the word embedding ``[V_pad / tp, H]``; the last stage the final
+    same; which ones matters only for a mix of dense and MoE layers, :func:`stage_layers`). The
+    first stage adds the word embedding ``[V_pad / tp, H]``; the last stage the final
     norm ``[H]`` and the output layer ``[V_pad / tp, H]``, except when the embeddings are tied
     and ``pp == 1`` (one tensor serves both). With tied embeddings and ``pp > 1`` the last stage
     keeps its own copy, as Megatron does (``shared_embedding``, kept equal by an all-reduce of
-    the gradients between the first and last stage). ``V_pad``: :meth:`LlamaDims.padded_vocab_size`.
+    the gradients between the first and last stage). ``V_pad``: ``dims.padded_vocab_size``.
+    ``ep`` / ``etp``: expert (tensor) parallel sizes for MoE layers.
     Raises ValueError for ``stage`` outside ``[0, pp)``.
     """
     if not 0 <= stage < pp:
         raise ValueError(f"stage={stage}: must be in [0, {pp})")
-    n = dims.num_layers // pp * layer_parameters(dims, tp)
+    n = sum(layer_parameters(dims, tp, moe=_is_moe(dims, i), ep=ep, etp=etp) for i in stage_layers(dims, pp, stage, vpp))
     vocab_shard = dims.padded_vocab_size(tp) // tp * dims.hidden_size
     if stage == 0:
         n += vocab_shard
@@ -92,11 +123,19 @@ def stage_parameters(dims, tp: int, pp: int, stage: int) -> int:
     return n
 
 
-def largest_weight(dims, tp: int, pp: int, stage: int) -> int:
+def stage_expert_parameters(dims, pp: int, stage: int, *, ep: int, etp: int, vpp: int | None = None) -> int:
+    """The expert part of :func:`stage_parameters`: what the distributed optimizer shards over the
+    expert-data-parallel group instead of data parallel x context parallel."""
+    return sum(expert_parameters(dims, ep, etp) for i in stage_layers(dims, pp, stage, vpp) if _is_moe(dims, i))
+
+
+def largest_weight(dims, tp: int, pp: int, stage: int, etp: int | None = None) -> int:
     """Elements of the stage's largest single weight (its transient gradient, see module doc)."""
     d = dims
     biggest = max(2 * d.ffn_hidden_size * d.hidden_size // tp,
                   (d.num_attention_heads + 2 * d.num_query_groups) * d.head_dim // tp * d.hidden_size)
+    if getattr(d, "num_experts", 0):
+        biggest = max(biggest, 2 * d.moe_ffn_hidden_size * d.hidden_size // (etp or tp), d.num_experts * d.hidden_size)
     if stage == 0 or stage == pp - 1:
         biggest = max(biggest, d.padded_vocab_size(tp) // tp * d.hidden_size)
     return biggest
@@ -110,7 +149,8 @@ def optimizer_bytes_per_param(dtype: str) -> int:
 
 # ---- activations ----------------------------------------------------------------------------
 
-def layer_activation_bytes(dims, tokens: int, tp: int, sequence_parallel: bool, dtype: str) -> int:
+def layer_activation_bytes(dims, tokens: int, tp: int, sequence_parallel: bool, dtype: str, *, moe: bool = False,
+                           etp: int | None = None) -> int:
     """Bytes autograd keeps for one layer's backward, for ``tokens`` tokens on this rank
     (``micro_batch_size * seq_length / cp``).
 
@@ -136,16 +176,35 @@ def layer_activation_bytes(dims, tokens: int, tp: int, sequence_parallel: bool, 
 
     No dropout (megalign sets it to 0), so no masks. With tensor parallelism everything but the
     norm terms is divided by ``tp``; with sequence parallelism the norm terms too (the linear
-    layers keep their sequence-split input and gather it again in backward).
+    layers keep their sequence-split input and gather it again in backward). An MoE layer
+    (``moe``) has :func:`moe_activation_bytes` instead of the MLP term.
     """
     d, b = dims, dtype_bytes(dtype)
     norm = 6 * d.hidden_size / (tp if sequence_parallel else 1)
     attn = ((d.num_attention_heads + 2 * d.num_query_groups) * d.head_dim
             + d.num_attention_heads * d.head_dim + d.num_query_groups * d.head_dim
             + d.num_attention_heads * d.head_dim) / tp
-    mlp = 5 * d.ffn_hidden_size / tp
     lse = 4 * d.num_attention_heads / tp  # fp32 whatever the dtype
+    if moe:
+        return int(tokens * ((norm + attn) * b + lse)) + moe_activation_bytes(dims, tokens, tp, sequence_parallel,
+                                                                              dtype, etp or tp)
+    mlp = 5 * d.ffn_hidden_size / tp
     return int(tokens * ((norm + attn + mlp) * b + lse))
+
+
+def moe_activation_bytes(dims, tokens: int, tp: int, sequence_parallel: bool, dtype: str, etp: int) -> int:
+    """Bytes an MoE layer's router and experts keep for backward, assuming balanced routing.
+
+    Each rank routes its own tokens (``tokens / tp`` with sequence parallelism): the router keeps
+    its fp32 logits, probabilities and the aux loss's scores (``3 E`` x 4 bytes per token). The
+    ``alltoall`` dispatcher then gathers the tokens of the expert-TP group (``x etp``) and sends
+    each token's ``topk`` copies to the experts' ranks; balanced, every rank receives as many
+    (token, expert) pairs as its tokens send, and keeps per pair the expert's input ``H`` and the
+    SwiGLU terms ``5 F_e / etp`` (as a dense MLP, :func:`layer_activation_bytes`)."""
+    d, b = dims, dtype_bytes(dtype)
+    routed = tokens / (tp if sequence_parallel else 1)
+    pairs = routed * etp * d.moe_router_topk
+    return int(routed * 3 * d.num_experts * 4 + pairs * (d.hidden_size + 5 * d.moe_ffn_hidden_size / etp) * b)
 
 
 def microbatches_in_flight(pp: int, stage: int, num_microbatches: int | None = None,
@@ -198,14 +257,19 @@ def kv_cache_bytes(dims, tokens: int, rollout_tp: int, dtype: str) -> int:
 def rollout_weight_bytes(dims, rollout_tp: int, dtype: str) -> int:
     """The vLLM engine's own copy of the weights on one GPU (colocated with the trainer):
     every layer and the vocabulary split ``rollout_tp`` ways (vLLM pads the vocabulary to 64);
-    replicated KV heads when ``rollout_tp > nkv``."""
+    replicated KV heads when ``rollout_tp > nkv``; MoE layers hold every expert, each split
+    ``rollout_tp`` ways (vLLM's fused MoE without expert parallelism), and the router."""
     d = dims
     kv = max(1, d.num_query_groups // rollout_tp)
     qkv = (d.num_attention_heads // rollout_tp + 2 * kv) * d.head_dim
-    layer = (qkv * d.hidden_size + (qkv if d.qkv_bias else 0) + d.num_attention_heads * d.head_dim // rollout_tp
-             * d.hidden_size + 3 * d.ffn_hidden_size // rollout_tp * d.hidden_size + 2 * d.hidden_size)
+    attention = (qkv * d.hidden_size + (qkv if d.qkv_bias else 0) + d.num_attention_heads * d.head_dim // rollout_tp
+                 * d.hidden_size + 2 * d.hidden_size + (2 * d.head_dim if d.qk_layernorm else 0))
+    dense = 3 * d.ffn_hidden_size // rollout_tp * d.hidden_size
+    moe = (d.num_experts * d.hidden_size + d.num_experts * 3 * d.moe_ffn_hidden_size // rollout_tp * d.hidden_size
+           if getattr(d, "num_experts", 0) else 0)
+    layers = sum(attention + (moe if _is_moe(d, i) else dense) for i in range(d.num_layers))
     vocab = -(-d.vocab_size // 64) * 64 // rollout_tp * d.hidden_size
-    return (d.num_layers * layer + vocab * (1 if d.tie_word_embeddings else 2) + d.hidden_size) * dtype_bytes(dtype)
+    return (layers + vocab * (1 if d.tie_word_embeddings else 2) + d.hidden_size) * dtype_bytes(dtype)
 
 
 @dataclass(frozen=True)
@@ -257,14 +321,18 @@ def stage_memory(dims, layout: ParallelLayout, stage: int, *, dtype: str, micro_
     """:class:`MemoryBreakdown` of pipeline rank ``stage`` (see :func:`estimate_memory`)."""
     tp, pp, cp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.context_parallel_size
     vpp = layout.virtual_pipeline_model_parallel_size
+    ep, etp = layout.expert_model_parallel_size, layout.expert_tensor_size
     shard = layout.data_parallel_size * cp
-    n = stage_parameters(dims, tp, pp, stage)
+    n = stage_parameters(dims, tp, pp, stage, ep=ep, etp=etp, vpp=vpp)
+    experts = stage_expert_parameters(dims, pp, stage, ep=ep, etp=etp, vpp=vpp)
     b = dtype_bytes(dtype)
     tokens = micro_batch_size * seq_length // cp
     per_adam = optimizer_bytes_per_param(dtype)
-    plain, dist = n * per_adam, -(-n * per_adam // shard)
-    layers = dims.num_layers // (pp * (vpp or 1))
-    acts = layers * layer_activation_bytes(dims, tokens, tp, layout.sequence_parallel, dtype)
+    # the distributed optimizer shards dense state over DP x CP, expert state over expert DP
+    plain = n * per_adam
+    dist = -(-(n - experts) * per_adam // shard) + -(-experts * per_adam // layout.expert_data_parallel_size)
+    acts = sum(layer_activation_bytes(dims, tokens, tp, layout.sequence_parallel, dtype, moe=_is_moe(dims, i), etp=etp)
+               for i in stage_layers(dims, pp, stage, vpp)) // (vpp or 1)
     acts *= microbatches_in_flight(pp, stage, num_microbatches, vpp)
     if stage < pp - 1:  # each in-flight micro-batch's stage output, kept by the schedule for backward
         acts += microbatches_in_flight(pp, stage, num_microbatches, vpp) * tokens * dims.hidden_size * b \
@@ -277,7 +345,7 @@ def stage_memory(dims, layout: ParallelLayout, stage: int, *, dtype: str, micro_
     if rollout is not None:
         rw = rollout_weight_bytes(dims, rollout.tensor_parallel_size, rollout.dtype)
         kv = kv_cache_bytes(dims, rollout.kv_cache_tokens, rollout.tensor_parallel_size, rollout.dtype)
-    return MemoryBreakdown(stage=stage, weights=n * b, grads=n * 4 + largest_weight(dims, tp, pp, stage) * b,
+    return MemoryBreakdown(stage=stage, weights=n * b, grads=n * 4 + largest_weight(dims, tp, pp, stage, etp) * b,
                            optimizer=dist if distributed_optimizer else plain, optimizer_plain=plain,
                            optimizer_distributed=dist, activations=acts, logits=logits,
                            rollout_weights=rw, kv_cache=kv)
@@ -289,7 +357,7 @@ def estimate_memory(dims, layout: ParallelLayout, *, dtype: str = "bfloat16", mi
     """Bytes per GPU of training ``dims`` at ``layout``: the pipeline stage with the largest total.
 
     Args:
-        dims: a :class:`LlamaDims` (``from_hf_config``).
+        dims: a ``ModelDims`` (``alignment.models.families.model_dims``).
         layout: TP, PP (+ virtual PP), CP, DP (from ``world_size``), sequence parallelism.
         dtype: the weights' dtype, ``float32`` or ``bfloat16`` (``model.dtype``); activations
             use it too.

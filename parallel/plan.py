@@ -2,31 +2,34 @@
 
 :func:`enumerate_layouts` lists each (TP, PP, CP, DP) with ``TP x PP x CP x DP`` = the number
 of GPUs that :func:`parallel.layout.validate_layout` accepts, with tensor parallelism inside
-a node; :func:`plan` adds the estimate of :mod:`parallel.memory` and whether it fits;
-:func:`recommend` picks one. Pure functions: no process groups.
+a node (and, for a mixture-of-experts model, each expert-parallel size EP with whole experts per
+rank, expert TP = 1, as Megatron-Bridge's MoE recipes use); :func:`plan` adds the estimate of
+:mod:`parallel.memory` and whether it fits; :func:`recommend` picks one. Pure functions: no
+process groups.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel.layout import LayoutError, ParallelLayout, _divisors, validate_layout
+from parallel.layout import LayoutError, ParallelLayout, _divisors, validate_model_layout
 from parallel.memory import MemoryBreakdown, RolloutPlan, estimate_memory
 
 RULE = ("the fitting layout with the smallest model-parallel size TP x PP x CP, i.e. the largest DP "
         "(model parallelism only as large as needed, then data parallelism: Narayanan et al. 2021, "
         "Megatron-LM on GPU clusters, Sec. 3); among equals the fewest pipeline stages (no bubble), "
-        "then CP=1, then the least memory")
+        "then CP=1, then (MoE) the smallest EP (all-to-all traffic grows with it), then the least memory")
 
 
 @dataclass(frozen=True)
 class Refused:
-    """A (TP, PP, CP) that cannot run this model on this cluster, and why."""
+    """A (TP, PP, CP, EP) that cannot run this model on this cluster, and why."""
 
     tp: int
     pp: int
     cp: int
     reason: str
+    ep: int = 1
 
 
 @dataclass(frozen=True)
@@ -52,19 +55,27 @@ def enumerate_layouts(dims, *, nodes: int, gpus_per_node: int, seq_length: int, 
     ``sequence_parallel`` applies to layouts with TP > 1.
     """
     world = nodes * gpus_per_node
+    experts = getattr(dims, "num_experts", 0)
     valid, refused = [], []
     for tp in _divisors(world):
         for pp in _divisors(world // tp):
             for cp in _divisors(world // (tp * pp)):
-                layout = ParallelLayout(world_size=world, tensor_model_parallel_size=tp,
-                                        pipeline_model_parallel_size=pp, sequence_parallel=sequence_parallel and tp > 1,
-                                        context_parallel_size=cp, cp_comm_type=cp_comm_type,
-                                        virtual_pipeline_model_parallel_size=virtual_pipeline_size if pp > 1 else None)
-                reason = _why_not(dims, layout, gpus_per_node, seq_length)
-                if reason:
-                    refused.append(Refused(tp, pp, cp, reason))
-                else:
-                    valid.append(layout)
+                # EP: whole experts per rank (expert TP 1); the expert grid EP x PP must divide the world
+                for ep in [e for e in _divisors(experts) if (world // pp) % e == 0] if experts else [1]:
+                    layout = ParallelLayout(world_size=world, tensor_model_parallel_size=tp,
+                                            pipeline_model_parallel_size=pp,
+                                            sequence_parallel=sequence_parallel and tp > 1,
+                                            context_parallel_size=cp, cp_comm_type=cp_comm_type,
+                                            virtual_pipeline_model_parallel_size=virtual_pipeline_size if pp > 1 else None,
+                                            expert_model_parallel_size=ep,
+                                            expert_tensor_parallel_size=1 if experts else None)
+                    reason = _why_not(dims, layout, gpus_per_node, seq_length)
+                    if reason:
+                        refused.append(Refused(tp, pp, cp, reason, ep))
+                        if ep == 1:  # the dense grid is refused: every EP would be, for the same reason
+                            break
+                    else:
+                        valid.append(layout)
     return valid, refused
 
 
@@ -80,8 +91,7 @@ def _why_not(dims, layout: ParallelLayout, gpus_per_node: int, seq_length: int) 
     if vpp and dims.num_layers % (pp * vpp):
         return f"PP={pp} x virtual {vpp} does not divide the {dims.num_layers} layers"
     try:
-        validate_layout(layout, num_layers=dims.num_layers, num_attention_heads=dims.num_attention_heads,
-                        num_query_groups=dims.num_query_groups, prefix="")
+        validate_model_layout(layout, dims, prefix="")
     except LayoutError as e:
         return str(e)
     return None
@@ -118,7 +128,8 @@ def plan(dims, *, nodes: int, gpus_per_node: int, gpu_memory_bytes: int, headroo
 
 def _preference(c: Candidate) -> tuple:
     lay = c.layout
-    return (lay.model_parallel_size, lay.pipeline_model_parallel_size, lay.context_parallel_size, c.memory.total)
+    return (lay.model_parallel_size, lay.pipeline_model_parallel_size, lay.context_parallel_size,
+            lay.expert_model_parallel_size, c.memory.total)
 
 
 def recommend(candidates: list[Candidate]) -> Candidate | None:

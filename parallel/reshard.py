@@ -4,10 +4,11 @@ bounded buckets, without gathering the full model anywhere.
 Every rank computes the same plan (deterministic, no coordinator; cached for the run):
   1. each rank publishes which Megatron parameters it holds (global names, TP/PP/DP
      coordinates, shapes): one ``all_gather_object`` when the plan is built;
-  2. for every destination rank ``d`` (vLLM TP rank ``d % vllm_tp``) and every vLLM tensor, the
-     pieces of :func:`parallel.vllm_layout.vllm_tensors` get a source rank: ``d`` itself when it
-     holds the piece, else the lowest rank of ``d``'s own data-parallel replica that does (so
-     traffic stays inside one model-parallel group), else the lowest rank holding it;
+  2. for every destination rank ``d`` (vLLM TP rank ``d % vllm_tp``) and every target tensor of
+     the target layout (a callable given by the model family: vLLM TP rank -> its tensors as
+     :class:`parallel.pieces.Piece` s of Megatron shards), each piece gets a source rank: ``d``
+     itself when it holds the piece, else a rank of ``d``'s own data-parallel replica that
+     does (so traffic stays inside one model-parallel group), else the holder nearest to ``d``;
   3. tensors are cut into buckets so that, on every rank, the destination tensors of a bucket
      plus its send and receive buffers stay within ``bucket_bytes`` (a tensor larger than
      that forms a bucket of its own).
@@ -31,26 +32,32 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from alignment.models.bridges.llama import LlamaDims
-from parallel.vllm_layout import ANY_TP_RANK, Piece, VLLMTensor, vllm_tensors
+from parallel.names import global_param_names, is_expert_param
+from parallel.pieces import ANY_TP_RANK, Piece, TargetLayout, TargetTensor, dest_region, piece_numel
 
 
 @dataclass(frozen=True)
 class RankInfo:
-    """What one rank of the training world holds: coordinates and ``{global name: shape}``."""
+    """What one rank of the training world holds: coordinates (``etp``: expert-tensor-parallel
+    rank, the TP coordinate of expert parameters) and ``{global name: shape}``."""
 
     rank: int
     tp: int
     pp: int
     dp: int
     params: dict
+    etp: int = 0
+
+    def tp_of(self, name: str) -> int:
+        """The TP coordinate of parameter ``name`` on this rank (expert parameters: ``etp``)."""
+        return self.etp if is_expert_param(name) else self.tp
 
 
 @dataclass
 class Bucket:
     """This rank's share of one bucket of the plan."""
 
-    tensors: list[VLLMTensor]  # this rank's destination tensors, in vLLM order
+    tensors: list[TargetTensor]  # this rank's destination tensors, in target-layout order
     alias: dict[str, str]  # tensor name -> local parameter yielded as is
     local: list[tuple[str, Piece]]  # (tensor, piece) this rank copies from itself
     send: dict[int, list[Piece]]  # peer -> pieces packed (in order) into one buffer
@@ -71,45 +78,38 @@ class ReshardStats:
     seconds: float = 0.0
 
 
-def _numel(shape: tuple[int, ...], piece: Piece) -> int:
-    """Elements of ``piece`` in a destination tensor of ``shape``."""
-    return piece.length * math.prod(s for i, s in enumerate(shape) if i != piece.dim)
-
-
 class ReshardPlan:
     """The whole plan, the same on every rank, and this rank's buckets.
 
     Args:
-        dims: model dimensions.
+        targets: the target layout: vLLM TP rank -> its :class:`TargetTensor` s.
         infos: every training rank's :class:`RankInfo` (index = global rank).
-        megatron_tp: training tensor-parallel size. vllm_tp: the engines' ``tensor_parallel_size``
-            (vLLM TP groups are consecutive ranks: rank ``d`` is vLLM TP rank ``d % vllm_tp``).
+        vllm_tp: the engines' ``tensor_parallel_size`` (vLLM TP groups are consecutive ranks:
+            rank ``d`` is vLLM TP rank ``d % vllm_tp``).
         rank: this rank. bucket_bytes: staging budget per bucket. element_size: bytes per element.
     Raises:
         ValueError: sizes that do not divide (world size vs ``vllm_tp``, heads), or a piece no rank holds.
     """
 
-    def __init__(self, dims: LlamaDims, infos: list[RankInfo], megatron_tp: int, vllm_tp: int, rank: int,
+    def __init__(self, targets: TargetLayout, infos: list[RankInfo], vllm_tp: int, rank: int,
                  bucket_bytes: int, element_size: int):
         world = len(infos)
         if world % vllm_tp:
             raise ValueError(f"rollout.tensor_parallel_size={vllm_tp} must divide the world size {world}")
         self.rank, self.world, self.vllm_tp = rank, world, vllm_tp
-        per_rank = {r: vllm_tensors(dims, megatron_tp, vllm_tp, r, dims.qkv_bias) for r in range(vllm_tp)}
+        per_rank = {r: targets(r) for r in range(vllm_tp)}
         holders: dict[tuple[str, int], list[RankInfo]] = defaultdict(list)
         for info in infos:
             for name in info.params:
-                holders[(name, info.tp)].append(info)
+                holders[(name, info.tp_of(name))].append(info)
                 holders[(name, ANY_TP_RANK)].append(info)
 
         def source(piece: Piece, dst: int) -> int:
             cands = holders.get((piece.source, piece.source_tp_rank))
             if not cands:
                 raise ValueError(f"no training rank holds {piece.source} (TP rank {piece.source_tp_rank})")
-            if any(c.rank == dst for c in cands):
-                return dst
-            same = [c.rank for c in cands if c.dp == infos[dst].dp]
-            return min(same) if same else min(c.rank for c in cands)
+            # the destination itself, else its own replica, else the nearest holder (spreads senders)
+            return min(cands, key=lambda c: (c.rank != dst, c.dp != infos[dst].dp, abs(c.rank - dst), c.rank)).rank
 
         n = len(per_rank[0])
         # routes[i][dst] = [(src, piece)] for tensor i of destination dst
@@ -122,7 +122,8 @@ class ReshardPlan:
                 return None
             p = t.pieces[0]
             shape = tuple(infos[d].params[p.source])
-            whole = p.source_start == 0 and p.dest_start == 0 and shape == t.shape and p.length == shape[p.dim]
+            whole = not p.dest_index and p.source_start == 0 and p.dest_start == 0 and shape == t.shape \
+                and p.length == shape[p.dim]
             return p.source if whole else None
 
         def costs(i: int) -> list[int]:
@@ -132,8 +133,8 @@ class ReshardPlan:
                 shape = per_rank[d % vllm_tp][i].shape
                 for src, p in routes[i][d]:
                     if src != d:
-                        b[src] += _numel(shape, p)
-                        b[d] += _numel(shape, p)
+                        b[src] += piece_numel(shape, p)
+                        b[d] += piece_numel(shape, p)
             return [v * element_size for v in b]
 
         cost = [costs(i) for i in range(n)]
@@ -178,11 +179,10 @@ def gather_rank_infos(model) -> list[RankInfo]:
     or the list of a rank's virtual-pipeline chunks."""
     from megatron.core import parallel_state as ps
 
-    from alignment.models.weights import global_param_names
-
     mine = RankInfo(dist.get_rank(), ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                     ps.get_data_parallel_rank(),
-                    {g: tuple(p.shape) for chunk in _chunks(model) for _, g, p in global_param_names(chunk)})
+                    {g: tuple(p.shape) for chunk in _chunks(model) for _, g, p in global_param_names(chunk)},
+                    etp=ps.get_expert_tensor_parallel_rank())
     infos = [None] * dist.get_world_size()
     dist.all_gather_object(infos, mine)
     return infos
@@ -195,27 +195,23 @@ class Resharder:
     layer's ``layer_number``, which Megatron offsets by pipeline stage and virtual stage).
 
     Build once per run (the plan is cached); call :meth:`buckets` after every optimizer step.
-    ``vllm_tp``: the engines' TP size; ``bucket_bytes``: staging budget (at least the largest
-    tensor is always allowed).
+    ``targets``: the target layout (vLLM TP rank -> :class:`TargetTensor` s, e.g. a family
+    bridge's ``vllm_layout``); ``vllm_tp``: the engines' TP size; ``bucket_bytes``: staging
+    budget (at least the largest tensor is always allowed).
     """
 
     model: torch.nn.Module
-    dims: LlamaDims
+    targets: TargetLayout
     vllm_tp: int = 1
     bucket_bytes: int = 64 << 20
     stats: ReshardStats = field(default_factory=ReshardStats)
 
     def __post_init__(self):
-        from megatron.core import parallel_state as ps
-
-        from alignment.models.weights import global_param_names
-
         self._params = {g: p for chunk in _chunks(self.model) for _, g, p in global_param_names(chunk)}
         dtype = next(iter(self._params.values())).dtype
         self.dtype = dtype
-        self.plan = ReshardPlan(self.dims, gather_rank_infos(self.model), ps.get_tensor_model_parallel_world_size(),
-                                self.vllm_tp, dist.get_rank(), self.bucket_bytes,
-                                torch.tensor([], dtype=dtype).element_size())
+        self.plan = ReshardPlan(self.targets, gather_rank_infos(self.model), self.vllm_tp, dist.get_rank(),
+                                self.bucket_bytes, torch.tensor([], dtype=dtype).element_size())
 
     def _slice(self, piece: Piece) -> torch.Tensor:
         return self._params[piece.source].detach().narrow(piece.dim, piece.source_start, piece.length)
@@ -223,7 +219,7 @@ class Resharder:
     @torch.no_grad()
     def buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Yield, bucket by bucket, ``[(vllm_name, tensor)]`` of this rank's vLLM TP shard
-        (shapes as :func:`parallel.vllm_layout.vllm_tensors`, dtype of the parameters).
+        (shapes as the target layout gives them, dtype of the parameters).
 
         Collective: every rank must consume every bucket in step. Tensors of a bucket are
         valid until the next one is requested (consume or copy them before); aliased ones are
@@ -243,19 +239,19 @@ class Resharder:
             # the tensor itself (a contiguous view); others are packed into a staging buffer.
             send, recv, staged = {}, {}, 0
             for peer, pieces in b.send.items():
-                direct = len(pieces) == 1 and pieces[0].dim == 0
+                direct = len(pieces) == 1 and pieces[0].dim == 0  # a row range of a parameter is contiguous
                 send[peer] = self._slice(pieces[0]) if direct else torch.cat([self._slice(p).reshape(-1) for p in pieces])
                 staged += 0 if direct else send[peer].numel()
             for peer, items in b.recv.items():
                 (name, p), direct = items[0], len(items) == 1 and items[0][1].dim == 0
-                recv[peer] = out[name].narrow(0, p.dest_start, p.length) if direct else torch.empty(
-                    sum(_numel(shapes[n], q) for n, q in items), dtype=self.dtype, device=self._device())
+                recv[peer] = dest_region(out[name], p) if direct else torch.empty(
+                    sum(piece_numel(shapes[n], q) for n, q in items), dtype=self.dtype, device=self._device())
                 staged += 0 if direct else recv[peer].numel()
             ops = [dist.P2POp(dist.isend, buf, peer) for peer, buf in send.items()]
             ops += [dist.P2POp(dist.irecv, buf, peer) for peer, buf in recv.items()]
             reqs = dist.batch_isend_irecv(ops) if ops else []
             for name, p in b.local:
-                out[name].narrow(p.dim, p.dest_start, p.length).copy_(self._slice(p))
+                dest_region(out[name], p).copy_(self._slice(p))
             for r in reqs:
                 r.wait()
             for peer, items in b.recv.items():
@@ -263,7 +259,7 @@ class Resharder:
                 if len(items) == 1 and items[0][1].dim == 0:
                     continue  # received in place
                 for name, p in items:
-                    region = out[name].narrow(p.dim, p.dest_start, p.length)
+                    region = dest_region(out[name], p)
                     k = region.numel()
                     region.copy_(buf[offset : offset + k].view(region.shape))
                     offset += k

@@ -65,9 +65,10 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: 
         dist.init_process_group(
             backend="nccl" if on_gpu() else "gloo", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(minutes=timeout_minutes))
-    if not on_gpu():
-        from parallel import cpu_compat
+    from parallel import cpu_compat
 
+    cpu_compat.apply_without_transformer_engine()
+    if not on_gpu():
         cpu_compat.apply()
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -79,6 +80,8 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: 
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
         context_parallel_size=layout.context_parallel_size,
+        expert_model_parallel_size=layout.expert_model_parallel_size,
+        expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
     )
     _build_replica_group()
     if on_gpu():

@@ -1,16 +1,24 @@
-"""The Llama bridge against layouts written out by hand (Megatron-LM's checkpoint
-conventions), each direction on its own, so that a bug mirrored in import and export
-cannot hide behind a round trip."""
+"""The Llama family's table (through :class:`alignment.models.bridge.Bridge`) against layouts
+written out by hand (Megatron-LM's checkpoint conventions), each direction on its own, so that a
+bug mirrored in import and export cannot hide behind a round trip; and the family registry."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from alignment.models.bridges.llama import LlamaBridge, LlamaDims
+from alignment.models import llama
+from alignment.models.bridge import Bridge
+from alignment.models.dims import ModelDims
+from alignment.models.families import get_bridge, model_dims
+
+
+def LlamaBridge(dims, head="lm"):
+    return Bridge(llama.FAMILY, dims, head=head)
+
 
 # 4 query heads, 2 KV heads (2 query heads per group), head_dim 1, hidden 1, ffn 2, vocab 3
-DIMS = LlamaDims(num_layers=1, hidden_size=1, num_attention_heads=4, num_query_groups=2, head_dim=1,
+DIMS = ModelDims(num_layers=1, hidden_size=1, num_attention_heads=4, num_query_groups=2, head_dim=1,
                  ffn_hidden_size=2, vocab_size=3, tie_word_embeddings=False, make_vocab_size_divisible_by=2)
 B = LlamaBridge(DIMS)
 QKV = "decoder.layers.0.self_attention.linear_qkv.weight"
@@ -68,22 +76,21 @@ def test_names_shapes_and_errors():
     assert B.hf_names("output_layer.weight") == ["lm_head.weight"]
     assert B.hf_names("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight") == [
         "model.layers.0.input_layernorm.weight"]  # transformer-engine fused-norm name
-    assert B.hf_shape("model.layers.0.self_attn.k_proj.weight") == (2, 1)
     assert DIMS.padded_vocab_size(2) == 4 and DIMS.padded_vocab_size(1) == 4
-    tied = LlamaBridge(LlamaDims(**{**DIMS.__dict__, "tie_word_embeddings": True}))
+    tied = LlamaBridge(ModelDims(**{**DIMS.__dict__, "tie_word_embeddings": True}))
     assert "output_layer.weight" not in tied.megatron_names()
     assert tied.to_hf("output_layer.weight", [col(1, 2)]) == {}
     with pytest.raises(KeyError, match="no HF mapping"):
-        B.hf_names("decoder.layers.0.mlp.router.weight")
+        B.hf_names("decoder.layers.0.mlp.router.weight")  # a dense Llama has no router
 
 
 def test_score_head_maps_to_hf_sequence_classifier():
-    tied = LlamaDims(**{**DIMS.__dict__, "tie_word_embeddings": True})
+    tied = ModelDims(**{**DIMS.__dict__, "tie_word_embeddings": True})
     lm, rm = LlamaBridge(tied), LlamaBridge(tied, head="score")
     # tied LM: no output layer of its own; reward model: the head is score.weight [1, hidden]
     assert "output_layer.weight" not in lm.megatron_names() and lm.output_layer_tied
     assert rm.megatron_names()[-1] == "output_layer.weight" and not rm.output_layer_tied
-    assert rm.hf_names("output_layer.weight") == ["score.weight"] and rm.hf_shape("score.weight") == (1, 1)
+    assert rm.hf_names("output_layer.weight") == ["score.weight"]
     score = {"score.weight": torch.tensor([[7.0]])}
     for tp_rank in (0, 1):  # replicated on every TP rank, not vocabulary-split
         assert torch.equal(rm.to_megatron_shard("output_layer.weight", score, tp_rank, 2), score["score.weight"])
@@ -97,7 +104,7 @@ def test_qwen2_qkv_bias_is_interleaved_like_the_weight():
 
     cfg = Qwen2Config(vocab_size=64, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, architectures=["Qwen2ForCausalLM"])
-    d = LlamaDims.from_hf_config(cfg)  # head_dim 2, groups of 2 query heads
+    d = model_dims(cfg)  # head_dim 2, groups of 2 query heads
     assert d.qkv_bias
     b = LlamaBridge(d)
     assert "decoder.layers.0.self_attention.linear_qkv.bias" in b.megatron_names()
@@ -109,4 +116,19 @@ def test_qwen2_qkv_bias_is_interleaved_like_the_weight():
     assert b.to_megatron_shard(name, hf, 0, 2).tolist() == [0, 1, 2, 3, 100, 101, 200, 201]
     assert b.to_megatron_shard(name, hf, 1, 2).tolist() == [4, 5, 6, 7, 102, 103, 202, 203]
     back = b.to_hf(name, [b.to_megatron_shard(name, hf, j, 2) for j in range(2)])
-    assert all(torch.equal(back[k], hf[k]) for k in hf) and b.hf_shape(p + "k_proj.bias") == (4,)
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+def test_family_registry_and_export_architecture():
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+
+    small = dict(vocab_size=64, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)
+    assert get_bridge(Qwen2Config(**small, architectures=["Qwen2ForCausalLM"]), head="score").hf_architecture \
+        == "Qwen2ForSequenceClassification"
+    rm = LlamaConfig(**small, architectures=["LlamaForSequenceClassification"])
+    assert get_bridge(rm).hf_architecture == "LlamaForCausalLM"  # a reward model exported as an LM
+    assert get_bridge(rm, head="score").hf_architecture == "LlamaForSequenceClassification"
+    with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM, "):
+        get_bridge(GPT2Config(architectures=["GPT2LMHeadModel"]))
+    with pytest.raises(ValueError, match="use_sliding_window=true"):
+        model_dims(Qwen2Config(**small, architectures=["Qwen2ForCausalLM"], use_sliding_window=True))

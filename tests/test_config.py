@@ -172,3 +172,28 @@ def test_vocabulary_and_aligned_lengths_are_checked():
                      "parallel.sequence_parallel=true", "trainer.sequence_packing=true"), world_size=4, hf_config=small)
     with pytest.raises(ConfigError, match=r"data.max_length=509 padded to a multiple of 4 .* set data.max_length<=508"):
         validate(cfg("parallel=cp2_ring", "data.max_length=509", name="sft"), world_size=2, hf_config=small)
+
+
+def test_model_families_and_experts_are_validated_before_start():
+    """Qwen3-MoE jobs: expert parallelism checked with the field and valid values; an unsupported
+    architecture named with the supported ones; the load-balancing coefficient and the tasks."""
+    from transformers import GPT2Config
+
+    from tests.dist.tiny_models import tiny_qwen3_moe_config
+
+    moe = tiny_qwen3_moe_config()  # 4 experts of width 48
+    validate(cfg("parallel.expert_model_parallel_size=2", "data.task=length"), world_size=2, hf_config=moe)
+    validate(cfg("parallel.expert_model_parallel_size=4"), world_size=4, hf_config=moe)
+    with pytest.raises(LayoutError, match=r"parallel.expert_model_parallel_size=3 must divide the model's 4 experts"):
+        validate(cfg("parallel.expert_model_parallel_size=3"), world_size=3, hf_config=moe)
+    with pytest.raises(LayoutError, match="needs parallel.sequence_parallel=true"):
+        validate(cfg("parallel.tensor_model_parallel_size=2"), world_size=2, hf_config=moe)
+    with pytest.raises(LayoutError, match="this model has no experts"):
+        validate(cfg("parallel.expert_model_parallel_size=2"), world_size=2, hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match="model.moe_aux_loss_coeff=-0.1: must be >= 0"):
+        validate(cfg("model.moe_aux_loss_coeff=-0.1"), world_size=2, hf_config=moe)
+    with pytest.raises(ConfigError, match=r"model.path=smollm2: model architecture 'GPT2LMHeadModel' is not "
+                                          r"supported; supported: .*Qwen3MoeForCausalLM"):
+        validate(cfg(), world_size=2, hf_config=GPT2Config(architectures=["GPT2LMHeadModel"]))
+    with pytest.raises(ConfigError, match="data.task='poetry': valid values are arithmetic, gsm8k, length"):
+        validate(cfg("data.task=poetry"), world_size=2, hf_config=SMOLLM2)

@@ -29,7 +29,7 @@ def tiny_dir(tmp_path) -> Path:
 
 
 def _megatron_logits(hf, input_ids, dtype):
-    from alignment.models.bridges.llama import get_bridge
+    from alignment.models.families import get_bridge
     from alignment.models.gpt import build_gpt_model, transformer_config
     from alignment.models.weights import export_hf_weights, load_hf_weights
     from alignment.trainers.megatron_step import forward_backward

@@ -1,5 +1,6 @@
 """Real SFT, reward-model and DPO jobs (Hydra config -> Megatron model -> steps over the
-llamafactory demo data -> checkpoint -> HF export) on a tiny random Llama, 2 processes."""
+llamafactory demo data -> checkpoint -> HF export) on a tiny random Llama, 2 processes; the
+reward model and DPO also on a tiny Qwen3-MoE with expert parallelism."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from tests.dist.tiny_llama import save_tiny_hf_dir
 COMMON = ["data.max_length=64", "data.max_prompt_length=32", "trainer.progress_bar=false", "trainer.lr=1e-3"]
 
 
-def job(tmp_path, config, *overrides, out=None):
-    model_dir = tmp_path / "tiny"
-    if not model_dir.exists():
-        save_tiny_hf_dir(model_dir)
+def job(tmp_path, config, *overrides, out=None, model_dir=None):
+    if model_dir is None:
+        model_dir = tmp_path / "tiny"
+        if not model_dir.exists():
+            save_tiny_hf_dir(model_dir)
     out = out or tmp_path / config
     result = tmp_path / f"{config}.json"
     run_torchrun("offline_e2e_worker.py", config, str(model_dir), str(out), *COMMON, *overrides, str(result),
@@ -55,6 +57,12 @@ def test_reward_model_trains_and_exports_a_sequence_classifier(tmp_path):
     assert losses[0] > losses[1] > losses[2]
     # The HF export is a LlamaForSequenceClassification whose own pooled scores give the
     # same held-out accuracy and margin as the Megatron evaluation.
+    check_export_scores(out, s["heldout_after"])
+
+
+def check_export_scores(out, after: dict, pairs: int = 8) -> None:
+    """The exported reward model, scored by transformers' own sequence-classifier pooling on the
+    held-out pairs, has the held-out accuracy and mean margin the Megatron evaluation reported."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from alignment.data.chat_data import encode_example, load_preference_pairs
@@ -62,7 +70,7 @@ def test_reward_model_trains_and_exports_a_sequence_classifier(tmp_path):
     hf = AutoModelForSequenceClassification.from_pretrained(out / "hf").eval()
     tok = AutoTokenizer.from_pretrained(out / "hf")
     correct, margins = 0, []
-    for p in load_preference_pairs("heldout", 8):
+    for p in load_preference_pairs("heldout", pairs):
         scores = []
         for resp in (p.chosen, p.rejected):
             ids, _ = encode_example(tok, p.messages, resp, 64, 32)
@@ -70,9 +78,8 @@ def test_reward_model_trains_and_exports_a_sequence_classifier(tmp_path):
                 scores.append(hf(torch.tensor([ids])).logits[0, 0].item())
         correct += scores[0] > scores[1]
         margins.append(scores[0] - scores[1])
-    after = s["heldout_after"]
-    assert abs(after["accuracy"] - correct / 8) < 1e-9
-    assert abs(after["margin"] - sum(margins) / 8) < 1e-4
+    assert abs(after["accuracy"] - correct / pairs) < 1e-9
+    assert abs(after["margin"] - sum(margins) / pairs) < 1e-4
 
 
 def test_dpo_starts_at_log2_and_learns(tmp_path):
@@ -112,3 +119,23 @@ def test_balanced_global_batch_trains_the_same_model(tmp_path):
     plain, balanced = ([h["dp_token_imbalance"] for h in runs[b]] for b in ("false", "true"))
     print("DP token imbalance (max rank / mean), contiguous vs balanced:", plain, balanced)
     assert max(balanced) < max(plain)  # measured: 1.248, 1.116 contiguous -> 1.008, 1.097 balanced
+
+
+def test_qwen3_moe_reward_model_and_dpo_with_expert_parallelism(tmp_path):
+    """The offline jobs on a tiny random Qwen3-MoE, experts over both ranks (EP=2): the reward
+    model learns and exports a ``Qwen3MoeForSequenceClassification`` whose own pooling reproduces
+    the held-out accuracy and margin; DPO starts at exactly log 2 and learns."""
+    from tests.dist.tiny_models import save_tiny_dir
+
+    model_dir = save_tiny_dir(tmp_path / "moe", "qwen3_moe")
+    common = ["data.train_size=8", "data.heldout_size=8", "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
+              "trainer.epochs=3", "parallel.expert_model_parallel_size=2"]
+    s, out = job(tmp_path, "rm", *common, model_dir=model_dir)
+    losses = [h["loss"] for h in s["history"]]
+    assert losses[0] > losses[1] > losses[2], losses
+    assert all(h["moe/load_imbalance"] >= 1.0 for h in s["history"])  # routing statistics logged per step
+    assert json.loads((out / "hf" / "config.json").read_text())["architectures"] == ["Qwen3MoeForSequenceClassification"]
+    check_export_scores(out, s["heldout_after"])
+    s, _ = job(tmp_path, "dpo", *common, "algorithm.beta=0.5", "trainer.export_hf=false", model_dir=model_dir)
+    losses = [h["loss"] for h in s["history"]]
+    assert abs(losses[0] - math.log(2)) < 1e-6 and losses[0] > losses[1] > losses[2], losses

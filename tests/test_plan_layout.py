@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from alignment.models.bridges.llama import LlamaDims
+from alignment.models.dims import ModelDims
+from alignment.models.families import model_dims
 from parallel.layout import ParallelLayout
 from parallel.memory import (
     GiB,
@@ -33,8 +34,8 @@ LAYER_TP2 = 128 * 64 + 64 * 64 + 80 * 64 + 64 * 40 + 2 * 64  # the same split ov
 EMB_TP1, EMB_TP2 = 256 * 64, 128 * 64
 
 
-def tiny(tied: bool = False, vocab: int = 250) -> LlamaDims:
-    return LlamaDims(**{**TINY, "vocab_size": vocab}, tie_word_embeddings=tied)
+def tiny(tied: bool = False, vocab: int = 250) -> ModelDims:
+    return ModelDims(**{**TINY, "vocab_size": vocab}, tie_word_embeddings=tied)
 
 
 def layout(world=1, tp=1, pp=1, cp=1, sp=False, vpp=None) -> ParallelLayout:
@@ -52,8 +53,29 @@ def test_parameters_per_stage_by_hand():
     assert stage_parameters(tiny(tied=True), 1, 2, 1) == 2 * LAYER_TP1 + 64 + EMB_TP1
     assert stage_parameters(tiny(), 2, 2, 1) == 2 * LAYER_TP2 + 64 + EMB_TP2
     # a real model: Llama-3.1-8B has 8,030,261,248 parameters (its model card's 8.03B)
-    dims = LlamaDims.from_hf_config(load_model_config("llama-3.1-8b"))
+    dims = model_dims(load_model_config("llama-3.1-8b"))
     assert stage_parameters(dims, 1, 1, 0) == 8_030_261_248
+
+
+def test_qwen3_parameter_counts_by_hand():
+    """The shipped Qwen3 configs, counted tensor by tensor (model cards: Qwen3-8B 8.2B parameters,
+    6.95B without embeddings; Qwen3-30B-A3B 30.5B total, 3.3B activated)."""
+    from alignment.models.flops import matmul_params
+
+    d8 = model_dims(load_model_config("qwen3-8b"))  # 36 layers, H 4096, 32 heads / 8 KV of 128, MLP 12288
+    layer = 4096 * 4096 + 2 * 1024 * 4096 + 4096 * 4096 + 2 * 128 + 3 * 12288 * 4096 + 2 * 4096  # q, kv, o, QK-norms
+    assert layer == 192_946_432
+    assert stage_parameters(d8, 1, 1, 0) == 36 * layer + 2 * 151936 * 4096 + 4096 == 8_190_735_360
+    moe = model_dims(load_model_config("qwen3-30b-a3b"))  # 48 layers, H 2048, 32 heads / 4 KV of 128, 128 x 768
+    attention = 4096 * 2048 + 2 * 512 * 2048 + 2048 * 4096 + 2 * 128 + 2 * 2048
+    expert = 3 * 768 * 2048
+    total = 48 * (attention + 128 * 2048 + 128 * expert) + 2 * 151936 * 2048 + 2048
+    assert stage_parameters(moe, 1, 1, 0) == total == 30_532_122_624
+    # EP=8: each rank keeps 16 of the 128 experts of every layer, everything else
+    assert stage_parameters(moe, 1, 1, 0, ep=8, etp=1) == total - 48 * 112 * expert == 5_164_972_032
+    # active per token: router + 8 experts instead of 128; + the input embedding and the norms = 3.35B
+    active = matmul_params(moe) + 151936 * 2048 + 48 * (2 * 128 + 2 * 2048) + 2048
+    assert active == 48 * (attention + 128 * 2048 + 8 * expert) + 2 * 151936 * 2048 + 2048 == 3_353_032_704
 
 
 def test_weights_grads_adam_bytes_by_hand():
@@ -109,7 +131,7 @@ def test_pipeline_microbatches_in_flight():
 
 
 def test_kv_cache_and_rollout():
-    dims = LlamaDims.from_hf_config(load_model_config("llama-3.1-8b"))
+    dims = model_dims(load_model_config("llama-3.1-8b"))
     # 2 x 32 layers x 8 KV heads x 128 x 2 bytes = 128 KiB per token
     assert kv_cache_bytes(dims, 1, 1, "bfloat16") == 131072
     assert kv_cache_bytes(dims, 1000, 4, "bfloat16") == 131072 * 1000 // 4
@@ -123,7 +145,7 @@ def test_kv_cache_and_rollout():
 
 def test_enumeration_8_gpus():
     """8 heads / 2 KV heads, 6 layers, 2 nodes x 4 GPUs."""
-    dims = LlamaDims(num_layers=6, hidden_size=256, num_attention_heads=8, num_query_groups=2, head_dim=32,
+    dims = ModelDims(num_layers=6, hidden_size=256, num_attention_heads=8, num_query_groups=2, head_dim=32,
                      ffn_hidden_size=512, vocab_size=1000, tie_word_embeddings=False)
     valid, refused = enumerate_layouts(dims, nodes=2, gpus_per_node=4, seq_length=4096)
     got = {(x.tensor_model_parallel_size, x.pipeline_model_parallel_size, x.context_parallel_size,
@@ -143,7 +165,7 @@ def test_enumeration_8_gpus():
 def test_recommendation_llama_8b_one_node():
     """Llama-3.1-8B, 1 x 8 x 80 GiB, bf16, micro-batch 1 x 4096: without the distributed optimizer the Adam
     state (12 bytes/param) needs TP=4 to fit 72 GiB; with it, TP=2 (Adam / 4 DP ranks) fits."""
-    dims = LlamaDims.from_hf_config(load_model_config("llama-3.1-8b"))
+    dims = model_dims(load_model_config("llama-3.1-8b"))
     kw = dict(nodes=1, gpus_per_node=8, gpu_memory_bytes=80 * GiB, dtype="bfloat16", seq_length=4096)
     for dist_opt, want in ((False, (4, 1, 1, 2)), (True, (2, 1, 1, 4))):
         candidates, _ = plan(dims, distributed_optimizer=dist_opt, **kw)
@@ -154,7 +176,7 @@ def test_recommendation_llama_8b_one_node():
         assert best.memory.total <= 0.9 * 80 * GiB
         # nothing with less model parallelism fits
         assert not [c for c in candidates if c.fits and c.layout.model_parallel_size < lay.model_parallel_size]
-    candidates, _ = plan(LlamaDims.from_hf_config(load_model_config("llama-3.1-70b")), nodes=1, gpus_per_node=8,
+    candidates, _ = plan(model_dims(load_model_config("llama-3.1-70b")), nodes=1, gpus_per_node=8,
                          gpu_memory_bytes=24 * GiB)
     assert recommend(candidates) is None  # 70B does not fit 8 x 24 GiB
 
@@ -191,7 +213,7 @@ def test_cli_errors_name_the_flag(argv, flag, capsys):
 
 
 def test_smollm2_from_its_gguf():
-    dims = LlamaDims.from_hf_config(load_model_config("smollm2"))
+    dims = model_dims(load_model_config("smollm2"))
     assert (dims.num_layers, dims.num_attention_heads, dims.num_query_groups) == (30, 9, 3)
     assert dims.tie_word_embeddings
     assert stage_parameters(dims, 1, 1, 0) == 134_515_008  # SmolLM2-135M
@@ -217,7 +239,7 @@ def test_estimate_matches_measured_peak_rss(torchrun_json):
     from tests.dist.memory_worker import CONFIG, MICRO_BATCH, MICROBATCHES, SEQ
 
     res = torchrun_json("memory_worker.py", "1:1:0,1:1:1,2:1:0,1:2:0", env={"MALLOC_MMAP_THRESHOLD_": "65536"})
-    dims = LlamaDims.from_hf_config(LlamaConfig(**CONFIG))
+    dims = model_dims(LlamaConfig(**CONFIG))
     ratios = {}
     for spec, ranks in res.items():
         tp, pp, dist_opt = (int(x) for x in spec.split(":"))
@@ -234,3 +256,32 @@ def test_estimate_matches_measured_peak_rss(torchrun_json):
                 assert 1.0 <= r["saved_activations"] / est.activations <= 1.03
             ratios[f"{spec}/stage{stage}/tp{r['tp_rank']}"] = r["peak_increase"] / est.total
     assert all(0.85 <= x <= 1.15 for x in ratios.values()), json.dumps(ratios, indent=1)
+
+
+def test_moe_layouts_shard_experts_and_their_adam_state():
+    """Qwen3-30B-A3B on 8 x 80 GiB: every layout is planned at each expert-parallel size; EP=8 keeps
+    16 of 128 experts per rank, and the distributed optimizer shards expert Adam state over the
+    expert-data-parallel ranks (8 / EP) instead of DP x CP. No layout fits without EP."""
+    moe = model_dims(load_model_config("qwen3-30b-a3b"))
+    candidates, _ = plan(moe, nodes=1, gpus_per_node=8, gpu_memory_bytes=80 * GiB, distributed_optimizer=True,
+                         dtype="bfloat16", seq_length=4096)
+    by = {(c.layout.tensor_model_parallel_size, c.layout.pipeline_model_parallel_size,
+           c.layout.context_parallel_size, c.layout.expert_model_parallel_size): c.memory for c in candidates}
+    expert = 3 * 768 * 2048
+    ep1, ep8 = by[(1, 1, 1, 1)], by[(1, 1, 1, 8)]  # DP = 8
+    assert ep1.weights - ep8.weights == 48 * 112 * expert * 2  # bf16
+    # Adam 12 bytes/param: dense over DP x CP = 8 ranks; experts over expert DP = 8 (EP 1) or 1 (EP 8)
+    dense = stage_parameters(moe, 1, 1, 0) - 48 * 128 * expert
+    assert ep1.optimizer == -(-dense * 12 // 8) + -(-48 * 128 * expert * 12 // 8)
+    assert ep8.optimizer == -(-dense * 12 // 8) + 48 * 16 * expert * 12
+    best = recommend(candidates)
+    assert best.layout.expert_model_parallel_size == 8 and best.layout.expert_tensor_parallel_size == 1
+    assert not any(c.fits for c in candidates if c.layout.expert_model_parallel_size == 1)
+
+
+def test_cli_plans_a_moe_model(capsys):
+    main(["--model", "qwen3-30b-a3b", "--nodes", "1", "--gpus-per-node", "8", "--distributed-optimizer"])
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "TP" in line and "PP" in line and "DP" in line)
+    assert "EP" in header.split("DP")[1]  # an EP column after DP
+    assert "recommended: TP=4 PP=1 CP=2 DP=1 EP=8 (expert TP 1)" in out

@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-from alignment.models.bridges.llama import LlamaDims
+from alignment.models.families import model_dims
 from alignment.models.flops import flops_per_token, matmul_params
 from tests.dist.tiny_llama import save_tiny_hf_dir, tiny_llama_config
 
 
 def test_flops_per_token_by_hand():
-    d = LlamaDims.from_hf_config(tiny_llama_config())  # L=4, h=64, 4 heads / 2 KV of 32, ffn 80, vocab 250
+    d = model_dims(tiny_llama_config())  # L=4, h=64, 4 heads / 2 KV of 32, ffn 80, vocab 250
     per_layer = 64 * 32 * (4 + 2 + 2 + 4) + 3 * 64 * 80  # q, k, v, o + gate, up, down = 24576 + 15360
     assert matmul_params(d) == 4 * per_layer + 250 * 64 == 175_744
     # forward: 2 N + causal attention 2 L H d T at T = 10

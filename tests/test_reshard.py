@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist.reshard_worker import BUCKET, LAYOUTS, MODELS
+from tests.dist.reshard_worker import BUCKET, LAYOUTS, MODELS, MOE_LAYOUTS
+
+LLAMAS = [m for m in MODELS if MODELS[m] is not None]
 
 
 @pytest.fixture(scope="module")
@@ -23,12 +25,30 @@ def cases(tmp_path_factory):
 
 def test_every_destination_tensor_equals_vllms_sharding(cases):
     # gqa: 8 heads / 4 KV heads (TP 1, 2, 4); kv2: 2 KV heads (TP 1, 2); mqa: 1 KV head (TP 1)
-    expected_cases = sum(3 * len([1 for tp, _ in LAYOUTS if MODELS[m][1] % tp == 0]) for m in MODELS)
-    assert len(cases) == expected_cases == 33
+    expected_cases = sum(3 * len([1 for tp, _ in LAYOUTS if MODELS[m][1] % tp == 0]) for m in LLAMAS)
+    assert len(cases) == expected_cases + 3 * len(MOE_LAYOUTS) == 33 + 15
     for name, c in cases.items():
         assert c["wrong"] == 0, (name, c["first_wrong"])
-        per_rank = 2 + 4 * 6 + (not MODELS[name.split("/")[0]][6])  # embed, norm, 6 per layer, lm_head if untied
+        model = name.split("/")[0]
+        if model == "qwen3_moe":  # embed, norm, lm_head; 3 MoE layers of 9 tensors (+ router, w13, w2), 1 dense of 8
+            per_rank = 3 + 3 * 9 + 8
+        else:  # embed, norm, 6 per layer, lm_head if untied
+            per_rank = 2 + 4 * 6 + (not MODELS[model][6])
         assert c["tensors"] == 4 * per_rank, name
+
+
+def test_experts_move_from_their_expert_parallel_rank(cases):
+    """Qwen3-MoE (4 experts of width 48, hidden 64, 3 MoE layers) with EP=2 on 4 ranks: each rank
+    holds 2 experts per layer and receives the other 2 whole from a rank of the other EP half;
+    with EP=4 each rank receives 3. Dense and attention tensors are everywhere: nothing else moves."""
+    expert = 2 * 48 * 64 + 64 * 48  # fc1 [gate; up] + fc2, elements
+    for ep in (2, 4):
+        for vtp in (1,):
+            c = cases[f"qwen3_moe/tp1_pp1_ep{ep}->vllm_tp{vtp}"]
+            assert c["sent_bytes"] == c["received_bytes"] == 4 * (4 - 4 // ep) * 3 * expert * 4, (ep, c)
+    # expert TP = TP = 2 with EP 2: each expert split in two, so vLLM TP 2 needs one half from a peer
+    assert cases["qwen3_moe/tp2_pp1_ep2->vllm_tp2"]["sent_bytes"] > 0
+    assert cases["qwen3_moe/tp2_pp1_ep2->vllm_tp2"]["wrong"] == 0
 
 
 def test_equal_tp_without_pp_moves_nothing(cases):

@@ -145,3 +145,20 @@ def test_prepare_hf_dir_errors(tmp_path: pathlib.Path) -> None:
     bad.write_bytes(b"x")
     with pytest.raises(ValueError, match="weights.bin.*gguf"):
         prepare_hf_dir(str(bad))
+
+
+def test_length_smoke_task():
+    """``length``: the arithmetic questions, rewarded by closeness to 20 characters (TRL's quickstart
+    reward scaled to [0, 1]); prompts ask for it."""
+    from alignment.data.prompts import INSTRUCTIONS
+    from alignment.data.tasks import Problem, load_problems, score_response
+
+    problems = load_problems("length", "train", 3, seed=0)
+    arithmetic = load_problems("arithmetic", "train", 3, seed=0)
+    assert [p.question for p in problems] == [p.question for p in arithmetic]
+    assert all(p.task == "length" and p.answer == "20" for p in problems)
+    p = Problem("What is 2 + 3?", "20", "length")
+    assert score_response(p, "x" * 20) == 1.0 and score_response(p, "  " + "x" * 20 + "\n") == 1.0
+    assert score_response(p, "x" * 10) == 0.5 and score_response(p, "x" * 25) == 0.75
+    assert score_response(p, "x" * 40) == 0.0 and score_response(p, "x" * 400) == 0.0
+    assert "20 characters" in INSTRUCTIONS["length"]

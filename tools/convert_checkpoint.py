@@ -6,13 +6,16 @@
     torchrun --standalone --nproc-per-node 2 tools/convert_checkpoint.py export OUT HF_OUT --pp 2
     # Megatron -> Megatron at another layout
     torchrun --standalone --nproc-per-node 4 tools/convert_checkpoint.py reshape OUT OUT_TP4 --tp 4
+    # a mixture-of-experts model with its experts over 2 ranks
+    torchrun --standalone --nproc-per-node 2 tools/convert_checkpoint.py import SRC OUT --ep 2
 
 A converted checkpoint ``OUT`` holds ``hf_config/`` (the HF ``config.json`` and tokenizer,
 written first) and ``megatron/`` (``torch_dist`` shards, written atomically; the training
 jobs load the same format). The format mapping is the bridge's
-(:mod:`alignment.models.bridges.llama`); this tool only lays the model out on
-``--tp`` x ``--pp`` ranks (the world size must be a multiple of ``tp * pp``). Megatron's
-distributed checkpoints are layout-free, so any checkpoint loads at any valid TP/PP.
+(the model family's table, :mod:`alignment.models.bridge`); this tool only lays the model out on
+``--tp`` x ``--pp`` ranks, with ``--ep`` (and ``--etp``) for experts (the world size must be a
+multiple of ``tp * pp`` and of ``etp * ep * pp``). Megatron's distributed checkpoints are
+layout-free, so any checkpoint loads at any valid TP/PP/EP.
 """
 
 from __future__ import annotations
@@ -26,23 +29,25 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 
-def _model(hf_config, tp: int, pp: int):
-    """This rank's GPTModel shard for ``tp`` x ``pp`` (process groups started here)."""
+def _model(hf_config, tp: int, pp: int, ep: int = 1, etp: int | None = None):
+    """This rank's GPTModel shard for ``tp`` x ``pp`` (``ep`` x ``etp`` for experts; process
+    groups started here). Sequence parallelism is on with TP > 1 (Megatron's MoE needs it; it
+    does not change the weights)."""
+    from alignment.models.families import model_dims
     from alignment.models.gpt import build_gpt_model, transformer_config
-    from parallel.layout import ParallelLayout, validate_layout
+    from parallel.layout import ParallelLayout, validate_model_layout
     from parallel.state import env_world, init_distributed
 
-    layout = ParallelLayout(world_size=env_world()[1], tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    validate_layout(layout, num_layers=hf_config.num_hidden_layers, num_attention_heads=hf_config.num_attention_heads,
-                    num_query_groups=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
-                    prefix="--")
+    sizes = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=tp > 1,
+                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    layout = ParallelLayout(world_size=env_world()[1], **sizes)
+    validate_model_layout(layout, model_dims(hf_config), prefix="--")
     init_distributed(layout)
-    return build_gpt_model(hf_config, transformer_config(hf_config, tensor_model_parallel_size=tp,
-                                                         pipeline_model_parallel_size=pp))
+    return build_gpt_model(hf_config, transformer_config(hf_config, **sizes))
 
 
-def _load_converted(src: Path, tp: int, pp: int):
-    """``(model, hf_config, tokenizer)`` from a converted checkpoint, laid out at ``tp`` x ``pp``."""
+def _load_converted(src: Path, tp: int, pp: int, ep: int = 1, etp: int | None = None):
+    """``(model, hf_config, tokenizer)`` from a converted checkpoint, laid out at ``tp`` x ``pp`` (x ``ep``)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from alignment.trainers.checkpoint import load_megatron_checkpoint
@@ -51,7 +56,7 @@ def _load_converted(src: Path, tp: int, pp: int):
         raise FileNotFoundError(f"{src} is not a converted checkpoint (no hf_config/config.json); "
                                 f"make one with `convert_checkpoint.py import`")
     hf_config = AutoConfig.from_pretrained(src / "hf_config")
-    model = _model(hf_config, tp, pp)
+    model = _model(hf_config, tp, pp, ep, etp)
     load_megatron_checkpoint(model, src / "megatron")
     return model, hf_config, AutoTokenizer.from_pretrained(src / "hf_config")
 
@@ -69,35 +74,36 @@ def _save_converted(model, hf_config, tokenizer, out: Path) -> Path:
     return save_megatron_checkpoint(model, out / "megatron")
 
 
-def hf_to_megatron(src: str, out: str | Path, tp: int = 1, pp: int = 1) -> Path:
+def hf_to_megatron(src: str, out: str | Path, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None) -> Path:
     """Import an HF model (directory, ``.gguf`` or ``"smollm2"``) as a converted checkpoint at
     ``out``; collective. Returns ``out/megatron``. Raises LayoutError for a layout the model
-    cannot take (naming ``--tp``/``--pp``)."""
+    cannot take (naming ``--tp``/``--pp``/``--ep``)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from alignment.models.bridges.llama import get_bridge
+    from alignment.models.families import get_bridge
     from alignment.models.hf_assets import prepare_hf_dir
     from alignment.models.weights import lazy_safetensors, load_hf_weights
 
     hf_dir = prepare_hf_dir(src)
     hf_config = AutoConfig.from_pretrained(hf_dir)
-    model = _model(hf_config, tp, pp)
+    model = _model(hf_config, tp, pp, ep, etp)
     load_hf_weights(model, lazy_safetensors(hf_dir), get_bridge(hf_config))
     return _save_converted(model, hf_config, AutoTokenizer.from_pretrained(hf_dir), Path(out))
 
 
-def megatron_to_hf(src: str | Path, out: str | Path, tp: int = 1, pp: int = 1) -> Path:
+def megatron_to_hf(src: str | Path, out: str | Path, tp: int = 1, pp: int = 1, ep: int = 1,
+                   etp: int | None = None) -> Path:
     """Export a converted checkpoint to an HF safetensors directory; collective (rank 0 writes)."""
-    from alignment.models.bridges.llama import get_bridge
+    from alignment.models.families import get_bridge
     from alignment.trainers.checkpoint import save_hf_checkpoint
 
-    model, hf_config, tokenizer = _load_converted(Path(src), tp, pp)
+    model, hf_config, tokenizer = _load_converted(Path(src), tp, pp, ep, etp)
     return save_hf_checkpoint(model, get_bridge(hf_config), hf_config, tokenizer, Path(out))
 
 
-def reshape(src: str | Path, out: str | Path, tp: int = 1, pp: int = 1) -> Path:
-    """Rewrite a converted checkpoint as if saved at ``tp`` x ``pp``; collective."""
-    model, hf_config, tokenizer = _load_converted(Path(src), tp, pp)
+def reshape(src: str | Path, out: str | Path, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None) -> Path:
+    """Rewrite a converted checkpoint as if saved at ``tp`` x ``pp`` (x ``ep``); collective."""
+    model, hf_config, tokenizer = _load_converted(Path(src), tp, pp, ep, etp)
     return _save_converted(model, hf_config, tokenizer, Path(out))
 
 
@@ -108,12 +114,14 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("out")
     ap.add_argument("--tp", type=int, default=1, help="tensor_model_parallel_size to lay the model out with")
     ap.add_argument("--pp", type=int, default=1, help="pipeline_model_parallel_size to lay the model out with")
+    ap.add_argument("--ep", type=int, default=1, help="expert_model_parallel_size (mixture-of-experts models)")
+    ap.add_argument("--etp", type=int, default=None, help="expert_tensor_parallel_size (default: --tp)")
     args = ap.parse_args(argv)
     fn = {"import": hf_to_megatron, "export": megatron_to_hf, "reshape": reshape}[args.direction]
     from parallel.state import shutdown
 
     try:
-        path = fn(args.src, args.out, args.tp, args.pp)
+        path = fn(args.src, args.out, args.tp, args.pp, args.ep, args.etp)
     finally:
         shutdown()
     print(path)

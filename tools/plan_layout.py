@@ -1,7 +1,8 @@
-"""Plan a parallel layout: every valid (TP, PP, CP, DP) for a model on a cluster, its memory per
-GPU, and the one to use.
+"""Plan a parallel layout: every valid (TP, PP, CP, DP, and EP for mixture-of-experts models) for
+a model on a cluster, its memory per GPU, and the one to use.
 
     python tools/plan_layout.py --model llama-3.1-8b --nodes 2 --gpus-per-node 8 --gpu-memory-gib 80
+    python tools/plan_layout.py --model qwen3-30b-a3b --nodes 2 --gpus-per-node 8 --distributed-optimizer
     python tools/plan_layout.py --model smollm2 --nodes 1 --gpus-per-node 2 --gpu-memory-gib 24 \\
         --dtype float32 --micro-batch-size 8 --seq-length 512 --rollout-tp 1 --kv-cache-tokens 32768
 
@@ -26,7 +27,6 @@ from types import SimpleNamespace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 COLUMNS = ("weights", "grads", "optimizer_plain", "optimizer_distributed", "activations", "logits",
            "rollout_weights", "kv_cache")
 HEADERS = ("weights", "grads", "adam", "adam/DPxCP", "activ.", "logits", "vLLM w", "KV cache")
@@ -38,10 +38,10 @@ def shipped_models() -> list[str]:
 
 
 def load_model_config(model: str):
-    """The HF config of ``--model`` (attribute access, as ``LlamaDims.from_hf_config`` reads it).
+    """The HF config of ``--model`` (attribute access, as a family's ``dims`` reads it).
 
     Raises ValueError naming ``--model`` and what it accepts, for an unknown name, a missing
-    path or a model that is not Llama-family (llama, mistral, qwen2).
+    path or an architecture megalign does not train (:func:`alignment.models.families.family_of`).
     """
     accepted = (f"a shipped config ({', '.join(shipped_models())}), an HF directory, its config.json, "
                 f"a .gguf file, or smollm2")
@@ -63,10 +63,12 @@ def load_model_config(model: str):
         cfg = SimpleNamespace(**json.loads(path.read_text()))
     else:
         raise ValueError(f"--model {model}: not found; expected {accepted}")
-    kind = getattr(cfg, "model_type", "")
-    if kind not in LLAMA_FAMILY:
-        raise ValueError(f"--model {model}: model_type {kind!r} is not one megalign trains; "
-                         f"use a Llama-family model ({', '.join(LLAMA_FAMILY)})")
+    from alignment.models.families import family_of
+
+    try:
+        family_of(cfg)
+    except ValueError as e:
+        raise ValueError(f"--model {model}: {e}") from e
     return cfg
 
 
@@ -131,11 +133,10 @@ def _check(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     except (ValueError, FileNotFoundError) as e:
         ap.error(str(e))
     if a.rollout_tp:
-        from alignment.models.bridges.llama import LlamaDims
-        from parallel.vllm_layout import check_tp_sizes
+        from alignment.models.families import get_bridge
 
         try:
-            check_tp_sizes(LlamaDims.from_hf_config(a.hf_config), 1, a.rollout_tp)
+            get_bridge(a.hf_config).check_tp_sizes(1, a.rollout_tp)
         except ValueError as e:
             ap.error(str(e).replace("rollout.tensor_parallel_size", "--rollout-tp"))
 
@@ -144,16 +145,27 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f}"
 
 
+def _describe(lay) -> str:
+    """``TP=.. PP=.. CP=.. DP=..`` (+ ``EP=.. (expert TP 1)`` for a mixture-of-experts layout)."""
+    text = (f"TP={lay.tensor_model_parallel_size} PP={lay.pipeline_model_parallel_size} "
+            f"CP={lay.context_parallel_size} DP={lay.data_parallel_size}")
+    if lay.expert_tensor_parallel_size:
+        text += f" EP={lay.expert_model_parallel_size} (expert TP {lay.expert_tensor_parallel_size})"
+    return text
+
+
 def render(candidates, refused, best, args, usable: float) -> str:
     """The table (``rich`` when installed, else plain text), the refused layouts and the recommendation."""
     keep = [i for i, k in enumerate(COLUMNS) if args.rollout_tp or k not in ("rollout_weights", "kv_cache")]
-    head = ("TP", "PP", "CP", "DP", *(HEADERS[i] for i in keep), "total", "fits")
+    moe = any(c.layout.expert_tensor_parallel_size for c in candidates)
+    head = ("TP", "PP", "CP", "DP", *(("EP",) if moe else ()), *(HEADERS[i] for i in keep), "total", "fits")
     rows = []
     for c in candidates:
         lay, m = c.layout, c.memory.as_dict()
         mark = "<- recommended" if c is best else ("yes" if c.fits else "no")
         rows.append((str(lay.tensor_model_parallel_size), str(lay.pipeline_model_parallel_size),
                      str(lay.context_parallel_size), str(lay.data_parallel_size),
+                     *((str(lay.expert_model_parallel_size),) if moe else ()),
                      *(_gib(m[COLUMNS[i]]) for i in keep), _gib(c.memory.total), mark))
     title = (f"{args.model}: {args.nodes} x {args.gpus_per_node} GPUs x {args.gpu_memory_gib:g} GiB, {args.dtype}, "
              f"micro-batch {args.micro_batch_size} x {args.seq_length} tokens, distributed optimizer "
@@ -179,18 +191,19 @@ def render(candidates, refused, best, args, usable: float) -> str:
         lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
         text = "\n".join(lines) + "\n"
     if refused:
-        text += "refused:\n" + "".join(f"  TP={r.tp} PP={r.pp} CP={r.cp}: {r.reason}\n" for r in refused)
+        text += "refused:\n" + "".join(f"  TP={r.tp} PP={r.pp} CP={r.cp}{f' EP={r.ep}' if r.ep > 1 else ''}: "
+                                        f"{r.reason}\n" for r in refused)
     return text
 
 
 def main(argv=None):
     """Print the plan; return ``(candidates, refused, recommended)`` (see :func:`parallel.plan.plan`)."""
     args = parse_args(argv)
-    from alignment.models.bridges.llama import LlamaDims
+    from alignment.models.families import model_dims
     from parallel.memory import GiB, RolloutPlan
     from parallel.plan import RULE, plan, recommend
 
-    dims = LlamaDims.from_hf_config(args.hf_config)
+    dims = model_dims(args.hf_config)
     rollout = (RolloutPlan(args.rollout_tp, args.kv_cache_tokens, args.dtype) if args.rollout_tp else None)
     kw = dict(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_memory_bytes=int(args.gpu_memory_gib * GiB),
               headroom=args.headroom, dtype=args.dtype, micro_batch_size=args.micro_batch_size,
@@ -207,17 +220,12 @@ def main(argv=None):
               "try --distributed-optimizer, a smaller --micro-batch-size or --seq-length, or more --nodes")
     else:
         lay = best.layout
-        print(f"recommended: TP={lay.tensor_model_parallel_size} PP={lay.pipeline_model_parallel_size} "
-              f"CP={lay.context_parallel_size} DP={lay.data_parallel_size}"
-              f"{' (sequence parallel)' if lay.sequence_parallel else ''}, {best.memory.total / GiB:.1f} GiB per GPU"
-              f"\nrule: {RULE}")
+        print(f"recommended: {_describe(lay)}{' (sequence parallel)' if lay.sequence_parallel else ''}, "
+              f"{best.memory.total / GiB:.1f} GiB per GPU\nrule: {RULE}")
     if not args.distributed_optimizer:
         alt = recommend(plan(dims, distributed_optimizer=True, **kw)[0])
         if alt is not None and (best is None or alt.layout.data_parallel_size > best.layout.data_parallel_size):
-            lay = alt.layout
-            print(f"with --distributed-optimizer: TP={lay.tensor_model_parallel_size} "
-                  f"PP={lay.pipeline_model_parallel_size} CP={lay.context_parallel_size} DP={lay.data_parallel_size}, "
-                  f"{alt.memory.total / GiB:.1f} GiB per GPU")
+            print(f"with --distributed-optimizer: {_describe(alt.layout)}, {alt.memory.total / GiB:.1f} GiB per GPU")
     return candidates, refused, best
 
 

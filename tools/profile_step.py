@@ -43,7 +43,7 @@ def mfu(summary: dict, cfg, hf_config, peak_flops: float) -> dict | None:
     ``None`` when the run logged no token counts (PPO). Forward-only passes (rollout, old and
     reference logprobs, DPO's reference) are not counted."""
     from alignment.config import OFFLINE_ALGORITHMS
-    from alignment.models.bridges.llama import LlamaDims
+    from alignment.models.families import model_dims
     from alignment.models.flops import flops_per_token
 
     rows = _steady(summary["history"])
@@ -53,7 +53,7 @@ def mfu(summary: dict, cfg, hf_config, peak_flops: float) -> dict | None:
         return None
     tokens = tps * step_s  # tokens per step
     passes = 1 if cfg.algorithm.name in OFFLINE_ALGORITHMS else cfg.algorithm.ppo_epochs
-    flops = tokens * passes * flops_per_token(LlamaDims.from_hf_config(hf_config), seq)
+    flops = tokens * passes * flops_per_token(model_dims(hf_config), seq)
     return {"tokens_per_step": tokens, "train_flops_per_step": flops, "achieved_flops": flops / train_s,
             "peak_flops": peak_flops, "mfu": flops / train_s / peak_flops}
 

@@ -11,6 +11,7 @@ from alignment.data.tasks import TASKS
 INSTRUCTIONS: dict[str, str] = {
     "arithmetic": "Answer with a single number.",
     "gsm8k": "Answer with a single number.",
+    "length": "Answer in about 20 characters.",
 }
 
 

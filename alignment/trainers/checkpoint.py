@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from alignment.models.weights import export_hf_weights, unwrap
+from alignment.models.weights import export_hf_weights
+from parallel.names import unwrap
 
 
 def _publish(tmp: Path, final: Path) -> None:

@@ -37,6 +37,7 @@ from alignment.trainers.batching import MicroBatching, cat_rows, make_batch
 from alignment.trainers.dp_balance import balance_over_dp
 from alignment.trainers.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
 from alignment.trainers.offload import DevicePlacement, trainable
+from alignment.trainers.router_stats import routing_metrics
 
 
 @dataclass
@@ -153,6 +154,7 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
         "entropy": sums["entropy_sum"] / n,
         "token_mult_prob_error": sums["prob_error_sum"] / n,
         "grad_norm": sum(grad_norms) / len(grad_norms),
+        **routing_metrics(models.policy),  # MoE: expert load imbalance, aux loss
     }
 
 
@@ -178,7 +180,7 @@ def sync_weights(models: Models, check: bool = False) -> dict[str, float]:
         hf = export_hf_weights(models.policy, models.bridge)  # the independent (gather) path
         rtol = 1e-4 if next(iter(hf.values())).dtype == torch.float32 else 2e-2
         metrics["weight_sync/checked"] = float(check_engine_weights(
-            models.engine, hf, models.bridge.dims, out["names"], models.resharder.vllm_tp,
+            models.engine, hf, models.bridge, out["names"], models.resharder.vllm_tp,
             dist.get_rank() % models.resharder.vllm_tp, rtol))
     return metrics
 

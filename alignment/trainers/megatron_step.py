@@ -13,6 +13,7 @@ and any data-parallel size (tested in ``tests/dist/grpo_invariance_worker.py``).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -64,6 +65,9 @@ def setup_training(model: torch.nn.Module, optim: OptimConfig):
     )
     config.no_sync_func = ddp.no_sync
     config.finalize_model_grads_func = _finalize_grads_summed
+    from alignment.trainers.router_stats import track_routing
+
+    track_routing(ddp)  # MoE models: expert load per step (alignment.trainers.router_stats)
     return ddp, optimizer
 
 
@@ -124,6 +128,38 @@ def forward_backward(
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    with moe_aux_loss_scale(model.config, len(microbatches), forward_only):
+        return _forward_backward(get_forward_backward_func(), model, microbatches, loss_fn, outputs=outputs,
+                                 forward_only=forward_only, packing=packing, pad_id=pad_id)
+
+
+@contextmanager
+def moe_aux_loss_scale(config, num_microbatches: int, forward_only: bool):
+    """During one training ``forward_backward``, divide the MoE load-balancing loss coefficient by
+    micro-batches x data-parallel size, so that its gradient is ``moe_aux_loss_coeff`` x the mean
+    per-micro-batch switch loss over the global batch, whatever the split (as Megatron-LM without
+    per-token loss: 1 / num_microbatches, DP gradients averaged).
+
+    Why: megalign sums micro-batch losses and DP gradients (``calculate_per_token_loss``); Megatron
+    would then weight every micro-batch's aux loss by 1 and, per token, by its token count
+    (expecting ``finalize_model_grads`` to divide by the total, which megalign does not), so the
+    routers are built without that per-token factor (:func:`alignment.models.gpt.build_gpt_model`)
+    and the mean is taken here. The logged loss (Megatron's tracker) is unaffected: it divides by
+    the coefficient in use."""
+    coeff = getattr(config, "moe_aux_loss_coeff", 0.0)
+    if forward_only or not getattr(config, "num_moe_experts", None) or not coeff:
+        yield
+        return
+    from megatron.core import parallel_state as ps
+
+    config.moe_aux_loss_coeff = coeff / (num_microbatches * ps.get_data_parallel_world_size())
+    try:
+        yield
+    finally:
+        config.moe_aux_loss_coeff = coeff
+
+
+def _forward_backward(schedule, model, microbatches, loss_fn, *, outputs, forward_only, packing, pad_id):
     device = next(model.parameters()).device
     inputs = [x.to(device) for x in _model_inputs(microbatches, packing, pad_id, bool(model.config.sequence_parallel))]
 
@@ -138,7 +174,7 @@ def forward_backward(
         out = m(inp.input_ids, inp.position_ids, attention_mask=None, packed_seq_params=inp.packed_seq_params)
         return out, partial(loss_func, mb, inp)
 
-    return get_forward_backward_func()(
+    return schedule(
         forward_step_func=forward_step,
         data_iterator=iter(list(zip(microbatches, inputs))),
         model=[model],

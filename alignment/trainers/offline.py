@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from alignment.trainers.batching import MicroBatching, cat_rows, make_sequence_batch
 from alignment.trainers.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
+from alignment.trainers.router_stats import routing_metrics
 from parallel.state import comm_device
 
 
@@ -90,6 +91,7 @@ def train_step(models: OfflineModels, objective, batch: dict, mb: MicroBatching)
     _, grad_norm, _ = models.optimizer.step()
     metrics = objective.metrics(global_sums(out))
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+    metrics.update(routing_metrics(models.model))  # MoE: expert load imbalance, aux loss
     return metrics
 
 

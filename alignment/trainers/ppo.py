@@ -41,6 +41,7 @@ from alignment.trainers.megatron_step import (
 )
 from alignment.trainers.offline import global_sums
 from alignment.trainers.offload import trainable
+from alignment.trainers.router_stats import routing_metrics
 
 
 @dataclass
@@ -206,6 +207,7 @@ def ppo_step(models: PPOModels, prompts: list[list[int]], cfg) -> tuple[dict[str
         "explained_variance": 1.0 - var_e / var_r if var_r > 0 else 0.0,
         "grad_norm": sum(grad_norms) / len(grad_norms),
         "token_mult_prob_error": perr / tok,
+        **routing_metrics(models.policy),  # MoE: expert load imbalance, aux loss
         **models.placement.pop_stats(),
         **sync_metrics,
     }

@@ -6,6 +6,9 @@
     convert_worker.py logits CKPT TP PP OUT.pt      # load a converted checkpoint at TP x PP, save its logits
     convert_worker.py random HF_DIR OUT TP PP OUT.pt  # a model with its OWN random weights saved as a
                                                       # converted checkpoint, and its logits
+    convert_worker.py chain WORKDIR HF_DIR...       # per HF dir, in one launch: import at EP 2 (expert
+                                                    # models) or TP 2, reshape to TP 2 x EP 2 with expert
+                                                    # TP 1 (or PP 2), export at PP 2 -> WORKDIR/<i>/hf
 Logits are of :data:`INPUT_IDS`, full vocabulary, written by rank 0 from the last stage.
 """
 
@@ -52,6 +55,21 @@ def main() -> None:
     if op in ("import", "export", "reshape"):
         src, out, tp, pp = args
         cc.main([op, src, out, "--tp", tp, "--pp", pp])
+        return
+    if op == "chain":
+        from transformers import AutoConfig
+
+        workdir, *dirs = args
+        for i, hf_dir in enumerate(dirs):
+            w = Path(workdir) / str(i)
+            if getattr(AutoConfig.from_pretrained(hf_dir), "num_experts", 0):
+                cc.hf_to_megatron(hf_dir, w / "a", ep=2)
+                cc.reshape(w / "a", w / "b", tp=2, ep=2, etp=1)
+            else:
+                cc.hf_to_megatron(hf_dir, w / "a", tp=2)
+                cc.reshape(w / "a", w / "b", pp=2)
+            cc.megatron_to_hf(w / "b", w / "hf", pp=2)
+        shutdown()
         return
     if op == "logits":
         ckpt, tp, pp, out = args

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from alignment.algorithms.grpo_loss import GRPOLossConfig, grpo_loss
-from alignment.models.bridges.llama import get_bridge
+from alignment.models.families import get_bridge
 from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.weights import export_hf_weights, load_hf_weights
 from alignment.trainers.batching import split_microbatches
@@ -50,31 +50,37 @@ def make_batch(vocab: int):
             "advantages": torch.randn(n, generator=g)}
 
 
-def hf_reference(hf, batch):
-    """Loss and HF-named gradients by plain autograd over the full batch."""
+def hf_reference(hf, batch, extra_loss=None, **forward_kwargs):
+    """GRPO loss and HF-named gradients by plain autograd over the full batch; ``extra_loss(output)``
+    is added to what is differentiated (not to the returned loss)."""
     hf.zero_grad()
-    logits = hf(batch["input_ids"]).logits.float()
+    output = hf(batch["input_ids"], **forward_kwargs)
+    logits = output.logits.float()
     lp = torch.log_softmax(logits, -1)[:, :-1].gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
     lp = torch.cat([lp, lp.new_zeros(lp.shape[0], 1)], 1)
     total = batch["response_mask"].sum()
     loss, _ = grpo_loss(lp, lp.detach() + batch["old_delta"], batch["ref_logprobs"], batch["advantages"],
                         batch["response_mask"], total, CFG)
-    loss.backward()
-    return loss.item(), {k: p.grad.clone() for k, p in hf.named_parameters()}
+    value = loss.item()
+    (loss if extra_loss is None else loss + extra_loss(output)).backward()
+    return value, {k: p.grad.clone() for k, p in hf.named_parameters()}
 
 
-def megatron_case(hf, batch, tp, pp, mbs, sp, world):
+def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, router_stats=False, **sizes):
+    """Loss and HF-named (checkpoint form) gradients of the GRPO loss through Megatron, laid out
+    with ``sizes`` (ParallelLayout fields), micro-batches of ``mbs`` rows; weights from ``state``
+    (HF checkpoint form, default the model's state dict). ``router_stats``: also return the
+    step's :func:`alignment.trainers.router_stats.routing_metrics`."""
     from megatron.core import parallel_state as ps
 
-    layout = ParallelLayout(world_size=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                            sequence_parallel=sp)
-    init_distributed(layout)
+    from alignment.trainers.router_stats import routing_metrics
+
+    init_distributed(ParallelLayout(world_size=world, **sizes))
     cfg = hf.config
-    model = build_gpt_model(cfg, transformer_config(cfg, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                                    sequence_parallel=sp))
+    model = build_gpt_model(cfg, transformer_config(cfg, moe_aux_loss_coeff=moe_aux_loss_coeff, **sizes))
     bridge = get_bridge(cfg)
-    load_hf_weights(model, hf.state_dict(), bridge)
-    ddp, _ = setup_training(model, OptimConfig())
+    load_hf_weights(model, hf.state_dict() if state is None else state, bridge)
+    ddp, _ = setup_training(model, OptimConfig())  # (MoE: tracks routing, alignment.trainers.router_stats)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rows = batch["input_ids"].shape[0] // dp
     local = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in batch.items()}
@@ -93,6 +99,8 @@ def megatron_case(hf, batch, tp, pp, mbs, sp, world):
                         dtype=torch.float64)
     dist.all_reduce(loss)
     grads = export_hf_weights(ddp, bridge, source=lambda p: p.main_grad)
+    if router_stats:
+        return loss.item() / total.item(), grads, routing_metrics(ddp)
     return loss.item() / total.item(), grads
 
 
@@ -104,7 +112,8 @@ def main(path: str) -> None:
     results = {"reference_loss": ref_loss,
                "reference_max_grad": max(g.abs().max().item() for g in ref_grads.values())}
     for name, (tp, pp, mbs, sp) in CASES.items():
-        loss, grads = megatron_case(hf, batch, tp, pp, mbs, sp, world)
+        loss, grads = megatron_case(hf, batch, world, mbs, tensor_model_parallel_size=tp,
+                                    pipeline_model_parallel_size=pp, sequence_parallel=sp)
         assert set(grads) == set(ref_grads), sorted(set(ref_grads) ^ set(grads))
         diff = max((grads[k] - ref_grads[k]).abs().max().item() for k in grads)
         results[name] = {"loss": loss, "max_grad_diff": diff}

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaForSequenceClassification
 
-from alignment.models.bridges.llama import get_bridge
+from alignment.models.families import get_bridge
 from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.value_head import build_value_model
 from alignment.models.weights import export_hf_weights, load_hf_weights

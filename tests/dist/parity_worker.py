@@ -11,16 +11,20 @@ import sys
 import torch
 import torch.distributed as dist
 
-from alignment.models.bridges.llama import get_bridge
+from alignment.models.families import get_bridge
 from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.weights import export_hf_weights, load_hf_weights
 from alignment.trainers.megatron_step import forward_backward
-from parallel.layout import ParallelLayout, validate_layout
+from parallel.layout import ParallelLayout
 from parallel.state import env_world, init_distributed
 from tests.dist.report import write_results_and_shutdown
 from tests.dist.tiny_llama import tiny_llama
 
 LAYOUTS = {"tp1": (1, 1, False), "tp2": (2, 1, False), "tp2_sp": (2, 1, True), "pp2": (1, 2, False)}
+
+
+def sizes(tp, pp, sp):
+    return dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp)
 
 
 @torch.no_grad()
@@ -29,7 +33,7 @@ def randomize(model) -> None:
     for replicated parameters, different per TP rank for TP-split ones."""
     from megatron.core import parallel_state as ps
 
-    from alignment.models.weights import global_param_names
+    from parallel.names import global_param_names
 
     for _, gname, p in global_param_names(model):
         split = getattr(p, "tensor_model_parallel", False)
@@ -43,23 +47,27 @@ def randomize(model) -> None:
             p.copy_(0.1 * torch.randn(p.shape, generator=g))
 
 
-def megatron_logits(hf_model, input_ids, tp, pp, world, sp=False, own_weights=False):
+def megatron_logits(hf_model, input_ids, world, own_weights=False, state=None, **sizes):
+    """Logits of a Megatron shard of ``hf_model`` laid out with ``sizes`` (ParallelLayout fields), full
+    vocabulary on the last stage (None elsewhere), and its HF export. Weights from ``state`` (the HF
+    checkpoint form; default the model's state dict) or, with ``own_weights``, random ones."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    layout = ParallelLayout(world_size=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                            sequence_parallel=sp)
+    from alignment.models.families import model_dims
+    from parallel.layout import validate_model_layout
+
+    layout = ParallelLayout(world_size=world, **sizes)
     cfg = hf_model.config
-    validate_layout(layout, num_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-                    num_query_groups=cfg.num_key_value_heads)
+    validate_model_layout(layout, model_dims(cfg))
     init_distributed(layout)
     bridge = get_bridge(cfg)
-    model = build_gpt_model(cfg, transformer_config(cfg, tensor_model_parallel_size=tp,
-                                                    pipeline_model_parallel_size=pp, sequence_parallel=sp)).eval()
+    model = build_gpt_model(cfg, transformer_config(cfg, **sizes)).eval()
+    ref = hf_model.state_dict() if state is None else state
     if own_weights:
         randomize(model)
     else:
-        load_hf_weights(model, hf_model.state_dict(), bridge)
+        load_hf_weights(model, ref, bridge)
     mb = {"input_ids": input_ids, "position_ids": torch.arange(input_ids.shape[1]).expand_as(input_ids)}
 
     def full_logits(logits, target_ids):
@@ -72,7 +80,6 @@ def megatron_logits(hf_model, input_ids, tp, pp, world, sp=False, own_weights=Fa
     logits = out[0]["logits"] if ps.is_pipeline_last_stage() else None
     if own_weights:
         return logits, exported
-    ref = hf_model.state_dict()
     export_diff = max((exported[k] - ref[k]).abs().max().item() for k in exported)
     missing = sorted(set(ref) - set(exported) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
     return logits, export_diff, missing
@@ -94,13 +101,13 @@ def main(path: str) -> None:
         with torch.no_grad():
             ref = hf(input_ids).logits
         for name, (tp, pp, sp) in LAYOUTS.items():
-            logits, export_diff, missing = megatron_logits(hf, input_ids, tp, pp, world, sp=sp)
+            logits, export_diff, missing = megatron_logits(hf, input_ids, world, **sizes(tp, pp, sp))
             results[f"{name}{'_tied' if tie else ''}"] = {
                 "max_abs_diff": max_diff_on_last_stage(logits, ref), "export_max_abs_diff": export_diff,
                 "export_missing": missing, "ref_logit_std": ref.std().item()}
         # Export on its own: a Megatron model with its own weights -> HF -> transformers logits.
         for name, (tp, pp, sp) in LAYOUTS.items():
-            logits, exported = megatron_logits(hf, input_ids, tp, pp, world, sp=sp, own_weights=True)
+            logits, exported = megatron_logits(hf, input_ids, world, own_weights=True, **sizes(tp, pp, sp))
             fresh = type(hf)(hf.config).eval()
             fresh.load_state_dict(exported, strict=not tie)
             with torch.no_grad():

@@ -12,7 +12,7 @@ import sys
 
 
 from alignment.algorithms.grpo_loss import grpo_loss
-from alignment.models.bridges.llama import get_bridge
+from alignment.models.families import get_bridge
 from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.weights import export_hf_weights, load_hf_weights
 from alignment.trainers.batching import split_microbatches

@@ -24,7 +24,7 @@ if __name__ == "__main__":
                                   return_tensors="pt", return_dict=True)["input_ids"]
     with torch.no_grad():
         ref = hf(ids).logits
-    logits, export_diff, missing = megatron_logits(hf, ids, 1, 1, 1)
+    logits, export_diff, missing = megatron_logits(hf, ids, 1)
     with open(sys.argv[1], "w") as f:
         json.dump({"max_abs_diff": (logits - ref).abs().max().item(), "ref_logit_std": ref.std().item(),
                    "export_max_abs_diff": export_diff, "export_missing": missing, "seq": ids.shape[1],

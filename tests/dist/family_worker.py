@@ -1,0 +1,128 @@
+"""torchrun worker: Qwen3 and Qwen3-MoE on Megatron equal transformers, for many layouts.
+
+    torchrun --nproc-per-node 2 tests/dist/family_worker.py OUT.json     # the 2-rank layouts + gradients
+    torchrun --nproc-per-node 4 tests/dist/family_worker.py OUT.json     # EP x TP layouts on 4 ranks
+
+Logits (fp32, full vocabulary) of tiny random models loaded from their HF checkpoint form
+must equal transformers' (``max_abs_diff``), and the HF export must give every checkpoint
+tensor back exactly (``export_max_abs_diff``, ``export_missing``). On 2 ranks also: GRPO-loss
+gradients of Qwen3-MoE at EP=2 (and EP=1, TP=2+SP) against plain autograd on the HF model over
+the whole batch, and, with the load-balancing loss on, EP=1 vs EP=2 gradients and aux losses.
+Writes {case: {...}}.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from parallel.state import env_world
+from tests.dist.grpo_invariance_worker import hf_reference, make_batch, megatron_case
+from tests.dist.parity_worker import max_diff_on_last_stage, megatron_logits
+from tests.dist.report import write_results_and_shutdown
+from tests.dist.tiny_models import checkpoint_state, tiny_qwen3, tiny_qwen3_moe
+
+
+def L(tp=1, pp=1, ep=1, etp=None):  # noqa: N802 - a layout, as ParallelLayout fields
+    return dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=tp > 1,
+                expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+
+
+LOGIT_CASES = {
+    2: {"qwen3/tp1": L(), "qwen3/tp2": L(tp=2), "qwen3/pp2": L(pp=2), "qwen3_tied/tp2": L(tp=2),
+        "qwen3_tied/pp2": L(pp=2),
+        "qwen3_moe/ep1": L(), "qwen3_moe/ep2": L(ep=2), "qwen3_moe/tp2": L(tp=2), "qwen3_moe/tp2_ep2_etp1": L(tp=2, ep=2, etp=1),
+        "qwen3_moe/pp2": L(pp=2)},
+    4: {"qwen3_moe/ep2_tp2": L(tp=2, ep=2), "qwen3_moe/ep4": L(ep=4), "qwen3_moe/pp2_ep2": L(pp=2, ep=2),
+        "qwen3_moe/pp2_tp2_ep2_etp1": L(tp=2, pp=2, ep=2, etp=1)},
+}
+MODELS = {"qwen3": lambda: tiny_qwen3(seed=1), "qwen3_tied": lambda: tiny_qwen3(seed=1, tie_word_embeddings=True),
+          "qwen3_moe": lambda: tiny_qwen3_moe(seed=1)}
+
+
+def logit_cases(world: int) -> dict:
+    results = {}
+    torch.manual_seed(2)
+    input_ids = torch.randint(0, 250, (2, 12))
+    for name, sizes in LOGIT_CASES[world].items():
+        hf = MODELS[name.split("/")[0]]()
+        with torch.no_grad():
+            ref = hf(input_ids).logits
+        logits, export_diff, missing = megatron_logits(hf, input_ids, world, state=checkpoint_state(hf), **sizes)
+        results[name] = {"max_abs_diff": max_diff_on_last_stage(logits, ref), "export_max_abs_diff": export_diff,
+                         "export_missing": missing, "ref_logit_std": ref.std().item()}
+    return results
+
+
+AUX_COEFF = 0.05
+GRAD_CASES = {  # name: (sizes, micro-batch rows, load-balancing loss coefficient)
+    "grad/ep1": (L(), 2, 0.0), "grad/ep2": (L(ep=2), 2, 0.0), "grad/tp2_ep2_etp1": (L(tp=2, ep=2, etp=1), 4, 0.0),
+    "grad_aux/ep1": (L(), 4, AUX_COEFF), "grad_aux/ep2": (L(ep=2), 4, AUX_COEFF),
+}
+
+
+def switch_aux(router_logits: torch.Tensor, topk: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's switch load-balancing loss per micro-batch (``E * sum_i f_i P_i``, f_i = share of
+    the top-k assignments, P_i = mean router probability), averaged over ``groups`` equal
+    micro-batches of the rows, computed from HF's router logits ``[tokens, E]``; and the
+    per-expert assignment counts ``[E]``."""
+    e = router_logits.shape[-1]
+    aux, counts = 0.0, torch.zeros(e)
+    for chunk in router_logits.float().chunk(groups):
+        probs = torch.softmax(chunk, dim=-1)
+        c = torch.zeros(e).scatter_add_(0, probs.topk(topk, dim=-1).indices.flatten(), torch.ones(chunk.shape[0] * topk))
+        aux = aux + e * ((c / (chunk.shape[0] * topk)) * probs.mean(0)).sum() / groups
+        counts += c
+    return aux, counts
+
+
+def grad_cases(world: int) -> dict:
+    """GRPO gradients of Qwen3-MoE through Megatron vs autograd on the HF model (whole batch, one
+    process); with the load-balancing loss, the HF side adds ``coeff x sum over MoE layers`` of the
+    switch loss of each rank's micro-batch, averaged (DP=2 ranks x 4 rows = one micro-batch each)."""
+    hf = tiny_qwen3_moe(seed=3)
+    batch, topk = make_batch(hf.config.vocab_size), hf.config.num_experts_per_tok
+    rows, seq = batch["input_ids"].shape
+    per_layer = []
+
+    def aux_loss(output):
+        per_layer.clear()
+        per_layer.extend(switch_aux(r.view(rows, seq, -1).reshape(rows * seq, -1), topk, 2) for r in output.router_logits)
+        return AUX_COEFF * sum(a for a, _ in per_layer)
+
+    refs = {0.0: hf_reference(hf, batch), AUX_COEFF: hf_reference(hf, batch, aux_loss, output_router_logits=True)}
+    imbalance = torch.stack([c.max() / c.mean() for _, c in per_layer])
+    router = [k for k in checkpoint_state(hf) if k.endswith("mlp.gate.weight")]
+    with_aux, without = checkpoint_state(hf, refs[AUX_COEFF][1]), checkpoint_state(hf, refs[0.0][1])
+    results = {"grad_reference": {"loss": refs[0.0][0],
+                                  "aux_router_grad_effect": max((with_aux[k] - without[k]).abs().max().item()
+                                                                for k in router),
+                                  "max_grad": max(g.abs().max().item() for g in refs[0.0][1].values()),
+                                  "aux_loss": torch.stack([a for a, _ in per_layer]).mean().item(),
+                                  "load_imbalance": imbalance.mean().item(),
+                                  "load_imbalance_max": imbalance.max().item()}}
+    state = checkpoint_state(hf)
+    for name, (sizes, mbs, coeff) in GRAD_CASES.items():
+        ref_loss, ref_grads = refs[coeff]
+        ref_grads = checkpoint_state(hf, ref_grads)
+        loss, grads, metrics = megatron_case(hf, batch, world, mbs, state=state, moe_aux_loss_coeff=coeff,
+                                             router_stats=True, **sizes)
+        assert set(grads) == set(ref_grads), sorted(set(ref_grads) ^ set(grads))
+        results[name] = {"loss": loss, "reference_loss": ref_loss, **metrics,
+                         "max_grad_diff": max((grads[k] - ref_grads[k]).abs().max().item() for k in grads),
+                         "max_router_grad_diff": max((grads[k] - ref_grads[k]).abs().max().item()
+                                                     for k in grads if k.endswith("mlp.gate.weight"))}
+    return results
+
+
+def main(path: str) -> None:
+    _, world, _ = env_world()
+    results = logit_cases(world)
+    if world == 2:
+        results.update(grad_cases(world))
+    write_results_and_shutdown(path, results)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,94 @@
+"""Tiny random models of the families beyond Llama, built from configs (no hub), for the tests.
+
+Both have GQA (4 query heads, 2 KV heads), non-square attention (4 x 32 = 128 != hidden 64),
+4 layers (PP=2 works) and a vocabulary of 250 (not a multiple of 128). Qwen3-MoE: 4 experts of
+width 48, top-2 with renormalised weights, layer 3 dense (``mlp_only_layers``, width 80), so a
+PP=2 split has a stage with a dense layer and one without.
+
+transformers 5 keeps MoE experts fused in memory (``experts.gate_up_proj [E, 2F, H]``); HF
+checkpoints (and megalign's bridge) hold them per expert. :func:`checkpoint_state` gives the
+checkpoint form, :func:`from_checkpoint_state` loads one back through transformers' own loader.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+COMMON = dict(vocab_size=250, hidden_size=64, intermediate_size=80, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
+              rope_theta=10000.0, attention_bias=False)
+
+
+def tiny_qwen3_config(tie_word_embeddings: bool = False, vocab_size: int = 250) -> Qwen3Config:
+    return Qwen3Config(**{**COMMON, "vocab_size": vocab_size}, tie_word_embeddings=tie_word_embeddings,
+                       architectures=["Qwen3ForCausalLM"])
+
+
+def tiny_qwen3_moe_config(tie_word_embeddings: bool = False, vocab_size: int = 250,
+                          mlp_only_layers: tuple[int, ...] = (3,)) -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(**{**COMMON, "vocab_size": vocab_size}, tie_word_embeddings=tie_word_embeddings,
+                          moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                          mlp_only_layers=list(mlp_only_layers), decoder_sparse_step=1, router_aux_loss_coef=0.0,
+                          architectures=["Qwen3MoeForCausalLM"])
+
+
+def randomize(build, seed: int) -> torch.nn.Module:
+    """``build()``'s model (built after seeding) with weights of std 0.1 (matrices) and 0.5-1.5
+    (norms), so logits are far from zero and the router's choices are clear-cut; the same on
+    every rank for the same seed."""
+    torch.manual_seed(seed)
+    model = build()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.1)
+            else:
+                p.uniform_(0.5, 1.5)
+    return model.float().eval()
+
+
+def tiny_qwen3(seed: int = 0, **kwargs) -> Qwen3ForCausalLM:
+    return randomize(lambda: Qwen3ForCausalLM(tiny_qwen3_config(**kwargs)), seed)
+
+
+def tiny_qwen3_moe(seed: int = 0, **kwargs) -> Qwen3MoeForCausalLM:
+    return randomize(lambda: Qwen3MoeForCausalLM(tiny_qwen3_moe_config(**kwargs)), seed)
+
+
+def checkpoint_state(model: torch.nn.Module, state: dict | None = None) -> dict[str, torch.Tensor]:
+    """``state`` (default: the model's state dict; e.g. its gradients by name) in HF checkpoint
+    form: experts split per expert, as ``save_pretrained`` writes them."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return dict(revert_weight_conversion(model, dict(model.state_dict() if state is None else state)))
+
+
+def from_checkpoint_state(config, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """An HF model of ``config`` loaded from a checkpoint-form state dict by transformers itself."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as d:
+        config.save_pretrained(d)
+        save_file({k: v.contiguous() for k, v in state.items()}, f"{d}/model.safetensors", metadata={"format": "pt"})
+        return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+
+
+def save_tiny_dir(path, family: str = "qwen3_moe", tokenizer_source: str = "smollm2", seed: int = 0,
+                  tie_word_embeddings: bool = False):
+    """An HF directory with a tiny random model of ``family`` (``qwen3`` / ``qwen3_moe``) and
+    SmolLM2's tokenizer, loadable by transformers and vLLM. Vocabulary 49,152 (the tokenizer's)."""
+    from transformers import AutoTokenizer
+
+    from alignment.models.hf_assets import prepare_hf_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(prepare_hf_dir(tokenizer_source))
+    build = {"qwen3": tiny_qwen3, "qwen3_moe": tiny_qwen3_moe}[family]
+    model = build(seed=seed, tie_word_embeddings=tie_word_embeddings, vocab_size=len(tokenizer))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
