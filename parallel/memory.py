@@ -112,7 +112,8 @@ def stage_parameters(dims, tp: int, pp: int, stage: int, *, ep: int = 1, etp: in
     """
     if not 0 <= stage < pp:
         raise ValueError(f"stage={stage}: must be in [0, {pp})")
-    n = sum(layer_parameters(dims, tp, moe=_is_moe(dims, i), ep=ep, etp=etp) for i in stage_layers(dims, pp, stage, vpp))
+    n = sum(layer_parameters(dims, tp, moe=_is_moe(dims, i), ep=ep, etp=etp)
+            for i in stage_layers(dims, pp, stage, vpp))
     vocab_shard = dims.padded_vocab_size(tp) // tp * dims.hidden_size
     if stage == 0:
         n += vocab_shard

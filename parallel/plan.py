@@ -54,7 +54,7 @@ def enumerate_layouts(dims, *, nodes: int, gpus_per_node: int, seq_length: int, 
     :func:`parallel.layout.validate_layout` refuses (heads and KV heads per TP, Ulysses heads).
     ``sequence_parallel`` applies to layouts with TP > 1.
     """
-    world = nodes * gpus_per_node
+    world, vpp = nodes * gpus_per_node, virtual_pipeline_size
     experts = getattr(dims, "num_experts", 0)
     valid, refused = [], []
     for tp in _divisors(world):
@@ -66,7 +66,7 @@ def enumerate_layouts(dims, *, nodes: int, gpus_per_node: int, seq_length: int, 
                                             pipeline_model_parallel_size=pp,
                                             sequence_parallel=sequence_parallel and tp > 1,
                                             context_parallel_size=cp, cp_comm_type=cp_comm_type,
-                                            virtual_pipeline_model_parallel_size=virtual_pipeline_size if pp > 1 else None,
+                                            virtual_pipeline_model_parallel_size=vpp if pp > 1 else None,
                                             expert_model_parallel_size=ep,
                                             expert_tensor_parallel_size=1 if experts else None)
                     reason = _why_not(dims, layout, gpus_per_node, seq_length)

@@ -68,7 +68,8 @@ def test_qwen3_and_qwen3_moe_round_trips_through_expert_and_tensor_layouts(tmp_p
     dirs = [save_tiny_dir(tmp_path / f, f, seed=4) for f in ("qwen3", "qwen3_moe")]
     run_torchrun("convert_worker.py", "chain", str(tmp_path / "work"), *map(str, dirs))
     for i, d in enumerate(dirs):
-        original, back = load_file(d / "model.safetensors"), load_file(tmp_path / "work" / str(i) / "hf" / "model.safetensors")
+        original = load_file(d / "model.safetensors")
+        back = load_file(tmp_path / "work" / str(i) / "hf" / "model.safetensors")
         assert set(original) == set(back), sorted(set(original) ^ set(back))
         assert all(torch.equal(original[k], back[k]) for k in original)
     assert "model.layers.2.mlp.experts.3.down_proj.weight" in back and "model.layers.3.mlp.down_proj.weight" in back

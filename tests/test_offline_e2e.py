@@ -134,7 +134,8 @@ def test_qwen3_moe_reward_model_and_dpo_with_expert_parallelism(tmp_path):
     losses = [h["loss"] for h in s["history"]]
     assert losses[0] > losses[1] > losses[2], losses
     assert all(h["moe/load_imbalance"] >= 1.0 for h in s["history"])  # routing statistics logged per step
-    assert json.loads((out / "hf" / "config.json").read_text())["architectures"] == ["Qwen3MoeForSequenceClassification"]
+    exported = json.loads((out / "hf" / "config.json").read_text())
+    assert exported["architectures"] == ["Qwen3MoeForSequenceClassification"]
     check_export_scores(out, s["heldout_after"])
     s, _ = job(tmp_path, "dpo", *common, "algorithm.beta=0.5", "trainer.export_hf=false", model_dir=model_dir)
     losses = [h["loss"] for h in s["history"]]

@@ -146,7 +146,8 @@ def test_the_matrix_covers_the_hard_cases():
 
 def test_fused_moe_tensors_stack_experts():
     bridge, _ = model("qwen3_moe")  # 4 experts of width 32, hidden 40; layer 1 dense
-    w13, w2 = (next(t for t in bridge.vllm_tensors(2, 2, 1) if t.name.endswith(leaf)) for leaf in ("w13_weight", "w2_weight"))
+    tensors = {t.name.rpartition(".")[2]: t for t in bridge.vllm_tensors(2, 2, 1) if "layers.0.mlp.experts" in t.name}
+    w13, w2 = tensors["w13_weight"], tensors["w2_weight"]
     assert w13.name == "model.layers.0.mlp.experts.routed_experts.w13_weight"
     assert w13.shape == (4, 32, 40) and w2.shape == (4, 40, 16)
     # expert e's [gate_r; up_r] rows come from its own Megatron parameter (global expert index)

@@ -25,6 +25,7 @@ from alignment.models.mapping import (
     FINAL_NORM,
     LM_HEAD,
     SCORE_HEAD,
+    Family,
     Mapping,
     vllm_padded_vocab,
 )
@@ -55,7 +56,7 @@ class Bridge:
     """Maps one Megatron parameter at a time between HF, Megatron TP shards and vLLM's layout.
 
     Args:
-        family: the model family (:class:`alignment.models.families.Family`).
+        family: the model family's :class:`alignment.models.mapping.Family` (its table).
         dims: the model's :class:`ModelDims`.
         head: ``"lm"`` (LM head) or ``"score"`` (scalar reward/value head, HF ``score.weight``).
         architecture: the HF architecture the model came as (either head's); default the
@@ -64,7 +65,7 @@ class Bridge:
         ValueError: an unknown ``head``.
     """
 
-    def __init__(self, family, dims: ModelDims, head: str = "lm", architecture: str | None = None):
+    def __init__(self, family: Family, dims: ModelDims, head: str = "lm", architecture: str | None = None):
         if head not in ("lm", "score"):
             raise ValueError(f"head={head!r}: valid values are lm (LM head), score (scalar reward/value head)")
         self.family, self.dims, self.head = family, dims, head

@@ -172,7 +172,8 @@ class QKV(Mapping):
         return fused.chunk(size, dim=0)[rank].reshape(-1, *rest)
 
     def to_hf(self, shards, d):
-        nkv, g, hd, rest = d.num_query_groups, d.num_attention_heads // d.num_query_groups, d.head_dim, shards[0].shape[1:]
+        nkv, hd, rest = d.num_query_groups, d.head_dim, shards[0].shape[1:]
+        g = d.num_attention_heads // nkv
         fused = torch.cat(shards, dim=0).reshape(nkv, (g + 2) * hd, *rest)
         q, k, v = fused.split([g * hd, hd, hd], dim=1)
         return [q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)]

@@ -169,6 +169,7 @@ def ppo_step(models: PPOModels, prompts: list[list[int]], cfg) -> tuple[dict[str
     for _ in range(a.ppo_epochs):
         for mb_list, tokens in minis:
             critic_out += _train_critic(models, mb_list, tokens, a.value_clip, packing)
+    critic_routing = routing_metrics(models.critic, prefix="moe_critic")  # MoE critic; before the policy trains
     models.placement.keep(*trainable("policy"))
     for _ in range(a.ppo_epochs):
         for mb_list, tokens in minis:
@@ -208,6 +209,7 @@ def ppo_step(models: PPOModels, prompts: list[list[int]], cfg) -> tuple[dict[str
         "grad_norm": sum(grad_norms) / len(grad_norms),
         "token_mult_prob_error": perr / tok,
         **routing_metrics(models.policy),  # MoE: expert load imbalance, aux loss
+        **critic_routing,
         **models.placement.pop_stats(),
         **sync_metrics,
     }

@@ -50,8 +50,10 @@ def track_routing(model: torch.nn.Module) -> None:
             module.register_forward_hook(count)
 
 
-def routing_metrics(model: torch.nn.Module) -> dict[str, float]:
-    """The step's ``moe/*`` metrics (module doc) over all ranks, then resets the counts.
+def routing_metrics(model: torch.nn.Module, prefix: str = "moe") -> dict[str, float]:
+    """The step's ``<prefix>/*`` metrics (module doc) over all ranks, then resets the counts and
+    Megatron's aux-loss tracker (shared by every model of the process: read each trained model's
+    right after its updates, e.g. PPO's critic before the policy trains).
     Collective over the default group for MoE models; ``{}`` for a model without
     :func:`track_routing` (every rank must agree, as they do for one job's model)."""
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
@@ -78,7 +80,7 @@ def routing_metrics(model: torch.nn.Module) -> dict[str, float]:
         return {}
     load = total[moe]
     imbalance = load.max(dim=1).values / load.mean(dim=1).clamp_min(1e-12)
-    out = {"moe/load_imbalance": imbalance.mean().item(), "moe/load_imbalance_max": imbalance.max().item()}
+    out = {f"{prefix}/load_imbalance": imbalance.mean().item(), f"{prefix}/load_imbalance_max": imbalance.max().item()}
     if tracked is not None or bool(total_aux.any()):
-        out["moe/aux_loss"] = (total_aux[moe] / total_calls[moe]).mean().item()
+        out[f"{prefix}/aux_loss"] = (total_aux[moe] / total_calls[moe]).mean().item()
     return out

@@ -32,8 +32,8 @@ def L(tp=1, pp=1, ep=1, etp=None):  # noqa: N802 - a layout, as ParallelLayout f
 LOGIT_CASES = {
     2: {"qwen3/tp1": L(), "qwen3/tp2": L(tp=2), "qwen3/pp2": L(pp=2), "qwen3_tied/tp2": L(tp=2),
         "qwen3_tied/pp2": L(pp=2),
-        "qwen3_moe/ep1": L(), "qwen3_moe/ep2": L(ep=2), "qwen3_moe/tp2": L(tp=2), "qwen3_moe/tp2_ep2_etp1": L(tp=2, ep=2, etp=1),
-        "qwen3_moe/pp2": L(pp=2)},
+        "qwen3_moe/ep1": L(), "qwen3_moe/ep2": L(ep=2), "qwen3_moe/tp2": L(tp=2),
+        "qwen3_moe/tp2_ep2_etp1": L(tp=2, ep=2, etp=1), "qwen3_moe/pp2": L(pp=2)},
     4: {"qwen3_moe/ep2_tp2": L(tp=2, ep=2), "qwen3_moe/ep4": L(ep=4), "qwen3_moe/pp2_ep2": L(pp=2, ep=2),
         "qwen3_moe/pp2_tp2_ep2_etp1": L(tp=2, pp=2, ep=2, etp=1)},
 }
@@ -71,7 +71,8 @@ def switch_aux(router_logits: torch.Tensor, topk: int, groups: int) -> tuple[tor
     aux, counts = 0.0, torch.zeros(e)
     for chunk in router_logits.float().chunk(groups):
         probs = torch.softmax(chunk, dim=-1)
-        c = torch.zeros(e).scatter_add_(0, probs.topk(topk, dim=-1).indices.flatten(), torch.ones(chunk.shape[0] * topk))
+        chosen = probs.topk(topk, dim=-1).indices.flatten()
+        c = torch.zeros(e).scatter_add_(0, chosen, torch.ones(chosen.numel()))
         aux = aux + e * ((c / (chunk.shape[0] * topk)) * probs.mean(0)).sum() / groups
         counts += c
     return aux, counts
@@ -83,12 +84,11 @@ def grad_cases(world: int) -> dict:
     switch loss of each rank's micro-batch, averaged (DP=2 ranks x 4 rows = one micro-batch each)."""
     hf = tiny_qwen3_moe(seed=3)
     batch, topk = make_batch(hf.config.vocab_size), hf.config.num_experts_per_tok
-    rows, seq = batch["input_ids"].shape
     per_layer = []
 
     def aux_loss(output):
         per_layer.clear()
-        per_layer.extend(switch_aux(r.view(rows, seq, -1).reshape(rows * seq, -1), topk, 2) for r in output.router_logits)
+        per_layer.extend(switch_aux(r, topk, 2) for r in output.router_logits)  # [rows * seq, E], row-major
         return AUX_COEFF * sum(a for a, _ in per_layer)
 
     refs = {0.0: hf_reference(hf, batch), AUX_COEFF: hf_reference(hf, batch, aux_loss, output_router_logits=True)}

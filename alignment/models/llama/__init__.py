@@ -21,8 +21,8 @@ QKV_WEIGHT = QKV("self_attention.linear_qkv.weight",
 QKV_BIAS = QKV("self_attention.linear_qkv.bias",
                (L + "self_attn.q_proj.bias", L + "self_attn.k_proj.bias", L + "self_attn.v_proj.bias"),
                L + "self_attn.qkv_proj.bias")
-O_PROJ = RowParallel("self_attention.linear_proj.weight", (L + "self_attn.o_proj.weight",), L + "self_attn.o_proj.weight",
-                     shape=lambda d: (d.hidden_size, d.num_attention_heads * d.head_dim))
+O_PROJ = RowParallel("self_attention.linear_proj.weight", (L + "self_attn.o_proj.weight",),
+                     L + "self_attn.o_proj.weight", shape=lambda d: (d.hidden_size, d.num_attention_heads * d.head_dim))
 POST_ATTENTION_NORM = Replicated("pre_mlp_layernorm.weight", (L + "post_attention_layernorm.weight",),
                                  L + "post_attention_layernorm.weight", shape=hidden)
 GATE_UP = GatedMLP("mlp.linear_fc1.weight", (L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"),
