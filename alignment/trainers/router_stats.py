@@ -41,8 +41,11 @@ def track_routing(model: torch.nn.Module) -> None:
         if not torch.is_grad_enabled():
             return
         routing_map = output[1]
+        if gpt._routing_counts.device != routing_map.device:  # once: count where routing runs, no host sync
+            gpt._routing_counts = gpt._routing_counts.to(routing_map.device)
+            gpt._routing_calls = gpt._routing_calls.to(routing_map.device)
         layer = router.layer_number - 1
-        gpt._routing_counts[layer] += routing_map.sum(0).to("cpu", torch.float64)
+        gpt._routing_counts[layer] += routing_map.sum(0)
         gpt._routing_calls[layer] += 1
 
     for module in gpt.modules():
@@ -65,9 +68,9 @@ def routing_metrics(model: torch.nn.Module, prefix: str = "moe") -> dict[str, fl
     if counts is None:
         return {}
     tracked = get_moe_layer_wise_logging_tracker().get("load_balancing_loss", {}).get("values")
-    aux = torch.zeros_like(calls) if tracked is None else tracked.detach().to("cpu", torch.float64)
+    aux = torch.zeros_like(calls) if tracked is None else tracked.detach()[: calls.numel()].to(calls)
     # one all-reduce: counts [L, E], calls [L], aux [L]; each token counted by the ranks routing it
-    packed = torch.cat([counts.flatten(), calls, aux[: calls.numel()]]).to(comm_device())
+    packed = torch.cat([counts.flatten(), calls, aux]).to(comm_device())
     dist.all_reduce(packed)
     packed = packed.cpu()
     n_layers, n_experts = counts.shape
@@ -81,6 +84,6 @@ def routing_metrics(model: torch.nn.Module, prefix: str = "moe") -> dict[str, fl
     load = total[moe]
     imbalance = load.max(dim=1).values / load.mean(dim=1).clamp_min(1e-12)
     out = {f"{prefix}/load_imbalance": imbalance.mean().item(), f"{prefix}/load_imbalance_max": imbalance.max().item()}
-    if tracked is not None or bool(total_aux.any()):
+    if bool(total_aux.any()):  # the same on every rank (a stage without MoE layers tracks nothing)
         out[f"{prefix}/aux_loss"] = (total_aux[moe] / total_calls[moe]).mean().item()
     return out
