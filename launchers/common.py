@@ -45,6 +45,15 @@ class Run:
                 self.writer.add_scalar(k, v, step)
             self.writer.flush()
 
+    def seconds_since_launch(self) -> float:
+        """Wall seconds since this process started (``psutil``'s creation time): the start-up cost
+        when called before the first step."""
+        import time
+
+        import psutil
+
+        return time.time() - psutil.Process().create_time()
+
     def progress(self, start: int, total: int, desc: str):
         """``range(start, total)``, with a tqdm bar on rank 0 when ``trainer.progress_bar``."""
         steps = range(start, total)
@@ -108,7 +117,16 @@ def start(cfg) -> Run:
     from parallel.state import env_world, init_distributed
 
     install()  # SIGUSR1/SIGTERM: checkpoint at the next step boundary and exit (launchers/preemption.py)
+    from launchers.host_memory import return_freed_memory_to_os
+
+    return_freed_memory_to_os()
     rank, world, _ = env_world()
+    if cfg.trainer.quiet:
+        from launchers.console import route_third_party_output
+
+        log = route_third_party_output(Path(cfg.output_dir) / "logs" / f"rank{rank}.log")
+        if rank == 0:
+            print(f"third-party output (vLLM, torch, ...): {log}", flush=True)
     hf_dir = prepare_hf_dir(cfg.model.path)
     hf_config = AutoConfig.from_pretrained(hf_dir)
     from transformers import AutoTokenizer

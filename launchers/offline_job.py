@@ -147,10 +147,13 @@ def run(cfg) -> dict:
             save_megatron_checkpoint(models.model, ckpt_dir / f"step_{step}", optimizer=models.optimizer, step=step,
                                      config=job.resolved_config)
 
-    before = evaluate()
-    job.log({f"heldout/{k}": v for k, v in before.items()}, start_step)
-    if job.rank == 0:
-        print(f"held-out before ({len(mine) * dp} examples): {json.dumps(before)}", flush=True)
+    before = None
+    if cfg.trainer.eval_before:
+        before = evaluate()
+        job.log({f"heldout/{k}": v for k, v in before.items()}, start_step)
+        if job.rank == 0:
+            print(f"held-out before ({len(mine) * dp} examples): {json.dumps(before)}", flush=True)
+    startup_s = job.seconds_since_launch()
 
     steps = job.progress(start_step, total, cfg.algorithm.name)
     for step in steps:
@@ -191,5 +194,5 @@ def run(cfg) -> dict:
                            job.out / "hf")
     summary = {"heldout_before": before, "heldout_after": after, "start_step": start_step, "steps": total,
                "heldout_size": len(mine) * dp, "train_size": len(train), "world_size": job.world,
-               "history": job.history}
+               "startup_s": startup_s, "history": job.history}
     return job.finish(summary, f"held-out after: {json.dumps(after)}")

@@ -52,6 +52,7 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
         reference = shard().eval()
         for p in reference.parameters():
             p.requires_grad_(False)
+    del hf_state  # unmaps the safetensors files (their pages count in this process's RSS)
     r = cfg.rollout
     engine = VLLMEngine(str(hf_dir), max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
                         gpu_memory_utilization=r.gpu_memory_utilization,
@@ -101,6 +102,7 @@ def run_rl(cfg: DictConfig) -> dict:
     from alignment.trainers.offload import trainable
     from launchers import preemption
     from launchers.common import start
+    from launchers.profiling import peak_rss_bytes
 
     job = start(cfg)  # validates the config before any process group starts
     models = build(cfg, job.hf_dir, job.hf_config, job.rank)
@@ -122,11 +124,14 @@ def run_rl(cfg: DictConfig) -> dict:
             save_megatron_checkpoint(models.policy, ckpt_dir / f"step_{step}", optimizer=models.optimizer, step=step,
                                      config=job.resolved_config)
 
-    acc_before = grpo.evaluate(models, heldout, cfg.data.task, cfg.rollout.eval_max_tokens)
-    job.log({"heldout/accuracy": acc_before}, start_step)
-    if job.rank == 0:
-        what = f"at step {start_step} (resumed)" if start_step else "before training"
-        print(f"held-out accuracy {what}: {acc_before:.3f} ({len(heldout)} problems)", flush=True)
+    acc_before = None
+    if cfg.trainer.eval_before:
+        acc_before = grpo.evaluate(models, heldout, cfg.data.task, cfg.rollout.eval_max_tokens)
+        job.log({"heldout/accuracy": acc_before}, start_step)
+        if job.rank == 0:
+            what = f"at step {start_step} (resumed)" if start_step else "before training"
+            print(f"held-out accuracy {what}: {acc_before:.3f} ({len(heldout)} problems)", flush=True)
+    startup_s = job.seconds_since_launch()
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     per_rank = cfg.rollout.prompts_per_step // dp
@@ -146,6 +151,7 @@ def run_rl(cfg: DictConfig) -> dict:
         step_time = time.perf_counter() - t0
         metrics["tokens_per_s"] = metrics.pop("tokens") / step_time
         metrics.update({f"time/{k}": v for k, v in times.items()}, **{"time/step": step_time})
+        metrics["memory/peak_rss_gib"] = peak_rss_bytes() / 2**30  # this rank's, so far
         if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0 and step + 1 < cfg.trainer.steps:
             metrics["heldout/accuracy"] = grpo.evaluate(models, heldout, cfg.data.task, cfg.rollout.eval_max_tokens)
         job.log(metrics, step + 1)
@@ -167,9 +173,9 @@ def run_rl(cfg: DictConfig) -> dict:
         save_hf_checkpoint(models.policy, models.bridge, job.hf_config, models.tokenizer, job.out / "hf")
     summary = {"heldout_accuracy_before": acc_before, "heldout_accuracy_after": acc_after, "start_step": start_step,
                "heldout_size": len(heldout), "steps": cfg.trainer.steps, "world_size": job.world,
-               "history": job.history}
-    return job.finish(summary, f"held-out accuracy after training: {acc_after:.3f} (before: {acc_before:.3f})",
-                      models.engine)
+               "startup_s": startup_s, "history": job.history}
+    before = f" (before: {acc_before:.3f})" if acc_before is not None else ""
+    return job.finish(summary, f"held-out accuracy after training: {acc_after:.3f}{before}", models.engine)
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="grpo")
@@ -180,6 +186,11 @@ def main(cfg: DictConfig) -> None:
     from launchers.preemption import install
 
     install()  # as early as possible: a signal before this would kill the process
+    if cfg.trainer.quiet:  # before Megatron and vLLM are imported (launchers/console.py)
+        from launchers.console import route_third_party_output
+        from parallel.state import env_world
+
+        route_third_party_output(Path(cfg.output_dir) / "logs" / f"rank{env_world()[0]}.log")
     run(cfg)
 
 

@@ -34,8 +34,7 @@ layer spec with :mod:`parallel.attention`, :class:`alignment.trainers.megatron_s
   KV cache (:func:`kv_cache_bytes`), when one is planned.
 
 Not counted: the CUDA context, NCCL buffers and allocator fragmentation (leave a reserve),
-torch's foreach/fused-Adam temporaries, the entropy metric's temporaries in RL jobs
-(``no_grad``, freed before the loss), activation recomputation (megalign does not recompute).
+torch's foreach/fused-Adam temporaries, activation recomputation (megalign does not recompute).
 """
 
 from __future__ import annotations
@@ -231,18 +230,17 @@ def microbatches_in_flight(pp: int, stage: int, num_microbatches: int | None = N
 def logits_bytes(dims, tokens: int, tp: int, dtype: str) -> int:
     """Peak bytes of the ``[tokens, V_pad / tp]`` logits of one micro-batch at the loss.
 
-    :class:`alignment.trainers.megatron_step.LogprobOutputs` upcasts the logits to fp32 (a copy
-    when the weights are bf16: the bf16 logits and the fp32 copy coexist), masks the vocabulary
-    padding (a second fp32 copy, on the TP rank whose slice holds padding, i.e. when
-    ``V_pad > V``), and Megatron's ``vocab_parallel_cross_entropy`` turns its fp32 input into the
-    softmax in place and keeps it for backward, where the gradient is written over it. So
-    ``4 + (2 if bf16) + (4 if padded)`` bytes per entry, at least the fp32 softmax.
+    :func:`parallel.vocab_logprobs.vocab_parallel_logprobs` keeps the model's logits (weights'
+    dtype) for backward and writes their gradient in the same dtype while they are alive; its
+    fp32 working set is two ``[chunk, V_pad / tp]`` tensors (the upcast chunk and its
+    exponentials), ``chunk`` = :func:`parallel.vocab_logprobs.chunk_tokens` tokens at most.
+    So ``2 x dtype bytes`` per entry plus ``2 x 4`` bytes per entry of one chunk.
     """
-    entries = tokens * (dims.padded_vocab_size(tp) // tp)
-    per = 4 + (dtype_bytes(dtype) if dtype_bytes(dtype) != 4 else 0)
-    if dims.padded_vocab_size(tp) > dims.vocab_size:
-        per += 4
-    return entries * per
+    from parallel.vocab_logprobs import chunk_tokens
+
+    v_local = dims.padded_vocab_size(tp) // tp
+    working = 2 * 4 * min(tokens, chunk_tokens(v_local)) * v_local
+    return 2 * dtype_bytes(dtype) * tokens * v_local + working
 
 
 # ---- vLLM -------------------------------------------------------------------------------------

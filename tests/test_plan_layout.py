@@ -102,14 +102,16 @@ def test_activations_and_logits_by_hand():
     assert layer_activation_bytes(tiny(), tokens, 1, False, "float32") == tokens * ((384 + 576 + 400) * 4 + 16)
     assert layer_activation_bytes(tiny(), tokens, 2, True, "bfloat16") == tokens * ((384 + 576 + 400) // 2 * 2 + 8)
     assert layer_activation_bytes(tiny(), tokens, 2, False, "float32") == tokens * ((384 + (576 + 400) // 2) * 4 + 8)
-    # logits [32, 256]: fp32 softmax + the masked copy (250 < 256 is padded); bf16 adds the bf16 logits
-    assert logits_bytes(tiny(), tokens, 1, "float32") == tokens * 256 * 8
-    assert logits_bytes(tiny(), tokens, 1, "bfloat16") == tokens * 256 * 10
-    assert logits_bytes(tiny(vocab=256), tokens, 1, "float32") == tokens * 256 * 4  # no padding, no copy
+    # logits [32, 256] and their gradient in the weights' dtype, plus two fp32 chunks of the
+    # chunked log-softmax (all 32 tokens fit in one chunk here; SmolLM2's vocabulary: 341 tokens)
+    assert logits_bytes(tiny(), tokens, 1, "float32") == tokens * 256 * (2 * 4 + 2 * 4)
+    assert logits_bytes(tiny(), tokens, 1, "bfloat16") == tokens * 256 * (2 * 2 + 2 * 4)
+    big = 4096
+    assert logits_bytes(tiny(vocab=49152), big, 1, "bfloat16") == big * 49152 * 4 + 2 * 4 * 341 * 49152
     m = stage_memory(tiny(), layout(), 0, dtype="float32", micro_batch_size=2, seq_length=16,
                      distributed_optimizer=False)
     assert m.activations == 4 * tokens * (1360 * 4 + 16) + 3 * 64 * tokens * 4  # 4 layers + the final norm
-    assert m.logits == tokens * 256 * 8
+    assert m.logits == tokens * 256 * 16
     # context parallelism splits the tokens
     m2 = stage_memory(tiny(), layout(world=2, cp=2), 0, dtype="float32", micro_batch_size=2, seq_length=16,
                       distributed_optimizer=False)

@@ -23,14 +23,17 @@ def test_smollm2_logits_match_transformers(torchrun_json):
 @pytest.mark.slow
 def test_one_grpo_step_on_smollm2(tmp_path):
     out, result = tmp_path / "run", tmp_path / "result.json"
-    run_torchrun("e2e_worker.py", "smollm2", str(out), "task", "trainer.steps=1", "rollout.prompts_per_step=4",
+    run_torchrun("e2e_worker.py", "smollm2", str(out), "task", "model.dtype=bfloat16", "trainer.steps=1",
+                 "trainer.use_distributed_optimizer=true", "rollout.prompts_per_step=4",
                  "rollout.group_size=4", "trainer.micro_batch_size=4", "data.heldout_size=8",
                  "rollout.max_tokens=32", "rollout.eval_max_tokens=32", "trainer.progress_bar=false",
                  str(result), timeout=1200)
     s = json.loads(result.read_text())
     (m,) = s["history"]
     assert m["kl"] == 0.0  # the first step runs with policy == reference
-    assert 1.0 <= m["token_mult_prob_error"] < 1.01, m  # vLLM and Megatron agree on the same weights
+    # bf16 (the main job's default): the trainer's and vLLM's bf16 kernels differ, each logprob taken in
+    # fp32 from bf16 logits; the main job measures 1.04-1.05 (fp32 end to end: 1.0000, tests/test_grpo_e2e.py)
+    assert 1.0 < m["token_mult_prob_error"] < 1.1, m
     assert 0.0 <= m["reward/mean"] <= 1.0 and m["response_length"] > 0
     assert 0.0 <= s["heldout_accuracy_before"] <= 1.0
     from transformers import AutoModelForCausalLM

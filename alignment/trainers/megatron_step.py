@@ -191,23 +191,22 @@ class LogprobOutputs:
     ``softmax(logits / temperature)`` from vocabulary-parallel logits; position ``t`` is the
     log-probability of the token after ``t`` in its sequence. Positions with no next token
     (a row's last real token, padding) hold meaningless values: losses mask them.
-    Consumes the logits: Megatron's ``vocab_parallel_cross_entropy`` works in place (entropy
-    is computed first)."""
+
+    Computed in fp32 a chunk of tokens at a time (:func:`parallel.vocab_logprobs.vocab_parallel_logprobs`):
+    the logits stay in the model's dtype and no full-vocabulary fp32 copy is made."""
 
     vocab_size: int
     temperature: float = 1.0
     entropy: bool = False
 
     def __call__(self, logits: torch.Tensor, target_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+        from megatron.core import parallel_state as ps
 
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        out = {}
-        if self.entropy:  # before the cross entropy, which overwrites its input
-            out["entropy"] = token_entropy(logits, self.vocab_size)
-        out["logprobs"] = -vocab_parallel_cross_entropy(mask_padded_vocab(logits.float(), self.vocab_size), target_ids)
-        return out
+        from parallel.vocab_logprobs import vocab_parallel_logprobs
+
+        logprobs, entropy = vocab_parallel_logprobs(logits, target_ids, self.vocab_size, self.temperature,
+                                                    group=ps.get_tensor_model_parallel_group())
+        return {"logprobs": logprobs, "entropy": entropy} if self.entropy else {"logprobs": logprobs}
 
 
 def value_outputs(values: torch.Tensor, target_ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -222,43 +221,6 @@ def is_output_rank() -> bool:
 
     return (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
             and ps.get_context_parallel_rank() == 0)
-
-
-def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Set the logits of Megatron's vocabulary-padding rows to the dtype's minimum.
-
-    Args:
-        logits: ``[..., vocab_padded / tp]`` this TP rank's slice.
-        vocab_size: the real (unpadded) vocabulary size.
-    """
-    from megatron.core import parallel_state as ps
-
-    v_local = logits.shape[-1]
-    start = ps.get_tensor_model_parallel_rank() * v_local
-    if start + v_local <= vocab_size:
-        return logits
-    col = torch.arange(start, start + v_local, device=logits.device)
-    return logits.masked_fill(col >= vocab_size, torch.finfo(logits.dtype).min)
-
-
-@torch.no_grad()
-def token_entropy(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Entropy (nats) of the next-token distribution, ``[batch, seq]``, from
-    vocabulary-parallel logits ``[batch, seq, vocab_padded/tp]`` (all-reduced over TP)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    group = ps.get_tensor_model_parallel_group()
-    x = mask_padded_vocab(logits.float(), vocab_size)
-    m = x.max(dim=-1, keepdim=True).values
-    if ps.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    e = torch.exp(x - m)
-    sums = torch.stack([e.sum(-1), (e * x).sum(-1)])
-    if ps.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(sums, group=group)
-    z, ex = sums[0], sums[1]
-    return torch.log(z) + m.squeeze(-1) - ex / z
 
 
 def all_reduce_sum(values: list[float], group=None) -> list[float]:

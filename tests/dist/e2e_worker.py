@@ -29,7 +29,8 @@ def main() -> None:
         grpo.score_response = lambda problem, text: float(len(text) % 2 == 0)
     register()
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-        cfg = compose("grpo", overrides=[f"model.path={model_dir}", f"output_dir={out_dir}", *overrides])
+        cfg = compose("grpo", overrides=[f"model.path={model_dir}", f"output_dir={out_dir}", "model.dtype=float32",
+                                            *overrides])
     summary = run(cfg)
     import os
 

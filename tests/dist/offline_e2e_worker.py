@@ -22,7 +22,8 @@ def main() -> None:
 
     register()
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-        cfg = compose(config, overrides=[f"model.path={model_dir}", f"output_dir={out_dir}", *overrides])
+        cfg = compose(config, overrides=[f"model.path={model_dir}", f"output_dir={out_dir}", "model.dtype=float32",
+                                            *overrides])
     summary = run(cfg)
     if os.environ.get("RANK", "0") == "0":
         Path(result_path).write_text(json.dumps(summary, default=float))

