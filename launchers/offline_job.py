@@ -53,24 +53,25 @@ def build(cfg, hf_dir: Path, hf_config, objective):
     from alignment.models.gpt import build_gpt_model
     from alignment.models.value_head import build_value_model
     from alignment.models.weights import lazy_safetensors, load_hf_weights
-    from alignment.trainers.megatron_step import OptimConfig, setup_training
+    from alignment.trainers.megatron_step import OptimConfig, main_param_writer, setup_training
     from alignment.trainers.offline import OfflineModels
     from launchers.common import job_transformer_config
 
     hf_state = lazy_safetensors(hf_dir)
     tcfg = lambda: job_transformer_config(cfg, hf_config)  # noqa: E731
+    skip = ()
     if objective.value_head:
         bridge = get_bridge(hf_config, head="score")
         model = build_value_model(hf_config, tcfg(), seed=cfg.seed)
         # A causal-LM checkpoint has no score head: keep the fresh one.
-        load_hf_weights(model, hf_state, bridge, skip=() if "score.weight" in hf_state else ("output_layer.weight",))
+        skip = () if "score.weight" in hf_state else ("output_layer.weight",)
     else:
         bridge = get_bridge(hf_config)
         model = build_gpt_model(hf_config, tcfg())
-        load_hf_weights(model, hf_state, bridge)
     ddp, optimizer = setup_training(model, OptimConfig(
         lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay, clip_grad=cfg.trainer.clip_grad,
         use_distributed_optimizer=cfg.trainer.use_distributed_optimizer))
+    load_hf_weights(model, hf_state, bridge, skip=skip, main_params=main_param_writer(optimizer))
     reference = None
     if objective.needs_reference:
         reference = build_gpt_model(hf_config, tcfg()).eval()

@@ -29,7 +29,7 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     from alignment.models.value_head import build_value_model
     from alignment.models.weights import lazy_safetensors, load_hf_weights
     from alignment.rollout.vllm_engine import VLLMEngine
-    from alignment.trainers.megatron_step import OptimConfig, setup_training
+    from alignment.trainers.megatron_step import OptimConfig, main_param_writer, setup_training
     from alignment.trainers.offload import DevicePlacement, offload_enabled
     from alignment.trainers.ppo import PPOModels
     from launchers.common import job_transformer_config, rollout_layout
@@ -37,26 +37,28 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
 
     t = cfg.trainer
 
-    def shard(path, value_head: bool):
+    def shard(path, value_head: bool, lr: float | None = None):
+        """The model at ``path`` (a value model: scalar head), frozen, or with ``lr`` trained: then
+        ``(ddp, optimizer)``, the checkpoint also seeding the optimizer's fp32 master weights."""
         path = prepare_hf_dir(path)
         hcfg = AutoConfig.from_pretrained(path)
         tcfg = job_transformer_config(cfg, hcfg)
         model = build_value_model(hcfg, tcfg, seed=cfg.seed) if value_head else build_gpt_model(hcfg, tcfg)
         state = lazy_safetensors(path)
         skip = ("output_layer.weight",) if value_head and "score.weight" not in state else ()
-        load_hf_weights(model, state, get_bridge(hcfg, head="score" if value_head else "lm"), skip=skip)
-        return model
+        bridge = get_bridge(hcfg, head="score" if value_head else "lm")
+        if lr is None:
+            load_hf_weights(model, state, bridge, skip=skip)
+            return model.eval().requires_grad_(False)
+        ddp, optimizer = setup_training(model, OptimConfig(
+            lr=lr, weight_decay=t.weight_decay, clip_grad=t.clip_grad, use_distributed_optimizer=t.use_distributed_optimizer))
+        load_hf_weights(model, state, bridge, skip=skip, main_params=main_param_writer(optimizer))
+        return ddp, optimizer
 
-    def frozen(model):
-        model.eval().requires_grad_(False)
-        return model
-
-    optim = dict(weight_decay=t.weight_decay, clip_grad=t.clip_grad, use_distributed_optimizer=t.use_distributed_optimizer)
-    policy, optimizer = setup_training(shard(cfg.model.path, False), OptimConfig(lr=t.lr, **optim))
-    critic, critic_optimizer = setup_training(shard(cfg.model.critic_path or cfg.model.reward_model_path, True),
-                                              OptimConfig(lr=t.critic_lr, **optim))
-    reference = frozen(shard(cfg.model.path, False)) if cfg.algorithm.kl_coef > 0 else None
-    reward_model = frozen(shard(cfg.model.reward_model_path, True))
+    policy, optimizer = shard(cfg.model.path, False, lr=t.lr)
+    critic, critic_optimizer = shard(cfg.model.critic_path or cfg.model.reward_model_path, True, lr=t.critic_lr)
+    reference = shard(cfg.model.path, False) if cfg.algorithm.kl_coef > 0 else None
+    reward_model = shard(cfg.model.reward_model_path, True)
     r = cfg.rollout
     engine = VLLMEngine(str(hf_dir), max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
                         gpu_memory_utilization=r.gpu_memory_utilization,

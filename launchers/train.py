@@ -30,7 +30,7 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     from alignment.models.weights import lazy_safetensors, load_hf_weights
     from alignment.rollout.vllm_engine import VLLMEngine
     from alignment.trainers.grpo import Models
-    from alignment.trainers.megatron_step import OptimConfig, setup_training
+    from alignment.trainers.megatron_step import OptimConfig, main_param_writer, setup_training
     from alignment.trainers.offload import DevicePlacement, offload_enabled
     from launchers.common import job_transformer_config, rollout_layout
     from parallel.reshard import Resharder
@@ -38,20 +38,16 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     bridge = get_bridge(hf_config)
     hf_state = lazy_safetensors(hf_dir)
 
-    def shard():
-        tcfg = job_transformer_config(cfg, hf_config)
-        model = build_gpt_model(hf_config, tcfg)
-        load_hf_weights(model, hf_state, bridge)
-        return model
-
-    policy, optimizer = setup_training(shard(), OptimConfig(
+    model = build_gpt_model(hf_config, job_transformer_config(cfg, hf_config))
+    policy, optimizer = setup_training(model, OptimConfig(
         lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay, clip_grad=cfg.trainer.clip_grad,
         use_distributed_optimizer=cfg.trainer.use_distributed_optimizer))
+    load_hf_weights(model, hf_state, bridge, main_params=main_param_writer(optimizer))
     reference = None
     if cfg.algorithm.kl_coef > 0:
-        reference = shard().eval()
-        for p in reference.parameters():
-            p.requires_grad_(False)
+        reference = build_gpt_model(hf_config, job_transformer_config(cfg, hf_config)).eval()
+        load_hf_weights(reference, hf_state, bridge)
+        reference.requires_grad_(False)
     del hf_state  # unmaps the safetensors files (their pages count in this process's RSS)
     r = cfg.rollout
     engine = VLLMEngine(str(hf_dir), max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,

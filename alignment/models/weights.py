@@ -33,12 +33,16 @@ def _tp(expert: bool) -> tuple[int, int, object]:
 
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor], bridge: Bridge,
-                    skip: tuple[str, ...] = ()) -> None:
+                    skip: tuple[str, ...] = (),
+                    main_params: Callable[[torch.nn.Parameter, torch.Tensor], None] | None = None) -> None:
     """Copy HF weights into this rank's shard (TP slice of its PP stage, its EP rank's experts).
 
     Args:
         hf_state: HF checkpoint name -> full tensor (e.g. :func:`lazy_safetensors` or a dict).
         skip: global Megatron names to leave as initialised (e.g. a new reward head).
+        main_params: also receives every loaded shard at the checkpoint's precision, before the
+            rounding to the model's dtype (:func:`alignment.trainers.megatron_step.main_param_writer`:
+            a bf16 model's fp32 master weights get the fp32 checkpoint's values).
     Raises:
         ValueError: a shape mismatch, naming the parameter.
     """
@@ -50,6 +54,8 @@ def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor]
         if shard.shape != param.shape:
             raise ValueError(f"{gname}: HF gives shard {tuple(shard.shape)}, model has {tuple(param.shape)}")
         param.copy_(shard.to(param.dtype))
+        if main_params is not None:
+            main_params(param, shard)
 
 
 @torch.no_grad()

@@ -71,6 +71,45 @@ def setup_training(model: torch.nn.Module, optim: OptimConfig):
     return ddp, optimizer
 
 
+def main_param_writer(optimizer) -> Callable[[torch.nn.Parameter, torch.Tensor], None]:
+    """A function ``write(param, value)`` that sets the fp32 master copy the optimizer keeps of a
+    bf16/fp16 model parameter: ``value`` is the parameter's full value on this rank (its TP shard,
+    shape ``param.shape``, any dtype; converted to fp32), and the distributed optimizer's master
+    receives only its data-parallel slice of it. Parameters without a master (fp32 models, where
+    the parameter is the master) are ignored.
+
+    Why: Megatron's mixed-precision optimizers (``Float16OptimizerWithFloat16Params``,
+    ``DistributedOptimizer``) create the masters by upcasting the bf16 parameters, so an fp32
+    checkpoint loaded into a bf16 model starts its masters on the bf16 grid. Then an update smaller
+    than half a bf16 step (lr 5e-6 moves a weight ~1e-5; bf16's step at 0.05 is 2.4e-4) never changes
+    the bf16 weight the forward pass uses. Seeded from the fp32 checkpoint, masters sit inside their
+    bf16 cells and a small update flips a fraction of weights proportional to its size, so the bf16
+    model follows the fp32 trajectory on average (measured in the README, section bf16).
+    """
+    targets: dict[torch.nn.Parameter, tuple[torch.Tensor, int, int]] = {}
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(opt, "shard_fp32_from_float16_groups"):  # DistributedOptimizer: a slice per DP rank
+            for model_group, main_group in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups):
+                for param, main in zip(model_group, main_group):
+                    r = opt._get_model_param_range_map(param)["param"]
+                    targets[param] = (main, r.start, r.end)
+        elif hasattr(opt, "fp32_from_float16_groups"):  # Float16OptimizerWithFloat16Params
+            for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+                for param, main in zip(model_group, main_group):
+                    targets[param] = (main, 0, main.numel())
+
+    @torch.no_grad()
+    def write(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+        if param not in targets:
+            return
+        main, start, end = targets[param]
+        if value.shape != param.shape:
+            raise ValueError(f"master weight: value {tuple(value.shape)} for a parameter of shape {tuple(param.shape)}")
+        main.data.view(-1).copy_(value.reshape(-1)[start:end])
+
+    return write
+
+
 def _model_inputs(microbatches: list[dict], packing: bool, pad_id: int, sequence_parallel: bool) -> list:
     """Every micro-batch as this rank's shard eats it (:func:`parallel.packing.model_inputs`);
     with pipeline parallelism all padded to one length (the stages exchange fixed shapes)."""
