@@ -63,7 +63,7 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     engine = VLLMEngine(str(hf_dir), max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
                         gpu_memory_utilization=r.gpu_memory_utilization,
                         seed=cfg.seed + rank // r.tensor_parallel_size,
-                        tensor_parallel_size=r.tensor_parallel_size, dtype=cfg.model.dtype)
+                        tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager, dtype=cfg.model.dtype)
     placement = DevicePlacement(enabled=offload_enabled(t.offload))
     placement.add_model("policy", policy, optimizer)
     placement.add_model("critic", critic, critic_optimizer)

