@@ -32,7 +32,7 @@ CASES = {"dp2": (1, False), "dp2_distributed_optimizer": (1, True), "tp2": (2, F
 LR, STEPS = 1e-5, 3
 
 
-def train(hf, tp: int, distopt: bool, dtype: torch.dtype, seeded: bool) -> dict[str, torch.Tensor]:
+def train(hf, tp: int, distopt: bool, dtype: torch.dtype, seeded: bool) -> tuple[dict[str, torch.Tensor], bool]:
     """HF weights after STEPS Adam steps (fp32 copies), and whether the seeded masters were exact."""
     cfg, bridge = hf.config, get_bridge(hf.config)
     model = build_gpt_model(cfg, transformer_config(cfg, tensor_model_parallel_size=tp, params_dtype=dtype))
