@@ -147,8 +147,9 @@ class TrainerConfig:
     # <output_dir>/logs/rank<r>.log instead of the console (launchers/console.py)
     quiet: bool = True
     # The model sees each micro-batch's sequences packed end to end (thd + cu_seqlens), no padding
-    # between them (verl's use_remove_padding, NeMo-RL's sequence_packing).
-    sequence_packing: bool = False
+    # between them (verl's use_remove_padding, NeMo-RL's sequence_packing). On by default: the
+    # main job's training phase is 24 % faster packed (README, "Speed, memory and start-up").
+    sequence_packing: bool = True
     # > 0: micro-batches by token budget (real tokens), balanced by Karmarkar-Karp, instead of
     # micro_batch_size rows (verl's use_dynamic_bsz + ppo_max_token_len_per_gpu)
     max_tokens_per_microbatch: int = 0

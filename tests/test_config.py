@@ -61,8 +61,8 @@ def test_layout_refused_before_start():
         validate(cfg("parallel.context_parallel_size=2", "parallel.cp_comm_type=a2a"), world_size=2, hf_config=SMOLLM2)
     validate(cfg("parallel.context_parallel_size=2", "trainer.sequence_packing=true"), world_size=2, hf_config=SMOLLM2)
     with pytest.raises(ConfigError, match="needs trainer.sequence_packing=true"):
-        validate(cfg("parallel.pipeline_model_parallel_size=2", "trainer.max_tokens_per_microbatch=1024"),
-                 world_size=2, hf_config=SMOLLM2)
+        validate(cfg("parallel.pipeline_model_parallel_size=2", "trainer.max_tokens_per_microbatch=1024",
+                     "trainer.sequence_packing=false"), world_size=2, hf_config=SMOLLM2)
 
 
 @pytest.mark.parametrize("override, world, message", [

@@ -8,6 +8,10 @@ from __future__ import annotations
 def test_grpo_gradients_equal_single_process_autograd(torchrun_json):
     r = torchrun_json("grpo_invariance_worker.py")
     assert r["reference_max_grad"] > 1e-3  # the gradients are not trivially zero
-    for case in ("dp2_mbs1", "dp2_mbs2", "dp2_mbs4", "tp2_mbs2", "tp2_mbs4", "tp2_sp_mbs2", "pp2_mbs2"):
+    cases = ("dp2_mbs1", "dp2_mbs2", "dp2_mbs4", "tp2_mbs2", "tp2_mbs4", "tp2_sp_mbs2", "pp2_mbs2",
+             "dp2_mbs2_response_only", "dp2_mbs4_packed_response_only", "tp2_mbs2_response_only",
+             "tp2_sp_mbs2_response_only", "pp2_mbs2_response_only")
+    assert set(cases) <= set(r), sorted(set(cases) - set(r))
+    for case in cases:
         assert abs(r[case]["loss"] - r["reference_loss"]) <= 1e-5 * max(1.0, abs(r["reference_loss"])), (case, r[case])
         assert r[case]["max_grad_diff"] <= 1e-5 * r["reference_max_grad"] + 1e-7, (case, r[case])

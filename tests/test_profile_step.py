@@ -20,8 +20,12 @@ def test_flops_per_token_by_hand():
     # forward: 2 N + causal attention 2 L H d T at T = 10
     assert flops_per_token(d, 10, training=False) == 2 * 175_744 + 2 * 4 * 4 * 32 * 10 == 361_728
     assert flops_per_token(d, 10) == 3 * 361_728
+    # the output layer (250 x 64) on a quarter of the tokens only
+    assert flops_per_token(d, 10, training=False, output_fraction=0.25) == 361_728 - 2 * 250 * 64 * 0.75
     with pytest.raises(ValueError, match="seq_length=0: must be > 0"):
         flops_per_token(d, 0)
+    with pytest.raises(ValueError, match="output_fraction=1.5"):
+        flops_per_token(d, 10, output_fraction=1.5)
 
 
 def test_profile_step_traces_and_reports_a_real_run(tmp_path):

@@ -41,7 +41,9 @@ def mfu(summary: dict, cfg, hf_config, peak_flops: float) -> dict | None:
     """Training-phase MFU: tokens trained per step x training FLOPs per token (x ``ppo_epochs``
     for the RL jobs) / ``time/train`` / ``peak_flops`` (FLOP/s of all devices together).
     ``None`` when the run logged no token counts (PPO). Forward-only passes (rollout, old and
-    reference logprobs, DPO's reference) are not counted."""
+    reference logprobs, DPO's reference) are not counted. The output layer counts on response
+    tokens only where the run logs ``response_length`` (the RL jobs, whose losses compute logits
+    there alone), else on every token (an upper bound for SFT/DPO, which also skip prompts)."""
     from alignment.config import OFFLINE_ALGORITHMS
     from alignment.models.families import model_dims
     from alignment.models.flops import flops_per_token
@@ -53,7 +55,9 @@ def mfu(summary: dict, cfg, hf_config, peak_flops: float) -> dict | None:
         return None
     tokens = tps * step_s  # tokens per step
     passes = 1 if cfg.algorithm.name in OFFLINE_ALGORITHMS else cfg.algorithm.ppo_epochs
-    flops = tokens * passes * flops_per_token(model_dims(hf_config), seq)
+    response = _mean(rows, "response_length")
+    out_fraction = min(1.0, response / seq) if response is not None else 1.0
+    flops = tokens * passes * flops_per_token(model_dims(hf_config), seq, output_fraction=out_fraction)
     return {"tokens_per_step": tokens, "train_flops_per_step": flops, "achieved_flops": flops / train_s,
             "peak_flops": peak_flops, "mfu": flops / train_s / peak_flops}
 

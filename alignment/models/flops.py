@@ -26,7 +26,7 @@ def matmul_params(d: ModelDims) -> int:
     return d.num_dense_layers * (attn + dense) + d.num_moe_layers * (attn + moe) + d.vocab_size * d.hidden_size
 
 
-def flops_per_token(d: ModelDims, seq_length: float, *, training: bool = True) -> float:
+def flops_per_token(d: ModelDims, seq_length: float, *, training: bool = True, output_fraction: float = 1.0) -> float:
     """Model FLOPs for one token of a sequence of ``seq_length`` tokens.
 
     Forward: ``2 N`` for the weights (a multiply and an add per weight, ``N`` =
@@ -37,12 +37,20 @@ def flops_per_token(d: ModelDims, seq_length: float, *, training: bool = True) -
 
     Args:
         seq_length: mean tokens per sequence (> 0).
+        output_fraction: the share of tokens whose output-layer product the job needs (in
+            ``[0, 1]``): a loss that reads only response positions needs the ``[vocab, hidden]``
+            product there only (megalign's ``forward_backward(positions=...)``, TRL's and HF's
+            ``logits_to_keep``), so the needed FLOPs count it on those tokens alone.
     Raises:
-        ValueError: ``seq_length <= 0``.
+        ValueError: ``seq_length <= 0`` or ``output_fraction`` outside ``[0, 1]``.
     """
     if seq_length <= 0:
         raise ValueError(f"seq_length={seq_length}: must be > 0")
-    forward = 2 * matmul_params(d) + 2 * d.num_layers * d.num_attention_heads * d.head_dim * seq_length
+    if not 0.0 <= output_fraction <= 1.0:
+        raise ValueError(f"output_fraction={output_fraction}: must be in [0, 1]")
+    output = d.vocab_size * d.hidden_size
+    forward = (2 * (matmul_params(d) - output) + 2 * output * output_fraction
+               + 2 * d.num_layers * d.num_attention_heads * d.head_dim * seq_length)
     return 3 * forward if training else forward
 
 

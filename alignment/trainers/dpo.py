@@ -36,6 +36,7 @@ class DPOObjective:
 
     rows_per_example = 2
     value_head = False
+    positions = "loss_mask"  # the output layer runs on the response positions only
 
     def __init__(self, vocab_size: int, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
                  simpo_gamma: float = 0.5, orpo_lambda: float = 0.1):

@@ -80,16 +80,18 @@ def generate_for_group(engine, prompts: list[list[int]], sampling: SamplingConfi
 
 
 def policy_logprobs(model, microbatches, vocab_size: int, temperature: float = 1.0,
-                    packing: bool = False) -> torch.Tensor | None:
+                    packing: bool = False, positions: str | None = "response_mask") -> torch.Tensor | None:
     """Forward-only logprobs ``[N, seq]`` of ``softmax(logits / temperature)`` in batch row
-    order (last pipeline stage; ``None`` elsewhere). ``packing``: ``trainer.sequence_packing``."""
+    order (last pipeline stage; ``None`` elsewhere). ``packing``: ``trainer.sequence_packing``;
+    ``positions``: the micro-batch mask whose positions are computed (0 elsewhere; ``None``: all),
+    see :func:`alignment.trainers.megatron_step.forward_backward`."""
 
     def collect(mb, out):
         return out["logprobs"].sum() * 0, {"logprobs": out["logprobs"]}
 
     with torch.no_grad():
         out = forward_backward(model, microbatches, collect, outputs=LogprobOutputs(vocab_size, temperature),
-                               forward_only=True, packing=packing)
+                               forward_only=True, packing=packing, positions=positions)
     return cat_rows(out, "logprobs", microbatches) if out else None
 
 
@@ -138,7 +140,7 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
             # The policy being optimised is the one vLLM samples from: softmax(logits / T).
             out = forward_backward(models.policy, microbatches(mini, cfg), loss_fn, forward_only=False,
                                    outputs=LogprobOutputs(models.vocab_size, cfg.rollout.temperature, entropy=True),
-                                   packing=cfg.trainer.sequence_packing)
+                                   packing=cfg.trainer.sequence_packing, positions="response_mask")
             _, grad_norm, _ = models.optimizer.step()
             grad_norms.append(float(grad_norm) if grad_norm is not None else 0.0)
             local = [acc + sum(o[key].item() for o in out) for acc, key in zip(local, keys)]

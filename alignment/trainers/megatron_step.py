@@ -150,6 +150,7 @@ def forward_backward(
     forward_only: bool,
     packing: bool = False,
     pad_id: int = 0,
+    positions: str | None = None,
 ) -> list[dict]:
     """Run all micro-batches through Megatron's schedule (1F1B under PP).
 
@@ -168,6 +169,10 @@ def forward_backward(
             already divided by the global normaliser.
         outputs: ``(model output [b, s_local, ...], target_ids [b, s_local]) -> {name: [b, s_local]}``,
             e.g. :class:`LogprobOutputs` or :func:`value_outputs`.
+        positions: a micro-batch key (``[mbs, seq]``, e.g. ``"response_mask"``) marking the
+            positions whose outputs ``loss_fn`` reads: the output layer runs on those only
+            (:mod:`alignment.trainers.output_positions`) and ``outputs`` are 0 elsewhere.
+            Ignored with sequence parallelism. ``None``: every position.
     Returns:
         the metrics dicts of every micro-batch on the last pipeline stage; ``[]`` elsewhere.
     """
@@ -175,7 +180,7 @@ def forward_backward(
 
     with moe_aux_loss_scale(model.config, len(microbatches), forward_only):
         return _forward_backward(get_forward_backward_func(), model, microbatches, loss_fn, outputs=outputs,
-                                 forward_only=forward_only, packing=packing, pad_id=pad_id)
+                                 forward_only=forward_only, packing=packing, pad_id=pad_id, positions=positions)
 
 
 @contextmanager
@@ -204,20 +209,43 @@ def moe_aux_loss_scale(config, num_microbatches: int, forward_only: bool):
         config.moe_aux_loss_coeff = coeff
 
 
-def _forward_backward(schedule, model, microbatches, loss_fn, *, outputs, forward_only, packing, pad_id):
-    device = next(model.parameters()).device
-    inputs = [x.to(device) for x in _model_inputs(microbatches, packing, pad_id, bool(model.config.sequence_parallel))]
+def _selected_positions(mb: dict, inp, key: str | None, sequence_parallel: bool):
+    """:class:`OutputPositions` of ``mb[key]`` on this rank's tokens, or None (no key, or
+    sequence parallelism over more than one rank)."""
+    from megatron.core import parallel_state as ps
 
-    def loss_func(mb, inp, output):
-        full = {k: inp.restore(v) for k, v in outputs(output, inp.target_ids).items()}
-        loss, metrics = loss_fn(mb, full)
+    from alignment.trainers.output_positions import OutputPositions
+
+    if key is None or (sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1):
+        return None
+    index = inp.index[ps.get_context_parallel_rank()]  # [b, s_local] flat positions in the padded micro-batch
+    mask = mb[key].reshape(-1)[index.clamp(min=0)]
+    return OutputPositions.from_mask(torch.where(index >= 0, mask, torch.zeros_like(mask)))
+
+
+def _forward_backward(schedule, model, microbatches, loss_fn, *, outputs, forward_only, packing, pad_id,
+                      positions=None):
+    from alignment.trainers.output_positions import output_on
+
+    device = next(model.parameters()).device
+    sequence_parallel = bool(model.config.sequence_parallel)
+    inputs = [x.to(device) for x in _model_inputs(microbatches, packing, pad_id, sequence_parallel)]
+
+    def loss_func(mb, inp, sel, output):
+        if sel is None:
+            local = outputs(output, inp.target_ids)
+        else:
+            local = {k: sel.put(v) for k, v in outputs(output, sel.take(inp.target_ids)).items()}
+        loss, metrics = loss_fn(mb, {k: inp.restore(v) for k, v in local.items()})
         return loss, torch.tensor(1, dtype=torch.int), metrics
 
     def forward_step(data_iterator, m):
         mb, inp = next(data_iterator)
         mb = {k: v.to(device) for k, v in mb.items()}  # the loss reads them next to the outputs
-        out = m(inp.input_ids, inp.position_ids, attention_mask=None, packed_seq_params=inp.packed_seq_params)
-        return out, partial(loss_func, mb, inp)
+        sel = _selected_positions(mb, inp, positions, sequence_parallel)
+        with output_on(m, sel):
+            out = m(inp.input_ids, inp.position_ids, attention_mask=None, packed_seq_params=inp.packed_seq_params)
+        return out, partial(loss_func, mb, inp, sel)
 
     return schedule(
         forward_step_func=forward_step,

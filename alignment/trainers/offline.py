@@ -64,7 +64,7 @@ def sequence_logps(model, batch: dict, mb: MicroBatching, vocab_size: int) -> to
     parts = mb.split(batch)
     with torch.no_grad():
         out = forward_backward(model, parts, collect, outputs=LogprobOutputs(vocab_size), forward_only=True,
-                               packing=mb.packing)
+                               packing=mb.packing, positions="loss_mask")
     return cat_rows(out, "logps", parts) if out else torch.zeros(batch["input_ids"].shape[0])
 
 
@@ -87,7 +87,8 @@ def train_step(models: OfflineModels, objective, batch: dict, mb: MicroBatching)
     models.model.zero_grad_buffer()
     models.optimizer.zero_grad()
     out = forward_backward(models.model, mb.split(batch), lambda micro, o: objective.loss(micro, o, normalizer),
-                           outputs=objective.outputs, forward_only=False, packing=mb.packing)
+                           outputs=objective.outputs, forward_only=False, packing=mb.packing,
+                           positions=objective.positions)
     _, grad_norm, _ = models.optimizer.step()
     metrics = objective.metrics(global_sums(out))
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
@@ -101,5 +102,6 @@ def evaluate(models: OfflineModels, objective, batches: list[dict], mb: MicroBat
     outs = []
     for batch in batches:
         outs += forward_backward(models.model, mb.split(batch), lambda micro, o: objective.loss(micro, o, 1.0),
-                                 outputs=objective.outputs, forward_only=True, packing=mb.packing)
+                                 outputs=objective.outputs, forward_only=True, packing=mb.packing,
+                                 positions=objective.positions)
     return objective.metrics(global_sums(outs))

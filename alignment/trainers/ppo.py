@@ -111,7 +111,8 @@ def _train_policy(models: PPOModels, mb_list, normalizer: float, loss_cfg: GRPOL
     models.policy.zero_grad_buffer()
     models.optimizer.zero_grad()
     out = forward_backward(models.policy, mb_list, loss_fn, forward_only=False, packing=packing,
-                           outputs=LogprobOutputs(models.vocab_size, temperature, entropy=True))
+                           outputs=LogprobOutputs(models.vocab_size, temperature, entropy=True),
+                           positions="response_mask")
     _, grad_norm, _ = models.optimizer.step()
     return out, float(grad_norm) if grad_norm is not None else 0.0
 

@@ -26,6 +26,7 @@ class RewardModelObjective:
     rows_per_example = 2
     needs_reference = False
     value_head = True
+    positions = None  # the scalar head at every position (the score is read at the last token)
     outputs = staticmethod(value_outputs)  # what forward_backward hands to loss()
 
     def __init__(self, center_coef: float = 0.0):

@@ -20,6 +20,7 @@ class SFTObjective:
     rows_per_example = 1
     needs_reference = False
     value_head = False
+    positions = "loss_mask"  # the output layer runs on the response positions only
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size

@@ -41,6 +41,7 @@ LENGTHS = [5, 13, 22, 9, 16, 3, 11, 24]
 SEQ = 24
 PAD = 0
 # name: (tp, pp, cp, cp_comm_type, packed, sequence_parallel, micro_batch_size, max_tokens_per_microbatch)
+# "_response_only": the output layer on the response positions only (forward_backward's positions)
 CASES = {
     "packed": (1, 1, 1, "p2p", True, False, 2, 0),
     "cp2": (1, 1, 2, "p2p", False, False, 2, 0),
@@ -59,6 +60,9 @@ CASES = {
     "pp2_cp2_packed": (1, 2, 2, "p2p", True, False, 2, 0),
     "pp2_ulysses2_packed": (1, 2, 2, "a2a", True, False, 2, 0),
     "cp2_packed_token_budget": (1, 1, 2, "p2p", True, False, 1, 40),
+    "cp2_packed_response_only": (1, 1, 2, "p2p", True, False, 2, 0),
+    "tp2_ulysses2_packed_response_only": (2, 1, 2, "a2a", True, False, 2, 0),
+    "pp2_cp2_response_only": (1, 2, 2, "p2p", False, False, 2, 0),
 }
 
 
@@ -104,11 +108,12 @@ def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x - ref).abs().max() / ref.abs().max()).item()
 
 
-def run_case(hf, batch, case, world, ref):
+def run_case(hf, batch, name, world, ref):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    tp, pp, cp, comm, packed, sp, mbs, max_tokens = case
+    tp, pp, cp, comm, packed, sp, mbs, max_tokens = CASES[name]
+    positions = "response_mask" if name.endswith("_response_only") else None
     layout = ParallelLayout(world_size=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                             context_parallel_size=cp, cp_comm_type=comm, sequence_parallel=sp)
     init_distributed(layout)
@@ -137,7 +142,7 @@ def run_case(hf, batch, case, world, ref):
 
     ddp.zero_grad_buffer()
     out = forward_backward(ddp, split_microbatches(local, mbs, max_tokens), loss_fn, outputs=outputs,
-                           forward_only=False, packing=packed)
+                           forward_only=False, packing=packed, positions=positions)
     ref_logits, ref_lp, ref_loss, ref_grads = ref
     errs = torch.zeros(3, dtype=torch.float64)  # logits, logprobs, loss
     if is_output_rank():
@@ -145,6 +150,8 @@ def run_case(hf, batch, case, world, ref):
             rows = o["rows"]
             lengths = batch["seq_lengths"][rows]
             real, has_next = real_positions(lengths, SEQ), real_positions(lengths, SEQ, 1)
+            if positions:  # logits and logprobs exist at the response positions only
+                real = has_next = batch["response_mask"][rows] > 0
             errs[0] = max(errs[0], rel(o["logits"][real], ref_logits[rows][real]))
             errs[1] = max(errs[1], rel(o["logprobs"][has_next], ref_lp[rows][has_next]))
         errs[2] = sum(o["loss"].item() for o in out)
@@ -169,7 +176,7 @@ def main(path: str) -> None:
                              "min_grad_max": min(g.abs().max().item() for g in ref[3].values())}}
     only = sys.argv[2].split(",") if len(sys.argv) > 2 else list(CASES)
     for name in only:
-        results[name] = run_case(hf, batch, CASES[name], world, ref)
+        results[name] = run_case(hf, batch, name, world, ref)
         if rank == 0:
             print(name, results[name], flush=True)
     write_results_and_shutdown(path, results)

@@ -6,7 +6,9 @@ reference logprobs, masks), the gradient of the GRPO loss computed by
 equal the gradient of the same loss computed by plain autograd on the HF
 ``transformers`` model over the whole batch in one process, for:
   DP=2 with micro-batch sizes 1, 2 and 4; TP=2 (DP=1) with micro-batch 2 and 4; TP=2 with sequence
-  parallelism (norm gradients all-reduced over TP); PP=2 (DP=1) with micro-batch 2.
+  parallelism (norm gradients all-reduced over TP); PP=2 (DP=1) with micro-batch 2; and with the
+  output layer on the response positions only (``positions="response_mask"``) at DP=2, DP=2 packed,
+  TP=2, TP=2 with sequence parallelism (where it is not applied) and PP=2.
 Writes {case: {"loss": float, "max_grad_diff": float, "max_grad": float}} + the reference loss.
 """
 
@@ -29,9 +31,16 @@ from tests.dist.report import write_results_and_shutdown
 from tests.dist.tiny_llama import tiny_llama
 
 CFG = GRPOLossConfig(clip_ratio=0.2, kl_coef=0.1, kl_estimator="k3")
-CASES = {"dp2_mbs1": (1, 1, 1, False), "dp2_mbs2": (1, 1, 2, False), "dp2_mbs4": (1, 1, 4, False),
-         "tp2_mbs2": (2, 1, 2, False), "tp2_mbs4": (2, 1, 4, False), "tp2_sp_mbs2": (2, 1, 2, True),
-         "pp2_mbs2": (1, 2, 2, False)}
+# name: (tp, pp, micro-batch size, sequence parallel, packing, output positions)
+CASES = {"dp2_mbs1": (1, 1, 1, False, False, None), "dp2_mbs2": (1, 1, 2, False, False, None),
+         "dp2_mbs4": (1, 1, 4, False, False, None), "tp2_mbs2": (2, 1, 2, False, False, None),
+         "tp2_mbs4": (2, 1, 4, False, False, None), "tp2_sp_mbs2": (2, 1, 2, True, False, None),
+         "pp2_mbs2": (1, 2, 2, False, False, None),
+         "dp2_mbs2_response_only": (1, 1, 2, False, False, "response_mask"),
+         "dp2_mbs4_packed_response_only": (1, 1, 4, False, True, "response_mask"),
+         "tp2_mbs2_response_only": (2, 1, 2, False, False, "response_mask"),
+         "tp2_sp_mbs2_response_only": (2, 1, 2, True, False, "response_mask"),
+         "pp2_mbs2_response_only": (1, 2, 2, False, False, "response_mask")}
 
 
 def make_batch(vocab: int):
@@ -66,11 +75,13 @@ def hf_reference(hf, batch, extra_loss=None, **forward_kwargs):
     return value, {k: p.grad.clone() for k, p in hf.named_parameters()}
 
 
-def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, router_stats=False, **sizes):
+def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, router_stats=False, packing=False,
+                  positions=None, **sizes):
     """Loss and HF-named (checkpoint form) gradients of the GRPO loss through Megatron, laid out
     with ``sizes`` (ParallelLayout fields), micro-batches of ``mbs`` rows; weights from ``state``
     (HF checkpoint form, default the model's state dict). ``router_stats``: also return the
-    step's :func:`alignment.trainers.router_stats.routing_metrics`."""
+    step's :func:`alignment.trainers.router_stats.routing_metrics`. ``packing``, ``positions``: as
+    :func:`alignment.trainers.megatron_step.forward_backward`'s."""
     from megatron.core import parallel_state as ps
 
     from alignment.trainers.router_stats import routing_metrics
@@ -93,7 +104,7 @@ def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, rou
 
     ddp.zero_grad_buffer()
     out = forward_backward(ddp, split_microbatches(local, mbs), loss_fn, forward_only=False,
-                           outputs=LogprobOutputs(cfg.vocab_size))
+                           outputs=LogprobOutputs(cfg.vocab_size), packing=packing, positions=positions)
     loss = torch.tensor(sum(o["policy_loss_sum"].item() + CFG.kl_coef * o["kl_sum"].item() for o in out)
                         if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 else 0.0,
                         dtype=torch.float64)
@@ -111,9 +122,10 @@ def main(path: str) -> None:
     ref_loss, ref_grads = hf_reference(hf, batch)
     results = {"reference_loss": ref_loss,
                "reference_max_grad": max(g.abs().max().item() for g in ref_grads.values())}
-    for name, (tp, pp, mbs, sp) in CASES.items():
+    for name, (tp, pp, mbs, sp, packing, positions) in CASES.items():
         loss, grads = megatron_case(hf, batch, world, mbs, tensor_model_parallel_size=tp,
-                                    pipeline_model_parallel_size=pp, sequence_parallel=sp)
+                                    pipeline_model_parallel_size=pp, sequence_parallel=sp, packing=packing,
+                                    positions=positions)
         assert set(grads) == set(ref_grads), sorted(set(ref_grads) ^ set(grads))
         diff = max((grads[k] - ref_grads[k]).abs().max().item() for k in grads)
         results[name] = {"loss": loss, "max_grad_diff": diff}
