@@ -133,6 +133,9 @@ class TrainerConfig:
     clip_grad: float = 1.0
     eval_every: int = 0  # 0: evaluate before and after training only
     eval_before: bool = True  # evaluate the held-out split before the first step (false: start training at once)
+    # RL jobs: reuse the base checkpoint's before-training accuracy from an earlier run with the same
+    # weights, prompts and generation settings (~/.cache/megalign/heldout; alignment/trainers/eval_cache.py)
+    eval_cache: bool = True
     save_checkpoint: bool = True
     save_every: int = 0  # also checkpoint every N steps (model + optimizer + step); 0: final only
     resume: bool = True  # continue from the latest complete checkpoint in <output_dir>/checkpoints

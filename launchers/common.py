@@ -86,13 +86,15 @@ class Run:
 def job_transformer_config(cfg, hf_config):
     """Megatron ``TransformerConfig`` of a job's model: ``parallel.*`` sizes, ``model.dtype``
     weights, and for mixture-of-experts models ``model.moe_aux_loss_coeff`` (null: the HF
-    config's ``router_aux_loss_coef``). See :func:`alignment.models.gpt.transformer_config`."""
+    config's ``router_aux_loss_coef``). No random initialisation: a job loads every weight from its
+    checkpoint (a new scalar head initialises itself). See :func:`alignment.models.gpt.transformer_config`."""
     from alignment.models.gpt import transformer_config
 
     coeff = cfg.model.moe_aux_loss_coeff
     if coeff is None:
         coeff = float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
     return transformer_config(hf_config, params_dtype=getattr(torch, cfg.model.dtype), moe_aux_loss_coeff=coeff,
+                              initialize=False,
                               **cfg.parallel)
 
 

@@ -120,13 +120,23 @@ def run_rl(cfg: DictConfig) -> dict:
             save_megatron_checkpoint(models.policy, ckpt_dir / f"step_{step}", optimizer=models.optimizer, step=step,
                                      config=job.resolved_config)
 
-    acc_before = None
+    acc_before, cached = None, False
     if cfg.trainer.eval_before:
-        acc_before = grpo.evaluate(models, heldout, cfg.data.task, cfg.rollout.eval_max_tokens)
+        from alignment.trainers.eval_cache import cached_accuracy, heldout_key
+
+        def evaluate_before() -> float:
+            return grpo.evaluate(models, heldout, cfg.data.task, cfg.rollout.eval_max_tokens)
+
+        if start_step == 0:  # the base checkpoint: its accuracy may be known from an earlier run
+            key = heldout_key(job.hf_dir, models.tokenizer, heldout, cfg, job.world)
+            acc_before, cached = cached_accuracy(key, evaluate_before, cfg.trainer.eval_cache)
+        else:
+            acc_before = evaluate_before()
         job.log({"heldout/accuracy": acc_before}, start_step)
         if job.rank == 0:
             what = f"at step {start_step} (resumed)" if start_step else "before training"
-            print(f"held-out accuracy {what}: {acc_before:.3f} ({len(heldout)} problems)", flush=True)
+            note = " (cached from an earlier run: trainer.eval_cache)" if cached else ""
+            print(f"held-out accuracy {what}: {acc_before:.3f} ({len(heldout)} problems){note}", flush=True)
     startup_s = job.seconds_since_launch()
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -167,7 +177,8 @@ def run_rl(cfg: DictConfig) -> dict:
     if cfg.trainer.export_hf:
         models.placement.keep("policy")
         save_hf_checkpoint(models.policy, models.bridge, job.hf_config, models.tokenizer, job.out / "hf")
-    summary = {"heldout_accuracy_before": acc_before, "heldout_accuracy_after": acc_after, "start_step": start_step,
+    summary = {"heldout_accuracy_before": acc_before, "heldout_before_cached": cached,
+               "heldout_accuracy_after": acc_after, "start_step": start_step,
                "heldout_size": len(heldout), "steps": cfg.trainer.steps, "world_size": job.world,
                "startup_s": startup_s, "history": job.history}
     before = f" (before: {acc_before:.3f})" if acc_before is not None else ""

@@ -270,8 +270,11 @@ def _patch_distributed_optimizer_loading() -> None:
     Adam's bias correction after a resume (measured here: step 3 -> 29 after two steps).
     (3) the parameter-state load then copies every key of the live state, ``step``
     included, from checkpoint tensors that carry no ``step`` (``KeyError: 'step'``).
-    We give every parameter a ``step`` before loading, keep it out of (3), and give each
-    parameter its own copy after.
+    (4) the ``dp_reshardable`` load (``load_parameter_state_from_dp_reshardable``) copies into
+    the fp32 master parameters in place with autograd on, which torch refuses for leaves that
+    require grad ("a view of a leaf Variable ... in-place operation").
+    We give every parameter a ``step`` before loading, keep it out of (3), copy under
+    ``torch.no_grad()`` (4), and give each parameter its own copy after.
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -283,7 +286,8 @@ def _patch_distributed_optimizer_loading() -> None:
         state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
         step = state.pop("step", None)
         try:
-            original_set(self, model_param, tensors)
+            with torch.no_grad():
+                original_set(self, model_param, tensors)
         finally:
             if step is not None:
                 state["step"] = step

@@ -26,6 +26,13 @@ def run_torchrun(worker: str, *args: str, nproc: int = 2, timeout: int = 900, en
     return out
 
 
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    """Each test its own megalign cache (held-out accuracies, alignment.trainers.eval_cache):
+    nothing read from the user's ~/.cache or from another test; jobs it launches inherit it."""
+    monkeypatch.setenv("MEGALIGN_CACHE_DIR", str(tmp_path / "megalign_cache"))
+
+
 @pytest.fixture
 def torchrun_json(tmp_path):
     """Run a worker that writes a JSON result file as its last argument; return the parsed JSON."""

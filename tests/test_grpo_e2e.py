@@ -111,18 +111,25 @@ def test_context_parallel_ring_and_ulysses_with_packing(tmp_path):
               "data.heldout_size=8", "data.train_size=50", "rollout.max_tokens=16", "rollout.eval_max_tokens=8",
               "trainer.lr=1e-3", "trainer.progress_bar=false", "parallel.context_parallel_size=2",
               "trainer.sequence_packing=true", "trainer.export_hf=false"]
+    before = {}
     for name, extra in (("ring", ["parallel.cp_comm_type=p2p", "trainer.max_tokens_per_microbatch=512",
                                   "rollout.max_model_len=512"]),
                         ("ulysses", ["parallel.cp_comm_type=a2a"])):
         out, result = tmp_path / name, tmp_path / f"{name}.json"
         run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", *common, *extra, str(result),
                      timeout=900)
-        first, second = json.loads(result.read_text())["history"]
+        summary = json.loads(result.read_text())
+        first, second = summary["history"]
+        # the same base model, prompts and engine settings: the second run reads the first's
+        # before-training accuracy back (trainer.eval_cache) instead of generating
+        assert summary["heldout_before_cached"] == (name == "ulysses"), (name, summary["heldout_before_cached"])
+        before[name] = summary["heldout_accuracy_before"]
         assert (out / "checkpoints" / "step_2" / "metadata.json").exists(), name  # CP peers save one replica
         assert first["kl"] == 0.0 and second["kl"] > 0.0, name  # trained: the policy left the reference
         for m in (first, second):
             assert m["grad_norm"] > 0.0, (name, m)
             assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, (name, m)
+    assert before["ulysses"] == before["ring"]
 
 
 def test_qwen3_moe_with_expert_parallelism(tmp_path):

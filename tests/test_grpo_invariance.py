@@ -8,6 +8,9 @@ from __future__ import annotations
 def test_grpo_gradients_equal_single_process_autograd(torchrun_json):
     r = torchrun_json("grpo_invariance_worker.py")
     assert r["reference_max_grad"] > 1e-3  # the gradients are not trivially zero
+    # a model built without random initialisation (every job's: it loads its weights) marks its
+    # TP-split weights as Megatron's initialisation does: embedding, output layer, 4 per layer
+    assert r["tp_split_weights"] >= 6 and r["tp_attribute_mismatches"] == [], r["tp_attribute_mismatches"]
     cases = ("dp2_mbs1", "dp2_mbs2", "dp2_mbs4", "tp2_mbs2", "tp2_mbs4", "tp2_sp_mbs2", "pp2_mbs2",
              "dp2_mbs2_response_only", "dp2_mbs4_packed_response_only", "tp2_mbs2_response_only",
              "tp2_sp_mbs2_response_only", "pp2_mbs2_response_only")

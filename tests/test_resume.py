@@ -1,5 +1,6 @@
 """A run resumed from a checkpoint (model + optimizer state + step) continues exactly
-like an uninterrupted one, with the plain and the distributed optimizer."""
+like an uninterrupted one, with the plain and the distributed optimizer; distributed-optimizer
+state saved at another tensor-parallel size is refused with a message that names it."""
 
 from __future__ import annotations
 
@@ -12,3 +13,5 @@ def test_resumed_training_equals_uninterrupted(torchrun_json, tmp_path):
         # control: restoring the model without the Adam state does change the result
         assert r[name]["model_only_vs_straight"] > 1e-3, r
     assert "resume with trainer.use_distributed_optimizer=false" in r["mismatch_error"]
+    assert "tensor_model_parallel_size=1 (now 2)" in r["layout_error"], r["layout_error"]
+    assert "pipeline_model_parallel_size" not in r["layout_error"]  # only what differs is named

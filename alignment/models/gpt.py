@@ -48,7 +48,7 @@ def transformer_config(hf_config, *, tensor_model_parallel_size: int = 1, pipeli
                        virtual_pipeline_model_parallel_size: int | None = None,
                        context_parallel_size: int = 1, cp_comm_type: str = "p2p",
                        expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int | None = None,
-                       moe_aux_loss_coeff: float = 0.0):
+                       moe_aux_loss_coeff: float = 0.0, initialize: bool = True):
     """Megatron ``TransformerConfig`` equal to an HF config of a supported family (RMSNorm,
     SwiGLU, RoPE, GQA; QKV bias, QK layernorm and MoE layers when the model has them).
 
@@ -56,7 +56,10 @@ def transformer_config(hf_config, *, tensor_model_parallel_size: int = 1, pipeli
     the global token count, so Megatron must sum micro-batch losses and DP gradients
     rather than average them (see :mod:`alignment.trainers.megatron_step`).
     ``context_parallel_size``/``cp_comm_type``/``expert_*``: see :class:`parallel.layout.ParallelLayout`;
-    ``moe_aux_loss_coeff``: see :func:`moe_config`.
+    ``moe_aux_loss_coeff``: see :func:`moe_config`. ``initialize=False`` skips Megatron's random
+    initialisation (``perform_initialization``; ~1.1 s per SmolLM2 copy on one CPU thread) for
+    models whose every weight is loaded next (:func:`build_gpt_model` then marks the
+    tensor-parallel weights itself).
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -90,6 +93,7 @@ def transformer_config(hf_config, *, tensor_model_parallel_size: int = 1, pipeli
         pipeline_dtype=params_dtype,
         bf16=bf16,
         use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=initialize,
         calculate_per_token_loss=True,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
@@ -172,7 +176,38 @@ def build_gpt_model(hf_config, config, *, vp_stage: int | None = None, share_emb
         for module in model.modules():  # the aux loss is scaled by megatron_step.forward_backward instead
             if isinstance(module, Router):
                 module.calculate_per_token_loss = False
+    if not config.perform_initialization:
+        mark_tensor_parallel_weights(model)
     return place_shard(model)
+
+
+def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
+    """Give the weights of ``model``'s column-/row-parallel linears and vocabulary-parallel
+    embedding the ``tensor_model_parallel``/``partition_dim``/``partition_stride`` attributes that
+    Megatron's initialisation sets (``_initialize_affine_weight_cpu``/``_gpu``).
+
+    Why: megatron-core 0.16.1 sets them only while it initialises a weight, so a model built with
+    ``perform_initialization=False`` would have TP-split weights that every consumer (gradient
+    clipping's duplicate filter, megalign's HF export gather) takes for replicated ones. Strides
+    as Megatron's: 2 for the fused ``[gate, up]`` ``linear_fc1`` of gated MLPs, else 1."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or hasattr(weight, "tensor_model_parallel"):
+            continue
+        if isinstance(module, ColumnParallelLinear):
+            gated = name.endswith("linear_fc1") and module.config.gated_linear_unit
+            set_tensor_model_parallel_attributes(weight, True, 0, 2 if gated else 1)
+        elif isinstance(module, RowParallelLinear):
+            set_tensor_model_parallel_attributes(weight, True, 1, 1)
+        elif isinstance(module, VocabParallelEmbedding):
+            set_tensor_model_parallel_attributes(weight, True, 0, 1)
 
 
 def place_shard(model: torch.nn.Module) -> torch.nn.Module:

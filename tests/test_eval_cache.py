@@ -1,0 +1,58 @@
+"""The before-training held-out accuracy cache (alignment.trainers.eval_cache): evaluated once,
+read back while nothing it depends on changes, recomputed when something does. The main job's
+use of it: test_grpo_e2e.py (summary ``heldout_before_cached``)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from alignment.trainers.eval_cache import cache_key, cached_accuracy, weight_files_fingerprint
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGALIGN_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "heldout"
+
+
+def test_evaluated_once_then_read_back(cache):
+    calls = []
+
+    def evaluate():
+        calls.append(1)
+        return 0.34
+
+    assert cached_accuracy("k1", evaluate) == (0.34, False)
+    assert json.loads((cache / "k1.json").read_text()) == {"accuracy": 0.34}
+    assert cached_accuracy("k1", evaluate) == (0.34, True)
+    assert len(calls) == 1
+    assert cached_accuracy("k2", lambda: 0.5) == (0.5, False)  # another key: evaluated
+    assert cached_accuracy("k1", lambda: 0.9, enabled=False) == (0.9, False)  # disabled: never read
+    assert not list(cache.glob("*.tmp*"))  # atomic writes leave no temporary file
+
+
+def test_damaged_entry_is_recomputed(cache):
+    cache.mkdir(parents=True)
+    (cache / "k.json").write_text("{not json")
+    assert cached_accuracy("k", lambda: 0.25) == (0.25, False)
+    assert cached_accuracy("k", lambda: 0.0) == (0.25, True)
+
+
+def test_key_follows_the_weight_files(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    with pytest.raises(FileNotFoundError, match="no weight file"):
+        weight_files_fingerprint(ckpt)
+    (ckpt / "model.safetensors").write_bytes(b"x" * 10)
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "README.md").write_text("not a weight")
+    parts = {"weights": weight_files_fingerprint(ckpt), "dtype": "bfloat16"}
+    assert [name for name, _, _ in parts["weights"]] == ["config.json", "model.safetensors"]
+    key = cache_key(parts)
+    assert cache_key(dict(reversed(list(parts.items())))) == key  # order of the parts does not matter
+    assert cache_key({**parts, "dtype": "float32"}) != key
+    os.utime(ckpt / "model.safetensors", ns=(1, 1))  # a rewritten checkpoint: new mtime
+    assert cache_key({**parts, "weights": weight_files_fingerprint(ckpt)}) != key
