@@ -119,9 +119,10 @@ def start(cfg) -> Run:
     from parallel.state import env_world, init_distributed
 
     install()  # SIGUSR1/SIGTERM: checkpoint at the next step boundary and exit (launchers/preemption.py)
-    from launchers.host_memory import return_freed_memory_to_os
+    from alignment.trainers.host_memory import bound_onednn_primitive_cache, return_freed_memory_to_os
 
     return_freed_memory_to_os()
+    bound_onednn_primitive_cache()
     rank, world, _ = env_world()
     if cfg.trainer.quiet:
         from launchers.console import route_third_party_output

@@ -258,6 +258,58 @@ def _patch_uneven_sequence_collectives() -> None:
     mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
 
 
+def _is_rank_shard(shard: torch.Tensor, whole: torch.Tensor, group) -> bool:
+    """Whether ``shard`` is this rank's equal slice of ``whole`` (a view of the same memory), as
+    Megatron's ``shard_buffer`` makes them."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    return (shard.dtype == whole.dtype and shard.is_contiguous() and whole.is_contiguous()
+            and shard.numel() * world == whole.numel()
+            and shard.data_ptr() == whole.data_ptr() + rank * shard.numel() * shard.element_size())
+
+
+def _patch_gloo_buffer_collectives() -> None:
+    """The distributed optimizer's gradient reduce-scatter and parameter all-gather as in-place
+    all-reduces on gloo.
+
+    Why: Megatron's DDP reduce-scatters each gradient bucket into this rank's shard of it
+    (``reduce_scatter_tensor(shard, bucket.grad_data)``) and all-gathers the updated parameters
+    from that shard (``all_gather_into_tensor(bucket.param_data, shard)``). Gloo implements both
+    through a temporary the size of the whole buffer, and its reduce-scatter is slower than its
+    ring all-reduce. Measured here (2 ranks, 135M fp32 gradients / bf16 parameters): reduce-scatter
+    0.62-0.75 s and +0.50 GiB peak RSS against 0.29-0.38 s and +0 for an in-place all-reduce;
+    all-gather 0.25-0.31 s and +0.25 GiB against 0.23-0.25 s and +0 for zeroing the other shards
+    and all-reducing. The all-reduce leaves every shard reduced, not only this rank's: Megatron
+    reads only this rank's shard of the gradient buffer and zeroes the buffer before the next
+    accumulation. Adding zeros is exact, so the gathered parameters are bitwise the shards.
+    Other shapes (and other backends) go to the original collectives.
+    """
+    import torch.distributed as dist
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    reduce_scatter, all_gather = buffers.dist_reduce_scatter_func, buffers.dist_all_gather_func
+
+    def on_gloo(group) -> bool:
+        return dist.get_backend(group) == "gloo"
+
+    def reduce_scatter_in_place(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if not (on_gloo(group) and _is_rank_shard(output, input, group)):
+            return reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+        return dist.all_reduce(input, op=op, group=group, async_op=async_op)
+
+    def all_gather_in_place(output, input, group=None, async_op=False):
+        if not (on_gloo(group) and _is_rank_shard(input, output, group)):
+            return all_gather(output, input, group=group, async_op=async_op)
+        rank, n = dist.get_rank(group), input.numel()
+        output[: rank * n].zero_()
+        output[(rank + 1) * n:].zero_()
+        return dist.all_reduce(output, group=group, async_op=async_op)
+
+    buffers.dist_reduce_scatter_func = reduce_scatter_in_place
+    buffers.dist_all_gather_func = all_gather_in_place
+
+
 def _patch_distributed_optimizer_loading() -> None:
     """Make ``DistributedOptimizer`` checkpoints load correctly with ``torch.optim.AdamW``.
 
@@ -359,6 +411,7 @@ def apply() -> None:
                 if value is WrappedTorchNorm:
                     setattr(module, attr, SequenceParallelTorchNorm)
     _patch_distributed_optimizer_loading()
+    _patch_gloo_buffer_collectives()
     _patch_moe_split_sizes()
     _patch_uneven_sequence_collectives()
     apply_without_transformer_engine()

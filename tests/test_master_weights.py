@@ -5,6 +5,10 @@ from __future__ import annotations
 
 def test_bf16_masters_seeded_from_checkpoint_follow_fp32_updates(torchrun_json):
     res = torchrun_json("master_weights_worker.py")
+    # gloo (parallel/cpu_compat.py): the distributed optimizer's reduce-scatter and all-gather run as
+    # in-place all-reduces on Megatron's shard views, bitwise torch's collectives; other shapes fall back
+    assert res.pop("gloo_buffer_collectives") == {"patched": True, "reduce_scatter_exact": True,
+                                                  "all_gather_exact": True, "fallback_exact": True}
     assert set(res) == {"dp2", "dp2_distributed_optimizer", "tp2"}
     for name, r in res.items():
         assert r["masters_exact"], name  # bitwise the checkpoint's fp32 values on every rank

@@ -25,6 +25,8 @@ from typing import Callable
 
 import torch
 
+from alignment.trainers.host_memory import release_free_heap
+
 
 def offload_enabled(requested: bool) -> bool:
     """Whether ``trainer.offload=requested`` does anything here: on a CUDA machine, or on CPU
@@ -126,12 +128,18 @@ class DevicePlacement:
     def keep(self, *names: str) -> None:
         """Make exactly the units ``names`` resident (reload them) and offload all others.
 
+        Called at every phase boundary of a step. On CPU it first hands the freed heap back to the
+        OS (:func:`alignment.trainers.host_memory.release_free_heap`), enabled or not, as
+        ``torch.cuda.empty_cache()`` does below for the CUDA caching allocator.
+
         Names of models registered as None, and the ``.grads`` / ``.optimizer`` units of frozen
         models, are accepted and ignored.
 
         Raises:
             KeyError: a name that is not registered (when enabled).
         """
+        if not torch.cuda.is_available():  # the phase's freed host heap, back to the OS
+            release_free_heap()
         if not self.enabled:
             return
         unknown = [n for n in names if n not in self.units and not self._optional(n)]

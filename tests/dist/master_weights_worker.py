@@ -84,6 +84,31 @@ def slope(change: dict, reference: dict) -> float:
     return num / sum(float((reference[k] ** 2).sum()) for k in reference)
 
 
+def gloo_buffer_collectives(rank: int, world: int) -> dict[str, bool]:
+    """``parallel.cpu_compat``'s in-place gloo collectives (the distributed optimizer's gradient
+    reduce-scatter and parameter all-gather, on the shard views Megatron passes) against torch's own."""
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    g = torch.Generator().manual_seed(10 + rank)
+    grads = torch.randn(world * 1000, generator=g)
+    expected = torch.empty(1000)
+    dist.reduce_scatter_tensor(expected, grads.clone())
+    shard = grads.view(world, -1)[rank]
+    buffers.dist_reduce_scatter_func(shard, grads)
+    params = torch.randn(world * 1000, generator=g).bfloat16()
+    gathered = torch.empty_like(params)
+    dist.all_gather_into_tensor(gathered, params.view(world, -1)[rank].clone())
+    buffers.dist_all_gather_func(params, params.view(world, -1)[rank])
+    # an output that is not a view of the input's shard goes to torch's reduce-scatter: input unchanged
+    fresh = torch.randn(world * 1000, generator=torch.Generator().manual_seed(10 + rank))
+    kept, other = fresh.clone(), torch.empty(1000)
+    buffers.dist_reduce_scatter_func(other, fresh)
+    return {"patched": buffers.dist_reduce_scatter_func is not dist.reduce_scatter_tensor
+            and buffers.dist_all_gather_func is not dist.all_gather_into_tensor,
+            "reduce_scatter_exact": torch.equal(shard, expected), "all_gather_exact": torch.equal(params, gathered),
+            "fallback_exact": torch.equal(other, expected) and torch.equal(fresh, kept)}
+
+
 def main(out_path: str) -> None:
     rank, world, _ = env_world()
     hf = tiny_llama(seed=0)
@@ -104,6 +129,7 @@ def main(out_path: str) -> None:
         results[name] = {"slope_seeded": slope(d_seeded, ref), "slope_unseeded": slope(d_unseeded, ref),
                          "moved_seeded": moved(d_seeded), "moved_unseeded": moved(d_unseeded),
                          "masters_exact": bool(flags.item())}
+    results["gloo_buffer_collectives"] = gloo_buffer_collectives(rank, world)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
