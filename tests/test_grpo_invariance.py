@@ -18,3 +18,10 @@ def test_grpo_gradients_equal_single_process_autograd(torchrun_json):
     for case in cases:
         assert abs(r[case]["loss"] - r["reference_loss"]) <= 1e-5 * max(1.0, abs(r["reference_loss"])), (case, r[case])
         assert r[case]["max_grad_diff"] <= 1e-5 * r["reference_max_grad"] + 1e-7, (case, r[case])
+    # one prompt (5 tokens) and three responses (4, 1, 6) as one shared-prompt tree of 16 tokens
+    # instead of 26: the same logprobs and gradients as HF on the full sequences, at TP=1 and TP=2
+    for tp in (1, 2):
+        t = r[f"prompt_tree_tp{tp}"]
+        assert t["tokens"] == 16, t
+        assert t["max_logprob_diff"] <= 1e-5, (tp, t)
+        assert t["max_grad"] > 1e-3 and t["max_grad_diff"] <= 1e-5 * t["max_grad"] + 1e-7, (tp, t)

@@ -8,7 +8,9 @@ equal the gradient of the same loss computed by plain autograd on the HF
   DP=2 with micro-batch sizes 1, 2 and 4; TP=2 (DP=1) with micro-batch 2 and 4; TP=2 with sequence
   parallelism (norm gradients all-reduced over TP); PP=2 (DP=1) with micro-batch 2; and with the
   output layer on the response positions only (``positions="response_mask"``) at DP=2, DP=2 packed,
-  TP=2, TP=2 with sequence parallelism (where it is not applied) and PP=2.
+  TP=2, TP=2 with sequence parallelism (where it is not applied) and PP=2. Also one prompt and its
+  responses as a shared-prompt tree (parallel/prompt_tree.py) at TP=1 and TP=2 against HF autograd
+  on the full sequences.
 Writes {case: {"loss": float, "max_grad_diff": float, "max_grad": float}} + the reference loss.
 """
 
@@ -124,6 +126,48 @@ def tp_attributes(hf, initialize: bool) -> dict:
             for n, p in model.named_parameters()}
 
 
+def prompt_tree_case(hf, world: int, tp: int) -> dict[str, float]:
+    """One prompt and three responses as one shared-prompt tree (:mod:`parallel.prompt_tree`)
+    through Megatron at TP=``tp``, against HF autograd on the three full sequences: the response
+    tokens' logprobs and the HF-named gradients of a weighted sum of them."""
+    from megatron.core import parallel_state as ps
+
+    from alignment.trainers.output_positions import OutputPositions, output_on
+    from parallel.prompt_tree import prompt_tree, tree_rotary
+    from parallel.vocab_logprobs import vocab_parallel_logprobs
+
+    cfg = hf.config
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, cfg.vocab_size, (5,), generator=g)
+    responses = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (4, 1, 6)]
+    weights = torch.linspace(-1.0, 1.0, sum(r.numel() for r in responses))
+    hf.zero_grad()
+    ref_lp = []
+    for r in responses:  # plain autograd, one full sequence at a time
+        ids = torch.cat([prompt, r]).unsqueeze(0)
+        logp = torch.log_softmax(hf(ids).logits.float()[0, :-1], -1)
+        ref_lp.append(logp[prompt.numel() - 1:].gather(-1, r[:, None])[:, 0])
+    ref_lp = torch.cat(ref_lp)
+    (weights * ref_lp).sum().backward()
+    ref_grads = {k: p.grad.clone() for k, p in hf.named_parameters()}
+
+    init_distributed(ParallelLayout(world_size=world, tensor_model_parallel_size=tp))
+    model = build_gpt_model(cfg, transformer_config(cfg, tensor_model_parallel_size=tp))
+    bridge = get_bridge(cfg)
+    load_hf_weights(model, hf.state_dict(), bridge)
+    tree = prompt_tree(prompt, responses)
+    with tree_rotary(model, tree.position_ids), output_on(model, OutputPositions(tree.score_index,
+                                                                                 (1, tree.input_ids.shape[1]))):
+        logits = model(tree.input_ids, tree.position_ids, attention_mask=None, packed_seq_params=tree.packed_seq_params)
+    lp, _ = vocab_parallel_logprobs(logits, tree.target_ids.unsqueeze(0), cfg.vocab_size, 1.0,
+                                    group=ps.get_tensor_model_parallel_group())
+    (weights * lp.reshape(-1)).sum().backward()
+    grads = export_hf_weights(model, bridge, source=lambda p: p.grad)
+    return {"tokens": tree.input_ids.shape[1], "max_logprob_diff": (lp.reshape(-1) - ref_lp).abs().max().item(),
+            "max_grad_diff": max((grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads),
+            "max_grad": max(v.abs().max().item() for v in ref_grads.values())}
+
+
 def main(path: str) -> None:
     rank, world, _ = env_world()
     hf = tiny_llama(seed=3, tie_word_embeddings=False)
@@ -141,6 +185,8 @@ def main(path: str) -> None:
         assert set(grads) == set(ref_grads), sorted(set(ref_grads) ^ set(grads))
         diff = max((grads[k] - ref_grads[k]).abs().max().item() for k in grads)
         results[name] = {"loss": loss, "max_grad_diff": diff}
+    for tp in (1, 2):
+        results[f"prompt_tree_tp{tp}"] = prompt_tree_case(hf, world, tp)
     write_results_and_shutdown(path, results)
 
 
