@@ -12,11 +12,11 @@ glibc keeps freed memory mapped:
   mallopt``: setting ``M_MMAP_THRESHOLD`` disables the dynamic adjustment) makes every block of
   1 MiB or more its own mapping, unmapped when freed (:func:`return_freed_memory_to_os`).
 - Blocks below the threshold (per-layer weight gradients, key/value projections, norms of a
-  packed micro-batch) still fragment the heap: after a GRPO training phase 0.4-0.7 GiB of freed
-  heap stayed resident, and the next phase's peak came on top (measured on the main job:
-  whole-step peak 4.2 -> 4.4 GiB over 12 steps). ``malloc_trim(0)`` at each phase boundary hands
-  those pages back in 10-80 ms (:func:`release_free_heap`), as ``torch.cuda.empty_cache()``
-  does for the CUDA caching allocator between phases.
+  packed micro-batch) still fragment the heap: after a GRPO training phase of the main job
+  0.4-0.7 GiB of freed heap stayed resident, and the next phases' peaks came on top of it.
+  ``malloc_trim(0)`` at each phase boundary hands those pages back in 10-80 ms
+  (:func:`release_free_heap`), as ``torch.cuda.empty_cache()`` does for the CUDA caching
+  allocator between phases: a step then starts from 3.3-3.4 GiB live.
 - oneDNN (the bf16 matmuls on CPU) caches a primitive per matmul shape, up to 1024 of them by
   default. Packed micro-batches have a new token count at almost every step, so the cache grew
   by ~30 MB per step for the whole run. :func:`bound_onednn_primitive_cache` caps it.
