@@ -87,15 +87,6 @@ def prompt_tree(prompt: torch.Tensor, responses: list[torch.Tensor]) -> PromptTr
     return PromptTree(ids.unsqueeze(0), pos.unsqueeze(0), params, torch.cat(score), torch.cat(list(responses)))
 
 
-def _rotary_module(model: torch.nn.Module):
-    while model is not None:
-        rotary = getattr(model, "rotary_pos_emb", None)
-        if rotary is not None:
-            return rotary
-        model = getattr(model, "module", None)
-    return None
-
-
 @contextmanager
 def tree_rotary(model: torch.nn.Module, position_ids: torch.Tensor):
     """Within the block, ``model``'s rotary embedding returns the frequencies of
@@ -106,7 +97,9 @@ def tree_rotary(model: torch.nn.Module, position_ids: torch.Tensor):
     Raises:
         ValueError: ``model`` has no rotary embedding (learned absolute positions).
     """
-    rotary = _rotary_module(model)
+    from megatron.core.utils import unwrap_model
+
+    rotary = getattr(unwrap_model(model), "rotary_pos_emb", None)  # inside DDP / Float16Module
     if rotary is None:
         raise ValueError("shared-prompt packing needs rotary position embeddings (the model has none)")
     flat = position_ids.reshape(-1)
