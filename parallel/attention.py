@@ -23,15 +23,21 @@ from parallel.ulysses import causal_attention, ulysses_attention
 CP_COMM_TYPES = ("p2p", "a2a")
 
 
-def tree_attention(query, key, value, tree_mask, scale: float):
-    """Attention of one packed prompt tree: ``query`` ``[t, heads, d]``, ``key``/``value``
-    ``[t, kv_heads, d]``, ``tree_mask`` ``[t, t]`` bool (True: may attend); returns ``[t, heads, d]``."""
+def tree_attention(query, key, value, cu_seqlens, tree_masks, scale: float):
+    """Attention of packed prompt trees (:mod:`parallel.prompt_tree`): ``query`` ``[t, heads, d]``,
+    ``key``/``value`` ``[t, kv_heads, d]``; the tree between ``cu_seqlens[k]`` and
+    ``cu_seqlens[k + 1]`` attends by ``tree_masks[k]`` (bool, True: may attend). Returns
+    ``[t, heads, d]``."""
+    import torch
     import torch.nn.functional as F
 
     q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))  # [1, h, t, d]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=tree_mask.to(q.device), scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
-    return out.squeeze(0).permute(1, 0, 2)
+    gqa = q.shape[1] != k.shape[1]
+    bounds = cu_seqlens.tolist()
+    outs = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], attn_mask=mask, scale=scale,
+                                           enable_gqa=gqa)
+            for a, b, mask in zip(bounds[:-1], bounds[1:], tree_masks)]
+    return torch.cat(outs, dim=2).squeeze(0).permute(1, 0, 2)
 
 
 class ContextParallelAttention(MegatronModule):
@@ -67,16 +73,16 @@ class ContextParallelAttention(MegatronModule):
         ``kv_heads``; returns ``[s, b, heads * d]`` (``[t, heads, d]`` packed). ``s``/``t`` are
         this CP rank's tokens. Packed sequences are delimited by ``cu_seqlens_q_padded``
         (global lengths, multiples of ``2 * cp``), else ``cu_seqlens_q``; a packed prompt tree
-        (``packed_seq_params.tree_mask``, :mod:`parallel.prompt_tree`) attends by its mask."""
+        (``packed_seq_params.tree_masks``, :mod:`parallel.prompt_tree`) attends by its masks."""
         if attention_mask is not None or attention_bias is not None:
             raise ValueError("ContextParallelAttention takes no attention_mask/bias: it is causal per sequence")
         cp = self.cp_group.size()
-        tree_mask = getattr(packed_seq_params, "tree_mask", None)
-        if tree_mask is not None:  # one prompt and its responses (parallel.prompt_tree)
+        tree_masks = getattr(packed_seq_params, "tree_masks", None)
+        if tree_masks is not None:  # prompts and their responses (parallel.prompt_tree)
             if cp > 1:
                 raise ValueError("shared-prompt packing (parallel.prompt_tree) does not run with "
-                                 "context_parallel_size > 1: its attention mask spans the whole sequence")
-            return tree_attention(query, key, value, tree_mask, self.scale)
+                                 "context_parallel_size > 1: a tree's attention mask spans the whole tree")
+            return tree_attention(query, key, value, packed_seq_params.cu_seqlens_q, tree_masks, self.scale)
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if packed:
             cu = packed_seq_params.cu_seqlens_q_padded

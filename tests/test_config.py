@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from transformers import LlamaConfig
 
-from alignment.config import ConfigError, register, validate
+from alignment.config import ConfigError, register, shares_prompts, validate
 from parallel.layout import LayoutError
 from tests.conftest import ROOT
 
@@ -63,6 +63,20 @@ def test_layout_refused_before_start():
     with pytest.raises(ConfigError, match="needs trainer.sequence_packing=true"):
         validate(cfg("parallel.pipeline_model_parallel_size=2", "trainer.max_tokens_per_microbatch=1024",
                      "trainer.sequence_packing=false"), world_size=2, hf_config=SMOLLM2)
+
+
+def test_shared_prompt_packing_is_on_where_it_runs_and_refused_where_it_cannot():
+    assert shares_prompts(cfg())  # null: on with context_parallel_size=1, no sequence parallelism
+    assert not shares_prompts(cfg("parallel.context_parallel_size=2"))
+    assert not shares_prompts(cfg("parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"))
+    assert not shares_prompts(cfg("trainer.shared_prompt_packing=false"))
+    validate(cfg("parallel.context_parallel_size=2"), world_size=2, hf_config=SMOLLM2)  # null: off there
+    with pytest.raises(ConfigError, match="trainer.shared_prompt_packing=true does not run with "
+                                          "parallel.context_parallel_size=2"):
+        validate(cfg("parallel.context_parallel_size=2", "trainer.shared_prompt_packing=true"), world_size=2,
+                 hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match="trainer.shared_prompt_packing=true: algorithm.name=sft does not use it"):
+        validate(cfg("trainer.shared_prompt_packing=true", name="sft"), world_size=2, hf_config=SMOLLM2)
 
 
 @pytest.mark.parametrize("override, world, message", [

@@ -1,20 +1,29 @@
 """Shared-prompt packing's layout by hand (parallel/prompt_tree.py); its logprobs and gradients
-against HF on the full sequences are in test_grpo_invariance.py (TP=1 and TP=2)."""
+through forward_backward against HF on the full sequences are in test_grpo_invariance.py (TP=1,
+TP=2, PP=2 and several micro-batch splits)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from parallel.prompt_tree import prompt_tree
+from parallel.prompt_tree import shared_prompt_inputs, tree_tokens
+
+# rows 0 and 2 share the prompt [10, 11, 12] (responses [20, 21] and [30]); row 1 has the prompt
+# [40, 41] and the response [50, 51, 52]; 0 pads
+IDS = torch.tensor([[10, 11, 12, 20, 21, 0], [40, 41, 50, 51, 52, 0], [10, 11, 12, 30, 0, 0]])
+LENGTHS, PROMPTS = torch.tensor([5, 5, 4]), torch.tensor([3, 2, 3])
+RESPONSE_MASK = torch.tensor([[0, 0, 1, 1, 0, 0], [0, 1, 1, 1, 0, 0], [0, 0, 1, 0, 0, 0]])
 
 
-def test_layout_positions_mask_and_scoring_positions_by_hand():
-    # prompt [10, 11, 12], responses [20, 21] and [30]
-    tree = prompt_tree(torch.tensor([10, 11, 12]), [torch.tensor([20, 21]), torch.tensor([30])])
-    assert tree.input_ids.tolist() == [[10, 11, 12, 20, 21, 30]]
-    assert tree.position_ids.tolist() == [[0, 1, 2, 3, 4, 3]]  # the second response restarts at 3
-    expected = torch.tensor([
+def test_trees_positions_masks_and_scoring_by_hand():
+    x = shared_prompt_inputs(IDS, LENGTHS, PROMPTS, score_mask=RESPONSE_MASK)
+    # one tree per prompt, in order of first appearance: [10 11 12 | 20 21 | 30], then [40 41 | 50 51 52]
+    assert x.input_ids.tolist() == [[10, 11, 12, 20, 21, 30, 40, 41, 50, 51, 52]]
+    assert x.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 0, 1, 2, 3, 4]]  # the second response restarts at 3
+    p = x.packed_seq_params
+    assert p.qkv_format == "thd" and p.cu_seqlens_q.tolist() == [0, 6, 11] and p.max_seqlen_q == 6
+    first = torch.tensor([
         [1, 0, 0, 0, 0, 0],  # prompt: causal
         [1, 1, 0, 0, 0, 0],
         [1, 1, 1, 0, 0, 0],
@@ -22,18 +31,45 @@ def test_layout_positions_mask_and_scoring_positions_by_hand():
         [1, 1, 1, 1, 1, 0],  # 21: the prompt, 20 and itself
         [1, 1, 1, 0, 0, 1],  # 30: the prompt and itself, not the other response
     ], dtype=torch.bool)
-    assert torch.equal(tree.packed_seq_params.tree_mask, expected)
-    # 20 and 30 are both scored at the prompt's last position (2); 21 at 20's position (3)
-    assert tree.score_index.tolist() == [2, 3, 2]
-    assert tree.target_ids.tolist() == [20, 21, 30]
-    p = tree.packed_seq_params
-    assert p.qkv_format == "thd" and p.cu_seqlens_q.tolist() == [0, 6] and p.max_seqlen_q == 6
+    assert torch.equal(p.tree_masks[0], first)
+    assert torch.equal(p.tree_masks[1], torch.ones(5, 5, dtype=torch.bool).tril())  # one response: causal
+    # row 0 scores 20 at the prompt's last position (2), 21 at 20's (3); row 1 scores 50, 51, 52 at
+    # tree positions 7, 8, 9; row 2 scores 30 at the shared prompt's last position (2) again
+    assert x.score_index.tolist() == [2, 3, 7, 8, 9, 2]
+    assert x.target_ids.tolist() == [[20, 21, 50, 51, 52, 30]]
+    assert x.flat_index.tolist() == [2, 3, 7, 8, 9, 14]  # row * 6 + column
+    assert x.seq_length == 11 == tree_tokens(IDS, LENGTHS, PROMPTS)  # 14 tokens, one copy of [10, 11, 12] less
+    restored = x.restore(torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]]))
+    assert restored.tolist() == [[0, 0, 1, 2, 0, 0], [0, 3, 4, 5, 0, 0], [0, 0, 6, 0, 0, 0]]
 
 
-def test_empty_parts_are_refused():
-    with pytest.raises(ValueError, match="non-empty prompt"):
-        prompt_tree(torch.tensor([], dtype=torch.long), [torch.tensor([1])])
-    with pytest.raises(ValueError, match=r"response lengths \[1, 0\]"):
-        prompt_tree(torch.tensor([1]), [torch.tensor([1]), torch.tensor([], dtype=torch.long)])
-    with pytest.raises(ValueError):
-        prompt_tree(torch.tensor([1]), [])
+def test_every_real_column_without_a_mask_and_targets_past_the_end_are_padding():
+    x = shared_prompt_inputs(IDS, LENGTHS, PROMPTS, pad_id=0)
+    assert x.flat_index.numel() == 5 + 5 + 4
+    # row 2 (flat 12..15): tokens 10 11 12 30 sit at tree positions 0 1 2 5 and predict 11 12 30 <pad>
+    row2 = x.flat_index >= 12
+    assert x.score_index[row2].tolist() == [0, 1, 2, 5]
+    assert x.target_ids[0, row2].tolist() == [11, 12, 30, 0]
+
+
+def test_padding_to_a_fixed_length_adds_one_causal_sequence():
+    x = shared_prompt_inputs(IDS, LENGTHS, PROMPTS, score_mask=RESPONSE_MASK, pad_id=0, pad_to=14)
+    assert x.seq_length == 14 and x.input_ids[0, 11:].tolist() == [0, 0, 0]
+    assert x.packed_seq_params.cu_seqlens_q.tolist() == [0, 6, 11, 14]
+    assert torch.equal(x.packed_seq_params.tree_masks[2], torch.ones(3, 3, dtype=torch.bool).tril())
+    assert x.score_index.tolist() == [2, 3, 7, 8, 9, 2]  # scoring unchanged
+
+
+def test_nothing_to_score_keeps_one_placeholder_that_restores_to_zeros():
+    x = shared_prompt_inputs(IDS, LENGTHS, PROMPTS, score_mask=torch.zeros_like(IDS))
+    assert x.score_index.tolist() == [0] and x.flat_index.tolist() == [18]
+    assert x.restore(torch.tensor([[7.0]])).abs().sum() == 0
+
+
+def test_bad_lengths_and_padding_are_refused():
+    with pytest.raises(ValueError, match="prompt_lengths"):
+        shared_prompt_inputs(IDS, LENGTHS, torch.tensor([3, 6, 3]))  # prompt longer than the row
+    with pytest.raises(ValueError, match="prompt_lengths"):
+        shared_prompt_inputs(IDS, torch.tensor([5, 7, 4]), PROMPTS)  # row longer than seq
+    with pytest.raises(ValueError, match="pad_to=10"):
+        shared_prompt_inputs(IDS, LENGTHS, PROMPTS, pad_to=10)

@@ -30,6 +30,7 @@ from alignment.algorithms.advantages import get_advantage_estimator
 from alignment.algorithms.aggregation import global_normalizer
 from alignment.algorithms.grpo_loss import GRPOLossConfig, grpo_loss
 from alignment.algorithms.reward_shaping import informative_groups, overlong_penalty
+from alignment.config import shares_prompts
 from alignment.data.prompts import build_prompt_ids
 from alignment.data.tasks import Problem, score_response
 from alignment.rollout.base import Sample, SamplingConfig
@@ -80,24 +81,37 @@ def generate_for_group(engine, prompts: list[list[int]], sampling: SamplingConfi
 
 
 def policy_logprobs(model, microbatches, vocab_size: int, temperature: float = 1.0,
-                    packing: bool = False, positions: str | None = "response_mask") -> torch.Tensor | None:
+                    packing: bool = False, positions: str | None = "response_mask",
+                    share_prompts: bool = False) -> torch.Tensor | None:
     """Forward-only logprobs ``[N, seq]`` of ``softmax(logits / temperature)`` in batch row
     order (last pipeline stage; ``None`` elsewhere). ``packing``: ``trainer.sequence_packing``;
-    ``positions``: the micro-batch mask whose positions are computed (0 elsewhere; ``None``: all),
-    see :func:`alignment.trainers.megatron_step.forward_backward`."""
+    ``positions``: the micro-batch mask whose positions are computed (0 elsewhere; ``None``: all);
+    ``share_prompts``: prompt trees (``trainer.shared_prompt_packing``); see
+    :func:`alignment.trainers.megatron_step.forward_backward`."""
 
     def collect(mb, out):
         return out["logprobs"].sum() * 0, {"logprobs": out["logprobs"]}
 
     with torch.no_grad():
         out = forward_backward(model, microbatches, collect, outputs=LogprobOutputs(vocab_size, temperature),
-                               forward_only=True, packing=packing, positions=positions)
+                               forward_only=True, packing=packing, positions=positions, share_prompts=share_prompts)
     return cat_rows(out, "logprobs", microbatches) if out else None
 
 
 def microbatches(batch: dict, cfg) -> list[dict]:
     """``trainer.micro_batch_size`` rows, or ``trainer.max_tokens_per_microbatch`` tokens, per micro-batch."""
     return MicroBatching.from_trainer(cfg.trainer).split(batch)
+
+
+def _model_tokens(batch: dict, cfg) -> int:
+    """Real tokens one pass of the trainer runs the model on for ``batch``: prompt + response of
+    every row, each micro-batch's shared prompts counted once with ``trainer.shared_prompt_packing``."""
+    if not shares_prompts(cfg):
+        return int(batch["seq_lengths"].sum())
+    from parallel.prompt_tree import tree_tokens
+
+    return sum(tree_tokens(mb["input_ids"], mb["seq_lengths"], mb["seq_lengths"] - mb["response_lengths"])
+               for mb in microbatches(batch, cfg))
 
 
 def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
@@ -140,7 +154,8 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
             # The policy being optimised is the one vLLM samples from: softmax(logits / T).
             out = forward_backward(models.policy, microbatches(mini, cfg), loss_fn, forward_only=False,
                                    outputs=LogprobOutputs(models.vocab_size, cfg.rollout.temperature, entropy=True),
-                                   packing=cfg.trainer.sequence_packing, positions="response_mask")
+                                   packing=cfg.trainer.sequence_packing, positions="response_mask",
+                                   share_prompts=shares_prompts(cfg))
             _, grad_norm, _ = models.optimizer.step()
             grad_norms.append(float(grad_norm) if grad_norm is not None else 0.0)
             local = [acc + sum(o[key].item() for o in out) for acc, key in zip(local, keys)]
@@ -252,15 +267,15 @@ def grpo_step(models: Models, problems: list[Problem], cfg,
         samples, (rewards, advantages) = balance_over_dp(samples, [rewards, advantages])
     batch = make_batch(samples, pad_id=models.tokenizer.pad_token_id or 0)
     batch["advantages"] = advantages
-    packing = cfg.trainer.sequence_packing
+    packing = dict(packing=cfg.trainer.sequence_packing, share_prompts=shares_prompts(cfg))
     zeros = torch.zeros_like(batch["response_mask"])
     if models.reference is not None and a.kl_coef > 0:
         models.placement.keep("reference")
-        ref = policy_logprobs(models.reference, microbatches(batch, cfg), models.vocab_size, r.temperature, packing)
+        ref = policy_logprobs(models.reference, microbatches(batch, cfg), models.vocab_size, r.temperature, **packing)
         batch["ref_logprobs"] = ref if ref is not None else zeros
     if a.ppo_epochs > 1 or a.num_mini_batches > 1:  # several updates: freeze the sampling policy's logprobs
         models.placement.keep("policy")
-        old = policy_logprobs(models.policy, microbatches(batch, cfg), models.vocab_size, r.temperature, packing)
+        old = policy_logprobs(models.policy, microbatches(batch, cfg), models.vocab_size, r.temperature, **packing)
         batch["old_logprobs"] = old if old is not None else zeros
     times["logprobs"] = time.perf_counter() - t
 
@@ -278,16 +293,18 @@ def grpo_step(models: Models, problems: list[Problem], cfg,
     from parallel.state import replica_group
 
     dp_leader = replica_group().rank() == 0
-    n, s1, s2, length, tokens, rounds, filled = all_reduce_sum([
+    n, s1, s2, length, tokens, model_tokens, rounds, filled = all_reduce_sum([
         float(len(samples)) if dp_leader else 0.0,
         rewards.sum().item() if dp_leader else 0.0,
         (rewards ** 2).sum().item() if dp_leader else 0.0,
         batch["response_lengths"].sum().item() if dp_leader else 0.0,
         float(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)) if dp_leader else 0.0,
+        float(_model_tokens(batch, cfg)) if dp_leader else 0.0,
         info["rounds"] if dp_leader else 0.0, info["filled_groups"] if dp_leader else 0.0])
     mean = s1 / n
     metrics.update({"reward/mean": mean, "reward/std": max(s2 / n - mean * mean, 0.0) ** 0.5,
-                    "response_length": length / n, "tokens": tokens, "seq_length": tokens / n})
+                    "response_length": length / n, "tokens": tokens, "seq_length": tokens / n,
+                    "model_tokens": model_tokens})
     metrics.update(models.placement.pop_stats(), **sync_metrics)
     if a.dynamic_sampling:
         dp = ps.get_data_parallel_world_size()

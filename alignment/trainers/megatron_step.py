@@ -13,7 +13,7 @@ and any data-parallel size (tested in ``tests/dist/grpo_invariance_worker.py``).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -116,12 +116,16 @@ def main_param_writer(optimizer) -> Callable[[torch.nn.Parameter, torch.Tensor],
     return write
 
 
-def _model_inputs(microbatches: list[dict], packing: bool, pad_id: int, sequence_parallel: bool) -> list:
-    """Every micro-batch as this rank's shard eats it (:func:`parallel.packing.model_inputs`);
-    with pipeline parallelism all padded to one length (the stages exchange fixed shapes)."""
+def _model_inputs(microbatches: list[dict], packing: bool, pad_id: int, sequence_parallel: bool,
+                  share_prompts: bool = False, positions: str | None = None) -> list:
+    """Every micro-batch as this rank's shard eats it (:func:`parallel.packing.model_inputs`, or
+    prompt trees with ``share_prompts``: :func:`parallel.prompt_tree.shared_prompt_inputs`, scoring
+    ``mb[positions]``); with pipeline parallelism all padded to one length (the stages exchange
+    fixed shapes)."""
     from megatron.core import parallel_state as ps
 
     from parallel.packing import alignment, model_inputs
+    from parallel.prompt_tree import shared_prompt_inputs
 
     cp, tp = ps.get_context_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
     kw = dict(packed=packing, pad_id=pad_id, cp_size=cp, cp_rank=ps.get_context_parallel_rank(),
@@ -132,6 +136,9 @@ def _model_inputs(microbatches: list[dict], packing: bool, pad_id: int, sequence
         lengths = mb.get("seq_lengths")
         if lengths is None:  # no lengths: every row counts as full (correct, only slower)
             lengths = torch.full((ids.shape[0],), ids.shape[1])
+        if share_prompts:
+            return shared_prompt_inputs(ids, lengths, lengths - mb["response_lengths"], pad_id=pad_id, pad_to=pad_to,
+                                        score_mask=mb[positions] if positions else None)
         return model_inputs(ids, lengths, align=alignment(cp, tp, sequence_parallel), pad_to=pad_to, **kw)
 
     inputs = [build(mb) for mb in microbatches]
@@ -151,6 +158,7 @@ def forward_backward(
     packing: bool = False,
     pad_id: int = 0,
     positions: str | None = None,
+    share_prompts: bool = False,
 ) -> list[dict]:
     """Run all micro-batches through Megatron's schedule (1F1B under PP).
 
@@ -173,14 +181,27 @@ def forward_backward(
             positions whose outputs ``loss_fn`` reads: the output layer runs on those only
             (:mod:`alignment.trainers.output_positions`) and ``outputs`` are 0 elsewhere.
             Ignored with sequence parallelism. ``None``: every position.
+        share_prompts: the rows of a micro-batch that share a prompt (their first
+            ``seq_lengths - response_lengths`` tokens; the micro-batch needs ``response_lengths``
+            ``[mbs]``) run as one prompt tree, the prompt computed once
+            (:mod:`parallel.prompt_tree`, ``trainer.shared_prompt_packing``); same outputs and
+            gradients as ``packing``. Not with context or sequence parallelism.
     Returns:
         the metrics dicts of every micro-batch on the last pipeline stage; ``[]`` elsewhere.
+    Raises:
+        ValueError: ``share_prompts`` with context parallelism or sequence parallelism.
     """
+    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if share_prompts and (ps.get_context_parallel_world_size() > 1 or model.config.sequence_parallel):
+        raise ValueError("share_prompts (trainer.shared_prompt_packing) needs context_parallel_size=1 and "
+                         "sequence_parallel=false: a prompt tree's attention mask spans the whole tree")
 
     with moe_aux_loss_scale(model.config, len(microbatches), forward_only):
         return _forward_backward(get_forward_backward_func(), model, microbatches, loss_fn, outputs=outputs,
-                                 forward_only=forward_only, packing=packing, pad_id=pad_id, positions=positions)
+                                 forward_only=forward_only, packing=packing, pad_id=pad_id, positions=positions,
+                                 share_prompts=share_prompts)
 
 
 @contextmanager
@@ -224,15 +245,17 @@ def _selected_positions(mb: dict, inp, key: str | None, sequence_parallel: bool)
 
 
 def _forward_backward(schedule, model, microbatches, loss_fn, *, outputs, forward_only, packing, pad_id,
-                      positions=None):
-    from alignment.trainers.output_positions import output_on
+                      positions=None, share_prompts=False):
+    from alignment.trainers.output_positions import OutputPositions, output_on
+    from parallel.prompt_tree import tree_rotary
 
     device = next(model.parameters()).device
     sequence_parallel = bool(model.config.sequence_parallel)
-    inputs = [x.to(device) for x in _model_inputs(microbatches, packing, pad_id, sequence_parallel)]
+    inputs = [x.to(device) for x in _model_inputs(microbatches, packing, pad_id, sequence_parallel, share_prompts,
+                                                  positions)]
 
     def loss_func(mb, inp, sel, output):
-        if sel is None:
+        if share_prompts or sel is None:  # prompt trees: the output layer ran on their scoring positions
             local = outputs(output, inp.target_ids)
         else:
             local = {k: sel.put(v) for k, v in outputs(output, sel.take(inp.target_ids)).items()}
@@ -242,8 +265,13 @@ def _forward_backward(schedule, model, microbatches, loss_fn, *, outputs, forwar
     def forward_step(data_iterator, m):
         mb, inp = next(data_iterator)
         mb = {k: v.to(device) for k, v in mb.items()}  # the loss reads them next to the outputs
-        sel = _selected_positions(mb, inp, positions, sequence_parallel)
-        with output_on(m, sel):
+        if share_prompts:
+            sel = OutputPositions(inp.score_index, (1, inp.seq_length))
+            rotary = tree_rotary(m, inp.position_ids)
+        else:
+            sel = _selected_positions(mb, inp, positions, sequence_parallel)
+            rotary = nullcontext()
+        with output_on(m, sel), rotary:
             out = m(inp.input_ids, inp.position_ids, attention_mask=None, packed_seq_params=inp.packed_seq_params)
         return out, partial(loss_func, mb, inp, sel)
 

@@ -27,6 +27,7 @@ from alignment.algorithms.advantages import gae
 from alignment.algorithms.grpo_loss import GRPOLossConfig, grpo_loss
 from alignment.algorithms.kl import kl_in_reward
 from alignment.algorithms.value_loss import value_loss
+from alignment.config import shares_prompts
 from alignment.models.value_head import sequence_scores
 from alignment.rollout.base import SamplingConfig
 from alignment.trainers.batching import cat_rows, make_batch
@@ -60,19 +61,20 @@ def _ps():
     return ps
 
 
-def head_outputs(model, mbs: list[dict], packing: bool = False) -> torch.Tensor | None:
+def head_outputs(model, mbs: list[dict], packing: bool = False, share_prompts: bool = False) -> torch.Tensor | None:
     """Forward-only scalar-head outputs ``[N, seq]`` in batch row order (last pipeline stage;
-    None elsewhere). ``packing``: ``trainer.sequence_packing``."""
+    None elsewhere). ``packing``: ``trainer.sequence_packing``; ``share_prompts``: prompt trees
+    (``trainer.shared_prompt_packing``)."""
     with torch.no_grad():
         out = forward_backward(model, mbs, lambda mb, o: (o["values"].sum() * 0, {"v": o["values"]}),
-                               outputs=value_outputs, forward_only=True, packing=packing)
+                               outputs=value_outputs, forward_only=True, packing=packing, share_prompts=share_prompts)
     return cat_rows(out, "v", mbs) if out else None
 
 
 def score(reward_model, batch: dict, cfg) -> torch.Tensor:
     """Reward-model scores ``[N]`` at each sequence's last token (zeros off the last stage)."""
     last = batch["response_mask"].sum(1).long() + batch["prompt_lengths"] - 1
-    values = head_outputs(reward_model, microbatches(batch, cfg), cfg.trainer.sequence_packing)
+    values = head_outputs(reward_model, microbatches(batch, cfg), cfg.trainer.sequence_packing, shares_prompts(cfg))
     return sequence_scores(values, last) if values is not None else torch.zeros(len(last))
 
 
@@ -85,7 +87,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, group) -> torch.Tensor:
 
 
 def _train_critic(models: PPOModels, mb_list, normalizer: float, value_clip: float | None,
-                  packing: bool) -> list[dict]:
+                  packing: dict) -> list[dict]:
     def loss_fn(mb, out):
         per_token = value_loss(out["values"], mb["values"], mb["returns"], value_clip)
         mask = mb["response_mask"]
@@ -93,14 +95,13 @@ def _train_critic(models: PPOModels, mb_list, normalizer: float, value_clip: flo
 
     models.critic.zero_grad_buffer()
     models.critic_optimizer.zero_grad()
-    out = forward_backward(models.critic, mb_list, loss_fn, outputs=value_outputs, forward_only=False,
-                           packing=packing)
+    out = forward_backward(models.critic, mb_list, loss_fn, outputs=value_outputs, forward_only=False, **packing)
     models.critic_optimizer.step()
     return out
 
 
 def _train_policy(models: PPOModels, mb_list, normalizer: float, loss_cfg: GRPOLossConfig,
-                  temperature: float, packing: bool) -> tuple[list[dict], float]:
+                  temperature: float, packing: dict) -> tuple[list[dict], float]:
     def loss_fn(mb, out):
         entropy_sum = (out["entropy"] * mb["response_mask"]).sum()
         lp = out["logprobs"]
@@ -110,7 +111,7 @@ def _train_policy(models: PPOModels, mb_list, normalizer: float, loss_cfg: GRPOL
 
     models.policy.zero_grad_buffer()
     models.optimizer.zero_grad()
-    out = forward_backward(models.policy, mb_list, loss_fn, forward_only=False, packing=packing,
+    out = forward_backward(models.policy, mb_list, loss_fn, forward_only=False, **packing,
                            outputs=LogprobOutputs(models.vocab_size, temperature, entropy=True),
                            positions="response_mask")
     _, grad_norm, _ = models.optimizer.step()
@@ -135,20 +136,20 @@ def ppo_step(models: PPOModels, prompts: list[list[int]], cfg) -> tuple[dict[str
     t0 = time.perf_counter()
     batch = make_batch(samples, pad_id=models.tokenizer.pad_token_id or 0)
     batch["prompt_lengths"] = torch.tensor([len(s.prompt_ids) for s in samples])
-    packing = t.sequence_packing
+    packing = dict(packing=t.sequence_packing, share_prompts=shares_prompts(cfg))  # forward_backward's layout
     models.placement.keep("reward_model")
     rewards = score(models.reward_model, batch, cfg)
     mask = batch["response_mask"]
     zeros = torch.zeros_like(mask)
     models.placement.keep("policy")
-    old = policy_logprobs(models.policy, microbatches(batch, cfg), models.vocab_size, r.temperature, packing)
+    old = policy_logprobs(models.policy, microbatches(batch, cfg), models.vocab_size, r.temperature, **packing)
     old = old if old is not None else zeros
     models.placement.keep("reference")
     ref = zeros if models.reference is None else policy_logprobs(
-        models.reference, microbatches(batch, cfg), models.vocab_size, r.temperature, packing)
+        models.reference, microbatches(batch, cfg), models.vocab_size, r.temperature, **packing)
     ref = ref if ref is not None else zeros
     models.placement.keep("critic")
-    values = head_outputs(models.critic, microbatches(batch, cfg), packing)
+    values = head_outputs(models.critic, microbatches(batch, cfg), **packing)
     values = values * mask if values is not None else zeros
     token_rewards = kl_in_reward(rewards, old, ref, mask, a.kl_coef, "k1")
     advantages, returns = gae(token_rewards, values, mask, a.gamma, a.gae_lambda)

@@ -8,9 +8,11 @@ equal the gradient of the same loss computed by plain autograd on the HF
   DP=2 with micro-batch sizes 1, 2 and 4; TP=2 (DP=1) with micro-batch 2 and 4; TP=2 with sequence
   parallelism (norm gradients all-reduced over TP); PP=2 (DP=1) with micro-batch 2; and with the
   output layer on the response positions only (``positions="response_mask"``) at DP=2, DP=2 packed,
-  TP=2, TP=2 with sequence parallelism (where it is not applied) and PP=2. Also one prompt and its
-  responses as a shared-prompt tree (parallel/prompt_tree.py) at TP=1 and TP=2 against HF autograd
-  on the full sequences.
+  TP=2, TP=2 with sequence parallelism (where it is not applied) and PP=2. Also, for a batch of two
+  prompts with four responses each, shared-prompt packing (``share_prompts``, parallel/prompt_tree.py:
+  one tree per prompt in a micro-batch) at DP=2 (one tree, and two trees of two responses, per
+  rank), TP=2 (one and two trees per micro-batch), PP=2 (trees padded to one length), and scoring
+  every position.
 Writes {case: {"loss": float, "max_grad_diff": float, "max_grad": float}} + the reference loss.
 """
 
@@ -43,6 +45,10 @@ CASES = {"dp2_mbs1": (1, 1, 1, False, False, None), "dp2_mbs2": (1, 1, 2, False,
          "tp2_mbs2_response_only": (2, 1, 2, False, False, "response_mask"),
          "tp2_sp_mbs2_response_only": (2, 1, 2, True, False, "response_mask"),
          "pp2_mbs2_response_only": (1, 2, 2, False, False, "response_mask")}
+# shared-prompt packing on GROUP_BATCH: name: (tp, pp, micro-batch size, output positions)
+SHARED_CASES = {"shared_dp2_mbs4": (1, 1, 4, "response_mask"), "shared_dp2_mbs2": (1, 1, 2, "response_mask"),
+                "shared_tp2_mbs4": (2, 1, 4, "response_mask"), "shared_tp2_mbs8": (2, 1, 8, "response_mask"),
+                "shared_pp2_mbs2": (1, 2, 2, "response_mask"), "shared_dp2_mbs4_all_positions": (1, 1, 4, None)}
 
 
 def make_batch(vocab: int):
@@ -56,6 +62,29 @@ def make_batch(vocab: int):
     return {"input_ids": ids, "position_ids": torch.arange(seq).expand(n, seq).contiguous(),
             "response_mask": mask,
             # "old" logprobs slightly off the current ones, so ratios != 1 and some clip
+            "old_delta": 0.3 * torch.randn(n, seq, generator=g),
+            "ref_logprobs": -5.5 + 0.5 * torch.randn(n, seq, generator=g),
+            "advantages": torch.randn(n, generator=g)}
+
+
+def make_group_batch(vocab: int):
+    """Two prompts (4 and 5 tokens) with four responses each (3, 1, 6, 2 and 4, 7, 1, 5 tokens),
+    right-padded to 12, with ``seq_lengths`` and ``response_lengths`` (what shared-prompt packing reads)."""
+    g = torch.Generator().manual_seed(7)
+    n, seq = 8, 12
+    ids = torch.zeros(n, seq, dtype=torch.long)
+    mask = torch.zeros(n, seq)
+    prompts = [torch.randint(1, vocab, (p,), generator=g) for p in (4, 5)]
+    responses = (3, 1, 6, 2, 4, 7, 1, 5)
+    for i, r in enumerate(responses):
+        prompt = prompts[i // 4]
+        p = prompt.numel()
+        ids[i, :p] = prompt
+        ids[i, p : p + r] = torch.randint(1, vocab, (r,), generator=g)
+        mask[i, p - 1 : p - 1 + r] = 1.0
+    lengths = torch.tensor(responses)
+    return {"input_ids": ids, "response_mask": mask, "response_lengths": lengths,
+            "seq_lengths": lengths + torch.tensor([4] * 4 + [5] * 4),
             "old_delta": 0.3 * torch.randn(n, seq, generator=g),
             "ref_logprobs": -5.5 + 0.5 * torch.randn(n, seq, generator=g),
             "advantages": torch.randn(n, generator=g)}
@@ -78,12 +107,12 @@ def hf_reference(hf, batch, extra_loss=None, **forward_kwargs):
 
 
 def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, router_stats=False, packing=False,
-                  positions=None, **sizes):
+                  positions=None, share_prompts=False, **sizes):
     """Loss and HF-named (checkpoint form) gradients of the GRPO loss through Megatron, laid out
     with ``sizes`` (ParallelLayout fields), micro-batches of ``mbs`` rows; weights from ``state``
     (HF checkpoint form, default the model's state dict). ``router_stats``: also return the
-    step's :func:`alignment.trainers.router_stats.routing_metrics`. ``packing``, ``positions``: as
-    :func:`alignment.trainers.megatron_step.forward_backward`'s."""
+    step's :func:`alignment.trainers.router_stats.routing_metrics`. ``packing``, ``positions``,
+    ``share_prompts``: as :func:`alignment.trainers.megatron_step.forward_backward`'s."""
     from megatron.core import parallel_state as ps
 
     from alignment.trainers.router_stats import routing_metrics
@@ -106,7 +135,8 @@ def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, rou
 
     ddp.zero_grad_buffer()
     out = forward_backward(ddp, split_microbatches(local, mbs), loss_fn, forward_only=False,
-                           outputs=LogprobOutputs(cfg.vocab_size), packing=packing, positions=positions)
+                           outputs=LogprobOutputs(cfg.vocab_size), packing=packing, positions=positions,
+                           share_prompts=share_prompts)
     loss = torch.tensor(sum(o["policy_loss_sum"].item() + CFG.kl_coef * o["kl_sum"].item() for o in out)
                         if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 else 0.0,
                         dtype=torch.float64)
@@ -126,48 +156,6 @@ def tp_attributes(hf, initialize: bool) -> dict:
             for n, p in model.named_parameters()}
 
 
-def prompt_tree_case(hf, world: int, tp: int) -> dict[str, float]:
-    """One prompt and three responses as one shared-prompt tree (:mod:`parallel.prompt_tree`)
-    through Megatron at TP=``tp``, against HF autograd on the three full sequences: the response
-    tokens' logprobs and the HF-named gradients of a weighted sum of them."""
-    from megatron.core import parallel_state as ps
-
-    from alignment.trainers.output_positions import OutputPositions, output_on
-    from parallel.prompt_tree import prompt_tree, tree_rotary
-    from parallel.vocab_logprobs import vocab_parallel_logprobs
-
-    cfg = hf.config
-    g = torch.Generator().manual_seed(11)
-    prompt = torch.randint(0, cfg.vocab_size, (5,), generator=g)
-    responses = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (4, 1, 6)]
-    weights = torch.linspace(-1.0, 1.0, sum(r.numel() for r in responses))
-    hf.zero_grad()
-    ref_lp = []
-    for r in responses:  # plain autograd, one full sequence at a time
-        ids = torch.cat([prompt, r]).unsqueeze(0)
-        logp = torch.log_softmax(hf(ids).logits.float()[0, :-1], -1)
-        ref_lp.append(logp[prompt.numel() - 1:].gather(-1, r[:, None])[:, 0])
-    ref_lp = torch.cat(ref_lp)
-    (weights * ref_lp).sum().backward()
-    ref_grads = {k: p.grad.clone() for k, p in hf.named_parameters()}
-
-    init_distributed(ParallelLayout(world_size=world, tensor_model_parallel_size=tp))
-    model = build_gpt_model(cfg, transformer_config(cfg, tensor_model_parallel_size=tp))
-    bridge = get_bridge(cfg)
-    load_hf_weights(model, hf.state_dict(), bridge)
-    tree = prompt_tree(prompt, responses)
-    with tree_rotary(model, tree.position_ids), output_on(model, OutputPositions(tree.score_index,
-                                                                                 (1, tree.input_ids.shape[1]))):
-        logits = model(tree.input_ids, tree.position_ids, attention_mask=None, packed_seq_params=tree.packed_seq_params)
-    lp, _ = vocab_parallel_logprobs(logits, tree.target_ids.unsqueeze(0), cfg.vocab_size, 1.0,
-                                    group=ps.get_tensor_model_parallel_group())
-    (weights * lp.reshape(-1)).sum().backward()
-    grads = export_hf_weights(model, bridge, source=lambda p: p.grad)
-    return {"tokens": tree.input_ids.shape[1], "max_logprob_diff": (lp.reshape(-1) - ref_lp).abs().max().item(),
-            "max_grad_diff": max((grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads),
-            "max_grad": max(v.abs().max().item() for v in ref_grads.values())}
-
-
 def main(path: str) -> None:
     rank, world, _ = env_world()
     hf = tiny_llama(seed=3, tie_word_embeddings=False)
@@ -185,8 +173,15 @@ def main(path: str) -> None:
         assert set(grads) == set(ref_grads), sorted(set(ref_grads) ^ set(grads))
         diff = max((grads[k] - ref_grads[k]).abs().max().item() for k in grads)
         results[name] = {"loss": loss, "max_grad_diff": diff}
-    for tp in (1, 2):
-        results[f"prompt_tree_tp{tp}"] = prompt_tree_case(hf, world, tp)
+    groups = make_group_batch(hf.config.vocab_size)
+    group_loss, group_grads = hf_reference(hf, groups)
+    results["group_reference"] = {"loss": group_loss,
+                                  "max_grad": max(g.abs().max().item() for g in group_grads.values())}
+    for name, (tp, pp, mbs, positions) in SHARED_CASES.items():
+        loss, grads = megatron_case(hf, groups, world, mbs, tensor_model_parallel_size=tp,
+                                    pipeline_model_parallel_size=pp, positions=positions, share_prompts=True)
+        results[name] = {"loss": loss,
+                         "max_grad_diff": max((grads[k] - group_grads[k]).abs().max().item() for k in grads)}
     write_results_and_shutdown(path, results)
 
 
