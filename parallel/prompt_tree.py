@@ -2,7 +2,7 @@
 ``[prompt, r_1, ..., r_G]`` (a prompt tree) in which every response sees the prompt and itself only.
 
 Why: GRPO samples ``G`` responses per prompt, and ordinary packing repeats the prompt ``G``
-times. On the main job (prompts of ~75 tokens, responses of ~15, ``G = 8``) ~80 % of the
+times. On the main job (prompts of ~75 tokens, responses of ~15, ``G = 8``) ~72 % of the
 tokens of the training and reference passes are prompt copies. Prompt tokens never attend to a
 response (causal attention), so their hidden states are the same in every copy; computing them
 once and letting each response attend to that one copy gives the same logprobs, and the same
