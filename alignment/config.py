@@ -86,6 +86,19 @@ class RolloutConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """``algorithm.rollout_correction``: weights from the rollout engine's policy to the trainer's
+    (alignment/algorithms/rollout_correction.py; Yao et al. 2025 TIS / MIS). Off by default; the
+    mismatch metrics are logged either way."""
+
+    is_level: Optional[str] = None  # null | token | sequence: truncated importance weights min(ratio, is_threshold)
+    is_threshold: float = 2.0
+    mask_level: Optional[str] = None  # null | token | sequence | geometric: zero ratios outside [mask_low, mask_high]
+    mask_low: Optional[float] = None  # null: 1 / mask_high
+    mask_high: float = 2.0
+
+
+@dataclass
 class AlgorithmConfig:
     """The algorithm (``name``) and its settings: GRPO-family advantage estimator, clipping, KL to the
     reference, loss aggregation; preference-loss settings for ``dpo`` and ``rm``."""
@@ -95,6 +108,11 @@ class AlgorithmConfig:
     advantage_estimator: str = "grpo"
     clip_ratio: float = 0.2  # lower clip bound (and upper, unless clip_ratio_high is set)
     clip_ratio_high: Optional[float] = None  # DAPO clip-higher, e.g. 0.28
+    # ppo (clipped surrogate) | gspo (length-normalised sequence ratio, Zheng et al. 2025) | cispo
+    # (clipped stop-gradient IS weight, MiniMax-M1 2025); the clip_ratio* fields bound each one's ratio
+    policy_loss: str = "ppo"
+    clip_ratio_c: Optional[float] = None  # dual clip of the ppo loss for A < 0 (Ye et al. 2020; verl: 3.0); null: off
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     kl_coef: float = 0.04
     kl_estimator: str = "k3"  # k1 | k2 | k3 | k3_clamped
     # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)
@@ -250,6 +268,22 @@ def _validate_ppo(cfg, dp: int) -> None:
         raise ConfigError(f"rollout.temperature={r.temperature}: PPO samples, it needs a temperature > 0")
 
 
+def _validate_policy_loss(a) -> None:
+    """RL jobs: the policy loss, its dual clip and the rollout correction."""
+    from alignment.algorithms.policy_loss import POLICY_LOSSES
+    from alignment.algorithms.rollout_correction import RolloutCorrection
+
+    if a.policy_loss not in POLICY_LOSSES:
+        raise ConfigError(f"algorithm.policy_loss={a.policy_loss!r}: valid values are {', '.join(POLICY_LOSSES)}")
+    if a.clip_ratio_c is not None and (a.policy_loss != "ppo" or not a.clip_ratio_c > 1):
+        raise ConfigError(f"algorithm.clip_ratio_c={a.clip_ratio_c}: the dual clip needs algorithm.policy_loss=ppo and "
+                          f"a value > 1 (e.g. 3.0), or null")
+    try:
+        RolloutCorrection(**a.rollout_correction)
+    except ValueError as e:
+        raise ConfigError(f"algorithm.rollout_correction.{e}") from e
+
+
 def _validate_offline(cfg, dp: int) -> None:
     """SFT / reward model / DPO: dataset matches the algorithm, batch sizes divide."""
     from alignment.trainers.dpo import LOSS_TYPES
@@ -396,6 +430,7 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
                           f"rollout.max_model_len={r.max_model_len}, the longest sequence a rollout can make; "
                           f"raise it to at least {r.max_model_len} (or 0 for micro_batch_size rows)")
     a = cfg.algorithm
+    _validate_policy_loss(a)
     if a.name == "ppo":
         _validate_ppo(cfg, dp)
         return _validate_rollout_lengths(r, hf_config)

@@ -22,25 +22,40 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = [("padded, logits everywhere", False, None), ("padded, logits on responses", False, "mask"),
-            ("packed, logits on responses (default)", True, "mask")]
+# (name, packing, positions, share_prompts, micro-batches per step)
+VARIANTS = [("padded, logits everywhere", False, None, False, 4),
+            ("padded, logits on responses", False, "mask", False, 4),
+            ("packed, logits on responses", True, "mask", False, 4),
+            ("shared prompts, 4 micro-batches of 8 (default)", True, "mask", True, 4),
+            ("shared prompts, 1 micro-batch of 32", True, "mask", True, 1)]
 
 
-def batch(seed: int = 0):
-    """4 micro-batches of 8 rows: ``input_ids``, ``seq_lengths``, ``mask`` (response positions)."""
+def batch(seed: int = 0, micro_batches: int = 4):
+    """4 GRPO groups of 8 rows (each group one prompt), as ``micro_batches`` micro-batches:
+    ``input_ids``, ``seq_lengths``, ``response_lengths``, ``mask`` (response positions)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    mbs = []
+    groups = []
     for _ in range(4):
-        prompt, response = torch.randint(40, 56, (8,), generator=g), torch.randint(8, 49, (8,), generator=g)
-        lengths = prompt + response
-        ids = torch.randint(0, 49152, (8, int(lengths.max())), generator=g)
+        prompt = int(torch.randint(40, 56, (1,), generator=g))
+        response = torch.randint(8, 49, (8,), generator=g)
+        prompt_ids = torch.randint(0, 49152, (prompt,), generator=g)
+        groups.append([(torch.cat([prompt_ids, torch.randint(0, 49152, (int(r),), generator=g)]), prompt)
+                       for r in response])
+    rows = [row for group in groups for row in group]
+    per = len(rows) // micro_batches
+    mbs = []
+    for k in range(micro_batches):
+        part = rows[k * per:(k + 1) * per]
+        lengths = torch.tensor([len(ids) for ids, _ in part])
+        ids = torch.zeros(len(part), int(lengths.max()), dtype=torch.long)
         mask = torch.zeros(ids.shape)
-        for i in range(8):
-            ids[i, lengths[i]:] = 0
-            mask[i, prompt[i] - 1 : lengths[i] - 1] = 1  # position t scores token t + 1
-        mbs.append({"input_ids": ids, "seq_lengths": lengths, "mask": mask})
+        for i, (row, prompt) in enumerate(part):
+            ids[i, :len(row)] = row
+            mask[i, prompt - 1:len(row) - 1] = 1  # position t scores token t + 1
+        mbs.append({"input_ids": ids, "seq_lengths": lengths, "mask": mask,
+                    "response_lengths": lengths - torch.tensor([p for _, p in part])})
     return mbs
 
 
@@ -68,32 +83,41 @@ def main() -> None:
     init_distributed(ParallelLayout(world_size=1))
     model = build_gpt_model(hf, transformer_config(hf, params_dtype=torch.bfloat16))
     ddp, optimizer = setup_training(model, OptimConfig(lr=1e-6, use_distributed_optimizer=True))
+    from parallel.prompt_tree import tree_tokens
+
     mbs = batch()
     tokens = sum(int(mb["seq_lengths"].sum()) for mb in mbs)
     response = sum(float(mb["mask"].sum()) for mb in mbs)
-    flops = tokens * flops_per_token(model_dims(hf), tokens / 32, output_fraction=response / tokens)
+
+    def model_flops(share_prompts: bool) -> float:
+        """FLOPs of the tokens the model runs on (a group's prompt once with shared prompts)."""
+        ran = sum(tree_tokens(mb["input_ids"], mb["seq_lengths"], mb["seq_lengths"] - mb["response_lengths"])
+                  for mb in mbs) if share_prompts else tokens
+        return ran * flops_per_token(model_dims(hf), tokens / 32, output_fraction=response / ran)
 
     def loss_fn(mb, out):
         return -(out["logprobs"] * mb["mask"]).sum() / response, {}
 
     rows = []
-    for name, packing, positions in VARIANTS:
+    for name, packing, positions, share, micro_batches in VARIANTS:
+        data = batch(micro_batches=micro_batches)
+
         def step():
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
-            forward_backward(ddp, mbs, loss_fn, outputs=LogprobOutputs(hf.vocab_size, 0.7, entropy=True),
-                             forward_only=False, packing=packing, positions=positions)
+            forward_backward(ddp, data, loss_fn, outputs=LogprobOutputs(hf.vocab_size, 0.7, entropy=True),
+                             forward_only=False, packing=packing, positions=positions, share_prompts=share)
             optimizer.step()
 
         step()
         t = time.perf_counter()
         for _ in range(a.steps):
             step()
-        rows.append((name, (time.perf_counter() - t) / a.steps))
-    print(f"\nOne rank's GRPO training phase, SmolLM2-135M bf16, {tokens} tokens ({response:.0f} response) "
-          f"in 4 micro-batches; {a.threads} thread(s), bf16 matmul peak {peak / 1e9:.0f} GFLOP/s\n")
+        rows.append((name, (time.perf_counter() - t) / a.steps, model_flops(share)))
+    print(f"\nOne rank's GRPO training phase, SmolLM2-135M bf16, 4 groups of 8, {tokens} tokens "
+          f"({response:.0f} response); {a.threads} thread(s), bf16 matmul peak {peak / 1e9:.0f} GFLOP/s\n")
     print("| variant | s / step | vs first | MFU |\n|---|---|---|---|")
-    for name, s in rows:
+    for name, s, flops in rows:
         print(f"| {name} | {s:.2f} | {rows[0][1] / s:.2f}x | {100 * flops / s / peak:.0f} % |")
 
 

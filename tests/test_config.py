@@ -37,11 +37,14 @@ def test_algorithm_variant_configs():
     expected = {"grpo_dr": ("grpo_no_std", "seq-mean-token-sum-norm", None, 0.04),
                 "dapo": ("grpo", "token-mean", 0.28, 0.0),
                 "rloo": ("rloo", "token-mean", None, 0.04),
-                "reinforce_pp": ("reinforce_plus_plus_baseline", "token-mean", None, 0.04)}
+                "reinforce_pp": ("reinforce_plus_plus_baseline", "token-mean", None, 0.04),
+                "gspo": ("grpo", "seq-mean-token-mean", 4e-4, 0.0),
+                "cispo": ("grpo", "token-mean", 0.28, 0.0)}
     for name, (estimator, agg, high, kl) in expected.items():
         c = cfg(name=name)
         a = c.algorithm
         assert (a.advantage_estimator, a.loss_agg_mode, a.clip_ratio_high, a.kl_coef) == (estimator, agg, high, kl)
+        assert a.policy_loss == (name if name in ("gspo", "cispo") else "ppo")
         assert c.run_name == f"{name}_smollm2_arithmetic" and c.trainer.steps == 12
         validate(c, world_size=2, hf_config=SMOLLM2)
 
@@ -95,6 +98,12 @@ def test_shared_prompt_packing_is_on_where_it_runs_and_refused_where_it_cannot()
     ("rollout.tensor_parallel_size=2", 2, r"rollout.tensor_parallel_size=2 must divide the attention heads \(9\)"),
     ("trainer.max_tokens_per_microbatch=-1", 2, r"trainer.max_tokens_per_microbatch=-1: must be >= 0"),
     ("trainer.max_tokens_per_microbatch=100", 2, r"trainer.max_tokens_per_microbatch=100 is below rollout.max_model_len"),
+    ("algorithm.policy_loss=grpo", 2, r"algorithm.policy_loss='grpo': valid values are ppo, gspo, cispo"),
+    ("algorithm.clip_ratio_c=0.5", 2, r"algorithm.clip_ratio_c=0.5: the dual clip needs algorithm.policy_loss=ppo and a "
+                                      r"value > 1"),
+    ("algorithm.rollout_correction.is_level=tok", 2,
+     r"algorithm.rollout_correction.is_level='tok': valid values are null, token, sequence"),
+    ("algorithm.rollout_correction.mask_high=0.9", 2, r"algorithm.rollout_correction.mask_low=None / mask_high=0.9"),
 ])
 def test_invalid_values_name_the_field(override, world, message):
     with pytest.raises(ConfigError, match=message):
@@ -130,7 +139,7 @@ def test_profile_fields_are_checked():
 
 
 GROUPS = {"model": ["smollm2", "smollm2_sft_rm"],
-          "algorithm": ["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "ppo", "sft", "rm", "dpo"],
+          "algorithm": ["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "cispo", "ppo", "sft", "rm", "dpo"],
           "parallel": ["single", "tp2", "tp2_sp", "pp2", "cp2_ring", "cp2_ulysses", "tp2_pp2"],
           "rollout": ["default", "long"], "data": ["arithmetic", "gsm8k", "alpaca_en_demo", "dpo_en_demo"],
           "cluster": ["local", "slurm_h100x8"]}

@@ -19,8 +19,8 @@ def test_two_grpo_steps_tiny_model(tmp_path):
     run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=2",
                  "rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=2",
                  "data.heldout_size=8", "data.train_size=50", "rollout.max_tokens=16", "rollout.eval_max_tokens=8",
-                 "trainer.lr=1e-3", "trainer.progress_bar=false", "rollout.check_weight_sync=true", str(result),
-                 timeout=900)
+                 "trainer.lr=1e-3", "trainer.progress_bar=false", "rollout.check_weight_sync=true",
+                 "algorithm.clip_ratio_c=3.0", str(result), timeout=900)
     s = json.loads(result.read_text())
     first, second = s["history"]
     for m in (first, second):  # DP=2, TP=1: every rank rewrites its own full shard, nothing moves;
@@ -32,6 +32,9 @@ def test_two_grpo_steps_tiny_model(tmp_path):
     for m in (first, second):
         assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
         assert all(m[f"time/{k}"] > 0 for k in ("rollout", "logprobs", "train", "weight_sync"))
+        # the mismatch metrics are logged with the correction off: fp32 engine = trainer, so no gap
+        assert 0.0 <= m["rollout_correction/kl"] < 1e-6 and 1.0 - 1e-4 < m["rollout_correction/ratio_max"] < 1.0 + 1e-4
+        assert m["rollout_correction/is_weight_mean"] == 1.0 and m["rollout_correction/masked_fraction"] == 0.0
     # outputs: config, TensorBoard events, Megatron checkpoint, HF export that transformers loads
     assert (out / "config.yaml").exists() and list((out / "tensorboard").glob("events.*"))
     assert (out / "checkpoints" / "step_2" / "metadata.json").exists()
@@ -57,13 +60,13 @@ def test_two_grpo_steps_tiny_model(tmp_path):
     # engine with tensor_parallel_size=2 across both ranks (external_launcher): each rank gets its
     # vLLM TP shard from the resharder; the two DP ranks' prompts are generated together; dynamic
     # sampling keeps both ranks in step; sequences are re-dealt over the DP ranks by token count
-    # (balance_batch) and trained packed.
+    # (balance_batch) and trained packed; the policy loss is now GSPO's (a config switch on resume).
     run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=3",
                  "rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=2",
                  "data.heldout_size=8", "data.train_size=50", "rollout.max_tokens=16", "rollout.eval_max_tokens=8",
                  "trainer.lr=1e-3", "trainer.progress_bar=false", "trainer.offload=true",
                  "rollout.tensor_parallel_size=2", "rollout.check_weight_sync=true", "algorithm.dynamic_sampling=true",
-                 "trainer.sequence_packing=true", "trainer.balance_batch=true",
+                 "trainer.sequence_packing=true", "trainer.balance_batch=true", "algorithm.policy_loss=gspo",
                  str(result), timeout=900, env={"MEGALIGN_OFFLOAD_ON_CPU": "1"})
     resumed = json.loads(result.read_text())
     assert resumed["start_step"] == 2 and len(resumed["history"]) == 1
@@ -76,9 +79,10 @@ def test_two_grpo_steps_tiny_model(tmp_path):
 
 def test_variant_rloo_dr_grpo_aggregation_clip_higher_without_reference(tmp_path):
     """The critic-free variants run through the same pipeline: RLOO advantages, Dr.GRPO's
-    constant-length normalisation, DAPO's clip-higher, dynamic sampling and overlong shaping,
-    two epochs of two mini-batches, and kl_coef=0 (no reference model); trained with TP=2, so the
-    weight sync reshards across ranks into each rank's TP=1 engine."""
+    constant-length normalisation, CISPO's loss with a clip-higher bound, dynamic sampling and
+    overlong shaping, two epochs of two mini-batches, kl_coef=0 (no reference model), and the
+    rollout correction on (token-level truncated IS and a geometric mask); trained with TP=2, so
+    the weight sync reshards across ranks into each rank's TP=1 engine."""
     model_dir = save_tiny_hf_dir(tmp_path / "tiny")
     out, result = tmp_path / "run", tmp_path / "result.json"
     run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=2",
@@ -88,7 +92,8 @@ def test_variant_rloo_dr_grpo_aggregation_clip_higher_without_reference(tmp_path
                  "algorithm.loss_agg_mode=seq-mean-token-sum-norm", "algorithm.clip_ratio_high=0.28",
                  "algorithm.kl_coef=0.0", "algorithm.dynamic_sampling=true", "algorithm.overlong_buffer_len=8",
                  "algorithm.ppo_epochs=2", "algorithm.num_mini_batches=2", "parallel.tensor_model_parallel_size=2",
-                 str(result), timeout=900)
+                 "algorithm.policy_loss=cispo", "algorithm.rollout_correction.is_level=token",
+                 "algorithm.rollout_correction.mask_level=geometric", str(result), timeout=900)
     first, second = json.loads(result.read_text())["history"]
     # TP=2 training, a TP=1 engine on each rank: each rank receives the other half of every split tensor
     assert first["weight_sync/sent_mb"] > 0.0 and first["weight_sync/peak_staged_mb"] > 0.0
@@ -97,7 +102,10 @@ def test_variant_rloo_dr_grpo_aggregation_clip_higher_without_reference(tmp_path
     for m in (first, second):
         # old_logprobs come from the trainer before the first update: they match the engine's
         assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
-        assert m["clip_fraction"] > 0.0  # later updates move the ratio away from 1
+        assert m["clip_fraction"] > 0.0  # later updates move the ratio away from 1: CISPO caps the weight
+        # the old logprobs are the trainer's, computed before the first update: fp32 = the engine's,
+        # so every importance weight is 1 (up to rounding) and nothing is masked
+        assert abs(m["rollout_correction/is_weight_mean"] - 1.0) < 1e-4 and m["rollout_correction/masked_fraction"] == 0
         assert 1 <= m["dynamic_sampling/rounds"] <= 3 and m["dynamic_sampling/filled_groups"] >= 0
 
 

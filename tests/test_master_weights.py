@@ -9,6 +9,12 @@ def test_bf16_masters_seeded_from_checkpoint_follow_fp32_updates(torchrun_json):
     # in-place all-reduces on Megatron's shard views, bitwise torch's collectives; other shapes fall back
     assert res.pop("gloo_buffer_collectives") == {"patched": True, "reduce_scatter_exact": True,
                                                   "all_gather_exact": True, "fallback_exact": True}
+    # torch's fused AdamW on the CPU masters (megatron_step.use_fused_cpu_adam): the same 3 steps as
+    # its for-loop version (fp32, updates of ~1e-5: equal to rounding), and a checkpoint load of a
+    # state saved unfused keeps it fused
+    fused = res.pop("fused_adam")
+    assert fused["groups_fused"] and fused["switched"] == 1 and fused["fused_after_load"], fused
+    assert fused["max_weight_diff"] <= 1e-7, fused
     assert set(res) == {"dp2", "dp2_distributed_optimizer", "tp2"}
     for name, r in res.items():
         assert r["masters_exact"], name  # bitwise the checkpoint's fp32 values on every rank

@@ -25,6 +25,7 @@ def test_ppo_steps_update_policy_and_critic_and_resume(tmp_path):
     for m in (first, second):
         # the engine sampled with the trainer's current weights (synced after step 1)
         assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
+        assert 0.0 <= m["rollout_correction/kl"] < 1e-6, m  # the mismatch metrics: no gap in fp32
         assert m["clip_fraction"] > 0.0  # later mini-batches/epochs move the ratio away from 1
         assert m["loss/value"] > 0.0 and math.isfinite(m["explained_variance"]) and m["grad_norm"] > 0.0
     assert first["kl"] == 0.0 and second["kl"] != 0.0  # the policy moved away from the reference

@@ -1,12 +1,16 @@
-"""PPO clipped surrogate objectives (symmetric, clip-higher, dual-clip) and
-the entropy bonus, as per-token losses."""
+"""Policy-gradient objectives as per-token losses: the PPO clipped surrogate (symmetric,
+clip-higher, dual-clip), GSPO's sequence-level ratio, CISPO's clipped importance weight, and
+the entropy bonus. :func:`policy_loss` picks one by name (``algorithm.policy_loss``)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-__all__ = ["clipped_surrogate_loss", "entropy_bonus", "ppo_policy_loss"]
+__all__ = ["POLICY_LOSSES", "cispo_policy_loss", "clipped_surrogate_loss", "entropy_bonus", "gspo_policy_loss",
+           "policy_loss", "ppo_policy_loss"]
+
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
 
 
 def clipped_surrogate_loss(
@@ -118,12 +122,7 @@ def ppo_policy_loss(
         ValueError: ``clip_ratio_low <= 0``, ``clip_ratio_high <= 0``,
             ``clip_ratio_c <= 1``, or shapes mismatch.
     """
-    if clip_ratio_low <= 0:
-        raise ValueError(f"clip_ratio_low must be > 0, got clip_ratio_low={clip_ratio_low}")
-    if clip_ratio_high <= 0:
-        raise ValueError(
-            f"clip_ratio_high must be > 0, got clip_ratio_high={clip_ratio_high}"
-        )
+    _check_clip(clip_ratio_low, clip_ratio_high)
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(
             f"clip_ratio_c must be > 1 (or None), got clip_ratio_c={clip_ratio_c}"
@@ -144,6 +143,125 @@ def ppo_policy_loss(
         )
         is_clipped = is_clipped | dual_active
     return per_token_loss, is_clipped
+
+
+def _check_clip(clip_ratio_low: float, clip_ratio_high: float) -> None:
+    if clip_ratio_low <= 0:
+        raise ValueError(f"clip_ratio_low must be > 0, got clip_ratio_low={clip_ratio_low}")
+    if clip_ratio_high <= 0:
+        raise ValueError(f"clip_ratio_high must be > 0, got clip_ratio_high={clip_ratio_high}")
+
+
+def gspo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+) -> tuple[Tensor, Tensor]:
+    """Per-token GSPO loss: the PPO clip applied to a length-normalised sequence ratio.
+
+    Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 5-7 and the GSPO-token form
+    (eq. 13-14)::
+
+        s_i     = exp( sum_t m_t (logprobs_t - old_logprobs_t) / |y_i| )    (|y_i| = sum_t m_t)
+        r_i,t   = sg(s_i) * exp(logprobs_t - sg(logprobs_t))                 (value s_i)
+        loss_t  = max(-r_i,t * A, -clamp(r_i,t, 1 - low, 1 + high) * A)
+
+    Every valid token of a sequence has the same value and clip decision; the gradient of token
+    ``t`` is ``s_i * A * grad logprobs_t`` where the clip is inactive, so a
+    ``seq-mean-token-mean`` aggregation gives GSPO's ``(1/G) sum_i s_i A_i (1/|y_i|) grad log
+    pi(y_i)``. The paper's clip ranges are small (``low`` 3e-4, ``high`` 4e-4): the ratio is a
+    per-token geometric mean. A sequence with no valid token has ``s_i = 1``.
+
+    Args:
+        logprobs, old_logprobs: ``[batch, seq]`` log-probs (nats), current and old policy.
+        advantages: ``[batch]`` or ``[batch, seq]`` (a per-token advantage is used per token).
+        response_mask: ``[batch, seq]``, 1 on response tokens.
+        clip_ratio_low, clip_ratio_high: the sequence ratio's trust region, each > 0.
+    Returns:
+        ``(per_token_loss, is_clipped)``, both ``[batch, seq]``, no masking applied.
+    Raises:
+        ValueError: a clip bound <= 0 or shapes that do not match.
+    """
+    _check_clip(clip_ratio_low, clip_ratio_high)
+    adv = _broadcast_advantages(logprobs, old_logprobs, advantages)
+    if response_mask.shape != logprobs.shape:
+        raise ValueError(f"response_mask {tuple(response_mask.shape)} must match logprobs {tuple(logprobs.shape)}")
+    mask = response_mask.to(logprobs.dtype)
+    log_s = ((logprobs.detach() - old_logprobs.detach()) * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+    ratio = torch.exp(log_s.unsqueeze(-1) + logprobs - logprobs.detach())
+    clipped = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_unclipped, loss_clipped = -ratio * adv, -clipped * adv
+    return torch.maximum(loss_unclipped, loss_clipped), loss_clipped > loss_unclipped
+
+
+def cispo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+) -> tuple[Tensor, Tensor]:
+    """Per-token CISPO loss: REINFORCE weighted by the clipped, stop-gradient importance ratio.
+
+    MiniMax-M1 (MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
+    Attention", Sec. 3.1, eq. 4-5), negated::
+
+        w_t    = sg(clamp(exp(logprobs_t - old_logprobs_t), 1 - low, 1 + high))
+        loss_t = -w_t * A * logprobs_t
+
+    Unlike the PPO clip, no token loses its gradient: a clipped ratio only caps the weight
+    (``-w_t * A * grad logprobs_t`` everywhere). The paper sets no lower bound (``low`` >= 1
+    makes ``1 - low <= 0``) and tunes ``high``. The loss value is not a surrogate of the
+    objective's value (it scales with ``logprobs``); its gradient is what matters.
+
+    Args:
+        logprobs, old_logprobs: ``[batch, seq]`` log-probs (nats), current and behaviour policy.
+        advantages: ``[batch]`` or ``[batch, seq]``.
+        clip_ratio_low, clip_ratio_high: the weight's bounds ``[1 - low, 1 + high]``, each > 0.
+    Returns:
+        ``(per_token_loss, is_clipped)``, both ``[batch, seq]``; ``is_clipped`` marks tokens
+        whose weight was capped (they keep their gradient). No masking applied.
+    Raises:
+        ValueError: a clip bound <= 0 or shapes that do not match.
+    """
+    _check_clip(clip_ratio_low, clip_ratio_high)
+    adv = _broadcast_advantages(logprobs, old_logprobs, advantages)
+    ratio = torch.exp(logprobs.detach() - old_logprobs.detach())
+    weight = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    return -weight * adv * logprobs, weight != ratio
+
+
+def policy_loss(
+    name: str,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The per-token policy loss ``name`` (``algorithm.policy_loss``): ``ppo``
+    (:func:`ppo_policy_loss`, with the dual clip ``clip_ratio_c``), ``gspo``
+    (:func:`gspo_policy_loss`) or ``cispo`` (:func:`cispo_policy_loss`). Shapes and returns as
+    theirs.
+
+    Raises:
+        ValueError: an unknown ``name``, ``clip_ratio_c`` with a loss other than ``ppo``, or
+            the chosen loss's own errors.
+    """
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"policy loss {name!r}: valid values are {', '.join(POLICY_LOSSES)}")
+    if name != "ppo" and clip_ratio_c is not None:
+        raise ValueError(f"clip_ratio_c={clip_ratio_c} (dual clip) applies to the ppo loss only, not {name}")
+    if name == "gspo":
+        return gspo_policy_loss(logprobs, old_logprobs, advantages, response_mask, clip_ratio_low, clip_ratio_high)
+    if name == "cispo":
+        return cispo_policy_loss(logprobs, old_logprobs, advantages, clip_ratio_low, clip_ratio_high)
+    return ppo_policy_loss(logprobs, old_logprobs, advantages, clip_ratio_low, clip_ratio_high, clip_ratio_c)
 
 
 def entropy_bonus(entropy: Tensor, coef: float) -> Tensor:

@@ -36,7 +36,8 @@ from alignment.data.tasks import Problem, score_response
 from alignment.rollout.base import Sample, SamplingConfig
 from alignment.trainers.batching import MicroBatching, cat_rows, make_batch
 from alignment.trainers.dp_balance import balance_over_dp
-from alignment.trainers.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
+from alignment.trainers.megatron_step import (LogprobOutputs, all_reduce_max, all_reduce_sum, forward_backward,
+                                              is_output_rank)
 from alignment.trainers.offload import DevicePlacement, trainable
 from alignment.trainers.router_stats import routing_metrics
 
@@ -125,11 +126,10 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
     """
     ps = _ps()
     a = cfg.algorithm
-    loss_cfg = GRPOLossConfig(clip_ratio=a.clip_ratio, clip_ratio_high=a.clip_ratio_high, kl_coef=a.kl_coef,
-                              kl_estimator=a.kl_estimator, loss_agg_mode=a.loss_agg_mode)
+    loss_cfg = GRPOLossConfig.from_algorithm(a)
     size = batch["input_ids"].shape[0] // a.num_mini_batches
     keys = ["policy_loss_sum", "kl_sum", "clipped_tokens", "entropy_sum", "prob_error_sum", "tokens"]
-    local, grad_norms = [0.0] * len(keys), []
+    local, grad_norms, outs = [0.0] * len(keys), [], []
     for _ in range(a.ppo_epochs):
         for k in range(a.num_mini_batches):
             mini = {key: v[k * size : (k + 1) * size] for key, v in batch.items()}
@@ -143,7 +143,8 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
                 entropy_sum = (out["entropy"] * mask).sum()
                 lp = out["logprobs"]
                 old = mb["old_logprobs"] if "old_logprobs" in mb else lp.detach()
-                loss, m = grpo_loss(lp, old, mb.get("ref_logprobs"), mb["advantages"], mask, normalizer, loss_cfg)
+                loss, m = grpo_loss(lp, old, mb.get("ref_logprobs"), mb["advantages"], mask, normalizer, loss_cfg,
+                                    rollout_logprobs=mb["rollout_logprobs"])
                 m["entropy_sum"] = entropy_sum
                 with torch.no_grad():
                     m["prob_error_sum"] = (torch.exp((old - mb["rollout_logprobs"]).abs()) * mask).sum()
@@ -159,12 +160,14 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
             _, grad_norm, _ = models.optimizer.step()
             grad_norms.append(float(grad_norm) if grad_norm is not None else 0.0)
             local = [acc + sum(o[key].item() for o in out) for acc, key in zip(local, keys)]
+            outs += out
     # Only one rank per model replica contributes (the last stage's TP rank 0, CP rank 0).
     if not is_output_rank():
         local = [0.0] * len(keys)
     sums = dict(zip(keys, all_reduce_sum(local)))
     n = max(sums.pop("tokens"), 1.0)
     return {
+        **correction_metrics(outs, n),
         "loss/policy": sums["policy_loss_sum"] / n,
         "kl": sums["kl_sum"] / n,
         "clip_fraction": sums["clipped_tokens"] / n,
@@ -173,6 +176,19 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
         "grad_norm": sum(grad_norms) / len(grad_norms),
         **routing_metrics(models.policy),  # MoE: expert load imbalance, aux loss
     }
+
+
+def correction_metrics(outs: list[dict], tokens: float) -> dict[str, float]:
+    """The rollout-vs-trainer mismatch over the global batch from the loss metrics of every
+    micro-batch (:func:`alignment.algorithms.rollout_correction.rollout_correction`): k3 KL and
+    mean importance weight per token, fraction of tokens masked, largest token ratio; one
+    contribution per model replica; collective. ``tokens``: the global valid-token count."""
+    mine = is_output_rank() and bool(outs)
+    kl, weight, masked = all_reduce_sum([sum(float(o[k]) for o in outs) if mine else 0.0
+                                         for k in ("rollout_kl_sum", "is_weight_sum", "masked_tokens")])
+    [ratio_max] = all_reduce_max([max(float(o["rollout_ratio_max"]) for o in outs) if mine else 0.0])
+    return {"rollout_correction/kl": kl / tokens, "rollout_correction/is_weight_mean": weight / tokens,
+            "rollout_correction/masked_fraction": masked / tokens, "rollout_correction/ratio_max": ratio_max}
 
 
 def sync_weights(models: Models, check: bool = False) -> dict[str, float]:

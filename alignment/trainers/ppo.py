@@ -19,7 +19,7 @@ With ``trainer.offload`` each phase keeps on the device only the models it uses.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,7 +32,8 @@ from alignment.models.value_head import sequence_scores
 from alignment.rollout.base import SamplingConfig
 from alignment.trainers.batching import cat_rows, make_batch
 from alignment.trainers.dp_balance import balance_over_dp
-from alignment.trainers.grpo import Models, generate_for_group, microbatches, policy_logprobs, sync_weights
+from alignment.trainers.grpo import (Models, correction_metrics, generate_for_group, microbatches, policy_logprobs,
+                                     sync_weights)
 from alignment.trainers.megatron_step import (
     LogprobOutputs,
     all_reduce_sum,
@@ -105,7 +106,8 @@ def _train_policy(models: PPOModels, mb_list, normalizer: float, loss_cfg: GRPOL
     def loss_fn(mb, out):
         entropy_sum = (out["entropy"] * mb["response_mask"]).sum()
         lp = out["logprobs"]
-        loss, m = grpo_loss(lp, mb["old_logprobs"], None, mb["advantages"], mb["response_mask"], normalizer, loss_cfg)
+        loss, m = grpo_loss(lp, mb["old_logprobs"], None, mb["advantages"], mb["response_mask"], normalizer, loss_cfg,
+                            rollout_logprobs=mb["rollout_logprobs"])
         m["entropy_sum"] = entropy_sum
         return loss, m
 
@@ -158,7 +160,8 @@ def ppo_step(models: PPOModels, prompts: list[list[int]], cfg) -> tuple[dict[str
     times["logprobs"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    loss_cfg = GRPOLossConfig(clip_ratio=a.clip_ratio, clip_ratio_high=a.clip_ratio_high, kl_coef=0.0)
+    # the KL is in the reward (kl_in_reward), the loss a token mean over the mini-batch's tokens
+    loss_cfg = replace(GRPOLossConfig.from_algorithm(a), kl_coef=0.0, loss_agg_mode="token-mean")
     n = batch["input_ids"].shape[0]
     size = n // a.num_mini_batches
     minis = []
@@ -210,6 +213,7 @@ def ppo_step(models: PPOModels, prompts: list[list[int]], cfg) -> tuple[dict[str
         "explained_variance": 1.0 - var_e / var_r if var_r > 0 else 0.0,
         "grad_norm": sum(grad_norms) / len(grad_norms),
         "token_mult_prob_error": perr / tok,
+        **correction_metrics(policy_out, max(p["tokens"], 1.0)),
         **routing_metrics(models.policy),  # MoE: expert load imbalance, aux loss
         **critic_routing,
         **models.placement.pop_stats(),

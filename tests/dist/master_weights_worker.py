@@ -8,7 +8,8 @@ the weights (~2.4e-4 at 0.1), on the same batch. With seeded masters the bf16 we
 fp32 update on average: the regression slope of the bf16 change on the fp32 change is ~1. Without,
 almost no bf16 weight moves (slope ~0). Also checks, per parameter, that the seeded master is
 bitwise the checkpoint's fp32 value (this rank's data-parallel slice under the distributed optimizer).
-Writes {case: {"slope_seeded", "slope_unseeded", "moved_seeded", "moved_unseeded", "masters_exact"}}.
+Writes {case: {"slope_seeded", "slope_unseeded", "moved_seeded", "moved_unseeded", "masters_exact"}},
+plus the gloo collectives' and the fused CPU Adam's checks.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import torch.distributed as dist
 from alignment.models.families import get_bridge
 from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.weights import export_hf_weights, load_hf_weights
-from alignment.trainers.megatron_step import LogprobOutputs, OptimConfig, forward_backward, main_param_writer, setup_training
+from alignment.trainers.megatron_step import (LogprobOutputs, OptimConfig, forward_backward, main_param_writer,
+                                              setup_training,
+                                              use_fused_cpu_adam)
 from parallel.layout import ParallelLayout
 from parallel.state import env_world, init_distributed
 from tests.dist.tiny_llama import tiny_llama
@@ -32,11 +35,17 @@ CASES = {"dp2": (1, False), "dp2_distributed_optimizer": (1, True), "tp2": (2, F
 LR, STEPS = 1e-5, 3
 
 
-def train(hf, tp: int, distopt: bool, dtype: torch.dtype, seeded: bool) -> tuple[dict[str, torch.Tensor], bool]:
-    """HF weights after STEPS Adam steps (fp32 copies), and whether the seeded masters were exact."""
+def train(hf, tp: int, distopt: bool, dtype: torch.dtype, seeded: bool,
+          fused: bool = True) -> tuple[dict[str, torch.Tensor], bool]:
+    """HF weights after STEPS Adam steps (fp32 copies), and whether the seeded masters were exact.
+    ``fused=False``: torch's for-loop AdamW instead of the fused kernel ``setup_training`` picks."""
     cfg, bridge = hf.config, get_bridge(hf.config)
     model = build_gpt_model(cfg, transformer_config(cfg, tensor_model_parallel_size=tp, params_dtype=dtype))
     ddp, optimizer = setup_training(model, OptimConfig(lr=LR, use_distributed_optimizer=distopt))
+    if not fused:
+        for opt in optimizer.chained_optimizers:
+            for group in opt.optimizer.param_groups:
+                group["fused"] = False
     write = main_param_writer(optimizer)
     seen = []
     load_hf_weights(model, hf.state_dict(), bridge,
@@ -109,6 +118,25 @@ def gloo_buffer_collectives(rank: int, world: int) -> dict[str, bool]:
             "fallback_exact": torch.equal(other, expected) and torch.equal(fresh, kept)}
 
 
+def fused_adam(hf) -> dict:
+    """``use_fused_cpu_adam``: every group of the bf16 masters switched, the same 3 fp32 steps as
+    torch's for-loop AdamW, and still fused after a ``load_state_dict`` of a state saved unfused."""
+    fused, _ = train(hf, 1, True, torch.float32, seeded=False)
+    loop, _ = train(hf, 1, True, torch.float32, seeded=False, fused=False)
+    diff = max(float((fused[k] - loop[k]).abs().max()) for k in fused)
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p])
+    switched = use_fused_cpu_adam(opt)
+    saved = opt.state_dict()
+    saved["param_groups"][0]["fused"] = False
+    opt.load_state_dict(saved)
+    model = build_gpt_model(hf.config, transformer_config(hf.config, params_dtype=torch.bfloat16))
+    _, optimizer = setup_training(model, OptimConfig(lr=LR, use_distributed_optimizer=True))
+    groups = [g["fused"] for o in optimizer.chained_optimizers for g in o.optimizer.param_groups]
+    return {"max_weight_diff": diff, "switched": switched, "fused_after_load": opt.param_groups[0]["fused"],
+            "groups_fused": all(groups) and len(groups) > 0}
+
+
 def main(out_path: str) -> None:
     rank, world, _ = env_world()
     hf = tiny_llama(seed=0)
@@ -130,6 +158,8 @@ def main(out_path: str) -> None:
                          "moved_seeded": moved(d_seeded), "moved_unseeded": moved(d_unseeded),
                          "masters_exact": bool(flags.item())}
     results["gloo_buffer_collectives"] = gloo_buffer_collectives(rank, world)
+    init_distributed(ParallelLayout(world_size=world))
+    results["fused_adam"] = fused_adam(hf)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
