@@ -40,6 +40,25 @@ def tree_attention(query, key, value, cu_seqlens, tree_masks, scale: float):
     return torch.cat(outs, dim=2).squeeze(0).permute(1, 0, 2)
 
 
+def cached_causal_attention(q, k, v, scale: float):
+    """Causal attention of the last ``sq`` positions of a sequence against all ``sk`` of its keys,
+    as a KV cache gives them when decoding (megatron-core's inference engine): query ``i``
+    (position ``sk - sq + i``) attends to keys ``0 .. sk - sq + i``. SDPA's ``is_causal``
+    aligns the mask top-left, which would let a decoded token see only the first key.
+
+    Args:
+        q: ``[B, heads, sq, d]``; ``k``, ``v``: ``[B, kv_heads, sk, d]`` with ``sk >= sq``.
+    Returns:
+        ``[B, heads, sq, d]``.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    sq, sk = q.shape[2], k.shape[2]
+    mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
 class ContextParallelAttention(MegatronModule):
     """Causal self-attention over whole sequences whose tokens may be spread over the
     context-parallel group (zig-zag layout, :mod:`parallel.context_parallel`).
@@ -84,6 +103,10 @@ class ContextParallelAttention(MegatronModule):
                                  "context_parallel_size > 1: a tree's attention mask spans the whole tree")
             return tree_attention(query, key, value, packed_seq_params.cu_seqlens_q, tree_masks, self.scale)
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if not packed and cp == 1 and key.shape[0] != query.shape[0]:  # decoding against a KV cache
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+            out = cached_causal_attention(q, k, v, self.scale)
+            return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
         if packed:
             cu = packed_seq_params.cu_seqlens_q_padded
             cu = packed_seq_params.cu_seqlens_q if cu is None else cu

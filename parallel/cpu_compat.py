@@ -14,6 +14,7 @@ Each shim below carries a docstring saying which Megatron code needs it and why.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -194,6 +195,24 @@ class HostStream:
 
 
 _HOST_STREAM = HostStream()
+
+
+class HostEvent(HostStream):
+    """Stand-in for ``torch.cuda.Event(enable_timing=True)`` on the CPU: ``record`` takes the host
+    clock, ``elapsed_time`` returns milliseconds as CUDA's does.
+
+    Why: megatron-core's inference controller (``generate_all_output_tokens_static_batch``)
+    times every decode step with CUDA events (``alignment/rollout/megatron_engine.py``).
+    """
+
+    def __init__(self, *args, **kwargs):
+        self.t = time.perf_counter()
+
+    def record(self, stream=None) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: "HostEvent") -> float:
+        return (end.t - self.t) * 1e3
 
 
 def _patch_moe_split_sizes() -> None:
@@ -399,6 +418,7 @@ def apply() -> None:
     torch.cuda.synchronize = lambda device=None: None
     # MoE token dispatcher (alltoall): a device-to-host side stream and its events (see HostStream).
     torch.cuda.Stream = HostStream
+    torch.cuda.Event = HostEvent  # the inference controller's step timing (HostEvent)
     torch.cuda.current_stream = lambda device=None: _HOST_STREAM
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
     mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()

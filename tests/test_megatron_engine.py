@@ -1,0 +1,36 @@
+"""The ``megatron`` rollout engine (megatron-core's inference engine on the trainer's own model,
+alignment/rollout/megatron_engine.py) and the KV-cache attention it needs."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from parallel.attention import cached_causal_attention
+
+
+def test_cached_causal_attention_aligns_the_mask_to_the_last_queries():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=g) for _ in range(3))
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+    assert torch.allclose(cached_causal_attention(q, k, v, 0.3), full, atol=1e-6)  # no cache: plain causal
+    # the last 2 queries against all 6 keys (a KV cache) = the last 2 rows of the full causal attention
+    assert torch.allclose(cached_causal_attention(q[:, :, 4:], k, v, 0.3), full[:, :, 4:], atol=1e-6)
+    # one decoded token sees every key (SDPA's top-left is_causal would let it see only the first)
+    one = cached_causal_attention(q[:, :, 5:], k, v, 0.3)
+    assert torch.allclose(one, full[:, :, 5:], atol=1e-6)
+    # grouped-query: 4 query heads over 2 key/value heads
+    kv2 = k[:, :2], v[:, :2]
+    ref = F.scaled_dot_product_attention(q, kv2[0].repeat_interleave(2, 1), kv2[1].repeat_interleave(2, 1),
+                                         is_causal=True, scale=0.3)
+    assert torch.allclose(cached_causal_attention(q[:, :, 3:], *kv2, 0.3), ref[:, :, 3:], atol=1e-6)
+
+
+def test_megatron_engine_matches_transformers(torchrun_json):
+    r = torchrun_json("megatron_engine_worker.py", nproc=1)
+    assert r["greedy_equal"], r  # 8 greedy tokens of 2 prompts (lengths 5 and 3, one batch) = transformers'
+    assert r["eos_stop"], r  # stops at the EOS, returned as the last token with its logprob, finished
+    # sampled at T=0.7: every token's logprob is transformers' log softmax(logits / 0.7) (fp32)
+    assert r["logprob_max_diff"] < 1e-4, r
+    assert r["samples_differ"], r  # no re-seeding per call: the next step samples anew
+    assert r["shapes_ok"] and r["train_mode_restored"] and r["sync_is_noop"], r
