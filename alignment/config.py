@@ -64,8 +64,12 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    """vLLM sampling (per-prompt ``group_size`` samples, ``max_tokens`` per response) and engine sizes."""
+    """The rollout engine (``backend``), sampling (per-prompt ``group_size`` samples, ``max_tokens``
+    per response) and engine sizes."""
 
+    # vllm: vLLM engines fed by the resharder | megatron: Megatron-Core's inference engine on the
+    # policy's own model, no weight copy or sync (alignment/rollout/factory.py; TP = PP = CP = 1)
+    backend: str = "vllm"
     prompts_per_step: int = 8
     group_size: int = 8  # vLLM SamplingParams(n=group_size)
     temperature: float = 0.7
@@ -333,6 +337,25 @@ def _validate_rollout_tp(t: int, world_size: int, parallel, hf_config) -> None:
         raise ConfigError(str(e)) from e
 
 
+def _validate_backend(r, layout) -> None:
+    """``rollout.backend``: a known one; ``megatron`` generates on whole-model replicas only."""
+    from alignment.rollout.factory import BACKENDS
+
+    if r.backend not in BACKENDS:
+        raise ConfigError(f"rollout.backend={r.backend!r}: valid values are {', '.join(BACKENDS)}")
+    if r.backend != "megatron":
+        return
+    split = {name: getattr(layout, name) for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                                      "context_parallel_size", "expert_model_parallel_size")
+             if getattr(layout, name) > 1}
+    if split or r.tensor_parallel_size > 1:
+        split.update({"rollout.tensor_parallel_size": r.tensor_parallel_size} if r.tensor_parallel_size > 1 else {})
+        given = ", ".join(f"{k}={v}" for k, v in split.items())
+        raise ConfigError(f"rollout.backend=megatron generates on whole-model replicas for now, but {given}: every "
+                          "rank of a split replica would have to generate the same prompts together. Set those "
+                          "sizes to 1 (data parallelism only), or rollout.backend=vllm")
+
+
 def _validate_lengths(cfg, layout, hf_config, tokenizer_size: int | None) -> None:
     """The tokenizer fits the embedding; the longest sequence, padded to the CP/SP alignment,
     fits the model's positions."""
@@ -419,6 +442,7 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
     from alignment.algorithms.kl import KL_ESTIMATORS
 
     _validate_rollout_tp(r.tensor_parallel_size, world_size, cfg.parallel, hf_config)
+    _validate_backend(r, layout)
     if t.shared_prompt_packing and (layout.context_parallel_size > 1 or layout.sequence_parallel):
         raise ConfigError(f"trainer.shared_prompt_packing=true does not run with parallel.context_parallel_size="
                           f"{layout.context_parallel_size} / parallel.sequence_parallel={layout.sequence_parallel} "

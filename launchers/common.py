@@ -106,6 +106,24 @@ def rollout_layout(bridge, cfg):
                               p.get("expert_tensor_parallel_size"))
 
 
+def rollout_engine(cfg, hf_dir: Path, policy, bridge, vocab_size: int, rank: int):
+    """This rank's rollout engine (``rollout.backend``, :func:`alignment.rollout.factory.build_engine`)
+    and, when the engine keeps its own weights, the resharder that feeds it after every update
+    (``None`` when it runs the policy's own)."""
+    from megatron.core import parallel_state as ps
+
+    from alignment.rollout.factory import build_engine
+    from parallel.reshard import Resharder
+
+    engine = build_engine(cfg, hf_dir=hf_dir, policy=policy, vocab_size=vocab_size, rank=rank,
+                          data_parallel_size=ps.get_data_parallel_world_size())
+    if engine.shares_trainer_weights:
+        return engine, None
+    resharder = Resharder(policy, rollout_layout(bridge, cfg), vllm_tp=cfg.rollout.tensor_parallel_size,
+                          bucket_bytes=cfg.rollout.sync_bucket_mb << 20)
+    return engine, resharder
+
+
 def start(cfg) -> Run:
     """Validate ``cfg`` against the world size and the model (before any process group), set
     the CPU threads per process, initialise the parallel groups, create the output dir with

@@ -28,12 +28,10 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     from alignment.models.hf_assets import prepare_hf_dir
     from alignment.models.value_head import build_value_model
     from alignment.models.weights import lazy_safetensors, load_hf_weights
-    from alignment.rollout.vllm_engine import VLLMEngine
     from alignment.trainers.megatron_step import OptimConfig, main_param_writer, setup_training
     from alignment.trainers.offload import DevicePlacement, offload_enabled
     from alignment.trainers.ppo import PPOModels
-    from launchers.common import job_transformer_config, rollout_layout
-    from parallel.reshard import Resharder
+    from launchers.common import job_transformer_config, rollout_engine
 
     t = cfg.trainer
 
@@ -59,19 +57,13 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     critic, critic_optimizer = shard(cfg.model.critic_path or cfg.model.reward_model_path, True, lr=t.critic_lr)
     reference = shard(cfg.model.path, False) if cfg.algorithm.kl_coef > 0 else None
     reward_model = shard(cfg.model.reward_model_path, True)
-    r = cfg.rollout
-    engine = VLLMEngine(str(hf_dir), max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
-                        gpu_memory_utilization=r.gpu_memory_utilization,
-                        seed=cfg.seed + rank // r.tensor_parallel_size,
-                        tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager, dtype=cfg.model.dtype)
+    bridge = get_bridge(hf_config)
+    engine, resharder = rollout_engine(cfg, hf_dir, policy, bridge, hf_config.vocab_size, rank)
     placement = DevicePlacement(enabled=offload_enabled(t.offload))
     placement.add_model("policy", policy, optimizer)
     placement.add_model("critic", critic, critic_optimizer)
     placement.add_model("reference", reference)
     placement.add_model("reward_model", reward_model)
-    bridge = get_bridge(hf_config)
-    resharder = Resharder(policy, rollout_layout(bridge, cfg), vllm_tp=r.tensor_parallel_size,
-                          bucket_bytes=r.sync_bucket_mb << 20)
     return PPOModels(policy, optimizer, reference, engine, bridge, engine.tokenizer,
                      hf_config.vocab_size, placement, resharder, critic=critic, critic_optimizer=critic_optimizer,
                      reward_model=reward_model)
@@ -91,11 +83,12 @@ def heldout_responses(models, prompts: list[list[int]], cfg) -> dict[str, list[f
     reward model: ``{"scores": [...], "lengths": [...]}`` (last pipeline stage's values)."""
     from alignment.rollout.base import SamplingConfig
     from alignment.trainers.batching import make_batch
-    from alignment.trainers.grpo import generate_for_group
+    from alignment.trainers.grpo import generate_for_group, rollout_phase
     from alignment.trainers.ppo import score
 
-    groups = generate_for_group(models.engine, prompts, SamplingConfig(n=1, temperature=0.0,
-                                                                       max_tokens=cfg.rollout.max_tokens))
+    with rollout_phase(models):
+        groups = generate_for_group(models.engine, prompts, SamplingConfig(n=1, temperature=0.0,
+                                                                           max_tokens=cfg.rollout.max_tokens))
     samples = [g[0] for g in groups]
     batch = make_batch(samples, pad_id=models.tokenizer.pad_token_id or 0)
     batch["prompt_lengths"] = torch.tensor([len(s.prompt_ids) for s in samples])
@@ -140,16 +133,17 @@ def run(cfg) -> dict:
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     my_heldout = heldout[: len(heldout) // dp * dp][dp_rank::dp]
 
+    # The initial (SFT) policy's held-out responses are the baseline of the win rate: generated
+    # before a resume loads trained weights (into the policy, which rollout.backend=megatron runs)
+    baseline = heldout_responses(models, my_heldout, cfg)
     ckpt_dir, start_step = job.out / "checkpoints", 0
     latest = latest_checkpoint(ckpt_dir) if cfg.trainer.resume else None
     if latest is not None:  # policy and critic (with their Adam states) resume together
+        models.placement.keep(*trainable("policy"), *trainable("critic"))
         start_step = load_megatron_checkpoint(models.policy, latest / "policy", models.optimizer)
         load_megatron_checkpoint(models.critic, latest / "critic", models.critic_optimizer)
         if job.rank == 0:
             print(f"resumed from {latest} (step {start_step})", flush=True)
-    # The initial (SFT) policy's held-out responses are the baseline of the win rate; the
-    # engine still holds the initial weights here, even after a resume.
-    baseline = heldout_responses(models, my_heldout, cfg)
     if latest is not None:
         models.placement.keep("policy")
         sync_weights(models, cfg.rollout.check_weight_sync)

@@ -23,17 +23,15 @@ register()
 
 
 def build(cfg, hf_dir: Path, hf_config, rank: int):
-    """This rank's policy (DDP + optimizer), frozen reference (when ``kl_coef > 0``) and vLLM engine,
-    all loaded from the HF weights in ``hf_dir``."""
+    """This rank's policy (DDP + optimizer), frozen reference (when ``kl_coef > 0``) and rollout
+    engine (``rollout.backend``), all loaded from the HF weights in ``hf_dir``."""
     from alignment.models.families import get_bridge
     from alignment.models.gpt import build_gpt_model
     from alignment.models.weights import lazy_safetensors, load_hf_weights
-    from alignment.rollout.vllm_engine import VLLMEngine
     from alignment.trainers.grpo import Models
     from alignment.trainers.megatron_step import OptimConfig, main_param_writer, setup_training
     from alignment.trainers.offload import DevicePlacement, offload_enabled
-    from launchers.common import job_transformer_config, rollout_layout
-    from parallel.reshard import Resharder
+    from launchers.common import job_transformer_config, rollout_engine
 
     bridge = get_bridge(hf_config)
     hf_state = lazy_safetensors(hf_dir)
@@ -49,17 +47,10 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
         load_hf_weights(reference, hf_state, bridge)
         reference.requires_grad_(False)
     del hf_state  # unmaps the safetensors files (their pages count in this process's RSS)
-    r = cfg.rollout
-    engine = VLLMEngine(str(hf_dir), max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
-                        gpu_memory_utilization=r.gpu_memory_utilization,
-                        seed=cfg.seed + rank // r.tensor_parallel_size,
-                        tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager,
-                        dtype=cfg.model.dtype)
+    engine, resharder = rollout_engine(cfg, hf_dir, policy, bridge, hf_config.vocab_size, rank)
     placement = DevicePlacement(enabled=offload_enabled(cfg.trainer.offload))
     placement.add_model("policy", policy, optimizer)
     placement.add_model("reference", reference)
-    resharder = Resharder(policy, rollout_layout(bridge, cfg), vllm_tp=r.tensor_parallel_size,
-                          bucket_bytes=r.sync_bucket_mb << 20)
     return Models(policy, optimizer, reference, engine, bridge, engine.tokenizer, hf_config.vocab_size, placement,
                   resharder)
 

@@ -110,6 +110,18 @@ def test_invalid_values_name_the_field(override, world, message):
         validate(cfg(override), world_size=world, hf_config=SMOLLM2)
 
 
+def test_rollout_backend_is_checked():
+    validate(cfg("rollout.backend=megatron"), world_size=2, hf_config=SMOLLM2)  # DP=2 replicas: fine
+    validate(cfg("rollout.backend=megatron", name="ppo"), world_size=2, hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match=r"rollout.backend='sglang': valid values are vllm, megatron"):
+        validate(cfg("rollout.backend=sglang"), world_size=2, hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match=r"rollout.backend=megatron generates on whole-model replicas for now, but "
+                                          r"pipeline_model_parallel_size=2, context_parallel_size=2: .* Set "
+                                          r"those sizes to 1"):
+        validate(cfg("rollout.backend=megatron", "parallel.context_parallel_size=2",
+                     "parallel.pipeline_model_parallel_size=2"), world_size=4, hf_config=SMOLLM2)
+
+
 @pytest.mark.parametrize("name", ["sft", "rm", "dpo"])
 def test_offline_configs_validate(name):
     validate(cfg(name=name), world_size=2, hf_config=SMOLLM2)

@@ -77,6 +77,31 @@ def test_two_grpo_steps_tiny_model(tmp_path):
     assert m["weight_sync/checked"] == 26.0  # every parameter of this rank's vLLM TP shard verified
 
 
+def test_megatron_backend_samples_with_the_trained_policy(tmp_path):
+    """``rollout.backend=megatron``: Megatron-Core's inference engine generates on the policy's own
+    model (DP=2, no vLLM engine, no resharder, nothing synced), with idle models offloaded between
+    phases (forced on CPU) and the KV cache freed after each rollout. In fp32 the trainer's
+    logprobs of the sampled tokens equal the engine's (KV-cache decode against a full forward) at
+    both steps: the second step sampled with the weights the first one trained."""
+    model_dir = save_tiny_hf_dir(tmp_path / "tiny")
+    out, result = tmp_path / "run", tmp_path / "result.json"
+    run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=2",
+                 "rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=2",
+                 "data.heldout_size=8", "data.train_size=50", "rollout.max_tokens=16", "rollout.eval_max_tokens=8",
+                 "trainer.lr=1e-3", "trainer.progress_bar=false", "rollout.backend=megatron", "trainer.offload=true",
+                 "trainer.export_hf=false", "trainer.save_checkpoint=false", str(result), timeout=900,
+                 env={"MEGALIGN_OFFLOAD_ON_CPU": "1"})
+    s = json.loads(result.read_text())
+    first, second = s["history"]
+    assert first["kl"] == 0.0 and second["kl"] > 0.0 and first["grad_norm"] > 0.0 and 0.0 < first["reward/std"]
+    for m in (first, second):
+        assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
+        assert 0.0 <= m["rollout_correction/kl"] < 1e-6, m
+        assert not any(k.startswith("weight_sync/") for k in m), m  # no copy of the weights to update
+        assert m["offload/gb_moved"] > 0 and m["response_length"] > 0
+    assert 0.0 <= s["heldout_accuracy_before"] <= 1.0 and 0.0 <= s["heldout_accuracy_after"] <= 1.0
+
+
 def test_variant_rloo_dr_grpo_aggregation_clip_higher_without_reference(tmp_path):
     """The critic-free variants run through the same pipeline: RLOO advantages, Dr.GRPO's
     constant-length normalisation, CISPO's loss with a clip-higher bound, dynamic sampling and

@@ -24,6 +24,16 @@ def test_cached_causal_attention_aligns_the_mask_to_the_last_queries():
     ref = F.scaled_dot_product_attention(q, kv2[0].repeat_interleave(2, 1), kv2[1].repeat_interleave(2, 1),
                                          is_causal=True, scale=0.3)
     assert torch.allclose(cached_causal_attention(q[:, :, 3:], *kv2, 0.3), ref[:, :, 3:], atol=1e-6)
+    # bf16 in, bf16 out, computed in fp32: within one bf16 rounding of the fp32 result, and no
+    # further from it than SDPA's own bf16 kernel
+    qb, kb, vb = (t.bfloat16() for t in (q[:, :, 5:], *kv2))
+    out = cached_causal_attention(qb, kb, vb, 0.3)
+    exact = F.scaled_dot_product_attention(qb.float(), kb.float().repeat_interleave(2, 1),
+                                           vb.float().repeat_interleave(2, 1), scale=0.3)
+    sdpa = F.scaled_dot_product_attention(qb, kb, vb, scale=0.3, enable_gqa=True)
+    err = (out.float() - exact).abs().max().item()
+    assert out.dtype == torch.bfloat16 and err <= 2**-8 * exact.abs().max().item()
+    assert err <= (sdpa.float() - exact).abs().max().item() + 1e-6
 
 
 def test_megatron_engine_matches_transformers(torchrun_json):
@@ -34,3 +44,10 @@ def test_megatron_engine_matches_transformers(torchrun_json):
     assert r["logprob_max_diff"] < 1e-4, r
     assert r["samples_differ"], r  # no re-seeding per call: the next step samples anew
     assert r["shapes_ok"] and r["train_mode_restored"] and r["sync_is_noop"], r
+    # its own RNG stream: the trainer's global RNG is left alone, and the same seed samples the same
+    assert r["rng_untouched"] and r["same_seed_same_samples"], r
+    # sleep frees the whole KV cache (keys + values of every layer), the next generation re-allocates it
+    assert r["kv_bytes"] == r["kv_expected"] > 0 and r["kv_after_sleep"] == 0, r
+    # its sampler draws from softmax(logits / T): mean drawn logprob = -entropy within 4 standard errors
+    assert abs(r["sampled_mean_logprob"] - r["neg_entropy"]) < 4 * r["sampled_logprob_sem"], r
+    assert r["drawn_logprob_is_reported"] < 1e-4, r

@@ -44,3 +44,13 @@ def test_ppo_steps_update_policy_and_critic_and_resume(tmp_path):
     m = resumed["history"][0]
     assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4  # the engine got the resumed (and reloaded) policy
     assert m["clip_fraction"] > 0.0 and m["offload/gb_moved"] > 0
+    # one more step with rollout.backend=megatron (DP=2): megatron-core's engine samples from the resumed
+    # policy itself, nothing synced; the win rate's baseline is still the initial policy's responses
+    run_torchrun("offline_e2e_worker.py", *common, "trainer.steps=4", "rollout.backend=megatron", str(result),
+                 timeout=900)
+    last = json.loads(result.read_text())
+    assert last["start_step"] == 3 and len(last["history"]) == 1
+    m = last["history"][0]
+    assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4 and m["grad_norm"] > 0.0, m
+    assert not any(k.startswith("weight_sync/") for k in m), m
+    assert last["heldout"]["prompts"] == 4 and last["heldout"]["length_before"] == h["length_before"]

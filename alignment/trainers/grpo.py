@@ -20,7 +20,8 @@ model replica (TP x CP x PP) share the same data and split only its generation. 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -56,13 +57,26 @@ class Models:
     tokenizer: object
     vocab_size: int
     placement: DevicePlacement = field(default_factory=lambda: DevicePlacement(enabled=False))
-    resharder: object = None  # parallel.reshard.Resharder of the policy; sync_weights needs it
+    resharder: object = None  # parallel.reshard.Resharder feeding a vLLM engine; None: the engine runs the policy
 
 
 def _ps():
     from megatron.core import parallel_state as ps
 
     return ps
+
+
+@contextmanager
+def rollout_phase(models: Models) -> Iterator[None]:
+    """Generation: only the engine on the device (and the policy, when the engine runs the policy's
+    own model: ``rollout.backend=megatron``), the engine woken before and put to sleep after (its
+    KV cache freed while the trainer works)."""
+    models.placement.keep(*(("policy",) if models.engine.shares_trainer_weights else ()))
+    models.engine.wake()
+    try:
+        yield
+    finally:
+        models.engine.sleep()
 
 
 def generate_for_group(engine, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
@@ -192,13 +206,16 @@ def correction_metrics(outs: list[dict], tokens: float) -> dict[str, float]:
 
 
 def sync_weights(models: Models, check: bool = False) -> dict[str, float]:
-    """New policy weights into every rank's running vLLM engine, in memory.
+    """New policy weights into every rank's running vLLM engine, in memory (nothing to do for an
+    engine that runs the policy's own model: ``{}``).
 
     Megatron shards -> this rank's vLLM TP shard, rank to rank in bounded buckets
     (``models.resharder``, :mod:`parallel.reshard`), streamed into the engine; ``check`` verifies
     every engine parameter (``rollout.check_weight_sync``). Returns timing and traffic metrics
     (``weight_sync/...``).
     """
+    if models.engine.shares_trainer_weights:
+        return {}
     st = models.resharder.stats
     before = (st.seconds, st.sent_bytes)
     out = models.engine.load_resharded(models.resharder.buckets())
@@ -223,7 +240,8 @@ def evaluate(models: Models, problems: list[Problem], task: str, max_tokens: int
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = problems[rank::world]
     prompts = [build_prompt_ids(models.tokenizer, p.question, task) for p in mine]
-    outs = models.engine.generate(prompts, SamplingConfig(n=1, temperature=0.0, max_tokens=max_tokens))
+    with rollout_phase(models):
+        outs = models.engine.generate(prompts, SamplingConfig(n=1, temperature=0.0, max_tokens=max_tokens))
     correct = sum(score_response(p, o[0].text) == 1.0 for p, o in zip(mine, outs))
     return all_reduce_sum([correct])[0] / len(problems)
 
@@ -273,8 +291,8 @@ def grpo_step(models: Models, problems: list[Problem], cfg,
     ps = _ps()
     r, a, times = cfg.rollout, cfg.algorithm, {}
     t = time.perf_counter()
-    models.placement.keep()  # rollout: only the engine works
-    samples, rewards, info = sample_groups(models, problems, cfg, refill if a.dynamic_sampling else None)
+    with rollout_phase(models):
+        samples, rewards, info = sample_groups(models, problems, cfg, refill if a.dynamic_sampling else None)
     times["rollout"] = time.perf_counter() - t
 
     t = time.perf_counter()

@@ -33,7 +33,7 @@ from alignment.rollout.base import SamplingConfig
 from alignment.trainers.batching import cat_rows, make_batch
 from alignment.trainers.dp_balance import balance_over_dp
 from alignment.trainers.grpo import (Models, correction_metrics, generate_for_group, microbatches, policy_logprobs,
-                                     sync_weights)
+                                     rollout_phase, sync_weights)
 from alignment.trainers.megatron_step import (
     LogprobOutputs,
     all_reduce_sum,
@@ -127,9 +127,9 @@ def ppo_step(models: PPOModels, prompts: list[list[int]], cfg) -> tuple[dict[str
     dp_group = ps.get_data_parallel_group()
     times = {}
     t0 = time.perf_counter()
-    models.placement.keep()  # rollout: only the engine works
-    groups = generate_for_group(models.engine, prompts, SamplingConfig(
-        n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens))
+    with rollout_phase(models):
+        groups = generate_for_group(models.engine, prompts, SamplingConfig(
+            n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens))
     samples = [s for g in groups for s in g]
     if t.balance_batch:  # nothing is per group in PPO: re-deal the sequences by token count now
         samples, _ = balance_over_dp(samples, [])

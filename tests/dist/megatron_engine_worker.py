@@ -2,7 +2,7 @@
 engine on the trainer's own model, :mod:`alignment.rollout.megatron_engine`) against transformers
 on the same tiny random Llama (fp32).
 
-Writes {"greedy_equal", "eos_stop", "logprob_max_diff", "samples_differ", "shapes_ok"}.
+Writes {"greedy_equal", "eos_stop", "logprob_max_diff", "samples_differ", "shapes_ok", ...}.
 """
 
 from __future__ import annotations
@@ -57,12 +57,34 @@ def main(out_path: str) -> None:
 
     # sampled at T = 0.7, 3 per prompt, in batches of 4 rows: logprobs of softmax(logits / 0.7)
     small = MegatronEngine(model, None, eos_token_id=cfg.vocab_size - 1, vocab_size=cfg.vocab_size,
-                           max_model_len=64, max_batch_size=4)
+                           max_model_len=64, max_batch_size=4, seed=7)
     sampling = SamplingConfig(n=3, temperature=0.7, max_tokens=10)
-    first, second = small.generate(PROMPTS, sampling), small.generate(PROMPTS, sampling)
+    global_rng = torch.get_rng_state()
+    first = small.generate(PROMPTS, sampling)
+    rng_untouched = torch.equal(torch.get_rng_state(), global_rng)
+    kv_bytes = small.kv_cache_bytes()
+    small.sleep()
+    kv_after_sleep = small.kv_cache_bytes()
+    small.wake()
+    second = small.generate(PROMPTS, sampling)
+    # a fresh engine with the same seed samples the same tokens (its own RNG stream)
+    again = MegatronEngine(model, None, eos_token_id=[cfg.vocab_size - 1], vocab_size=cfg.vocab_size,
+                           max_model_len=64, max_batch_size=4, seed=7).generate(PROMPTS, sampling)
     diffs = [float((torch.tensor(s.logprobs) - hf_logprobs(hf, s.prompt_ids, s.response_ids, 0.7)).abs().max())
              for group in first for s in group]
+    # the sampler draws from softmax(logits / T): over 2,048 one-token samples of one prompt the mean
+    # logprob of the drawn token estimates E[log p(x)] = -entropy (to a few standard errors)
+    wide = MegatronEngine(model, None, eos_token_id=cfg.vocab_size - 1, vocab_size=cfg.vocab_size,
+                          max_model_len=64, max_batch_size=512, seed=3)
+    draws = wide.generate(PROMPTS[:1], SamplingConfig(n=2048, temperature=0.7, max_tokens=1))[0]
+    with torch.no_grad():
+        dist0 = torch.log_softmax(hf(torch.tensor([PROMPTS[0]])).logits[0, -1].float() / 0.7, -1)
+    drawn = torch.tensor([dist0[s.response_ids[0]].item() for s in draws])
     result = {
+        "sampled_mean_logprob": drawn.mean().item(),
+        "neg_entropy": (dist0.exp() * dist0).sum().item(),
+        "sampled_logprob_sem": (drawn.std() / len(drawn) ** 0.5).item(),
+        "drawn_logprob_is_reported": max(abs(s.logprobs[0] - dist0[s.response_ids[0]].item()) for s in draws),
         "greedy_equal": [s[0].response_ids for s in greedy] == ref,
         "eos_stop": stopped.response_ids == ref[0][:k + 1] and stopped.finished and len(stopped.logprobs) == k + 1,
         "logprob_max_diff": max(diffs),
@@ -71,6 +93,13 @@ def main(out_path: str) -> None:
                                              and s.prompt_ids == p for s in g) for g, p in zip(first, PROMPTS)),
         "train_mode_restored": model.training,
         "sync_is_noop": small.load_resharded([])["names"] == [],
+        "rng_untouched": rng_untouched,
+        "same_seed_same_samples": ([s.response_ids for g in again for s in g]
+                                   == [s.response_ids for g in first for s in g]),
+        # keys and values, [64 positions, 4 rows, kv_heads, head_dim] fp32 per layer
+        "kv_bytes": kv_bytes,
+        "kv_expected": 2 * cfg.num_hidden_layers * 64 * 4 * cfg.num_key_value_heads * cfg.head_dim * 4,
+        "kv_after_sleep": kv_after_sleep,
     }
     with open(out_path, "w") as f:
         json.dump(result, f)

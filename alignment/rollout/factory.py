@@ -1,0 +1,65 @@
+"""``rollout.backend``: which :class:`alignment.rollout.base.RolloutEngine` an RL job samples with.
+
+- ``vllm`` (default): a vLLM engine per rank (or per ``rollout.tensor_parallel_size`` ranks) with
+  its own copy of the weights in vLLM's layout, fed after every update by the resharder
+  (:mod:`parallel.reshard`);
+- ``megatron``: Megatron-Core's inference engine on the policy's own model
+  (:class:`alignment.rollout.megatron_engine.MegatronEngine`): no second copy of the weights and
+  no sync; it also runs where vLLM cannot be installed. Whole-model replicas only for now
+  (TP = PP = CP = 1; :func:`alignment.config.validate` says so before any process group starts).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+BACKENDS = ("vllm", "megatron")
+
+
+def eos_token_ids(hf_dir: Path, tokenizer) -> list[int]:
+    """The token ids that end a response: the HF ``generation_config.json``'s ``eos_token_id``
+    (an int or a list, as vLLM reads it) and the tokenizer's."""
+    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    gen = Path(hf_dir) / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        for e in (eos if isinstance(eos, list) else [] if eos is None else [eos]):
+            if int(e) not in ids:
+                ids.append(int(e))
+    return ids
+
+
+def build_engine(cfg, *, hf_dir: Path, policy, vocab_size: int, rank: int, data_parallel_size: int):
+    """This rank's rollout engine for ``cfg.rollout.backend``.
+
+    Args:
+        hf_dir: the HF directory of the initial policy (vLLM loads it; its tokenizer decodes).
+        policy: this rank's policy (DDP-wrapped or not); the ``megatron`` backend generates with it.
+        vocab_size: the HF config's vocabulary (Megatron pads the model's).
+        rank: global rank (seeds each vLLM engine differently).
+        data_parallel_size: sizes the ``megatron`` backend's KV cache for one step's rows per rank.
+    Raises:
+        ValueError: an unknown ``rollout.backend``.
+    """
+    r = cfg.rollout
+    if r.backend == "vllm":
+        from alignment.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(str(hf_dir), max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
+                          gpu_memory_utilization=r.gpu_memory_utilization,
+                          seed=cfg.seed + rank // r.tensor_parallel_size,
+                          tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager,
+                          dtype=cfg.model.dtype)
+    if r.backend == "megatron":
+        from megatron.core.utils import unwrap_model
+        from transformers import AutoTokenizer
+
+        from alignment.rollout.megatron_engine import MegatronEngine
+
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+        rows = max(1, r.prompts_per_step * r.group_size // data_parallel_size)
+        return MegatronEngine(unwrap_model(policy), tokenizer, eos_token_id=eos_token_ids(hf_dir, tokenizer),
+                              vocab_size=vocab_size, max_model_len=r.max_model_len, max_batch_size=rows,
+                              seed=cfg.seed + rank)
+    raise ValueError(f"rollout.backend={r.backend!r}: valid values are {', '.join(BACKENDS)}")
