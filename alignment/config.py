@@ -110,6 +110,9 @@ class AlgorithmConfig:
     name: str = "grpo"  # grpo | sft | rm | dpo
     # grpo | grpo_no_std (Dr.GRPO) | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline
     advantage_estimator: str = "grpo"
+    # reinforce_plus_plus[_baseline]: whiten over each response once (sequence) or every valid token
+    # (token: long responses weigh more, as verl / OpenRLHF); global batch either way
+    whiten_level: str = "sequence"
     clip_ratio: float = 0.2  # lower clip bound (and upper, unless clip_ratio_high is set)
     clip_ratio_high: Optional[float] = None  # DAPO clip-higher, e.g. 0.28
     # ppo (clipped surrogate) | gspo (length-normalised sequence ratio, Zheng et al. 2025) | cispo
@@ -464,6 +467,9 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
     if a.advantage_estimator not in group_estimators:
         raise ConfigError(f"algorithm.advantage_estimator={a.advantage_estimator!r}: valid values are "
                           f"{', '.join(group_estimators)}")
+    if a.whiten_level not in ("sequence", "token"):
+        raise ConfigError(f"algorithm.whiten_level={a.whiten_level!r}: valid values are sequence, token (the "
+                          "units REINFORCE++ whitens its advantages over)")
     if a.loss_agg_mode not in AGGREGATION_MODES:
         raise ConfigError(f"algorithm.loss_agg_mode={a.loss_agg_mode!r}: valid values are {', '.join(AGGREGATION_MODES)}")
     if a.clip_ratio <= 0 or (a.clip_ratio_high is not None and a.clip_ratio_high <= 0):

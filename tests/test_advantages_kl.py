@@ -220,6 +220,37 @@ def test_reinforce_pp_properties():
     assert torch.equal(reinforce_plus_plus_advantages(t([2.0, 2.0, 2.0])), t([0.0] * 3))
 
 
+def test_reinforce_pp_token_level_and_global_batch():
+    # token level: r = [1, 2, 3, 4] over 1, 1, 1, 3 tokens -> n = 6 tokens, mean (1+2+3+12)/6 = 3,
+    #   unbiased var = (4 + 1 + 0 + 3 * 1) / 5 = 1.6 -> A = (r - 3) / sqrt(1.6)
+    counts = torch.tensor([1, 1, 1, 3])
+    adv = reinforce_plus_plus_advantages(t([1, 2, 3, 4]), eps=0.0, token_counts=counts)
+    torch.testing.assert_close(adv, (t([1, 2, 3, 4]) - 3) / math.sqrt(1.6))
+    # = verl's: the scalar broadcast over each response's tokens, whitened over the valid tokens
+    tokens = reinforce_plus_plus_advantages(t([1, 2, 3, 4]).repeat_interleave(counts), eps=0.0)
+    torch.testing.assert_close(adv.repeat_interleave(counts), tokens)
+    # global batch: two data-parallel shards whose statistics are summed = the whole batch at once
+    g = torch.Generator().manual_seed(2)
+    r, n = torch.randn(16, generator=g, dtype=D), torch.randint(1, 9, (16,), generator=g)
+    for level in (None, n):
+        for gs in (None, 4):
+            whole = reinforce_plus_plus_advantages(r, group_size=gs, eps=0.0, token_counts=level)
+            halves = []
+            for mine, other in ((slice(0, 8), slice(8, 16)), (slice(8, 16), slice(0, 8))):
+                sums = {}
+
+                def other_sums(values, other=other):  # what the other rank contributes
+                    reinforce_plus_plus_advantages(r[other], group_size=gs, token_counts=None if level is None else
+                                                   level[other], all_reduce=lambda v: sums.setdefault("o", v) or v)
+                    return [a + b for a, b in zip(values, sums["o"])]
+
+                halves.append(reinforce_plus_plus_advantages(r[mine], group_size=gs, eps=0.0, all_reduce=other_sums,
+                                                             token_counts=None if level is None else level[mine]))
+            torch.testing.assert_close(torch.cat(halves), whole)
+    with pytest.raises(ValueError, match="token_counts must be"):
+        reinforce_plus_plus_advantages(t([1, 2]), token_counts=torch.tensor([1]))
+
+
 def test_reinforce_pp_errors():
     with pytest.raises(ValueError, match="1-D"):
         reinforce_plus_plus_advantages(t([[1, 2]]))
@@ -396,3 +427,16 @@ def test_kl_in_reward_errors():
         kl_in_reward(r, lp, torch.zeros(2, 4, dtype=D), m, 0.1)
     with pytest.raises(ValueError, match="estimator"):
         kl_in_reward(r, lp, lp, m, 0.1, estimator="k9")
+
+
+def test_ppo_masked_whiten_uses_the_unbiased_std_over_valid_tokens(monkeypatch):
+    # valid tokens [1, 2, 3, 4]: mean 2.5, unbiased var 5/3 (verl's masked_whiten; the population
+    # std, OpenRLHF's, would be sqrt(5/4)); padding stays 0
+    from alignment.trainers import ppo
+
+    monkeypatch.setattr(ppo, "all_reduce_sum", lambda values, group: values)  # one rank: the global batch
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]], dtype=D)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=D)
+    s = math.sqrt(5 / 3)
+    expected = torch.tensor([[-1.5 / s, -0.5 / s, 0.5 / s], [1.5 / s, 0.0, 0.0]], dtype=D)
+    torch.testing.assert_close(ppo.masked_whiten(x, mask, None), expected, atol=1e-7, rtol=0)

@@ -98,6 +98,7 @@ def test_shared_prompt_packing_is_on_where_it_runs_and_refused_where_it_cannot()
     ("rollout.tensor_parallel_size=2", 2, r"rollout.tensor_parallel_size=2 must divide the attention heads \(9\)"),
     ("trainer.max_tokens_per_microbatch=-1", 2, r"trainer.max_tokens_per_microbatch=-1: must be >= 0"),
     ("trainer.max_tokens_per_microbatch=100", 2, r"trainer.max_tokens_per_microbatch=100 is below rollout.max_model_len"),
+    ("algorithm.whiten_level=tokens", 2, r"algorithm.whiten_level='tokens': valid values are sequence, token"),
     ("algorithm.policy_loss=grpo", 2, r"algorithm.policy_loss='grpo': valid values are ppo, gspo, cispo"),
     ("algorithm.clip_ratio_c=0.5", 2, r"algorithm.clip_ratio_c=0.5: the dual clip needs algorithm.policy_loss=ppo and a "
                                       r"value > 1"),

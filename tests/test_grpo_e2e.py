@@ -80,7 +80,8 @@ def test_two_grpo_steps_tiny_model(tmp_path):
 def test_megatron_backend_samples_with_the_trained_policy(tmp_path):
     """``rollout.backend=megatron``: Megatron-Core's inference engine generates on the policy's own
     model (DP=2, no vLLM engine, no resharder, nothing synced), with idle models offloaded between
-    phases (forced on CPU) and the KV cache freed after each rollout. In fp32 the trainer's
+    phases (forced on CPU) and the KV cache freed after each rollout; REINFORCE++-baseline
+    advantages whitened over the valid tokens of both ranks' batch. In fp32 the trainer's
     logprobs of the sampled tokens equal the engine's (KV-cache decode against a full forward) at
     both steps: the second step sampled with the weights the first one trained."""
     model_dir = save_tiny_hf_dir(tmp_path / "tiny")
@@ -89,7 +90,9 @@ def test_megatron_backend_samples_with_the_trained_policy(tmp_path):
                  "rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=2",
                  "data.heldout_size=8", "data.train_size=50", "rollout.max_tokens=16", "rollout.eval_max_tokens=8",
                  "trainer.lr=1e-3", "trainer.progress_bar=false", "rollout.backend=megatron", "trainer.offload=true",
-                 "trainer.export_hf=false", "trainer.save_checkpoint=false", str(result), timeout=900,
+                 "trainer.export_hf=false", "trainer.save_checkpoint=false",
+                 "algorithm.advantage_estimator=reinforce_plus_plus_baseline", "algorithm.whiten_level=token",
+                 str(result), timeout=900,
                  env={"MEGALIGN_OFFLOAD_ON_CPU": "1"})
     s = json.loads(result.read_text())
     first, second = s["history"]

@@ -126,6 +126,9 @@ def reinforce_plus_plus_advantages(
     rewards: Tensor,
     group_size: int | None = None,
     eps: float = 1e-6,
+    *,
+    token_counts: Tensor | None = None,
+    all_reduce: Callable[[list[float]], list[float]] | None = None,
 ) -> Tensor:
     """REINFORCE++ outcome advantages: global-batch whitening.
 
@@ -142,38 +145,55 @@ def reinforce_plus_plus_advantages(
         c_i = r_i - mean(r_group(i));   A = (c - mean(c)) / (std(c) + eps)
 
     ``std`` is the unbiased (Bessel-corrected) sample std, as in
-    :func:`grpo_advantages`; a batch of one has std taken as 0 (advantage 0).
-    Here the statistics are over responses (each counted once); verl/OpenRLHF
-    whiten over valid *tokens* after broadcasting, which weights long
-    responses more. The token-level KL-in-reward term of REINFORCE++ is not
-    applied here (see :func:`alignment.algorithms.kl.kl_in_reward`).
+    :func:`grpo_advantages` and verl's ``masked_whiten``; a batch of one has std
+    taken as 0 (advantage 0). What the mean and std average over is a choice
+    (``algorithm.whiten_level``): each response once (``token_counts=None``,
+    the paper's per-sample statement; megalign's default), or every valid token
+    (``token_counts``: response ``i`` weighted by its length, as verl and
+    OpenRLHF do after broadcasting the scalar over the response's tokens, which
+    weights long responses more). The token-level KL-in-reward term of
+    REINFORCE++ is not applied here (see :func:`alignment.algorithms.kl.kl_in_reward`).
 
     Args:
-        rewards: ``[batch]`` scalar reward per response.
+        rewards: ``[batch]`` scalar reward per response (this data-parallel rank's).
         group_size: responses per prompt for the -baseline variant, or
             ``None`` for plain REINFORCE++ (no group centring).
         eps: added to the std to avoid division by zero.
+        token_counts: ``[batch]`` valid tokens of each response, for token-level
+            whitening; ``None``: response-level.
+        all_reduce: sums a list of floats over the data-parallel group, so that the
+            mean and std are the global batch's; ``None``: ``rewards`` is the whole batch.
 
     Returns:
         ``[batch]`` unitless advantages, same dtype/device as ``rewards``.
 
     Raises:
-        ValueError: ``rewards`` is not 1-D or empty, ``group_size < 1``, or
-            ``batch`` is not a multiple of ``group_size``.
+        ValueError: ``rewards`` is not 1-D or empty, ``group_size < 1``,
+            ``batch`` is not a multiple of ``group_size``, or ``token_counts``
+            is not ``[batch]``.
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [batch], got shape {tuple(rewards.shape)}")
     if rewards.numel() == 0:
         raise ValueError("rewards must be non-empty")
+    if token_counts is not None and token_counts.shape != rewards.shape:
+        raise ValueError(f"token_counts must be [batch] = {tuple(rewards.shape)}, got {tuple(token_counts.shape)}")
     x = rewards
     if group_size is not None:
         _check_grouped(rewards, group_size, min_group_size=1)
         grouped = rewards.reshape(-1, group_size)
         x = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)
-    centered = x - x.mean()
-    if x.numel() == 1:
-        return torch.zeros_like(centered)
-    return centered / (x.std() + eps)
+    w = torch.ones_like(x, dtype=torch.float64) if token_counts is None else token_counts.to(torch.float64)
+    xd = x.to(torch.float64)
+    sums = [w.sum().item(), (w * xd).sum().item(), (w * xd * xd).sum().item()]
+    n, s1, s2 = all_reduce(sums) if all_reduce is not None else sums
+    if n <= 1:
+        return torch.zeros_like(x)
+    mean = s1 / n
+    std = max((s2 - n * mean * mean) / (n - 1), 0.0) ** 0.5
+    if std == 0.0:  # all equal: no signal (and no 0 / 0 with eps=0)
+        return torch.zeros_like(x)
+    return (x - mean) / (std + eps)
 
 
 def gae(
@@ -270,13 +290,18 @@ def gae(
     return advantages, returns
 
 
-def _reinforce_plus_plus_global(rewards: Tensor, group_size: int) -> Tensor:
+def _reinforce_plus_plus_global(rewards: Tensor, group_size: int, **whitening) -> Tensor:
     # registry adapter: plain REINFORCE++ ignores the grouping
-    return reinforce_plus_plus_advantages(rewards)
+    return reinforce_plus_plus_advantages(rewards, **whitening)
 
 
-def _reinforce_plus_plus_baseline(rewards: Tensor, group_size: int) -> Tensor:
-    return reinforce_plus_plus_advantages(rewards, group_size=group_size)
+def _reinforce_plus_plus_baseline(rewards: Tensor, group_size: int, **whitening) -> Tensor:
+    return reinforce_plus_plus_advantages(rewards, group_size=group_size, **whitening)
+
+
+#: estimators whose normalisation is over the global batch: they take ``token_counts`` and
+#: ``all_reduce`` keywords (:func:`reinforce_plus_plus_advantages`)
+BATCH_WHITENED = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 
 #: Name -> estimator. Every entry except ``"gae"`` is an outcome estimator

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from alignment.algorithms.advantages import get_advantage_estimator
+from alignment.algorithms.advantages import BATCH_WHITENED, get_advantage_estimator
 from alignment.algorithms.aggregation import global_normalizer
 from alignment.algorithms.grpo_loss import GRPOLossConfig, grpo_loss
 from alignment.algorithms.reward_shaping import informative_groups, overlong_penalty
@@ -296,7 +296,13 @@ def grpo_step(models: Models, problems: list[Problem], cfg,
     times["rollout"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    advantages = get_advantage_estimator(a.advantage_estimator)(rewards, r.group_size)
+    whitening = {}
+    if a.advantage_estimator in BATCH_WHITENED:  # mean and std of the global batch (sequences or tokens)
+        dp_group = ps.get_data_parallel_group()
+        whitening = {"all_reduce": lambda sums: all_reduce_sum(sums, dp_group),
+                     "token_counts": (torch.tensor([len(s.response_ids) for s in samples])
+                                      if a.whiten_level == "token" else None)}
+    advantages = get_advantage_estimator(a.advantage_estimator)(rewards, r.group_size, **whitening)
     if cfg.trainer.balance_batch:  # after the group statistics: groups may now be split over ranks
         samples, (rewards, advantages) = balance_over_dp(samples, [rewards, advantages])
     batch = make_batch(samples, pad_id=models.tokenizer.pad_token_id or 0)

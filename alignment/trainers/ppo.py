@@ -80,10 +80,14 @@ def score(reward_model, batch: dict, cfg) -> torch.Tensor:
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, group) -> torch.Tensor:
-    """``(x - mean) / std`` over the valid tokens of the whole global batch (all DP ranks)."""
+    """``(x - mean) / (std + 1e-8)`` over the valid tokens of the whole global batch (all DP ranks
+    of ``group``), 0 elsewhere. ``std`` is the unbiased (Bessel-corrected) sample std over the
+    ``n`` valid tokens, as verl's ``masked_whiten`` (``masked_var(unbiased=True)``) and
+    megalign's group estimators; OpenRLHF divides by the population std. ``x``, ``mask``:
+    ``[batch, seq]``; collective over ``group``."""
     n, s1, s2 = all_reduce_sum([mask.sum().item(), (x * mask).sum().item(), (x * x * mask).sum().item()], group)
     mean = s1 / n
-    std = max(s2 / n - mean * mean, 0.0) ** 0.5
+    std = max((s2 - n * mean * mean) / (n - 1), 0.0) ** 0.5 if n > 1 else 0.0
     return (x - mean) / (std + 1e-8) * mask
 
 
