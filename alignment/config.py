@@ -68,7 +68,7 @@ class RolloutConfig:
     per response) and engine sizes."""
 
     # vllm: vLLM engines fed by the resharder | megatron: Megatron-Core's inference engine on the
-    # policy's own model, no weight copy or sync (alignment/rollout/factory.py; TP = PP = CP = 1)
+    # policy's own model, no weight copy or sync (alignment/rollout/factory.py; TP = PP = CP = EP = 1)
     backend: str = "vllm"
     prompts_per_step: int = 8
     group_size: int = 8  # vLLM SamplingParams(n=group_size)
@@ -86,6 +86,10 @@ class RolloutConfig:
     # ranks (vLLM external_launcher), fed its shards by the resharder
     tensor_parallel_size: int = 1
     sync_bucket_mb: int = 64  # weight sync: staging budget per bucket (the largest tensor always fits)
+    # k: rollouts are sampled up to k steps ahead of training, so a batch trains on a policy up to k
+    # optimizer steps newer than the one that sampled it (0: on-policy; 1: one-step off-policy).
+    # k > 0 needs algorithm.rollout_correction.is_level (decoupled PPO, launchers/rl_loop.py)
+    max_staleness: int = 0
     check_weight_sync: bool = False  # after every sync, verify every engine parameter (a probe W @ u)
 
 
@@ -291,6 +295,18 @@ def _validate_policy_loss(a) -> None:
         raise ConfigError(f"algorithm.rollout_correction.{e}") from e
 
 
+def _validate_staleness(r, a) -> None:
+    """``rollout.max_staleness``: >= 0; off-policy batches need importance weights in the loss."""
+    if not isinstance(r.max_staleness, int) or r.max_staleness < 0:
+        raise ConfigError(f"rollout.max_staleness={r.max_staleness}: must be an integer >= 0 (0: on-policy, "
+                          "1: one-step off-policy)")
+    if r.max_staleness > 0 and a.rollout_correction.is_level is None:
+        raise ConfigError(f"rollout.max_staleness={r.max_staleness} trains on samples from a policy up to "
+                          f"{r.max_staleness} step(s) old, so the loss must weight each token by pi_old / pi_rollout "
+                          "(decoupled PPO): set algorithm.rollout_correction.is_level=token (or sequence), "
+                          "truncated at algorithm.rollout_correction.is_threshold, or rollout.max_staleness=0")
+
+
 def _validate_offline(cfg, dp: int) -> None:
     """SFT / reward model / DPO: dataset matches the algorithm, batch sizes divide."""
     from alignment.trainers.dpo import LOSS_TYPES
@@ -458,6 +474,7 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
                           f"raise it to at least {r.max_model_len} (or 0 for micro_batch_size rows)")
     a = cfg.algorithm
     _validate_policy_loss(a)
+    _validate_staleness(cfg.rollout, a)
     if a.name == "ppo":
         _validate_ppo(cfg, dp)
         return _validate_rollout_lengths(r, hf_config)

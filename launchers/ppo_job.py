@@ -2,21 +2,19 @@
 
 config -> validate -> groups -> policy (from ``model.path``, e.g. the SFT export) + reference,
 critic (from ``model.critic_path`` or the reward model) and frozen reward model
-(``model.reward_model_path``) + vLLM engine -> held-out greedy responses of the initial
-policy, scored by the reward model -> PPO steps on the dpo_en_demo training prompts ->
-held-out responses of the trained policy -> win rate (trained vs initial, judged by the
-reward model) and response-length drift -> checkpoint + HF export.
+(``model.reward_model_path``) + rollout engine (``rollout.backend``) -> the RL loop
+(:mod:`launchers.rl_loop`) with PPO's collect and train (:mod:`alignment.trainers.ppo`) on the
+dpo_en_demo training prompts, evaluated by :class:`WinRate`: held-out greedy responses of the
+initial policy and of the trained one, scored by the reward model -> win rate (trained vs
+initial) and response-length drift.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 
 def build(cfg, hf_dir: Path, hf_config, rank: int):
@@ -83,8 +81,8 @@ def heldout_responses(models, prompts: list[list[int]], cfg) -> dict[str, list[f
     reward model: ``{"scores": [...], "lengths": [...]}`` (last pipeline stage's values)."""
     from alignment.rollout.base import SamplingConfig
     from alignment.trainers.batching import make_batch
-    from alignment.trainers.grpo import generate_for_group, rollout_phase
     from alignment.trainers.ppo import score
+    from alignment.trainers.rl_phases import generate_for_group, rollout_phase
 
     with rollout_phase(models):
         groups = generate_for_group(models.engine, prompts, SamplingConfig(n=1, temperature=0.0,
@@ -111,20 +109,38 @@ def compare(before: dict, after: dict) -> dict[str, float]:
             "length_before": lb / n, "length_after": la / n, "prompts": n}
 
 
+class WinRate:
+    """PPO's :class:`launchers.rl_loop.Evaluation`: greedy responses to this DP rank's held-out
+    prompts, scored by the reward model, the trained policy's against the initial one's."""
+
+    def __init__(self, cfg, models, prompts: list[list[int]]):
+        self.cfg, self.models, self.prompts, self.initial = cfg, models, prompts, None
+
+    def baseline(self) -> None:
+        # the initial (SFT) policy's responses: generated before a resume loads trained weights
+        # (into the policy, which rollout.backend=megatron runs)
+        self.initial = heldout_responses(self.models, self.prompts, self.cfg)
+
+    def before(self, step: int) -> dict[str, float]:  # noqa: ARG002 - the baseline is the "before"
+        return {}
+
+    def measure(self) -> dict[str, float]:
+        result = compare(self.initial, heldout_responses(self.models, self.prompts, self.cfg))
+        return {f"heldout/{k}": v for k, v in result.items()}
+
+    def final(self) -> tuple[dict[str, float], dict, str]:
+        metrics = self.measure()
+        result = {k.removeprefix("heldout/"): v for k, v in metrics.items()}
+        return metrics, {"heldout": result}, f"held-out (reward model judge): {json.dumps(result)}"
+
+
 def run(cfg) -> dict:
-    """Run a PPO job; returns the summary written to ``<output_dir>/summary.json``."""
+    """Run a PPO job through :mod:`launchers.rl_loop`; returns the summary written to
+    ``<output_dir>/summary.json``."""
     from megatron.core import parallel_state as ps
 
-    from alignment.trainers.checkpoint import (
-        latest_checkpoint,
-        load_megatron_checkpoint,
-        save_hf_checkpoint,
-        save_megatron_checkpoint,
-    )
-    from alignment.trainers.grpo import sync_weights
-    from alignment.trainers.offload import trainable
-    from alignment.trainers.ppo import ppo_step
-    from launchers import preemption
+    from alignment.trainers import ppo
+    from launchers import rl_loop
     from launchers.common import start
 
     job = start(cfg)  # validates the config before any process group starts
@@ -132,60 +148,9 @@ def run(cfg) -> dict:
     train, heldout = prompts_of(cfg, models.tokenizer, "train"), prompts_of(cfg, models.tokenizer, "heldout")
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     my_heldout = heldout[: len(heldout) // dp * dp][dp_rank::dp]
-
-    # The initial (SFT) policy's held-out responses are the baseline of the win rate: generated
-    # before a resume loads trained weights (into the policy, which rollout.backend=megatron runs)
-    baseline = heldout_responses(models, my_heldout, cfg)
-    ckpt_dir, start_step = job.out / "checkpoints", 0
-    latest = latest_checkpoint(ckpt_dir) if cfg.trainer.resume else None
-    if latest is not None:  # policy and critic (with their Adam states) resume together
-        models.placement.keep(*trainable("policy"), *trainable("critic"))
-        start_step = load_megatron_checkpoint(models.policy, latest / "policy", models.optimizer)
-        load_megatron_checkpoint(models.critic, latest / "critic", models.critic_optimizer)
-        if job.rank == 0:
-            print(f"resumed from {latest} (step {start_step})", flush=True)
-    if latest is not None:
-        models.placement.keep("policy")
-        sync_weights(models, cfg.rollout.check_weight_sync)
-
-    def checkpoint(step: int) -> None:
-        with job.timers("checkpoint"):
-            final, parts = ckpt_dir / f"step_{step}", ckpt_dir / f"step_{step}.parts"
-            models.placement.keep(*trainable("policy"), *trainable("critic"))
-            for name, model, opt in (("policy", models.policy, models.optimizer),
-                                     ("critic", models.critic, models.critic_optimizer)):
-                save_megatron_checkpoint(model, parts / name, optimizer=opt, step=step, config=job.resolved_config)
-            if job.rank == 0:  # both parts complete: publish them together, then mark the step complete
-                os.replace(parts, final)
-                (final / "metadata.json").write_text(json.dumps({"step": step}))
-            dist.barrier()
-
-    per_rank = cfg.rollout.prompts_per_step // dp
-    steps = job.progress(start_step, cfg.trainer.steps, "ppo")
-    for step in steps:
-        first = (step * cfg.rollout.prompts_per_step + dp_rank * per_rank) % len(train)
-        prompts = [train[(first + i) % len(train)] for i in range(per_rank)]
-        t0 = time.perf_counter()
-        job.profiler.begin(step)
-        metrics, times = ppo_step(models, prompts, cfg)
-        job.profiler.end(step)
-        metrics.update({f"time/{k}": v for k, v in times.items()}, **{"time/step": time.perf_counter() - t0})
-        job.log(metrics, step + 1)
-        job.history.append(metrics)
-        if preemption.stop_requested():  # SIGUSR1/SIGTERM on any rank: save this step, exit 75
-            preemption.save_and_exit(job, step + 1, checkpoint, models.engine)
-        if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0 and step + 1 < cfg.trainer.steps:
-            checkpoint(step + 1)
-        if hasattr(steps, "set_postfix"):
-            steps.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}")
-
-    result = compare(baseline, heldout_responses(models, my_heldout, cfg))
-    job.log({f"heldout/{k}": v for k, v in result.items()}, cfg.trainer.steps)
-    if cfg.trainer.save_checkpoint and start_step < cfg.trainer.steps:
-        checkpoint(cfg.trainer.steps)
-    if cfg.trainer.export_hf:
-        models.placement.keep("policy")
-        save_hf_checkpoint(models.policy, models.bridge, job.hf_config, models.tokenizer, job.out / "hf")
-    summary = {"heldout": result, "start_step": start_step, "steps": cfg.trainer.steps, "world_size": job.world,
-               "history": job.history}
-    return job.finish(summary, f"held-out (reward model judge): {json.dumps(result)}", models.engine)
+    spec = rl_loop.RLJob(
+        "ppo", train, lambda prompts, step, version: ppo.collect(models, prompts, cfg, version),
+        lambda rollout: ppo.train(models, rollout, cfg),
+        {"policy": (models.policy, models.optimizer), "critic": (models.critic, models.critic_optimizer)},
+        WinRate(cfg, models, my_heldout))
+    return rl_loop.run(job, models, spec)

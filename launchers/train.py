@@ -1,15 +1,14 @@
 """Entry point: ``torchrun --nproc-per-node 2 launchers/train.py [hydra overrides]``.
 
-config -> validate (before any process group) -> init groups -> build models ->
-GRPO loop (:mod:`alignment.trainers.grpo`) -> checkpoints. Works the same under
-``srun`` and as a single process.
+config -> validate (before any process group) -> init groups -> build models -> the RL loop
+(:mod:`launchers.rl_loop`) with GRPO's collect and train (:mod:`alignment.trainers.grpo`).
+Works the same under ``srun`` and as a single process.
 """
 
 from __future__ import annotations
 
 import random
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,7 +27,7 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     from alignment.models.families import get_bridge
     from alignment.models.gpt import build_gpt_model
     from alignment.models.weights import lazy_safetensors, load_hf_weights
-    from alignment.trainers.grpo import Models
+    from alignment.trainers.rl_phases import Models
     from alignment.trainers.megatron_step import OptimConfig, main_param_writer, setup_training
     from alignment.trainers.offload import DevicePlacement, offload_enabled
     from launchers.common import job_transformer_config, rollout_engine
@@ -59,7 +58,7 @@ def run(cfg: DictConfig) -> dict:
     """Run the job ``cfg.algorithm.name`` names; returns the summary written to ``<output_dir>/summary.json``.
 
     ``sft``, ``rm`` and ``dpo`` train on fixed data (:mod:`launchers.offline_job`), ``ppo`` runs
-    :mod:`launchers.ppo_job`; the GRPO family runs the loop below.
+    :mod:`launchers.ppo_job`; the GRPO family runs :mod:`launchers.rl_loop` with :func:`run_rl`'s pieces.
     """
     from alignment.config import OFFLINE_ALGORITHMS
 
@@ -74,22 +73,56 @@ def run(cfg: DictConfig) -> dict:
     return run_rl(cfg)
 
 
-def run_rl(cfg: DictConfig) -> dict:
-    """Run a GRPO-family job; returns the summary written to ``<output_dir>/summary.json``."""
-    from megatron.core import parallel_state as ps
+class HeldoutAccuracy:
+    """GRPO's :class:`launchers.rl_loop.Evaluation`: greedy accuracy on the task's held-out problems
+    (before training possibly cached from an earlier run: ``trainer.eval_cache``)."""
 
+    def __init__(self, job, models, heldout):
+        self.job, self.models, self.heldout = job, models, heldout
+        self.acc_before, self.cached = None, False
+
+    def baseline(self) -> None:
+        pass
+
+    def _accuracy(self) -> float:
+        from alignment.trainers import grpo
+
+        cfg = self.job.cfg
+        return grpo.evaluate(self.models, self.heldout, cfg.data.task, cfg.rollout.eval_max_tokens)
+
+    def before(self, step: int) -> dict[str, float]:
+        from alignment.trainers.eval_cache import cached_accuracy, heldout_key
+
+        job = self.job
+        if step == 0:  # the base checkpoint: its accuracy may be known from an earlier run
+            key = heldout_key(job.hf_dir, self.models.tokenizer, self.heldout, job.cfg, job.world)
+            self.acc_before, self.cached = cached_accuracy(key, self._accuracy, job.cfg.trainer.eval_cache)
+        else:
+            self.acc_before = self._accuracy()
+        if job.rank == 0:
+            what = f"at step {step} (resumed)" if step else "before training"
+            note = " (cached from an earlier run: trainer.eval_cache)" if self.cached else ""
+            print(f"held-out accuracy {what}: {self.acc_before:.3f} ({len(self.heldout)} problems){note}", flush=True)
+        return {"heldout/accuracy": self.acc_before}
+
+    def measure(self) -> dict[str, float]:
+        return {"heldout/accuracy": self._accuracy()}
+
+    def final(self) -> tuple[dict[str, float], dict, str]:
+        after = self._accuracy()
+        before = f" (before: {self.acc_before:.3f})" if self.acc_before is not None else ""
+        summary = {"heldout_accuracy_before": self.acc_before, "heldout_before_cached": self.cached,
+                   "heldout_accuracy_after": after, "heldout_size": len(self.heldout)}
+        return {"heldout/accuracy": after}, summary, f"held-out accuracy after training: {after:.3f}{before}"
+
+
+def run_rl(cfg: DictConfig) -> dict:
+    """Run a GRPO-family job through :mod:`launchers.rl_loop`; returns the summary written to
+    ``<output_dir>/summary.json``."""
     from alignment.data.tasks import load_problems
     from alignment.trainers import grpo
-    from alignment.trainers.checkpoint import (
-        latest_checkpoint,
-        load_megatron_checkpoint,
-        save_hf_checkpoint,
-        save_megatron_checkpoint,
-    )
-    from alignment.trainers.offload import trainable
-    from launchers import preemption
+    from launchers import rl_loop
     from launchers.common import start
-    from launchers.profiling import peak_rss_bytes
 
     job = start(cfg)  # validates the config before any process group starts
     models = build(cfg, job.hf_dir, job.hf_config, job.rank)
@@ -97,83 +130,19 @@ def run_rl(cfg: DictConfig) -> dict:
     train = load_problems(cfg.data.task, "train", cfg.data.train_size, seed=cfg.seed, **kw)
     heldout = load_problems(cfg.data.task, "heldout", cfg.data.heldout_size, seed=cfg.seed, **kw)
 
-    ckpt_dir, start_step = job.out / "checkpoints", 0
-    latest = latest_checkpoint(ckpt_dir) if cfg.trainer.resume else None
-    if latest is not None:
-        start_step = load_megatron_checkpoint(models.policy, latest, models.optimizer)
-        grpo.sync_weights(models, cfg.rollout.check_weight_sync)
-        if job.rank == 0:
-            print(f"resumed from {latest} (step {start_step})", flush=True)
+    def collect(problems, step: int, version: int):
+        from megatron.core import parallel_state as ps
 
-    def checkpoint(step: int) -> None:
-        with job.timers("checkpoint"):
-            models.placement.keep(*trainable("policy"))
-            save_megatron_checkpoint(models.policy, ckpt_dir / f"step_{step}", optimizer=models.optimizer, step=step,
-                                     config=job.resolved_config)
-
-    acc_before, cached = None, False
-    if cfg.trainer.eval_before:
-        from alignment.trainers.eval_cache import cached_accuracy, heldout_key
-
-        def evaluate_before() -> float:
-            return grpo.evaluate(models, heldout, cfg.data.task, cfg.rollout.eval_max_tokens)
-
-        if start_step == 0:  # the base checkpoint: its accuracy may be known from an earlier run
-            key = heldout_key(job.hf_dir, models.tokenizer, heldout, cfg, job.world)
-            acc_before, cached = cached_accuracy(key, evaluate_before, cfg.trainer.eval_cache)
-        else:
-            acc_before = evaluate_before()
-        job.log({"heldout/accuracy": acc_before}, start_step)
-        if job.rank == 0:
-            what = f"at step {start_step} (resumed)" if start_step else "before training"
-            note = " (cached from an earlier run: trainer.eval_cache)" if cached else ""
-            print(f"held-out accuracy {what}: {acc_before:.3f} ({len(heldout)} problems){note}", flush=True)
-    startup_s = job.seconds_since_launch()
-
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    per_rank = cfg.rollout.prompts_per_step // dp
-    steps = job.progress(start_step, cfg.trainer.steps, "grpo")
-    for step in steps:
-        first = (step * cfg.rollout.prompts_per_step + dp_rank * per_rank) % len(train)
-        problems = [train[(first + i) % len(train)] for i in range(per_rank)]
-        refill_rng = random.Random(hash((cfg.seed, step, dp_rank)))
+        rng = random.Random(hash((cfg.seed, step, ps.get_data_parallel_rank())))
 
         def refill(k: int):  # more training problems for DAPO dynamic sampling
-            return [train[refill_rng.randrange(len(train))] for _ in range(k)]
+            return [train[rng.randrange(len(train))] for _ in range(k)]
 
-        t0 = time.perf_counter()
-        job.profiler.begin(step)
-        metrics, times = grpo.grpo_step(models, problems, cfg, refill)
-        job.profiler.end(step)
-        step_time = time.perf_counter() - t0
-        metrics["tokens_per_s"] = metrics.pop("tokens") / step_time
-        metrics.update({f"time/{k}": v for k, v in times.items()}, **{"time/step": step_time})
-        metrics["memory/peak_rss_gib"] = peak_rss_bytes() / 2**30  # this rank's, so far
-        if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0 and step + 1 < cfg.trainer.steps:
-            metrics["heldout/accuracy"] = grpo.evaluate(models, heldout, cfg.data.task, cfg.rollout.eval_max_tokens)
-        job.log(metrics, step + 1)
-        job.history.append(metrics)
-        if preemption.stop_requested():  # SIGUSR1/SIGTERM on any rank: save this step, exit 75
-            preemption.save_and_exit(job, step + 1, checkpoint, models.engine)
-        if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0 and step + 1 < cfg.trainer.steps:
-            checkpoint(step + 1)
-        if hasattr(steps, "set_postfix"):
-            steps.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}",
-                              s=f"{step_time:.1f}")
+        return grpo.collect(models, problems, cfg, refill, version)
 
-    acc_after = grpo.evaluate(models, heldout, cfg.data.task, cfg.rollout.eval_max_tokens)
-    job.log({"heldout/accuracy": acc_after}, cfg.trainer.steps)
-    if cfg.trainer.save_checkpoint and start_step < cfg.trainer.steps:
-        checkpoint(cfg.trainer.steps)
-    if cfg.trainer.export_hf:
-        models.placement.keep("policy")
-        save_hf_checkpoint(models.policy, models.bridge, job.hf_config, models.tokenizer, job.out / "hf")
-    summary = {"heldout_accuracy_before": acc_before, "heldout_before_cached": cached,
-               "heldout_accuracy_after": acc_after, "start_step": start_step,
-               "heldout_size": len(heldout), "steps": cfg.trainer.steps, "world_size": job.world,
-               "startup_s": startup_s, "history": job.history}
-    before = f" (before: {acc_before:.3f})" if acc_before is not None else ""
-    return job.finish(summary, f"held-out accuracy after training: {acc_after:.3f}{before}", models.engine)
+    spec = rl_loop.RLJob("grpo", train, collect, lambda rollout: grpo.train(models, rollout, cfg),
+                         {"policy": (models.policy, models.optimizer)}, HeldoutAccuracy(job, models, heldout))
+    return rl_loop.run(job, models, spec)
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="grpo")

@@ -111,6 +111,18 @@ def test_invalid_values_name_the_field(override, world, message):
         validate(cfg(override), world_size=world, hf_config=SMOLLM2)
 
 
+def test_max_staleness_needs_importance_weights():
+    validate(cfg("rollout.max_staleness=1", "algorithm.rollout_correction.is_level=token"), world_size=2,
+             hf_config=SMOLLM2)
+    validate(cfg("rollout.max_staleness=2", "algorithm.rollout_correction.is_level=sequence", name="ppo"),
+             world_size=2, hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match=r"rollout.max_staleness=1 trains on samples from a policy up to 1 step\(s\) "
+                                          r"old, .* set algorithm.rollout_correction.is_level=token"):
+        validate(cfg("rollout.max_staleness=1"), world_size=2, hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match=r"rollout.max_staleness=-1: must be an integer >= 0"):
+        validate(cfg("rollout.max_staleness=-1"), world_size=2, hf_config=SMOLLM2)
+
+
 def test_rollout_backend_is_checked():
     validate(cfg("rollout.backend=megatron"), world_size=2, hf_config=SMOLLM2)  # DP=2 replicas: fine
     validate(cfg("rollout.backend=megatron", name="ppo"), world_size=2, hf_config=SMOLLM2)

@@ -6,7 +6,7 @@
 - ``megatron``: Megatron-Core's inference engine on the policy's own model
   (:class:`alignment.rollout.megatron_engine.MegatronEngine`): no second copy of the weights and
   no sync; it also runs where vLLM cannot be installed. Whole-model replicas only for now
-  (TP = PP = CP = 1; :func:`alignment.config.validate` says so before any process group starts).
+  (TP = PP = CP = EP = 1; :func:`alignment.config.validate` says so before any process group starts).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ in a colocated job it does not sit beside the training phase's activations; the 
 allocates it again.
 
 Not yet here: tensor/pipeline parallel generation (every rank of a model replica would have
-to generate the same prompts); ``rollout.backend=megatron`` asks for TP = PP = CP = 1.
+to generate the same prompts); ``rollout.backend=megatron`` asks for TP = PP = CP = EP = 1.
 """
 
 from __future__ import annotations

@@ -134,6 +134,41 @@ def load_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, op
     return int(loaded["step"])
 
 
+def save_models_checkpoint(directory: str | os.PathLike, step: int, parts: dict, config: str | None = None) -> Path:
+    """``<directory>/step_<step>`` holding every trained model of a job, published together;
+    collective. ``parts``: name -> ``(model, optimizer)``. One part is written as one
+    :func:`save_megatron_checkpoint` at the step directory itself (the policy of a GRPO job);
+    several go to ``step_<step>/<name>`` (PPO's policy and critic), written into
+    ``step_<step>.parts`` first and renamed into place only when all are complete, after which the
+    step's ``metadata.json`` marks it complete for :func:`latest_checkpoint`."""
+    import json
+
+    final = Path(directory) / f"step_{step}"
+    if len(parts) == 1:
+        [(model, optimizer)] = parts.values()
+        return save_megatron_checkpoint(model, final, optimizer=optimizer, step=step, config=config)
+    staged = final.with_name(final.name + ".parts")
+    for name, (model, optimizer) in parts.items():
+        save_megatron_checkpoint(model, staged / name, optimizer=optimizer, step=step, config=config)
+    if dist.get_rank() == 0:  # every part complete: publish them together, then mark the step complete
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(staged, final)
+        (final / "metadata.json").write_text(json.dumps({"step": step}))
+    dist.barrier()
+    return final
+
+
+def load_models_checkpoint(path: str | os.PathLike, parts: dict) -> int:
+    """Load what :func:`save_models_checkpoint` wrote into ``parts`` (name -> ``(model,
+    optimizer)``, the same names); returns the step. Collective. Raises as
+    :func:`load_megatron_checkpoint`."""
+    if len(parts) == 1:
+        [(model, optimizer)] = parts.values()
+        return load_megatron_checkpoint(model, path, optimizer)
+    steps = [load_megatron_checkpoint(model, Path(path) / name, opt) for name, (model, opt) in parts.items()]
+    return steps[0]
+
+
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     """The complete ``step_N`` checkpoint with the largest N under ``directory`` (``*.tmp``
     leftovers of an interrupted save are ignored), or None."""

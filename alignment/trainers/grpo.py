@@ -1,15 +1,16 @@
-"""GRPO (DeepSeekMath, Shao et al. 2024) on Megatron-Core with colocated vLLM rollouts,
-and its critic-free variants by config: Dr.GRPO (``advantage_estimator=grpo_no_std``,
-``loss_agg_mode=seq-mean-token-sum-norm``), DAPO's clip-higher (``clip_ratio_high``),
-RLOO (``rloo``) and REINFORCE++ (``reinforce_plus_plus[_baseline]``).
+"""GRPO (DeepSeekMath, Shao et al. 2024) on Megatron-Core, and its critic-free variants by
+config: Dr.GRPO (``advantage_estimator=grpo_no_std``, ``loss_agg_mode=seq-mean-token-sum-norm``),
+DAPO's clip-higher (``clip_ratio_high``) and dynamic sampling, RLOO (``rloo``) and REINFORCE++
+(``reinforce_plus_plus[_baseline]``). The loop around it is :mod:`launchers.rl_loop`.
 
-One step, top to bottom:
-  1. rollout   — each rank's vLLM engine samples ``group_size`` responses for its prompts
-  2. reward    — verifiable reward from the task's grader
-  3. advantage — group-normalised rewards (eq. in Sec. 4.1.2)
+:func:`collect` (the rollout collector):
+  1. rollout   — the rollout engine (``rollout.backend``) samples ``group_size`` responses per prompt
+  2. reward    — verifiable reward from the task's grader (+ DAPO's overlong penalty)
+:func:`train` (the trainer step):
+  3. advantage — group-normalised rewards (eq. in Sec. 4.1.2), or the estimator configured
   4. logprobs  — frozen reference model's logprobs (for the k3 KL term)
-  5. train     — clipped surrogate + kl_coef * KL, token-mean over the global batch, one Adam step
-  6. sync      — new weights into the running vLLM engines, in memory
+  5. train     — clipped surrogate + kl_coef * KL, normalised over the global batch, Adam steps
+The loop then syncs the new weights into the engine (:func:`alignment.trainers.rl_phases.sync_weights`).
 With ``trainer.offload`` each phase keeps on the device only the models it uses
 (``models.placement.keep``); the others wait in host memory.
 Data layout: every data-parallel (DP) rank owns whole prompt groups; the ranks of one
@@ -20,9 +21,7 @@ model replica (TP x CP x PP) share the same data and split only its generation. 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,88 +33,20 @@ from alignment.algorithms.reward_shaping import informative_groups, overlong_pen
 from alignment.config import shares_prompts
 from alignment.data.prompts import build_prompt_ids
 from alignment.data.tasks import Problem, score_response
-from alignment.rollout.base import Sample, SamplingConfig
-from alignment.trainers.batching import MicroBatching, cat_rows, make_batch
+from alignment.rollout.base import SamplingConfig
+from alignment.trainers.batching import make_batch
 from alignment.trainers.dp_balance import balance_over_dp
-from alignment.trainers.megatron_step import (LogprobOutputs, all_reduce_max, all_reduce_sum, forward_backward,
-                                              is_output_rank)
-from alignment.trainers.offload import DevicePlacement, trainable
+from alignment.trainers.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
+from alignment.trainers.offload import trainable
+from alignment.trainers.rl_phases import (Models, Rollout, correction_metrics, generate_for_group, microbatches,
+                                          policy_logprobs, rollout_phase)
 from alignment.trainers.router_stats import routing_metrics
-
-
-@dataclass
-class Models:
-    """What one rank holds: its policy shard (DDP-wrapped), optimizer, optional reference
-    shard, rollout engine, and the bridge + tokenizer to talk to HF-format engines.
-    ``placement`` moves idle models to host memory between phases (``trainer.offload``)."""
-
-    policy: torch.nn.Module
-    optimizer: object
-    reference: torch.nn.Module | None
-    engine: object
-    bridge: object
-    tokenizer: object
-    vocab_size: int
-    placement: DevicePlacement = field(default_factory=lambda: DevicePlacement(enabled=False))
-    resharder: object = None  # parallel.reshard.Resharder feeding a vLLM engine; None: the engine runs the policy
 
 
 def _ps():
     from megatron.core import parallel_state as ps
 
     return ps
-
-
-@contextmanager
-def rollout_phase(models: Models) -> Iterator[None]:
-    """Generation: only the engine on the device (and the policy, when the engine runs the policy's
-    own model: ``rollout.backend=megatron``), the engine woken before and put to sleep after (its
-    KV cache freed while the trainer works)."""
-    models.placement.keep(*(("policy",) if models.engine.shares_trainer_weights else ()))
-    models.engine.wake()
-    try:
-        yield
-    finally:
-        models.engine.sleep()
-
-
-def generate_for_group(engine, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
-    """Generate for this DP rank's prompts, splitting the work over the ranks of its
-    model replica (TP x CP x PP, each has an engine) and gathering every rank's samples."""
-    from parallel.state import replica_group
-
-    group = replica_group()
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    mine = engine.generate(prompts[rank::size], sampling)  # called even with no prompts: collective for TP>1
-    gathered = [None] * size
-    dist.all_gather_object(gathered, mine, group=group)
-    out = [None] * len(prompts)
-    for r, part in enumerate(gathered):
-        out[r::size] = part
-    return out
-
-
-def policy_logprobs(model, microbatches, vocab_size: int, temperature: float = 1.0,
-                    packing: bool = False, positions: str | None = "response_mask",
-                    share_prompts: bool = False) -> torch.Tensor | None:
-    """Forward-only logprobs ``[N, seq]`` of ``softmax(logits / temperature)`` in batch row
-    order (last pipeline stage; ``None`` elsewhere). ``packing``: ``trainer.sequence_packing``;
-    ``positions``: the micro-batch mask whose positions are computed (0 elsewhere; ``None``: all);
-    ``share_prompts``: prompt trees (``trainer.shared_prompt_packing``); see
-    :func:`alignment.trainers.megatron_step.forward_backward`."""
-
-    def collect(mb, out):
-        return out["logprobs"].sum() * 0, {"logprobs": out["logprobs"]}
-
-    with torch.no_grad():
-        out = forward_backward(model, microbatches, collect, outputs=LogprobOutputs(vocab_size, temperature),
-                               forward_only=True, packing=packing, positions=positions, share_prompts=share_prompts)
-    return cat_rows(out, "logprobs", microbatches) if out else None
-
-
-def microbatches(batch: dict, cfg) -> list[dict]:
-    """``trainer.micro_batch_size`` rows, or ``trainer.max_tokens_per_microbatch`` tokens, per micro-batch."""
-    return MicroBatching.from_trainer(cfg.trainer).split(batch)
 
 
 def _model_tokens(batch: dict, cfg) -> int:
@@ -192,49 +123,6 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
     }
 
 
-def correction_metrics(outs: list[dict], tokens: float) -> dict[str, float]:
-    """The rollout-vs-trainer mismatch over the global batch from the loss metrics of every
-    micro-batch (:func:`alignment.algorithms.rollout_correction.rollout_correction`): k3 KL and
-    mean importance weight per token, fraction of tokens masked, largest token ratio; one
-    contribution per model replica; collective. ``tokens``: the global valid-token count."""
-    mine = is_output_rank() and bool(outs)
-    kl, weight, masked = all_reduce_sum([sum(float(o[k]) for o in outs) if mine else 0.0
-                                         for k in ("rollout_kl_sum", "is_weight_sum", "masked_tokens")])
-    [ratio_max] = all_reduce_max([max(float(o["rollout_ratio_max"]) for o in outs) if mine else 0.0])
-    return {"rollout_correction/kl": kl / tokens, "rollout_correction/is_weight_mean": weight / tokens,
-            "rollout_correction/masked_fraction": masked / tokens, "rollout_correction/ratio_max": ratio_max}
-
-
-def sync_weights(models: Models, check: bool = False) -> dict[str, float]:
-    """New policy weights into every rank's running vLLM engine, in memory (nothing to do for an
-    engine that runs the policy's own model: ``{}``).
-
-    Megatron shards -> this rank's vLLM TP shard, rank to rank in bounded buckets
-    (``models.resharder``, :mod:`parallel.reshard`), streamed into the engine; ``check`` verifies
-    every engine parameter (``rollout.check_weight_sync``). Returns timing and traffic metrics
-    (``weight_sync/...``).
-    """
-    if models.engine.shares_trainer_weights:
-        return {}
-    st = models.resharder.stats
-    before = (st.seconds, st.sent_bytes)
-    out = models.engine.load_resharded(models.resharder.buckets())
-    reshard_s = st.seconds - before[0]
-    metrics = {"weight_sync/reshard_s": reshard_s, "weight_sync/engine_load_s": out["load_s"] - reshard_s,
-               "weight_sync/sent_mb": (st.sent_bytes - before[1]) / 2**20,
-               "weight_sync/peak_staged_mb": st.peak_staged_bytes / 2**20}
-    if check:
-        from alignment.models.weights import export_hf_weights
-        from alignment.rollout.weight_check import check_engine_weights
-
-        hf = export_hf_weights(models.policy, models.bridge)  # the independent (gather) path
-        rtol = 1e-4 if next(iter(hf.values())).dtype == torch.float32 else 2e-2
-        metrics["weight_sync/checked"] = float(check_engine_weights(
-            models.engine, hf, models.bridge, out["names"], models.resharder.vllm_tp,
-            dist.get_rank() % models.resharder.vllm_tp, rtol))
-    return metrics
-
-
 def evaluate(models: Models, problems: list[Problem], task: str, max_tokens: int) -> float:
     """Greedy held-out accuracy (fraction of reward-1 answers), problems split over all ranks."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -284,16 +172,24 @@ def sample_groups(models: Models, problems: list[Problem], cfg, refill: Callable
     return samples, rewards, {"rounds": float(rounds), "filled_groups": float(max(len(problems) - len(kept), 0))}
 
 
-def grpo_step(models: Models, problems: list[Problem], cfg,
-              refill: Callable[[int], list[Problem]] | None = None) -> tuple[dict[str, float], dict[str, float]]:
-    """One GRPO step on this DP rank's ``problems`` (``refill`` supplies more for dynamic
-    sampling). Returns (metrics, phase seconds)."""
-    ps = _ps()
-    r, a, times = cfg.rollout, cfg.algorithm, {}
+def collect(models: Models, problems: list[Problem], cfg, refill: Callable[[int], list[Problem]] | None = None,
+            version: int = 0) -> Rollout:
+    """The rollout collector: ``group_size`` sampled and rewarded responses for each of this DP
+    rank's ``problems`` (``refill`` supplies more for dynamic sampling), by the policy of
+    ``version`` optimizer steps. See :func:`sample_groups`."""
     t = time.perf_counter()
     with rollout_phase(models):
-        samples, rewards, info = sample_groups(models, problems, cfg, refill if a.dynamic_sampling else None)
-    times["rollout"] = time.perf_counter() - t
+        samples, rewards, info = sample_groups(models, problems, cfg,
+                                               refill if cfg.algorithm.dynamic_sampling else None)
+    return Rollout(samples, rewards, version, info=info, seconds=time.perf_counter() - t)
+
+
+def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict[str, float]]:
+    """The trainer step on this DP rank's ``rollout``: advantages, reference (and, for several
+    updates, old) logprobs, then :func:`train_step`. Returns (global metrics, phase seconds)."""
+    ps = _ps()
+    r, a, times = cfg.rollout, cfg.algorithm, {}
+    samples, rewards, info = rollout.samples, rollout.rewards, rollout.info
 
     t = time.perf_counter()
     whitening = {}
@@ -324,11 +220,6 @@ def grpo_step(models: Models, problems: list[Problem], cfg,
     metrics = train_step(models, batch, cfg)
     times["train"] = time.perf_counter() - t
 
-    t = time.perf_counter()
-    models.placement.keep("policy")
-    sync_metrics = sync_weights(models, r.check_weight_sync)
-    times["weight_sync"] = time.perf_counter() - t
-
     # Reward and length statistics over the global batch (one contribution per DP rank).
     from parallel.state import replica_group
 
@@ -345,7 +236,6 @@ def grpo_step(models: Models, problems: list[Problem], cfg,
     metrics.update({"reward/mean": mean, "reward/std": max(s2 / n - mean * mean, 0.0) ** 0.5,
                     "response_length": length / n, "tokens": tokens, "seq_length": tokens / n,
                     "model_tokens": model_tokens})
-    metrics.update(models.placement.pop_stats(), **sync_metrics)
     if a.dynamic_sampling:
         dp = ps.get_data_parallel_world_size()
         metrics.update({"dynamic_sampling/rounds": rounds / dp, "dynamic_sampling/filled_groups": filled})

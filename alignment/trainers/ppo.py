@@ -1,9 +1,10 @@
 """PPO with a critic and a learned reward model (Ouyang et al. 2022, InstructGPT; the
 token-level formulation of Ziegler et al. 2019 as in verl / OpenRLHF).
 
-One step, top to bottom:
-  1. rollout    — each rank's vLLM engine samples one response per prompt
+:func:`collect` (the rollout collector):
+  1. rollout    — the rollout engine (``rollout.backend``) samples ``group_size`` responses per prompt
   2. score      — the frozen reward model scores prompt + response at its last token
+:func:`train` (the trainer step):
   3. forward    — old_logprobs (policy), ref_logprobs (reference), values (critic), no grad
   4. advantages — per-token reward = -kl_coef * (old_logprobs - ref_logprobs), plus the score at
                   the last token (KL in the reward); GAE(gamma, gae_lambda); advantages whitened
@@ -12,7 +13,7 @@ One step, top to bottom:
                   changes nothing): ``ppo_epochs`` passes over ``num_mini_batches``
                   mini-batches, clipped value loss / clipped surrogate, one Adam step per
                   mini-batch, every loss token-mean over the global mini-batch
-  6. sync       — new policy weights into the running vLLM engines
+The loop (:mod:`launchers.rl_loop`) then syncs the new policy weights into the engine.
 With ``trainer.offload`` each phase keeps on the device only the models it uses.
 """
 
@@ -32,8 +33,6 @@ from alignment.models.value_head import sequence_scores
 from alignment.rollout.base import SamplingConfig
 from alignment.trainers.batching import cat_rows, make_batch
 from alignment.trainers.dp_balance import balance_over_dp
-from alignment.trainers.grpo import (Models, correction_metrics, generate_for_group, microbatches, policy_logprobs,
-                                     rollout_phase, sync_weights)
 from alignment.trainers.megatron_step import (
     LogprobOutputs,
     all_reduce_sum,
@@ -43,12 +42,14 @@ from alignment.trainers.megatron_step import (
 )
 from alignment.trainers.offline import global_sums
 from alignment.trainers.offload import trainable
+from alignment.trainers.rl_phases import (Models, Rollout, correction_metrics, generate_for_group, microbatches,
+                                          policy_logprobs, rollout_phase)
 from alignment.trainers.router_stats import routing_metrics
 
 
 @dataclass
 class PPOModels(Models):
-    """:class:`alignment.trainers.grpo.Models` plus the critic shard (DDP) with its optimizer
+    """:class:`alignment.trainers.rl_phases.Models` plus the critic shard (DDP) with its optimizer
     and the frozen reward model."""
 
     critic: torch.nn.Module = None
@@ -124,27 +125,35 @@ def _train_policy(models: PPOModels, mb_list, normalizer: float, loss_cfg: GRPOL
     return out, float(grad_norm) if grad_norm is not None else 0.0
 
 
-def ppo_step(models: PPOModels, prompts: list[list[int]], cfg) -> tuple[dict[str, float], dict[str, float]]:
-    """One PPO step on this DP rank's ``prompts`` (token ids). Returns (metrics, phase seconds)."""
-    ps = _ps()
-    a, r, t = cfg.algorithm, cfg.rollout, cfg.trainer
-    dp_group = ps.get_data_parallel_group()
-    times = {}
+def collect(models: PPOModels, prompts: list[list[int]], cfg, version: int = 0) -> Rollout:
+    """The rollout collector: ``group_size`` responses to each of this DP rank's ``prompts`` (token
+    ids) by the policy of ``version`` optimizer steps, scored by the frozen reward model (the
+    scores live on the last pipeline stage, zeros elsewhere). The padded batch rides along."""
+    r = cfg.rollout
     t0 = time.perf_counter()
     with rollout_phase(models):
         groups = generate_for_group(models.engine, prompts, SamplingConfig(
             n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens))
     samples = [s for g in groups for s in g]
-    if t.balance_batch:  # nothing is per group in PPO: re-deal the sequences by token count now
+    if cfg.trainer.balance_batch:  # nothing is per group in PPO: re-deal the sequences by token count now
         samples, _ = balance_over_dp(samples, [])
-    times["rollout"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
     batch = make_batch(samples, pad_id=models.tokenizer.pad_token_id or 0)
     batch["prompt_lengths"] = torch.tensor([len(s.prompt_ids) for s in samples])
-    packing = dict(packing=t.sequence_packing, share_prompts=shares_prompts(cfg))  # forward_backward's layout
     models.placement.keep("reward_model")
     rewards = score(models.reward_model, batch, cfg)
+    return Rollout(samples, rewards, version, batch=batch, seconds=time.perf_counter() - t0)
+
+
+def train(models: PPOModels, rollout: Rollout, cfg) -> tuple[dict[str, float], dict[str, float]]:
+    """The trainer step on this DP rank's ``rollout``: old/ref logprobs and values, KL-in-reward
+    GAE advantages, then the critic and the policy updates. Returns (global metrics, phase seconds)."""
+    ps = _ps()
+    a, r, t = cfg.algorithm, cfg.rollout, cfg.trainer
+    dp_group = ps.get_data_parallel_group()
+    times = {}
+    batch, rewards = rollout.batch, rollout.rewards
+    t0 = time.perf_counter()
+    packing = dict(packing=t.sequence_packing, share_prompts=shares_prompts(cfg))  # forward_backward's layout
     mask = batch["response_mask"]
     zeros = torch.zeros_like(mask)
     models.placement.keep("policy")
@@ -187,29 +196,24 @@ def ppo_step(models: PPOModels, prompts: list[list[int]], cfg) -> tuple[dict[str
             grad_norms.append(norm)
     times["train"] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    models.placement.keep("policy")
-    sync_metrics = sync_weights(models, r.check_weight_sync)
-    times["weight_sync"] = time.perf_counter() - t0
-
     # Global statistics: policy/critic sums counted once per replica; batch statistics once per DP rank.
     p, c = global_sums(policy_out), global_sums(critic_out)
     # (values, logprobs and scores live on the last pipeline stage; TP ranks hold copies)
     keep = 1.0 if is_output_rank() else 0.0
     resid = (returns - values) * mask
     prob_error = torch.exp((old - batch["rollout_logprobs"]).abs()) * mask  # vLLM vs trainer, same weights
-    tok, s_r, s_r2, s_e, s_e2, kl, n_seq, r_sum, r_sq, length, perr = all_reduce_sum([keep * v for v in [
+    tok, s_r, s_r2, s_e, s_e2, kl, n_seq, r_sum, r_sq, length, perr, tokens = all_reduce_sum([keep * v for v in [
         mask.sum().item(), (returns * mask).sum().item(), (returns ** 2 * mask).sum().item(),
         resid.sum().item(), (resid ** 2).sum().item(), ((old - ref) * mask).sum().item(),
         float(n), rewards.sum().item(), (rewards ** 2).sum().item(), batch["response_lengths"].sum().item(),
-        prob_error.sum().item()]])
+        prob_error.sum().item(), batch["seq_lengths"].sum().item()]])
     var_r = s_r2 / tok - (s_r / tok) ** 2
     var_e = s_e2 / tok - (s_e / tok) ** 2
     updates = a.ppo_epochs * a.num_mini_batches
     mean_r = r_sum / n_seq
     metrics = {
         "reward/mean": mean_r, "reward/std": max(r_sq / n_seq - mean_r ** 2, 0.0) ** 0.5,
-        "kl": kl / tok, "response_length": length / n_seq,
+        "kl": kl / tok, "response_length": length / n_seq, "tokens": tokens,
         "loss/policy": p["policy_loss_sum"] / max(p["tokens"], 1.0),
         "loss/value": c["value_loss_sum"] / max(tok * updates, 1.0),
         "clip_fraction": p["clipped_tokens"] / max(p["tokens"], 1.0),
@@ -220,7 +224,5 @@ def ppo_step(models: PPOModels, prompts: list[list[int]], cfg) -> tuple[dict[str
         **correction_metrics(policy_out, max(p["tokens"], 1.0)),
         **routing_metrics(models.policy),  # MoE: expert load imbalance, aux loss
         **critic_routing,
-        **models.placement.pop_stats(),
-        **sync_metrics,
     }
     return metrics, times

@@ -19,23 +19,30 @@ from hydra import compose, initialize_config_dir
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def main() -> None:
-    model_dir, out_dir, reward, *overrides, result_path = sys.argv[1:]
+def run_job(model_dir: str, out_dir: str, overrides: list[str], result_path: str) -> None:
+    """Compose ``configs/grpo.yaml`` (fp32, ``model_dir``, ``out_dir``) with ``overrides``, run the
+    job and, on rank 0, write its summary to ``result_path``."""
+    import os
+
     from alignment.config import register
-    from alignment.trainers import grpo
     from launchers.train import run
 
-    if reward == "even_length":
-        grpo.score_response = lambda problem, text: float(len(text) % 2 == 0)
     register()
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
         cfg = compose("grpo", overrides=[f"model.path={model_dir}", f"output_dir={out_dir}", "model.dtype=float32",
                                             *overrides])
     summary = run(cfg)
-    import os
-
     if os.environ.get("RANK", "0") == "0":
         Path(result_path).write_text(json.dumps(summary))
+
+
+def main() -> None:
+    model_dir, out_dir, reward, *overrides, result_path = sys.argv[1:]
+    from alignment.trainers import grpo
+
+    if reward == "even_length":
+        grpo.score_response = lambda problem, text: float(len(text) % 2 == 0)
+    run_job(model_dir, out_dir, overrides, result_path)
 
 
 if __name__ == "__main__":

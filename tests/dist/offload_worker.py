@@ -23,7 +23,7 @@ from alignment.models.families import get_bridge
 from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.weights import export_hf_weights, load_hf_weights
 from alignment.trainers.batching import split_microbatches
-from alignment.trainers.grpo import policy_logprobs
+from alignment.trainers.rl_phases import policy_logprobs
 from alignment.trainers.megatron_step import LogprobOutputs, OptimConfig, forward_backward, setup_training
 from alignment.trainers.offload import DevicePlacement, trainable
 from parallel.layout import ParallelLayout

@@ -1,0 +1,158 @@
+"""The phases every RL step shares, whatever the algorithm (GRPO family, PPO): what one rank
+holds (:class:`Models`), generation over a model replica, forward-only logprobs, the sampled
+batch (:class:`Rollout`), the rollout-vs-trainer mismatch metrics and the weight sync into the
+rollout engine. The loop that runs them is :mod:`launchers.rl_loop`; each algorithm's
+``collect`` and ``train`` live in :mod:`alignment.trainers.grpo` and :mod:`alignment.trainers.ppo`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from alignment.rollout.base import RolloutEngine, Sample, SamplingConfig
+from alignment.trainers.batching import MicroBatching, cat_rows
+from alignment.trainers.megatron_step import (LogprobOutputs, all_reduce_max, all_reduce_sum, forward_backward,
+                                              is_output_rank)
+from alignment.trainers.offload import DevicePlacement
+
+
+@dataclass
+class Models:
+    """What one rank holds: its policy shard (DDP-wrapped), optimizer, optional reference
+    shard, rollout engine, and the bridge + tokenizer to talk to HF-format engines.
+    ``placement`` moves idle models to host memory between phases (``trainer.offload``)."""
+
+    policy: torch.nn.Module
+    optimizer: object
+    reference: torch.nn.Module | None
+    engine: RolloutEngine
+    bridge: object
+    tokenizer: object
+    vocab_size: int
+    placement: DevicePlacement = field(default_factory=lambda: DevicePlacement(enabled=False))
+    resharder: object = None  # parallel.reshard.Resharder feeding a vLLM engine; None: the engine runs the policy
+
+
+
+@dataclass
+class Rollout:
+    """One step's sampled and rewarded batch on this DP rank: what a collector hands the trainer.
+
+    ``samples`` (prompt/response ids, the engine's sampled logprobs), ``rewards [N]`` (one per
+    sample), ``batch`` (padded tensors when the collector already built them: PPO scores the
+    padded batch), ``info`` (collector statistics, e.g. dynamic-sampling rounds), ``seconds``
+    (wall time of the collection), ``version``: the number of optimizer steps of the policy
+    that sampled it (the behaviour policy), and ``step``: the loop step that trains on it
+    (``step - version`` is its staleness when trained; :mod:`launchers.rl_loop` sets it).
+    """
+
+    samples: list[Sample]
+    rewards: torch.Tensor
+    version: int
+    step: int = -1
+    batch: dict | None = None
+    info: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+@contextmanager
+def rollout_phase(models: Models) -> Iterator[None]:
+    """Generation: only the engine on the device (and the policy, when the engine runs the policy's
+    own model: ``rollout.backend=megatron``), the engine woken before and put to sleep after (its
+    KV cache freed while the trainer works)."""
+    models.placement.keep(*(("policy",) if models.engine.shares_trainer_weights else ()))
+    models.engine.wake()
+    try:
+        yield
+    finally:
+        models.engine.sleep()
+
+
+def generate_for_group(engine, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
+    """Generate for this DP rank's prompts, splitting the work over the ranks of its
+    model replica (TP x CP x PP, each has an engine) and gathering every rank's samples."""
+    from parallel.state import replica_group
+
+    group = replica_group()
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    mine = engine.generate(prompts[rank::size], sampling)  # called even with no prompts: collective for TP>1
+    gathered = [None] * size
+    dist.all_gather_object(gathered, mine, group=group)
+    out = [None] * len(prompts)
+    for r, part in enumerate(gathered):
+        out[r::size] = part
+    return out
+
+
+def policy_logprobs(model, microbatches, vocab_size: int, temperature: float = 1.0,
+                    packing: bool = False, positions: str | None = "response_mask",
+                    share_prompts: bool = False) -> torch.Tensor | None:
+    """Forward-only logprobs ``[N, seq]`` of ``softmax(logits / temperature)`` in batch row
+    order (last pipeline stage; ``None`` elsewhere). ``packing``: ``trainer.sequence_packing``;
+    ``positions``: the micro-batch mask whose positions are computed (0 elsewhere; ``None``: all);
+    ``share_prompts``: prompt trees (``trainer.shared_prompt_packing``); see
+    :func:`alignment.trainers.megatron_step.forward_backward`."""
+
+    def collect(mb, out):
+        return out["logprobs"].sum() * 0, {"logprobs": out["logprobs"]}
+
+    with torch.no_grad():
+        out = forward_backward(model, microbatches, collect, outputs=LogprobOutputs(vocab_size, temperature),
+                               forward_only=True, packing=packing, positions=positions, share_prompts=share_prompts)
+    return cat_rows(out, "logprobs", microbatches) if out else None
+
+
+def microbatches(batch: dict, cfg) -> list[dict]:
+    """``trainer.micro_batch_size`` rows, or ``trainer.max_tokens_per_microbatch`` tokens, per micro-batch."""
+    return MicroBatching.from_trainer(cfg.trainer).split(batch)
+
+
+
+def correction_metrics(outs: list[dict], tokens: float) -> dict[str, float]:
+    """The rollout-vs-trainer mismatch over the global batch from the loss metrics of every
+    micro-batch (:func:`alignment.algorithms.rollout_correction.rollout_correction`): k3 KL and
+    mean importance weight per token, fraction of tokens masked, largest token ratio; one
+    contribution per model replica; collective. ``tokens``: the global valid-token count."""
+    mine = is_output_rank() and bool(outs)
+    kl, weight, masked = all_reduce_sum([sum(float(o[k]) for o in outs) if mine else 0.0
+                                         for k in ("rollout_kl_sum", "is_weight_sum", "masked_tokens")])
+    [ratio_max] = all_reduce_max([max(float(o["rollout_ratio_max"]) for o in outs) if mine else 0.0])
+    return {"rollout_correction/kl": kl / tokens, "rollout_correction/is_weight_mean": weight / tokens,
+            "rollout_correction/masked_fraction": masked / tokens, "rollout_correction/ratio_max": ratio_max}
+
+
+def sync_weights(models: Models, check: bool = False) -> dict[str, float]:
+    """New policy weights into every rank's running vLLM engine, in memory (nothing to do for an
+    engine that runs the policy's own model: ``{}``).
+
+    Megatron shards -> this rank's vLLM TP shard, rank to rank in bounded buckets
+    (``models.resharder``, :mod:`parallel.reshard`), streamed into the engine; ``check`` verifies
+    every engine parameter (``rollout.check_weight_sync``). Returns timing and traffic metrics
+    (``weight_sync/...``).
+    """
+    if models.engine.shares_trainer_weights:
+        return {}
+    st = models.resharder.stats
+    before = (st.seconds, st.sent_bytes)
+    out = models.engine.load_resharded(models.resharder.buckets())
+    reshard_s = st.seconds - before[0]
+    metrics = {"weight_sync/reshard_s": reshard_s, "weight_sync/engine_load_s": out["load_s"] - reshard_s,
+               "weight_sync/sent_mb": (st.sent_bytes - before[1]) / 2**20,
+               "weight_sync/peak_staged_mb": st.peak_staged_bytes / 2**20}
+    if check:
+        from alignment.models.weights import export_hf_weights
+        from alignment.rollout.weight_check import check_engine_weights
+
+        hf = export_hf_weights(models.policy, models.bridge)  # the independent (gather) path
+        rtol = 1e-4 if next(iter(hf.values())).dtype == torch.float32 else 2e-2
+        metrics["weight_sync/checked"] = float(check_engine_weights(
+            models.engine, hf, models.bridge, out["names"], models.resharder.vllm_tp,
+            dist.get_rank() % models.resharder.vllm_tp, rtol))
+    return metrics
+
+

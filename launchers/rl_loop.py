@@ -1,0 +1,181 @@
+"""The RL loop every online job runs (the GRPO family and PPO), top to bottom:
+
+    baseline -> resume -> evaluate -> for each step:
+        collect (sample + reward) the batches of steps up to max_staleness ahead -> train this
+        step's batch -> sync weights -> log -> preemption check -> checkpoint
+    -> evaluate -> final checkpoint -> HF export -> summary
+
+What differs between algorithms comes in an :class:`RLJob` (its ``collect`` and ``train``, the
+models its checkpoints hold and its held-out :class:`Evaluation`), built by the thin launchers
+(:mod:`launchers.train` for the GRPO family, :mod:`launchers.ppo_job` for PPO). Step ``s``
+always trains on the same prompts (:func:`prompts_of_step`), so a resumed run neither skips nor
+repeats any.
+
+Staleness (``rollout.max_staleness`` = k, :class:`RolloutQueue`): before training step ``s`` the
+batches of steps ``s .. s + k`` must have been sampled; the missing one(s) are sampled now by the
+current policy (version ``s``). With k = 0 each step samples its own batch (on-policy, the
+synchronous loop); with k = 1 the batch of step ``s + 1`` is sampled before step ``s`` trains, so
+step ``s + 1`` trains a policy one update newer than the one that sampled it (one-step off-policy,
+the schedule of verl's and NeMo-RL's one-step-off / async GRPO). The loss then weights each token
+by ``pi_old / pi_rollout`` (decoupled PPO, Hilton et al. 2021: the trust region around the
+trainer's current policy, the importance weight from the behaviour policy: the engine's logprobs
+recorded with each sample; ``algorithm.rollout_correction``). In a colocated job the engine and
+the trainer share the ranks, so sampling ahead changes what is trained on, not the wall time;
+overlapping the two needs rollout ranks of their own. Batches sampled ahead are not checkpointed:
+a resumed run samples them again (same prompts, by the resumed policy).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class Evaluation(Protocol):
+    """A job's held-out evaluation, called by the loop at fixed points (collective)."""
+
+    def baseline(self) -> None:
+        """Before a resume loads trained weights: measure what must be the initial policy's."""
+
+    def before(self, step: int) -> dict[str, float]:
+        """Before the first step of this run (``trainer.eval_before``): metrics to log at ``step``."""
+
+    def measure(self) -> dict[str, float]:
+        """The current policy's held-out metrics (every ``trainer.eval_every`` steps)."""
+
+    def final(self) -> tuple[dict[str, float], dict, str]:
+        """After training: (metrics to log, summary entries, the line to print)."""
+
+
+@dataclass
+class RLJob:
+    """One algorithm plugged into the loop.
+
+    ``name``: progress-bar label. ``train_set``: prompts or problems, sliced per step and DP rank.
+    ``collect(items, step, version)``: this DP rank's :class:`alignment.trainers.rl_phases.Rollout`
+    for ``items``, sampled by the policy after ``version`` optimizer steps.
+    ``train(rollout)``: (global metrics, phase seconds). ``trained``: name -> (model, optimizer)
+    of what checkpoints hold. ``evaluation``: see :class:`Evaluation`.
+    """
+
+    name: str
+    train_set: Sequence
+    collect: Callable
+    train: Callable
+    trained: dict
+    evaluation: Evaluation
+
+
+class RolloutQueue:
+    """Batches sampled ahead of training, at most ``max_staleness`` steps ahead (see the module
+    docstring). ``collect(step, version)`` samples step ``step``'s batch by the policy of
+    ``version`` updates; ``first``: the step the run starts at; ``end``: one past the last step."""
+
+    def __init__(self, collect: Callable, max_staleness: int, first: int, end: int):
+        self.collect, self.max_staleness, self.end = collect, max_staleness, end
+        self.pending, self.next_step = deque(), first
+
+    def pop(self, step: int, version: int):
+        """Step ``step``'s batch, after sampling (by the policy of ``version`` updates) every batch of
+        steps ``<= step + max_staleness`` not yet sampled; returns ``(rollout, seconds spent sampling now)``."""
+        seconds = 0.0
+        while self.next_step <= min(step + self.max_staleness, self.end - 1):
+            rollout = self.collect(self.next_step, version)
+            rollout.step = self.next_step
+            seconds += rollout.seconds
+            self.pending.append(rollout)
+            self.next_step += 1
+        rollout = self.pending.popleft()
+        if rollout.step != step:
+            raise RuntimeError(f"rollout queue out of order: step {step} got the batch of step {rollout.step}")
+        return rollout, seconds
+
+
+def prompts_of_step(train_set: Sequence, step: int, prompts_per_step: int, dp_rank: int, dp: int) -> list:
+    """This DP rank's share of step ``step``'s ``prompts_per_step`` consecutive items of
+    ``train_set`` (wrapping around): the same for a step whether or not the run was resumed."""
+    per_rank = prompts_per_step // dp
+    first = step * prompts_per_step + dp_rank * per_rank
+    return [train_set[(first + i) % len(train_set)] for i in range(per_rank)]
+
+
+def run(job, models, spec: RLJob) -> dict:
+    """Run ``spec`` for ``trainer.steps`` steps from the latest checkpoint (``trainer.resume``);
+    returns the summary written to ``<output_dir>/summary.json``. ``job``: the
+    :class:`launchers.common.Run`; ``models``: the :class:`alignment.trainers.rl_phases.Models`."""
+    from megatron.core import parallel_state as ps
+
+    from alignment.trainers.checkpoint import (latest_checkpoint, load_models_checkpoint, save_hf_checkpoint,
+                                               save_models_checkpoint)
+    from alignment.trainers.offload import trainable
+    from alignment.trainers.rl_phases import sync_weights
+    from launchers import preemption
+    from launchers.profiling import peak_rss_bytes
+
+    cfg, t = job.cfg, job.cfg.trainer
+    units = [unit for name in spec.trained for unit in trainable(name)]  # resident to load or save them
+    spec.evaluation.baseline()
+    ckpt_dir, start_step = job.out / "checkpoints", 0
+    latest = latest_checkpoint(ckpt_dir) if t.resume else None
+    if latest is not None:  # every trained model (with its Adam state) resumes together
+        models.placement.keep(*units)
+        start_step = load_models_checkpoint(latest, spec.trained)
+        models.placement.keep("policy")
+        sync_weights(models, cfg.rollout.check_weight_sync)
+        if job.rank == 0:
+            print(f"resumed from {latest} (step {start_step})", flush=True)
+
+    def checkpoint(step: int) -> None:
+        with job.timers("checkpoint"):
+            models.placement.keep(*units)
+            save_models_checkpoint(ckpt_dir, step, spec.trained, config=job.resolved_config)
+
+    if t.eval_before:
+        job.log(spec.evaluation.before(start_step), start_step)
+    startup_s = job.seconds_since_launch()
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    queue = RolloutQueue(lambda s, version: spec.collect(
+        prompts_of_step(spec.train_set, s, cfg.rollout.prompts_per_step, dp_rank, dp), s, version),
+        cfg.rollout.max_staleness, start_step, t.steps)
+    steps = job.progress(start_step, t.steps, spec.name)
+    for step in steps:  # the policy has had `step` updates
+        t0 = time.perf_counter()
+        job.profiler.begin(step)
+        rollout, rollout_s = queue.pop(step, version=step)
+        metrics, times = spec.train(rollout)
+        t1 = time.perf_counter()
+        models.placement.keep("policy")
+        metrics.update(sync_weights(models, cfg.rollout.check_weight_sync), **models.placement.pop_stats())
+        times = {"rollout": rollout_s, **times, "weight_sync": time.perf_counter() - t1}
+        job.profiler.end(step)
+        metrics["rollout/staleness"] = float(step - rollout.version)
+
+        step_time = time.perf_counter() - t0
+        metrics["tokens_per_s"] = metrics.pop("tokens") / step_time
+        metrics.update({f"time/{k}": v for k, v in times.items()}, **{"time/step": step_time})
+        metrics["memory/peak_rss_gib"] = peak_rss_bytes() / 2**30  # this rank's, so far
+        if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
+            metrics.update(spec.evaluation.measure())
+        job.log(metrics, step + 1)
+        job.history.append(metrics)
+        if preemption.stop_requested():  # SIGUSR1/SIGTERM on any rank: save this step, exit 75
+            preemption.save_and_exit(job, step + 1, checkpoint, models.engine)
+        if t.save_every and (step + 1) % t.save_every == 0 and step + 1 < t.steps:
+            checkpoint(step + 1)
+        if hasattr(steps, "set_postfix"):
+            steps.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}", s=f"{step_time:.1f}")
+
+    final_metrics, summary, message = spec.evaluation.final()
+    job.log(final_metrics, t.steps)
+    if t.save_checkpoint and start_step < t.steps:
+        checkpoint(t.steps)
+    if t.export_hf:
+        models.placement.keep("policy")
+        save_hf_checkpoint(models.policy, models.bridge, job.hf_config, models.tokenizer, job.out / "hf")
+    summary.update(start_step=start_step, steps=t.steps, world_size=job.world, startup_s=startup_s,
+                   history=job.history)
+    return job.finish(summary, message, models.engine)

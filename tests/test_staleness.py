@@ -1,0 +1,149 @@
+"""The RL loop's schedule (launchers/rl_loop.py): which step's batch is sampled by which policy
+version for rollout.max_staleness = 0, 1, 2, from a fresh start and from a resume; the prompts of
+every step; and, end to end on a tiny model under torchrun, one-step off-policy GRPO whose
+importance weights use the engine's own logprobs, SIGKILLed mid-run and resumed without skipping
+or repeating a prompt."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+
+from launchers.rl_loop import RolloutQueue, prompts_of_step
+from tests.conftest import ROOT, run_torchrun
+from tests.dist.tiny_llama import save_tiny_hf_dir
+
+
+@dataclass
+class FakeRollout:
+    version: int
+    seconds: float = 0.5
+    step: int = -1
+
+
+def schedule(max_staleness: int, first: int, end: int) -> list[tuple]:
+    """Run the queue as the loop does (step s is trained by the policy of version s) and list the
+    events: ("collect", step, version) and ("train", step, version of its batch)."""
+    events = []
+
+    def collect(step, version):
+        events.append(("collect", step, version))
+        return FakeRollout(version)
+
+    queue = RolloutQueue(collect, max_staleness, first, end)
+    for step in range(first, end):
+        n = len(events)
+        rollout, seconds = queue.pop(step, version=step)
+        assert rollout.step == step and seconds == 0.5 * (len(events) - n)  # the sampling done in this call
+        events.append(("train", step, rollout.version))
+    return events
+
+
+def test_max_staleness_0_is_the_synchronous_loop():
+    # each step samples its own batch with the policy it then trains: today's loop, event for event
+    assert schedule(0, 0, 3) == [("collect", 0, 0), ("train", 0, 0), ("collect", 1, 1), ("train", 1, 1),
+                                 ("collect", 2, 2), ("train", 2, 2)]
+
+
+def test_max_staleness_1_samples_the_next_batch_before_training():
+    assert schedule(1, 0, 4) == [("collect", 0, 0), ("collect", 1, 0), ("train", 0, 0),
+                                 ("collect", 2, 1), ("train", 1, 0),
+                                 ("collect", 3, 2), ("train", 2, 1),
+                                 ("train", 3, 2)]  # nothing sampled past the last step
+
+
+def test_max_staleness_2_from_a_resume_refills_the_queue_with_the_resumed_policy():
+    assert schedule(2, 3, 6) == [("collect", 3, 3), ("collect", 4, 3), ("collect", 5, 3), ("train", 3, 3),
+                                 ("train", 4, 3), ("train", 5, 3)]
+
+
+def test_queue_refuses_a_step_out_of_order():
+    queue = RolloutQueue(lambda step, version: FakeRollout(version), 1, 0, 4)
+    queue.pop(0, 0)
+    with pytest.raises(RuntimeError, match="step 2 got the batch of step 1"):
+        queue.pop(2, 2)
+
+
+def test_prompts_of_step_deal_consecutive_items_over_dp_ranks():
+    items = list(range(10))
+    assert prompts_of_step(items, 0, 4, 0, 2) == [0, 1] and prompts_of_step(items, 0, 4, 1, 2) == [2, 3]
+    assert prompts_of_step(items, 2, 4, 0, 2) == [8, 9] and prompts_of_step(items, 2, 4, 1, 2) == [0, 1]  # wraps
+    assert prompts_of_step(items, 1, 4, 0, 1) == [4, 5, 6, 7]
+
+
+COMMON = ["rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=2", "data.heldout_size=8",
+          "data.train_size=50", "rollout.max_tokens=16", "rollout.eval_max_tokens=8", "trainer.lr=1e-3",
+          "trainer.progress_bar=false", "trainer.eval_before=false", "trainer.steps=4", "trainer.save_every=1",
+          "rollout.max_staleness=1", "algorithm.rollout_correction.is_level=token"]
+
+
+def records(path) -> list[dict]:
+    """Both ranks' records, one per (rank, step) in file order."""
+    out = []
+    for rank in (0, 1):
+        f = path / f"rank{rank}.jsonl"
+        out += [{**json.loads(line), "rank": rank} for line in f.read_text().splitlines()] if f.exists() else []
+    return out
+
+
+def test_one_step_off_policy_grpo_killed_and_resumed(tmp_path):
+    model_dir = save_tiny_hf_dir(tmp_path / "tiny")
+    out, killed_rec, resumed_rec, result = (tmp_path / d for d in ("run", "rec_killed", "rec_resumed", "r.json"))
+    killed_rec.mkdir()
+    resumed_rec.mkdir()
+    # 1. SIGKILL every rank as step 2 is about to train (step 1 checkpointed as step_2; the batch of
+    #    step 3 already sampled ahead and lost with the process)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "tests" / "dist" / "staleness_worker.py"), str(model_dir), str(out), str(killed_rec), "2",
+           *COMMON, str(result)]
+    log = tmp_path / "killed.log"
+    with open(log, "w") as f:  # a file, not a pipe: the killed ranks' helper processes outlive them
+        p = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                             stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = p.wait(timeout=900)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # what the SIGKILL left behind (vLLM helpers)
+                os.killpg(p.pid, signal.SIGKILL)
+    assert code != 0 and (killed_rec / "rank0.killed").read_text() == "2", log.read_text()[-4000:]
+    assert not result.exists()
+    # 2. the same command, no kill: resumes from step_2
+    run_torchrun("staleness_worker.py", str(model_dir), str(out), str(resumed_rec), "-1", *COMMON, str(result),
+                 timeout=900)
+    s = json.loads(result.read_text())
+    assert s["start_step"] == 2 and [m["rollout/staleness"] for m in s["history"]] == [0.0, 1.0]
+
+    before, after = records(killed_rec), records(resumed_rec)
+    assert sorted({r["step"] for r in before}) == [0, 1] and sorted({r["step"] for r in after}) == [2, 3]
+    # the batch of step s was sampled by the policy after max(s - 1, start) updates
+    for r in before + after:
+        start = 0 if r in before else 2
+        assert r["version"] == max(r["step"] - 1, start), r
+        # the TIS weights the loss used == min(pi_old / pi_engine, 2) computed by hand from the
+        # logprobs the engine returned with each sample
+        assert r["rollout_correction/is_weight_mean"] == pytest.approx(r["hand_is_weight_mean"], rel=1e-5), r
+        if r["step"] == r["version"]:  # on-policy: fp32 engine = trainer
+            assert r["token_mult_prob_error"] < 1.0 + 1e-4 and r["hand_is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+        else:  # sampled one update ago: the weights correct a real gap
+            assert r["token_mult_prob_error"] > 1.0 + 1e-3 and r["rollout_correction/kl"] > 1e-6, r
+
+    # no prompt skipped or repeated: the lineage of the resumed run (steps 0-1 before the kill,
+    # 2-3 after) trained exactly the train set's items 0..15, step s on items 4s..4s+3
+    from omegaconf import OmegaConf
+
+    from alignment.data.tasks import load_problems
+
+    cfg = OmegaConf.load(out / "config.yaml")
+    train = load_problems(cfg.data.task, "train", cfg.data.train_size, seed=cfg.seed,
+                          generator_kwargs=dict(cfg.data.generator_kwargs))
+    for step in range(4):
+        trained = Counter(q for r in before + after if r["step"] == step for q in r["questions"])
+        assert trained == Counter(p.question for p in train[4 * step : 4 * step + 4]), step
