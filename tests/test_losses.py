@@ -450,3 +450,21 @@ def test_global_normalizer_per_mode():
     assert global_normalizer("token-mean", 0, 8, 16) == 1.0  # never divides by zero
     with pytest.raises(ValueError, match="loss_agg_mode='mean': valid modes are token-mean"):
         global_normalizer("mean", 1, 1, 1)
+
+
+def test_kto_objective_is_the_mean_over_examples_by_hand():
+    """DPOObjective(kto) on 2 pairs: the loss is TRL's mean over the 4 examples (chosen
+    desirable, rejected undesirable), z0 the micro-batch's mean log-ratio clamped at 0."""
+    from alignment.trainers.dpo import DPOObjective
+
+    # rows [chosen_0, rejected_0, chosen_1, rejected_1]; one response token each (logprob at t=1)
+    lp = torch.tensor([[0.0, -1.0], [0.0, -3.0], [0.0, -2.0], [0.0, -2.5]])
+    ref = torch.tensor([-2.0, -2.0, -2.0, -2.0])
+    mb = {"loss_mask": torch.tensor([[0.0, 1.0]] * 4), "ref_logps": ref}
+    # log-ratios 1, -1, 0, -0.5 -> z0 = max(mean, 0) = max(-0.125, 0) = 0; beta = 0.5
+    # desirable 1 - sigmoid(0.5 * r), undesirable 1 - sigmoid(-0.5 * r)
+    s = torch.sigmoid
+    per = [1 - s(torch.tensor(0.5)), 1 - s(torch.tensor(0.5)), 1 - s(torch.tensor(0.0)), 1 - s(torch.tensor(0.25))]
+    loss, m = DPOObjective(vocab_size=8, beta=0.5, loss_type="kto").loss(mb, {"logprobs": lp}, normalizer=2.0)
+    assert loss.item() == pytest.approx(sum(float(x) for x in per) / 4)
+    assert m["loss_sum"].item() == pytest.approx(sum(float(x) for x in per) / 2)  # per pair: the mean of two

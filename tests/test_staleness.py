@@ -147,3 +147,15 @@ def test_one_step_off_policy_grpo_killed_and_resumed(tmp_path):
     for step in range(4):
         trained = Counter(q for r in before + after if r["step"] == step for q in r["questions"])
         assert trained == Counter(p.question for p in train[4 * step : 4 * step + 4]), step
+
+
+def test_bench_pipeline_model_by_hand():
+    sys.path.insert(0, str(ROOT / "bench"))
+    from async_rl import pipeline_model
+
+    m = pipeline_model({"rollout": 6.0, "logprobs": 1.0, "train": 3.0, "weight_sync": 0.5}, 0.5)
+    assert m["colocated, synchronous"] == 10.5
+    assert m["disaggregated 1-off, compute-bound generation, f=0.50"] == 12.5  # max(6 / 0.5, 4 / 0.5) + 0.5
+    assert m["disaggregated 1-off, compute-bound generation, best f=0.60"] == pytest.approx(10.5)  # = colocated
+    assert m["disaggregated 1-off, memory-bound decode, f=0.50"] == 8.5  # max(6, 4 / 0.5) + 0.5
+    assert m["disaggregated 1-off, memory-bound decode, best f"] == 6.5  # max(6, 4) + 0.5

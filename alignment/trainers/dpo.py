@@ -64,14 +64,17 @@ class DPOObjective:
                 pol, ref = logps / lengths, ref / lengths
             losses, rc, rr = dpo_loss(pol[c], pol[r], ref[c], ref[r], self.beta, self.label_smoothing, t)
         elif t == "kto":
-            # Paired data as KTO examples: chosen desirable, rejected undesirable. The KL
-            # reference point z0 is this micro-batch's mean log-ratio (detached, >= 0).
+            # Paired data as KTO examples: chosen desirable, rejected undesirable. A pair's loss
+            # is the MEAN of its two examples' (TRL's KTOTrainer: the mean over examples; a sum
+            # would double the loss and its gradient). The KL reference point z0 is this
+            # micro-batch's mean log-ratio of the matched examples (detached, >= 0); TRL and the
+            # paper estimate it from mismatched (prompt, other completion) rows (not yet here).
             ratio = logps - mb["ref_logps"]
             z0 = ratio.detach().mean().clamp(min=0)
             desirable = torch.zeros_like(logps, dtype=torch.bool)
             desirable[c] = True
             per_row, rewards = kto_loss(logps, mb["ref_logps"], desirable, z0, self.beta)
-            losses = per_row[c] + per_row[r]
+            losses = (per_row[c] + per_row[r]) / 2
             rc, rr = rewards[c], rewards[r]
         elif t == "simpo":
             losses, rc, rr = simpo_loss(logps[c] / lengths[c], logps[r] / lengths[r], self.beta, self.simpo_gamma)

@@ -46,7 +46,9 @@ def main() -> None:
         rank = dist.get_rank()
         if rollout.step == int(kill_at):
             Path(record_dir, f"rank{rank}.killed").write_text(str(rollout.step))
-            os.kill(os.getpid(), signal.SIGKILL)
+            # the rank and its helper processes (torchrun gives each rank a session of its own), as
+            # when a node dies; os.kill of this process alone would leave vLLM's helpers running
+            os.killpg(os.getpgid(0), signal.SIGKILL)
         batch = make_batch(rollout.samples, pad_id=0)
         mask = batch["response_mask"]
         old = policy_logprobs(models.policy, microbatches(batch, cfg), models.vocab_size, cfg.rollout.temperature)
