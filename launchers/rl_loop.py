@@ -80,7 +80,12 @@ class RolloutQueue:
 
     def pop(self, step: int, version: int):
         """Step ``step``'s batch, after sampling (by the policy of ``version`` updates) every batch of
-        steps ``<= step + max_staleness`` not yet sampled; returns ``(rollout, seconds spent sampling now)``."""
+        steps ``<= step + max_staleness`` not yet sampled; returns ``(rollout, seconds spent sampling now)``.
+        The schedule of verl's one-step-off-policy trainer for ``max_staleness=1``.
+
+        Raises:
+            RuntimeError: ``step`` is not the next step the queue holds (steps must be popped in order).
+        """
         seconds = 0.0
         while self.next_step <= min(step + self.max_staleness, self.end - 1):
             rollout = self.collect(self.next_step, version)
@@ -105,7 +110,13 @@ def prompts_of_step(train_set: Sequence, step: int, prompts_per_step: int, dp_ra
 def run(job, models, spec: RLJob) -> dict:
     """Run ``spec`` for ``trainer.steps`` steps from the latest checkpoint (``trainer.resume``);
     returns the summary written to ``<output_dir>/summary.json``. ``job``: the
-    :class:`launchers.common.Run`; ``models``: the :class:`alignment.trainers.rl_phases.Models`."""
+    :class:`launchers.common.Run`; ``models``: the :class:`alignment.trainers.rl_phases.Models`.
+
+    Raises:
+        FileNotFoundError, ValueError: a checkpoint to resume that is incomplete or saved with an
+            incompatible optimizer layout (:func:`alignment.trainers.checkpoint.load_megatron_checkpoint`).
+    Exits with ``launchers.preemption.PREEMPTED_EXIT_CODE`` after saving when asked to stop.
+    """
     from megatron.core import parallel_state as ps
 
     from alignment.trainers.checkpoint import (latest_checkpoint, load_models_checkpoint, save_hf_checkpoint,
