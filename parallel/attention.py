@@ -18,25 +18,46 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from parallel.context_parallel import ring_attention
-from parallel.ulysses import causal_attention, ulysses_attention
+from parallel.ulysses import FLASH_DTYPES, causal_attention, sdpa_backends, ulysses_attention
 
 CP_COMM_TYPES = ("p2p", "a2a")
 
 
-def tree_attention(query, key, value, cu_seqlens, tree_masks, scale: float):
+def tree_attention(query, key, value, cu_seqlens, tree_masks, scale: float, segments=None):
     """Attention of packed prompt trees (:mod:`parallel.prompt_tree`): ``query`` ``[t, heads, d]``,
     ``key``/``value`` ``[t, kv_heads, d]``; the tree between ``cu_seqlens[k]`` and
     ``cu_seqlens[k + 1]`` attends by ``tree_masks[k]`` (bool, True: may attend). Returns
-    ``[t, heads, d]``."""
+    ``[t, heads, d]``.
+
+    On CUDA with ``segments`` (:class:`parallel.prompt_tree.TreeSegments`, the same attention as
+    causal segments) it is one FlashAttention varlen call over the segments, each response's
+    keys gathered as its prompt's followed by its own: it costs what causal attention over each
+    row would, and keeps no attention weights. SDPA with a tree mask instead runs its
+    memory-efficient kernel over every (query, key) pair of the tree (measured on an H100,
+    TinyLlama-1.1B shape, 8 x 8 rows of up to 1,400 tokens: 1.5 s of the 2.7 s training step,
+    against 0.12 s for plain packed rows) and, with ``enable_gqa``, only its math kernel, which
+    keeps ``[heads, n, n]`` weights per layer (4 GiB a layer there: out of memory at 22 layers).
+    Elsewhere (CPU; fp32, which FlashAttention does not take) SDPA with the masks.
+    """
     import torch
     import torch.nn.functional as F
 
+    if query.is_cuda and segments is not None and query.dtype in FLASH_DTYPES:
+        from parallel.ulysses import varlen_causal_attention
+
+        k, v = key[segments.key_index], value[segments.key_index]
+        return varlen_causal_attention(query, k, v, segments.cu_seqlens_q, segments.cu_seqlens_kv,
+                                       segments.max_seqlen_q, segments.max_seqlen_kv, scale)
     q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))  # [1, h, t, d]
     gqa = q.shape[1] != k.shape[1]
+    if gqa and q.is_cuda:  # the memory-efficient kernel takes a mask but not enable_gqa
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+        gqa = False
     bounds = cu_seqlens.tolist()
-    outs = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], attn_mask=mask, scale=scale,
-                                           enable_gqa=gqa)
-            for a, b, mask in zip(bounds[:-1], bounds[1:], tree_masks)]
+    with sdpa_backends(q):
+        outs = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], attn_mask=mask,
+                                               scale=scale, enable_gqa=gqa)
+                for a, b, mask in zip(bounds[:-1], bounds[1:], tree_masks)]
     return torch.cat(outs, dim=2).squeeze(0).permute(1, 0, 2)
 
 
@@ -113,7 +134,8 @@ class ContextParallelAttention(MegatronModule):
             if cp > 1:
                 raise ValueError("shared-prompt packing (parallel.prompt_tree) does not run with "
                                  "context_parallel_size > 1: a tree's attention mask spans the whole tree")
-            return tree_attention(query, key, value, packed_seq_params.cu_seqlens_q, tree_masks, self.scale)
+            return tree_attention(query, key, value, packed_seq_params.cu_seqlens_q, tree_masks, self.scale,
+                                  getattr(packed_seq_params, "tree_segments", None))
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if not packed and cp == 1 and key.shape[0] != query.shape[0]:  # decoding against a KV cache
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]

@@ -40,12 +40,37 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 
 @dataclass
+class TreeSegments:
+    """The same attention as the tree masks, as causal segments for a varlen FlashAttention call
+    (GPU): a tree's prompt with its first response is one causal segment over its own keys; each
+    further response is a segment whose queries are its own tokens and whose keys are the
+    prompt's followed by its own, causal aligned bottom-right (query ``i`` of ``n`` sees the
+    ``P`` prompt keys and its response's keys ``0 .. i``). Queries are the packed tokens in order.
+
+    ``key_index``: ``[K]`` packed position of every segment's keys, segment after segment;
+    ``cu_seqlens_q``/``cu_seqlens_kv``: ``[S + 1]`` int32 segment bounds in the queries and in
+    ``key_index``; ``max_seqlen_q``/``max_seqlen_kv``: the longest segment of each."""
+
+    key_index: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_kv: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_kv: int
+
+    def to(self, device) -> "TreeSegments":
+        return replace(self, key_index=self.key_index.to(device), cu_seqlens_q=self.cu_seqlens_q.to(device),
+                       cu_seqlens_kv=self.cu_seqlens_kv.to(device))
+
+
+@dataclass
 class PromptTreeSeqParams(PackedSeqParams):
     """Megatron's ``PackedSeqParams`` for packed prompt trees, plus one attention mask per packed
     sequence (``tree_masks[k]``: ``[n_k, n_k]`` bool, True where a query may attend a key, for the
-    ``n_k`` tokens between ``cu_seqlens_q[k]`` and ``cu_seqlens_q[k + 1]``)."""
+    ``n_k`` tokens between ``cu_seqlens_q[k]`` and ``cu_seqlens_q[k + 1]``) and the same as
+    :class:`TreeSegments`."""
 
     tree_masks: list[torch.Tensor] | None = None
+    tree_segments: TreeSegments | None = None
 
 
 @dataclass
@@ -79,7 +104,8 @@ class SharedPromptInputs:
         p = self.packed_seq_params
         moved = {k: getattr(p, k).to(device) for k in
                  ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")}
-        p = replace(p, tree_masks=[m.to(device) for m in p.tree_masks], **moved)
+        p = replace(p, tree_masks=[m.to(device) for m in p.tree_masks],
+                    tree_segments=p.tree_segments and p.tree_segments.to(device), **moved)
         return SharedPromptInputs(self.input_ids.to(device), self.position_ids.to(device), p,
                                   self.score_index.to(device), self.target_ids.to(device),
                                   self.flat_index.to(device), self.shape)
@@ -147,6 +173,7 @@ def shared_prompt_inputs(input_ids: torch.Tensor, seq_lengths: torch.Tensor, pro
                          f"{seq} for each row of input_ids")
     groups = _prompt_groups(input_ids, prompts)
     ids, pos, masks, seg_lens = [], [], [], []
+    keys, q_lens = [], []  # TreeSegments: each segment's key positions and query count
     tree_pos = torch.full((rows, seq), -1)  # where each (row, column) token sits in the packed trees
     offset = 0
     for prompt, members in groups.items():
@@ -160,6 +187,13 @@ def shared_prompt_inputs(input_ids: torch.Tensor, seq_lengths: torch.Tensor, pro
         pos.append(tree_p)
         masks.append(mask)
         seg_lens.append(tree_p.numel())
+        first = p + (resp[0] if resp else 0)  # the prompt and its first response: plain causal
+        keys.append(offset + torch.arange(first))
+        q_lens.append(first)
+        for start, n in zip(starts[1:], resp[1:]):
+            if n:
+                keys.append(torch.cat([offset + torch.arange(p), offset + start + torch.arange(n)]))
+                q_lens.append(n)
         offset += tree_p.numel()
     if pad_to is not None and pad_to != offset:
         if pad_to < offset:
@@ -169,6 +203,8 @@ def shared_prompt_inputs(input_ids: torch.Tensor, seq_lengths: torch.Tensor, pro
         pos.append(torch.arange(n))
         masks.append(torch.ones(n, n, dtype=torch.bool).tril())
         seg_lens.append(n)
+        keys.append(offset + torch.arange(n))
+        q_lens.append(n)
     real = torch.arange(seq).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
     wanted = real if score_mask is None else real & (score_mask != 0)
     flat_index = wanted.reshape(-1).nonzero().squeeze(1)
@@ -179,9 +215,12 @@ def shared_prompt_inputs(input_ids: torch.Tensor, seq_lengths: torch.Tensor, pro
         flat_index, score_index, targets = torch.tensor([rows * seq]), torch.tensor([0]), torch.tensor([pad_id])
     cu = torch.tensor([0] + seg_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     longest = max(seg_lens)
+    k_lens = [len(k) for k in keys]
+    segments = TreeSegments(torch.cat(keys), torch.tensor([0] + q_lens).cumsum(0, dtype=torch.int32),
+                            torch.tensor([0] + k_lens).cumsum(0, dtype=torch.int32), max(q_lens), max(k_lens))
     params = PromptTreeSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
                                  cu_seqlens_kv_padded=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
-                                 tree_masks=masks)
+                                 tree_masks=masks, tree_segments=segments)
     return SharedPromptInputs(torch.cat(ids).unsqueeze(0), torch.cat(pos).unsqueeze(0), params, score_index,
                               targets.unsqueeze(0), flat_index, (rows, seq))
 

@@ -69,6 +69,10 @@ def _sequence_to_heads(y: torch.Tensor, group) -> torch.Tensor:
     return x.transpose(0, 1).reshape(b, n * hn, nt // n, d)
 
 
+#: dtypes FlashAttention's kernels take (fp32 runs SDPA's other kernels)
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lens: list[int],
                      scale: float) -> torch.Tensor:
     """Causal attention within each sequence laid end to end along dim 2.
@@ -80,9 +84,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lens
         ``[B, heads, T, head_dim]``.
     """
     gqa = q.shape[1] != k.shape[1]
-    if len(seg_lens) > 1 and q.shape[0] == 1 and q.device.type == "cuda":
+    if len(seg_lens) > 1 and q.shape[0] == 1 and q.device.type == "cuda" and q.dtype in FLASH_DTYPES:
         return _varlen_causal(q, k, v, seg_lens, scale)
-    with _sdpa_backends(q):
+    with sdpa_backends(q):
         if len(seg_lens) == 1:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         outs, offset = [], 0
@@ -110,11 +114,32 @@ def _varlen_causal(q, k, v, seg_lens: list[int], scale: float) -> torch.Tensor:
     ``cu_seqlens`` as in Megatron's thd format) instead of one SDPA call per sequence, whose
     host time grew with the number of sequences (2.1 s vs 0.72 s per SmolLM2 SFT step on an
     H100). ``q``: ``[1, heads, T, d]``; ``k``, ``v``: ``[1, kv_heads, T, d]``."""
-    from torch.nn.attention.varlen import varlen_attn
-
     lens = torch.tensor(seg_lens, dtype=torch.int32, device=q.device)
     cu = torch.nn.functional.pad(lens.cumsum(0, dtype=torch.int32), (1, 0))
     qt, kt, vt = (t[0].transpose(0, 1) for t in (q, k, v))  # [T, heads, d]
+    n = max(seg_lens)
+    return varlen_causal_attention(qt, kt, vt, cu, cu, n, n, scale).transpose(0, 1).unsqueeze(0)
+
+
+def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                            cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int,
+                            scale: float) -> torch.Tensor:
+    """Causal attention of packed segments on CUDA, one FlashAttention-2 varlen call
+    (``torch.nn.attention.varlen.varlen_attn``). Segment ``s`` has queries
+    ``cu_seqlens_q[s] .. cu_seqlens_q[s + 1]`` and keys ``cu_seqlens_kv[s] .. cu_seqlens_kv[s + 1]``;
+    with more keys than queries the causal mask is aligned bottom-right (FlashAttention >= 2.1:
+    query ``i`` of ``n`` sees keys ``0 .. i + n_k - n``).
+
+    Args:
+        q: ``[Tq, heads, d]``; ``k``, ``v``: ``[Tk, kv_heads, d]`` (GQA: heads a multiple of kv_heads).
+        cu_seqlens_q, cu_seqlens_kv: ``[S + 1]`` int32 on q's device.
+    Returns:
+        ``[Tq, heads, d]``.
+    Raises:
+        NotImplementedError: this torch's ``varlen_attn`` has no ``scale`` and ``scale`` is not ``d ** -0.5``.
+    """
+    from torch.nn.attention.varlen import varlen_attn
+
     params = _varlen_params()
     kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     if q.shape[1] != k.shape[1]:
@@ -122,17 +147,15 @@ def _varlen_causal(q, k, v, seg_lens: list[int], scale: float) -> torch.Tensor:
             kw["enable_gqa"] = True
         else:
             rep = q.shape[1] // k.shape[1]
-            kt, vt = kt.repeat_interleave(rep, dim=1), vt.repeat_interleave(rep, dim=1)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     if "scale" in params:
         kw["scale"] = scale
     elif abs(scale - q.shape[-1] ** -0.5) > 1e-12:
         raise NotImplementedError("this torch's varlen_attn has no scale argument; softmax scale must be 1/sqrt(d)")
-    n = max(seg_lens)
-    out = varlen_attn(qt, kt, vt, cu, cu, n, n, **kw)
-    return out.transpose(0, 1).unsqueeze(0)
+    return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, **kw)
 
 
-def _sdpa_backends(q: torch.Tensor):
+def sdpa_backends(q: torch.Tensor):
     """On CUDA, flash then memory-efficient attention before cuDNN's: cuDNN's SDPA builds a graph
     per new shape, and with a new sequence length every micro-batch that cost 1.4 ms of host
     time per call (forward) and 1.6 ms (backward) on an H100, more than the kernels."""

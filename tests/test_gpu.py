@@ -106,6 +106,36 @@ def test_sft_job_trains_resumes_and_profiles_on_gpu(tmp_path, tiny_dir):
     assert s2["start_step"] == 3 and len(s2["history"]) == 1 and s2["history"][0]["loss"] < losses[2]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grpo_job_samples_with_megatron_rollouts_on_gpu(tmp_path, tiny_dir, dtype):
+    """The RL path where vLLM cannot be installed: a GRPO job on one GPU (NCCL) with
+    ``rollout.backend=megatron`` (Megatron-Core's inference engine on the policy's own weights,
+    KV cache on the GPU, nothing synced), GSM8K prompts. In fp32 the trainer's logprobs of the
+    sampled tokens equal the engine's (``token_mult_prob_error`` == 1 within 1e-4) at both steps;
+    in bf16 the KV-cache decode and the full forward round differently (below 1.03)."""
+    from tests.conftest import run_torchrun
+
+    out, result = tmp_path / "run", tmp_path / "result.json"
+    run_torchrun("e2e_worker.py", str(tiny_dir), str(out), "even_length", "data=gsm8k", "trainer.steps=2",
+                 "rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=4",
+                 "data.heldout_size=8", "data.train_size=50", "rollout.max_tokens=32", "rollout.eval_max_tokens=16",
+                 "trainer.lr=1e-3", "trainer.progress_bar=false", "rollout.backend=megatron",
+                 "trainer.export_hf=false", f"model.dtype={dtype}", str(result), nproc=1, timeout=600)
+    s = json.loads(result.read_text())
+    first, second = s["history"]
+    print(dtype, {k: [m[k] for m in s["history"]] for k in ("token_mult_prob_error", "rollout_correction/kl",
+                                                            "time/step", "grad_norm", "kl")})
+    assert first["kl"] == 0.0 and second["kl"] > 0.0 and first["grad_norm"] > 0.0
+    for m in (first, second):
+        assert not any(k.startswith("weight_sync/") for k in m), m
+        assert m["response_length"] > 0
+        if dtype == "float32":
+            assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
+        else:
+            assert 1.0 <= m["token_mult_prob_error"] < 1.03, m  # 1.0062-1.0077 on an H100
+    assert (out / "checkpoints" / "step_2" / "metadata.json").exists()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_packed_attention_on_gpu_equals_per_sequence_attention(dtype):
     """The varlen FlashAttention path of packed sequences: outputs and q/k/v gradients equal
@@ -133,6 +163,59 @@ def test_packed_attention_on_gpu_equals_per_sequence_attention(dtype):
     tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
     for a, b in ((out, ref), (dq, rq), (dk, rk), (dv, rv)):
         assert (a.float() - b.float()).abs().max().item() <= tol * b.float().abs().max().item()
+
+
+@pytest.mark.parametrize("path", ["segments", "masks"])
+def test_prompt_tree_attention_on_gpu_equals_causal_attention_per_row(path):
+    """Prompt trees as the GRPO trainer packs them (:func:`parallel.prompt_tree.shared_prompt_inputs`:
+    a prompt of 256 tokens with 8 responses of 57-512, and a prompt of 100 with 3 of 0-300; 32
+    query heads on 4 KV heads, bf16): each row's outputs and all q/k/v gradients equal causal
+    attention over its own prompt + response, by FlashAttention varlen segments (the GPU path)
+    and by the masks with SDPA's memory-efficient kernel; neither allocates one ``[heads, n, n]``
+    copy of attention weights (1.2 GiB at n = 4,000)."""
+    import torch.nn.functional as F
+
+    from parallel.attention import tree_attention
+    from parallel.prompt_tree import shared_prompt_inputs
+
+    torch.manual_seed(0)
+    heads, kv_heads, d = 32, 4, 64
+    groups = [(256, [512 - 65 * j for j in range(8)]), (100, [300, 0, 17])]
+    rows, prompts = [], []
+    for p, responses in groups:
+        prompt = torch.randint(0, 1000, (p,))
+        rows += [torch.cat([prompt, torch.randint(0, 1000, (r,))]) for r in responses]
+        prompts += [p] * len(responses)
+    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r
+    x = shared_prompt_inputs(ids, torch.tensor([len(r) for r in rows]), torch.tensor(prompts)).to("cuda")
+    params, n = x.packed_seq_params, x.seq_length
+    q = torch.randn(n, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(n, kv_heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(n, kv_heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(n, heads, d, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = tree_attention(q, k, v, params.cu_seqlens_q, params.tree_masks, 0.125,
+                         params.tree_segments if path == "segments" else None)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
+    assert torch.cuda.max_memory_allocated() - base < 256 * 2**20
+
+    ref, offset = torch.zeros(n, heads, d, device="cuda"), 0
+    for p, responses in groups:  # tree layout: [prompt, r_1, ..., r_G]
+        start = offset + p
+        for r in responses:
+            idx = torch.cat([torch.arange(offset, offset + p), torch.arange(start, start + r)]).cuda()
+            x_ = [t[idx].permute(1, 0, 2).unsqueeze(0).float() for t in (q, k, v)]
+            o = F.scaled_dot_product_attention(*x_, is_causal=True, scale=0.125, enable_gqa=True)[0].permute(1, 0, 2)
+            ref = ref.index_copy(0, idx, o)  # the prompt's rows are equal in every copy
+            start += r
+        offset = start
+    rq, rk, rv = torch.autograd.grad(ref, (q, k, v), grad.float())
+    for a, b in ((out, ref), (dq, rq), (dk, rk), (dv, rv)):
+        assert (a.float() - b).abs().max().item() <= 2e-2 * b.abs().max().item()
 
 
 def test_offload_to_pinned_host_memory_frees_the_gpu_and_trains_identically():

@@ -43,6 +43,50 @@ def test_trees_positions_masks_and_scoring_by_hand():
     assert restored.tolist() == [[0, 0, 1, 2, 0, 0], [0, 3, 4, 5, 0, 0], [0, 0, 6, 0, 0, 0]]
 
 
+def segment_mask(seg, total: int) -> torch.Tensor:
+    """The ``[total, total]`` attention a :class:`TreeSegments` describes: query ``i`` of a segment
+    of ``n`` queries and ``n_k`` keys sees its keys ``0 .. i + n_k - n`` (causal, bottom-right)."""
+    mask = torch.zeros(total, total, dtype=torch.bool)
+    cq, ck = seg.cu_seqlens_q.tolist(), seg.cu_seqlens_kv.tolist()
+    for s in range(len(cq) - 1):
+        n, nk = cq[s + 1] - cq[s], ck[s + 1] - ck[s]
+        keys = seg.key_index[ck[s]:ck[s + 1]]
+        for i in range(n):
+            mask[cq[s] + i, keys[: i + nk - n + 1]] = True
+    return mask
+
+
+def test_tree_segments_by_hand_describe_the_tree_masks():
+    """The varlen segments (GPU tree attention) by hand, and the same attention as the masks."""
+    x = shared_prompt_inputs(IDS, LENGTHS, PROMPTS, score_mask=RESPONSE_MASK, pad_to=14)
+    seg = x.packed_seq_params.tree_segments
+    # [10 11 12 20 21] causal; [30] over the prompt + itself; [40 41 50 51 52] causal; padding [0 0 0]
+    assert seg.cu_seqlens_q.tolist() == [0, 5, 6, 11, 14]
+    assert seg.key_index.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7, 8, 9, 10, 11, 12, 13]
+    assert seg.cu_seqlens_kv.tolist() == [0, 5, 9, 14, 17]
+    assert (seg.max_seqlen_q, seg.max_seqlen_kv) == (5, 5)
+    assert seg.cu_seqlens_q.dtype == seg.cu_seqlens_kv.dtype == torch.int32
+    # random trees: 3 prompts, 1-4 responses each (some empty), several micro-batch orders
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        rows, prompts, lengths = [], [], []
+        for _ in range(3):
+            prompt = torch.randint(1, 100, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g)
+            for _ in range(int(torch.randint(1, 5, (1,), generator=g))):
+                response = torch.randint(1, 100, (int(torch.randint(0, 5, (1,), generator=g)),), generator=g)
+                rows.append(torch.cat([prompt, response]))
+                prompts.append(len(prompt))
+        order = torch.randperm(len(rows), generator=g).tolist()
+        ids = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
+        for i, j in enumerate(order):
+            ids[i, : len(rows[j])] = rows[j]
+            lengths.append(len(rows[j]))
+        x = shared_prompt_inputs(ids, torch.tensor(lengths), torch.tensor([prompts[j] for j in order]))
+        p = x.packed_seq_params
+        full = torch.block_diag(*p.tree_masks)
+        assert torch.equal(segment_mask(p.tree_segments, x.seq_length), full)
+
+
 def test_every_real_column_without_a_mask_and_targets_past_the_end_are_padding():
     x = shared_prompt_inputs(IDS, LENGTHS, PROMPTS, pad_id=0)
     assert x.flat_index.numel() == 5 + 5 + 4
