@@ -338,6 +338,11 @@ def _validate_offline(cfg, dp: int) -> None:
                           f"data-parallel rank gets per step (global_batch_size / DP); valid values: {valid}")
     if d.heldout_size < dp:
         raise ConfigError(f"data.heldout_size={d.heldout_size} must be >= the data-parallel size {dp}")
+    if a.name == "dpo" and a.loss_type == "kto" and (per_rank < 2 or d.heldout_size // dp < 2):
+        raise ConfigError(f"algorithm.loss_type=kto estimates its reference point from mismatched pairs (a prompt "
+                          f"with another pair's responses), so every data-parallel rank needs >= 2 pairs: "
+                          f"trainer.global_batch_size={t.global_batch_size} and data.heldout_size={d.heldout_size} "
+                          f"must each be >= {2 * dp} at data-parallel size {dp}")
     if t.epochs < 1:
         raise ConfigError(f"trainer.epochs={t.epochs}: must be >= 1")
 
@@ -357,22 +362,28 @@ def _validate_rollout_tp(t: int, world_size: int, parallel, hf_config) -> None:
 
 
 def _validate_backend(r, layout) -> None:
-    """``rollout.backend``: a known one; ``megatron`` generates on whole-model replicas only."""
+    """``rollout.backend``: a known one; ``megatron`` generates on whole or tensor-parallel model
+    replicas, without sequence parallelism."""
     from alignment.rollout.factory import BACKENDS
 
     if r.backend not in BACKENDS:
         raise ConfigError(f"rollout.backend={r.backend!r}: valid values are {', '.join(BACKENDS)}")
     if r.backend != "megatron":
         return
-    split = {name: getattr(layout, name) for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                                      "context_parallel_size", "expert_model_parallel_size")
+    split = {name: getattr(layout, name) for name in ("pipeline_model_parallel_size", "context_parallel_size",
+                                                      "expert_model_parallel_size")
              if getattr(layout, name) > 1}
-    if split or r.tensor_parallel_size > 1:
-        split.update({"rollout.tensor_parallel_size": r.tensor_parallel_size} if r.tensor_parallel_size > 1 else {})
+    if layout.sequence_parallel:
+        split["sequence_parallel"] = True
+    if split:
         given = ", ".join(f"{k}={v}" for k, v in split.items())
-        raise ConfigError(f"rollout.backend=megatron generates on whole-model replicas for now, but {given}: every "
-                          "rank of a split replica would have to generate the same prompts together. Set those "
-                          "sizes to 1 (data parallelism only), or rollout.backend=vllm")
+        raise ConfigError(f"rollout.backend=megatron generates on whole or tensor-parallel model replicas for now, "
+                          f"but {given}: set those to 1 / false (tensor and data parallelism only), or "
+                          "rollout.backend=vllm")
+    if r.tensor_parallel_size > 1:
+        raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size}: rollout.backend=megatron "
+                          "generates with the trainer's own tensor parallelism (parallel.tensor_model_parallel_size);"
+                          " set rollout.tensor_parallel_size=1")
 
 
 def _validate_lengths(cfg, layout, hf_config, tokenizer_size: int | None) -> None:

@@ -128,11 +128,21 @@ def test_rollout_backend_is_checked():
     validate(cfg("rollout.backend=megatron", name="ppo"), world_size=2, hf_config=SMOLLM2)
     with pytest.raises(ConfigError, match=r"rollout.backend='sglang': valid values are vllm, megatron"):
         validate(cfg("rollout.backend=sglang"), world_size=2, hf_config=SMOLLM2)
-    with pytest.raises(ConfigError, match=r"rollout.backend=megatron generates on whole-model replicas for now, but "
-                                          r"pipeline_model_parallel_size=2, context_parallel_size=2: .* Set "
-                                          r"those sizes to 1"):
+    even = LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                       intermediate_size=128, vocab_size=49152, max_position_embeddings=8192)
+    validate(cfg("rollout.backend=megatron", "parallel.tensor_model_parallel_size=2"), world_size=2,
+             hf_config=even)  # TP=2: the two ranks generate together
+    with pytest.raises(ConfigError, match=r"rollout.backend=megatron generates on whole or tensor-parallel model "
+                                          r"replicas for now, but pipeline_model_parallel_size=2, "
+                                          r"context_parallel_size=2: set those to 1"):
         validate(cfg("rollout.backend=megatron", "parallel.context_parallel_size=2",
                      "parallel.pipeline_model_parallel_size=2"), world_size=4, hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match=r"but sequence_parallel=True"):
+        validate(cfg("rollout.backend=megatron", "parallel=tp2_sp"), world_size=2, hf_config=even)
+    with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size=2: rollout.backend=megatron generates with "
+                                          r"the trainer's own tensor parallelism"):
+        validate(cfg("rollout.backend=megatron", "parallel.tensor_model_parallel_size=2",
+                     "rollout.tensor_parallel_size=2"), world_size=2, hf_config=even)
 
 
 @pytest.mark.parametrize("name", ["sft", "rm", "dpo"])
@@ -153,6 +163,14 @@ def test_offline_config_errors_name_the_field():
         validate(cfg("trainer.offload=true", name="dpo"), world_size=2, hf_config=SMOLLM2)
     with pytest.raises(ConfigError, match="algorithm.name='ppo2'"):
         validate(cfg("algorithm.name=ppo2"), world_size=2, hf_config=SMOLLM2)
+    validate(cfg("algorithm.loss_type=kto", "trainer.global_batch_size=4", "trainer.micro_batch_size=1",
+                 "data.heldout_size=4", name="dpo"), world_size=2, hf_config=SMOLLM2)  # 2 pairs per rank: fine
+    with pytest.raises(ConfigError, match=r"loss_type=kto .*global_batch_size=2 and data.heldout_size=4 must each be "
+                                          r">= 4 at data-parallel size 2"):
+        validate(cfg("algorithm.loss_type=kto", "trainer.global_batch_size=2", "trainer.micro_batch_size=1",
+                     "data.heldout_size=4", name="dpo"), world_size=2, hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match=r"loss_type=kto .* data.heldout_size=3"):
+        validate(cfg("algorithm.loss_type=kto", "data.heldout_size=3", name="dpo"), world_size=2, hf_config=SMOLLM2)
 
 
 def test_profile_fields_are_checked():

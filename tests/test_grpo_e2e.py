@@ -79,7 +79,7 @@ def test_two_grpo_steps_tiny_model(tmp_path):
 
 def test_megatron_backend_samples_with_the_trained_policy(tmp_path):
     """``rollout.backend=megatron``: Megatron-Core's inference engine generates on the policy's own
-    model (DP=2, no vLLM engine, no resharder, nothing synced), with idle models offloaded between
+    model (DP=2, then TP=2; no vLLM engine, no resharder, nothing synced), with idle models offloaded between
     phases (forced on CPU) and the KV cache freed after each rollout; REINFORCE++-baseline
     advantages whitened over the valid tokens of both ranks' batch. In fp32 the trainer's
     logprobs of the sampled tokens equal the engine's (KV-cache decode against a full forward) at
@@ -103,6 +103,22 @@ def test_megatron_backend_samples_with_the_trained_policy(tmp_path):
         assert not any(k.startswith("weight_sync/") for k in m), m  # no copy of the weights to update
         assert m["offload/gb_moved"] > 0 and m["response_length"] > 0
     assert 0.0 <= s["heldout_accuracy_before"] <= 1.0 and 0.0 <= s["heldout_accuracy_after"] <= 1.0
+    # TP=2: both ranks run every prompt through their halves together (megatron-core gathers the
+    # vocabulary-parallel logits) and draw the same tokens from one seed per replica; the
+    # trainer's TP=2 logprobs of those tokens equal the engine's, at both steps
+    tp_out, tp_result = tmp_path / "run_tp2", tmp_path / "result_tp2.json"
+    run_torchrun("e2e_worker.py", str(model_dir), str(tp_out), "even_length", "trainer.steps=2",
+                 "rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=4",
+                 "data.heldout_size=8", "data.train_size=50", "rollout.max_tokens=16", "rollout.eval_max_tokens=8",
+                 "trainer.lr=1e-3", "trainer.progress_bar=false", "rollout.backend=megatron",
+                 "parallel.tensor_model_parallel_size=2", "trainer.export_hf=false", "trainer.save_checkpoint=false",
+                 str(tp_result), timeout=900)
+    t = json.loads(tp_result.read_text())
+    for m in t["history"]:
+        assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
+        assert m["grad_norm"] > 0.0 and m["response_length"] > 0
+    assert t["history"][1]["kl"] > 0.0
+    assert 0.0 <= t["heldout_accuracy_before"] <= 1.0
 
 
 def test_variant_rloo_dr_grpo_aggregation_clip_higher_without_reference(tmp_path):

@@ -454,17 +454,102 @@ def test_global_normalizer_per_mode():
 
 def test_kto_objective_is_the_mean_over_examples_by_hand():
     """DPOObjective(kto) on 2 pairs: the loss is TRL's mean over the 4 examples (chosen
-    desirable, rejected undesirable), z0 the micro-batch's mean log-ratio clamped at 0."""
+    desirable, rejected undesirable) at the reference point ``prepare`` set (here by hand)."""
     from alignment.trainers.dpo import DPOObjective
 
     # rows [chosen_0, rejected_0, chosen_1, rejected_1]; one response token each (logprob at t=1)
     lp = torch.tensor([[0.0, -1.0], [0.0, -3.0], [0.0, -2.0], [0.0, -2.5]])
     ref = torch.tensor([-2.0, -2.0, -2.0, -2.0])
     mb = {"loss_mask": torch.tensor([[0.0, 1.0]] * 4), "ref_logps": ref}
-    # log-ratios 1, -1, 0, -0.5 -> z0 = max(mean, 0) = max(-0.125, 0) = 0; beta = 0.5
-    # desirable 1 - sigmoid(0.5 * r), undesirable 1 - sigmoid(-0.5 * r)
+    # log-ratios 1, -1, 0, -0.5; z0 = 0.5, beta = 0.5
+    # desirable 1 - sigmoid(0.5 * (r - z0)), undesirable 1 - sigmoid(0.5 * (z0 - r))
     s = torch.sigmoid
-    per = [1 - s(torch.tensor(0.5)), 1 - s(torch.tensor(0.5)), 1 - s(torch.tensor(0.0)), 1 - s(torch.tensor(0.25))]
-    loss, m = DPOObjective(vocab_size=8, beta=0.5, loss_type="kto").loss(mb, {"logprobs": lp}, normalizer=2.0)
+    per = [1 - s(torch.tensor(0.25)), 1 - s(torch.tensor(0.75)), 1 - s(torch.tensor(-0.25)), 1 - s(torch.tensor(0.5))]
+    obj = DPOObjective(vocab_size=8, beta=0.5, loss_type="kto")
+    obj.kl_ref_point = 0.5
+    loss, m = obj.loss(mb, {"logprobs": lp}, normalizer=(2.0, 2.0))
     assert loss.item() == pytest.approx(sum(float(x) for x in per) / 4)
     assert m["loss_sum"].item() == pytest.approx(sum(float(x) for x in per) / 2)  # per pair: the mean of two
+    assert DPOObjective.metrics({k: float(v) for k, v in m.items()})["kl"] == 0.5
+
+
+def test_kto_mismatched_rows_shift_by_one_pair():
+    """KTO's KL rows: each prompt with the response of the same side of the previous pair (cyclic),
+    cut to the longest input row; fewer than 2 examples are refused."""
+    from alignment.trainers.dpo import mismatched_rows
+
+    rows = [([1, 2, 10], 2), ([1, 2, 11, 12], 2), ([3, 20, 21, 22], 1), ([3, 30], 1), ([4, 5, 6, 40], 3),
+            ([4, 5, 6, 50], 3)]
+    assert mismatched_rows(rows) == [([1, 2, 40], 2), ([1, 2, 50], 2),         # pair 0 <- pair 2's responses
+                                     ([3, 10], 1), ([3, 11, 12], 1),           # pair 1 <- pair 0's
+                                     ([4, 5, 6, 20], 3), ([4, 5, 6, 30], 3)]   # pair 2 <- pair 1's, cut to 4 tokens
+    assert mismatched_rows(rows, max_length=3)[4] == ([4, 5, 6, 20], 3)  # at least one response token stays
+    assert mismatched_rows(rows, rows_per_example=1)[1] == ([1, 2, 10], 2)  # unpaired: TRL's shift by one
+    with pytest.raises(ValueError, match="needs at least 2 examples per data-parallel rank"):
+        mismatched_rows(rows[:2])
+
+
+def test_kto_reference_point_from_mismatched_rows_by_hand(monkeypatch):
+    """``prepare`` scores the mismatched rows with the policy and the reference (here stand-ins:
+    the policy gives a row the sum of its response ids / 100, the reference 0.05 per response
+    token) and sets z0 = max(mean difference, 0); 0 when the policy is below the reference."""
+    from types import SimpleNamespace
+
+    from alignment.trainers import offline
+    from alignment.trainers.batching import make_sequence_batch
+    from alignment.trainers.dpo import DPOObjective
+    from parallel.layout import ParallelLayout
+    from parallel.state import init_distributed, shutdown
+
+    def fake_logps(model, batch, mb, vocab):
+        ids, mask = batch["input_ids"].float(), batch["loss_mask"]
+        response = torch.roll(ids, -1, 1) * mask  # loss_mask[t] marks token t + 1
+        return response.sum(1) / 100 if model == "policy" else 0.05 * mask.sum(1) * scale
+
+    monkeypatch.setattr(offline, "sequence_logps", fake_logps)
+    rows = [([1, 2, 10], 2), ([1, 2, 11, 12], 2), ([3, 20, 21], 1), ([3, 30], 1)]
+    batch = make_sequence_batch(rows, pad_id=0)
+    models = SimpleNamespace(model="policy", reference="reference", tokenizer=SimpleNamespace(pad_token_id=0))
+    obj = DPOObjective(vocab_size=64, beta=0.1, loss_type="kto")
+    init_distributed(ParallelLayout(world_size=1))
+    try:
+        # KL rows: [1 2 | 20 21], [1 2 | 30], [3 | 10], [3 | 11 12] -> policy 0.41, 0.30, 0.10, 0.23
+        scale = 1.0  # reference 0.10, 0.05, 0.05, 0.10
+        obj.prepare(models, [batch], None)
+        assert obj.kl_ref_point == pytest.approx((0.31 + 0.25 + 0.05 + 0.13) / 4)
+        scale = 10.0  # reference above the policy: the mean is negative, z0 clamps at 0
+        obj.prepare(models, [batch], None)
+        assert obj.kl_ref_point == 0.0
+    finally:
+        shutdown()
+
+
+def test_orpo_objective_nll_is_token_level_over_the_global_batch_by_hand():
+    """ORPO: NLL = chosen tokens' negative log-likelihood summed over the global batch / their
+    count (TRL's token-level cross entropy), plus lambda x the odds-ratio term averaged over pairs;
+    two data-parallel halves with the global normalisers add up to the whole batch's loss."""
+    import math
+
+    from alignment.trainers.dpo import DPOObjective
+
+    # pair 0: chosen 1 token (-0.5), rejected 1 token (-2.0); pair 1: chosen 3 tokens (-0.2, -0.4, -0.6),
+    # rejected 2 tokens (-1.0, -1.4)
+    lp = torch.tensor([[-0.5, 0, 0], [-2.0, 0, 0], [-0.2, -0.4, -0.6], [-1.0, -1.4, 0]])
+    mask = torch.tensor([[1.0, 0, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]])
+    obj = DPOObjective(vocab_size=8, beta=0.1, loss_type="orpo", orpo_lambda=0.1)
+
+    def log_odds(avg):
+        return avg - math.log(1 - math.exp(avg))
+
+    nll = (0.5 + 0.2 + 0.4 + 0.6) / 4  # token-level: 4 chosen tokens (per sequence it would be (0.5 + 0.4) / 2)
+    ratio = [log_odds(-0.5) - log_odds(-2.0), log_odds(-0.4) - log_odds(-1.2)]
+    odds_term = sum(-0.1 * math.log(1 / (1 + math.exp(-x))) for x in ratio) / 2
+    batch = {"input_ids": torch.zeros(4, 3), "loss_mask": mask}
+    assert obj.normalizer(batch) == (2.0, 4.0)
+    loss, m = obj.loss({"loss_mask": mask}, {"logprobs": lp}, normalizer=(2.0, 4.0))
+    assert loss.item() == pytest.approx(nll + odds_term)
+    metrics = DPOObjective.metrics({k: float(v) for k, v in m.items()})
+    assert metrics["loss"] == pytest.approx(nll + odds_term) and metrics["nll"] == pytest.approx(nll)
+    halves = [obj.loss({"loss_mask": mask[i:i + 2]}, {"logprobs": lp[i:i + 2]}, normalizer=(2.0, 4.0))[0]
+              for i in (0, 2)]
+    assert sum(h.item() for h in halves) == pytest.approx(loss.item())

@@ -94,12 +94,20 @@ def test_dpo_starts_at_log2_and_learns(tmp_path):
 
 
 def test_reference_free_variants_run(tmp_path):
+    """SimPO, ORPO, IPO and KTO learn (2 processes, DP=2); ORPO reports its token-level NLL, and
+    KTO's reference point from mismatched pairs is 0 while the policy equals the reference
+    (before training, first step; the value by hand is in test_losses.py)."""
     for loss_type in ("simpo", "orpo", "ipo", "kto"):
-        s, _ = job(tmp_path, "dpo", "data.train_size=4", "data.heldout_size=2", "trainer.global_batch_size=4",
+        s, _ = job(tmp_path, "dpo", "data.train_size=4", "data.heldout_size=4", "trainer.global_batch_size=4",
                    "trainer.micro_batch_size=2", "trainer.epochs=2", f"algorithm.loss_type={loss_type}",
                    "trainer.save_checkpoint=false", "trainer.export_hf=false", out=tmp_path / f"dpo_{loss_type}")
         losses = [h["loss"] for h in s["history"]]
         assert losses[1] < losses[0], (loss_type, losses)
+        if loss_type == "orpo":
+            assert 0 < s["history"][0]["nll"] < losses[0]
+        if loss_type == "kto":
+            assert 0.0 <= s["heldout_before"]["kl"] < 1e-6 and 0.0 <= s["history"][0]["kl"] < 1e-6
+            assert s["history"][1]["kl"] >= 0.0 and s["heldout_after"]["kl"] >= 0.0
 
 
 def test_balanced_global_batch_trains_the_same_model(tmp_path):

@@ -5,8 +5,10 @@
   (:mod:`parallel.reshard`);
 - ``megatron``: Megatron-Core's inference engine on the policy's own model
   (:class:`alignment.rollout.megatron_engine.MegatronEngine`): no second copy of the weights and
-  no sync; it also runs where vLLM cannot be installed. Whole-model replicas only for now
-  (TP = PP = CP = EP = 1; :func:`alignment.config.validate` says so before any process group starts).
+  no sync; it also runs where vLLM cannot be installed. Whole-model replicas or tensor parallel
+  ones (every rank of a TP group generates the same prompts together, with the same sampling
+  stream); PP = CP = EP = 1 and no sequence parallelism for now (:func:`alignment.config.validate`
+  says so before any process group starts).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def build_engine(cfg, *, hf_dir: Path, policy, vocab_size: int, rank: int, data_
         hf_dir: the HF directory of the initial policy (vLLM loads it; its tokenizer decodes).
         policy: this rank's policy (DDP-wrapped or not); the ``megatron`` backend generates with it.
         vocab_size: the HF config's vocabulary (Megatron pads the model's).
-        rank: global rank (seeds each vLLM engine differently).
+        rank: global rank (seeds each vLLM engine differently; the ``megatron`` backend seeds
+            by data-parallel rank, so the ranks of one TP group sample alike).
         data_parallel_size: sizes the ``megatron`` backend's KV cache for one step's rows per rank.
     Raises:
         ValueError: an unknown ``rollout.backend``.
@@ -59,7 +62,9 @@ def build_engine(cfg, *, hf_dir: Path, policy, vocab_size: int, rank: int, data_
 
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         rows = max(1, r.prompts_per_step * r.group_size // data_parallel_size)
+        from megatron.core import parallel_state as ps
+
         return MegatronEngine(unwrap_model(policy), tokenizer, eos_token_id=eos_token_ids(hf_dir, tokenizer),
                               vocab_size=vocab_size, max_model_len=r.max_model_len, max_batch_size=rows,
-                              seed=cfg.seed + rank)
+                              seed=cfg.seed + ps.get_data_parallel_rank())
     raise ValueError(f"rollout.backend={r.backend!r}: valid values are {', '.join(BACKENDS)}")

@@ -28,8 +28,11 @@ megatron-core allocates it at the first generation) is freed by :meth:`MegatronE
 in a colocated job it does not sit beside the training phase's activations; the next generation
 allocates it again.
 
-Not yet here: tensor/pipeline parallel generation (every rank of a model replica would have
-to generate the same prompts); ``rollout.backend=megatron`` asks for TP = PP = CP = EP = 1.
+Tensor parallelism: every rank of a TP group runs the same prompts through its shard
+(megatron-core gathers the vocabulary-parallel logits), and samples with the same seed, so the
+ranks draw the same tokens (:attr:`MegatronEngine.generates_per_replica`). Not yet here:
+pipeline, context and expert parallel generation, and sequence parallelism (megatron-core 0.16.1
+refuses it outside MoE models); ``rollout.backend=megatron`` asks for PP = CP = EP = 1.
 """
 
 from __future__ import annotations
@@ -138,7 +141,7 @@ def _row_logprobs(steps: list[tuple[torch.Tensor, torch.Tensor]], rows: int) -> 
 
 class MegatronEngine:
     """``rollout.backend=megatron``: generation with Megatron-Core's inference engine on the
-    trainer's own model (TP = PP = 1 for now). Implements
+    trainer's own model (tensor parallel or whole; PP = 1 for now). Implements
     :class:`alignment.rollout.base.RolloutEngine`.
 
     Args:
@@ -150,8 +153,9 @@ class MegatronEngine:
         vocab_size: the tokenizer's vocabulary size (the HF config's; Megatron pads the model's).
         max_model_len: longest prompt + response, tokens (the KV cache's length).
         max_batch_size: most sequences generated at once (the KV cache's batch).
-        seed: the engine's own sampling stream (give each rank a different one, as for vLLM): it
-            samples from a saved torch RNG state, so the trainer's global RNG is left as it was.
+        seed: the engine's own sampling stream (one per model replica: the ranks of a TP group
+            must draw the same tokens): it samples from a saved torch RNG state, so the trainer's
+            global RNG is left as it was.
     """
 
     def __init__(self, model, tokenizer, *, eos_token_id: int | list[int], vocab_size: int, max_model_len: int = 1024,
@@ -162,6 +166,7 @@ class MegatronEngine:
         from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
 
         self.shares_trainer_weights = True
+        self.generates_per_replica = True  # the ranks of a model replica generate the same prompts together
         self.seed, self._rng_state = seed, None
         self.model, self.tokenizer = model, tokenizer
         self.eos_token_ids = {eos_token_id} if isinstance(eos_token_id, int) else {int(e) for e in eos_token_id}

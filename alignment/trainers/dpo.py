@@ -3,8 +3,11 @@
 ``loss_type`` picks the loss from :mod:`alignment.algorithms.preference_loss`:
 ``sigmoid`` (DPO, with ``label_smoothing`` = cDPO), ``ipo``, ``hinge`` (SLiC) and ``kto``
 use the frozen reference's sequence log-probs (``batch["ref_logps"]``, precomputed);
-``simpo`` and ``orpo`` are reference-free. IPO uses length-averaged log-probs (as TRL). Rows are interleaved ``[chosen_0, rejected_0,
-...]``; the loss is the mean over the pairs of the whole global batch.
+``simpo`` and ``orpo`` are reference-free. IPO uses length-averaged log-probs (as TRL). Rows
+are interleaved ``[chosen_0, rejected_0, ...]``; the loss is the mean over the pairs of the
+whole global batch, except ORPO's NLL term,
+the mean over every chosen token of the global batch (TRL's ``ORPOTrainer``: token-level cross
+entropy), and KTO, the mean over its examples (two per pair).
 
 Implicit reward reported for the held-out accuracy and margins: ``beta * (log pi - log
 pi_ref)`` summed over the response (DPO family, KTO), ``beta * mean token log pi``
@@ -16,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from alignment.algorithms.preference_loss import dpo_loss, kto_loss, orpo_loss, simpo_loss
-from alignment.trainers.megatron_step import LogprobOutputs
+from alignment.trainers.megatron_step import LogprobOutputs, all_reduce_sum
 
 REFERENCE_FREE = ("simpo", "orpo")
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "kto", "simpo", "orpo")
@@ -46,13 +49,44 @@ class DPOObjective:
         self.label_smoothing, self.simpo_gamma, self.orpo_lambda = label_smoothing, simpo_gamma, orpo_lambda
         self.needs_reference = loss_type not in REFERENCE_FREE
         self.outputs = LogprobOutputs(vocab_size)  # what forward_backward hands to loss()
+        self.kl_ref_point = 0.0  # KTO's z0 for the batches :meth:`prepare` saw last
 
-    def normalizer(self, batch: dict[str, torch.Tensor]) -> float:
-        """This rank's number of pairs."""
-        return batch["input_ids"].shape[0] / 2
+    def normalizer(self, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
+        """This rank's shares of the global normalisers: ``(pairs, chosen response tokens)``."""
+        return batch["input_ids"].shape[0] / 2, float(batch["loss_mask"][0::2].sum())
 
-    def loss(self, mb, out, normalizer: float):
-        """``(loss, metric sums)`` for one micro-batch; ``out["logprobs"]`` ``[mbs, seq]``."""
+    def prepare(self, models, batches: list[dict], mb) -> None:
+        """KTO: the reference point ``z0`` of these batches (the step's, or all held-out ones)
+        under the current policy, as TRL's ``KTOTrainer`` and the paper (Ethayarajh et al. 2024,
+        sec. 4.1) estimate it: the mean of ``log pi(y'|x) - log pi_ref(y'|x)`` over mismatched
+        rows (each prompt with another example's response, :func:`mismatched_rows`), averaged
+        over the data-parallel ranks, clamped at 0, no gradient. Other losses: nothing.
+        Collective over the data-parallel group (every rank calls it)."""
+        if self.loss_type != "kto":
+            return
+        from megatron.core import parallel_state as ps
+
+        from alignment.trainers.batching import make_sequence_batch
+        from alignment.trainers.offline import sequence_logps
+
+        rows = []
+        for b in batches:
+            for i in range(b["input_ids"].shape[0]):
+                n, r = int(b["seq_lengths"][i]), int(b["response_lengths"][i])
+                rows.append((b["input_ids"][i, :n].tolist(), n - r))
+        tok = models.tokenizer
+        kl = make_sequence_batch(mismatched_rows(rows, self.rows_per_example),
+                                 tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+        delta = sequence_logps(models.model, kl, mb, self.vocab_size) - sequence_logps(models.reference, kl, mb,
+                                                                                       self.vocab_size)
+        group = ps.get_data_parallel_group()
+        [total] = all_reduce_sum([float(delta.mean())], group)
+        self.kl_ref_point = max(total / group.size(), 0.0)
+
+    def loss(self, mb, out, normalizer: tuple[float, float]):
+        """``(loss, metric sums)`` for one micro-batch; ``out["logprobs"]`` ``[mbs, seq]``;
+        ``normalizer``: the global ``(pairs, chosen tokens)``."""
+        pairs, chosen_tokens = normalizer
         mask = mb["loss_mask"]
         logps = (out["logprobs"] * mask).sum(1)  # [rows]
         lengths = mask.sum(1)
@@ -66,32 +100,69 @@ class DPOObjective:
         elif t == "kto":
             # Paired data as KTO examples: chosen desirable, rejected undesirable. A pair's loss
             # is the MEAN of its two examples' (TRL's KTOTrainer: the mean over examples; a sum
-            # would double the loss and its gradient). The KL reference point z0 is this
-            # micro-batch's mean log-ratio of the matched examples (detached, >= 0); TRL and the
-            # paper estimate it from mismatched (prompt, other completion) rows (not yet here).
-            ratio = logps - mb["ref_logps"]
-            z0 = ratio.detach().mean().clamp(min=0)
+            # would double the loss and its gradient); z0 from mismatched rows (prepare()).
             desirable = torch.zeros_like(logps, dtype=torch.bool)
             desirable[c] = True
-            per_row, rewards = kto_loss(logps, mb["ref_logps"], desirable, z0, self.beta)
+            per_row, rewards = kto_loss(logps, mb["ref_logps"], desirable, self.kl_ref_point, self.beta)
             losses = (per_row[c] + per_row[r]) / 2
             rc, rr = rewards[c], rewards[r]
         elif t == "simpo":
             losses, rc, rr = simpo_loss(logps[c] / lengths[c], logps[r] / lengths[r], self.beta, self.simpo_gamma)
-        else:  # orpo
+        else:  # orpo: the odds-ratio term per pair; the NLL token-level over the global batch (TRL)
             avg = logps / lengths
-            losses, _ = orpo_loss(avg[c], avg[r], -avg[c], self.orpo_lambda)
+            losses, _ = orpo_loss(avg[c], avg[r], torch.zeros_like(avg[c]), self.orpo_lambda)
             odds = (avg - torch.log(-torch.expm1(avg.clamp(max=-1e-6)))).detach()
             rc, rr = odds[c], odds[r]
-        return losses.sum() / normalizer, {
-            "loss_sum": losses.detach().sum(), "correct": (rc > rr).float().sum(), "margin_sum": (rc - rr).sum(),
-            "chosen_sum": rc.sum(), "rejected_sum": rr.sum(), "count": torch.tensor(float(losses.numel())),
-            "logps_chosen_sum": logps.detach()[c].sum()}
+            nll = -logps[c].sum()
+            sums = self._sums(losses, rc, rr, logps[c])
+            sums.update(nll_sum=nll.detach(), chosen_tokens=lengths[c].sum())
+            return nll / chosen_tokens + losses.sum() / pairs, sums
+        sums = self._sums(losses, rc, rr, logps[c])
+        if t == "kto":
+            sums["kl_sum"] = torch.tensor(self.kl_ref_point * losses.numel())
+        return losses.sum() / pairs, sums
+
+    @staticmethod
+    def _sums(losses, rc, rr, logps_chosen) -> dict[str, torch.Tensor]:
+        return {"loss_sum": losses.detach().sum(), "correct": (rc > rr).float().sum(), "margin_sum": (rc - rr).sum(),
+                "chosen_sum": rc.sum(), "rejected_sum": rr.sum(), "count": torch.tensor(float(losses.numel())),
+                "logps_chosen_sum": logps_chosen.detach().sum()}
 
     @staticmethod
     def metrics(sums: dict[str, float]) -> dict[str, float]:
-        """Implicit-reward accuracy (chosen strictly higher), mean margin, mean rewards and log-probs."""
+        """Implicit-reward accuracy (chosen strictly higher), mean margin, mean rewards and log-probs;
+        ORPO's loss adds its token-level NLL (``nll``), KTO reports its reference point (``kl``)."""
         n = max(sums["count"], 1.0)
-        return {"loss": sums["loss_sum"] / n, "accuracy": sums["correct"] / n, "margin": sums["margin_sum"] / n,
-                "reward/chosen": sums["chosen_sum"] / n, "reward/rejected": sums["rejected_sum"] / n,
-                "logps/chosen": sums["logps_chosen_sum"] / n}
+        out = {"loss": sums["loss_sum"] / n, "accuracy": sums["correct"] / n, "margin": sums["margin_sum"] / n,
+               "reward/chosen": sums["chosen_sum"] / n, "reward/rejected": sums["rejected_sum"] / n,
+               "logps/chosen": sums["logps_chosen_sum"] / n}
+        if "nll_sum" in sums:
+            out["nll"] = sums["nll_sum"] / max(sums["chosen_tokens"], 1.0)
+            out["loss"] += out["nll"]
+        if "kl_sum" in sums:
+            out["kl"] = sums["kl_sum"] / n
+        return out
+
+
+def mismatched_rows(rows: list[tuple[list[int], int]], rows_per_example: int = 2,
+                    max_length: int | None = None) -> list[tuple[list[int], int]]:
+    """KTO's KL rows: row ``i``'s prompt followed by the response of row ``i - rows_per_example``
+    (cyclic), as ``(ids, prompt_len)``. TRL's ``KTOTrainer`` pairs example ``i`` with completion
+    ``i - 1`` of an unpaired batch; megalign's rows are pairs ``[chosen_0, rejected_0, ...]``, and
+    shifting by one row would give a prompt its own pair's other response, so the shift is one
+    pair (chosen after chosen, rejected after rejected). A response is cut so that the row is no
+    longer than ``max_length`` (default: the longest input row), keeping at least one token.
+
+    Raises:
+        ValueError: fewer than two examples (no other example's response to take).
+    """
+    if len(rows) < 2 * rows_per_example:
+        raise ValueError(f"KTO's reference point needs at least 2 examples per data-parallel rank "
+                         f"(got {len(rows) // rows_per_example}): raise trainer.global_batch_size or data.heldout_size")
+    limit = max_length or max(len(ids) for ids, _ in rows)
+    out = []
+    for i, (ids, p) in enumerate(rows):
+        other, q = rows[i - rows_per_example]
+        response = other[q:]
+        out.append((ids[:p] + response[: max(1, limit - p)], p))
+    return out

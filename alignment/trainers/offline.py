@@ -81,9 +81,13 @@ def build_batch(rows: list[tuple[list[int], int]], pad_id: int, models: OfflineM
 
 def train_step(models: OfflineModels, objective, batch: dict, mb: MicroBatching) -> dict[str, float]:
     """One optimizer step on this rank's slice of the global batch; returns global metrics
-    (the objective's, plus ``grad_norm``). ``mb.micro_batch_size`` counts rows."""
+    (the objective's, plus ``grad_norm``). ``mb.micro_batch_size`` counts rows. The objective's
+    ``normalizer`` (a tuple: its global normalisers) is summed over the data-parallel ranks;
+    its optional ``prepare(models, batches, mb)`` runs first (KTO's reference point)."""
     ps = _ps()
-    [normalizer] = all_reduce_sum([objective.normalizer(batch)], ps.get_data_parallel_group())
+    if hasattr(objective, "prepare"):
+        objective.prepare(models, [batch], mb)
+    normalizer = tuple(all_reduce_sum(list(objective.normalizer(batch)), ps.get_data_parallel_group()))
     models.model.zero_grad_buffer()
     models.optimizer.zero_grad()
     out = forward_backward(models.model, mb.split(batch), lambda micro, o: objective.loss(micro, o, normalizer),
@@ -98,10 +102,14 @@ def train_step(models: OfflineModels, objective, batch: dict, mb: MicroBatching)
 
 @torch.no_grad()
 def evaluate(models: OfflineModels, objective, batches: list[dict], mb: MicroBatching) -> dict[str, float]:
-    """Global metrics of the objective over held-out ``batches`` (this rank's slices), no update."""
+    """Global metrics of the objective over held-out ``batches`` (this rank's slices), no update
+    (metrics come from the summed metric tensors, so the loss is left unnormalised)."""
+    if hasattr(objective, "prepare"):
+        objective.prepare(models, batches, mb)
     outs = []
     for batch in batches:
-        outs += forward_backward(models.model, mb.split(batch), lambda micro, o: objective.loss(micro, o, 1.0),
+        ones = tuple(1.0 for _ in objective.normalizer(batch))
+        outs += forward_backward(models.model, mb.split(batch), lambda micro, o: objective.loss(micro, o, ones),
                                  outputs=objective.outputs, forward_only=True, packing=mb.packing,
                                  positions=objective.positions)
     return objective.metrics(global_sums(outs))

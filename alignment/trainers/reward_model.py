@@ -32,17 +32,17 @@ class RewardModelObjective:
     def __init__(self, center_coef: float = 0.0):
         self.center_coef = center_coef
 
-    def normalizer(self, batch: dict[str, torch.Tensor]) -> float:
-        """This rank's number of pairs."""
-        return batch["input_ids"].shape[0] / 2
+    def normalizer(self, batch: dict[str, torch.Tensor]) -> tuple[float]:
+        """This rank's share of the global normaliser: ``(pairs,)``."""
+        return (batch["input_ids"].shape[0] / 2,)
 
-    def loss(self, mb, out, normalizer: float):
+    def loss(self, mb, out, normalizer: tuple[float]):
         """``(loss, metric sums)``; ``out["values"]`` ``[mbs, seq]`` from the scalar head."""
         scores = sequence_scores(out["values"], mb["last_index"])
         chosen, rejected = scores[0::2], scores[1::2]
         losses, _ = bradley_terry_loss(chosen, rejected, center_coef=self.center_coef)
         c, r = chosen.detach(), rejected.detach()
-        return losses.sum() / normalizer, {
+        return losses.sum() / normalizer[0], {
             "loss_sum": losses.detach().sum(), "correct": (c > r).float().sum(), "margin_sum": (c - r).sum(),
             "chosen_sum": c.sum(), "rejected_sum": r.sum(), "count": torch.tensor(float(c.numel()))}
 

@@ -75,9 +75,13 @@ def rollout_phase(models: Models) -> Iterator[None]:
 
 def generate_for_group(engine, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
     """Generate for this DP rank's prompts, splitting the work over the ranks of its
-    model replica (TP x CP x PP, each has an engine) and gathering every rank's samples."""
+    model replica (TP x CP x PP, each has an engine) and gathering every rank's samples; an
+    engine that runs the replica's own shards (``generates_per_replica``: the ``megatron``
+    backend) generates them all on every rank of the replica together, alike."""
     from parallel.state import replica_group
 
+    if getattr(engine, "generates_per_replica", False):
+        return engine.generate(prompts, sampling)
     group = replica_group()
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     mine = engine.generate(prompts[rank::size], sampling)  # called even with no prompts: collective for TP>1

@@ -26,14 +26,15 @@ class SFTObjective:
         self.vocab_size = vocab_size
         self.outputs = LogprobOutputs(vocab_size)  # what forward_backward hands to loss()
 
-    def normalizer(self, batch: dict[str, torch.Tensor]) -> float:
-        """This rank's share of the global normaliser: its response-token count."""
-        return float(batch["loss_mask"].sum())
+    def normalizer(self, batch: dict[str, torch.Tensor]) -> tuple[float]:
+        """This rank's share of the global normaliser: ``(response tokens,)``."""
+        return (float(batch["loss_mask"].sum()),)
 
-    def loss(self, mb, out, normalizer: float):
-        """``(loss, metric sums)`` for one micro-batch; ``out["logprobs"]`` ``[mbs, seq]``."""
+    def loss(self, mb, out, normalizer: tuple[float]):
+        """``(loss, metric sums)`` for one micro-batch; ``out["logprobs"]`` ``[mbs, seq]``;
+        ``normalizer``: the global ``(response tokens,)``."""
         lp = out["logprobs"]
-        loss = sft_loss(lp, mb["loss_mask"], normalizer)
+        loss = sft_loss(lp, mb["loss_mask"], normalizer[0])
         return loss, {"nll_sum": -(lp.detach() * mb["loss_mask"]).sum(), "count": mb["loss_mask"].sum()}
 
     @staticmethod

@@ -92,7 +92,7 @@ def measure(tp: int, pp: int, dist_opt: bool) -> dict:
     microbatches = [{k: v[i * MICRO_BATCH:(i + 1) * MICRO_BATCH] for k, v in batch.items()}
                     for i in range(MICROBATCHES)]
     objective = SFTObjective(cfg.vocab_size)
-    normalizer = float(batch["loss_mask"].sum()) * ps.get_data_parallel_world_size()
+    normalizer = (float(batch["loss_mask"].sum()) * ps.get_data_parallel_world_size(),)
     gc.collect()
     dist.barrier()
     with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS from here on

@@ -123,7 +123,7 @@ def megatron_case(kind, lm, rm, batch, tp, pp, sp, mbs, cp, comm, packed, world)
 
             scores = sequence_scores(out[0]["v"], local["last_index"])
     ddp.zero_grad_buffer()
-    [normalizer] = offline.all_reduce_sum([obj.normalizer(local)], ps.get_data_parallel_group())
+    normalizer = tuple(offline.all_reduce_sum(list(obj.normalizer(local)), ps.get_data_parallel_group()))
     out = offline.forward_backward(ddp, split_microbatches(local, mbs * obj.rows_per_example),
                                    lambda mb, o: obj.loss(mb, o, normalizer), outputs=obj.outputs, forward_only=False,
                                    packing=packed)
