@@ -492,14 +492,15 @@ def test_kto_mismatched_rows_shift_by_one_pair():
 def test_kto_reference_point_from_mismatched_rows_by_hand(monkeypatch):
     """``prepare`` scores the mismatched rows with the policy and the reference (here stand-ins:
     the policy gives a row the sum of its response ids / 100, the reference 0.05 per response
-    token) and sets z0 = max(mean difference, 0); 0 when the policy is below the reference."""
+    token), averages the mean difference with the other data-parallel rank's (a stand-in group
+    of 2 whose other rank reports ``other``) and clamps at 0."""
     from types import SimpleNamespace
 
-    from alignment.trainers import offline
+    from megatron.core import parallel_state as ps
+
+    from alignment.trainers import dpo, offline
     from alignment.trainers.batching import make_sequence_batch
     from alignment.trainers.dpo import DPOObjective
-    from parallel.layout import ParallelLayout
-    from parallel.state import init_distributed, shutdown
 
     def fake_logps(model, batch, mb, vocab):
         ids, mask = batch["input_ids"].float(), batch["loss_mask"]
@@ -507,21 +508,19 @@ def test_kto_reference_point_from_mismatched_rows_by_hand(monkeypatch):
         return response.sum(1) / 100 if model == "policy" else 0.05 * mask.sum(1) * scale
 
     monkeypatch.setattr(offline, "sequence_logps", fake_logps)
+    monkeypatch.setattr(ps, "get_data_parallel_group", lambda: SimpleNamespace(size=lambda: 2))
+    monkeypatch.setattr(dpo, "all_reduce_sum", lambda values, group: [values[0] + other])
     rows = [([1, 2, 10], 2), ([1, 2, 11, 12], 2), ([3, 20, 21], 1), ([3, 30], 1)]
     batch = make_sequence_batch(rows, pad_id=0)
     models = SimpleNamespace(model="policy", reference="reference", tokenizer=SimpleNamespace(pad_token_id=0))
     obj = DPOObjective(vocab_size=64, beta=0.1, loss_type="kto")
-    init_distributed(ParallelLayout(world_size=1))
-    try:
-        # KL rows: [1 2 | 20 21], [1 2 | 30], [3 | 10], [3 | 11 12] -> policy 0.41, 0.30, 0.10, 0.23
-        scale = 1.0  # reference 0.10, 0.05, 0.05, 0.10
-        obj.prepare(models, [batch], None)
-        assert obj.kl_ref_point == pytest.approx((0.31 + 0.25 + 0.05 + 0.13) / 4)
-        scale = 10.0  # reference above the policy: the mean is negative, z0 clamps at 0
-        obj.prepare(models, [batch], None)
-        assert obj.kl_ref_point == 0.0
-    finally:
-        shutdown()
+    # KL rows: [1 2 | 20 21], [1 2 | 30], [3 | 10], [3 | 11 12] -> policy 0.41, 0.30, 0.10, 0.23
+    scale, other = 1.0, 0.1  # reference 0.10, 0.05, 0.05, 0.10: this rank's mean 0.185
+    obj.prepare(models, [batch], None)
+    assert obj.kl_ref_point == pytest.approx(((0.31 + 0.25 + 0.05 + 0.13) / 4 + 0.1) / 2)
+    scale, other = 10.0, 0.2  # this rank -0.49, the other 0.2: the DP mean is negative, z0 clamps at 0
+    obj.prepare(models, [batch], None)
+    assert obj.kl_ref_point == 0.0
 
 
 def test_orpo_objective_nll_is_token_level_over_the_global_batch_by_hand():
