@@ -58,6 +58,7 @@ class TreeSegments:
     max_seqlen_kv: int
 
     def to(self, device) -> "TreeSegments":
+        """The same segments with their tensors on ``device``."""
         return replace(self, key_index=self.key_index.to(device), cu_seqlens_q=self.cu_seqlens_q.to(device),
                        cu_seqlens_kv=self.cu_seqlens_kv.to(device))
 

@@ -52,6 +52,10 @@ class RolloutEngine(Protocol):
     #: True when the engine runs the trainer's parameters themselves: no weight sync, and the
     #: policy must stay on the device while it generates
     shares_trainer_weights: bool
+    #: True when every rank of a model replica (TP x CP x PP) must generate the same prompts
+    #: together (the engine runs the replica's own shards); False: each rank's engine takes its
+    #: own share (:func:`alignment.trainers.rl_phases.generate_for_group`)
+    generates_per_replica: bool
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
         """For each prompt (token ids), ``sampling.n`` samples, in prompt order."""

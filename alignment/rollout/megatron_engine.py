@@ -166,7 +166,7 @@ class MegatronEngine:
         from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
 
         self.shares_trainer_weights = True
-        self.generates_per_replica = True  # the ranks of a model replica generate the same prompts together
+        self.generates_per_replica = True
         self.seed, self._rng_state = seed, None
         self.model, self.tokenizer = model, tokenizer
         self.eos_token_ids = {eos_token_id} if isinstance(eos_token_id, int) else {int(e) for e in eos_token_id}

@@ -142,6 +142,7 @@ class VLLMEngine:
                        logprobs_mode="processed_logprobs", use_tqdm_on_load=False, **kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.shares_trainer_weights = False
+        self.generates_per_replica = False
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
         """``sampling.n`` samples for each prompt (token ids), with the sampled tokens' logprobs.

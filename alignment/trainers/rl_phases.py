@@ -80,7 +80,7 @@ def generate_for_group(engine, prompts: list[list[int]], sampling: SamplingConfi
     backend) generates them all on every rank of the replica together, alike."""
     from parallel.state import replica_group
 
-    if getattr(engine, "generates_per_replica", False):
+    if engine.generates_per_replica:
         return engine.generate(prompts, sampling)
     group = replica_group()
     size, rank = dist.get_world_size(group), dist.get_rank(group)
