@@ -91,6 +91,10 @@ class RolloutConfig:
     # k > 0 needs algorithm.rollout_correction.is_level (decoupled PPO, launchers/rl_loop.py)
     max_staleness: int = 0
     check_weight_sync: bool = False  # after every sync, verify every engine parameter (a probe W @ u)
+    # colocated: every rank trains and generates | disaggregated: of the processes started, the
+    # last rollout_ranks only generate (vLLM engines) and the others only train (parallel.* over them)
+    placement: str = "colocated"
+    rollout_ranks: int = 0
 
 
 @dataclass
@@ -361,6 +365,46 @@ def _validate_rollout_tp(t: int, world_size: int, parallel, hf_config) -> None:
         raise ConfigError(str(e)) from e
 
 
+PLACEMENTS = ("colocated", "disaggregated")
+
+
+def rollout_ranks(cfg) -> int:
+    """The ranks that only generate: ``rollout.rollout_ranks`` under ``rollout.placement=disaggregated``
+    (the last ones started), else 0."""
+    r = cfg.rollout
+    return int(r.rollout_ranks) if r.placement == "disaggregated" else 0
+
+
+def _validate_placement(cfg, world_size: int) -> None:
+    """``rollout.placement`` and ``rollout.rollout_ranks``: a split that leaves trainers and engines
+    whole, for a job that generates, with vLLM engines."""
+    r = cfg.rollout
+    if r.placement not in PLACEMENTS:
+        raise ConfigError(f"rollout.placement={r.placement!r}: valid values are {', '.join(PLACEMENTS)}")
+    if r.placement == "colocated":
+        if r.rollout_ranks:
+            raise ConfigError(f"rollout.rollout_ranks={r.rollout_ranks} only applies to rollout.placement="
+                              "disaggregated (colocated: every rank trains and generates); set it to 0")
+        return
+    if cfg.algorithm.name in OFFLINE_ALGORITHMS:
+        raise ConfigError(f"rollout.placement=disaggregated: algorithm.name={cfg.algorithm.name} trains on fixed "
+                          "data and generates nothing; use rollout.placement=colocated")
+    if not 1 <= r.rollout_ranks < world_size:
+        raise ConfigError(f"rollout.rollout_ranks={r.rollout_ranks}: of the {world_size} processes started, the last "
+                          f"rollout_ranks generate and the others train, so it must be in [1, {world_size - 1}]"
+                          + ("; launch at least 2 processes" if world_size < 2 else ""))
+    if r.backend != "vllm":
+        raise ConfigError(f"rollout.placement=disaggregated runs vLLM engines on the rollout ranks, but "
+                          f"rollout.backend={r.backend} generates on the trainers' own model; set rollout.backend=vllm")
+    if r.rollout_ranks % r.tensor_parallel_size:
+        valid = [k for k in range(1, r.rollout_ranks + 1) if r.rollout_ranks % k == 0]
+        raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide rollout.rollout_ranks="
+                          f"{r.rollout_ranks} (each engine spans that many rollout ranks); valid: {valid}")
+    if r.check_weight_sync:
+        raise ConfigError("rollout.check_weight_sync=true compares the trainers' weights with each engine's in its "
+                          "own process, which a disaggregated job's engines are not; set it to false")
+
+
 def _validate_backend(r, layout) -> None:
     """``rollout.backend``: a known one; ``megatron`` generates on whole or tensor-parallel model
     replicas, without sequence parallelism."""
@@ -429,7 +473,9 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
         dims = model_dims(hf_config)  # the family: a clear error for an unsupported architecture
     except ValueError as e:
         raise ConfigError(f"model.path={cfg.model.path}: {e}") from e
-    layout = ParallelLayout(world_size=world_size, **cfg.parallel)
+    _validate_placement(cfg, world_size)
+    engines = rollout_ranks(cfg)  # ranks that only generate; the others train
+    layout = ParallelLayout(world_size=world_size - engines, **cfg.parallel)
     validate_model_layout(layout, dims)
     if cfg.model.moe_aux_loss_coeff is not None and cfg.model.moe_aux_loss_coeff < 0:
         raise ConfigError(f"model.moe_aux_loss_coeff={cfg.model.moe_aux_loss_coeff}: must be >= 0 (0: no "
@@ -448,8 +494,9 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
     prof = cfg.profile
     if prof.enabled and (not prof.steps or min(prof.steps) < 1):
         raise ConfigError(f"profile.steps={list(prof.steps)}: give 1-based optimizer steps, e.g. [2] (step 1 warms up)")
-    if prof.enabled and (not prof.ranks or min(prof.ranks) < 0 or max(prof.ranks) >= world_size):
-        raise ConfigError(f"profile.ranks={list(prof.ranks)}: global ranks in [0, {world_size}), e.g. [0]")
+    if prof.enabled and (not prof.ranks or min(prof.ranks) < 0 or max(prof.ranks) >= layout.world_size):
+        raise ConfigError(f"profile.ranks={list(prof.ranks)}: global ranks of trainers, in [0, {layout.world_size}), "
+                          "e.g. [0]")
     if t.max_tokens_per_microbatch < 0:
         raise ConfigError(f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch}: must be >= 0 (0: "
                           f"use trainer.micro_batch_size rows)")
@@ -471,7 +518,7 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
     from alignment.algorithms.aggregation import AGGREGATION_MODES
     from alignment.algorithms.kl import KL_ESTIMATORS
 
-    _validate_rollout_tp(r.tensor_parallel_size, world_size, cfg.parallel, hf_config)
+    _validate_rollout_tp(r.tensor_parallel_size, engines or world_size, cfg.parallel, hf_config)
     _validate_backend(r, layout)
     if t.shared_prompt_packing and (layout.context_parallel_size > 1 or layout.sequence_parallel):
         raise ConfigError(f"trainer.shared_prompt_packing=true does not run with parallel.context_parallel_size="
@@ -513,7 +560,7 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
     if r.prompts_per_step % dp:
         valid = [k * dp for k in range(1, 5)]
         raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of the data-parallel "
-                          f"size {dp} (world {world_size} / (TP x PP x CP)); e.g. {valid}")
+                          f"size {dp} (world {layout.world_size} / (TP x PP x CP)); e.g. {valid}")
     per_rank = r.prompts_per_step // dp * r.group_size
     if t.micro_batch_size < 1 or per_rank % t.micro_batch_size:
         valid = [m for m in range(1, per_rank + 1) if per_rank % m == 0]

@@ -109,11 +109,24 @@ def rollout_layout(bridge, cfg):
 def rollout_engine(cfg, hf_dir: Path, policy, bridge, vocab_size: int, rank: int):
     """This rank's rollout engine (``rollout.backend``, :func:`alignment.rollout.factory.build_engine`)
     and, when the engine keeps its own weights, the resharder that feeds it after every update
-    (``None`` when it runs the policy's own)."""
+    (``None`` when it runs the policy's own). In a disaggregated job (``rollout.placement``) a
+    trainer's engine is the rollout ranks' (:class:`alignment.rollout.disaggregated.RemoteEngine`),
+    fed over the group that joins them."""
     from megatron.core import parallel_state as ps
 
     from alignment.rollout.factory import build_engine
     from parallel.reshard import Resharder
+    from parallel.state import trainer_rollout_group
+
+    group = trainer_rollout_group()
+    if group is not None:
+        from transformers import AutoTokenizer
+
+        from alignment.rollout.disaggregated import RemoteEngine
+
+        engine = RemoteEngine(group, AutoTokenizer.from_pretrained(hf_dir), trainers=dist.get_world_size())
+        return engine, Resharder(policy, rollout_layout(bridge, cfg), vllm_tp=cfg.rollout.tensor_parallel_size,
+                                 bucket_bytes=cfg.rollout.sync_bucket_mb << 20, group=group)
 
     engine = build_engine(cfg, hf_dir=hf_dir, policy=policy, vocab_size=vocab_size, rank=rank,
                           data_parallel_size=ps.get_data_parallel_world_size())
@@ -127,14 +140,18 @@ def rollout_engine(cfg, hf_dir: Path, policy, bridge, vocab_size: int, rank: int
 def start(cfg) -> Run:
     """Validate ``cfg`` against the world size and the model (before any process group), set
     the CPU threads per process, initialise the parallel groups, create the output dir with
-    ``config.yaml`` and a TensorBoard writer."""
+    ``config.yaml`` and a TensorBoard writer.
+
+    The rollout ranks of a disaggregated job (``rollout.placement``) do not return: they serve
+    the trainers' generation and weight syncs until the trainers stop them, then exit (status 0).
+    The returned :class:`Run` is a trainer's (``world``: the trainer ranks)."""
     from transformers import AutoConfig
 
-    from alignment.config import validate
+    from alignment.config import rollout_ranks, validate
     from alignment.models.hf_assets import prepare_hf_dir
     from launchers.preemption import install
     from parallel.layout import ParallelLayout
-    from parallel.state import env_world, init_distributed
+    from parallel.state import env_world, init_distributed, is_rollout_rank
 
     install()  # SIGUSR1/SIGTERM: checkpoint at the next step boundary and exit (launchers/preemption.py)
     from alignment.trainers.host_memory import bound_onednn_primitive_cache, return_freed_memory_to_os
@@ -155,7 +172,14 @@ def start(cfg) -> Run:
     validate(cfg, world_size=world, hf_config=hf_config, tokenizer_size=len(AutoTokenizer.from_pretrained(hf_dir)))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world) if not torch.cuda.is_available() else 8)
-    init_distributed(ParallelLayout(world_size=world, **cfg.parallel), seed=cfg.seed)
+    engines = rollout_ranks(cfg)
+    init_distributed(ParallelLayout(world_size=world - engines, **cfg.parallel), seed=cfg.seed, rollout_ranks=engines)
+    if is_rollout_rank():
+        from alignment.rollout.disaggregated import run_rollout_rank
+
+        run_rollout_rank(cfg, hf_dir, hf_config)
+        raise SystemExit(0)
+    world -= engines
     run = Run(cfg, rank, world, hf_dir, hf_config, Path(cfg.output_dir))
     run.profiler = StepProfiler(cfg.profile, rank)
     from alignment.trainers.offload import offload_enabled

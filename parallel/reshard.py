@@ -14,7 +14,8 @@ Every rank computes the same plan (deterministic, no coordinator; cached for the
      that forms a bucket of its own).
 Per bucket, each rank packs the slices others need into one buffer per peer (a single row
 range goes as a view of the parameter and lands directly in the destination tensor),
-exchanges them with ``batch_isend_irecv``, copies its local slices, and yields the finished
+exchanges them with ``batch_isend_irecv`` (or over the stateless group joining a disaggregated job's
+trainers and engine ranks), copies its local slices, and yields the finished
 vLLM tensors.
 A destination tensor that is exactly one whole local parameter (e.g. a norm, or a row-parallel
 weight when both TP sizes agree) is yielded as that parameter, without a copy. With equal TP
@@ -83,20 +84,26 @@ class ReshardPlan:
 
     Args:
         targets: the target layout: vLLM TP rank -> its :class:`TargetTensor` s.
-        infos: every training rank's :class:`RankInfo` (index = global rank).
-        vllm_tp: the engines' ``tensor_parallel_size`` (vLLM TP groups are consecutive ranks:
-            rank ``d`` is vLLM TP rank ``d % vllm_tp``).
+        infos: every training rank's :class:`RankInfo` (index = rank: training ranks are ``0 .. len(infos) - 1``).
+        vllm_tp: the engines' ``tensor_parallel_size`` (vLLM TP groups are consecutive destination
+            ranks: the ``i``-th destination is vLLM TP rank ``i % vllm_tp``).
         rank: this rank. bucket_bytes: staging budget per bucket. element_size: bytes per element.
+        destinations: the ranks that receive vLLM shards, in order; ``None``: every training rank
+            (colocated engines). A disaggregated job's engines are ranks of their own
+            (``len(infos) ..``): each piece then comes from one of its holders, the destinations
+            taking turns over them, and training ranks only send.
     Raises:
-        ValueError: sizes that do not divide (world size vs ``vllm_tp``, heads), or a piece no rank holds.
+        ValueError: sizes that do not divide (destinations vs ``vllm_tp``, heads), or a piece no rank holds.
     """
 
     def __init__(self, targets: TargetLayout, infos: list[RankInfo], vllm_tp: int, rank: int,
-                 bucket_bytes: int, element_size: int):
-        world = len(infos)
-        if world % vllm_tp:
-            raise ValueError(f"rollout.tensor_parallel_size={vllm_tp} must divide the world size {world}")
-        self.rank, self.world, self.vllm_tp = rank, world, vllm_tp
+                 bucket_bytes: int, element_size: int, destinations: list[int] | None = None):
+        dests = list(range(len(infos))) if destinations is None else list(destinations)
+        if len(dests) % vllm_tp:
+            raise ValueError(f"rollout.tensor_parallel_size={vllm_tp} must divide the {len(dests)} engine ranks")
+        world = max(len(infos), max(dests) + 1)
+        self.rank, self.world, self.vllm_tp, self.destinations = rank, world, vllm_tp, dests
+        engine_tp = {d: i % vllm_tp for i, d in enumerate(dests)}
         per_rank = {r: targets(r) for r in range(vllm_tp)}
         holders: dict[tuple[str, int], list[RankInfo]] = defaultdict(list)
         for info in infos:
@@ -108,16 +115,18 @@ class ReshardPlan:
             cands = holders.get((piece.source, piece.source_tp_rank))
             if not cands:
                 raise ValueError(f"no training rank holds {piece.source} (TP rank {piece.source_tp_rank})")
+            if dst >= len(infos):  # an engine rank of its own: holders take turns
+                return cands[dests.index(dst) % len(cands)].rank
             # the destination itself, else its own replica, else the nearest holder (spreads senders)
             return min(cands, key=lambda c: (c.rank != dst, c.dp != infos[dst].dp, abs(c.rank - dst), c.rank)).rank
 
         n = len(per_rank[0])
         # routes[i][dst] = [(src, piece)] for tensor i of destination dst
-        routes = [[[(source(p, d), p) for p in per_rank[d % vllm_tp][i].pieces] for d in range(world)]
+        routes = [{d: [(source(p, d), p) for p in per_rank[engine_tp[d]][i].pieces] for d in dests}
                   for i in range(n)]
 
         def aliased(i: int, d: int) -> str | None:
-            t = per_rank[d % vllm_tp][i]
+            t = per_rank[engine_tp[d]][i]
             if len(t.pieces) != 1 or routes[i][d][0][0] != d:
                 return None
             p = t.pieces[0]
@@ -128,9 +137,10 @@ class ReshardPlan:
 
         def costs(i: int) -> list[int]:
             """Bytes tensor ``i`` stages on each rank: its copy + what it sends + what it receives."""
-            b = [0 if aliased(i, x) else math.prod(per_rank[x % vllm_tp][i].shape) for x in range(world)]
-            for d in range(world):
-                shape = per_rank[d % vllm_tp][i].shape
+            b = [0] * world
+            for d in dests:
+                shape = per_rank[engine_tp[d]][i].shape
+                b[d] += 0 if aliased(i, d) else math.prod(shape)
                 for src, p in routes[i][d]:
                     if src != d:
                         b[src] += piece_numel(shape, p)
@@ -148,20 +158,22 @@ class ReshardPlan:
             acc += c
         bounds.append((start, n))
 
-        mine = per_rank[rank % vllm_tp]
+        mine = per_rank[engine_tp[rank]] if rank in engine_tp else None  # None: this rank only sends
         self.buckets: list[Bucket] = []
         for lo, hi in bounds:
-            b = Bucket([mine[i] for i in range(lo, hi)], {}, [], defaultdict(list), defaultdict(list), 0)
+            b = Bucket([mine[i] for i in range(lo, hi)] if mine else [], {}, [], defaultdict(list),
+                       defaultdict(list), 0)
             for i in range(lo, hi):
-                name = mine[i].name
-                if (src := aliased(i, rank)) is not None:
-                    b.alias[name] = src
-                for src, p in routes[i][rank]:
-                    if src == rank and name not in b.alias:
-                        b.local.append((name, p))
-                    elif src != rank:
-                        b.recv[src].append((name, p))
-                for d in range(world):
+                if mine:
+                    name = mine[i].name
+                    if (src := aliased(i, rank)) is not None:
+                        b.alias[name] = src
+                    for src, p in routes[i][rank]:
+                        if src == rank and name not in b.alias:
+                            b.local.append((name, p))
+                        elif src != rank:
+                            b.recv[src].append((name, p))
+                for d in dests:
                     if d != rank:
                         b.send[d] += [p for src, p in routes[i][d] if src == rank]
             b.send = {k: v for k, v in b.send.items() if v}
@@ -198,20 +210,36 @@ class Resharder:
     ``targets``: the target layout (vLLM TP rank -> :class:`TargetTensor` s, e.g. a family
     bridge's ``vllm_layout``); ``vllm_tp``: the engines' TP size; ``bucket_bytes``: staging
     budget (at least the largest tensor is always allowed).
+
+    ``group``: a disaggregated job's :class:`parallel.stateless_group.StatelessGroup` (trainers
+    first, then the engine ranks): the plan then sends from the trainers (which pass their
+    ``model`` and get empty buckets) to the engine ranks (which pass ``model=None`` and the
+    parameters' ``dtype`` and ``device``), over that group. ``None``: colocated engines, every
+    rank of the default group is both.
     """
 
-    model: torch.nn.Module
+    model: torch.nn.Module | None
     targets: TargetLayout
     vllm_tp: int = 1
     bucket_bytes: int = 64 << 20
     stats: ReshardStats = field(default_factory=ReshardStats)
+    group: object = None
+    dtype: torch.dtype | None = None
+    device: torch.device | str = "cpu"
 
     def __post_init__(self):
-        self._params = {g: p for chunk in _chunks(self.model) for _, g, p in global_param_names(chunk)}
-        dtype = next(iter(self._params.values())).dtype
-        self.dtype = dtype
-        self.plan = ReshardPlan(self.targets, gather_rank_infos(self.model), self.vllm_tp, dist.get_rank(),
-                                self.bucket_bytes, torch.tensor([], dtype=dtype).element_size())
+        self._params = {} if self.model is None else \
+            {g: p for chunk in _chunks(self.model) for _, g, p in global_param_names(chunk)}
+        if self._params:
+            first = next(iter(self._params.values()))
+            self.dtype, self.device = first.dtype, first.device
+        if self.group is None:
+            infos, rank, destinations = gather_rank_infos(self.model), dist.get_rank(), None
+        else:
+            infos = self.group.broadcast_object(gather_rank_infos(self.model) if self.model is not None else None, 0)
+            rank, destinations = self.group.rank, list(range(len(infos), self.group.size))
+        self.plan = ReshardPlan(self.targets, infos, self.vllm_tp, rank, self.bucket_bytes,
+                                torch.tensor([], dtype=self.dtype).element_size(), destinations)
 
     def _slice(self, piece: Piece) -> torch.Tensor:
         return self._params[piece.source].detach().narrow(piece.dim, piece.source_start, piece.length)
@@ -247,13 +275,10 @@ class Resharder:
                 recv[peer] = dest_region(out[name], p) if direct else torch.empty(
                     sum(piece_numel(shapes[n], q) for n, q in items), dtype=self.dtype, device=self._device())
                 staged += 0 if direct else recv[peer].numel()
-            ops = [dist.P2POp(dist.isend, buf, peer) for peer, buf in send.items()]
-            ops += [dist.P2POp(dist.irecv, buf, peer) for peer, buf in recv.items()]
-            reqs = dist.batch_isend_irecv(ops) if ops else []
+            finish = self._start_exchange(send, recv)
             for name, p in b.local:
                 dest_region(out[name], p).copy_(self._slice(p))
-            for r in reqs:
-                r.wait()
+            finish()
             for peer, items in b.recv.items():
                 offset, buf = 0, recv[peer]
                 if len(items) == 1 and items[0][1].dim == 0:
@@ -275,5 +300,14 @@ class Resharder:
             t0 = time.perf_counter()
             del out
 
+    def _start_exchange(self, send: dict[int, torch.Tensor], recv: dict[int, torch.Tensor]):
+        """Start the bucket's transfers; returns the function that waits for them."""
+        if self.group is not None:
+            return self.group.start_exchange(send, recv)
+        ops = [dist.P2POp(dist.isend, buf, peer) for peer, buf in send.items()]
+        ops += [dist.P2POp(dist.irecv, buf, peer) for peer, buf in recv.items()]
+        reqs = dist.batch_isend_irecv(ops) if ops else []
+        return lambda: [r.wait() for r in reqs]
+
     def _device(self):
-        return next(iter(self._params.values())).device
+        return self.device

@@ -44,16 +44,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: int = 60) -> None:
+def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: int = 60,
+                     rollout_ranks: int = 0) -> None:
     """Start the default process group and Megatron's model-parallel groups.
 
     Call only after :func:`parallel.layout.validate_layout` passed. Idempotent for the
     default group; (re)builds Megatron's groups for ``layout`` each call, so tests can
     try several layouts in one launch.
+
+    ``rollout_ranks`` = R > 0 (``rollout.placement=disaggregated``): the launcher started
+    ``layout.world_size + R`` processes; the first ``layout.world_size`` train (their default group
+    and Megatron's groups span only them) and the last R only generate (a default group of
+    their own, for the engines' tensor parallelism, and no Megatron groups; see
+    :func:`is_rollout_rank`). A :class:`parallel.stateless_group.StatelessGroup` over all of them
+    (:func:`trainer_rollout_group`) carries prompts, samples and weights between the two.
+
+    Raises:
+        ValueError: the launcher started a different number of processes.
+        RuntimeError: several processes but no ``MASTER_PORT`` (not started by torchrun or srun).
     """
     rank, world_size, local_rank = env_world()
-    if world_size != layout.world_size:
-        raise ValueError(f"layout.world_size={layout.world_size} but the launcher started {world_size} processes")
+    if world_size != layout.world_size + rollout_ranks:
+        split = f" + rollout.rollout_ranks={rollout_ranks}" if rollout_ranks else ""
+        raise ValueError(f"layout.world_size={layout.world_size}{split} but the launcher started {world_size} "
+                         "processes")
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
@@ -62,9 +76,14 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: 
             os.environ["MASTER_PORT"] = str(_free_port())
         if on_gpu():
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(
-            backend="nccl" if on_gpu() else "gloo", rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(minutes=timeout_minutes))
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        backend = "nccl" if on_gpu() else "gloo"
+        if rollout_ranks:
+            _init_split_worlds(rank, world_size, layout.world_size, backend, timeout)
+        else:
+            dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
+    if is_rollout_rank():
+        return
     from parallel import cpu_compat
 
     cpu_compat.apply_without_transformer_engine()
@@ -93,6 +112,39 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: 
 
 
 _REPLICA_GROUP = None
+_TRAINER_ROLLOUT_GROUP = None  # StatelessGroup joining trainer and rollout ranks (disaggregated placement)
+_ROLLOUT_RANK = False
+_STORE = None  # the TCPStore of the split worlds (rank 0 may serve it: keep it alive)
+
+
+def _init_split_worlds(rank: int, world_size: int, trainers: int, backend: str, timeout) -> None:
+    """Trainers (ranks < ``trainers``) and rollout ranks each get a default group of their own
+    over the launcher's store (key prefixes ``trainers`` / ``rollout``), and a stateless group
+    joins all ``world_size`` ranks (prefix ``bridge``)."""
+    global _TRAINER_ROLLOUT_GROUP, _ROLLOUT_RANK, _STORE
+    from parallel.stateless_group import StatelessGroup
+
+    _STORE, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+    _ROLLOUT_RANK = rank >= trainers
+    if _ROLLOUT_RANK:
+        dist.init_process_group(backend=backend, store=dist.PrefixStore("rollout", _STORE), rank=rank - trainers,
+                                world_size=world_size - trainers, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, store=dist.PrefixStore("trainers", _STORE), rank=rank,
+                                world_size=trainers, timeout=timeout)
+    _TRAINER_ROLLOUT_GROUP = StatelessGroup(_STORE, rank, world_size, prefix="bridge",
+                             timeout_minutes=timeout.total_seconds() / 60)
+
+
+def is_rollout_rank() -> bool:
+    """True on a rank that only generates (``rollout.placement=disaggregated``; set by :func:`init_distributed`)."""
+    return _ROLLOUT_RANK
+
+
+def trainer_rollout_group():
+    """The :class:`parallel.stateless_group.StatelessGroup` of every rank of a disaggregated job
+    (trainers first, then the rollout ranks); ``None`` in a colocated job."""
+    return _TRAINER_ROLLOUT_GROUP
 
 
 def _build_replica_group() -> None:
@@ -121,8 +173,8 @@ def shutdown() -> None:
     """Destroy Megatron's groups and the default process group."""
     from megatron.core import parallel_state as ps
 
-    global _REPLICA_GROUP
-    _REPLICA_GROUP = None
+    global _REPLICA_GROUP, _TRAINER_ROLLOUT_GROUP, _ROLLOUT_RANK, _STORE
+    _REPLICA_GROUP, _TRAINER_ROLLOUT_GROUP, _ROLLOUT_RANK, _STORE = None, None, False, None
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     if dist.is_initialized():

@@ -174,7 +174,7 @@ def test_offline_config_errors_name_the_field():
 
 
 def test_profile_fields_are_checked():
-    with pytest.raises(ConfigError, match=r"profile.ranks=\[2\]: global ranks in \[0, 2\)"):
+    with pytest.raises(ConfigError, match=r"profile.ranks=\[2\]: global ranks of trainers, in \[0, 2\)"):
         validate(cfg("profile.enabled=true", "profile.ranks=[2]"), world_size=2, hf_config=SMOLLM2)
     with pytest.raises(ConfigError, match=r"profile.steps=\[0\]: give 1-based optimizer steps"):
         validate(cfg("profile.enabled=true", "profile.steps=[0]"), world_size=2, hf_config=SMOLLM2)

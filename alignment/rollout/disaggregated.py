@@ -1,0 +1,135 @@
+"""Disaggregated rollout (``rollout.placement=disaggregated``): the last ``rollout.rollout_ranks``
+processes of a job only generate, with vLLM engines of ``rollout.tensor_parallel_size``
+consecutive rollout ranks each; the others only train. Both sides speak over the stateless
+group that joins them (:func:`parallel.state.trainer_rollout_group`, trainers first), in steps
+the trainers lead: trainer rank 0 broadcasts a command, then every rank of the group takes part
+in it.
+
+- ``generate``: every trainer contributes its prompts (an all-gather); the prompts, in trainer
+  rank order, are dealt round-robin over the engines; each engine's first rank contributes its
+  samples (a second all-gather) and every trainer takes back its own, in its prompt order.
+- ``sync``: the resharder moves the trainers' shards into the engines' layout
+  (:class:`parallel.reshard.Resharder` with ``group``), bucket by bucket, straight into the
+  running engines.
+- ``stop``: the rollout ranks close their engines and exit.
+
+The trainers see an ordinary :class:`alignment.rollout.base.RolloutEngine`
+(:class:`RemoteEngine`); the rollout ranks run :func:`serve` until told to stop. This is the
+layout of verl's and NeMo-RL's non-colocated generation and of slime's rollout engines.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable
+
+import torch
+
+from alignment.rollout.base import Sample, SamplingConfig
+
+GENERATE, SYNC, STOP = "generate", "sync", "stop"
+
+
+def deal(prompt_lists: list[list[list[int]]], engines: int) -> list[list[tuple[int, int, list[int]]]]:
+    """Every trainer's prompts (``prompt_lists[rank]``) dealt round-robin over ``engines`` engines:
+    engine ``e`` gets ``[(trainer rank, index in its list, prompt ids)]``."""
+    items = [(r, k, p) for r, prompts in enumerate(prompt_lists) for k, p in enumerate(prompts)]
+    return [items[e::engines] for e in range(engines)]
+
+
+class RemoteEngine:
+    """A trainer's :class:`alignment.rollout.base.RolloutEngine` of a disaggregated job: generation
+    and weights go to the rollout ranks over ``group`` (see the module docstring).
+
+    Every trainer calls every method at the same point (each is collective over the group).
+    ``tokenizer``: the policy's HF tokenizer; ``trainers``: the number of trainer ranks (the
+    group's first ranks).
+    """
+
+    shares_trainer_weights = False
+    generates_per_replica = False
+
+    def __init__(self, group, tokenizer, trainers: int):
+        self.group, self.tokenizer, self.trainers = group, tokenizer, trainers
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
+        """``sampling.n`` samples for each of this trainer's prompts, from the rollout ranks."""
+        self.group.broadcast_object((GENERATE, sampling), 0)
+        self.group.all_gather_object(prompts)
+        out: list = [None] * len(prompts)
+        for part in self.group.all_gather_object(None)[self.trainers:]:
+            for rank, k, samples in part or ():
+                if rank == self.group.rank:
+                    out[k] = samples
+        return out
+
+    def load_resharded(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> dict:
+        """Send this trainer's shards to the engines (the buckets of a trainer hold no tensors of
+        its own: it only sends). Returns ``{"load_s": seconds, "names": []}``."""
+        t0 = time.perf_counter()
+        self.group.broadcast_object((SYNC,), 0)
+        for _ in buckets:
+            pass
+        return {"load_s": time.perf_counter() - t0, "names": []}
+
+    def update_weights(self, named_tensors) -> None:
+        """Not offered: a disaggregated job's engines take new weights from the resharder only."""
+        raise NotImplementedError("rollout.placement=disaggregated: weights reach the engines through the "
+                                  "resharder (load_resharded), not as full tensors")
+
+    def sleep(self) -> None:
+        """Nothing to free: the engines keep their KV cache on their own ranks."""
+
+    def wake(self) -> None:
+        """Nothing to restore (see :meth:`sleep`)."""
+
+    def close(self) -> None:
+        """Stop the rollout ranks (they close their engines and exit)."""
+        self.group.broadcast_object((STOP,), 0)
+
+
+def serve(engine, resharder, group, trainers: int, engine_tp: int) -> None:
+    """A rollout rank's loop: run the trainers' commands (see the module docstring) on this rank's
+    ``engine`` (a :class:`alignment.rollout.vllm_engine.VLLMEngine`, one per ``engine_tp``
+    consecutive rollout ranks) until ``stop``. ``resharder``: the receiving side of the trainers'
+    :class:`parallel.reshard.Resharder` (``model=None``)."""
+    me = group.rank - trainers
+    engines = (group.size - trainers) // engine_tp
+    while True:
+        command, *args = group.broadcast_object(None, 0)
+        if command == GENERATE:
+            [sampling] = args
+            share = deal(group.all_gather_object(None)[:trainers], engines)[me // engine_tp]
+            samples = engine.generate([p for _, _, p in share], sampling)  # collective over the engine's ranks
+            first = me % engine_tp == 0
+            group.all_gather_object([(r, k, s) for (r, k, _), s in zip(share, samples)] if first else None)
+        elif command == SYNC:
+            engine.load_resharded(resharder.buckets())
+        elif command == STOP:
+            return
+        else:
+            raise RuntimeError(f"rollout rank {group.rank}: unknown command {command!r} from the trainers")
+
+
+def run_rollout_rank(cfg, hf_dir, hf_config) -> None:
+    """All a rollout rank does in a job: build its vLLM engine from ``hf_dir`` (the initial policy)
+    and the receiving side of the weight sync, serve the trainers until they stop it, then close
+    the engine and the process groups."""
+    from alignment.models.families import get_bridge
+    from alignment.rollout.factory import build_engine
+    from launchers.common import rollout_layout
+    from parallel.reshard import Resharder
+    from parallel.state import shutdown, trainer_rollout_group
+
+    group, r = trainer_rollout_group(), cfg.rollout
+    trainers = group.size - r.rollout_ranks
+    engine = build_engine(cfg, hf_dir=hf_dir, policy=None, vocab_size=hf_config.vocab_size,
+                          rank=group.rank - trainers, data_parallel_size=1)
+    resharder = Resharder(None, rollout_layout(get_bridge(hf_config), cfg), vllm_tp=r.tensor_parallel_size,
+                          bucket_bytes=r.sync_bucket_mb << 20, group=group, dtype=getattr(torch, cfg.model.dtype),
+                          device="cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        serve(engine, resharder, group, trainers, r.tensor_parallel_size)
+    finally:
+        engine.close()
+        shutdown()

@@ -1,0 +1,107 @@
+"""Disaggregated placement (``rollout.placement=disaggregated``): the split is validated before
+any process group starts; prompts are dealt over the engines and come back to their trainers
+in order; the weight sync from trainer shards to engine ranks of their own equals vLLM's own
+sharding for DP/TP/PP trainers and vLLM TP 1/2 (4 processes, no vLLM); and end to end, GRPO with
+one trainer rank and one vLLM rank samples with the weights it trains (fp32: the engine's
+logprobs equal the trainer's at every step, before and after a sync)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from alignment.config import ConfigError, rollout_ranks, validate
+from alignment.rollout.disaggregated import deal
+from tests.conftest import run_torchrun
+from tests.dist.tiny_llama import save_tiny_hf_dir
+from tests.test_config import SMOLLM2, cfg
+
+SPLIT = ("rollout.placement=disaggregated", "rollout.rollout_ranks=2")
+
+
+def test_the_split_is_validated_before_start():
+    c = cfg(*SPLIT, "parallel.tensor_model_parallel_size=3", "rollout.prompts_per_step=6")
+    assert rollout_ranks(c) == 2 and rollout_ranks(cfg()) == 0
+    validate(c, world_size=8, hf_config=SMOLLM2)  # 6 trainers at TP 3 (DP 2) + 2 engine ranks
+    validate(cfg(*SPLIT, name="ppo"), world_size=4, hf_config=SMOLLM2)
+    cases = [
+        ((*SPLIT,), 2, r"rollout.rollout_ranks=2: of the 2 processes started, the last rollout_ranks generate and "
+                       r"the others train, so it must be in \[1, 1\]"),
+        (("rollout.rollout_ranks=1",), 2, "rollout.rollout_ranks=1 only applies to rollout.placement=disaggregated"),
+        (("rollout.placement=split",), 2, "rollout.placement='split': valid values are colocated, disaggregated"),
+        ((*SPLIT, "rollout.backend=megatron"), 4, "set rollout.backend=vllm"),
+        ((*SPLIT, "rollout.tensor_parallel_size=4"), 4, r"rollout.tensor_parallel_size=4 must divide "
+                                                        r"rollout.rollout_ranks=2 .* valid: \[1, 2\]"),
+        ((*SPLIT, "rollout.check_weight_sync=true"), 4, "rollout.check_weight_sync=true compares"),
+        # the trainers' layout is checked over the trainer ranks only: 4 of them, TP 3 does not divide
+        ((*SPLIT, "parallel.tensor_model_parallel_size=3"), 6, "tensor_model_parallel_size=3 does not divide the "
+                                                                "world size 4"),
+        ((*SPLIT, "rollout.prompts_per_step=4"), 5, r"rollout.prompts_per_step=4 must be a multiple of the "
+                                                    r"data-parallel size 3 \(world 3 /"),
+    ]
+    for overrides, world, message in cases:
+        with pytest.raises((ConfigError, ValueError), match=message):
+            validate(cfg(*overrides), world_size=world, hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match="algorithm.name=sft trains on fixed data"):
+        validate(cfg(*SPLIT, name="sft"), world_size=4, hf_config=SMOLLM2)
+
+
+def test_prompts_are_dealt_round_robin_over_engines():
+    lists = [[[1], [2], [3]], [[4]], []]  # three trainers' prompts
+    assert deal(lists, 2) == [[(0, 0, [1]), (0, 2, [3])], [(0, 1, [2]), (1, 0, [4])]]
+    assert deal(lists, 1) == [[(0, 0, [1]), (0, 1, [2]), (0, 2, [3]), (1, 0, [4])]]
+    assert deal([[], []], 3) == [[], [], []]
+
+
+def test_weight_sync_from_trainers_to_engine_ranks(tmp_path):
+    """gqa test model: 4 layers, hidden 96, untied; 27 vLLM tensors per engine rank. The replicated
+    norms (2 per layer + the final one, 96 floats each) go whole to every vLLM TP rank, the rest is split."""
+    path = tmp_path / "disaggregated_reshard.json"
+    run_torchrun("disaggregated_reshard_worker.py", str(path), nproc=4, timeout=600)
+    cases = json.loads(path.read_text())
+    assert sorted(cases) == sorted(f"tp{tp}_pp{pp}->vllm_tp{v}" for tp, pp in ((1, 1), (2, 1), (1, 2)) for v in (1, 2))
+    norms = (2 * 4 + 1) * 96 * 4
+    for name, c in cases.items():
+        vtp = int(name[-1])
+        assert c["wrong"] == 0 and c["tensors"] == [27, 27], (name, c["first_wrong"])
+        assert c["trainer_tensors"] == 0 and c["engines_sent"] == 0  # trainers only send, engines only receive
+        # each engine rank receives exactly its vLLM TP shard, all of it from the trainers
+        assert c["received_bytes"] == [(c["model_bytes"] - norms) // vtp + norms] * 2, name
+        assert sum(c["sent_bytes"]) == sum(c["received_bytes"]), name
+    # DP 2: both trainers hold everything and the engine ranks take turns, one trainer each
+    assert cases["tp1_pp1->vllm_tp1"]["sent_bytes"] == [cases["tp1_pp1->vllm_tp1"]["model_bytes"]] * 2
+
+
+def test_grpo_with_a_trainer_rank_and_a_rollout_rank(tmp_path):
+    """1 trainer (Megatron, fp32) + 1 rank running the vLLM engine: prompts and samples cross
+    the stateless group, the whole model crosses it after every step; the engine's logprobs of
+    the sampled tokens equal the trainer's at step 1 (initial weights) and step 2 (synced
+    weights); the held-out evaluation runs on the engine rank too; a resumed run syncs the loaded
+    weights first."""
+    model_dir = save_tiny_hf_dir(tmp_path / "tiny")
+    out, result = tmp_path / "run", tmp_path / "result.json"
+    common = ["rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=4", "data.heldout_size=8",
+              "data.train_size=50", "rollout.max_tokens=16", "rollout.eval_max_tokens=8", "trainer.lr=1e-3",
+              "trainer.progress_bar=false", "rollout.placement=disaggregated", "rollout.rollout_ranks=1",
+              "trainer.export_hf=false"]
+    run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=2", *common, str(result),
+                 timeout=900)
+    s = json.loads(result.read_text())
+    assert s["world_size"] == 1 and len(s["memory"]) == 1  # the summary is the trainers'
+    first, second = s["history"]
+    assert first["kl"] == 0.0 and second["kl"] > 0.0 and first["grad_norm"] > 0.0 and 0.0 < first["reward/std"]
+    model_bytes = 4 * sum(t.numel() for t in load_file(model_dir / "model.safetensors").values())
+    for m in (first, second):
+        assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
+        assert 0.0 <= m["rollout_correction/kl"] < 1e-6, m
+        # the whole model leaves the trainer every step (vLLM TP 1; the tied LM head is not sent twice)
+        assert m["weight_sync/sent_mb"] * 2**20 == pytest.approx(model_bytes), m
+    assert 0.0 <= s["heldout_accuracy_before"] <= 1.0 and 0.0 <= s["heldout_accuracy_after"] <= 1.0
+    # resume from step 2 with one more step: the engine rank starts from the initial HF weights, the
+    # trainer's loaded ones reach it before the first rollout
+    run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=3", *common, str(result),
+                 timeout=900)
+    r = json.loads(result.read_text())
+    assert r["start_step"] == 2 and 1.0 <= r["history"][0]["token_mult_prob_error"] < 1.0 + 1e-4
