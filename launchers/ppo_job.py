@@ -152,5 +152,5 @@ def run(cfg) -> dict:
         "ppo", train, lambda prompts, step, version: ppo.collect(models, prompts, cfg, version),
         lambda rollout: ppo.train(models, rollout, cfg),
         {"policy": (models.policy, models.optimizer), "critic": (models.critic, models.critic_optimizer)},
-        WinRate(cfg, models, my_heldout))
+        WinRate(cfg, models, my_heldout), request=lambda prompts: ppo.request(prompts, cfg))
     return rl_loop.run(job, models, spec)

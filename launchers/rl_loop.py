@@ -2,7 +2,8 @@
 
     baseline -> resume -> evaluate -> for each step:
         collect (sample + reward) the batches of steps up to max_staleness ahead -> train this
-        step's batch -> sync weights -> log -> preemption check -> checkpoint
+        step's batch (while rollout ranks of their own sample the farthest one) -> sync weights
+        -> log -> preemption check -> checkpoint
     -> evaluate -> final checkpoint -> HF export -> summary
 
 What differs between algorithms comes in an :class:`RLJob` (its ``collect`` and ``train``, the
@@ -20,9 +21,11 @@ the schedule of verl's and NeMo-RL's one-step-off / async GRPO). The loss then w
 by ``pi_old / pi_rollout`` (decoupled PPO, Hilton et al. 2021: the trust region around the
 trainer's current policy, the importance weight from the behaviour policy: the engine's logprobs
 recorded with each sample; ``algorithm.rollout_correction``). In a colocated job the engine and
-the trainer share the ranks, so sampling ahead changes what is trained on, not the wall time;
-overlapping the two needs rollout ranks of their own. Batches sampled ahead are not checkpointed:
-a resumed run samples them again (same prompts, by the resumed policy).
+the trainer share the ranks, so sampling ahead changes what is trained on, not the wall time.
+With rollout ranks of their own (``rollout.placement=disaggregated``) the farthest batch is
+posted before step ``s`` trains and collected after it (:class:`RolloutQueue`), so the engines
+sample it while the trainers train. Batches sampled ahead are not checkpointed: a resumed run
+samples them again (same prompts, by the resumed policy).
 """
 
 from __future__ import annotations
@@ -58,7 +61,9 @@ class RLJob:
     ``collect(items, step, version)``: this DP rank's :class:`alignment.trainers.rl_phases.Rollout`
     for ``items``, sampled by the policy after ``version`` optimizer steps.
     ``train(rollout)``: (global metrics, phase seconds). ``trained``: name -> (model, optimizer)
-    of what checkpoints hold. ``evaluation``: see :class:`Evaluation`.
+    of what checkpoints hold. ``evaluation``: see :class:`Evaluation`. ``request(items)``: the
+    ``(prompts, SamplingConfig)`` of the first generation ``collect(items, ...)`` asks for, so that
+    an engine on rollout ranks of its own can start it early (:class:`RolloutQueue`'s ``post``).
     """
 
     name: str
@@ -67,36 +72,63 @@ class RLJob:
     train: Callable
     trained: dict
     evaluation: Evaluation
+    request: Callable | None = None
 
 
 class RolloutQueue:
     """Batches sampled ahead of training, at most ``max_staleness`` steps ahead (see the module
     docstring). ``collect(step, version)`` samples step ``step``'s batch by the policy of
-    ``version`` updates; ``first``: the step the run starts at; ``end``: one past the last step."""
+    ``version`` updates; ``first``: the step the run starts at; ``end``: one past the last step.
 
-    def __init__(self, collect: Callable, max_staleness: int, first: int, end: int):
-        self.collect, self.max_staleness, self.end = collect, max_staleness, end
-        self.pending, self.next_step = deque(), first
+    ``post(step)``, when given (an engine on rollout ranks of its own: ``rollout.placement=
+    disaggregated``), starts the generation of step ``step``'s batch without waiting for it: the
+    farthest batch a step needs is then posted by :meth:`pop` and collected by :meth:`complete`
+    after the step trained, so the engines sample it while the trainers train (its ``collect``
+    receives what was posted). The versions are those of the schedule without ``post``.
+    """
+
+    def __init__(self, collect: Callable, max_staleness: int, first: int, end: int, post: Callable | None = None):
+        self.collect, self.max_staleness, self.end, self.post = collect, max_staleness, end, post
+        self.pending, self.next_step, self.posted = deque(), first, None
+
+    def _collect(self, step: int, version: int) -> float:
+        rollout = self.collect(step, version)
+        rollout.step = step
+        self.pending.append(rollout)
+        self.next_step = step + 1
+        return rollout.seconds
 
     def pop(self, step: int, version: int):
         """Step ``step``'s batch, after sampling (by the policy of ``version`` updates) every batch of
-        steps ``<= step + max_staleness`` not yet sampled; returns ``(rollout, seconds spent sampling now)``.
-        The schedule of verl's one-step-off-policy trainer for ``max_staleness=1``.
+        steps ``<= step + max_staleness`` not yet sampled (the last of them only posted, with
+        ``post``); returns ``(rollout, seconds spent sampling now)``. The schedule of verl's
+        one-step-off-policy trainer for ``max_staleness=1``.
 
         Raises:
-            RuntimeError: ``step`` is not the next step the queue holds (steps must be popped in order).
+            RuntimeError: ``step`` is not the next step the queue holds (steps must be popped in
+                order), or a posted batch was not completed.
         """
-        seconds = 0.0
-        while self.next_step <= min(step + self.max_staleness, self.end - 1):
-            rollout = self.collect(self.next_step, version)
-            rollout.step = self.next_step
-            seconds += rollout.seconds
-            self.pending.append(rollout)
-            self.next_step += 1
+        if self.posted is not None:
+            raise RuntimeError(f"rollout queue: the batch of step {self.posted[0]} was posted but never completed")
+        seconds, last = 0.0, min(step + self.max_staleness, self.end - 1)
+        while self.next_step <= last:
+            if self.post is not None and self.next_step == last > step:
+                self.post(last)
+                self.posted = (last, version)
+                break
+            seconds += self._collect(self.next_step, version)
         rollout = self.pending.popleft()
         if rollout.step != step:
             raise RuntimeError(f"rollout queue out of order: step {step} got the batch of step {rollout.step}")
         return rollout, seconds
+
+    def complete(self) -> float:
+        """Collect the batch :meth:`pop` posted, if any (by the version it was posted with); returns
+        the seconds spent waiting for it and rewarding it."""
+        if self.posted is None:
+            return 0.0
+        (step, version), self.posted = self.posted, None
+        return self._collect(step, version)
 
 
 def prompts_of_step(train_set: Sequence, step: int, prompts_per_step: int, dp_rank: int, dp: int) -> list:
@@ -122,7 +154,7 @@ def run(job, models, spec: RLJob) -> dict:
     from alignment.trainers.checkpoint import (latest_checkpoint, load_models_checkpoint, save_hf_checkpoint,
                                                save_models_checkpoint)
     from alignment.trainers.offload import trainable
-    from alignment.trainers.rl_phases import sync_weights
+    from alignment.trainers.rl_phases import post_for_group, sync_weights
     from launchers import preemption
     from launchers.profiling import peak_rss_bytes
 
@@ -149,15 +181,23 @@ def run(job, models, spec: RLJob) -> dict:
     startup_s = job.seconds_since_launch()
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    queue = RolloutQueue(lambda s, version: spec.collect(
-        prompts_of_step(spec.train_set, s, cfg.rollout.prompts_per_step, dp_rank, dp), s, version),
-        cfg.rollout.max_staleness, start_step, t.steps)
+
+    def items(s: int) -> list:
+        return prompts_of_step(spec.train_set, s, cfg.rollout.prompts_per_step, dp_rank, dp)
+
+    post = None
+    if spec.request is not None and getattr(models.engine, "prefetch", None) is not None:
+        def post(s: int) -> None:  # engines of their own sample step s while this step trains
+            post_for_group(models.engine, *spec.request(items(s)))
+    queue = RolloutQueue(lambda s, version: spec.collect(items(s), s, version), cfg.rollout.max_staleness,
+                         start_step, t.steps, post)
     steps = job.progress(start_step, t.steps, spec.name)
     for step in steps:  # the policy has had `step` updates
         t0 = time.perf_counter()
         job.profiler.begin(step)
         rollout, rollout_s = queue.pop(step, version=step)
         metrics, times = spec.train(rollout)
+        rollout_s += queue.complete()  # the batch posted before this step trained
         t1 = time.perf_counter()
         models.placement.keep("policy")
         metrics.update(sync_weights(models, cfg.rollout.check_weight_sync), **models.placement.pop_stats())

@@ -141,7 +141,8 @@ def run_rl(cfg: DictConfig) -> dict:
         return grpo.collect(models, problems, cfg, refill, version)
 
     spec = rl_loop.RLJob("grpo", train, collect, lambda rollout: grpo.train(models, rollout, cfg),
-                         {"policy": (models.policy, models.optimizer)}, HeldoutAccuracy(job, models, heldout))
+                         {"policy": (models.policy, models.optimizer)}, HeldoutAccuracy(job, models, heldout),
+                         request=lambda problems: grpo.request(models.tokenizer, problems, cfg))
     return rl_loop.run(job, models, spec)
 
 

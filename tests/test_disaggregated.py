@@ -79,7 +79,7 @@ def test_grpo_with_a_trainer_rank_and_a_rollout_rank(tmp_path):
     the stateless group, the whole model crosses it after every step; the engine's logprobs of
     the sampled tokens equal the trainer's at step 1 (initial weights) and step 2 (synced
     weights); the held-out evaluation runs on the engine rank too; a resumed run syncs the loaded
-    weights first."""
+    weights first, and one-step off-policy it trains on batches the engine sampled meanwhile."""
     model_dir = save_tiny_hf_dir(tmp_path / "tiny")
     out, result = tmp_path / "run", tmp_path / "result.json"
     common = ["rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=4", "data.heldout_size=8",
@@ -99,9 +99,14 @@ def test_grpo_with_a_trainer_rank_and_a_rollout_rank(tmp_path):
         # the whole model leaves the trainer every step (vLLM TP 1; the tied LM head is not sent twice)
         assert m["weight_sync/sent_mb"] * 2**20 == pytest.approx(model_bytes), m
     assert 0.0 <= s["heldout_accuracy_before"] <= 1.0 and 0.0 <= s["heldout_accuracy_after"] <= 1.0
-    # resume from step 2 with one more step: the engine rank starts from the initial HF weights, the
-    # trainer's loaded ones reach it before the first rollout
-    run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=3", *common, str(result),
-                 timeout=900)
+    # resume from step 2 for two more steps, one-step off-policy: the engine rank starts from the
+    # initial HF weights and the trainer's loaded ones reach it before the first rollout; step 3's
+    # batch is posted before step 2 trains and sampled by the engine while the trainer trains
+    run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=4", *common,
+                 "rollout.max_staleness=1", "algorithm.rollout_correction.is_level=token", str(result), timeout=900)
     r = json.loads(result.read_text())
-    assert r["start_step"] == 2 and 1.0 <= r["history"][0]["token_mult_prob_error"] < 1.0 + 1e-4
+    assert r["start_step"] == 2 and [m["rollout/staleness"] for m in r["history"]] == [0.0, 1.0]
+    on_policy, stale = r["history"]
+    assert 1.0 <= on_policy["token_mult_prob_error"] < 1.0 + 1e-4, on_policy
+    # sampled by the policy one update older than the trainer's: a real gap, weighted by TIS
+    assert stale["token_mult_prob_error"] > 1.0 + 1e-3 and stale["rollout_correction/kl"] > 1e-6, stale

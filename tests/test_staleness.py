@@ -65,6 +65,42 @@ def test_max_staleness_2_from_a_resume_refills_the_queue_with_the_resumed_policy
                                  ("train", 4, 3), ("train", 5, 3)]
 
 
+def overlapped_schedule(max_staleness: int, first: int, end: int) -> list[tuple]:
+    """As :func:`schedule`, with ``post`` (engines on rollout ranks of their own) and the loop's
+    ``complete()`` after each step trained; ("post", step) when a batch's generation starts."""
+    events = []
+
+    def collect(step, version):
+        events.append(("collect", step, version))
+        return FakeRollout(version)
+
+    queue = RolloutQueue(collect, max_staleness, first, end, post=lambda step: events.append(("post", step)))
+    for step in range(first, end):
+        rollout, _ = queue.pop(step, version=step)
+        events.append(("train", step, rollout.version))
+        queue.complete()
+    return events
+
+
+def test_posted_batches_are_sampled_while_a_step_trains():
+    # max_staleness=1: step s + 1's generation starts before step s trains and is collected after it,
+    # by the same policy versions as without posting
+    assert overlapped_schedule(1, 0, 4) == [("collect", 0, 0), ("post", 1), ("train", 0, 0), ("collect", 1, 0),
+                                            ("post", 2), ("train", 1, 0), ("collect", 2, 1),
+                                            ("post", 3), ("train", 2, 1), ("collect", 3, 2),
+                                            ("train", 3, 2)]
+    collected = [e for e in overlapped_schedule(2, 3, 7) if e[0] != "post"]
+    plain = schedule(2, 3, 7)
+    assert sorted(e for e in collected if e[0] == "collect") == sorted(e for e in plain if e[0] == "collect")
+    assert [e for e in collected if e[0] == "train"] == [e for e in plain if e[0] == "train"]
+    # max_staleness=0 keeps nothing ahead: nothing to post
+    assert overlapped_schedule(0, 0, 2) == schedule(0, 0, 2)
+    queue = RolloutQueue(lambda step, version: FakeRollout(version), 1, 0, 4, post=lambda step: None)
+    queue.pop(0, 0)
+    with pytest.raises(RuntimeError, match="the batch of step 1 was posted but never completed"):
+        queue.pop(1, 1)
+
+
 def test_queue_refuses_a_step_out_of_order():
     queue = RolloutQueue(lambda step, version: FakeRollout(version), 1, 0, 4)
     queue.pop(0, 0)

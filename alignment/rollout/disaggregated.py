@@ -7,7 +7,9 @@ in it.
 
 - ``generate``: every trainer contributes its prompts (an all-gather); the prompts, in trainer
   rank order, are dealt round-robin over the engines; each engine's first rank contributes its
-  samples (a second all-gather) and every trainer takes back its own, in its prompt order.
+  samples (a second all-gather) and every trainer takes back its own, in its prompt order. The
+  trainers may post a request and collect its samples later (:meth:`RemoteEngine.prefetch`):
+  the engines then generate while the trainers train (``rollout.max_staleness >= 1``).
 - ``sync``: the resharder moves the trainers' shards into the engines' layout
   (:class:`parallel.reshard.Resharder` with ``group``), bucket by bucket, straight into the
   running engines.
@@ -51,11 +53,34 @@ class RemoteEngine:
 
     def __init__(self, group, tokenizer, trainers: int):
         self.group, self.tokenizer, self.trainers = group, tokenizer, trainers
+        self.posted = None  # (prompts, sampling) the engines are working on
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
-        """``sampling.n`` samples for each of this trainer's prompts, from the rollout ranks."""
+    def prefetch(self, prompts: list[list[int]], sampling: SamplingConfig) -> None:
+        """Send the request and return at once: the engines generate while the trainers go on, and
+        the next :meth:`generate` with the same arguments receives the samples. Nothing else may
+        go to the rollout ranks in between (they wait to hand the samples over).
+
+        Raises:
+            RuntimeError: a request is already posted.
+        """
+        if self.posted is not None:
+            raise RuntimeError("RemoteEngine.prefetch: a request is already posted; generate() receives it first")
         self.group.broadcast_object((GENERATE, sampling), 0)
         self.group.all_gather_object(prompts)
+        self.posted = (prompts, sampling)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
+        """``sampling.n`` samples for each of this trainer's prompts, from the rollout ranks (the
+        posted request's, when it is this one).
+
+        Raises:
+            RuntimeError: a different request was posted (the trainers' schedule is broken).
+        """
+        if self.posted is None:
+            self.prefetch(prompts, sampling)
+        posted, self.posted = self.posted, None
+        if posted != (prompts, sampling):
+            raise RuntimeError("RemoteEngine.generate: asked for other prompts or sampling than the posted request")
         out: list = [None] * len(prompts)
         for part in self.group.all_gather_object(None)[self.trainers:]:
             for rank, k, samples in part or ():

@@ -139,6 +139,14 @@ def evaluate(models: Models, problems: list[Problem], task: str, max_tokens: int
     return all_reduce_sum([correct if replica_group().rank() == 0 else 0])[0] / len(problems)
 
 
+def request(tokenizer, problems: list[Problem], cfg) -> tuple[list[list[int]], SamplingConfig]:
+    """What GRPO asks the engine for ``problems``: their prompts (token ids, the task's chat
+    prompt) and ``group_size`` samples each at the rollout's sampling settings."""
+    r = cfg.rollout
+    prompts = [build_prompt_ids(tokenizer, p.question, cfg.data.task) for p in problems]
+    return prompts, SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
+
+
 def sample_groups(models: Models, problems: list[Problem], cfg, refill: Callable[[int], list[Problem]] | None = None):
     """Sample ``group_size`` responses per problem and reward them.
 
@@ -152,11 +160,10 @@ def sample_groups(models: Models, problems: list[Problem], cfg, refill: Callable
         ``(samples, rewards [N], info)`` with ``info`` = {"rounds", "filled_groups"}.
     """
     a, r = cfg.algorithm, cfg.rollout
-    sampling = SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
     kept, dropped, rounds, todo = [], [], 0, problems
     while True:
         rounds += 1 if todo else 0
-        prompts = [build_prompt_ids(models.tokenizer, p.question, cfg.data.task) for p in todo]
+        prompts, sampling = request(models.tokenizer, todo, cfg)
         for p, g in zip(todo, generate_for_group(models.engine, prompts, sampling)):
             rw = torch.tensor([score_response(p, s.text) for s in g])
             if a.overlong_buffer_len > 0:

@@ -125,15 +125,20 @@ def _train_policy(models: PPOModels, mb_list, normalizer: float, loss_cfg: GRPOL
     return out, float(grad_norm) if grad_norm is not None else 0.0
 
 
+def request(prompts: list[list[int]], cfg) -> tuple[list[list[int]], SamplingConfig]:
+    """What PPO asks the engine for ``prompts`` (token ids): ``group_size`` samples each at the
+    rollout's sampling settings."""
+    r = cfg.rollout
+    return prompts, SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
+
+
 def collect(models: PPOModels, prompts: list[list[int]], cfg, version: int = 0) -> Rollout:
     """The rollout collector: ``group_size`` responses to each of this DP rank's ``prompts`` (token
     ids) by the policy of ``version`` optimizer steps, scored by the frozen reward model (the
     scores live on the last pipeline stage, zeros elsewhere). The padded batch rides along."""
-    r = cfg.rollout
     t0 = time.perf_counter()
     with rollout_phase(models):
-        groups = generate_for_group(models.engine, prompts, SamplingConfig(
-            n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens))
+        groups = generate_for_group(models.engine, *request(prompts, cfg))
     samples = [s for g in groups for s in g]
     if cfg.trainer.balance_batch:  # nothing is per group in PPO: re-deal the sequences by token count now
         samples, _ = balance_over_dp(samples, [])

@@ -93,6 +93,16 @@ def generate_for_group(engine, prompts: list[list[int]], sampling: SamplingConfi
     return out
 
 
+def post_for_group(engine, prompts: list[list[int]], sampling: SamplingConfig) -> None:
+    """Start, without waiting, the generation that :func:`generate_for_group` with the same
+    arguments will then return (an engine with ``prefetch``: rollout ranks of its own); each rank
+    posts the share :func:`generate_for_group` would ask for."""
+    from parallel.state import replica_group
+
+    group = replica_group()
+    engine.prefetch(prompts[dist.get_rank(group)::dist.get_world_size(group)], sampling)
+
+
 def policy_logprobs(model, microbatches, vocab_size: int, temperature: float = 1.0,
                     packing: bool = False, positions: str | None = "response_mask",
                     share_prompts: bool = False) -> torch.Tensor | None:
