@@ -137,6 +137,30 @@ def rollout_engine(cfg, hf_dir: Path, policy, bridge, vocab_size: int, rank: int
     return engine, resharder
 
 
+def serve_as_rollout_rank(cfg, hf_dir: Path, hf_config) -> None:
+    """All a rollout rank of a disaggregated job does: build its vLLM engine from ``hf_dir`` (the
+    initial policy) and the receiving side of the weight sync, serve the trainers until they stop
+    it (:func:`alignment.rollout.disaggregated.serve`), then close the engine and the groups."""
+    from alignment.models.families import get_bridge
+    from alignment.rollout.disaggregated import serve
+    from alignment.rollout.factory import build_engine
+    from parallel.reshard import Resharder
+    from parallel.state import shutdown, trainer_rollout_group
+
+    group, r = trainer_rollout_group(), cfg.rollout
+    trainers = group.size - r.rollout_ranks
+    engine = build_engine(cfg, hf_dir=hf_dir, policy=None, vocab_size=hf_config.vocab_size,
+                          rank=group.rank - trainers, data_parallel_size=1)
+    resharder = Resharder(None, rollout_layout(get_bridge(hf_config), cfg), vllm_tp=r.tensor_parallel_size,
+                          bucket_bytes=r.sync_bucket_mb << 20, group=group, dtype=getattr(torch, cfg.model.dtype),
+                          device="cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        serve(engine, resharder, group, trainers, r.tensor_parallel_size)
+    finally:
+        engine.close()
+        shutdown()
+
+
 def start(cfg) -> Run:
     """Validate ``cfg`` against the world size and the model (before any process group), set
     the CPU threads per process, initialise the parallel groups, create the output dir with
@@ -175,9 +199,7 @@ def start(cfg) -> Run:
     engines = rollout_ranks(cfg)
     init_distributed(ParallelLayout(world_size=world - engines, **cfg.parallel), seed=cfg.seed, rollout_ranks=engines)
     if is_rollout_rank():
-        from alignment.rollout.disaggregated import run_rollout_rank
-
-        run_rollout_rank(cfg, hf_dir, hf_config)
+        serve_as_rollout_rank(cfg, hf_dir, hf_config)
         raise SystemExit(0)
     world -= engines
     run = Run(cfg, rank, world, hf_dir, hf_config, Path(cfg.output_dir))

@@ -103,7 +103,8 @@ class ReshardPlan:
             raise ValueError(f"rollout.tensor_parallel_size={vllm_tp} must divide the {len(dests)} engine ranks")
         world = max(len(infos), max(dests) + 1)
         self.rank, self.world, self.vllm_tp, self.destinations = rank, world, vllm_tp, dests
-        engine_tp = {d: i % vllm_tp for i, d in enumerate(dests)}
+        engine_index = {d: i for i, d in enumerate(dests)}
+        engine_tp = {d: i % vllm_tp for d, i in engine_index.items()}
         per_rank = {r: targets(r) for r in range(vllm_tp)}
         holders: dict[tuple[str, int], list[RankInfo]] = defaultdict(list)
         for info in infos:
@@ -116,7 +117,7 @@ class ReshardPlan:
             if not cands:
                 raise ValueError(f"no training rank holds {piece.source} (TP rank {piece.source_tp_rank})")
             if dst >= len(infos):  # an engine rank of its own: holders take turns
-                return cands[dests.index(dst) % len(cands)].rank
+                return cands[engine_index[dst] % len(cands)].rank
             # the destination itself, else its own replica, else the nearest holder (spreads senders)
             return min(cands, key=lambda c: (c.rank != dst, c.dp != infos[dst].dp, abs(c.rank - dst), c.rank)).rank
 

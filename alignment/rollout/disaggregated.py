@@ -16,7 +16,8 @@ in it.
 - ``stop``: the rollout ranks close their engines and exit.
 
 The trainers see an ordinary :class:`alignment.rollout.base.RolloutEngine`
-(:class:`RemoteEngine`); the rollout ranks run :func:`serve` until told to stop. This is the
+(:class:`RemoteEngine`); the rollout ranks run :func:`serve` until told to stop
+(:func:`launchers.common.serve_as_rollout_rank` builds what it needs). This is the
 layout of verl's and NeMo-RL's non-colocated generation and of slime's rollout engines.
 """
 
@@ -135,26 +136,3 @@ def serve(engine, resharder, group, trainers: int, engine_tp: int) -> None:
         else:
             raise RuntimeError(f"rollout rank {group.rank}: unknown command {command!r} from the trainers")
 
-
-def run_rollout_rank(cfg, hf_dir, hf_config) -> None:
-    """All a rollout rank does in a job: build its vLLM engine from ``hf_dir`` (the initial policy)
-    and the receiving side of the weight sync, serve the trainers until they stop it, then close
-    the engine and the process groups."""
-    from alignment.models.families import get_bridge
-    from alignment.rollout.factory import build_engine
-    from launchers.common import rollout_layout
-    from parallel.reshard import Resharder
-    from parallel.state import shutdown, trainer_rollout_group
-
-    group, r = trainer_rollout_group(), cfg.rollout
-    trainers = group.size - r.rollout_ranks
-    engine = build_engine(cfg, hf_dir=hf_dir, policy=None, vocab_size=hf_config.vocab_size,
-                          rank=group.rank - trainers, data_parallel_size=1)
-    resharder = Resharder(None, rollout_layout(get_bridge(hf_config), cfg), vllm_tp=r.tensor_parallel_size,
-                          bucket_bytes=r.sync_bucket_mb << 20, group=group, dtype=getattr(torch, cfg.model.dtype),
-                          device="cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        serve(engine, resharder, group, trainers, r.tensor_parallel_size)
-    finally:
-        engine.close()
-        shutdown()
