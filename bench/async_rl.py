@@ -1,4 +1,4 @@
-"""Synchronous against one-step off-policy GRPO, side by side in one invocation: the main job
+"""Synchronous, one-step off-policy and disaggregated GRPO, side by side in one invocation: the main job
 (SmolLM2-135M, arithmetic, 8 prompts x 8 samples, seed 1234) once per mode, then a table of step
 time, samples/s, phase times and held-out accuracy, and a pipeline model of what the same phases
 would give on a cluster with rollout ranks of their own.
@@ -9,13 +9,19 @@ Modes (``rollout.max_staleness``, :mod:`launchers.rl_loop`):
   sync            0: each step samples its own batch, then trains on it (on-policy)
   one-step-off    1: step s+1's batch is sampled before step s trains; the loss weights each
                      token by min(pi_old / pi_rollout, 2) (``algorithm.rollout_correction.is_level=token``)
-Disaggregated placement (rollout ranks apart from training ranks) is not built yet.
+  disaggregated   ``rollout.placement=disaggregated rollout.rollout_ranks=1``: the last process
+                  only runs the vLLM engine, the others only train (2 processes: 1 + 1), with
+                  ``max_staleness`` 0 (the trainer waits for every rollout) and 1 (step s+1's batch
+                  is generated on the engine's core while step s trains on the trainer's)
 
-What 2 cores can show: whether training on one-step-old samples learns as well (accuracy), and
-what each phase costs. What they cannot: a speed-up. The engine and the trainer of a colocated
-job take turns on the same cores, so sampling ahead only changes which policy sampled a batch;
-overlapping generation with training needs devices of their own. The pipeline model below
-estimates that from the measured phase times (medians, first step skipped as warm-up).
+What 2 cores can show: whether training on one-step-old samples learns as well (accuracy), what
+each phase costs, and a disaggregated split of the cores (1 training, 1 generating) against
+the colocated job's 2 cores taking turns. What they cannot: a cluster's gain. The engine and the trainer of a colocated job take
+turns on the same cores, so sampling ahead only changes which policy sampled a batch; the
+disaggregated job overlaps the two sides, but each side has half the cores. The pipeline model
+below predicts the disaggregated step from the synchronous run's phases (medians, first step
+skipped as warm-up) in two regimes, so the measured disaggregated rows say which regime this
+machine's generation is in, and what a cluster's would give.
 """
 
 from __future__ import annotations
@@ -30,7 +36,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = {"sync": [], "one-step-off": ["rollout.max_staleness=1", "algorithm.rollout_correction.is_level=token"]}
+OFF_POLICY = ["rollout.max_staleness=1", "algorithm.rollout_correction.is_level=token"]
+SPLIT = ["rollout.placement=disaggregated", "rollout.rollout_ranks=1"]
+MODES = {"sync": [], "one-step-off": OFF_POLICY, "disaggregated sync": SPLIT,
+         "disaggregated one-step-off": SPLIT + OFF_POLICY}
 PHASES = ("rollout", "logprobs", "train", "weight_sync")
 
 
@@ -81,11 +90,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--rollout-share", type=float, default=0.5, help="pipeline model: share of devices generating")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
     args = ap.parse_args()
+    modes = args.modes.split(",")
+    if "sync" not in modes or not set(modes) <= set(MODES):
+        ap.error(f"--modes={args.modes}: give 'sync' (the baseline) and any of {', '.join(MODES)}")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, overrides in MODES.items():
-            results[name] = run_mode(overrides, args.steps, args.nproc, Path(tmp) / name)
+        for name in modes:
+            results[name] = run_mode(MODES[name], args.steps, args.nproc, Path(tmp) / name.replace(" ", "_"))
     samples = 8 * 8  # configs/grpo.yaml: prompts_per_step x group_size
     base = medians(results["sync"])["step"]
     print(f"\nGRPO, SmolLM2-135M, {args.nproc} processes, {args.steps} steps, medians after the first step")
@@ -96,8 +109,8 @@ def main() -> None:
         print(f"| {name} | {m['step']:.1f} | {samples / m['step']:.2f} | {base / m['step']:.2f}x | "
               + " | ".join(f"{m[k]:.2f}" for k in PHASES)
               + f" | {summary['heldout_accuracy_before']:.1%} | {summary['heldout_accuracy_after']:.1%} |")
-    print("| disaggregated | not built yet (issue 15 item 3) | | | | | | | | |")
-    print(f"\nPipeline model from the sync run's phases (pipeline_model; rollout share {args.rollout_share}):")
+    print(f"\nPipeline model from the sync run's phases (pipeline_model; rollout share {args.rollout_share};"
+          " the disaggregated rows above are this model's 'f=0.50' rows measured):")
     model = pipeline_model(medians(results["sync"]), args.rollout_share)
     colocated = model["colocated, synchronous"]
     print("| layout | step s | vs colocated |\n|---|---|---|")

@@ -249,3 +249,19 @@ def test_offload_to_pinned_host_memory_frees_the_gpu_and_trains_identically():
     assert freed_plain == [0, 0, 0]
     assert all(f >= 3 * weights for f in freed)  # weights + Adam's two moments left the GPU
     assert place.pin_memory and place.pop_stats()["offload/gb_moved"] > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_disaggregated_weight_sync_from_a_gpu_trainer_into_gpu_buffers(tmp_path, dtype):
+    """rollout.placement=disaggregated on CUDA: a trainer whose shards live on the GPU sends the
+    whole model to an engine rank that receives into GPU buffers (the stateless gloo group
+    stages both ends through host memory); every vLLM tensor equals vLLM's own sharding of the
+    HF weights, on the GPU, in the parameters' dtype, and exactly the model's bytes cross."""
+    from tests.conftest import run_torchrun
+
+    path = tmp_path / "result.json"
+    run_torchrun("disaggregated_cuda_worker.py", dtype, str(path), nproc=2, timeout=600)
+    r = json.loads(path.read_text())
+    assert r["wrong"] == 0 and r["tensors"] == 27, r["first_wrong"]
+    assert r["devices"] == ["cuda"] and r["dtypes"] == [f"torch.{dtype}"]
+    assert r["sent_bytes"] == r["received_bytes"] == r["model_bytes"]
