@@ -18,6 +18,18 @@ from hydra.core.config_store import ConfigStore
 
 
 @dataclass
+class LoRAConfig:
+    """``model.lora``: LoRA adapters on Megatron's linears (parallel/lora.py; Hu et al. 2021), the
+    base weights frozen. ``rank`` 0: off (full fine-tuning)."""
+
+    rank: int = 0
+    alpha: float = 16.0  # scale = alpha / rank (PEFT's lora_alpha)
+    dropout: float = 0.0  # on the adapter's input (PEFT's lora_dropout)
+    # Megatron's names: attention (linear_qkv, linear_proj) and dense MLP (linear_fc1, linear_fc2) linears
+    target_modules: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+
+
+@dataclass
 class ModelConfig:
     """Which model: ``path`` is an HF directory, a ``.gguf`` file or "smollm2"; ``dtype`` of the weights."""
 
@@ -30,6 +42,7 @@ class ModelConfig:
     # mixture-of-experts models: weight of the router's load-balancing (switch) loss, averaged over
     # micro-batches and data-parallel ranks; null = the HF config's router_aux_loss_coef
     moe_aux_loss_coeff: Optional[float] = None
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass
@@ -405,6 +418,36 @@ def _validate_placement(cfg, world_size: int) -> None:
                           "own process, which a disaggregated job's engines are not; set it to false")
 
 
+def _validate_lora(cfg) -> None:
+    """``model.lora``: a rank >= 0, a positive alpha, a dropout in [0, 1), known targets."""
+    from parallel.lora import TARGETS
+
+    lo = cfg.model.lora
+    if lo.rank < 0:
+        raise ConfigError(f"model.lora.rank={lo.rank}: must be >= 0 (0: no adapters, full fine-tuning; e.g. 16)")
+    if lo.rank == 0:
+        return
+    if lo.alpha <= 0:
+        raise ConfigError(f"model.lora.alpha={lo.alpha}: must be > 0 (the adapters' scale is alpha / rank)")
+    if not 0 <= lo.dropout < 1:
+        raise ConfigError(f"model.lora.dropout={lo.dropout}: must be in [0, 1)")
+    unknown = sorted(set(lo.target_modules) - set(TARGETS))
+    if unknown or not lo.target_modules:
+        raise ConfigError(f"model.lora.target_modules={list(lo.target_modules)}: give one or more of "
+                          f"{', '.join(TARGETS)} (Megatron's linear names)")
+
+
+def lora_spec(cfg):
+    """The :class:`parallel.lora.LoRASpec` of ``model.lora``, or None when ``rank`` is 0."""
+    from parallel.lora import LoRASpec
+
+    lo = cfg.model.lora
+    if lo.rank == 0:
+        return None
+    return LoRASpec(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, target_modules=tuple(lo.target_modules),
+                    seed=cfg.seed)
+
+
 def _validate_backend(r, layout) -> None:
     """``rollout.backend``: a known one; ``megatron`` generates on whole or tensor-parallel model
     replicas, without sequence parallelism."""
@@ -480,6 +523,7 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
     if cfg.model.moe_aux_loss_coeff is not None and cfg.model.moe_aux_loss_coeff < 0:
         raise ConfigError(f"model.moe_aux_loss_coeff={cfg.model.moe_aux_loss_coeff}: must be >= 0 (0: no "
                           f"load-balancing loss; null: the HF config's router_aux_loss_coef)")
+    _validate_lora(cfg)
     dp = layout.data_parallel_size
     r, t = cfg.rollout, cfg.trainer
     _validate_lengths(cfg, layout, hf_config, tokenizer_size)

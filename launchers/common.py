@@ -98,6 +98,25 @@ def job_transformer_config(cfg, hf_config):
                               **cfg.parallel)
 
 
+def add_adapters(cfg, model, head: bool = False) -> bool:
+    """``model.lora`` (rank > 0): LoRA adapters on ``model``'s linears, every other weight frozen
+    (:func:`parallel.lora.apply_lora`), a value model's scalar head (``head``: ``output_layer``)
+    kept trainable. Call before :func:`alignment.trainers.megatron_step.setup_training`. Returns
+    whether adapters were added (then the job's reference is :class:`parallel.lora.FrozenBase`)."""
+    from alignment.config import lora_spec
+    from parallel.lora import apply_lora
+
+    spec = lora_spec(cfg)
+    if spec is None:
+        return False
+    apply_lora(model, spec)
+    if head:
+        for name, p in model.named_parameters():
+            if name.startswith("output_layer."):
+                p.requires_grad_(True)
+    return True
+
+
 def rollout_layout(bridge, cfg):
     """The resharder's target layout (:meth:`alignment.models.bridge.Bridge.vllm_layout`) for this
     job's training TP (and expert TP) and its engines' ``rollout.tensor_parallel_size``."""

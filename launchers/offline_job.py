@@ -46,7 +46,9 @@ def tokenize_split(cfg, tokenizer, split: str) -> list[list[tuple[list[int], int
 
 
 def build(cfg, hf_dir: Path, hf_config, objective):
-    """This rank's trained shard (DDP + optimizer) and the frozen reference when needed."""
+    """This rank's trained shard (DDP + optimizer; with ``model.lora`` its adapters, and a reward
+    model's scalar head, only trained) and the frozen reference when needed (with LoRA the trained
+    shard with its adapters off)."""
     from transformers import AutoTokenizer
 
     from alignment.models.families import get_bridge
@@ -55,7 +57,8 @@ def build(cfg, hf_dir: Path, hf_config, objective):
     from alignment.models.weights import lazy_safetensors, load_hf_weights
     from alignment.trainers.megatron_step import OptimConfig, main_param_writer, setup_training
     from alignment.trainers.offline import OfflineModels
-    from launchers.common import job_transformer_config
+    from launchers.common import add_adapters, job_transformer_config
+    from parallel.lora import FrozenBase
 
     hf_state = lazy_safetensors(hf_dir)
     tcfg = lambda: job_transformer_config(cfg, hf_config)  # noqa: E731
@@ -68,12 +71,15 @@ def build(cfg, hf_dir: Path, hf_config, objective):
     else:
         bridge = get_bridge(hf_config)
         model = build_gpt_model(hf_config, tcfg())
+    lora = add_adapters(cfg, model, head=objective.value_head)
     ddp, optimizer = setup_training(model, OptimConfig(
         lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay, clip_grad=cfg.trainer.clip_grad,
         use_distributed_optimizer=cfg.trainer.use_distributed_optimizer))
     load_hf_weights(model, hf_state, bridge, skip=skip, main_params=main_param_writer(optimizer))
     reference = None
-    if objective.needs_reference:
+    if objective.needs_reference and lora:
+        reference = FrozenBase(ddp)  # the base weights with the adapters off: no second copy
+    elif objective.needs_reference:
         reference = build_gpt_model(hf_config, tcfg()).eval()
         load_hf_weights(reference, hf_state, bridge)
         reference.requires_grad_(False)

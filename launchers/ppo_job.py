@@ -29,13 +29,16 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     from alignment.trainers.megatron_step import OptimConfig, main_param_writer, setup_training
     from alignment.trainers.offload import DevicePlacement, offload_enabled
     from alignment.trainers.ppo import PPOModels
-    from launchers.common import job_transformer_config, rollout_engine
+    from alignment.config import lora_spec
+    from launchers.common import add_adapters, job_transformer_config, rollout_engine
+    from parallel.lora import FrozenBase
 
     t = cfg.trainer
 
     def shard(path, value_head: bool, lr: float | None = None):
         """The model at ``path`` (a value model: scalar head), frozen, or with ``lr`` trained: then
-        ``(ddp, optimizer)``, the checkpoint also seeding the optimizer's fp32 master weights."""
+        ``(ddp, optimizer)``, the checkpoint also seeding the optimizer's fp32 master weights (with
+        ``model.lora``: adapters, and a value model's head, trained; the rest frozen)."""
         path = prepare_hf_dir(path)
         hcfg = AutoConfig.from_pretrained(path)
         tcfg = job_transformer_config(cfg, hcfg)
@@ -46,6 +49,7 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
         if lr is None:
             load_hf_weights(model, state, bridge, skip=skip)
             return model.eval().requires_grad_(False)
+        add_adapters(cfg, model, head=value_head)
         ddp, optimizer = setup_training(model, OptimConfig(
             lr=lr, weight_decay=t.weight_decay, clip_grad=t.clip_grad, use_distributed_optimizer=t.use_distributed_optimizer))
         load_hf_weights(model, state, bridge, skip=skip, main_params=main_param_writer(optimizer))
@@ -53,7 +57,9 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
 
     policy, optimizer = shard(cfg.model.path, False, lr=t.lr)
     critic, critic_optimizer = shard(cfg.model.critic_path or cfg.model.reward_model_path, True, lr=t.critic_lr)
-    reference = shard(cfg.model.path, False) if cfg.algorithm.kl_coef > 0 else None
+    reference = None
+    if cfg.algorithm.kl_coef > 0:  # with LoRA: the policy with its adapters off, no second copy
+        reference = FrozenBase(policy) if lora_spec(cfg) else shard(cfg.model.path, False)
     reward_model = shard(cfg.model.reward_model_path, True)
     bridge = get_bridge(hf_config)
     engine, resharder = rollout_engine(cfg, hf_dir, policy, bridge, hf_config.vocab_size, rank)

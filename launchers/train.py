@@ -22,26 +22,31 @@ register()
 
 
 def build(cfg, hf_dir: Path, hf_config, rank: int):
-    """This rank's policy (DDP + optimizer), frozen reference (when ``kl_coef > 0``) and rollout
-    engine (``rollout.backend``), all loaded from the HF weights in ``hf_dir``."""
+    """This rank's policy (DDP + optimizer; with ``model.lora`` its adapters only trained), frozen
+    reference (when ``kl_coef > 0``; with LoRA the policy with its adapters off) and rollout engine
+    (``rollout.backend``), all loaded from the HF weights in ``hf_dir``."""
     from alignment.models.families import get_bridge
     from alignment.models.gpt import build_gpt_model
     from alignment.models.weights import lazy_safetensors, load_hf_weights
     from alignment.trainers.rl_phases import Models
     from alignment.trainers.megatron_step import OptimConfig, main_param_writer, setup_training
     from alignment.trainers.offload import DevicePlacement, offload_enabled
-    from launchers.common import job_transformer_config, rollout_engine
+    from launchers.common import add_adapters, job_transformer_config, rollout_engine
+    from parallel.lora import FrozenBase
 
     bridge = get_bridge(hf_config)
     hf_state = lazy_safetensors(hf_dir)
 
     model = build_gpt_model(hf_config, job_transformer_config(cfg, hf_config))
+    lora = add_adapters(cfg, model)
     policy, optimizer = setup_training(model, OptimConfig(
         lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay, clip_grad=cfg.trainer.clip_grad,
         use_distributed_optimizer=cfg.trainer.use_distributed_optimizer))
     load_hf_weights(model, hf_state, bridge, main_params=main_param_writer(optimizer))
     reference = None
-    if cfg.algorithm.kl_coef > 0:
+    if cfg.algorithm.kl_coef > 0 and lora:
+        reference = FrozenBase(policy)  # the base weights with the adapters off: no second copy
+    elif cfg.algorithm.kl_coef > 0:
         reference = build_gpt_model(hf_config, job_transformer_config(cfg, hf_config)).eval()
         load_hf_weights(reference, hf_state, bridge)
         reference.requires_grad_(False)

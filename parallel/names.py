@@ -31,8 +31,15 @@ def is_expert_param(name: str) -> bool:
     return ".mlp.experts." in name
 
 
-def global_param_names(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
-    """Yield ``(local_name, global_name, param)`` for a (possibly wrapped) GPTModel shard.
+def is_adapter_param(name: str) -> bool:
+    """True for a LoRA adapter's parameter (``<linear>.lora.A`` / ``.B``, :mod:`parallel.lora`)."""
+    return ".lora." in name
+
+
+def global_param_names(model: torch.nn.Module, adapters: bool = False) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
+    """Yield ``(local_name, global_name, param)`` for a (possibly wrapped) GPTModel shard: its
+    weights, and its LoRA adapters' parameters only with ``adapters=True`` (loaders, exporters and
+    the resharder move the weights; an adapted linear's weight sync merges its adapter in).
 
     Global names carry the layer's global index and, for experts, the global expert index, so
     they are the same on every TP / PP / VPP / EP layout."""
@@ -47,6 +54,8 @@ def global_param_names(model: torch.nn.Module) -> Iterator[tuple[str, str, torch
 
             expert_offset[str(j)] = ps.get_expert_model_parallel_rank() * len(experts)
     for name, param in gpt.named_parameters():
+        if not adapters and is_adapter_param(name):
+            continue
         gname = name
         if name.startswith("decoder.layers."):
             j, rest = name.split(".")[2], name.split(".", 3)[3]

@@ -33,6 +33,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from parallel.lora import merged_narrow
 from parallel.names import global_param_names, is_expert_param
 from parallel.pieces import ANY_TP_RANK, Piece, TargetLayout, TargetTensor, dest_region, piece_numel
 
@@ -243,7 +244,8 @@ class Resharder:
                                 torch.tensor([], dtype=self.dtype).element_size(), destinations)
 
     def _slice(self, piece: Piece) -> torch.Tensor:
-        return self._params[piece.source].detach().narrow(piece.dim, piece.source_start, piece.length)
+        # a LoRA-adapted weight: W + scale * B A of just this piece (no merged copy of the model)
+        return merged_narrow(self._params[piece.source], piece.dim, piece.source_start, piece.length)
 
     @torch.no_grad()
     def buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -259,8 +261,9 @@ class Resharder:
         for b in self.plan.buckets:
             out: dict[str, torch.Tensor] = {}
             for t in b.tensors:
-                if t.name in b.alias:
-                    out[t.name] = self._params[b.alias[t.name]].detach()
+                if t.name in b.alias:  # the live parameter, or its LoRA-merged value (a new tensor)
+                    w = self._params[b.alias[t.name]]
+                    out[t.name] = merged_narrow(w, 0, 0, w.shape[0])
                 else:
                     out[t.name] = torch.zeros(t.shape, dtype=self.dtype, device=self._device())
             shapes = {t.name: t.shape for t in b.tensors}
@@ -290,7 +293,8 @@ class Resharder:
                     region.copy_(buf[offset : offset + k].view(region.shape))
                     offset += k
             esize = torch.tensor([], dtype=self.dtype).element_size()
-            staged += sum(out[t.name].numel() for t in b.tensors if t.name not in b.alias)
+            staged += sum(out[t.name].numel() for t in b.tensors
+                          if t.name not in b.alias or hasattr(self._params[b.alias[t.name]], "lora_adapter"))
             st.peak_staged_bytes = max(st.peak_staged_bytes, staged * esize)
             st.sent_bytes += sum(v.numel() for v in send.values()) * esize
             st.received_bytes += sum(v.numel() for v in recv.values()) * esize

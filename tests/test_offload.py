@@ -95,6 +95,27 @@ def test_unknown_units_are_refused_and_absent_models_accepted():
         place.add_model("policy", model)
 
 
+def test_a_lora_reference_keeps_the_policy_it_runs_resident():
+    """A LoRA job's reference (FrozenBase) owns no weights: keeping it keeps the policy's."""
+    from parallel.lora import FrozenBase, LoRAAdapter, LoRASpec
+
+    model, opt = _model_and_adam()
+    model[0].lora = LoRAAdapter("column", 3, 4, LoRASpec(rank=2), tp_size=1, tp_rank=0, stride=1,
+                                init_a=torch.zeros(2, 3), dtype=torch.float32, device="cpu", sequence_parallel=False)
+    other = torch.nn.Linear(3, 3)
+    place = DevicePlacement(enabled=True, pin_memory=False)
+    with pytest.raises(ValueError, match="register the model this FrozenBase runs first"):
+        place.add_model("reference", FrozenBase(model))
+    place.add_model("policy", model, opt)
+    place.add_model("reference", FrozenBase(model))
+    place.add_model("critic", other)
+    place.keep("reference")
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+    assert all(p.untyped_storage().nbytes() == 0 for p in other.parameters())
+    with pytest.raises(ValueError, match="registered twice"):
+        place.add_model("reference", None)
+
+
 def test_offload_enabled_only_where_it_saves_memory(monkeypatch):
     monkeypatch.delenv("MEGALIGN_OFFLOAD_ON_CPU", raising=False)
     assert offload_enabled(False) is False

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from alignment.models.bridge import Bridge
+from parallel.lora import merged_narrow
 from parallel.names import global_param_names, is_expert_param
 
 
@@ -63,7 +64,8 @@ def export_hf_weights(model: torch.nn.Module, bridge: Bridge, dtype: torch.dtype
                       source: Callable[[torch.nn.Parameter], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Full HF checkpoint state dict of the model, identical on every rank (collective: all ranks call it).
 
-    ``source`` picks the tensor exported per parameter (default: its data; e.g.
+    ``source`` picks the tensor exported per parameter (default: its data, with a LoRA-adapted
+    linear's adapter merged in, ``W + scale B A``, one weight at a time; e.g.
     ``lambda p: p.main_grad`` exports Megatron's accumulated gradients in HF layout).
 
     TP shards are all-gathered inside each tensor-parallel group (expert-tensor-parallel group
@@ -75,7 +77,7 @@ def export_hf_weights(model: torch.nn.Module, bridge: Bridge, dtype: torch.dtype
     for _, gname, param in global_param_names(model):
         if gname == "output_layer.weight" and bridge.output_layer_tied:
             continue
-        p = source(param) if source is not None else param.detach()
+        p = source(param) if source is not None else merged_narrow(param, 0, 0, param.shape[0])
         _, tp_size, tp_group = _tp(is_expert_param(gname))
         if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
             shards = [torch.empty_like(p) for _ in range(tp_size)]

@@ -200,6 +200,8 @@ def forward_backward(
     each rank's share, and Megatron sums gradients over DP x CP).
 
     Args:
+        model: a Megatron shard (DDP-wrapped or not), or a :class:`parallel.lora.FrozenBase` (a LoRA
+            job's reference: its model run with the adapters off; forward only).
         microbatches: each has ``input_ids`` ``[mbs, seq]`` (right-padded),
             ``seq_lengths`` ``[mbs]`` (real tokens per row; all of ``seq`` if absent) and
             whatever ``loss_fn`` reads.
@@ -224,6 +226,14 @@ def forward_backward(
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from parallel.lora import FrozenBase, adapters_disabled
+
+    if isinstance(model, FrozenBase):  # a LoRA job's reference: the policy with its adapters off
+        if not forward_only:
+            raise ValueError("a FrozenBase reference model runs forward only")
+        with adapters_disabled(model.model):
+            return forward_backward(model.model, microbatches, loss_fn, outputs=outputs, forward_only=True,
+                                    packing=packing, pad_id=pad_id, positions=positions, share_prompts=share_prompts)
     if share_prompts and (ps.get_context_parallel_world_size() > 1 or model.config.sequence_parallel):
         raise ValueError("share_prompts (trainer.shared_prompt_packing) needs context_parallel_size=1 and "
                          "sequence_parallel=false: a prompt tree's attention mask spans the whole tree")

@@ -76,6 +76,8 @@ class DevicePlacement:
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.units: dict[str, _Unit] = {}
         self._absent: set[str] = set()  # names of models registered as None (e.g. no reference)
+        self._aliases: dict[str, str] = {}  # a FrozenBase reference -> the unit of the model it runs
+        self._model_units: dict[int, str] = {}  # id(model) -> its unit
         self._device_only = torch.cuda.is_available()  # on GPU, leave tensors already on host alone
         self.moved_bytes = 0
         self.seconds = 0.0
@@ -85,17 +87,27 @@ class DevicePlacement:
         """Register ``model`` (a DDP-wrapped or plain Megatron module; None is skipped) as unit
         ``name`` (parameters and buffers), its ``main_grad`` buffers as ``name.grads`` and the
         tensors of ``optimizer`` (a Megatron optimizer, chained or not) as ``name.optimizer``.
+        A LoRA job's :class:`parallel.lora.FrozenBase` reference holds no weights of its own:
+        ``name`` then names the unit of the model it runs (register that model first).
 
         Raises:
-            ValueError: ``name`` is already registered.
+            ValueError: ``name`` is already registered; a FrozenBase whose model is not.
         """
         if not self.enabled:
             return
-        if name in self.units or name in self._absent:
+        if name in self.units or name in self._absent or name in self._aliases:
             raise ValueError(f"offload unit {name!r} is registered twice")
+        from parallel.lora import FrozenBase
+
         if model is None:
             self._absent.add(name)
             return
+        if isinstance(model, FrozenBase):
+            if id(model.model) not in self._model_units:
+                raise ValueError(f"offload unit {name!r}: register the model this FrozenBase runs first")
+            self._aliases[name] = self._model_units[id(model.model)]
+            return
+        self._model_units[id(model)] = name
         inner = getattr(model, "module", model)  # Megatron DDP's `buffers` is a list, not the method
         self.units[name] = _Unit(lambda: [*inner.parameters(), *inner.buffers()], keep_values=True)
         if any(getattr(p, "main_grad", None) is not None for p in inner.parameters()):
@@ -142,6 +154,7 @@ class DevicePlacement:
             release_free_heap()
         if not self.enabled:
             return
+        names = tuple(self._aliases.get(n, n) for n in names)
         unknown = [n for n in names if n not in self.units and not self._optional(n)]
         if unknown:
             raise KeyError(f"offload units {unknown} are not registered (registered: {sorted(self.units)})")

@@ -1,0 +1,270 @@
+"""LoRA adapters on Megatron-Core's tensor-parallel linears (Hu et al. 2021, "LoRA: Low-Rank
+Adaptation of Large Language Models", eq. 3: ``h = W x + (alpha / r) B A x``).
+
+A linear ``W [out, in]`` gains ``A [r, in]`` and ``B [out, r]``; its output becomes
+``x W^T + scale * dropout(x) A^T B^T`` with ``scale = alpha / r``. ``A`` starts as PEFT's
+``LoraLayer.reset_lora_parameters`` draws it (Kaiming-uniform, a = sqrt(5)) and ``B`` at zero,
+so the adapted model starts exactly equal to the base. Under tensor parallelism (TP) the
+adapters are split the way the base weight is, so that no rank holds more than its share of
+``W``'s rows or columns and the base linear's own communication is untouched:
+
+- column-parallel ``W`` (rows split, ``linear_qkv`` / ``linear_fc1``): ``A`` replicated, ``B``
+  split by rows like ``W`` (same stride: the fused ``[gate; up]`` rows of a gated MLP). Each
+  rank computes ``h = x A^T [.., r]`` from the full input and its rows ``h B_i^T``. Without
+  sequence parallelism (SP) ``h`` enters the TP region with ``copy_to_tensor_model_parallel_region``
+  (backward: all-reduce of ``dh`` over TP, so every rank's ``dA = dh^T x`` is the full gradient and
+  ``dx`` through the adapter is complete). With SP the rank holds a sequence chunk ``x_j``: ``h_j =
+  x_j A^T`` is all-gathered along the sequence (``r`` channels instead of the base's ``in``;
+  backward: reduce-scatter), and ``dA = dh_j^T x_j`` is a partial sum over sequence chunks,
+  all-reduced over TP like the norms (``param.sequence_parallel``).
+- row-parallel ``W`` (columns split, ``linear_proj`` / ``linear_fc2``): ``A`` split by columns
+  like ``W``, ``B`` replicated: ``h = sum_i x_i A_i^T`` is reduced over TP
+  (``reduce_from_tensor_model_parallel_region``; with SP ``reduce_scatter_to_sequence_parallel_region``
+  into the sequence chunk), then every rank applies all of ``B``. ``dB`` is complete on every rank
+  without SP and a partial sum over sequence chunks with it (all-reduced over TP).
+
+The adapter lives in the linear as a child module ``lora`` (parameters ``<linear>.lora.A`` and
+``<linear>.lora.B``, with the ``tensor_model_parallel`` / ``partition_dim`` / ``partition_stride``
+attributes Megatron gives split weights), so the base weight keeps its name for every loader,
+exporter and the resharder. The linear's class becomes a subclass whose ``forward`` adds the
+adapter and whose ``sharded_state_dict`` shards it like the weight.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    """``rank`` r (> 0), ``alpha`` (scale = alpha / r), ``dropout`` on the adapter's input,
+    ``target_modules`` among :data:`TARGETS` (Megatron's names of the attention and dense MLP
+    linears), ``seed`` for ``A``'s initialisation (a function of the seed and the linear's global
+    name: the same on every parallel layout)."""
+
+    rank: int
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = TARGETS
+    seed: int = 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+class LoRAAdapter(nn.Module):
+    """The low-rank branch of one TP linear; see the module docstring for the split.
+
+    ``kind``: ``"column"`` or ``"row"``; ``in_features`` / ``out_features``: the base linear's
+    global sizes; ``tp_size`` / ``tp_rank``: its TP group; ``stride``: the base weight's partition
+    stride (2 for a gated ``linear_fc1``); ``init_a``: the full ``A [r, in_features]`` to start
+    from (this rank keeps its columns when ``kind == "row"``). ``B`` starts at zero.
+    """
+
+    def __init__(self, kind: str, in_features: int, out_features: int, spec: LoRASpec, *, tp_size: int,
+                 tp_rank: int, stride: int, init_a: torch.Tensor, dtype: torch.dtype, device, sequence_parallel: bool,
+                 tp_group=None):
+        super().__init__()
+        if kind not in ("column", "row"):
+            raise ValueError(f"kind={kind!r}: 'column' or 'row'")
+        self.kind, self.scale, self.tp_group, self.enabled = kind, spec.scale, tp_group, True
+        self.sequence_parallel, self.tp_size = sequence_parallel, tp_size
+        self.dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else None
+        r = spec.rank
+        if kind == "column":
+            a = init_a
+            b = torch.zeros(out_features // tp_size, r)
+        else:
+            a = init_a.narrow(1, tp_rank * (in_features // tp_size), in_features // tp_size)
+            b = torch.zeros(out_features, r)
+        self.A = nn.Parameter(a.to(device=device, dtype=dtype).contiguous())
+        self.B = nn.Parameter(b.to(device=device, dtype=dtype))
+        split, replicated = (self.B, self.A) if kind == "column" else (self.A, self.B)
+        split.tensor_model_parallel, split.partition_dim = True, 0 if kind == "column" else 1
+        split.partition_stride = stride if kind == "column" else 1
+        replicated.tensor_model_parallel = False
+        if sequence_parallel:  # partial over sequence chunks: all-reduced over TP by finalize_model_grads
+            replicated.sequence_parallel = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: the base linear's input ``[s, b, in]`` (its local part: ``s / TP`` rows with SP,
+        ``in / TP`` channels for row-parallel); returns the adapter's share of the base linear's
+        output, ``[.., out / TP]`` (column) or ``[s(/TP), b, out]`` (row), in ``x``'s dtype."""
+        from megatron.core.tensor_parallel import mappings
+
+        if self.dropout is not None and self.training:
+            x = self._dropout(x)
+        h = x @ self.A.t()
+        if self.kind == "column":
+            if self.sequence_parallel:
+                h = mappings.gather_from_sequence_parallel_region(h, group=self.tp_group)
+            else:
+                h = mappings.copy_to_tensor_model_parallel_region(h, group=self.tp_group)
+        elif self.sequence_parallel:
+            h = mappings.reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
+        else:
+            h = mappings.reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
+        return (h @ self.B.t()) * self.scale
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        """Dropout with Megatron's RNG discipline: the default generator where ``x`` is the same on
+        every TP rank, the tracker's model-parallel generator where each rank holds a different part."""
+        split_input = self.kind == "row" or self.sequence_parallel
+        if split_input and self.tp_size > 1:
+            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+            with get_cuda_rng_tracker().fork():
+                return self.dropout(x)
+        return self.dropout(x)
+
+    def delta_narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """``scale * B A`` of this rank (the same shape as its shard of ``W``), narrowed like
+        ``W.narrow(dim, start, length)``, computed in fp32 from that slice only and returned in
+        the adapter's dtype: what the weight sync adds to ``W`` without a merged copy of it."""
+        a, b = self.A.detach().float(), self.B.detach().float()
+        if dim == 0:
+            b = b.narrow(0, start, length)
+        else:
+            a = a.narrow(1, start, length)
+        return ((b @ a) * self.scale).to(self.A.dtype)
+
+
+class _LoRALinear:
+    """Mixed into a Megatron TP linear's class by :func:`apply_lora`."""
+
+    def forward(self, input_, *args, **kwargs):
+        out, bias = super().forward(input_, *args, **kwargs)
+        if self.lora.enabled:
+            out = out + self.lora(input_).to(out.dtype)
+        return out, bias
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """The base linear's sharded tensors with the adapter's sharded like the weight (the
+        base's own method would take every child tensor for a replicated one)."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        axis = {"B": 0} if self.lora.kind == "column" else {"A": 1}
+        out.update(make_sharded_tensors_for_checkpoint(
+            self.lora.state_dict(prefix="", keep_vars=True), f"{prefix}lora.", axis, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=(metadata or {}).get("dp_cp_group")))
+        return out
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _lora_class(base: type) -> type:
+    if base not in _CLASSES:
+        _CLASSES[base] = type(f"LoRA{base.__name__}", (_LoRALinear, base), {})
+    return _CLASSES[base]
+
+
+def kaiming_uniform_a(spec: LoRASpec, name: str, in_features: int) -> torch.Tensor:
+    """The full ``A [r, in]`` of the linear whose global name is ``name``: Kaiming-uniform with
+    a = sqrt(5) as ``nn.Linear`` and PEFT draw it (bound ``1 / sqrt(in)``), from a generator
+    seeded by ``spec.seed`` and ``name``, so every layout starts from the same adapters."""
+    gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + zlib.crc32(name.encode()))
+    bound = 1.0 / math.sqrt(in_features)
+    return torch.empty(spec.rank, in_features).uniform_(-bound, bound, generator=gen)
+
+
+def apply_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
+    """Add LoRA adapters to ``model``'s linears named in ``spec.target_modules`` (a Megatron
+    GPTModel shard or any module holding Megatron TP linears; not DDP-wrapped yet) and freeze
+    every other parameter (``requires_grad=False``: Megatron's DDP gives them no gradient buffer
+    and its optimizer no state). Call before wrapping the model in DDP. Experts of MoE layers
+    are not adapted (they stay frozen). Returns the global names of the adapted linears.
+
+    Raises:
+        ValueError: ``spec.rank < 1``, an unknown target, or a target that is not a Megatron
+            ``ColumnParallelLinear`` / ``RowParallelLinear`` (transformer-engine's fused
+            layernorm-linear included: its input is not the normalised activation).
+    """
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from parallel.names import global_param_names
+
+    if spec.rank < 1:
+        raise ValueError(f"model.lora.rank={spec.rank}: give a rank >= 1 (or leave model.lora unset for none)")
+    unknown = set(spec.target_modules) - set(TARGETS)
+    if unknown or not spec.target_modules:
+        raise ValueError(f"model.lora.target_modules={list(spec.target_modules)}: choose among {list(TARGETS)}")
+    model.requires_grad_(False)
+    weight_names = {id(p): g for _, g, p in global_param_names(model)}
+    adapted = []
+    for name, module in list(model.named_modules()):
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf not in spec.target_modules or ".experts." in name:
+            continue
+        if isinstance(module, ColumnParallelLinear) and not module.gather_output:
+            kind = "column"
+        elif isinstance(module, RowParallelLinear) and module.input_is_parallel:
+            kind = "row"
+        else:
+            raise ValueError(f"{name} is a {type(module).__name__}: LoRA adapts Megatron's ColumnParallelLinear "
+                             "(gather_output=False) / RowParallelLinear (input_is_parallel=True) of the local layer "
+                             "spec; drop it from model.lora.target_modules")
+        gname = weight_names[id(module.weight)]
+        tp_group = module.tp_group
+        tp_size, tp_rank = (tp_group.size(), tp_group.rank()) if tp_group is not None else (1, 0)
+        module.lora = LoRAAdapter(
+            kind, module.input_size, module.output_size, spec, tp_size=tp_size, tp_rank=tp_rank,
+            stride=getattr(module.weight, "partition_stride", 1),
+            init_a=kaiming_uniform_a(spec, gname.removesuffix(".weight"), module.input_size),
+            dtype=module.weight.dtype, device=module.weight.device, sequence_parallel=module.sequence_parallel,
+            tp_group=tp_group)
+        module.weight.lora_adapter = module.lora  # for merged_narrow (the weight sync)
+        module.__class__ = _lora_class(type(module))
+        adapted.append(gname.removesuffix(".weight"))
+    return adapted
+
+
+def adapters(model: nn.Module) -> list[LoRAAdapter]:
+    """Every :class:`LoRAAdapter` in ``model`` (DDP-wrapped or not)."""
+    return [m for m in model.modules() if isinstance(m, LoRAAdapter)]
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module):
+    """``with adapters_disabled(model):`` runs ``model`` as its frozen base (every adapter's
+    branch skipped): the reference policy of a LoRA job without a second copy of the weights."""
+    found = adapters(model)
+    for a in found:
+        a.enabled = False
+    try:
+        yield model
+    finally:
+        for a in found:
+            a.enabled = True
+
+
+class FrozenBase:
+    """The reference model of a LoRA job: the adapted ``model`` (DDP-wrapped or not) with every
+    adapter off, so the reference logprobs come from the same base weights as the policy and no
+    second copy of the model exists. ``alignment.trainers.megatron_step.forward_backward`` runs
+    ``model`` under :func:`adapters_disabled` when given one (forward only)."""
+
+    def __init__(self, model: nn.Module):
+        if not adapters(model):
+            raise ValueError("FrozenBase needs a model with LoRA adapters (parallel.lora.apply_lora)")
+        self.model = model
+
+
+def merged_narrow(weight: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    """``W + scale * B A`` of this rank's shard ``weight`` of an adapted linear, narrowed like
+    ``weight.narrow(dim, start, length)`` (only that slice is computed), or that narrow of
+    ``weight`` itself when its linear has no adapter."""
+    piece = weight.detach()
+    piece = piece if dim == 0 and start == 0 and length == weight.shape[0] else piece.narrow(dim, start, length)
+    lora = getattr(weight, "lora_adapter", None)
+    return piece if lora is None else piece + lora.delta_narrow(dim, start, length)

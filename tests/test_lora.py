@@ -1,0 +1,146 @@
+"""LoRA (``model.lora``, :mod:`parallel.lora`): the adapted TP linears equal the dense math
+``x (W + scale B A)^T`` in value and gradients at TP 1 / 2 with and without sequence parallelism,
+start exactly at the base model (B = 0), merge exactly for the weight sync and the HF export, and
+give the reference model for free; bad settings are refused before any process group starts."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from alignment.config import ConfigError, lora_spec, validate
+from parallel.lora import FrozenBase, LoRAAdapter, LoRASpec, kaiming_uniform_a, merged_narrow
+from tests.conftest import run_torchrun
+from tests.dist.tiny_llama import save_tiny_hf_dir
+from tests.test_config import SMOLLM2, cfg
+
+
+def test_lora_settings_are_checked_before_start():
+    assert lora_spec(cfg()) is None  # rank 0: full fine-tuning
+    spec = lora_spec(cfg("model.lora.rank=8", "model.lora.alpha=32", "seed=5"))
+    assert (spec.rank, spec.scale, spec.seed) == (8, 4.0, 5) and spec.target_modules[0] == "linear_qkv"
+    for name in ("grpo", "sft", "dpo", "rm", "ppo"):
+        validate(cfg("model.lora.rank=8", name=name), world_size=2, hf_config=SMOLLM2)
+    bad = {"model.lora.rank=-1": r"model.lora.rank=-1: must be >= 0",
+           "model.lora.alpha=0": r"model.lora.alpha=0.0: must be > 0",
+           "model.lora.dropout=1.0": r"model.lora.dropout=1.0: must be in \[0, 1\)",
+           "model.lora.target_modules=[q_proj]": r"model.lora.target_modules=\['q_proj'\]: give one or more of "
+                                                 r"linear_qkv, linear_proj, linear_fc1, linear_fc2"}
+    for override, message in bad.items():
+        extra = [] if "rank" in override else ["model.lora.rank=4"]
+        with pytest.raises(ConfigError, match=message):
+            validate(cfg(override, *extra), world_size=2, hf_config=SMOLLM2)
+
+
+def test_adapter_initialisation_is_peft_s_and_the_same_on_every_layout():
+    spec = LoRASpec(rank=4, seed=1)
+    a = kaiming_uniform_a(spec, "decoder.layers.3.self_attention.linear_qkv", 64)
+    assert a.shape == (4, 64) and a.abs().max() <= 1 / math.sqrt(64) and a.std() > 0.5 / math.sqrt(3 * 64)
+    assert torch.equal(a, kaiming_uniform_a(spec, "decoder.layers.3.self_attention.linear_qkv", 64))
+    assert not torch.equal(a, kaiming_uniform_a(spec, "decoder.layers.4.self_attention.linear_qkv", 64))
+    assert not torch.equal(a, kaiming_uniform_a(LoRASpec(rank=4, seed=2), "decoder.layers.3.self_attention.linear_qkv",
+                                                64))
+    # a row-parallel adapter keeps its columns of the full A; B starts at 0
+    row = LoRAAdapter("row", 64, 32, spec, tp_size=2, tp_rank=1, stride=1, init_a=a, dtype=torch.float32,
+                      device="cpu", sequence_parallel=False)
+    assert torch.equal(row.A, a[:, 32:]) and row.B.shape == (32, 4) and not row.B.any()
+    assert (row.A.partition_dim, row.A.tensor_model_parallel, row.B.tensor_model_parallel) == (1, True, False)
+    col = LoRAAdapter("column", 64, 32, spec, tp_size=2, tp_rank=1, stride=2, init_a=a, dtype=torch.bfloat16,
+                      device="cpu", sequence_parallel=True)
+    assert torch.equal(col.A, a.bfloat16()) and col.B.shape == (16, 4) and col.B.dtype == torch.bfloat16
+    assert (col.B.partition_dim, col.B.partition_stride) == (0, 2) and col.A.sequence_parallel
+
+
+def test_merged_narrow_adds_scale_b_a_to_just_the_slice():
+    spec = LoRASpec(rank=3, alpha=6.0)
+    w = torch.nn.Parameter(torch.randn(10, 8))
+    adapter = LoRAAdapter("column", 8, 10, spec, tp_size=1, tp_rank=0, stride=1, init_a=torch.randn(3, 8),
+                          dtype=torch.float32, device="cpu", sequence_parallel=False)
+    assert torch.equal(merged_narrow(w, 0, 2, 5), w.detach()[2:7])  # no adapter: the weight's slice
+    w.lora_adapter = adapter
+    assert torch.equal(merged_narrow(w, 0, 0, 10), w.detach())  # B = 0
+    with torch.no_grad():
+        adapter.B.normal_()
+    full = w.detach() + 2.0 * adapter.B.detach() @ adapter.A.detach()
+    torch.testing.assert_close(merged_narrow(w, 0, 2, 5), full[2:7], rtol=0, atol=1e-6)
+    torch.testing.assert_close(merged_narrow(w, 1, 3, 4), full[:, 3:7], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="FrozenBase needs a model with LoRA adapters"):
+        FrozenBase(torch.nn.Linear(2, 2))
+
+
+def test_adapted_linears_equal_the_dense_math_at_tp_1_and_2_with_and_without_sp(tmp_path):
+    """Column- and row-parallel linears: output, input gradient and the full A / B gradients
+    (TP slices gathered, sequence-parallel partial sums all-reduced) == fp64 autograd of
+    ``x (W + scale B A)^T``; B = 0 gives the base output exactly; the base weight gets no
+    gradient. A tiny Llama with adapters on its 28 attention / MLP linears and random B: logits
+    == a copy holding ``W + scale B A`` in every adapted weight; adapters off == the base model
+    exactly; only the adapters train."""
+    path = tmp_path / "lora.json"
+    run_torchrun("lora_worker.py", str(path), nproc=2, timeout=600)
+    results = json.loads(path.read_text())
+    assert sorted(results) == ["tp1", "tp2", "tp2_sp"]
+    for layout, r in results.items():
+        for kind in ("column", "row"):
+            assert r[f"{kind}_zero_b_equal"] and r[f"{kind}_base_grad_none"], (layout, kind)
+            for check in ("out", "dx", "dA", "dB"):
+                assert r[f"{kind}_{check}"] < 1e-5, (layout, kind, check, r)
+        assert r["adapted"] == 4 * 4  # 4 layers x (qkv, proj, fc1, fc2)
+        assert r["model_vs_merged"] < 1e-4 and r["adapters_change_logits"] > 1e-2, (layout, r)
+        assert r["disabled_equals_base"], layout
+        assert r["trainable"] == ["A", "B"], layout
+
+
+def test_grpo_with_lora_syncs_merged_weights_and_keeps_the_base_frozen(tmp_path):
+    """GRPO, fp32, TP 2 on 2 processes, rank-4 adapters: the engine's logprobs equal the trainer's
+    at every step (the weight sync merges ``W + scale B A`` piece by piece), the KL to the
+    reference (the policy with its adapters off) is exactly 0 before the first update and > 0
+    after; the merged HF export differs from the base only in the adapted linears, everything
+    else (embeddings, norms) bit-identical; the run resumes from its checkpoint."""
+    model_dir = save_tiny_hf_dir(tmp_path / "tiny")
+    out, result = tmp_path / "run", tmp_path / "result.json"
+    common = ["rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=4", "data.heldout_size=8",
+              "data.train_size=50", "rollout.max_tokens=16", "rollout.eval_max_tokens=8", "trainer.lr=1e-2",
+              "trainer.progress_bar=false", "parallel.tensor_model_parallel_size=2", "model.lora.rank=4",
+              "algorithm.kl_coef=0.1"]
+    run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=2", *common, str(result),
+                 timeout=900)
+    s = json.loads(result.read_text())
+    first, second = s["history"]
+    assert first["kl"] == 0.0 and second["kl"] > 0.0 and first["grad_norm"] > 0.0, (first, second)
+    for m in (first, second):
+        assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
+    base, exported = load_file(model_dir / "model.safetensors"), load_file(out / "hf" / "model.safetensors")
+    adapted = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert base.keys() == exported.keys()
+    for name, t in base.items():
+        if any(f".{a}." in name for a in adapted):
+            assert not torch.equal(t, exported[name]), name  # trained through its adapter
+        else:
+            assert torch.equal(t, exported[name]), name  # frozen
+    run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=3", *common, str(result),
+                 timeout=900)
+    r = json.loads(result.read_text())
+    assert r["start_step"] == 2 and 1.0 <= r["history"][0]["token_mult_prob_error"] < 1.0 + 1e-4
+
+
+def test_dpo_and_reward_model_with_lora(tmp_path):
+    """DPO with rank-4 adapters: the reference is the policy with its adapters off, so the loss
+    starts at exactly log 2 and falls; the reward model trains its adapters and scalar head, and
+    its merged HF export, scored by transformers, reproduces the held-out accuracy and margin."""
+    from tests.test_offline_e2e import check_export_scores, job
+
+    lora = ["model.lora.rank=4", "model.lora.alpha=8", "trainer.lr=1e-2", "data.train_size=8", "data.heldout_size=8",
+            "trainer.global_batch_size=8", "trainer.micro_batch_size=2", "trainer.epochs=3"]
+    s, _ = job(tmp_path, "dpo", *lora, "algorithm.beta=0.5", "trainer.save_checkpoint=false",
+               "trainer.export_hf=false")
+    losses = [h["loss"] for h in s["history"]]
+    assert abs(s["heldout_before"]["loss"] - math.log(2)) < 1e-6 and abs(losses[0] - math.log(2)) < 1e-6
+    assert losses[0] > losses[1] > losses[2], losses
+    s, out = job(tmp_path, "rm", *lora, "trainer.save_checkpoint=false")
+    losses = [h["loss"] for h in s["history"]]
+    assert losses[0] > losses[2], losses
+    check_export_scores(out, s["heldout_after"])
