@@ -117,6 +117,17 @@ def add_adapters(cfg, model, head: bool = False) -> bool:
     return True
 
 
+def export_adapters(job: Run, model, bridge) -> None:
+    """With ``model.lora``: the adapters as a PEFT directory ``<output_dir>/hf_adapter`` for the
+    base in ``job.hf_dir`` (beside the merged ``hf/`` export); nothing otherwise. Collective."""
+    from alignment.config import lora_spec
+    from alignment.models.lora_export import save_peft_adapter
+
+    spec = lora_spec(job.cfg)
+    if spec is not None:
+        save_peft_adapter(model, bridge, spec, job.hf_dir, job.out / "hf_adapter")
+
+
 def rollout_layout(bridge, cfg):
     """The resharder's target layout (:meth:`alignment.models.bridge.Bridge.vllm_layout`) for this
     job's training TP (and expert TP) and its engines' ``rollout.tensor_parallel_size``."""

@@ -116,7 +116,7 @@ def run(cfg) -> dict:
     )
     from alignment.trainers.dp_balance import global_batch_share
     from launchers import preemption
-    from launchers.common import start
+    from launchers.common import export_adapters, start
     from parallel.state import replica_group
 
     job = start(cfg)  # validates the config before any process group starts
@@ -199,6 +199,8 @@ def run(cfg) -> dict:
     if cfg.trainer.export_hf:
         save_hf_checkpoint(models.model, models.bridge, export_config(cfg, job.hf_config, tok, models.bridge), tok,
                            job.out / "hf")
+        if not objective.value_head:  # a reward model's adapters need its new head: the merged export only
+            export_adapters(job, models.model, models.bridge)
     summary = {"heldout_before": before, "heldout_after": after, "start_step": start_step, "steps": total,
                "heldout_size": len(mine) * dp, "train_size": len(train), "world_size": job.world,
                "startup_s": startup_s, "history": job.history}

@@ -156,6 +156,7 @@ def run(job, models, spec: RLJob) -> dict:
     from alignment.trainers.offload import trainable
     from alignment.trainers.rl_phases import post_for_group, sync_weights
     from launchers import preemption
+    from launchers.common import export_adapters
     from launchers.profiling import peak_rss_bytes
 
     cfg, t = job.cfg, job.cfg.trainer
@@ -227,6 +228,7 @@ def run(job, models, spec: RLJob) -> dict:
     if t.export_hf:
         models.placement.keep("policy")
         save_hf_checkpoint(models.policy, models.bridge, job.hf_config, models.tokenizer, job.out / "hf")
+        export_adapters(job, models.policy, models.bridge)
     summary.update(start_step=start_step, steps=t.steps, world_size=job.world, startup_s=startup_s,
                    history=job.history)
     return job.finish(summary, message, models.engine)

@@ -157,6 +157,14 @@ class _LoRALinear:
         out.update(make_sharded_tensors_for_checkpoint(
             self.lora.state_dict(prefix="", keep_vars=True), f"{prefix}lora.", axis, sharded_offsets,
             tp_group=self.tp_group, dp_cp_group=(metadata or {}).get("dp_cp_group")))
+        if self.lora.kind == "column" and getattr(self.weight, "partition_stride", 1) == 2:
+            # a gated linear_fc1: B's local rows are [gate_i; up_i] like the weight's, saved as two
+            # tensors the way Megatron's MLP saves the weight, so a checkpoint loads at any TP
+            from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+            key = f"{prefix}lora.B"
+            out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets,
+                                                    (metadata or {}).get("singleton_local_shards", False))
         return out
 
 

@@ -76,6 +76,20 @@ def layer_parameters(dims, tp: int, *, moe: bool = False, ep: int = 1, etp: int 
     return attention + 3 * d.ffn_hidden_size * d.hidden_size // tp
 
 
+def lora_layer_parameters(dims, tp: int, rank: int, targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"),
+                          *, moe: bool = False) -> int:
+    """LoRA adapter parameters of one layer on one TP rank (elements; :mod:`parallel.lora`):
+    column-parallel ``linear_qkv`` / ``linear_fc1`` hold ``A [r, H]`` whole and ``B [out / tp, r]``,
+    row-parallel ``linear_proj`` / ``linear_fc2`` hold ``A [r, in / tp]`` and ``B [H, r]`` whole.
+    MoE layers adapt their attention only (experts are not adapted)."""
+    d, r, h = dims, rank, dims.hidden_size
+    sizes = {"linear_qkv": r * h + (d.num_attention_heads + 2 * d.num_query_groups) * d.head_dim // tp * r,
+             "linear_proj": r * d.num_attention_heads * d.head_dim // tp + h * r,
+             "linear_fc1": r * h + 2 * d.ffn_hidden_size // tp * r,
+             "linear_fc2": r * d.ffn_hidden_size // tp + h * r}
+    return sum(sizes[t] for t in targets if not (moe and t in ("linear_fc1", "linear_fc2")))
+
+
 def expert_parameters(dims, ep: int, etp: int) -> int:
     """This rank's expert parameters in one MoE layer: ``E / ep`` experts, each ``linear_fc1``
     ``[2 F_e / etp, H]`` + ``linear_fc2`` ``[H, F_e / etp]`` (Megatron's ``SequentialMLP``)."""
@@ -316,7 +330,7 @@ class MemoryBreakdown:
 
 def stage_memory(dims, layout: ParallelLayout, stage: int, *, dtype: str, micro_batch_size: int, seq_length: int,
                  distributed_optimizer: bool, num_microbatches: int | None = None,
-                 rollout: RolloutPlan | None = None) -> MemoryBreakdown:
+                 rollout: RolloutPlan | None = None, lora_rank: int = 0) -> MemoryBreakdown:
     """:class:`MemoryBreakdown` of pipeline rank ``stage`` (see :func:`estimate_memory`)."""
     tp, pp, cp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.context_parallel_size
     vpp = layout.virtual_pipeline_model_parallel_size
@@ -340,11 +354,17 @@ def stage_memory(dims, layout: ParallelLayout, stage: int, *, dtype: str, micro_
     if stage == pp - 1:  # final norm (3 H per token, as a layer's norm) + the logits
         acts += 3 * tokens * dims.hidden_size * b // (tp if layout.sequence_parallel else 1)
         logits = logits_bytes(dims, tokens, tp, dtype)
+    weights, grads = n * b, n * 4 + largest_weight(dims, tp, pp, stage, etp) * b
+    if lora_rank:  # frozen base: gradients and Adam state for the adapters only (never experts)
+        a = sum(lora_layer_parameters(dims, tp, lora_rank, moe=_is_moe(dims, i))
+                for i in stage_layers(dims, pp, stage, vpp))
+        weights, grads = (n + a) * b, a * (4 + b)
+        plain, dist = a * per_adam, -(-a * per_adam // shard)
     rw = kv = 0
     if rollout is not None:
         rw = rollout_weight_bytes(dims, rollout.tensor_parallel_size, rollout.dtype)
         kv = kv_cache_bytes(dims, rollout.kv_cache_tokens, rollout.tensor_parallel_size, rollout.dtype)
-    return MemoryBreakdown(stage=stage, weights=n * b, grads=n * 4 + largest_weight(dims, tp, pp, stage, etp) * b,
+    return MemoryBreakdown(stage=stage, weights=weights, grads=grads,
                            optimizer=dist if distributed_optimizer else plain, optimizer_plain=plain,
                            optimizer_distributed=dist, activations=acts, logits=logits,
                            rollout_weights=rw, kv_cache=kv)
@@ -352,7 +372,8 @@ def stage_memory(dims, layout: ParallelLayout, stage: int, *, dtype: str, micro_
 
 def estimate_memory(dims, layout: ParallelLayout, *, dtype: str = "bfloat16", micro_batch_size: int = 1,
                     seq_length: int = 4096, distributed_optimizer: bool = False,
-                    num_microbatches: int | None = None, rollout: RolloutPlan | None = None) -> MemoryBreakdown:
+                    num_microbatches: int | None = None, rollout: RolloutPlan | None = None,
+                    lora_rank: int = 0) -> MemoryBreakdown:
     """Bytes per GPU of training ``dims`` at ``layout``: the pipeline stage with the largest total.
 
     Args:
@@ -365,6 +386,9 @@ def estimate_memory(dims, layout: ParallelLayout, *, dtype: str = "bfloat16", mi
         distributed_optimizer: ``trainer.use_distributed_optimizer``.
         num_microbatches: micro-batches per step and DP rank; ``None`` = enough to fill the pipeline.
         rollout: a colocated vLLM engine to add (:class:`RolloutPlan`), or ``None``.
+        lora_rank: ``model.lora.rank`` (0: full fine-tuning): the base weights frozen, adapters on
+            every attention and dense MLP linear (:func:`lora_layer_parameters`) carrying the only
+            gradients and Adam state (activations counted as in full fine-tuning: an upper bound).
     Returns:
         the :class:`MemoryBreakdown` of the largest stage.
     Raises:
@@ -383,5 +407,5 @@ def estimate_memory(dims, layout: ParallelLayout, *, dtype: str = "bfloat16", mi
                          f"{layout.model_parallel_size}")
     stages = [stage_memory(dims, layout, s, dtype=dtype, micro_batch_size=micro_batch_size, seq_length=seq_length,
                            distributed_optimizer=distributed_optimizer, num_microbatches=num_microbatches,
-                           rollout=rollout) for s in sorted({0, pp - 1})]
+                           rollout=rollout, lora_rank=lora_rank) for s in sorted({0, pp - 1})]
     return max(stages, key=lambda m: m.total)

@@ -101,7 +101,7 @@ def plan(dims, *, nodes: int, gpus_per_node: int, gpu_memory_bytes: int, headroo
          dtype: str = "bfloat16", micro_batch_size: int = 1, seq_length: int = 4096,
          distributed_optimizer: bool = False, num_microbatches: int | None = None,
          rollout: RolloutPlan | None = None, sequence_parallel: bool = True, cp_comm_type: str = "p2p",
-         virtual_pipeline_size: int | None = None) -> tuple[list[Candidate], list[Refused]]:
+         virtual_pipeline_size: int | None = None, lora_rank: int = 0) -> tuple[list[Candidate], list[Refused]]:
     """Every valid layout with its :func:`parallel.memory.estimate_memory` (largest stage) and
     whether ``total <= (1 - headroom) * gpu_memory_bytes``; plus the refused layouts.
 
@@ -120,7 +120,7 @@ def plan(dims, *, nodes: int, gpus_per_node: int, gpu_memory_bytes: int, headroo
     for layout in layouts:
         mem = estimate_memory(dims, layout, dtype=dtype, micro_batch_size=micro_batch_size, seq_length=seq_length,
                               distributed_optimizer=distributed_optimizer, num_microbatches=num_microbatches,
-                              rollout=rollout)
+                              rollout=rollout, lora_rank=lora_rank)
         out.append(Candidate(layout, mem, mem.total <= usable))
     out.sort(key=_preference)
     return out, refused

@@ -99,13 +99,14 @@ def test_grpo_with_lora_syncs_merged_weights_and_keeps_the_base_frozen(tmp_path)
     at every step (the weight sync merges ``W + scale B A`` piece by piece), the KL to the
     reference (the policy with its adapters off) is exactly 0 before the first update and > 0
     after; the merged HF export differs from the base only in the adapted linears, everything
-    else (embeddings, norms) bit-identical; the run resumes from its checkpoint."""
+    else (embeddings, norms) bit-identical; the checkpoint holds only the adapters (and their
+    Adam state); it resumes at TP 1 to the same merged weights and trains on."""
     model_dir = save_tiny_hf_dir(tmp_path / "tiny")
     out, result = tmp_path / "run", tmp_path / "result.json"
     common = ["rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=4", "data.heldout_size=8",
               "data.train_size=50", "rollout.max_tokens=16", "rollout.eval_max_tokens=8", "trainer.lr=1e-2",
               "trainer.progress_bar=false", "parallel.tensor_model_parallel_size=2", "model.lora.rank=4",
-              "algorithm.kl_coef=0.1"]
+              "algorithm.kl_coef=0.1", "trainer.use_distributed_optimizer=false"]  # its state resumes at any TP
     run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=2", *common, str(result),
                  timeout=900)
     s = json.loads(result.read_text())
@@ -121,10 +122,45 @@ def test_grpo_with_lora_syncs_merged_weights_and_keeps_the_base_frozen(tmp_path)
             assert not torch.equal(t, exported[name]), name  # trained through its adapter
         else:
             assert torch.equal(t, exported[name]), name  # frozen
-    run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=3", *common, str(result),
+    check_peft_adapter(model_dir, out)
+    # the checkpoint holds the adapters and their Adam state only, not the frozen base
+    ckpt = out / "checkpoints" / "step_2"
+    ckpt_bytes = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+    model_bytes = sum(t.numel() * t.element_size() for t in base.values())
+    assert ckpt_bytes < model_bytes / 4, (ckpt_bytes, model_bytes)
+    # resumed at TP 1 with nothing left to train: the export equals the TP 2 run's (adapters reassembled
+    # from their TP shards, the gated MLP's [gate; up] rows of B included), then one more step
+    tp1 = [o for o in common if not o.startswith("parallel.")]
+    run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=2", *tp1, str(result),
+                 timeout=900)
+    again = load_file(out / "hf" / "model.safetensors")
+    for name, t in exported.items():
+        torch.testing.assert_close(again[name], t, rtol=0, atol=1e-6, msg=name)
+    run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=3", *tp1, str(result),
                  timeout=900)
     r = json.loads(result.read_text())
     assert r["start_step"] == 2 and 1.0 <= r["history"][0]["token_mult_prob_error"] < 1.0 + 1e-4
+
+
+def check_peft_adapter(base_dir, out) -> None:
+    """``<out>/hf_adapter`` loaded by PEFT onto the HF base gives the logits of the merged export
+    ``<out>/hf``, and PEFT's own merge gives its weights."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(out / "hf", torch_dtype=torch.float32).eval()
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32),
+                                           out / "hf_adapter").eval()
+    ids = torch.randint(0, merged.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = merged(ids).logits, peft_model(ids).logits
+        with peft_model.disable_adapter():
+            base = peft_model(ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)  # PEFT adds the adapter apart: equal up to rounding
+    assert (base - want).abs().max() > 1e-3  # and the adapters matter
+    unloaded = peft_model.merge_and_unload().state_dict()
+    for name, t in merged.state_dict().items():
+        torch.testing.assert_close(unloaded[name], t, rtol=0, atol=1e-6, msg=name)
 
 
 def test_dpo_and_reward_model_with_lora(tmp_path):

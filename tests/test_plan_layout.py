@@ -17,6 +17,7 @@ from parallel.memory import (
     estimate_memory,
     kv_cache_bytes,
     layer_activation_bytes,
+    lora_layer_parameters,
     logits_bytes,
     microbatches_in_flight,
     stage_memory,
@@ -93,6 +94,26 @@ def test_weights_grads_adam_bytes_by_hand():
     assert m.optimizer == m.optimizer_distributed == 12 * n // 4  # sharded over DP x CP = 2 x 2
     m = stage_memory(tiny(), layout(world=2, tp=2), 0, dtype="bfloat16", distributed_optimizer=True, **kw)
     assert m.weights == 2 * (4 * LAYER_TP2 + 2 * EMB_TP2 + 64) and m.optimizer == m.optimizer_plain  # DP = 1
+
+
+def test_lora_adapters_gradients_and_adam_by_hand():
+    """``--lora-rank``: adapters add to the weights; gradients and Adam state are the adapters' alone."""
+    r = 8
+    # qkv: A [8, 64] + B [256, 8]; proj: A [8, 128] + B [64, 8]; fc1: A [8, 64] + B [160, 8]; fc2: A [8, 80] + B [64, 8]
+    per_layer_tp1 = (8 * 64 + 256 * 8) + (8 * 128 + 64 * 8) + (8 * 64 + 160 * 8) + (8 * 80 + 64 * 8)
+    assert lora_layer_parameters(tiny(), 1, r) == per_layer_tp1 == 7040
+    # TP 2: column-parallel B and row-parallel A halve, the other factor whole
+    assert lora_layer_parameters(tiny(), 2, r) == (8 * 64 + 128 * 8) + (8 * 64 + 64 * 8) + (8 * 64 + 80 * 8) + (
+        8 * 40 + 64 * 8)
+    assert lora_layer_parameters(tiny(), 1, r, ("linear_qkv",)) == 8 * 64 + 256 * 8
+    n, a = 4 * LAYER_TP1 + 2 * EMB_TP1 + 64, 4 * per_layer_tp1
+    m = stage_memory(tiny(), layout(world=4), 0, dtype="bfloat16", distributed_optimizer=False, micro_batch_size=2,
+                     seq_length=16, lora_rank=r)
+    assert m.weights == 2 * (n + a) and m.grads == a * (4 + 2)  # fp32 main grads + a transient bf16 grad, adapters only
+    assert m.optimizer == 12 * a and m.optimizer_distributed == 12 * a // 4
+    full = stage_memory(tiny(), layout(world=4), 0, dtype="bfloat16", distributed_optimizer=False, micro_batch_size=2,
+                        seq_length=16)
+    assert m.activations == full.activations and m.total < full.total
 
 
 def test_activations_and_logits_by_hand():

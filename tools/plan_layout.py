@@ -97,6 +97,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="TP size of a colocated vLLM engine (rollout.tensor_parallel_size); 0: no engine")
     ap.add_argument("--kv-cache-tokens", type=int, default=0,
                     help="tokens in each vLLM engine's KV cache, e.g. max_model_len x concurrent sequences")
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="model.lora.rank: frozen base, adapters on every attention and MLP linear; "
+                         "0: full fine-tuning")
     args = ap.parse_args(argv)
     _check(ap, args)
     return args
@@ -110,6 +113,8 @@ def _check(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
                         ("--micro-batch-size", a.micro_batch_size), ("--seq-length", a.seq_length)):
         if value < 1:
             ap.error(f"{flag} {value}: must be a positive integer")
+    if a.lora_rank < 0:
+        ap.error(f"--lora-rank {a.lora_rank}: must be >= 0 (0: full fine-tuning, e.g. 16)")
     if a.gpu_memory_gib <= 0:
         ap.error(f"--gpu-memory-gib {a.gpu_memory_gib}: must be > 0 (e.g. 80 for an H100 80GB)")
     if not 0 <= a.headroom < 1:
@@ -209,7 +214,7 @@ def main(argv=None):
               headroom=args.headroom, dtype=args.dtype, micro_batch_size=args.micro_batch_size,
               seq_length=args.seq_length, num_microbatches=args.num_microbatches, rollout=rollout,
               sequence_parallel=args.sequence_parallel, cp_comm_type=args.cp_comm_type,
-              virtual_pipeline_size=args.virtual_pp)
+              virtual_pipeline_size=args.virtual_pp, lora_rank=args.lora_rank)
     candidates, refused = plan(dims, distributed_optimizer=args.distributed_optimizer, **kw)
     best = recommend(candidates)
     usable = (1 - args.headroom) * args.gpu_memory_gib * GiB

@@ -86,6 +86,14 @@ def export_hf_weights(model: torch.nn.Module, bridge: Bridge, dtype: torch.dtype
             shards = [p]
         for name, t in bridge.to_hf(gname, shards).items():
             local[name] = t.to(dtype) if dtype is not None else t.clone()
+    return share_across_ranks(local)
+
+
+def share_across_ranks(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every rank's ``local`` tensors (full HF tensors, each held whole by one or more ranks: other
+    pipeline stages, other expert-parallel ranks), identical on every rank: one exchange of names,
+    shapes and dtypes, then a broadcast by the lowest holder of each tensor some rank lacks.
+    Collective."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return local
     held = [None] * dist.get_world_size()

@@ -69,10 +69,30 @@ def _model_parallel_sizes() -> dict[str, int]:
             "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size()}
 
 
+def _adapters_only(model) -> bool:
+    """A LoRA job's model (:mod:`parallel.lora`): its checkpoints hold only what trains."""
+    from parallel.lora import adapters
+
+    return bool(adapters(model))
+
+
+def _trained_entries(model, model_sd: dict) -> dict:
+    """The entries of ``model_sd`` whose tensors train (a LoRA job's adapters, and a value model's
+    head): the frozen base is the one in ``model.path``, loaded again on resume."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    trained = {id(p) for p in unwrap(model).parameters() if p.requires_grad}
+    return {k: v for k, v in model_sd.items()
+            if isinstance(v, (ShardedTensor, ShardedTensorFactory)) and id(v.data) in trained}
+
+
 def _state(model, optimizer, step: int, is_loading: bool) -> dict:
     model_sd = unwrap(model).sharded_state_dict()
+    adapters_only = _adapters_only(model)
+    if adapters_only:
+        model_sd = _trained_entries(model, model_sd)
     state = {"model": model_sd, "step": step, "optimizer_kind": _optimizer_kind(optimizer),
-             "model_parallel_sizes": _model_parallel_sizes()}
+             "model_parallel_sizes": _model_parallel_sizes(), "adapters_only": adapters_only}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                           metadata=_optimizer_metadata(optimizer))
@@ -82,7 +102,9 @@ def _state(model, optimizer, step: int, is_loading: bool) -> dict:
 def save_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, optimizer=None, step: int = 0,
                              config: str | None = None) -> Path:
     """Megatron distributed checkpoint (``torch_dist`` format): model shards, optionally the
-    optimizer state (Adam moments, sharded as the optimizer is) and the step; collective.
+    optimizer state (Adam moments, sharded as the optimizer is) and the step; collective. A LoRA
+    job's model (:mod:`parallel.lora`) writes only what trains (adapters, a value model's head)
+    and their optimizer state: the frozen base is ``model.path``'s, named in ``config.yaml``.
     The model part loads at another TP/PP layout with ``dist_checkpointing.load``.
     ``config``: the run's resolved config (YAML text), written as ``config.yaml`` inside the
     checkpoint before it is published."""
@@ -106,14 +128,21 @@ def load_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, op
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
         ValueError: the checkpoint's optimizer kind is not this run's, or distributed-optimizer
-            state saved at other tensor/pipeline/expert sizes (naming both and the fix).
+            state saved at other tensor/pipeline/expert sizes, or adapters-only against a whole
+            model (naming both and the fix).
     """
     from megatron.core import dist_checkpointing
 
     if not (Path(path) / "metadata.json").exists():
         raise FileNotFoundError(f"no Megatron checkpoint at {path} (metadata.json missing)")
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    adapters_only = _adapters_only(model)
+    if bool(common.get("adapters_only", False)) != adapters_only:
+        held = "only LoRA adapters" if common.get("adapters_only") else "a whole model"
+        raise ValueError(f"checkpoint {path} holds {held} but this run {'adapts' if adapters_only else 'trains'} "
+                         f"the {'base with LoRA' if adapters_only else 'whole model'}: resume with the model.lora "
+                         "settings it was saved with, or start a new output_dir")
     if optimizer is not None:
-        common = dist_checkpointing.load_common_state_dict(str(path))
         saved = common.get("optimizer_kind")
         sizes, now = common.get("model_parallel_sizes"), _model_parallel_sizes()
         if saved == "distributed" and sizes is not None and sizes != now:
@@ -128,7 +157,12 @@ def load_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, op
                 f"{_optimizer_kind(optimizer)} optimizer: resume with trainer.use_distributed_optimizer="
                 f"{'true' if saved == 'distributed' else 'false'}, or start a new output_dir")
     loaded = dist_checkpointing.load(_state(model, optimizer, 0, is_loading=True), str(path))
-    unwrap(model).load_state_dict(loaded["model"])
+    result = unwrap(model).load_state_dict(loaded["model"], strict=not adapters_only)
+    if adapters_only:  # the frozen base stays as loaded from model.path; every trained tensor must come back
+        trained = {n for n, p in unwrap(model).named_parameters() if p.requires_grad}
+        if trained & set(result.missing_keys) or result.unexpected_keys:
+            raise ValueError(f"checkpoint {path}: trained tensors missing {sorted(trained & set(result.missing_keys))}"
+                             f", unexpected {sorted(result.unexpected_keys)}")
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     return int(loaded["step"])
