@@ -98,11 +98,13 @@ class LoRAAdapter(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: the base linear's input ``[s, b, in]`` (its local part: ``s / TP`` rows with SP,
         ``in / TP`` channels for row-parallel); returns the adapter's share of the base linear's
-        output, ``[.., out / TP]`` (column) or ``[s(/TP), b, out]`` (row), in ``x``'s dtype."""
+        output, ``[.., out / TP]`` (column) or ``[s(/TP), b, out]`` (row), in ``x``'s dtype.
+        Dropout applies only to passes that build a graph (training), so the old logprobs, values
+        and evaluations of a run in train mode are deterministic."""
         from megatron.core.tensor_parallel import mappings
 
-        if self.dropout is not None and self.training:
-            x = self._dropout(x)
+        if self.dropout is not None and self.training and torch.is_grad_enabled():
+            x = self._dropout(x)  # not in no-grad passes (old / reference logprobs, values, evaluation)
         h = x @ self.A.t()
         if self.kind == "column":
             if self.sequence_parallel:
@@ -194,7 +196,7 @@ def apply_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
     are not adapted (they stay frozen). Returns the global names of the adapted linears.
 
     Raises:
-        ValueError: ``spec.rank < 1``, an unknown target, or a target that is not a Megatron
+        ValueError: ``spec.rank < 1``, an unknown target, no linear adapted, or a target that is not a Megatron
             ``ColumnParallelLinear`` / ``RowParallelLinear`` (transformer-engine's fused
             layernorm-linear included: its input is not the normalised activation).
     """
@@ -234,12 +236,25 @@ def apply_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
         module.weight.lora_adapter = module.lora  # for merged_narrow (the weight sync)
         module.__class__ = _lora_class(type(module))
         adapted.append(gname.removesuffix(".weight"))
+    if not adapted:
+        raise ValueError(f"model.lora.target_modules={list(spec.target_modules)} adapts no linear of this model shard "
+                         "(experts of MoE layers are not adapted): add linear_qkv / linear_proj")
     return adapted
 
 
 def adapters(model: nn.Module) -> list[LoRAAdapter]:
     """Every :class:`LoRAAdapter` in ``model`` (DDP-wrapped or not)."""
     return [m for m in model.modules() if isinstance(m, LoRAAdapter)]
+
+
+def signature(model: nn.Module) -> dict | None:
+    """What a checkpoint of ``model``'s adapters must match to resume: ``{"rank", "scale",
+    "targets"}`` (the adapted linears' names), or None without adapters."""
+    found = [(name.rsplit(".", 2)[-2], m) for name, m in model.named_modules() if isinstance(m, LoRAAdapter)]
+    if not found:
+        return None
+    return {"rank": int(found[0][1].A.shape[0]), "scale": float(found[0][1].scale),
+            "targets": sorted({leaf for leaf, _ in found})}
 
 
 @contextmanager

@@ -41,7 +41,8 @@ from parallel.pieces import ANY_TP_RANK, Piece, TargetLayout, TargetTensor, dest
 @dataclass(frozen=True)
 class RankInfo:
     """What one rank of the training world holds: coordinates (``etp``: expert-tensor-parallel
-    rank, the TP coordinate of expert parameters) and ``{global name: shape}``."""
+    rank, the TP coordinate of expert parameters), ``{global name: shape}`` and the names of its
+    LoRA-adapted weights (``adapted``: sent merged, so never passed on as the live parameter)."""
 
     rank: int
     tp: int
@@ -49,6 +50,7 @@ class RankInfo:
     dp: int
     params: dict
     etp: int = 0
+    adapted: frozenset = frozenset()
 
     def tp_of(self, name: str) -> int:
         """The TP coordinate of parameter ``name`` on this rank (expert parameters: ``etp``)."""
@@ -132,6 +134,8 @@ class ReshardPlan:
             if len(t.pieces) != 1 or routes[i][d][0][0] != d:
                 return None
             p = t.pieces[0]
+            if p.source in infos[d].adapted:  # W + scale B A: a new tensor, budgeted like a copy
+                return None
             shape = tuple(infos[d].params[p.source])
             whole = not p.dest_index and p.source_start == 0 and p.dest_start == 0 and shape == t.shape \
                 and p.length == shape[p.dim]
@@ -196,7 +200,9 @@ def gather_rank_infos(model) -> list[RankInfo]:
     mine = RankInfo(dist.get_rank(), ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                     ps.get_data_parallel_rank(),
                     {g: tuple(p.shape) for chunk in _chunks(model) for _, g, p in global_param_names(chunk)},
-                    etp=ps.get_expert_tensor_parallel_rank())
+                    etp=ps.get_expert_tensor_parallel_rank(),
+                    adapted=frozenset(g for chunk in _chunks(model) for _, g, p in global_param_names(chunk)
+                                      if hasattr(p, "lora_adapter")))
     infos = [None] * dist.get_world_size()
     dist.all_gather_object(infos, mine)
     return infos
@@ -261,9 +267,8 @@ class Resharder:
         for b in self.plan.buckets:
             out: dict[str, torch.Tensor] = {}
             for t in b.tensors:
-                if t.name in b.alias:  # the live parameter, or its LoRA-merged value (a new tensor)
-                    w = self._params[b.alias[t.name]]
-                    out[t.name] = merged_narrow(w, 0, 0, w.shape[0])
+                if t.name in b.alias:  # the live parameter (never a LoRA-adapted one: see ReshardPlan)
+                    out[t.name] = self._params[b.alias[t.name]].detach()
                 else:
                     out[t.name] = torch.zeros(t.shape, dtype=self.dtype, device=self._device())
             shapes = {t.name: t.shape for t in b.tensors}
@@ -293,8 +298,7 @@ class Resharder:
                     region.copy_(buf[offset : offset + k].view(region.shape))
                     offset += k
             esize = torch.tensor([], dtype=self.dtype).element_size()
-            staged += sum(out[t.name].numel() for t in b.tensors
-                          if t.name not in b.alias or hasattr(self._params[b.alias[t.name]], "lora_adapter"))
+            staged += sum(out[t.name].numel() for t in b.tensors if t.name not in b.alias)
             st.peak_staged_bytes = max(st.peak_staged_bytes, staged * esize)
             st.sent_bytes += sum(v.numel() for v in send.values()) * esize
             st.received_bytes += sum(v.numel() for v in recv.values()) * esize

@@ -25,6 +25,10 @@ def test_lora_settings_are_checked_before_start():
     assert (spec.rank, spec.scale, spec.seed) == (8, 4.0, 5) and spec.target_modules[0] == "linear_qkv"
     for name in ("grpo", "sft", "dpo", "rm", "ppo"):
         validate(cfg("model.lora.rank=8", name=name), world_size=2, hf_config=SMOLLM2)
+    c = cfg(name="grpo_lora")  # the main job with adapters (README "LoRA")
+    assert (c.model.lora.rank, c.model.lora.alpha, c.trainer.lr, c.run_name) == (16, 32.0, 1e-4,
+                                                                                  "grpo_lora_smollm2_arithmetic")
+    validate(c, world_size=2, hf_config=SMOLLM2)
     bad = {"model.lora.rank=-1": r"model.lora.rank=-1: must be >= 0",
            "model.lora.alpha=0": r"model.lora.alpha=0.0: must be > 0",
            "model.lora.dropout=1.0": r"model.lora.dropout=1.0: must be in \[0, 1\)",
@@ -76,9 +80,11 @@ def test_adapted_linears_equal_the_dense_math_at_tp_1_and_2_with_and_without_sp(
     """Column- and row-parallel linears: output, input gradient and the full A / B gradients
     (TP slices gathered, sequence-parallel partial sums all-reduced) == fp64 autograd of
     ``x (W + scale B A)^T``; B = 0 gives the base output exactly; the base weight gets no
-    gradient. A tiny Llama with adapters on its 28 attention / MLP linears and random B: logits
-    == a copy holding ``W + scale B A`` in every adapted weight; adapters off == the base model
-    exactly; only the adapters train."""
+    gradient; dropout only in passes that build a graph. A tiny Llama with adapters on its 16
+    attention / MLP linears and random B: logits == a copy holding ``W + scale B A`` in every
+    adapted weight; adapters off == the base model exactly; only the adapters train; the weight
+    sync yields vLLM's sharding of the merged export and never aliases an adapted weight; targets
+    that adapt nothing are refused."""
     path = tmp_path / "lora.json"
     run_torchrun("lora_worker.py", str(path), nproc=2, timeout=600)
     results = json.loads(path.read_text())
@@ -86,12 +92,18 @@ def test_adapted_linears_equal_the_dense_math_at_tp_1_and_2_with_and_without_sp(
     for layout, r in results.items():
         for kind in ("column", "row"):
             assert r[f"{kind}_zero_b_equal"] and r[f"{kind}_base_grad_none"], (layout, kind)
+            assert r[f"{kind}_dropout_off_without_grad"] and r[f"{kind}_dropout_on_with_grad"], (layout, kind)
             for check in ("out", "dx", "dA", "dB"):
                 assert r[f"{kind}_{check}"] < 1e-5, (layout, kind, check, r)
         assert r["adapted"] == 4 * 4  # 4 layers x (qkv, proj, fc1, fc2)
         assert r["model_vs_merged"] < 1e-4 and r["adapters_change_logits"] > 1e-2, (layout, r)
         assert r["disabled_equals_base"], layout
         assert r["trainable"] == ["A", "B"], layout
+        assert r["nothing_adapted_refused"], layout
+        # weight sync: every vLLM tensor (4 layers x 6 + embedding, norm, head) == the merged export's
+        assert r["sync_wrong"] == [] and r["sync_tensors"] == 4 * 6 + 3, (layout, r["sync_wrong"])
+        assert r["aliased_adapted"] == [], layout  # merged weights are new tensors, budgeted as such
+    assert any("layernorm" in n for n in results["tp1"]["aliased"])  # whole unadapted weights still pass as they are
 
 
 def test_grpo_with_lora_syncs_merged_weights_and_keeps_the_base_frozen(tmp_path):
@@ -180,3 +192,39 @@ def test_dpo_and_reward_model_with_lora(tmp_path):
     losses = [h["loss"] for h in s["history"]]
     assert losses[0] > losses[2], losses
     check_export_scores(out, s["heldout_after"])
+
+
+def test_adapter_gradients_equal_peft_autograd_for_grpo_and_dpo(torchrun_json):
+    """The GRPO and DPO gradients of every adapter through Megatron (DDP, schedule, TP / SP / PP
+    communication, finalize_model_grads) == single-process autograd on a PEFT-wrapped HF model
+    from the same adapters, at DP 2, TP 2, TP 2 + SP and PP 2 (tests/dist/lora_parity_worker.py);
+    loaded from PEFT names (``load_lora_adapters``) and exported back (``export_lora_adapters``)."""
+    r = torchrun_json("lora_parity_worker.py")
+    for loss in ("grpo", "dpo"):
+        res = r[loss]
+        assert res["reference_max_grad"] > 1e-3 and res["tensors"] == 4 * 7 * 2, res  # 4 layers x 7 projections
+        for case in ("dp2", "tp2", "tp2_sp", "pp2"):
+            ref = res["reference_loss"]
+            assert abs(res[case]["loss"] - ref) <= 1e-5 * max(1.0, abs(ref)), (loss, case, res[case], ref)
+            assert res[case]["max_grad_diff"] <= 1e-5 * res["reference_max_grad"] + 1e-7, (loss, case, res[case])
+
+
+def test_frozen_linear_input_gradient_with_transposed_strides():
+    """parallel/cpu_compat.py: the input gradient of a frozen linear (a LoRA job's base and tied
+    output layer) from an output gradient with a transposed layout's strides (``[s, 1, V]`` viewed
+    from ``[1, s, V]``, as the logits' gradient arrives) is ``g W``, computed from re-viewed
+    standard strides (oneDNN's bf16 matmul would size a buffer from the odd ones, fail and leave
+    the process on PyTorch's 100x slower reference GEMM)."""
+    from megatron.core.tensor_parallel.layers import LinearWithFrozenWeight
+
+    from parallel.cpu_compat import _patch_frozen_linear_grad_strides
+
+    _patch_frozen_linear_grad_strides()
+    _patch_frozen_linear_grad_strides()  # idempotent
+    assert LinearWithFrozenWeight.backward._megalign_strides
+    w = torch.randn(96, 32, dtype=torch.bfloat16)
+    x = torch.randn(7, 1, 32, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(1, 7, 96, dtype=torch.bfloat16).transpose(0, 1)
+    assert g.stride() == (96, 7 * 96, 1) and g.is_contiguous()
+    LinearWithFrozenWeight.apply(x, w, None, False, None).backward(g)
+    torch.testing.assert_close(x.grad, g.contiguous().view(7, 96).matmul(w).view(7, 1, 32), rtol=0, atol=0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -23,28 +24,70 @@ from alignment.models.weights import _tp, share_across_ranks
 from parallel.names import global_param_names
 
 
+def _modules(bridge, gname: str) -> list[tuple[str, str]]:
+    """``(hf weight name, PEFT module prefix)`` of each HF projection of Megatron weight ``gname``."""
+    return [(n, "base_model.model." + n.removesuffix(".weight")) for n in bridge.hf_names(gname)]
+
+
 @torch.no_grad()
-def export_lora_adapters(model: torch.nn.Module, bridge) -> dict[str, torch.Tensor]:
+def export_lora_adapters(model: torch.nn.Module, bridge,
+                         source: Callable[[torch.nn.Parameter], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """PEFT-named adapter tensors of the whole model, identical on every rank (collective):
     ``base_model.model.<hf module>.lora_A.weight`` ``[r, in]`` and ``...lora_B.weight``
-    ``[out, r]`` for every HF projection of an adapted Megatron linear, in the adapters' dtype."""
+    ``[out, r]`` for every HF projection of an adapted Megatron linear, in the adapters' dtype.
+    ``source`` picks the tensor exported per adapter parameter (default its data; e.g.
+    ``lambda p: p.main_grad`` for the gradients: a fused linear's shared ``A`` then carries the
+    gradient of the sum over its projections)."""
+    read = source or (lambda p: p.detach())
     local: dict[str, torch.Tensor] = {}
     for _, gname, param in global_param_names(model):
         lora = getattr(param, "lora_adapter", None)
         if lora is None:
             continue
         _, tp_size, tp_group = _tp(False)
-        split = lora.B if lora.kind == "column" else lora.A
-        shards = [split.detach()]
+        split = read(lora.B if lora.kind == "column" else lora.A)
+        shards = [split]
         if tp_size > 1:
             shards = [torch.empty_like(split) for _ in range(tp_size)]
-            dist.all_gather(shards, split.detach().contiguous(), group=tp_group)
+            dist.all_gather(shards, split.contiguous(), group=tp_group)
         for hf_name, t in bridge.to_hf(gname, shards).items():
             module = "base_model.model." + hf_name.removesuffix(".weight")
-            a, b = (lora.A.detach(), t) if lora.kind == "column" else (t, lora.B.detach())
+            a, b = (read(lora.A), t) if lora.kind == "column" else (t, read(lora.B))
             local[f"{module}.lora_A.weight"] = a.clone()
             local[f"{module}.lora_B.weight"] = b.clone()
     return share_across_ranks(local)
+
+
+@torch.no_grad()
+def load_lora_adapters(model: torch.nn.Module, bridge, tensors: Mapping[str, torch.Tensor]) -> None:
+    """PEFT-named adapter tensors (:func:`export_lora_adapters`' form, e.g. a PEFT
+    ``adapter_model.safetensors``) into this shard's adapters (its TP slices).
+
+    Raises:
+        KeyError: an adapted linear's tensor is missing.
+        ValueError: the projections of one fused linear (``q_proj`` / ``k_proj`` / ``v_proj``,
+            ``gate_proj`` / ``up_proj``) have different ``lora_A``: they cannot share the fused
+            linear's adapter.
+    """
+    tp_rank, tp_size, _ = _tp(False)
+    for _, gname, param in global_param_names(model):
+        lora = getattr(param, "lora_adapter", None)
+        if lora is None:
+            continue
+        pairs = _modules(bridge, gname)
+        if lora.kind == "column":
+            a = tensors[f"{pairs[0][1]}.lora_A.weight"]
+            for _, module in pairs[1:]:
+                if not torch.equal(tensors[f"{module}.lora_A.weight"], a):
+                    raise ValueError(f"{module}.lora_A differs from {pairs[0][1]}.lora_A: the projections of "
+                                     f"{gname} share one adapter A in Megatron's fused linear")
+            b = bridge.to_megatron_shard(gname, {n: tensors[f"{m}.lora_B.weight"] for n, m in pairs}, tp_rank, tp_size)
+        else:
+            (name, module), = pairs
+            a = bridge.to_megatron_shard(gname, {name: tensors[f"{module}.lora_A.weight"]}, tp_rank, tp_size)
+            b = tensors[f"{module}.lora_B.weight"]
+        lora.A.copy_(a)
+        lora.B.copy_(b)
 
 
 def save_peft_adapter(model: torch.nn.Module, bridge, spec, base_model: str, path: str | os.PathLike) -> Path:

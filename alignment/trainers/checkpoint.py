@@ -76,6 +76,12 @@ def _adapters_only(model) -> bool:
     return bool(adapters(model))
 
 
+def _lora_signature(model) -> dict | None:
+    from parallel.lora import signature
+
+    return signature(unwrap(model))
+
+
 def _trained_entries(model, model_sd: dict) -> dict:
     """The entries of ``model_sd`` whose tensors train (a LoRA job's adapters, and a value model's
     head): the frozen base is the one in ``model.path``, loaded again on resume."""
@@ -92,7 +98,8 @@ def _state(model, optimizer, step: int, is_loading: bool) -> dict:
     if adapters_only:
         model_sd = _trained_entries(model, model_sd)
     state = {"model": model_sd, "step": step, "optimizer_kind": _optimizer_kind(optimizer),
-             "model_parallel_sizes": _model_parallel_sizes(), "adapters_only": adapters_only}
+             "model_parallel_sizes": _model_parallel_sizes(), "adapters_only": adapters_only,
+             "lora": _lora_signature(model)}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                           metadata=_optimizer_metadata(optimizer))
@@ -142,6 +149,10 @@ def load_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, op
         raise ValueError(f"checkpoint {path} holds {held} but this run {'adapts' if adapters_only else 'trains'} "
                          f"the {'base with LoRA' if adapters_only else 'whole model'}: resume with the model.lora "
                          "settings it was saved with, or start a new output_dir")
+    if adapters_only and common.get("lora") != _lora_signature(model):
+        raise ValueError(f"checkpoint {path} holds LoRA adapters {common.get('lora')} but this run builds "
+                         f"{_lora_signature(model)}: resume with the model.lora rank, alpha and target_modules it was "
+                         "saved with, or start a new output_dir")
     if optimizer is not None:
         saved = common.get("optimizer_kind")
         sizes, now = common.get("model_parallel_sizes"), _model_parallel_sizes()

@@ -103,16 +103,18 @@ def hf_reference(hf, batch, extra_loss=None, **forward_kwargs):
                         batch["response_mask"], total, CFG)
     value = loss.item()
     (loss if extra_loss is None else loss + extra_loss(output)).backward()
-    return value, {k: p.grad.clone() for k, p in hf.named_parameters()}
+    return value, {k: p.grad.clone() for k, p in hf.named_parameters() if p.grad is not None}
 
 
 def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, router_stats=False, packing=False,
-                  positions=None, share_prompts=False, **sizes):
+                  positions=None, share_prompts=False, lora=None, adapters=None, **sizes):
     """Loss and HF-named (checkpoint form) gradients of the GRPO loss through Megatron, laid out
     with ``sizes`` (ParallelLayout fields), micro-batches of ``mbs`` rows; weights from ``state``
     (HF checkpoint form, default the model's state dict). ``router_stats``: also return the
     step's :func:`alignment.trainers.router_stats.routing_metrics`. ``packing``, ``positions``,
-    ``share_prompts``: as :func:`alignment.trainers.megatron_step.forward_backward`'s."""
+    ``share_prompts``: as :func:`alignment.trainers.megatron_step.forward_backward`'s. ``lora``: a
+    :class:`parallel.lora.LoRASpec` whose adapters start from ``adapters`` (PEFT-named): the
+    gradients returned are then the adapters' (PEFT-named, :func:`export_lora_adapters`)."""
     from megatron.core import parallel_state as ps
 
     from alignment.trainers.router_stats import routing_metrics
@@ -122,6 +124,12 @@ def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, rou
     model = build_gpt_model(cfg, transformer_config(cfg, moe_aux_loss_coeff=moe_aux_loss_coeff, **sizes))
     bridge = get_bridge(cfg)
     load_hf_weights(model, hf.state_dict() if state is None else state, bridge)
+    if lora is not None:
+        from alignment.models.lora_export import load_lora_adapters
+        from parallel.lora import apply_lora
+
+        apply_lora(model, lora)
+        load_lora_adapters(model, bridge, adapters)
     ddp, _ = setup_training(model, OptimConfig())  # (MoE: tracks routing, alignment.trainers.router_stats)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rows = batch["input_ids"].shape[0] // dp
@@ -141,7 +149,12 @@ def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, rou
                         if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 else 0.0,
                         dtype=torch.float64)
     dist.all_reduce(loss)
-    grads = export_hf_weights(ddp, bridge, source=lambda p: p.main_grad)
+    if lora is not None:
+        from alignment.models.lora_export import export_lora_adapters
+
+        grads = export_lora_adapters(ddp, bridge, source=lambda p: p.main_grad)
+    else:
+        grads = export_hf_weights(ddp, bridge, source=lambda p: p.main_grad)
     if router_stats:
         return loss.item() / total.item(), grads, routing_metrics(ddp)
     return loss.item() / total.item(), grads

@@ -13,7 +13,10 @@ For each layout (TP 1 with DP 2, TP 2, TP 2 with sequence parallelism):
   exactly.
 - ``model``: a tiny Llama (GQA, gated MLP) with adapters on every attention and MLP linear and
   random ``B``: its logits equal those of a copy whose weights are ``merged_narrow`` of the whole
-  shard (``W + scale B A``); ``adapters_disabled`` gives the base model's logits exactly.
+  shard (``W + scale B A``); ``adapters_disabled`` gives the base model's logits exactly; the
+  resharder (colocated, vLLM TP 1) yields vLLM's sharding of the merged HF export and aliases no
+  adapted weight. Also: dropout only in passes that build a graph; targets that adapt nothing
+  are refused.
 
 Writes {layout: {check: max abs error or bool}}.
 """
@@ -101,6 +104,20 @@ def linears_case(tp: int, sp: bool) -> dict:
         out[f"{kind}_dA"] = (da.double() - ar.grad).abs().max().item()
         out[f"{kind}_dB"] = (db.double() - br.grad).abs().max().item()
         out[f"{kind}_base_grad_none"] = lin.weight.grad is None and not lin.weight.requires_grad
+        # dropout on the adapter's input: in passes that build a graph only
+        adapter.dropout = torch.nn.Dropout(0.5)
+        lin.train()
+        with torch.no_grad():
+            out[f"{kind}_dropout_off_without_grad"] = bool(torch.equal(lin(x_local)[0], lin(x_local)[0]))
+        out[f"{kind}_dropout_on_with_grad"] = not torch.equal(lin(xl)[0], lin(xl)[0])
+        adapter.dropout = None
+    holder = torch.nn.Module()
+    holder.other = ColumnParallelLinear(IN, OUT, config=cfg, init_method=lambda t: None, bias=False)
+    try:
+        apply_lora(holder, SPEC)
+        out["nothing_adapted_refused"] = False
+    except ValueError as e:
+        out["nothing_adapted_refused"] = "adapts no linear" in str(e)
     return out
 
 
@@ -110,7 +127,9 @@ def model_case(tp: int, sp: bool) -> dict:
 
     from alignment.models.families import get_bridge
     from alignment.models.gpt import build_gpt_model, transformer_config
-    from alignment.models.weights import load_hf_weights
+    from alignment.models.weights import export_hf_weights, load_hf_weights
+    from alignment.rollout.weight_check import vllm_reference_shard
+    from parallel.reshard import Resharder
     from tests.dist.reshard_worker import hf_model
     from tests.dist.tiny_models import checkpoint_state
 
@@ -137,11 +156,25 @@ def model_case(tp: int, sp: bool) -> dict:
         with torch.no_grad():
             return gather_from_tensor_model_parallel_region(m(ids, pos, None))
 
+    # the weight sync (colocated, an engine per rank, small buckets) yields vLLM's sharding of the merged model,
+    # and never passes an adapted weight on as the live parameter
+    merged_state = export_hf_weights(lora_model, bridge)
+    resharder = Resharder(lora_model, bridge.vllm_layout(tp, 1), vllm_tp=1, bucket_bytes=16 << 10)
+    sync_wrong, sync_tensors = [], 0
+    for bucket in resharder.buckets():
+        for name, t in bucket:
+            sync_tensors += 1
+            if not torch.allclose(t, vllm_reference_shard(bridge, merged_state, name, 1, 0), rtol=0, atol=1e-6):
+                sync_wrong.append(name)
+    adapted = {n for n, p in lora_model.named_parameters() if hasattr(p, "lora_adapter")}
+    aliased = sorted({src for b in resharder.plan.buckets for src in b.alias.values()})
     base = build_gpt_model(hf.config, tcfg()).eval()
     load_hf_weights(base, state, bridge)
     with adapters_disabled(lora_model):
         disabled_equal = bool(torch.equal(logits(lora_model), logits(base)))
-    return {"adapted": len(names), "model_vs_merged": (logits(lora_model) - logits(merged)).abs().max().item(),
+    return {"adapted": len(names), "sync_wrong": sync_wrong[:3], "sync_tensors": sync_tensors,
+            "aliased": aliased, "aliased_adapted": sorted(set(aliased) & adapted),
+            "model_vs_merged": (logits(lora_model) - logits(merged)).abs().max().item(),
             "adapters_change_logits": (logits(lora_model) - logits(base)).abs().max().item(),
             "disabled_equals_base": disabled_equal,
             "trainable": sorted({n.rsplit(".", 1)[-1] for n, p in lora_model.named_parameters() if p.requires_grad})}

@@ -78,7 +78,7 @@ def reference(kind, lm, rm, batch):
         logps = hf_logps(lm, batch)
         loss = reference_loss(kind, obj, batch, logps)
     loss.backward()
-    return loss.item(), {k: p.grad.clone() for k, p in model.named_parameters()}
+    return loss.item(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
 def reference_loss(kind, obj, batch, logps):
@@ -96,7 +96,11 @@ def objective(kind, vocab):
             "dpo": lambda: DPOObjective(vocab, beta=0.5)}[kind]()
 
 
-def megatron_case(kind, lm, rm, batch, tp, pp, sp, mbs, cp, comm, packed, world):
+def megatron_case(kind, lm, rm, batch, tp, pp, sp, mbs, cp, comm, packed, world, state=None, lora=None,
+                  adapters=None):
+    """Loss, HF-named gradients (``lora``: the adapters', PEFT-named, starting from ``adapters``),
+    the reward model's scores, and this rank's slice of the batch; weights from ``state`` (HF
+    checkpoint form, default the HF model's)."""
     from megatron.core import parallel_state as ps
 
     init_distributed(ParallelLayout(world_size=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -108,7 +112,13 @@ def megatron_case(kind, lm, rm, batch, tp, pp, sp, mbs, cp, comm, packed, world)
         model, bridge, hf = build_value_model(cfg, tcfg), get_bridge(cfg, head="score"), rm
     else:
         model, bridge, hf = build_gpt_model(cfg, tcfg), get_bridge(cfg), lm
-    load_hf_weights(model, hf.state_dict(), bridge)
+    load_hf_weights(model, hf.state_dict() if state is None else state, bridge)
+    if lora is not None:
+        from alignment.models.lora_export import load_lora_adapters
+        from parallel.lora import apply_lora
+
+        apply_lora(model, lora)
+        load_lora_adapters(model, bridge, adapters)
     ddp, _ = setup_training(model, OptimConfig())
     obj = objective(kind, cfg.vocab_size)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -129,7 +139,12 @@ def megatron_case(kind, lm, rm, batch, tp, pp, sp, mbs, cp, comm, packed, world)
                                    packing=packed)
     sums = offline.global_sums(out)
     loss = (sums.get("loss_sum", sums.get("nll_sum")) / (sums["count"]))
-    grads = export_hf_weights(ddp, bridge, source=lambda p: p.main_grad)
+    if lora is not None:
+        from alignment.models.lora_export import export_lora_adapters
+
+        grads = export_lora_adapters(ddp, bridge, source=lambda p: p.main_grad)
+    else:
+        grads = export_hf_weights(ddp, bridge, source=lambda p: p.main_grad)
     return loss, grads, scores, dp_rank, n
 
 
