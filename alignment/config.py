@@ -25,7 +25,8 @@ class LoRAConfig:
     rank: int = 0
     alpha: float = 16.0  # scale = alpha / rank (PEFT's lora_alpha)
     dropout: float = 0.0  # on the adapter's input (PEFT's lora_dropout)
-    # Megatron's names: attention (linear_qkv, linear_proj) and dense MLP (linear_fc1, linear_fc2) linears
+    # Megatron's names: attention (linear_qkv, linear_proj), MLP (linear_fc1, linear_fc2: dense MLPs and MoE
+    # experts alike; mlp.linear_fc1 / experts.linear_fc1 for one kind only; parallel/lora.py is_target)
     target_modules: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
 
 
@@ -418,8 +419,9 @@ def _validate_placement(cfg, world_size: int) -> None:
                           "own process, which a disaggregated job's engines are not; set it to false")
 
 
-def _validate_lora(cfg) -> None:
-    """``model.lora``: a rank >= 0, a positive alpha, a dropout in [0, 1), known targets."""
+def _validate_lora(cfg, dims) -> None:
+    """``model.lora``: a rank >= 0, a positive alpha, a dropout in [0, 1), known targets, and
+    targets that name some linear of the model (``dims``: expert and dense MLP layers)."""
     from parallel.lora import TARGETS
 
     lo = cfg.model.lora
@@ -434,7 +436,14 @@ def _validate_lora(cfg) -> None:
     unknown = sorted(set(lo.target_modules) - set(TARGETS))
     if unknown or not lo.target_modules:
         raise ConfigError(f"model.lora.target_modules={list(lo.target_modules)}: give one or more of "
-                          f"{', '.join(TARGETS)} (Megatron's linear names)")
+                          f"{', '.join(TARGETS)} (Megatron's linear names; linear_fc1 adapts dense MLPs and MoE "
+                          "experts, mlp.linear_fc1 dense MLPs only, experts.linear_fc1 experts only)")
+    pattern = dims.moe_layer_pattern if dims.num_experts else (0,) * dims.num_layers
+    present = {"experts": any(pattern), "mlp": not all(pattern)}
+    if not any(present.get(t.split(".")[0], True) for t in lo.target_modules):
+        raise ConfigError(f"model.lora.target_modules={list(lo.target_modules)}: this model has no "
+                          f"{'expert' if present['mlp'] else 'dense MLP'} layers; name linear_fc1 / linear_fc2 "
+                          "(every MLP) or the attention's linear_qkv / linear_proj")
 
 
 def lora_spec(cfg):
@@ -523,7 +532,7 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
     if cfg.model.moe_aux_loss_coeff is not None and cfg.model.moe_aux_loss_coeff < 0:
         raise ConfigError(f"model.moe_aux_loss_coeff={cfg.model.moe_aux_loss_coeff}: must be >= 0 (0: no "
                           f"load-balancing loss; null: the HF config's router_aux_loss_coef)")
-    _validate_lora(cfg)
+    _validate_lora(cfg, dims)
     dp = layout.data_parallel_size
     r, t = cfg.rollout, cfg.trainer
     _validate_lengths(cfg, layout, hf_config, tokenizer_size)

@@ -23,6 +23,17 @@ adapters are split the way the base weight is, so that no rank holds more than i
   into the sequence chunk), then every rank applies all of ``B``. ``dB`` is complete on every rank
   without SP and a partial sum over sequence chunks with it (all-reduced over TP).
 
+Experts of a mixture-of-experts layer (Megatron's ``SequentialMLP``: ``linear_fc1`` / ``linear_fc2``
+of each local expert, split over the expert-tensor-parallel group, ETP) are split the same way,
+but their linears communicate nothing themselves (``explicit_expert_comm``: the token dispatcher
+all-gathers the tokens over ETP before them and reduce-scatters the partial outputs after). The
+adapter follows suit: no activation communication; the column adapter's replicated ``A`` sees a
+partial ``dA`` (each rank's rows of ``B``) and the row adapter's replicated ``B`` a partial ``dB``
+(each rank's partial ``h``), so that parameter enters the forward through
+``copy_to_tensor_model_parallel_region`` over ETP (identity forward, all-reduce of its gradient),
+while the input gradient stays partial like the base linear's. Expert adapters carry the
+weight's ``allreduce`` attribute (Megatron's DDP reduces them over the expert-data-parallel group).
+
 The adapter lives in the linear as a child module ``lora`` (parameters ``<linear>.lora.A`` and
 ``<linear>.lora.B``, with the ``tensor_model_parallel`` / ``partition_dim`` / ``partition_stride``
 attributes Megatron gives split weights), so the base weight keeps its name for every loader,
@@ -33,6 +44,7 @@ adapter and whose ``sharded_state_dict`` shards it like the weight.
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,20 +52,32 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "mlp.linear_fc1", "mlp.linear_fc2",
+           "experts.linear_fc1", "experts.linear_fc2")
+DEFAULT_TARGETS = TARGETS[:4]  # every attention, dense MLP and expert linear
+
+
+def is_target(name: str, targets) -> bool:
+    """True when the module named ``name`` (local or global Megatron name) is among ``targets``
+    (:data:`TARGETS`), each a suffix of the name in Megatron's grouped-MLP naming (an expert's
+    ``mlp.experts.local_experts.<j>.linear_fc1`` read as ``mlp.experts.linear_fc1``): ``linear_fc1``
+    adapts the dense MLPs' and the experts' (as Megatron-Bridge's LoRA does), ``mlp.linear_fc1`` the
+    dense MLPs' only, ``experts.linear_fc1`` the experts' only."""
+    name = re.sub(r"\.local_experts\.\d+\.", ".", name)
+    return any(name == t or name.endswith("." + t) for t in targets)
 
 
 @dataclass(frozen=True)
 class LoRASpec:
     """``rank`` r (> 0), ``alpha`` (scale = alpha / r), ``dropout`` on the adapter's input,
-    ``target_modules`` among :data:`TARGETS` (Megatron's names of the attention and dense MLP
-    linears), ``seed`` for ``A``'s initialisation (a function of the seed and the linear's global
-    name: the same on every parallel layout)."""
+    ``target_modules`` among :data:`TARGETS` (Megatron's names of the attention, dense MLP and
+    expert linears, matched by :func:`is_target`), ``seed`` for ``A``'s initialisation (a function
+    of the seed and the linear's global name: the same on every parallel layout)."""
 
     rank: int
     alpha: float = 16.0
     dropout: float = 0.0
-    target_modules: tuple[str, ...] = TARGETS
+    target_modules: tuple[str, ...] = DEFAULT_TARGETS
     seed: int = 0
 
     @property
@@ -67,17 +91,18 @@ class LoRAAdapter(nn.Module):
     ``kind``: ``"column"`` or ``"row"``; ``in_features`` / ``out_features``: the base linear's
     global sizes; ``tp_size`` / ``tp_rank``: its TP group; ``stride``: the base weight's partition
     stride (2 for a gated ``linear_fc1``); ``init_a``: the full ``A [r, in_features]`` to start
-    from (this rank keeps its columns when ``kind == "row"``). ``B`` starts at zero.
+    from (this rank keeps its columns when ``kind == "row"``). ``B`` starts at zero. ``expert``:
+    the base is an expert's linear (no communication of its own; ``tp_*`` are then its ETP group's).
     """
 
     def __init__(self, kind: str, in_features: int, out_features: int, spec: LoRASpec, *, tp_size: int,
                  tp_rank: int, stride: int, init_a: torch.Tensor, dtype: torch.dtype, device, sequence_parallel: bool,
-                 tp_group=None):
+                 tp_group=None, expert: bool = False):
         super().__init__()
         if kind not in ("column", "row"):
             raise ValueError(f"kind={kind!r}: 'column' or 'row'")
         self.kind, self.scale, self.tp_group, self.enabled = kind, spec.scale, tp_group, True
-        self.sequence_parallel, self.tp_size = sequence_parallel, tp_size
+        self.sequence_parallel, self.tp_size, self.expert = sequence_parallel and not expert, tp_size, expert
         self.dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else None
         r = spec.rank
         if kind == "column":
@@ -92,7 +117,7 @@ class LoRAAdapter(nn.Module):
         split.tensor_model_parallel, split.partition_dim = True, 0 if kind == "column" else 1
         split.partition_stride = stride if kind == "column" else 1
         replicated.tensor_model_parallel = False
-        if sequence_parallel:  # partial over sequence chunks: all-reduced over TP by finalize_model_grads
+        if self.sequence_parallel:  # partial over sequence chunks: all-reduced over TP by finalize_model_grads
             replicated.sequence_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,6 +130,14 @@ class LoRAAdapter(nn.Module):
 
         if self.dropout is not None and self.training and torch.is_grad_enabled():
             x = self._dropout(x)  # not in no-grad passes (old / reference logprobs, values, evaluation)
+        if self.expert:  # the dispatcher communicates; the replicated parameter's gradient is all-reduced
+            a, b = self.A, self.B
+            if self.tp_size > 1:
+                if self.kind == "column":
+                    a = mappings.copy_to_tensor_model_parallel_region(a, group=self.tp_group)
+                else:
+                    b = mappings.copy_to_tensor_model_parallel_region(b, group=self.tp_group)
+            return ((x @ a.t()) @ b.t()) * self.scale
         h = x @ self.A.t()
         if self.kind == "column":
             if self.sequence_parallel:
@@ -122,9 +155,9 @@ class LoRAAdapter(nn.Module):
         every TP rank, the tracker's model-parallel generator where each rank holds a different part."""
         split_input = self.kind == "row" or self.sequence_parallel
         if split_input and self.tp_size > 1:
-            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 
-            with get_cuda_rng_tracker().fork():
+            with get_cuda_rng_tracker().fork(*([get_expert_parallel_rng_tracker_name()] if self.expert else [])):
                 return self.dropout(x)
         return self.dropout(x)
 
@@ -192,8 +225,9 @@ def apply_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
     """Add LoRA adapters to ``model``'s linears named in ``spec.target_modules`` (a Megatron
     GPTModel shard or any module holding Megatron TP linears; not DDP-wrapped yet) and freeze
     every other parameter (``requires_grad=False``: Megatron's DDP gives them no gradient buffer
-    and its optimizer no state). Call before wrapping the model in DDP. Experts of MoE layers
-    are not adapted (they stay frozen). Returns the global names of the adapted linears.
+    and its optimizer no state). Call before wrapping the model in DDP. The experts of MoE layers
+    are adapted like dense linears (see the module docstring). Returns the global names of the
+    adapted linears.
 
     Raises:
         ValueError: ``spec.rank < 1``, an unknown target, no linear adapted, or a target that is not a Megatron
@@ -213,8 +247,7 @@ def apply_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
     weight_names = {id(p): g for _, g, p in global_param_names(model)}
     adapted = []
     for name, module in list(model.named_modules()):
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf not in spec.target_modules or ".experts." in name:
+        if not is_target(name, spec.target_modules):
             continue
         if isinstance(module, ColumnParallelLinear) and not module.gather_output:
             kind = "column"
@@ -232,13 +265,15 @@ def apply_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
             stride=getattr(module.weight, "partition_stride", 1),
             init_a=kaiming_uniform_a(spec, gname.removesuffix(".weight"), module.input_size),
             dtype=module.weight.dtype, device=module.weight.device, sequence_parallel=module.sequence_parallel,
-            tp_group=tp_group)
+            tp_group=tp_group, expert=module.is_expert)
+        for p in (module.lora.A, module.lora.B):  # experts: reduced over expert-DP, as the weight
+            p.allreduce = getattr(module.weight, "allreduce", True)
         module.weight.lora_adapter = module.lora  # for merged_narrow (the weight sync)
         module.__class__ = _lora_class(type(module))
         adapted.append(gname.removesuffix(".weight"))
     if not adapted:
         raise ValueError(f"model.lora.target_modules={list(spec.target_modules)} adapts no linear of this model shard "
-                         "(experts of MoE layers are not adapted): add linear_qkv / linear_proj")
+                         f"(its stage has no such linears): choose among {list(TARGETS)}")
     return adapted
 
 
@@ -249,8 +284,9 @@ def adapters(model: nn.Module) -> list[LoRAAdapter]:
 
 def signature(model: nn.Module) -> dict | None:
     """What a checkpoint of ``model``'s adapters must match to resume: ``{"rank", "scale",
-    "targets"}`` (the adapted linears' names), or None without adapters."""
-    found = [(name.rsplit(".", 2)[-2], m) for name, m in model.named_modules() if isinstance(m, LoRAAdapter)]
+    "targets"}`` (the adapted linears' names, ``experts.<name>`` for experts), or None without adapters."""
+    found = [(("experts." if m.expert else "") + name.rsplit(".", 2)[-2], m) for name, m in model.named_modules()
+             if isinstance(m, LoRAAdapter)]
     if not found:
         return None
     return {"rank": int(found[0][1].A.shape[0]), "scale": float(found[0][1].scale),

@@ -77,17 +77,29 @@ def layer_parameters(dims, tp: int, *, moe: bool = False, ep: int = 1, etp: int 
 
 
 def lora_layer_parameters(dims, tp: int, rank: int, targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"),
-                          *, moe: bool = False) -> int:
+                          *, moe: bool = False, ep: int = 1, etp: int | None = None, experts_only: bool = False) -> int:
     """LoRA adapter parameters of one layer on one TP rank (elements; :mod:`parallel.lora`):
     column-parallel ``linear_qkv`` / ``linear_fc1`` hold ``A [r, H]`` whole and ``B [out / tp, r]``,
     row-parallel ``linear_proj`` / ``linear_fc2`` hold ``A [r, in / tp]`` and ``B [H, r]`` whole.
-    MoE layers adapt their attention only (experts are not adapted)."""
+    An MoE layer (``moe``) has the same per expert on its ``E / ep`` local experts, split over
+    expert TP ``etp`` (default ``tp``) with the expert width ``F_e``. ``targets``: as
+    ``model.lora.target_modules`` (``linear_fc1`` every MLP, ``mlp.`` dense, ``experts.`` experts).
+    ``experts_only``: count the experts' adapters alone."""
     d, r, h = dims, rank, dims.hidden_size
     sizes = {"linear_qkv": r * h + (d.num_attention_heads + 2 * d.num_query_groups) * d.head_dim // tp * r,
-             "linear_proj": r * d.num_attention_heads * d.head_dim // tp + h * r,
-             "linear_fc1": r * h + 2 * d.ffn_hidden_size // tp * r,
-             "linear_fc2": r * d.ffn_hidden_size // tp + h * r}
-    return sum(sizes[t] for t in targets if not (moe and t in ("linear_fc1", "linear_fc2")))
+             "linear_proj": r * d.num_attention_heads * d.head_dim // tp + h * r}
+    if moe:
+        et, f = etp or tp, d.moe_ffn_hidden_size
+        per_expert = {"linear_fc1": r * h + 2 * f // et * r, "linear_fc2": r * f // et + h * r}
+        sizes.update({k: d.num_experts // ep * v for k, v in per_expert.items()})
+    else:
+        sizes.update({"linear_fc1": r * h + 2 * d.ffn_hidden_size // tp * r,
+                      "linear_fc2": r * d.ffn_hidden_size // tp + h * r})
+    kinds = {"": True, "mlp": not moe, "experts": moe}
+    chosen = {t.rsplit(".", 1)[-1] for t in targets if kinds[t.rsplit(".", 1)[0] if "." in t else ""]}
+    if experts_only:
+        chosen = chosen & ({"linear_fc1", "linear_fc2"} if moe else set())
+    return sum(sizes[t] for t in chosen)
 
 
 def expert_parameters(dims, ep: int, etp: int) -> int:
@@ -355,11 +367,12 @@ def stage_memory(dims, layout: ParallelLayout, stage: int, *, dtype: str, micro_
         acts += 3 * tokens * dims.hidden_size * b // (tp if layout.sequence_parallel else 1)
         logits = logits_bytes(dims, tokens, tp, dtype)
     weights, grads = n * b, n * 4 + largest_weight(dims, tp, pp, stage, etp) * b
-    if lora_rank:  # frozen base: gradients and Adam state for the adapters only (never experts)
-        a = sum(lora_layer_parameters(dims, tp, lora_rank, moe=_is_moe(dims, i))
-                for i in stage_layers(dims, pp, stage, vpp))
+    if lora_rank:  # frozen base: gradients and Adam state for the adapters only (experts' over expert DP)
+        a, a_exp = (sum(lora_layer_parameters(dims, tp, lora_rank, moe=_is_moe(dims, i), ep=ep, etp=etp, experts_only=x)
+                        for i in stage_layers(dims, pp, stage, vpp)) for x in (False, True))
         weights, grads = (n + a) * b, a * (4 + b)
-        plain, dist = a * per_adam, -(-a * per_adam // shard)
+        plain = a * per_adam
+        dist = -(-(a - a_exp) * per_adam // shard) + -(-a_exp * per_adam // layout.expert_data_parallel_size)
     rw = kv = 0
     if rollout is not None:
         rw = rollout_weight_bytes(dims, rollout.tensor_parallel_size, rollout.dtype)
@@ -387,7 +400,7 @@ def estimate_memory(dims, layout: ParallelLayout, *, dtype: str = "bfloat16", mi
         num_microbatches: micro-batches per step and DP rank; ``None`` = enough to fill the pipeline.
         rollout: a colocated vLLM engine to add (:class:`RolloutPlan`), or ``None``.
         lora_rank: ``model.lora.rank`` (0: full fine-tuning): the base weights frozen, adapters on
-            every attention and dense MLP linear (:func:`lora_layer_parameters`) carrying the only
+            every attention, dense MLP and expert linear (:func:`lora_layer_parameters`) carrying the only
             gradients and Adam state (activations counted as in full fine-tuning: an upper bound).
     Returns:
         the :class:`MemoryBreakdown` of the largest stage.

@@ -40,6 +40,30 @@ def test_lora_settings_are_checked_before_start():
             validate(cfg(override, *extra), world_size=2, hf_config=SMOLLM2)
 
 
+def test_targets_name_dense_and_expert_linears_as_megatron_bridge_does():
+    from parallel.lora import DEFAULT_TARGETS, is_target
+
+    dense, expert = "decoder.layers.0.mlp.linear_fc1", "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1"
+    attention = "decoder.layers.1.self_attention.linear_qkv"
+    assert is_target(dense, ["linear_fc1"]) and is_target(expert, ["linear_fc1"])  # both kinds
+    assert is_target(dense, ["mlp.linear_fc1"]) and not is_target(expert, ["mlp.linear_fc1"])
+    assert is_target(expert, ["experts.linear_fc1"]) and not is_target(dense, ["experts.linear_fc1"])
+    assert not is_target(expert, ["linear_fc2", "experts.linear_fc2"]) and not is_target(attention, ["linear_proj"])
+    assert all(is_target(n, DEFAULT_TARGETS) for n in (dense, expert, attention))
+    validate(cfg("model.lora.rank=4", "model.lora.target_modules=[linear_qkv,experts.linear_fc1]"), world_size=2,
+             hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match=r"target_modules=\['experts.linear_fc1'\]: this model has no expert layers"):
+        validate(cfg("model.lora.rank=4", "model.lora.target_modules=[experts.linear_fc1]"), world_size=2,
+                 hf_config=SMOLLM2)
+    from tests.dist.tiny_models import tiny_qwen3_moe_config  # every layer sparse: no dense MLP to adapt
+
+    with pytest.raises(ConfigError, match="this model has no dense MLP layers"):
+        validate(cfg("model.lora.rank=4", "model.lora.target_modules=[mlp.linear_fc2]"), world_size=2,
+                 hf_config=tiny_qwen3_moe_config(mlp_only_layers=()))
+    validate(cfg("model.lora.rank=4", "model.lora.target_modules=[experts.linear_fc2]", "data.task=length"),
+             world_size=2, hf_config=tiny_qwen3_moe_config())
+
+
 def test_adapter_initialisation_is_peft_s_and_the_same_on_every_layout():
     spec = LoRASpec(rank=4, seed=1)
     a = kaiming_uniform_a(spec, "decoder.layers.3.self_attention.linear_qkv", 64)
@@ -198,8 +222,20 @@ def test_adapter_gradients_equal_peft_autograd_for_grpo_and_dpo(torchrun_json):
     """The GRPO and DPO gradients of every adapter through Megatron (DDP, schedule, TP / SP / PP
     communication, finalize_model_grads) == single-process autograd on a PEFT-wrapped HF model
     from the same adapters, at DP 2, TP 2, TP 2 + SP and PP 2 (tests/dist/lora_parity_worker.py);
-    loaded from PEFT names (``load_lora_adapters``) and exported back (``export_lora_adapters``)."""
+    loaded from PEFT names (``load_lora_adapters``) and exported back (``export_lora_adapters``).
+    Qwen3-MoE's expert adapters likewise at EP 1 / EP 2 / expert TP 2 + SP / TP 2 x EP 2, against
+    PEFT's adapters on the stacked expert parameters."""
     r = torchrun_json("lora_parity_worker.py")
+    moe = r["grpo_moe"]  # Qwen3-MoE: adapters on the attention and on each expert's linear_fc1 / linear_fc2
+    assert moe["reference_max_grad"] > 1e-3 and moe["tensors"] == 4 * (4 + 4 * 3) * 2, moe  # 4 experts x 3 proj.
+    for case in ("ep1", "ep2", "tp2_etp2_sp", "tp2_ep2_etp1"):
+        assert abs(moe[case]["loss"] - moe["reference_loss"]) <= 1e-5, (case, moe[case])
+        assert moe[case]["max_grad_diff"] <= 1e-5 * moe["reference_max_grad"] + 1e-7, (case, moe[case])
+    # the EP 2 run's PEFT directory (per-expert names) loads onto the HF base with the reference's logits
+    assert moe["peft_logits_diff"] <= 1e-5 and moe["adapter_effect"] > 1e-2, moe
+    # the weight sync into vLLM's fused-MoE layout (TP 1 and 2, from EP 2) == vLLM's loaders on PEFT's merge
+    assert moe["sync_wrong"] == [] and moe["sync_tensors"] > 0 and moe["merge_moves_experts"] > 1e-3, moe
+    assert moe["checkpoint_resumes"], moe  # adapters-only checkpoint: EP 2 -> EP 1 x expert TP 2, exact
     for loss in ("grpo", "dpo"):
         res = r[loss]
         assert res["reference_max_grad"] > 1e-3 and res["tensors"] == 4 * 7 * 2, res  # 4 layers x 7 projections

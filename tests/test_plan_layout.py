@@ -116,6 +116,30 @@ def test_lora_adapters_gradients_and_adam_by_hand():
     assert m.activations == full.activations and m.total < full.total
 
 
+def test_lora_expert_adapters_by_hand():
+    """An MoE layer's adapters: attention as a dense layer's, plus each local expert's
+    ``linear_fc1`` / ``linear_fc2`` adapters (tiny Qwen3-MoE: H 64, 4 experts of width 48)."""
+    from alignment.models.families import model_dims
+    from tests.dist.tiny_models import tiny_qwen3_moe_config
+
+    d, r = model_dims(tiny_qwen3_moe_config()), 8  # layers 0-2 sparse, layer 3 dense (width 80)
+    attention = (8 * 64 + (4 + 2 * 2) * 32 * 8) + (8 * 128 + 64 * 8)  # qkv + proj
+    expert = (8 * 64 + 96 * 8) + (8 * 48 + 64 * 8)  # fc1: A [8, 64] + B [96, 8]; fc2: A [8, 48] + B [64, 8]
+    assert lora_layer_parameters(d, 1, r, moe=True, ep=2) == attention + 2 * expert == 8448
+    assert lora_layer_parameters(d, 1, r, moe=True, ep=2, experts_only=True) == 2 * expert
+    # expert TP 2 halves B of fc1 and A of fc2
+    assert lora_layer_parameters(d, 2, r, moe=True, experts_only=True) == 4 * ((8 * 64 + 48 * 8) + (8 * 24 + 64 * 8))
+    assert lora_layer_parameters(d, 1, r, ("mlp.linear_fc1",), moe=True) == 0  # dense MLPs only
+    assert lora_layer_parameters(d, 1, r, ("experts.linear_fc2",), moe=True, ep=4) == 8 * 48 + 64 * 8
+    assert lora_layer_parameters(d, 1, r, ("experts.linear_fc2",)) == 0  # a dense layer has no experts
+    ep2 = ParallelLayout(world_size=2, expert_model_parallel_size=2)  # DP 2, expert DP 1
+    m = stage_memory(d, ep2, 0, dtype="bfloat16", distributed_optimizer=True, micro_batch_size=1, seq_length=8,
+                     lora_rank=r)
+    dense_part = 4 * attention + (8 * 64 + 160 * 8) + (8 * 80 + 64 * 8)  # attention everywhere + layer 3's MLP
+    assert m.optimizer_plain == 12 * (dense_part + 3 * 2 * expert)
+    assert m.optimizer_distributed == 12 * dense_part // 2 + 12 * 3 * 2 * expert  # experts' state not split
+
+
 def test_activations_and_logits_by_hand():
     # per token and layer (elements): norms 6 H = 384, attention 256 (qkv) + 128 (q) + 64 (k) + 128 (out) = 576,
     # MLP 5 F = 400; plus the fp32 log-sum-exp, 4 heads x 4 bytes

@@ -98,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kv-cache-tokens", type=int, default=0,
                     help="tokens in each vLLM engine's KV cache, e.g. max_model_len x concurrent sequences")
     ap.add_argument("--lora-rank", type=int, default=0,
-                    help="model.lora.rank: frozen base, adapters on every attention and MLP linear; "
+                    help="model.lora.rank: frozen base, adapters on every attention, MLP and expert linear; "
                          "0: full fine-tuning")
     args = ap.parse_args(argv)
     _check(ap, args)

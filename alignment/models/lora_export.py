@@ -13,6 +13,7 @@ are de-interleaved by the family's own mapping (the bridge's ``to_hf`` of the we
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Callable, Mapping
@@ -21,7 +22,9 @@ import torch
 import torch.distributed as dist
 
 from alignment.models.weights import _tp, share_across_ranks
-from parallel.names import global_param_names
+from parallel.names import global_param_names, is_expert_param
+
+log = logging.getLogger(__name__)
 
 
 def _modules(bridge, gname: str) -> list[tuple[str, str]]:
@@ -44,7 +47,7 @@ def export_lora_adapters(model: torch.nn.Module, bridge,
         lora = getattr(param, "lora_adapter", None)
         if lora is None:
             continue
-        _, tp_size, tp_group = _tp(False)
+        _, tp_size, tp_group = _tp(is_expert_param(gname))
         split = read(lora.B if lora.kind == "column" else lora.A)
         shards = [split]
         if tp_size > 1:
@@ -69,11 +72,11 @@ def load_lora_adapters(model: torch.nn.Module, bridge, tensors: Mapping[str, tor
             ``gate_proj`` / ``up_proj``) have different ``lora_A``: they cannot share the fused
             linear's adapter.
     """
-    tp_rank, tp_size, _ = _tp(False)
     for _, gname, param in global_param_names(model):
         lora = getattr(param, "lora_adapter", None)
         if lora is None:
             continue
+        tp_rank, tp_size, _ = _tp(is_expert_param(gname))
         pairs = _modules(bridge, gname)
         if lora.kind == "column":
             a = tensors[f"{pairs[0][1]}.lora_A.weight"]
@@ -97,6 +100,14 @@ def save_peft_adapter(model: torch.nn.Module, bridge, spec, base_model: str, pat
     The config is PEFT's own (``peft.LoraConfig.save_pretrained``): ``r``, ``lora_alpha``,
     ``lora_dropout``, ``target_modules`` = the HF projections found.
 
+    Experts of a MoE model are written per expert as the HF checkpoint names them
+    (``mlp.experts.<e>.gate_proj`` ...); PEFT fuses them on load into its parameter adapters of
+    transformers 5's stacked experts (``gate_up_proj`` at rank 2r, block-diagonal: exact), which
+    take no dropout, so ``lora_dropout`` is written as 0 then (dropout changes training only). PEFT
+    0.21 then also maps the dense MLP projections of the same names onto the experts: a model
+    with dense MLP layers *and* adapted experts loses its dense MLP adapters in PEFT (logged);
+    the merged export is exact either way.
+
     Raises:
         ImportError: peft is not installed (``pip install peft``).
     """
@@ -110,7 +121,12 @@ def save_peft_adapter(model: torch.nn.Module, bridge, spec, base_model: str, pat
     tmp = _fresh_tmp(final)
     if dist.get_rank() == 0:
         targets = sorted({k.split(".")[-3] for k in tensors})  # ...<module>.lora_A.weight
-        LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=targets,
+        experts = {k.split(".")[-3] for k in tensors if ".experts." in k}
+        if experts & {k.split(".")[-3] for k in tensors if ".experts." not in k}:
+            log.warning("hf_adapter: PEFT maps %s onto the MoE experts, so the dense MLP layers' adapters of these "
+                        "names will not load; the merged export holds them", sorted(experts))
+        dropout = 0.0 if experts else spec.dropout  # PEFT's expert adapters take none
+        LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=dropout, target_modules=targets,
                    bias="none", task_type="CAUSAL_LM", base_model_name_or_path=str(base_model)).save_pretrained(tmp)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"),
                   metadata={"format": "pt"})

@@ -107,14 +107,15 @@ def hf_reference(hf, batch, extra_loss=None, **forward_kwargs):
 
 
 def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, router_stats=False, packing=False,
-                  positions=None, share_prompts=False, lora=None, adapters=None, **sizes):
+                  positions=None, share_prompts=False, lora=None, adapters=None, peft_dir=None, **sizes):
     """Loss and HF-named (checkpoint form) gradients of the GRPO loss through Megatron, laid out
     with ``sizes`` (ParallelLayout fields), micro-batches of ``mbs`` rows; weights from ``state``
     (HF checkpoint form, default the model's state dict). ``router_stats``: also return the
     step's :func:`alignment.trainers.router_stats.routing_metrics`. ``packing``, ``positions``,
     ``share_prompts``: as :func:`alignment.trainers.megatron_step.forward_backward`'s. ``lora``: a
     :class:`parallel.lora.LoRASpec` whose adapters start from ``adapters`` (PEFT-named): the
-    gradients returned are then the adapters' (PEFT-named, :func:`export_lora_adapters`)."""
+    gradients returned are then the adapters' (PEFT-named, :func:`export_lora_adapters`), and
+    ``peft_dir`` receives the adapters as a PEFT directory (:func:`save_peft_adapter`)."""
     from megatron.core import parallel_state as ps
 
     from alignment.trainers.router_stats import routing_metrics
@@ -153,6 +154,10 @@ def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, rou
         from alignment.models.lora_export import export_lora_adapters
 
         grads = export_lora_adapters(ddp, bridge, source=lambda p: p.main_grad)
+        if peft_dir is not None:
+            from alignment.models.lora_export import save_peft_adapter
+
+            save_peft_adapter(ddp, bridge, lora, "base", peft_dir)
     else:
         grads = export_hf_weights(ddp, bridge, source=lambda p: p.main_grad)
     if router_stats:

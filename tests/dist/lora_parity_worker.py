@@ -9,11 +9,21 @@ Megatron's gradients come back PEFT-named through :func:`export_lora_adapters`; 
 Layouts: DP 2, TP 2, TP 2 with sequence parallelism, PP 2 (GRPO: micro-batches of 2 rows; DPO: 1
 pair). Writes {loss: {case: {"loss", "max_grad_diff"}, "reference_loss", "reference_max_grad",
 "tensors"}}.
+
+``grpo_moe``: a tiny Qwen3-MoE (4 experts, top 2, every layer sparse) with adapters on its attention
+and on every expert's ``linear_fc1`` / ``linear_fc2``, at EP 1 (DP 2), EP 2, TP 2 (expert TP 2,
+sequence parallel) and TP 2 x EP 2 with expert TP 1, against PEFT's adapters on transformers 5's
+stacked expert parameters (``target_parameters``, rank r: the same math as Megatron's one adapter
+per expert linear); the EP 2 case also writes the PEFT directory, which ``PeftModel.from_pretrained``
+must load onto the HF base with the reference's logits (``peft_logits_diff``), and at EP 2 the
+weight sync into vLLM's fused-MoE layout must equal vLLM's loaders on PEFT's merged model.
 """
 
 from __future__ import annotations
 
+import copy
 import sys
+from pathlib import Path
 
 import torch
 
@@ -81,6 +91,166 @@ def compare(grads: dict, want: dict) -> dict:
     return {"max_grad_diff": max(diff.values()), "max_rel_diff": rel[worst], "worst": worst}
 
 
+MOE_LAYOUTS = {"ep1": dict(), "ep2": dict(expert_model_parallel_size=2),
+               "tp2_etp2_sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
+               "tp2_ep2_etp1": dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                                    expert_model_parallel_size=2, expert_tensor_parallel_size=1)}
+
+
+def moe_peft(hf, values: dict[str, torch.Tensor]):
+    """A copy of ``hf`` (Qwen3-MoE) with PEFT adapters on the attention projections and on the
+    stacked experts (``target_parameters``), set from per-expert PEFT names (``values``)."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora.layer import LoraLayer, ParamWrapper
+
+    model = get_peft_model(copy.deepcopy(hf), LoraConfig(r=SPEC.rank, lora_alpha=SPEC.alpha, target_modules=TARGETS[:4],
+                                                         target_parameters=["gate_up_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, ParamWrapper):
+                a, b = m.lora_A["default"].weight, m.lora_B["default"].weight
+                per_expert = [expert_adapter(values, name, m.parameter_name, e) for e in range(m.num_experts)]
+                a.copy_(torch.stack([pa for pa, _ in per_expert]).flatten(0, 1))  # [E r, in]
+                b.copy_(torch.stack([pb for _, pb in per_expert], -1).flatten(1))  # [out, r E], expert fastest
+            elif isinstance(m, LoraLayer):
+                m.lora_A["default"].weight.copy_(values[f"{name}.lora_A.weight"])
+                m.lora_B["default"].weight.copy_(values[f"{name}.lora_B.weight"])
+    return model
+
+
+def expert_adapter(values, module: str, param: str, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A [r, in], B [out, r])`` of expert ``e``'s ``param`` (``gate_up_proj``: rows [gate; up])."""
+    prefix = f"{module.replace('.base_layer', '')}.{e}."
+    if param == "down_proj":
+        return values[prefix + "down_proj.lora_A.weight"], values[prefix + "down_proj.lora_B.weight"]
+    return values[prefix + "gate_proj.lora_A.weight"], torch.cat([values[prefix + "gate_proj.lora_B.weight"],
+                                                                  values[prefix + "up_proj.lora_B.weight"]])
+
+
+def moe_peft_grads(model) -> dict[str, torch.Tensor]:
+    """``model``'s adapter gradients in per-expert PEFT names (export form: a fused linear's A
+    gradient under each of its projections)."""
+    from peft.tuners.lora.layer import LoraLayer, ParamWrapper
+
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, ParamWrapper):
+            ga, gb = m.lora_A["default"].weight.grad, m.lora_B["default"].weight.grad
+            ga, gb = ga.view(m.num_experts, SPEC.rank, -1), gb.view(gb.shape[0], SPEC.rank, m.num_experts)
+            prefix = name.replace(".base_layer", "")
+            for e in range(m.num_experts):
+                rows = {"down_proj": gb[..., e]} if m.parameter_name == "down_proj" else dict(
+                    zip(("gate_proj", "up_proj"), gb[..., e].chunk(2)))
+                for proj, b in rows.items():
+                    out[f"{prefix}.{e}.{proj}.lora_A.weight"] = ga[e]
+                    out[f"{prefix}.{e}.{proj}.lora_B.weight"] = b
+        elif isinstance(m, LoraLayer):
+            out[f"{name}.lora_A.weight"] = m.lora_A["default"].weight.grad
+            out[f"{name}.lora_B.weight"] = m.lora_B["default"].weight.grad
+    return out
+
+
+def moe_values(hf) -> dict[str, torch.Tensor]:
+    """Per-expert PEFT-named adapters of a Qwen3-MoE (attention as :func:`adapter_values`)."""
+    g = torch.Generator().manual_seed(22)
+    out = {k: v for k, v in adapter_values(hf).items() if ".mlp." not in k}
+    c = hf.config
+    for i in range(c.num_hidden_layers):
+        for e in range(c.num_experts):
+            p = f"base_model.model.model.layers.{i}.mlp.experts.{e}."
+            a = 0.3 * torch.randn(SPEC.rank, c.hidden_size, generator=g)
+            for proj in ("gate_proj", "up_proj"):
+                out[p + proj + ".lora_A.weight"] = a
+                out[p + proj + ".lora_B.weight"] = 0.1 * torch.randn(c.moe_intermediate_size, SPEC.rank, generator=g)
+            out[p + "down_proj.lora_A.weight"] = 0.3 * torch.randn(SPEC.rank, c.moe_intermediate_size, generator=g)
+            out[p + "down_proj.lora_B.weight"] = 0.1 * torch.randn(c.hidden_size, SPEC.rank, generator=g)
+    return out
+
+
+def moe_case(world: int, peft_dir: str) -> dict:
+    import torch.distributed as dist
+
+    from tests.dist.tiny_models import checkpoint_state, tiny_qwen3_moe
+
+    hf = tiny_qwen3_moe(seed=3, mlp_only_layers=())
+    state, values = checkpoint_state(hf), moe_values(hf)
+    batch = grpo.make_batch(hf.config.vocab_size)
+    reference = moe_peft(hf, values)
+    ref_loss, _ = grpo.hf_reference(reference, batch)
+    grads = moe_peft_grads(reference)  # the experts' fused A gradients are already whole
+    want = {**expected({k: g for k, g in grads.items() if ".experts." not in k}),
+            **{k: g for k, g in grads.items() if ".experts." in k}}
+    res = {"reference_loss": ref_loss, "reference_max_grad": max(g.abs().max().item() for g in want.values()),
+           "tensors": len(want)}
+    for name, sizes in MOE_LAYOUTS.items():
+        loss, grads = grpo.megatron_case(hf, batch, world, 2, state=state, lora=SPEC, adapters=values,
+                                         peft_dir=peft_dir if name == "ep2" else None, **sizes)
+        res[name] = {"loss": loss, **compare(grads, want)}
+    res.update(moe_sync_case(hf, state, values, reference, world, peft_dir + "_ckpt"))
+    if dist.get_rank() == 0:  # the PEFT directory written at EP 2, loaded by PEFT onto the HF base
+        from peft import PeftModel
+
+        with torch.no_grad():
+            got = PeftModel.from_pretrained(copy.deepcopy(hf), peft_dir)(batch["input_ids"]).logits
+            res["peft_logits_diff"] = (got - reference(batch["input_ids"]).logits).abs().max().item()
+            res["adapter_effect"] = (hf(batch["input_ids"]).logits - got).abs().max().item()
+    return res
+
+
+def moe_sync_case(hf, state, values, reference, world: int, ckpt_dir: str) -> dict:
+    """EP 2: the weight sync into vLLM TP 1 and TP 2 (fused-MoE layout) yields, tensor by tensor,
+    what vLLM's loaders make of PEFT's merged model (``merge_and_unload``), and aliases no adapted
+    weight; the adapters saved there (adapters-only checkpoint in ``ckpt_dir``) load back exactly
+    at EP 1 with expert TP 2."""
+    import torch.distributed as dist
+
+    from alignment.models.families import get_bridge
+    from alignment.models.gpt import build_gpt_model, transformer_config
+    from alignment.models.lora_export import load_lora_adapters
+    from alignment.models.weights import load_hf_weights
+    from alignment.rollout.weight_check import vllm_reference_shard
+    from parallel.layout import ParallelLayout
+    from parallel.lora import apply_lora
+    from parallel.reshard import Resharder
+    from parallel.state import init_distributed
+    from tests.dist.tiny_models import checkpoint_state
+
+    init_distributed(ParallelLayout(world_size=world, expert_model_parallel_size=2))
+    model, bridge = build_gpt_model(hf.config, transformer_config(hf.config, expert_model_parallel_size=2)), \
+        get_bridge(hf.config)
+    load_hf_weights(model, state, bridge)
+    apply_lora(model, SPEC)
+    load_lora_adapters(model, bridge, values)
+    merged = checkpoint_state(copy.deepcopy(reference).merge_and_unload())
+    wrong, count, worst = [], 0, 0.0
+    for vtp in (1, 2):
+        resharder = Resharder(model, bridge.vllm_layout(1, vtp, None), vllm_tp=vtp, bucket_bytes=16 << 10)
+        for bucket in resharder.buckets():
+            for name, t in bucket:
+                want = vllm_reference_shard(bridge, merged, name, vtp, dist.get_rank() % vtp)
+                count += 1
+                worst = max(worst, (t - want).abs().max().item())
+                if not torch.allclose(t, want, rtol=0, atol=1e-6):
+                    wrong.append(f"{name}@tp{vtp}")
+        adapted = {n for n, p in model.named_parameters() if hasattr(p, "lora_adapter")}
+        wrong += [f"aliased {n}" for b in resharder.plan.buckets for n in b.alias.values() if n in adapted]
+    # an adapters-only checkpoint saved at EP 2 resumes at EP 1 with expert TP 2 (fresh adapters overwritten)
+    from alignment.models.lora_export import export_lora_adapters
+    from alignment.trainers.checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
+
+    ckpt = save_megatron_checkpoint(model, Path(ckpt_dir) / "step_1", step=1)
+    sizes = dict(tensor_model_parallel_size=2, sequence_parallel=True)
+    init_distributed(ParallelLayout(world_size=world, **sizes))
+    again = build_gpt_model(hf.config, transformer_config(hf.config, **sizes))
+    load_hf_weights(again, state, bridge)
+    apply_lora(again, SPEC)
+    step = load_megatron_checkpoint(again, ckpt)
+    back = export_lora_adapters(again, bridge)
+    resumed = step == 1 and back.keys() == values.keys() and all(torch.equal(back[k], values[k]) for k in values)
+    return {"sync_wrong": wrong[:3], "sync_tensors": count, "sync_max_diff": worst, "checkpoint_resumes": resumed,
+            "merge_moves_experts": min((merged[k] - state[k]).abs().max().item() for k in state if ".experts." in k)}
+
+
 def main(path: str) -> None:
     _, world, _ = env_world()
     results = {}
@@ -115,6 +285,7 @@ def main(path: str) -> None:
                                                 1, "p2p", False, world, state=state, lora=SPEC, adapters=values)
         res[name] = {"loss": float(loss), **compare(grads, want)}
     results["dpo"] = res
+    results["grpo_moe"] = moe_case(world, str(Path(path).with_suffix("")) + "_peft")
     write_results_and_shutdown(path, results)
 
 
