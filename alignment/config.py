@@ -422,7 +422,7 @@ def _validate_placement(cfg, world_size: int) -> None:
 def _validate_lora(cfg, dims) -> None:
     """``model.lora``: a rank >= 0, a positive alpha, a dropout in [0, 1), known targets, and
     targets that name some linear of the model (``dims``: expert and dense MLP layers)."""
-    from parallel.lora import TARGETS
+    from parallel.lora import TARGETS, is_target
 
     lo = cfg.model.lora
     if lo.rank < 0:
@@ -439,10 +439,12 @@ def _validate_lora(cfg, dims) -> None:
                           f"{', '.join(TARGETS)} (Megatron's linear names; linear_fc1 adapts dense MLPs and MoE "
                           "experts, mlp.linear_fc1 dense MLPs only, experts.linear_fc1 experts only)")
     pattern = dims.moe_layer_pattern if dims.num_experts else (0,) * dims.num_layers
-    present = {"experts": any(pattern), "mlp": not all(pattern)}
-    if not any(present.get(t.split(".")[0], True) for t in lo.target_modules):
+    mlps = ["mlp.experts."] * any(pattern) + ["mlp."] * (not all(pattern))
+    present = ["self_attention.linear_qkv", "self_attention.linear_proj"] + [
+        m + leaf for m in mlps for leaf in ("linear_fc1", "linear_fc2")]
+    if not any(is_target(name, lo.target_modules) for name in present):
         raise ConfigError(f"model.lora.target_modules={list(lo.target_modules)}: this model has no "
-                          f"{'expert' if present['mlp'] else 'dense MLP'} layers; name linear_fc1 / linear_fc2 "
+                          f"{'dense MLP' if any(pattern) else 'expert'} layers; name linear_fc1 / linear_fc2 "
                           "(every MLP) or the attention's linear_qkv / linear_proj")
 
 

@@ -95,11 +95,15 @@ def lora_layer_parameters(dims, tp: int, rank: int, targets=("linear_qkv", "line
     else:
         sizes.update({"linear_fc1": r * h + 2 * d.ffn_hidden_size // tp * r,
                       "linear_fc2": r * d.ffn_hidden_size // tp + h * r})
-    kinds = {"": True, "mlp": not moe, "experts": moe}
-    chosen = {t.rsplit(".", 1)[-1] for t in targets if kinds[t.rsplit(".", 1)[0] if "." in t else ""]}
-    if experts_only:
-        chosen = chosen & ({"linear_fc1", "linear_fc2"} if moe else set())
-    return sum(sizes[t] for t in chosen)
+    from parallel.lora import is_target
+
+    mlp = "mlp.experts." if moe else "mlp."
+    names = {"linear_fc1": mlp + "linear_fc1", "linear_fc2": mlp + "linear_fc2"}
+    if not experts_only:
+        names.update(linear_qkv="self_attention.linear_qkv", linear_proj="self_attention.linear_proj")
+    elif not moe:
+        return 0
+    return sum(sizes[leaf] for leaf, name in names.items() if is_target(name, targets))
 
 
 def expert_parameters(dims, ep: int, etp: int) -> int:
