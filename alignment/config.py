@@ -168,6 +168,25 @@ class AlgorithmConfig:
 
 
 @dataclass
+class RewardFunctionConfig:
+    """One entry of ``reward.functions`` (alignment/algorithms/composite_reward.py)."""
+
+    # correctness (the task's grader) | format (the answer in the form the prompt asks for) | length
+    # (-tokens / rollout.max_tokens) | reward_model (model.reward_model_path's score at the last token)
+    name: str = "correctness"
+    weight: float = 1.0
+    whiten: bool = False  # standardise this function's scores over the global batch before weighting
+
+
+@dataclass
+class RewardConfig:
+    """``reward``: what an RL job's per-sample reward is made of. ``functions`` empty: the job's own
+    (the task's grader for the GRPO family, the reward model for PPO)."""
+
+    functions: list[RewardFunctionConfig] = field(default_factory=list)
+
+
+@dataclass
 class TrainerConfig:
     """Optimisation (Adam ``lr``, ``micro_batch_size`` sequences per forward), evaluation and checkpointing."""
 
@@ -256,6 +275,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -363,6 +383,58 @@ def _validate_offline(cfg, dp: int) -> None:
                           f"must each be >= {2 * dp} at data-parallel size {dp}")
     if t.epochs < 1:
         raise ConfigError(f"trainer.epochs={t.epochs}: must be >= 1")
+
+
+REWARD_FUNCTIONS = ("correctness", "format", "length", "reward_model")
+
+
+def reward_terms(cfg) -> list:
+    """The :class:`alignment.algorithms.composite_reward.RewardTerm` s an RL job sums
+    (``reward.functions``, or the job's own when empty: ``correctness`` for the GRPO family,
+    ``reward_model`` for PPO)."""
+    from alignment.algorithms.composite_reward import RewardTerm
+
+    functions = list(cfg.reward.functions) if "reward" in cfg else []
+    if not functions:
+        return [RewardTerm("reward_model" if cfg.algorithm.name == "ppo" else "correctness")]
+    return [RewardTerm(f.name, float(f.weight), bool(f.whiten)) for f in functions]
+
+
+def _validate_rewards(cfg) -> None:
+    """``reward.functions``: known, distinct names, finite weights not all 0, each function
+    available to this job (a task to grade, a reward model to load)."""
+    import math
+
+    from alignment.data.reward_functions import FORMAT_TASKS
+
+    functions = list(cfg.reward.functions) if "reward" in cfg else []
+    a = cfg.algorithm
+    if a.name in OFFLINE_ALGORITHMS:
+        if functions:
+            raise ConfigError(f"reward.functions is set, but algorithm.name={a.name} trains on fixed data and "
+                              "computes no rewards; set reward.functions=[] (it applies to the RL jobs)")
+        return
+    names = [f.name for f in functions]
+    unknown = sorted(set(names) - set(REWARD_FUNCTIONS))
+    if unknown:
+        raise ConfigError(f"reward.functions names {unknown}: valid names are {', '.join(REWARD_FUNCTIONS)}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"reward.functions={names}: each function may appear once (one weight each)")
+    if functions and not any(math.isfinite(f.weight) and f.weight != 0 for f in functions):
+        raise ConfigError("reward.functions: every weight is 0 (or not finite); give at least one non-zero weight")
+    for f in functions:
+        if not math.isfinite(f.weight):
+            raise ConfigError(f"reward.functions[{f.name}].weight={f.weight}: must be a finite number")
+    if a.name == "ppo" and {"correctness", "format"} & set(names):
+        raise ConfigError(f"reward.functions={names}: PPO trains on {cfg.data.dataset}'s prompts, which have no "
+                          "answers to grade; use reward_model and length")
+    if "format" in names and cfg.data.task not in FORMAT_TASKS:
+        raise ConfigError(f"reward.functions has format, but data.task={cfg.data.task} asks for no answer format "
+                          f"(format applies to {', '.join(FORMAT_TASKS)})")
+    if "reward_model" in names and not cfg.model.reward_model_path:
+        raise ConfigError("reward.functions has reward_model, but model.reward_model_path is empty: give the HF "
+                          "export of a trained reward model (e.g. outputs/rm_smollm2_dpo_en_demo/hf from "
+                          "--config-name rm)")
 
 
 def _validate_rollout_tp(t: int, world_size: int, parallel, hf_config) -> None:
@@ -564,6 +636,7 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
                           f"e.g. 0.25)")
     if cfg.model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype={cfg.model.dtype!r}: valid values are float32, bfloat16")
+    _validate_rewards(cfg)
     if cfg.algorithm.name in OFFLINE_ALGORITHMS:
         return _validate_offline(cfg, dp)
     if cfg.algorithm.name not in RL_ALGORITHMS:

@@ -117,6 +117,39 @@ def add_adapters(cfg, model, head: bool = False) -> bool:
     return True
 
 
+def load_model(cfg, path, value_head: bool, lr: float | None = None):
+    """The model at ``path`` (an HF directory; ``value_head``: a scalar-head value model, e.g. a
+    reward model or a critic) as this rank's shard: frozen (``lr`` None: eval mode, no gradients),
+    or trained with Adam at ``lr``: then ``(ddp, optimizer)``, the checkpoint also seeding the
+    optimizer's fp32 master weights (with ``model.lora``: adapters, and a value model's head,
+    trained; the rest frozen). A value model from a causal-LM checkpoint gets a new head."""
+    from transformers import AutoConfig
+
+    from alignment.models.families import get_bridge
+    from alignment.models.gpt import build_gpt_model
+    from alignment.models.hf_assets import prepare_hf_dir
+    from alignment.models.value_head import build_value_model
+    from alignment.models.weights import lazy_safetensors, load_hf_weights
+    from alignment.trainers.megatron_step import OptimConfig, main_param_writer, setup_training
+
+    t = cfg.trainer
+    path = prepare_hf_dir(path)
+    hcfg = AutoConfig.from_pretrained(path)
+    tcfg = job_transformer_config(cfg, hcfg)
+    model = build_value_model(hcfg, tcfg, seed=cfg.seed) if value_head else build_gpt_model(hcfg, tcfg)
+    state = lazy_safetensors(path)
+    skip = ("output_layer.weight",) if value_head and "score.weight" not in state else ()
+    bridge = get_bridge(hcfg, head="score" if value_head else "lm")
+    if lr is None:
+        load_hf_weights(model, state, bridge, skip=skip)
+        return model.eval().requires_grad_(False)
+    add_adapters(cfg, model, head=value_head)
+    ddp, optimizer = setup_training(model, OptimConfig(lr=lr, weight_decay=t.weight_decay, clip_grad=t.clip_grad,
+                                                       use_distributed_optimizer=t.use_distributed_optimizer))
+    load_hf_weights(model, state, bridge, skip=skip, main_params=main_param_writer(optimizer))
+    return ddp, optimizer
+
+
 def export_adapters(job: Run, model, bridge) -> None:
     """With ``model.lora``: the adapters as a PEFT directory ``<output_dir>/hf_adapter`` for the
     base in ``job.hf_dir`` (beside the merged ``hf/`` export); nothing otherwise. Collective."""

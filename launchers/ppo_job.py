@@ -19,41 +19,17 @@ import torch
 
 def build(cfg, hf_dir: Path, hf_config, rank: int):
     """This rank's :class:`alignment.trainers.ppo.PPOModels`."""
-    from transformers import AutoConfig
-
+    from alignment.config import lora_spec
     from alignment.models.families import get_bridge
-    from alignment.models.gpt import build_gpt_model
-    from alignment.models.hf_assets import prepare_hf_dir
-    from alignment.models.value_head import build_value_model
-    from alignment.models.weights import lazy_safetensors, load_hf_weights
-    from alignment.trainers.megatron_step import OptimConfig, main_param_writer, setup_training
     from alignment.trainers.offload import DevicePlacement, offload_enabled
     from alignment.trainers.ppo import PPOModels
-    from alignment.config import lora_spec
-    from launchers.common import add_adapters, job_transformer_config, rollout_engine
+    from launchers.common import load_model, rollout_engine
     from parallel.lora import FrozenBase
 
     t = cfg.trainer
 
     def shard(path, value_head: bool, lr: float | None = None):
-        """The model at ``path`` (a value model: scalar head), frozen, or with ``lr`` trained: then
-        ``(ddp, optimizer)``, the checkpoint also seeding the optimizer's fp32 master weights (with
-        ``model.lora``: adapters, and a value model's head, trained; the rest frozen)."""
-        path = prepare_hf_dir(path)
-        hcfg = AutoConfig.from_pretrained(path)
-        tcfg = job_transformer_config(cfg, hcfg)
-        model = build_value_model(hcfg, tcfg, seed=cfg.seed) if value_head else build_gpt_model(hcfg, tcfg)
-        state = lazy_safetensors(path)
-        skip = ("output_layer.weight",) if value_head and "score.weight" not in state else ()
-        bridge = get_bridge(hcfg, head="score" if value_head else "lm")
-        if lr is None:
-            load_hf_weights(model, state, bridge, skip=skip)
-            return model.eval().requires_grad_(False)
-        add_adapters(cfg, model, head=value_head)
-        ddp, optimizer = setup_training(model, OptimConfig(
-            lr=lr, weight_decay=t.weight_decay, clip_grad=t.clip_grad, use_distributed_optimizer=t.use_distributed_optimizer))
-        load_hf_weights(model, state, bridge, skip=skip, main_params=main_param_writer(optimizer))
-        return ddp, optimizer
+        return load_model(cfg, path, value_head, lr)
 
     policy, optimizer = shard(cfg.model.path, False, lr=t.lr)
     critic, critic_optimizer = shard(cfg.model.critic_path or cfg.model.reward_model_path, True, lr=t.critic_lr)
@@ -86,18 +62,14 @@ def heldout_responses(models, prompts: list[list[int]], cfg) -> dict[str, list[f
     """Greedy responses of the current policy to this DP rank's held-out prompts, scored by the
     reward model: ``{"scores": [...], "lengths": [...]}`` (last pipeline stage's values)."""
     from alignment.rollout.base import SamplingConfig
-    from alignment.trainers.batching import make_batch
-    from alignment.trainers.ppo import score
+    from alignment.trainers.rewarding import padded_batch, reward_model_scores
     from alignment.trainers.rl_phases import generate_for_group, rollout_phase
 
     with rollout_phase(models):
         groups = generate_for_group(models.engine, prompts, SamplingConfig(n=1, temperature=0.0,
                                                                            max_tokens=cfg.rollout.max_tokens))
     samples = [g[0] for g in groups]
-    batch = make_batch(samples, pad_id=models.tokenizer.pad_token_id or 0)
-    batch["prompt_lengths"] = torch.tensor([len(s.prompt_ids) for s in samples])
-    models.placement.keep("reward_model")
-    scores = score(models.reward_model, batch, cfg)
+    scores = reward_model_scores(models, padded_batch(models, samples), cfg)
     return {"scores": scores.tolist(), "lengths": [float(len(s.response_ids)) for s in samples]}
 
 

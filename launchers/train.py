@@ -24,14 +24,16 @@ register()
 def build(cfg, hf_dir: Path, hf_config, rank: int):
     """This rank's policy (DDP + optimizer; with ``model.lora`` its adapters only trained), frozen
     reference (when ``kl_coef > 0``; with LoRA the policy with its adapters off) and rollout engine
-    (``rollout.backend``), all loaded from the HF weights in ``hf_dir``."""
+    (``rollout.backend``), all loaded from the HF weights in ``hf_dir``, and the frozen reward model
+    (``model.reward_model_path``) when ``reward.functions`` names ``reward_model``."""
     from alignment.models.families import get_bridge
     from alignment.models.gpt import build_gpt_model
     from alignment.models.weights import lazy_safetensors, load_hf_weights
     from alignment.trainers.rl_phases import Models
     from alignment.trainers.megatron_step import OptimConfig, main_param_writer, setup_training
     from alignment.trainers.offload import DevicePlacement, offload_enabled
-    from launchers.common import add_adapters, job_transformer_config, rollout_engine
+    from alignment.config import reward_terms
+    from launchers.common import add_adapters, job_transformer_config, load_model, rollout_engine
     from parallel.lora import FrozenBase
 
     bridge = get_bridge(hf_config)
@@ -51,12 +53,16 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
         load_hf_weights(reference, hf_state, bridge)
         reference.requires_grad_(False)
     del hf_state  # unmaps the safetensors files (their pages count in this process's RSS)
+    reward_model = None
+    if any(term.name == "reward_model" for term in reward_terms(cfg)):  # reward.functions: a judge of its own
+        reward_model = load_model(cfg, cfg.model.reward_model_path, value_head=True)
     engine, resharder = rollout_engine(cfg, hf_dir, policy, bridge, hf_config.vocab_size, rank)
     placement = DevicePlacement(enabled=offload_enabled(cfg.trainer.offload))
     placement.add_model("policy", policy, optimizer)
     placement.add_model("reference", reference)
+    placement.add_model("reward_model", reward_model)
     return Models(policy, optimizer, reference, engine, bridge, engine.tokenizer, hf_config.vocab_size, placement,
-                  resharder)
+                  resharder, reward_model)
 
 
 def run(cfg: DictConfig) -> dict:

@@ -126,7 +126,9 @@ def test_variant_rloo_dr_grpo_aggregation_clip_higher_without_reference(tmp_path
     constant-length normalisation, CISPO's loss with a clip-higher bound, dynamic sampling and
     overlong shaping, two epochs of two mini-batches, kl_coef=0 (no reference model), and the
     rollout correction on (token-level truncated IS and a geometric mask); trained with TP=2, so
-    the weight sync reshards across ranks into each rank's TP=1 engine."""
+    the weight sync reshards across ranks into each rank's TP=1 engine. The reward is composite:
+    the grader, a reward model's whitened score (a tiny model with a new scalar head, at TP=2) and
+    a length penalty, plus the overlong shaping."""
     model_dir = save_tiny_hf_dir(tmp_path / "tiny")
     out, result = tmp_path / "run", tmp_path / "result.json"
     run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=2",
@@ -137,8 +139,14 @@ def test_variant_rloo_dr_grpo_aggregation_clip_higher_without_reference(tmp_path
                  "algorithm.kl_coef=0.0", "algorithm.dynamic_sampling=true", "algorithm.overlong_buffer_len=8",
                  "algorithm.ppo_epochs=2", "algorithm.num_mini_batches=2", "parallel.tensor_model_parallel_size=2",
                  "algorithm.policy_loss=cispo", "algorithm.rollout_correction.is_level=token",
-                 "algorithm.rollout_correction.mask_level=geometric", str(result), timeout=900)
+                 "algorithm.rollout_correction.mask_level=geometric", f"model.reward_model_path={model_dir}",
+                 "reward.functions=[{name: correctness}, {name: reward_model, weight: 0.5, whiten: true}, "
+                 "{name: length, weight: 0.1}]", str(result), timeout=900)
     first, second = json.loads(result.read_text())["history"]
+    for m in (first, second):  # each term logged; the whitened one has mean 0 over the global batch
+        assert -1.0 <= m["reward/length"] < 0.0 and -1.0 <= m["reward/overlong"] <= 0.0 and m["reward/reward_model"]
+        expected = m["reward/correctness"] + 0.1 * m["reward/length"] + m["reward/overlong"]
+        assert abs(m["reward/mean"] - expected) < 1e-5, m
     # TP=2 training, a TP=1 engine on each rank: each rank receives the other half of every split tensor
     assert first["weight_sync/sent_mb"] > 0.0 and first["weight_sync/peak_staged_mb"] > 0.0
     assert first["grad_norm"] > 0.0 and second["grad_norm"] > 0.0

@@ -19,10 +19,14 @@ def test_ppo_steps_update_policy_and_critic_and_resume(tmp_path):
     model_dir = save_tiny_hf_dir(tmp_path / "tiny")
     out, result = tmp_path / "run", tmp_path / "result.json"
     common = ["ppo", str(model_dir), str(out), f"model.reward_model_path={model_dir}", *ARGS]
-    run_torchrun("offline_e2e_worker.py", *common, "trainer.steps=2", str(result), timeout=900)
+    run_torchrun("offline_e2e_worker.py", *common, "trainer.steps=2",
+                 "reward.functions=[{name: reward_model}, {name: length, weight: 0.1}]", str(result), timeout=900)
     s = json.loads(result.read_text())
     first, second = s["history"]
     for m in (first, second):
+        # the composite reward: the reward model's score plus 0.1 x the length penalty, each logged
+        assert -1.0 <= m["reward/length"] < 0.0 and m["reward/reward_model"] != 0.0
+        assert abs(m["reward/mean"] - (m["reward/reward_model"] + 0.1 * m["reward/length"])) < 1e-5, m
         # the engine sampled with the trainer's current weights (synced after step 1)
         assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
         assert 0.0 <= m["rollout_correction/kl"] < 1e-6, m  # the mismatch metrics: no gap in fp32

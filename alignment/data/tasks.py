@@ -179,6 +179,7 @@ def load_problems(
 # ---------------------------------------------------------------- answers and scoring
 
 _NUM = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+"
+NUMBER_PATTERN = _NUM  #: a number as answers write it: sign, thousands commas, decimals
 _NUM_RE = re.compile(_NUM)
 _ANSWER_RE = re.compile(r"answer\s*(?:is|:|=)[\s:*$=]*(?:is[\s:*$]*)?(" + _NUM + ")", re.IGNORECASE)
 _BOXED_RE = re.compile(r"\\boxed\s*\{((?:[^{}]|\{[^{}]*\})*)\}")

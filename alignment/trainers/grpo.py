@@ -5,7 +5,8 @@ DAPO's clip-higher (``clip_ratio_high``) and dynamic sampling, RLOO (``rloo``) a
 
 :func:`collect` (the rollout collector):
   1. rollout   — the rollout engine (``rollout.backend``) samples ``group_size`` responses per prompt
-  2. reward    — verifiable reward from the task's grader (+ DAPO's overlong penalty)
+  2. reward    — ``reward.functions`` (default: the task's grader), each term logged, whitened
+                 over the global batch if asked, weighted and summed (+ DAPO's overlong penalty)
 :func:`train` (the trainer step):
   3. advantage — group-normalised rewards (eq. in Sec. 4.1.2), or the estimator configured
   4. logprobs  — frozen reference model's logprobs (for the k3 KL term)
@@ -28,7 +29,7 @@ import torch
 from alignment.algorithms.advantages import BATCH_WHITENED, get_advantage_estimator
 from alignment.algorithms.aggregation import global_normalizer
 from alignment.algorithms.grpo_loss import GRPOLossConfig, grpo_loss
-from alignment.algorithms.reward_shaping import informative_groups, overlong_penalty
+from alignment.algorithms.reward_shaping import informative_groups
 from alignment.config import shares_prompts
 from alignment.data.prompts import build_prompt_ids
 from alignment.data.tasks import Problem, score_response
@@ -37,6 +38,7 @@ from alignment.trainers.batching import make_batch
 from alignment.trainers.dp_balance import balance_over_dp
 from alignment.trainers.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
 from alignment.trainers.offload import trainable
+from alignment.trainers.rewarding import combine, job_terms, score_terms, term_metrics
 from alignment.trainers.rl_phases import (Models, Rollout, correction_metrics, generate_for_group, microbatches,
                                           policy_logprobs, rollout_phase)
 from alignment.trainers.router_stats import routing_metrics
@@ -147,30 +149,42 @@ def request(tokenizer, problems: list[Problem], cfg) -> tuple[list[list[int]], S
     return prompts, SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
 
 
-def sample_groups(models: Models, problems: list[Problem], cfg, refill: Callable[[int], list[Problem]] | None = None):
-    """Sample ``group_size`` responses per problem and reward them.
+def _informative(part: dict[str, torch.Tensor], terms, group_size: int) -> bool:
+    """Whether a group's rewards can differ: its weighted sum of terms varies (no whitened term),
+    or some weighted term varies (whitened terms are only known over the whole batch)."""
+    weighted = [t for t in terms if t.weight != 0]
+    if any(t.whiten for t in weighted):
+        return any(bool(informative_groups(part[t.name], group_size)[0]) for t in weighted)
+    total = sum(t.weight * part[t.name].float() for t in weighted)
+    return bool(informative_groups(total, group_size)[0])
 
-    Reward = the task grader's score, plus DAPO's overlong penalty when
-    ``algorithm.overlong_buffer_len > 0``. With ``algorithm.dynamic_sampling`` (DAPO Sec. 3.2),
-    groups whose rewards are all equal are set aside and ``refill(k)`` problems are sampled
-    instead, for at most ``algorithm.max_sampling_rounds`` rounds; if still short, set-aside
+
+def sample_groups(models: Models, problems: list[Problem], cfg, refill: Callable[[int], list[Problem]] | None = None):
+    """Sample ``group_size`` responses per problem and score them with every reward term
+    (``reward.functions``, plus DAPO's overlong penalty when ``algorithm.overlong_buffer_len > 0``;
+    :func:`alignment.trainers.rewarding.job_terms`). With ``algorithm.dynamic_sampling`` (DAPO
+    Sec. 3.2), groups whose rewards are all equal are set aside and ``refill(k)`` problems are
+    sampled instead, for at most ``algorithm.max_sampling_rounds`` rounds; if still short, set-aside
     groups fill the batch (they have zero advantage). Always returns ``len(problems)`` groups.
 
     Returns:
-        ``(samples, rewards [N], info)`` with ``info`` = {"rounds", "filled_groups"}.
+        ``(samples, scores, info)``: ``scores`` name -> ``[N]`` raw scores of each term,
+        ``info`` = {"rounds", "filled_groups"}.
     """
-    a, r = cfg.algorithm, cfg.rollout
+    a, g_size = cfg.algorithm, cfg.rollout.group_size
+    terms = job_terms(cfg)
     kept, dropped, rounds, todo = [], [], 0, problems
     while True:
         rounds += 1 if todo else 0
         prompts, sampling = request(models.tokenizer, todo, cfg)
-        for p, g in zip(todo, generate_for_group(models.engine, prompts, sampling)):
-            rw = torch.tensor([score_response(p, s.text) for s in g])
-            if a.overlong_buffer_len > 0:
-                lengths = torch.tensor([len(s.response_ids) for s in g])
-                rw = rw + overlong_penalty(lengths, r.max_tokens, a.overlong_buffer_len, a.overlong_penalty_factor)
-            useful = bool(informative_groups(rw, r.group_size)[0])
-            (kept if useful or not a.dynamic_sampling else dropped).append((g, rw))
+        groups = generate_for_group(models.engine, prompts, sampling)
+        samples = [s for g in groups for s in g]
+        # model terms are collective over the replica, whose ranks all hold these samples (or none)
+        scores = score_terms(models, [p for p in todo for _ in range(g_size)], samples, terms, cfg) if samples else {}
+        for i, g in enumerate(groups):
+            part = {k: v[i * g_size: (i + 1) * g_size] for k, v in scores.items()}
+            useful = _informative(part, terms, g_size)
+            (kept if useful or not a.dynamic_sampling else dropped).append((g, part))
         missing = len(problems) - len(kept)
         more = missing > 0 and refill is not None and rounds < a.max_sampling_rounds
         # generation is collective (model-parallel groups, TP>1 engines): every rank keeps taking
@@ -180,8 +194,8 @@ def sample_groups(models: Models, problems: list[Problem], cfg, refill: Callable
         todo = refill(missing) if more else []
     chosen = (kept + dropped)[: len(problems)]
     samples = [s for g, _ in chosen for s in g]
-    rewards = torch.cat([rw for _, rw in chosen])
-    return samples, rewards, {"rounds": float(rounds), "filled_groups": float(max(len(problems) - len(kept), 0))}
+    scores = {t.name: torch.cat([part[t.name] for _, part in chosen]) for t in terms}
+    return samples, scores, {"rounds": float(rounds), "filled_groups": float(max(len(problems) - len(kept), 0))}
 
 
 def collect(models: Models, problems: list[Problem], cfg, refill: Callable[[int], list[Problem]] | None = None,
@@ -191,9 +205,10 @@ def collect(models: Models, problems: list[Problem], cfg, refill: Callable[[int]
     ``version`` optimizer steps. See :func:`sample_groups`."""
     t = time.perf_counter()
     with rollout_phase(models):
-        samples, rewards, info = sample_groups(models, problems, cfg,
-                                               refill if cfg.algorithm.dynamic_sampling else None)
-    return Rollout(samples, rewards, version, info=info, seconds=time.perf_counter() - t)
+        samples, scores, info = sample_groups(models, problems, cfg,
+                                              refill if cfg.algorithm.dynamic_sampling else None)
+    rewards = combine(scores, job_terms(cfg))  # whitened terms: over the global batch (collective)
+    return Rollout(samples, rewards, version, info=info, seconds=time.perf_counter() - t, reward_terms=scores)
 
 
 def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict[str, float]]:
@@ -247,7 +262,7 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
     mean = s1 / n
     metrics.update({"reward/mean": mean, "reward/std": max(s2 / n - mean * mean, 0.0) ** 0.5,
                     "response_length": length / n, "tokens": tokens, "seq_length": tokens / n,
-                    "model_tokens": model_tokens})
+                    "model_tokens": model_tokens}, **term_metrics(rollout.reward_terms, dp_leader))
     if a.dynamic_sampling:
         dp = ps.get_data_parallel_world_size()
         metrics.update({"dynamic_sampling/rounds": rounds / dp, "dynamic_sampling/filled_groups": filled})

@@ -3,7 +3,8 @@ token-level formulation of Ziegler et al. 2019 as in verl / OpenRLHF).
 
 :func:`collect` (the rollout collector):
   1. rollout    — the rollout engine (``rollout.backend``) samples ``group_size`` responses per prompt
-  2. score      — the frozen reward model scores prompt + response at its last token
+  2. score      — ``reward.functions`` (default: the frozen reward model's score of prompt +
+                  response at its last token; :mod:`alignment.trainers.rewarding`)
 :func:`train` (the trainer step):
   3. forward    — old_logprobs (policy), ref_logprobs (reference), values (critic), no grad
   4. advantages — per-token reward = -kl_coef * (old_logprobs - ref_logprobs), plus the score at
@@ -29,9 +30,7 @@ from alignment.algorithms.grpo_loss import GRPOLossConfig, grpo_loss
 from alignment.algorithms.kl import kl_in_reward
 from alignment.algorithms.value_loss import value_loss
 from alignment.config import shares_prompts
-from alignment.models.value_head import sequence_scores
 from alignment.rollout.base import SamplingConfig
-from alignment.trainers.batching import cat_rows, make_batch
 from alignment.trainers.dp_balance import balance_over_dp
 from alignment.trainers.megatron_step import (
     LogprobOutputs,
@@ -42,42 +41,25 @@ from alignment.trainers.megatron_step import (
 )
 from alignment.trainers.offline import global_sums
 from alignment.trainers.offload import trainable
-from alignment.trainers.rl_phases import (Models, Rollout, correction_metrics, generate_for_group, microbatches,
-                                          policy_logprobs, rollout_phase)
+from alignment.trainers.rewarding import combine, job_terms, padded_batch, score_terms, term_metrics
+from alignment.trainers.rl_phases import (Models, Rollout, correction_metrics, generate_for_group, head_outputs,
+                                          microbatches, policy_logprobs, rollout_phase)
 from alignment.trainers.router_stats import routing_metrics
 
 
 @dataclass
 class PPOModels(Models):
-    """:class:`alignment.trainers.rl_phases.Models` plus the critic shard (DDP) with its optimizer
-    and the frozen reward model."""
+    """:class:`alignment.trainers.rl_phases.Models` (its ``reward_model`` the frozen reward model)
+    plus the critic shard (DDP) with its optimizer."""
 
     critic: torch.nn.Module = None
     critic_optimizer: object = None
-    reward_model: torch.nn.Module = None
 
 
 def _ps():
     from megatron.core import parallel_state as ps
 
     return ps
-
-
-def head_outputs(model, mbs: list[dict], packing: bool = False, share_prompts: bool = False) -> torch.Tensor | None:
-    """Forward-only scalar-head outputs ``[N, seq]`` in batch row order (last pipeline stage;
-    None elsewhere). ``packing``: ``trainer.sequence_packing``; ``share_prompts``: prompt trees
-    (``trainer.shared_prompt_packing``)."""
-    with torch.no_grad():
-        out = forward_backward(model, mbs, lambda mb, o: (o["values"].sum() * 0, {"v": o["values"]}),
-                               outputs=value_outputs, forward_only=True, packing=packing, share_prompts=share_prompts)
-    return cat_rows(out, "v", mbs) if out else None
-
-
-def score(reward_model, batch: dict, cfg) -> torch.Tensor:
-    """Reward-model scores ``[N]`` at each sequence's last token (zeros off the last stage)."""
-    last = batch["response_mask"].sum(1).long() + batch["prompt_lengths"] - 1
-    values = head_outputs(reward_model, microbatches(batch, cfg), cfg.trainer.sequence_packing, shares_prompts(cfg))
-    return sequence_scores(values, last) if values is not None else torch.zeros(len(last))
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, group) -> torch.Tensor:
@@ -134,24 +116,27 @@ def request(prompts: list[list[int]], cfg) -> tuple[list[list[int]], SamplingCon
 
 def collect(models: PPOModels, prompts: list[list[int]], cfg, version: int = 0) -> Rollout:
     """The rollout collector: ``group_size`` responses to each of this DP rank's ``prompts`` (token
-    ids) by the policy of ``version`` optimizer steps, scored by the frozen reward model (the
-    scores live on the last pipeline stage, zeros elsewhere). The padded batch rides along."""
+    ids) by the policy of ``version`` optimizer steps, rewarded by ``reward.functions`` (by default
+    the frozen reward model; its scores summed over the pipeline group onto every stage). The
+    padded batch rides along."""
     t0 = time.perf_counter()
     with rollout_phase(models):
         groups = generate_for_group(models.engine, *request(prompts, cfg))
     samples = [s for g in groups for s in g]
     if cfg.trainer.balance_batch:  # nothing is per group in PPO: re-deal the sequences by token count now
         samples, _ = balance_over_dp(samples, [])
-    batch = make_batch(samples, pad_id=models.tokenizer.pad_token_id or 0)
-    batch["prompt_lengths"] = torch.tensor([len(s.prompt_ids) for s in samples])
-    models.placement.keep("reward_model")
-    rewards = score(models.reward_model, batch, cfg)
-    return Rollout(samples, rewards, version, batch=batch, seconds=time.perf_counter() - t0)
+    batch = padded_batch(models, samples)
+    terms = job_terms(cfg)
+    scores = score_terms(models, [None] * len(samples), samples, terms, cfg, batch)
+    return Rollout(samples, combine(scores, terms), version, batch=batch, seconds=time.perf_counter() - t0,
+                   reward_terms=scores)
 
 
 def train(models: PPOModels, rollout: Rollout, cfg) -> tuple[dict[str, float], dict[str, float]]:
     """The trainer step on this DP rank's ``rollout``: old/ref logprobs and values, KL-in-reward
     GAE advantages, then the critic and the policy updates. Returns (global metrics, phase seconds)."""
+    from parallel.state import replica_group
+
     ps = _ps()
     a, r, t = cfg.algorithm, cfg.rollout, cfg.trainer
     dp_group = ps.get_data_parallel_group()
@@ -229,5 +214,6 @@ def train(models: PPOModels, rollout: Rollout, cfg) -> tuple[dict[str, float], d
         **correction_metrics(policy_out, max(p["tokens"], 1.0)),
         **routing_metrics(models.policy),  # MoE: expert load imbalance, aux loss
         **critic_routing,
+        **term_metrics(rollout.reward_terms, replica_group().rank() == 0),
     }
     return metrics, times

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from alignment.rollout.base import RolloutEngine, Sample, SamplingConfig
 from alignment.trainers.batching import MicroBatching, cat_rows
 from alignment.trainers.megatron_step import (LogprobOutputs, all_reduce_max, all_reduce_sum, forward_backward,
-                                              is_output_rank)
+                                              is_output_rank, value_outputs)
 from alignment.trainers.offload import DevicePlacement
 
 
@@ -36,6 +36,7 @@ class Models:
     vocab_size: int
     placement: DevicePlacement = field(default_factory=lambda: DevicePlacement(enabled=False))
     resharder: object = None  # parallel.reshard.Resharder feeding a vLLM engine; None: the engine runs the policy
+    reward_model: torch.nn.Module | None = None  # frozen scalar-head model (reward.functions: reward_model)
 
 
 
@@ -49,6 +50,8 @@ class Rollout:
     (wall time of the collection), ``version``: the number of optimizer steps of the policy
     that sampled it (the behaviour policy), and ``step``: the loop step that trains on it
     (``step - version`` is its staleness when trained; :mod:`launchers.rl_loop` sets it).
+    ``reward_terms``: each reward function's raw scores ``[N]`` (``reward.functions``), of which
+    ``rewards`` is the weighted (optionally whitened) sum.
     """
 
     samples: list[Sample]
@@ -58,6 +61,7 @@ class Rollout:
     batch: dict | None = None
     info: dict = field(default_factory=dict)
     seconds: float = 0.0
+    reward_terms: dict = field(default_factory=dict)
 
 
 @contextmanager
@@ -119,6 +123,16 @@ def policy_logprobs(model, microbatches, vocab_size: int, temperature: float = 1
         out = forward_backward(model, microbatches, collect, outputs=LogprobOutputs(vocab_size, temperature),
                                forward_only=True, packing=packing, positions=positions, share_prompts=share_prompts)
     return cat_rows(out, "logprobs", microbatches) if out else None
+
+
+def head_outputs(model, mbs: list[dict], packing: bool = False, share_prompts: bool = False) -> torch.Tensor | None:
+    """Forward-only scalar-head outputs ``[N, seq]`` in batch row order (last pipeline stage;
+    None elsewhere). ``packing``: ``trainer.sequence_packing``; ``share_prompts``: prompt trees
+    (``trainer.shared_prompt_packing``)."""
+    with torch.no_grad():
+        out = forward_backward(model, mbs, lambda mb, o: (o["values"].sum() * 0, {"v": o["values"]}),
+                               outputs=value_outputs, forward_only=True, packing=packing, share_prompts=share_prompts)
+    return cat_rows(out, "v", mbs) if out else None
 
 
 def microbatches(batch: dict, cfg) -> list[dict]:

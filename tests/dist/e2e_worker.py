@@ -38,10 +38,11 @@ def run_job(model_dir: str, out_dir: str, overrides: list[str], result_path: str
 
 def main() -> None:
     model_dir, out_dir, reward, *overrides, result_path = sys.argv[1:]
+    from alignment.data import tasks
     from alignment.trainers import grpo
 
-    if reward == "even_length":
-        grpo.score_response = lambda problem, text: float(len(text) % 2 == 0)
+    if reward == "even_length":  # the correctness reward and the held-out grader alike
+        tasks.score_response = grpo.score_response = lambda problem, text: float(len(text) % 2 == 0)
     run_job(model_dir, out_dir, overrides, result_path)
 
 

@@ -34,7 +34,9 @@ def main() -> None:
     from alignment.trainers.rl_phases import microbatches, policy_logprobs
     from tests.dist.e2e_worker import run_job
 
-    grpo.score_response = lambda problem, text: float(len(text) % 2 == 0)
+    from alignment.data import tasks
+
+    tasks.score_response = grpo.score_response = lambda problem, text: float(len(text) % 2 == 0)
     real_collect, real_train = grpo.collect, grpo.train
 
     def collect(models, problems, cfg, refill=None, version=0):

@@ -1,0 +1,102 @@
+"""Rewarding a rollout batch with the job's ``reward.functions``: each function's raw scores
+(text functions from :mod:`alignment.data.reward_functions`, the reward model's score at the
+last token here), combined by :func:`alignment.algorithms.composite_reward.combine_rewards`, and
+each function's global mean for the logs (``reward/<name>``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from alignment.algorithms.composite_reward import RewardTerm, combine_rewards
+from alignment.algorithms.reward_shaping import overlong_penalty
+from alignment.config import shares_prompts
+from alignment.data.reward_functions import text_scores
+from alignment.data.tasks import Problem
+from alignment.rollout.base import Sample
+from alignment.trainers.batching import make_batch
+from alignment.trainers.megatron_step import all_reduce_sum
+from alignment.trainers.rl_phases import Models, head_outputs, microbatches
+
+OVERLONG = "overlong"  # DAPO's overlong penalty (algorithm.overlong_buffer_len), an unwhitened term of weight 1
+
+
+def _ps():
+    from megatron.core import parallel_state as ps
+
+    return ps
+
+
+def reward_model_scores(models: Models, batch: dict, cfg) -> torch.Tensor:
+    """The frozen reward model's score ``[N]`` at each sequence's last token, on every rank of the
+    model replica (computed on the last pipeline stage and summed over the pipeline group, where
+    the other stages give 0). ``batch``: :func:`alignment.trainers.batching.make_batch`'s with
+    ``prompt_lengths [N]``. Collective over the replica."""
+    from alignment.models.value_head import sequence_scores
+
+    ps = _ps()
+    models.placement.keep("reward_model", *(("policy",) if models.engine.shares_trainer_weights else ()))
+    last = batch["response_mask"].sum(1).long() + batch["prompt_lengths"] - 1
+    values = head_outputs(models.reward_model, microbatches(batch, cfg), cfg.trainer.sequence_packing,
+                          shares_prompts(cfg))
+    scores = sequence_scores(values, last).float() if values is not None else torch.zeros(len(last))
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        scores = torch.tensor(all_reduce_sum(scores.tolist(), ps.get_pipeline_model_parallel_group()))
+    return scores
+
+
+def padded_batch(models: Models, samples: Sequence[Sample]) -> dict:
+    """``samples`` as a padded batch with ``prompt_lengths [N]`` (what the reward model scores)."""
+    batch = make_batch(list(samples), pad_id=models.tokenizer.pad_token_id or 0)
+    batch["prompt_lengths"] = torch.tensor([len(s.prompt_ids) for s in samples])
+    return batch
+
+
+def score_terms(models: Models, problems: Sequence[Problem | None], samples: Sequence[Sample],
+                terms: Sequence[RewardTerm], cfg, batch: dict | None = None) -> dict[str, torch.Tensor]:
+    """Raw scores ``[N]`` of every term for this rank's ``samples`` (``problems[i]``: the problem
+    ``samples[i]`` answers, None without one); ``batch``: the samples' padded batch when already
+    built. Model terms are collective over the model replica (its ranks hold the same samples)."""
+    out = {}
+    for t in terms:
+        if t.name == "reward_model":
+            out[t.name] = reward_model_scores(models, batch if batch is not None else padded_batch(models, samples),
+                                              cfg)
+        elif t.name == OVERLONG:
+            a = cfg.algorithm
+            lengths = torch.tensor([len(s.response_ids) for s in samples])
+            out[t.name] = overlong_penalty(lengths, cfg.rollout.max_tokens, a.overlong_buffer_len,
+                                           a.overlong_penalty_factor)
+        else:
+            out[t.name] = text_scores(t.name, problems, samples, cfg.rollout.max_tokens)
+    return out
+
+
+def job_terms(cfg) -> list[RewardTerm]:
+    """The job's terms: ``reward.functions`` (:func:`alignment.config.reward_terms`), plus DAPO's
+    overlong penalty when ``algorithm.overlong_buffer_len > 0``."""
+    from alignment.config import reward_terms
+
+    terms = reward_terms(cfg)
+    if cfg.algorithm.overlong_buffer_len > 0:
+        terms.append(RewardTerm(OVERLONG))
+    return terms
+
+
+def combine(scores: dict[str, torch.Tensor], terms: Sequence[RewardTerm]) -> torch.Tensor:
+    """The rewards ``[N]`` of this rank's samples (whitened terms over the global batch: the
+    data-parallel group; collective)."""
+    group = _ps().get_data_parallel_group()
+    return combine_rewards(scores, terms, lambda sums: all_reduce_sum(sums, group))
+
+
+def term_metrics(scores: dict[str, torch.Tensor], count: bool) -> dict[str, float]:
+    """``reward/<name>``: each term's mean raw score over the global batch; ``count``: whether this
+    rank's samples count (one rank per data-parallel replica). Collective."""
+    names = sorted(scores)
+    if not names:
+        return {}
+    n = next(iter(scores.values())).numel()
+    sums = all_reduce_sum([float(n) if count else 0.0] + [scores[k].sum().item() if count else 0.0 for k in names])
+    return {f"reward/{k}": s / max(sums[0], 1.0) for k, s in zip(names, sums[1:])}
