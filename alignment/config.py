@@ -129,7 +129,7 @@ class AlgorithmConfig:
     """The algorithm (``name``) and its settings: GRPO-family advantage estimator, clipping, KL to the
     reference, loss aggregation; preference-loss settings for ``dpo`` and ``rm``."""
 
-    name: str = "grpo"  # grpo | sft | rm | dpo
+    name: str = "grpo"  # grpo | ppo | rft | online_dpo | sft | rm | dpo
     # grpo | grpo_no_std (Dr.GRPO) | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline
     advantage_estimator: str = "grpo"
     # reinforce_plus_plus[_baseline]: whiten over each response once (sequence) or every valid token
@@ -165,6 +165,16 @@ class AlgorithmConfig:
     overlong_buffer_len: int = 0  # DAPO soft overlong punishment interval (tokens); 0 disables
     overlong_penalty_factor: float = 1.0
     whiten_advantages: bool = True
+    # rft (rejection-sampling fine-tuning / STaR): keep samples whose reward >= accept_threshold, only
+    # distinct responses per problem (dedup_responses); rationalize: retry unsolved problems with the
+    # answer as a hint, trained on without it (STaR's rationalisation)
+    accept_threshold: float = 1.0
+    dedup_responses: bool = True
+    rationalize: bool = False
+    # online_dpo: the DPO reference is the initial policy (initial) or, every iteration_steps steps, the
+    # policy of that moment (iteration: iterative DPO, Xu et al. 2023; checkpointed with the policy)
+    ref_update: str = "initial"
+    iteration_steps: int = 4
 
 
 @dataclass
@@ -291,7 +301,8 @@ class ConfigError(ValueError):
     """A config value that cannot work; the message names the field and the fix."""
 
 
-RL_ALGORITHMS = ("grpo", "ppo")
+RL_ALGORITHMS = ("grpo", "ppo", "rft", "online_dpo")
+REF_UPDATES = ("initial", "iteration")
 OFFLINE_ALGORITHMS = ("sft", "rm", "dpo")
 
 
@@ -317,6 +328,73 @@ def _validate_ppo(cfg, dp: int) -> None:
         raise ConfigError(f"rollout.temperature={r.temperature}: PPO samples, it needs a temperature > 0")
 
 
+def _validate_rft(cfg, layout) -> None:
+    """Rejection-sampling fine-tuning: a task to grade, samples to filter, no reference, a reward
+    that is a per-sample score (no whitening) and micro-batches of any size."""
+    import math
+
+    a, r = cfg.algorithm, cfg.rollout
+    dp = layout.data_parallel_size
+    if a.kl_coef != 0:
+        raise ConfigError(f"algorithm.kl_coef={a.kl_coef}: algorithm.name=rft fine-tunes on accepted samples with no "
+                          "KL term and builds no reference model; set algorithm.kl_coef=0 (configs/rft.yaml does)")
+    if not math.isfinite(a.accept_threshold):
+        raise ConfigError(f"algorithm.accept_threshold={a.accept_threshold}: give a finite reward (1.0: correct "
+                          "answers under the 0/1 grader)")
+    whitened = [f.name for f in cfg.reward.functions if f.whiten]
+    if whitened:
+        raise ConfigError(f"reward.functions {whitened} whiten: algorithm.name=rft accepts each sample by its own "
+                          "reward against algorithm.accept_threshold, which batch statistics would move; set "
+                          "whiten: false")
+    if r.temperature <= 0 or r.group_size < 1:
+        raise ConfigError(f"rollout.temperature={r.temperature} / group_size={r.group_size}: rejection sampling "
+                          "draws group_size >= 1 samples per problem at a temperature > 0")
+    if r.prompts_per_step % dp:
+        raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of the data-parallel "
+                          f"size {dp}; e.g. {[k * dp for k in range(1, 5)]}")
+    if layout.pipeline_model_parallel_size > 1 and not cfg.trainer.sequence_packing:
+        raise ConfigError("algorithm.name=rft trains on however many samples were accepted, so its last micro-batch "
+                          "may have fewer rows; with parallel.pipeline_model_parallel_size > 1 set "
+                          "trainer.sequence_packing=true (one packed row per micro-batch)")
+
+
+def _validate_online_dpo(cfg, layout) -> None:
+    """Online / iterative DPO: a DPO-family loss, >= 2 samples per prompt, a reference to update
+    (not LoRA's frozen base), variable pair counts."""
+    from alignment.trainers.dpo import LOSS_TYPES, REFERENCE_FREE
+
+    a, r = cfg.algorithm, cfg.rollout
+    dp = layout.data_parallel_size
+    if a.loss_type not in LOSS_TYPES:
+        raise ConfigError(f"algorithm.loss_type={a.loss_type!r}: valid values are {', '.join(LOSS_TYPES)}")
+    if a.beta <= 0:
+        raise ConfigError(f"algorithm.beta={a.beta}: must be > 0")
+    if a.kl_coef != 0:
+        raise ConfigError(f"algorithm.kl_coef={a.kl_coef}: algorithm.name=online_dpo has no KL term of its own (DPO's "
+                          "algorithm.beta is its KL strength); set algorithm.kl_coef=0 (configs/online_dpo.yaml does)")
+    if r.group_size < 2 or r.temperature <= 0:
+        raise ConfigError(f"rollout.group_size={r.group_size} / temperature={r.temperature}: online DPO pairs the best "
+                          "and worst of group_size >= 2 samples per prompt, drawn at a temperature > 0")
+    if r.prompts_per_step % dp:
+        raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of the data-parallel "
+                          f"size {dp}; e.g. {[k * dp for k in range(1, 5)]}")
+    if a.ref_update not in REF_UPDATES:
+        raise ConfigError(f"algorithm.ref_update={a.ref_update!r}: valid values are {', '.join(REF_UPDATES)}")
+    if a.ref_update == "iteration":
+        if a.iteration_steps < 1:
+            raise ConfigError(f"algorithm.iteration_steps={a.iteration_steps}: must be >= 1")
+        if a.loss_type in REFERENCE_FREE:
+            raise ConfigError(f"algorithm.ref_update=iteration: algorithm.loss_type={a.loss_type} uses no reference; "
+                              "set algorithm.ref_update=initial or a loss with a reference (sigmoid, ipo, hinge, kto)")
+        if cfg.model.lora.rank:
+            raise ConfigError("algorithm.ref_update=iteration with model.lora: a LoRA job's reference is the frozen "
+                              "base, which cannot become the policy; set algorithm.ref_update=initial")
+    if layout.pipeline_model_parallel_size > 1 and not cfg.trainer.sequence_packing:
+        raise ConfigError("algorithm.name=online_dpo trains on however many pairs had no tie, so its last "
+                          "micro-batch may have fewer rows; with parallel.pipeline_model_parallel_size > 1 set "
+                          "trainer.sequence_packing=true (one packed row per micro-batch)")
+
+
 def _validate_policy_loss(a) -> None:
     """RL jobs: the policy loss, its dual clip and the rollout correction."""
     from alignment.algorithms.policy_loss import POLICY_LOSSES
@@ -338,7 +416,8 @@ def _validate_staleness(r, a) -> None:
     if not isinstance(r.max_staleness, int) or r.max_staleness < 0:
         raise ConfigError(f"rollout.max_staleness={r.max_staleness}: must be an integer >= 0 (0: on-policy, "
                           "1: one-step off-policy)")
-    if r.max_staleness > 0 and a.rollout_correction.is_level is None:
+    # rft and online_dpo: SFT and DPO losses, which take samples from any policy
+    if r.max_staleness > 0 and a.rollout_correction.is_level is None and a.name not in ("rft", "online_dpo"):
         raise ConfigError(f"rollout.max_staleness={r.max_staleness} trains on samples from a policy up to "
                           f"{r.max_staleness} step(s) old, so the loss must weight each token by pi_old / pi_rollout "
                           "(decoupled PPO): set algorithm.rollout_correction.is_level=token (or sequence), "
@@ -664,6 +743,13 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
     if a.name == "ppo":
         _validate_ppo(cfg, dp)
         return _validate_rollout_lengths(r, hf_config)
+    from alignment.data.tasks import TASKS
+
+    if cfg.data.task not in TASKS:
+        raise ConfigError(f"data.task={cfg.data.task!r}: valid values are {', '.join(TASKS)}")
+    if a.name in ("rft", "online_dpo"):
+        (_validate_rft if a.name == "rft" else _validate_online_dpo)(cfg, layout)
+        return _validate_rollout_lengths(r, hf_config)
     if a.kl_estimator not in KL_ESTIMATORS:
         raise ConfigError(f"algorithm.kl_estimator={a.kl_estimator!r}: valid values are {', '.join(KL_ESTIMATORS)}")
     group_estimators = [k for k in ADVANTAGE_ESTIMATORS if k != "gae"]  # gae needs a critic (PPO)
@@ -677,10 +763,6 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
         raise ConfigError(f"algorithm.loss_agg_mode={a.loss_agg_mode!r}: valid values are {', '.join(AGGREGATION_MODES)}")
     if a.clip_ratio <= 0 or (a.clip_ratio_high is not None and a.clip_ratio_high <= 0):
         raise ConfigError(f"algorithm.clip_ratio={a.clip_ratio} / clip_ratio_high={a.clip_ratio_high}: must be > 0")
-    from alignment.data.tasks import TASKS
-
-    if cfg.data.task not in TASKS:
-        raise ConfigError(f"data.task={cfg.data.task!r}: valid values are {', '.join(TASKS)}")
     if r.temperature <= 0:
         raise ConfigError(f"rollout.temperature={r.temperature}: GRPO samples, it needs a temperature > 0")
     if r.group_size < 2:

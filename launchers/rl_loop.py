@@ -61,7 +61,8 @@ class RLJob:
     ``collect(items, step, version)``: this DP rank's :class:`alignment.trainers.rl_phases.Rollout`
     for ``items``, sampled by the policy after ``version`` optimizer steps.
     ``train(rollout)``: (global metrics, phase seconds). ``trained``: name -> (model, optimizer)
-    of what checkpoints hold. ``evaluation``: see :class:`Evaluation`. ``request(items)``: the
+    of what checkpoints hold (optimizer None: a frozen model whose weights still change, e.g.
+    iterative DPO's reference). ``evaluation``: see :class:`Evaluation`. ``request(items)``: the
     ``(prompts, SamplingConfig)`` of the first generation ``collect(items, ...)`` asks for, so that
     an engine on rollout ranks of its own can start it early (:class:`RolloutQueue`'s ``post``).
     """
@@ -160,7 +161,8 @@ def run(job, models, spec: RLJob) -> dict:
     from launchers.profiling import peak_rss_bytes
 
     cfg, t = job.cfg, job.cfg.trainer
-    units = [unit for name in spec.trained for unit in trainable(name)]  # resident to load or save them
+    units = [unit for name, (_, optimizer) in spec.trained.items()  # resident to load or save them
+             for unit in (trainable(name) if optimizer is not None else (name,))]
     spec.evaluation.baseline()
     ckpt_dir, start_step = job.out / "checkpoints", 0
     latest = latest_checkpoint(ckpt_dir) if t.resume else None
@@ -219,7 +221,9 @@ def run(job, models, spec: RLJob) -> dict:
         if t.save_every and (step + 1) % t.save_every == 0 and step + 1 < t.steps:
             checkpoint(step + 1)
         if hasattr(steps, "set_postfix"):
-            steps.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}", s=f"{step_time:.1f}")
+            shown = {"reward": ("reward/mean", ".3f"), "kl": ("kl", ".4f"), "accept": ("rft/acceptance_rate", ".2f")}
+            steps.set_postfix(**{k: f"{metrics[m]:{f}}" for k, (m, f) in shown.items() if m in metrics},
+                              s=f"{step_time:.1f}")
 
     final_metrics, summary, message = spec.evaluation.final()
     job.log(final_metrics, t.steps)

@@ -21,9 +21,18 @@ from alignment.config import register  # noqa: E402
 register()
 
 
+def needs_reference(cfg) -> bool:
+    """A frozen reference policy: for the KL term (``algorithm.kl_coef > 0``) or online DPO's
+    losses that use one (all but ``simpo`` / ``orpo``)."""
+    from alignment.trainers.dpo import REFERENCE_FREE
+
+    a = cfg.algorithm
+    return a.kl_coef > 0 or (a.name == "online_dpo" and a.loss_type not in REFERENCE_FREE)
+
+
 def build(cfg, hf_dir: Path, hf_config, rank: int):
     """This rank's policy (DDP + optimizer; with ``model.lora`` its adapters only trained), frozen
-    reference (when ``kl_coef > 0``; with LoRA the policy with its adapters off) and rollout engine
+    reference (:func:`needs_reference`; with LoRA the policy with its adapters off) and rollout engine
     (``rollout.backend``), all loaded from the HF weights in ``hf_dir``, and the frozen reward model
     (``model.reward_model_path``) when ``reward.functions`` names ``reward_model``."""
     from alignment.models.families import get_bridge
@@ -46,9 +55,9 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
         use_distributed_optimizer=cfg.trainer.use_distributed_optimizer))
     load_hf_weights(model, hf_state, bridge, main_params=main_param_writer(optimizer))
     reference = None
-    if cfg.algorithm.kl_coef > 0 and lora:
+    if needs_reference(cfg) and lora:
         reference = FrozenBase(policy)  # the base weights with the adapters off: no second copy
-    elif cfg.algorithm.kl_coef > 0:
+    elif needs_reference(cfg):
         reference = build_gpt_model(hf_config, job_transformer_config(cfg, hf_config)).eval()
         load_hf_weights(reference, hf_state, bridge)
         reference.requires_grad_(False)
@@ -69,7 +78,8 @@ def run(cfg: DictConfig) -> dict:
     """Run the job ``cfg.algorithm.name`` names; returns the summary written to ``<output_dir>/summary.json``.
 
     ``sft``, ``rm`` and ``dpo`` train on fixed data (:mod:`launchers.offline_job`), ``ppo`` runs
-    :mod:`launchers.ppo_job`; the GRPO family runs :mod:`launchers.rl_loop` with :func:`run_rl`'s pieces.
+    :mod:`launchers.ppo_job`; the GRPO family, ``rft`` and ``online_dpo`` run
+    :mod:`launchers.rl_loop` with :func:`run_rl`'s pieces.
     """
     from alignment.config import OFFLINE_ALGORITHMS
 
@@ -128,10 +138,11 @@ class HeldoutAccuracy:
 
 
 def run_rl(cfg: DictConfig) -> dict:
-    """Run a GRPO-family job through :mod:`launchers.rl_loop`; returns the summary written to
-    ``<output_dir>/summary.json``."""
+    """Run a GRPO-family job, rejection-sampling fine-tuning (``rft``: :mod:`alignment.trainers.rft`)
+    or online DPO (``online_dpo``: :mod:`alignment.trainers.online_dpo`) through
+    :mod:`launchers.rl_loop`; returns the summary written to ``<output_dir>/summary.json``."""
     from alignment.data.tasks import load_problems
-    from alignment.trainers import grpo
+    from alignment.trainers import grpo, online_dpo, rft
     from launchers import rl_loop
     from launchers.common import start
 
@@ -141,7 +152,7 @@ def run_rl(cfg: DictConfig) -> dict:
     train = load_problems(cfg.data.task, "train", cfg.data.train_size, seed=cfg.seed, **kw)
     heldout = load_problems(cfg.data.task, "heldout", cfg.data.heldout_size, seed=cfg.seed, **kw)
 
-    def collect(problems, step: int, version: int):
+    def grpo_collect(problems, step: int, version: int):
         from megatron.core import parallel_state as ps
 
         rng = random.Random(hash((cfg.seed, step, ps.get_data_parallel_rank())))
@@ -151,8 +162,19 @@ def run_rl(cfg: DictConfig) -> dict:
 
         return grpo.collect(models, problems, cfg, refill, version)
 
-    spec = rl_loop.RLJob("grpo", train, collect, lambda rollout: grpo.train(models, rollout, cfg),
-                         {"policy": (models.policy, models.optimizer)}, HeldoutAccuracy(job, models, heldout),
+    # rft: SFT on the accepted samples; online_dpo: DPO on the best-worst pairs of the policy's own samples
+    name = cfg.algorithm.name
+    trainer = {"rft": rft, "online_dpo": online_dpo}.get(name, grpo)
+
+    def own_collect(problems, step: int, version: int):  # noqa: ARG001 - the loop's signature
+        return trainer.collect(models, problems, cfg, version)
+
+    trained = {"policy": (models.policy, models.optimizer)}
+    if name == "online_dpo" and cfg.algorithm.ref_update == "iteration":  # the iteration's reference resumes too
+        trained["reference"] = (models.reference, None)
+    spec = rl_loop.RLJob(name, train, grpo_collect if trainer is grpo else own_collect,
+                         lambda rollout: trainer.train(models, rollout, cfg), trained,
+                         HeldoutAccuracy(job, models, heldout),
                          request=lambda problems: grpo.request(models.tokenizer, problems, cfg))
     return rl_loop.run(job, models, spec)
 

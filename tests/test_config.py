@@ -182,7 +182,8 @@ def test_profile_fields_are_checked():
 
 
 GROUPS = {"model": ["smollm2", "smollm2_sft_rm"],
-          "algorithm": ["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "cispo", "ppo", "sft", "rm", "dpo"],
+          "algorithm": ["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "cispo", "ppo", "sft", "rm", "dpo",
+                        "rft", "online_dpo"],
           "parallel": ["single", "tp2", "tp2_sp", "pp2", "cp2_ring", "cp2_ulysses", "tp2_pp2"],
           "rollout": ["default", "long"], "data": ["arithmetic", "gsm8k", "alpaca_en_demo", "dpo_en_demo"],
           "cluster": ["local", "slurm_h100x8"]}

@@ -126,3 +126,78 @@ def test_reward_config_errors_name_the_field(overrides, name, message):
     extra = ["model.reward_model_path=/rm"] if name == "ppo" else []
     with pytest.raises(ConfigError, match=message):
         validate(cfg(*overrides, *extra, name=name), world_size=2, hf_config=SMOLLM2)
+
+
+def test_rejection_sampling_keeps_distinct_accepted_answers_by_hand():
+    from alignment.algorithms.rejection_sampling import accepted_indices
+
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.5, 0.9])
+    texts = ["4", "5", " 4", "four", "x", "y", "a", "b", "c"]
+    # problem 0: "4" and " 4" are one answer; problem 1: nothing accepted; problem 2: by threshold
+    assert accepted_indices(rewards, 3, 1.0, texts) == [[0], [3], []]
+    assert accepted_indices(rewards, 3, 1.0) == [[0, 2], [3], []]
+    assert accepted_indices(rewards.reshape(-1)[:6], 3, 1.0, texts[:6]) == [[0], [3]]
+    assert accepted_indices(rewards, 3, 0.5, texts) == [[0], [3], [7, 8]]
+    assert accepted_indices(rewards, 9, 2.0) == [[]]  # nothing reaches the threshold
+    with pytest.raises(ValueError, match="not a whole number of groups of 4"):
+        accepted_indices(rewards, 4, 1.0)
+    with pytest.raises(ValueError, match="2 texts for 9 rewards"):
+        accepted_indices(rewards, 3, 1.0, ["a", "b"])
+
+
+def test_rft_config_and_its_errors():
+    c = cfg(name="rft")
+    assert (c.algorithm.name, c.algorithm.kl_coef, c.algorithm.accept_threshold) == ("rft", 0.0, 1.0)
+    validate(c, world_size=2, hf_config=SMOLLM2)
+    validate(cfg("rollout.group_size=1", "rollout.max_staleness=1", name="rft"), world_size=2, hf_config=SMOLLM2)
+    for overrides, message in [
+        (["algorithm.kl_coef=0.04"], "algorithm.kl_coef=0.04: algorithm.name=rft fine-tunes on accepted samples"),
+        (["algorithm.accept_threshold=nan"], "algorithm.accept_threshold=nan: give a finite reward"),
+        (["reward.functions=[{name: correctness, whiten: true}]"], r"reward.functions \['correctness'\] whiten"),
+        (["rollout.prompts_per_step=3"], "rollout.prompts_per_step=3 must be a multiple of the data-parallel size 2"),
+        (["rollout.temperature=0"], "rejection sampling draws group_size >= 1 samples per problem at a temperature"),
+        (["parallel.pipeline_model_parallel_size=2", "trainer.sequence_packing=false"],
+         "set trainer.sequence_packing=true"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            validate(cfg(*overrides, name="rft"), world_size=2, hf_config=SMOLLM2)
+
+
+def test_online_dpo_pairs_by_hand():
+    from alignment.algorithms.preference_pairs import best_worst_pairs
+
+    # n = 4: best 0.9 at 1 vs worst 0.0 at 2; the first of equal maxima / minima is taken;
+    # all equal: a tie, no pair
+    rewards = torch.tensor([0.5, 0.9, 0.0, 0.3, 1.0, 0.0, 1.0, 0.0, 0.2, 0.2, 0.2, 0.2])
+    assert best_worst_pairs(rewards, 4) == [(1, 2), (4, 5), None]
+    # n = 2: a pair exactly when the two differ, whichever comes first
+    assert best_worst_pairs(torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0, -1.0]), 2) == [(1, 0), None, (4, 5)]
+    assert best_worst_pairs(torch.zeros(6), 3) == [None, None]  # all equal: nothing to learn from
+    with pytest.raises(ValueError, match="a preference pair needs >= 2 samples per prompt"):
+        best_worst_pairs(torch.zeros(3), 1)
+    with pytest.raises(ValueError, match="not a whole number of groups of 4"):
+        best_worst_pairs(torch.zeros(6), 4)
+
+
+def test_online_dpo_config_and_its_errors():
+    c = cfg(name="online_dpo")
+    a = c.algorithm
+    assert (a.name, a.kl_coef, a.loss_type, a.ref_update) == ("online_dpo", 0.0, "sigmoid", "initial")
+    validate(c, world_size=2, hf_config=SMOLLM2)
+    validate(cfg("algorithm.ref_update=iteration", "algorithm.loss_type=ipo", "model.reward_model_path=/rm",
+                 "reward.functions=[{name: reward_model, whiten: true}, {name: correctness}]", name="online_dpo"),
+             world_size=2, hf_config=SMOLLM2)
+    for overrides, message in [
+        (["algorithm.loss_type=dpo"], "algorithm.loss_type='dpo': valid values are sigmoid"),
+        (["algorithm.beta=0"], "algorithm.beta=0.0: must be > 0"),
+        (["algorithm.kl_coef=0.04"], "online_dpo has no KL term of its own"),
+        (["rollout.group_size=1"], "online DPO pairs the best and worst of group_size >= 2 samples"),
+        (["algorithm.ref_update=epoch"], "algorithm.ref_update='epoch': valid values are initial, iteration"),
+        (["algorithm.ref_update=iteration", "algorithm.iteration_steps=0"], "algorithm.iteration_steps=0"),
+        (["algorithm.ref_update=iteration", "algorithm.loss_type=simpo"],
+         "algorithm.loss_type=simpo uses no reference"),
+        (["algorithm.ref_update=iteration", "model.lora.rank=8"], "a LoRA job's reference is the frozen base"),
+        (["rollout.prompts_per_step=3"], "rollout.prompts_per_step=3 must be a multiple of the data-parallel size 2"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            validate(cfg(*overrides, name="online_dpo"), world_size=2, hf_config=SMOLLM2)

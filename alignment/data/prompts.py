@@ -15,7 +15,7 @@ INSTRUCTIONS: dict[str, str] = {
 }
 
 
-def build_prompt_ids(tokenizer: Any, question: str, task: str) -> list[int]:
+def build_prompt_ids(tokenizer: Any, question: str, task: str, hint: str | None = None) -> list[int]:
     """Token ids of a chat prompt asking ``question``, ending with the assistant generation prefix.
 
     The prompt is one user message, ``question`` followed by the task's instruction from
@@ -26,6 +26,8 @@ def build_prompt_ids(tokenizer: Any, question: str, task: str) -> list[int]:
         tokenizer: a Hugging Face tokenizer with a chat template.
         question: the raw problem text (``Problem.question``).
         task: a task name from ``alignment.data.tasks.TASKS``.
+        hint: the reference answer, given as "Hint: the answer is <hint>." between the question and
+            the instruction (STaR's rationalisation, Zelikman et al. 2022 Sec. 3.2); None: no hint.
 
     Returns:
         A flat ``list[int]`` (transformers 5 may return a BatchEncoding; it is unwrapped).
@@ -35,5 +37,6 @@ def build_prompt_ids(tokenizer: Any, question: str, task: str) -> list[int]:
     """
     if task not in INSTRUCTIONS:
         raise ValueError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
-    messages = [{"role": "user", "content": f"{question.strip()}\n{INSTRUCTIONS[task]}"}]
+    given = f"\nHint: the answer is {hint}." if hint is not None else ""
+    messages = [{"role": "user", "content": f"{question.strip()}{given}\n{INSTRUCTIONS[task]}"}]
     return encode_prompt(tokenizer, messages)

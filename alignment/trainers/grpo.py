@@ -144,9 +144,14 @@ def evaluate(models: Models, problems: list[Problem], task: str, max_tokens: int
 def request(tokenizer, problems: list[Problem], cfg) -> tuple[list[list[int]], SamplingConfig]:
     """What GRPO asks the engine for ``problems``: their prompts (token ids, the task's chat
     prompt) and ``group_size`` samples each at the rollout's sampling settings."""
-    r = cfg.rollout
     prompts = [build_prompt_ids(tokenizer, p.question, cfg.data.task) for p in problems]
-    return prompts, SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
+    return prompts, sampling_config(cfg)
+
+
+def sampling_config(cfg) -> SamplingConfig:
+    """``rollout.group_size`` samples per prompt at the rollout's temperature, top-p and ``max_tokens``."""
+    r = cfg.rollout
+    return SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
 
 
 def _informative(part: dict[str, torch.Tensor], terms, group_size: int) -> bool:

@@ -5,7 +5,9 @@
 REWARD ``task`` keeps the task's own grader. REWARD ``even_length`` replaces it by a
 deterministic synthetic reward (1 if the response text has an even number of characters): a tiny
 random model never solves arithmetic, so with the real grader every reward, advantage
-and gradient would be zero and the test could not see learning or weight sync.
+and gradient would be zero and the test could not see learning or weight sync. REWARD
+``hint_only`` (rft) grades every answer to a plain prompt 0 and every answer to a prompt with the
+answer as a hint 1, so every problem goes through STaR's rationalisation.
 """
 
 from __future__ import annotations
@@ -43,6 +45,18 @@ def main() -> None:
 
     if reward == "even_length":  # the correctness reward and the held-out grader alike
         tasks.score_response = grpo.score_response = lambda problem, text: float(len(text) % 2 == 0)
+    if reward == "hint_only":  # rft: every answer to a plain prompt is wrong, every answer to a hinted one right
+        from alignment.trainers import rft
+
+        hinted, build = [False], rft.build_prompt_ids
+
+        def build_prompt_ids(tokenizer, question, task, hint=None):
+            hinted[0] = hint is not None
+            return build(tokenizer, question, task, hint)
+
+        rft.build_prompt_ids = build_prompt_ids
+        tasks.score_response = lambda problem, text: float(hinted[0])
+        grpo.score_response = lambda problem, text: float(len(text) % 2 == 0)
     run_job(model_dir, out_dir, overrides, result_path)
 
 
