@@ -1,4 +1,4 @@
-"""SFT, reward-model and DPO gradients through Megatron equal single-process autograd on
+"""SFT, reward-model, DPO and process-reward-model (step-level BCE) gradients through Megatron equal single-process autograd on
 the HF model, for any micro-batch split and layout (packed sequences and context
 parallelism, ring and Ulysses, included); the reward model's scores equal HF
 ``LlamaForSequenceClassification``'s."""
@@ -21,7 +21,7 @@ def results(tmp_path_factory):
     return json.loads(path.read_text())
 
 
-@pytest.mark.parametrize("kind", ["sft", "rm", "dpo"])
+@pytest.mark.parametrize("kind", ["sft", "rm", "dpo", "prm"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_gradients_equal_single_process(results, kind, case):
     r = results[kind]

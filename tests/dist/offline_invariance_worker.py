@@ -1,4 +1,4 @@
-"""torchrun worker (2 processes): SFT, reward-model and DPO gradients through Megatron equal
+"""torchrun worker (2 processes): SFT, reward-model, DPO and process-reward-model gradients through Megatron equal
 plain autograd on the HF model over the whole batch, for DP=2 (micro-batches of 1 and 2
 examples), TP=2, TP=2 + sequence parallelism and PP=2.
 
@@ -23,6 +23,7 @@ from alignment.trainers import offline
 from alignment.trainers.batching import make_sequence_batch, split_microbatches
 from alignment.trainers.dpo import DPOObjective
 from alignment.trainers.megatron_step import OptimConfig, setup_training, value_outputs
+from alignment.trainers.process_reward import ProcessRewardObjective
 from alignment.trainers.reward_model import RewardModelObjective
 from alignment.trainers.sft import SFTObjective
 from parallel.layout import ParallelLayout
@@ -49,6 +50,19 @@ def rows(vocab: int, n: int):
     return out
 
 
+def step_targets(batch):
+    """PRM step labels: every row's response split into steps ending at every third response token
+    and at its last one, labelled 1, 0, 1, ... by row and step."""
+    from alignment.algorithms.prm_loss import place_step_labels
+
+    ends, labels = [], []
+    for i, (n, r) in enumerate(zip(batch["seq_lengths"].tolist(), batch["response_lengths"].tolist())):
+        row = sorted(set(range(n - r + 2, n, 3)) | {n - 1})
+        ends.append(row)
+        labels.append([(i + k) % 2 for k in range(len(row))])
+    return place_step_labels(ends, labels, batch["input_ids"].shape[1])
+
+
 def hf_models(seed=3):
     lm = tiny_llama(seed=seed, tie_word_embeddings=False)
     cfg = tiny_llama_config(tie_word_embeddings=False)
@@ -68,10 +82,10 @@ def hf_logps(lm, batch):
 
 def reference(kind, lm, rm, batch):
     """Loss of the whole batch and HF-named gradients by plain autograd in one process."""
-    model = rm if kind == "rm" else lm
+    model = rm if kind in ("rm", "prm") else lm
     model.zero_grad()
     obj = objective(kind, lm.config.vocab_size)
-    if kind == "rm":
+    if kind in ("rm", "prm"):
         values = rm.score(rm.model(batch["input_ids"]).last_hidden_state)  # [N, seq, 1]
         loss, _ = obj.loss(batch, {"values": values.squeeze(-1)}, obj.normalizer(batch))
     else:
@@ -93,7 +107,7 @@ def reference_loss(kind, obj, batch, logps):
 
 def objective(kind, vocab):
     return {"sft": lambda: SFTObjective(vocab), "rm": lambda: RewardModelObjective(),
-            "dpo": lambda: DPOObjective(vocab, beta=0.5)}[kind]()
+            "dpo": lambda: DPOObjective(vocab, beta=0.5), "prm": lambda: ProcessRewardObjective()}[kind]()
 
 
 def megatron_case(kind, lm, rm, batch, tp, pp, sp, mbs, cp, comm, packed, world, state=None, lora=None,
@@ -108,7 +122,7 @@ def megatron_case(kind, lm, rm, batch, tp, pp, sp, mbs, cp, comm, packed, world,
     cfg = lm.config
     tcfg = transformer_config(cfg, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp,
                               context_parallel_size=cp, cp_comm_type=comm)
-    if kind == "rm":
+    if kind in ("rm", "prm"):
         model, bridge, hf = build_value_model(cfg, tcfg), get_bridge(cfg, head="score"), rm
     else:
         model, bridge, hf = build_gpt_model(cfg, tcfg), get_bridge(cfg), lm
@@ -155,10 +169,11 @@ def main(path: str) -> None:
     with torch.no_grad():  # a reference near the policy, so the DPO loss is near log 2, not saturated
         seq = (hf_logps(lm, batch) * batch["loss_mask"]).sum(1)
     batch["ref_logps"] = seq + 0.5 * torch.randn(8, generator=torch.Generator().manual_seed(4))
+    batch["step_labels"], batch["step_mask"] = step_targets(batch)
     with torch.no_grad():
         hf_scores = rm(batch["input_ids"]).logits[:, 0]  # HF pools at the last non-pad token
     results = {}
-    for kind in ("sft", "rm", "dpo"):
+    for kind in ("sft", "rm", "dpo", "prm"):
         ref_loss, ref_grads = reference(kind, lm, rm, batch)
         res = {"reference_loss": ref_loss, "reference_max_grad": max(g.abs().max().item() for g in ref_grads.values())}
         for name, case in CASES.items():
