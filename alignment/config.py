@@ -328,6 +328,11 @@ def _validate_ppo(cfg, dp: int) -> None:
         raise ConfigError(f"rollout.temperature={r.temperature}: PPO samples, it needs a temperature > 0")
 
 
+_VARIABLE_ROWS_EP = ("parallel.expert_model_parallel_size > 1: algorithm.name={name} trains on however many {what} "
+                     "each data-parallel rank has, so ranks run different numbers of micro-batches, and the experts' "
+                     "all-to-all spans data-parallel ranks; set expert_model_parallel_size=1 for now")
+
+
 def _validate_rft(cfg, layout) -> None:
     """Rejection-sampling fine-tuning: a task to grade, samples to filter, no reference, a reward
     that is a per-sample score (no whitening) and micro-batches of any size."""
@@ -341,6 +346,19 @@ def _validate_rft(cfg, layout) -> None:
     if not math.isfinite(a.accept_threshold):
         raise ConfigError(f"algorithm.accept_threshold={a.accept_threshold}: give a finite reward (1.0: correct "
                           "answers under the 0/1 grader)")
+    terms = reward_terms(cfg)
+    if all(t.name != "reward_model" for t in terms):  # bounded terms: the best reward a sample can get
+        # correctness / format in [0, 1]; length in [-1, -1 / max_tokens] (a response has a token; a negative
+        # weight rewards length); the overlong penalty <= 0
+        best = sum(max(t.weight, 0.0) if t.name in ("correctness", "format") else
+                   (-t.weight if t.weight < 0 else -t.weight / r.max_tokens) for t in terms)
+        if a.accept_threshold > best:
+            raise ConfigError(f"algorithm.accept_threshold={a.accept_threshold} is above the best reward "
+                              f"reward.functions can give ({best:g}: correctness and format score in [0, 1], length in "
+                              "[-1, -1 / rollout.max_tokens], the overlong penalty at most 0), so no sample would ever "
+                              "be kept; lower it")
+    if layout.expert_model_parallel_size > 1:
+        raise ConfigError(_VARIABLE_ROWS_EP.format(name="rft", what="accepted samples"))
     whitened = [f.name for f in cfg.reward.functions if f.whiten]
     if whitened:
         raise ConfigError(f"reward.functions {whitened} whiten: algorithm.name=rft accepts each sample by its own "
@@ -389,6 +407,8 @@ def _validate_online_dpo(cfg, layout) -> None:
         if cfg.model.lora.rank:
             raise ConfigError("algorithm.ref_update=iteration with model.lora: a LoRA job's reference is the frozen "
                               "base, which cannot become the policy; set algorithm.ref_update=initial")
+    if layout.expert_model_parallel_size > 1:
+        raise ConfigError(_VARIABLE_ROWS_EP.format(name="online_dpo", what="pairs"))
     if layout.pipeline_model_parallel_size > 1 and not cfg.trainer.sequence_packing:
         raise ConfigError("algorithm.name=online_dpo trains on however many pairs had no tie, so its last "
                           "micro-batch may have fewer rows; with parallel.pipeline_model_parallel_size > 1 set "
@@ -740,6 +760,16 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
     a = cfg.algorithm
     _validate_policy_loss(a)
     _validate_staleness(cfg.rollout, a)
+    if a.overlong_buffer_len and not 0 < a.overlong_buffer_len <= r.max_tokens:  # a reward term of every RL job
+        raise ConfigError(f"algorithm.overlong_buffer_len={a.overlong_buffer_len} must be in (0, rollout.max_tokens="
+                          f"{r.max_tokens}], or 0 to disable")
+    if t.micro_batch_size < 1:
+        raise ConfigError(f"trainer.micro_batch_size={t.micro_batch_size}: must be >= 1")
+    if a.dynamic_sampling and layout.pipeline_model_parallel_size > 1 and not t.sequence_packing and any(
+            term.name == "reward_model" for term in reward_terms(cfg)):
+        raise ConfigError("algorithm.dynamic_sampling with a reward_model term scores each sampling round's groups, "
+                          "whose count need not fill whole micro-batches; with parallel.pipeline_model_parallel_size > "
+                          "1 set trainer.sequence_packing=true (one packed row per micro-batch)")
     if a.name == "ppo":
         _validate_ppo(cfg, dp)
         return _validate_rollout_lengths(r, hf_config)
@@ -780,9 +810,6 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
     if a.ppo_epochs < 1 or a.num_mini_batches < 1 or (per_rank // t.micro_batch_size) % a.num_mini_batches:
         raise ConfigError(f"algorithm.num_mini_batches={a.num_mini_batches} must divide the {per_rank // t.micro_batch_size}"
                           f" micro-batches of each data-parallel rank, and ppo_epochs={a.ppo_epochs} must be >= 1")
-    if a.overlong_buffer_len and not 0 < a.overlong_buffer_len <= r.max_tokens:
-        raise ConfigError(f"algorithm.overlong_buffer_len={a.overlong_buffer_len} must be in (0, rollout.max_tokens="
-                          f"{r.max_tokens}], or 0 to disable")
     if a.dynamic_sampling and a.max_sampling_rounds < 1:
         raise ConfigError(f"algorithm.max_sampling_rounds={a.max_sampling_rounds} must be >= 1")
     _validate_rollout_lengths(r, hf_config)

@@ -1,4 +1,5 @@
-"""The RL loop every online job runs (the GRPO family and PPO), top to bottom:
+"""The RL loop every online job runs (the GRPO family, PPO, rejection-sampling fine-tuning and
+online DPO), top to bottom:
 
     baseline -> resume -> evaluate -> for each step:
         collect (sample + reward) the batches of steps up to max_staleness ahead -> train this
@@ -8,9 +9,9 @@
 
 What differs between algorithms comes in an :class:`RLJob` (its ``collect`` and ``train``, the
 models its checkpoints hold and its held-out :class:`Evaluation`), built by the thin launchers
-(:mod:`launchers.train` for the GRPO family, :mod:`launchers.ppo_job` for PPO). Step ``s``
-always trains on the same prompts (:func:`prompts_of_step`), so a resumed run neither skips nor
-repeats any.
+(:mod:`launchers.train` for the GRPO family, ``rft`` and ``online_dpo``; :mod:`launchers.ppo_job`
+for PPO). Step ``s`` always trains on the same prompts (:func:`prompts_of_step`), so a resumed run
+neither skips nor repeats any.
 
 Staleness (``rollout.max_staleness`` = k, :class:`RolloutQueue`): before training step ``s`` the
 batches of steps ``s .. s + k`` must have been sampled; the missing one(s) are sampled now by the

@@ -28,7 +28,11 @@ def test_step_ends_by_hand():
 @pytest.mark.parametrize("step,label", [
     ("3 + 4 = 7", 1), ("7 - 9 = 2", 0), ("7 - 9 = -2", 1), ("2 * (3 + 4) = 14\n", 1), ("1 + 2 + 3 = 6.", 1),
     ("So the answer is 12.", None), ("3 + 4 = 7, 7 + 5 = 13", 0), ("\u22125 + 2 = \u22123", 1), ("4 \u00d7 3 = 12", 1),
-    ("Step 1: 12 - 5 = 8", 0),
+    ("Step 1: 12 - 5 = 8", 0), ("6 / 2 = 3", 1), ("1.5 + 2 = 3.5", 1), ("3 + 4 = 7.9", 0), ("So 3 + 4 = 7.", 1),
+    ("5 + 9 + 7 = 19, we", 0), ("-4 + 1 = -3", 1),
+    # not an equation standing on its own: inside a number, after a variable, a chain or a reversed form
+    ("1,000 - 1 = 999", None), ("1 + 1 = 1,000", None), ("x - 3 = 4", None), ("a2 + 3 = 5", None),
+    ("12 = 3 * 4", None), ("3 + 4 = 7 + 5 = 12", None),
 ])
 def test_arithmetic_step_labels_by_hand(step, label):
     assert arithmetic_step_label(step) == label

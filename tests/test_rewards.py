@@ -34,14 +34,26 @@ def test_whitening_by_hand_and_over_ranks():
     # two data-parallel ranks holding [1, 2] and [3, 4]: each whitens by the global statistics
     a, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])
 
-    def summed_with(other):
-        return lambda sums: [x + y for x, y in zip(sums, [2.0, other.sum().item(), (other ** 2).sum().item()])]
+    def summed_with(other):  # the other rank's share of each all-reduce: (count, sum), then centred squares
+        seen = []
+
+        def all_reduce(sums):
+            if len(sums) == 2:
+                total = [sums[0] + other.numel(), sums[1] + other.sum().item()]
+                seen.append(total[1] / total[0])
+                return total
+            return [sums[0] + ((other - seen[0]) ** 2).sum().item()]
+        return all_reduce
 
     assert torch.allclose(whiten_scores(a, summed_with(b)), expected[:2])
     assert torch.allclose(whiten_scores(b, summed_with(a)), expected[2:])
     # constant scores and single samples whiten to 0 (no signal), never to a division by zero
     assert torch.equal(whiten_scores(torch.full((3,), 7.0)), torch.zeros(3))
     assert torch.equal(whiten_scores(torch.tensor([5.0])), torch.zeros(1))
+    # a spread of 0.005 around 20 (reward-model logits): one float32 pass of sum and squares cancels to 0
+    x = 20 + 0.005 * torch.randn(1024, generator=torch.Generator().manual_seed(0))
+    w = whiten_scores(x.float())
+    assert abs(w.mean().item()) < 1e-3 and abs(w.std().item() - 1.0) < 1e-3
     # whitened and plain terms together: 0.5 * white(rm) + 1.0 * correctness
     scores = {"reward_model": torch.tensor([1.0, 2.0, 3.0, 4.0]), "correctness": torch.tensor([0.0, 1.0, 0.0, 1.0])}
     out = combine_rewards(scores, [RewardTerm("reward_model", 0.5, whiten=True), RewardTerm("correctness")])
@@ -158,9 +170,25 @@ def test_rft_config_and_its_errors():
         (["rollout.temperature=0"], "rejection sampling draws group_size >= 1 samples per problem at a temperature"),
         (["parallel.pipeline_model_parallel_size=2", "trainer.sequence_packing=false"],
          "set trainer.sequence_packing=true"),
+        (["reward.functions=[{name: correctness}, {name: length, weight: 0.1}]"],
+         "algorithm.accept_threshold=1.0 is above the best reward reward.functions can give"),
+        (["trainer.micro_batch_size=0"], "trainer.micro_batch_size=0: must be >= 1"),
+        (["algorithm.overlong_buffer_len=64"],
+         r"algorithm.overlong_buffer_len=64 must be in \(0, rollout.max_tokens=48\]"),
     ]:
         with pytest.raises(ConfigError, match=message):
             validate(cfg(*overrides, name="rft"), world_size=2, hf_config=SMOLLM2)
+    # a length reward with a negative weight raises the best reward: 1 + 0.5 = 1.5 >= the threshold
+    validate(cfg("reward.functions=[{name: correctness}, {name: length, weight: -0.5}]",
+                 "algorithm.accept_threshold=1.5", name="rft"), world_size=2, hf_config=SMOLLM2)
+    # the overlong range is checked for every RL job (a reward term of each), PPO included
+    with pytest.raises(ConfigError, match="algorithm.overlong_buffer_len=100"):
+        validate(cfg("algorithm.overlong_buffer_len=100", "model.reward_model_path=/rm", name="ppo"), world_size=2,
+                 hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match="dynamic_sampling with a reward_model term"):
+        validate(cfg("algorithm.dynamic_sampling=true", "model.reward_model_path=/rm", "reward.functions=[{name: "
+                     "reward_model}]", "parallel.pipeline_model_parallel_size=2", "trainer.sequence_packing=false"),
+                 world_size=2, hf_config=SMOLLM2)
 
 
 def test_online_dpo_pairs_by_hand():
@@ -201,3 +229,15 @@ def test_online_dpo_config_and_its_errors():
     ]:
         with pytest.raises(ConfigError, match=message):
             validate(cfg(*overrides, name="online_dpo"), world_size=2, hf_config=SMOLLM2)
+
+
+def test_rft_and_online_dpo_refuse_expert_parallelism():
+    """Their ranks train on different numbers of rows, and the experts' all-to-all spans them."""
+    from tests.dist.tiny_models import tiny_qwen3_moe_config
+
+    moe = tiny_qwen3_moe_config()
+    for name, what in (("rft", "accepted samples"), ("online_dpo", "pairs")):
+        validate(cfg("data.task=length", name=name), world_size=2, hf_config=moe)  # EP 1: fine
+        with pytest.raises(ConfigError, match=f"algorithm.name={name} trains on however many {what}"):
+            validate(cfg("parallel.expert_model_parallel_size=2", "data.task=length", name=name), world_size=2,
+                     hf_config=moe)

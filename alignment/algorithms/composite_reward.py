@@ -47,18 +47,22 @@ def whiten_scores(scores: Tensor, all_reduce: Callable[[list[float]], list[float
     Args:
         scores: ``[N]`` this rank's scores (float).
         all_reduce: sums a list of floats over the data-parallel ranks (None: this rank is the
-            whole batch).
+            whole batch); called twice (the mean, then the centred squares).
     Returns:
         ``[N]`` float32; all zeros when the batch has fewer than 2 samples or a constant score.
     """
-    x = scores.to(torch.float32)
-    sums = [float(x.numel()), x.sum().item(), (x * x).sum().item()]
-    n, s1, s2 = all_reduce(sums) if all_reduce is not None else sums
+    x = scores.to(torch.float64)  # two passes in float64: a small spread around a large mean survives
+    n, s1 = _summed([float(x.numel()), x.sum().item()], all_reduce)
     if n < 2:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x, dtype=torch.float32)
     mean = s1 / n
-    std = max((s2 - n * mean * mean) / (n - 1), 0.0) ** 0.5
-    return (x - mean) / (std + EPS)
+    [sq] = _summed([((x - mean) ** 2).sum().item()], all_reduce)
+    std = max(sq / (n - 1), 0.0) ** 0.5
+    return ((x - mean) / (std + EPS)).to(torch.float32)
+
+
+def _summed(values: list[float], all_reduce) -> list[float]:
+    return all_reduce(values) if all_reduce is not None else values
 
 
 def combine_rewards(scores: dict[str, Tensor], terms: Sequence[RewardTerm],

@@ -1,5 +1,5 @@
-"""The reward functions that read only the text of a response (``reward.functions``; the ones
-that run a model, ``reward_model`` and ``prm``, live in :mod:`alignment.trainers.rewarding`):
+"""The reward functions that read only the text of a response (``reward.functions``; the one
+that runs a model, ``reward_model``, lives in :mod:`alignment.trainers.rewarding`):
 
 * ``correctness``: the task's grader (:func:`alignment.data.tasks.score_response`, in [0, 1]).
 * ``format``: 1.0 when the response is in the form the task's prompt asks for

@@ -1,7 +1,7 @@
 """Reasoning steps of a response and their automatic labels for the process reward model: a step
 is the text up to and including a separator (``"\\n"`` by default; the last step may end without
-one), and an arithmetic step is correct when its equation holds (every ``lhs = rhs`` in it, with
-integers and ``+ - *``), as Math-Shepherd labels steps without humans (Wang et al. 2024) but by
+one), and an arithmetic step is correct when its equations hold (every ``lhs = rhs`` in it, with
+numbers and ``+ - * /``), as Math-Shepherd labels steps without humans (Wang et al. 2024) but by
 checking the step itself instead of rolling out completions."""
 
 from __future__ import annotations
@@ -12,9 +12,14 @@ import re
 
 __all__ = ["step_end_positions", "arithmetic_step_label"]
 
-# lhs: starts at a number, a sign or a parenthesis; rhs: an integer
-_EQUATION = re.compile(r"((?:-\s*)?[\d(][-+*()\d\s]*)=\s*(-?\d+)")
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+# lhs: numbers, + - * / and parentheses, starting at a number, a minus sign or a parenthesis; rhs: a number
+_EQUATION = re.compile(r"((?:-\s*)?[\d(][-+*/().\d\s]*?)\s*=\s*(-?\d+(?:\.\d+)?)")
+_STARTS = re.compile(r"[-(\d]")
+_ADJACENT = re.compile(r"[\w.]$|\d,$")  # the lhs would continue a word or a number (1,000)
+_OPERATOR = re.compile(r"[-+*/=]$")  # ... or a longer expression
+_OPERAND = re.compile(r"[\w)]$")  # a leading minus after an operand is a binary minus (x - 3 = 4)
+_NOT_AFTER = re.compile(r"\d|[.,]\d|\s*[-+*/=]\s*[\d(]")  # the rhs would be part of a number or an expression
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
 
 def step_end_positions(token_texts: list[str], separator: str = "\n") -> list[int]:
@@ -34,33 +39,51 @@ def step_end_positions(token_texts: list[str], separator: str = "\n") -> list[in
     return ends
 
 
-def _evaluate(node) -> int:
+def _evaluate(node) -> float:
     if isinstance(node, ast.Expression):
         return _evaluate(node.body)
-    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
         return node.value
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         value = _evaluate(node.operand)
         return -value if isinstance(node.op, ast.USub) else value
     if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
         return _OPS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
-    raise ValueError("not integer arithmetic")
+    raise ValueError("not arithmetic")
+
+
+def _equations(text: str):
+    """``(lhs, rhs)`` of each equation standing on its own in ``text``: not inside a word, a number
+    (``1,000``) or a longer expression (``x - 3 = 4``, ``12 = 3 * 4``, chains ``a = b = c``)."""
+    i = 0
+    while True:
+        start = _STARTS.search(text, i)
+        if start is None:
+            return
+        m = _EQUATION.match(text, start.start())
+        before = text[:m.start()].rstrip() if m else ""
+        if (m is None or _ADJACENT.search(text[:m.start()]) or _OPERATOR.search(before)
+                or _NOT_AFTER.match(text, m.end()) or (m.group(1).startswith("-") and _OPERAND.search(before))):
+            i = start.start() + 1
+            continue
+        yield m.group(1), m.group(2)
+        i = m.end()
 
 
 def arithmetic_step_label(step: str) -> int | None:
-    """1 when every equation ``lhs = rhs`` in ``step`` holds (``lhs`` integers with ``+ - *`` and
-    parentheses, ``rhs`` an integer), 0 when one does not, None when the step has no equation (it
-    gets no label: no score is trained at its end).
+    """1 when every equation ``lhs = rhs`` in ``step`` holds (``lhs`` numbers with ``+ - * /`` and
+    parentheses, ``rhs`` a number; equal within 1e-9), 0 when one does not, None when the step has
+    no equation it can check (it gets no label: no score is trained at its end).
 
-    Example: ``"3 + 4 = 7"`` -> 1, ``"7 - 9 = 2"`` -> 0, ``"Let's add."`` -> None.
+    Example: ``"3 + 4 = 7"`` -> 1, ``"7 - 9 = 2"`` -> 0, ``"Let's add."`` -> None, ``"x - 3 = 4"`` -> None.
     """
     found = None
-    for lhs, rhs in _EQUATION.findall(step.replace("\u2212", "-").replace("\u00d7", "*")):
+    for lhs, rhs in _equations(step.replace("\u2212", "-").replace("\u00d7", "*").replace("\u00f7", "/")):
         try:
             value = _evaluate(ast.parse(lhs.strip(), mode="eval"))
-        except (SyntaxError, ValueError):
+        except (SyntaxError, ValueError, ZeroDivisionError):
             continue
-        if value != int(rhs):
+        if abs(value - float(rhs)) > 1e-9:
             return 0
         found = 1
     return found

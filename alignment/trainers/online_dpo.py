@@ -113,7 +113,8 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
     mb = MicroBatching.from_trainer(cfg.trainer, rows_per_unit=objective.rows_per_example)
     offline = OfflineModels(models.policy, models.optimizer, models.reference, models.bridge, models.tokenizer)
     metrics = {"grad_norm": 0.0}
-    if total >= dp * (2 if a.loss_type == "kto" else 1):  # every rank has pairs (KTO: two, for its z0)
+    updated = total >= dp * (2 if a.loss_type == "kto" else 1)  # every rank has pairs (KTO: two, for its z0)
+    if updated:
         pad = models.tokenizer.pad_token_id if models.tokenizer.pad_token_id is not None else 0
         models.placement.keep("reference")
         batch = build_batch(rows, pad, offline, objective, mb)
@@ -130,7 +131,7 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
     sums = dict(zip(keys, all_reduce_sum([info[k] if leader else 0.0 for k in keys])))
     n, r_sum, tokens = all_reduce_sum([float(rollout.rewards.numel()) if leader else 0.0,
                                        rollout.rewards.sum().item() if leader else 0.0,
-                                       float(sum(len(x) for x, _ in rows)) if leader else 0.0])
+                                       float(sum(len(x) for x, _ in rows)) if leader and updated else 0.0])
     pairs = max(sums["pairs"], 1.0)
     metrics.update({"online_dpo/pairs": float(total), "online_dpo/tie_fraction": 1.0 - total / sums["prompts"],
                     "online_dpo/ref_version": float(ref_version), "reward/mean": r_sum / max(n, 1.0),
