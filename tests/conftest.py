@@ -11,17 +11,25 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+#: what a gloo worker process prints when a C++ thread is still joinable as it exits (SIGABRT, seen
+#: about once in 500 torchrun launches here, after the results were written)
+TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def run_torchrun(worker: str, *args: str, nproc: int = 2, timeout: int = 900, env: dict | None = None) -> str:
     """Run ``tests/dist/<worker>`` under torchrun with ``nproc`` CPU processes; return its output.
-    Fails the test with the tail of the log when the workers fail."""
+    Fails the test with the tail of the log when the workers fail; a run that failed only by a
+    worker aborting at exit (:data:`TEARDOWN_ABORT`) is run once more first."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(ROOT / "tests" / "dist" / worker), *args]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     full_env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
+    if proc.returncode != 0 and TEARDOWN_ABORT in out:  # README "Known platform issues": run it once more
+        print(f"{worker}: a worker aborted at exit ({TEARDOWN_ABORT!r}); running it once more", file=sys.stderr)
+        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+        out = proc.stdout + proc.stderr
     if proc.returncode != 0:
         pytest.fail(f"{worker} failed (exit {proc.returncode}):\n{out[-6000:]}")
     return out
