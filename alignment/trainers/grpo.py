@@ -40,7 +40,7 @@ from alignment.trainers.megatron_step import LogprobOutputs, all_reduce_sum, for
 from alignment.trainers.offload import trainable
 from alignment.trainers.rewarding import combine, job_terms, score_terms, term_metrics
 from alignment.trainers.rl_phases import (Models, Rollout, correction_metrics, generate_for_group, microbatches,
-                                          policy_logprobs, rollout_phase)
+                                          policy_logprobs, rollout_phase, sampling_config)
 from alignment.trainers.router_stats import routing_metrics
 
 
@@ -147,11 +147,6 @@ def request(tokenizer, problems: list[Problem], cfg) -> tuple[list[list[int]], S
     prompts = [build_prompt_ids(tokenizer, p.question, cfg.data.task) for p in problems]
     return prompts, sampling_config(cfg)
 
-
-def sampling_config(cfg) -> SamplingConfig:
-    """``rollout.group_size`` samples per prompt at the rollout's temperature, top-p and ``max_tokens``."""
-    r = cfg.rollout
-    return SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
 
 
 def _informative(part: dict[str, torch.Tensor], terms, group_size: int) -> bool:

@@ -108,7 +108,9 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
     t0 = time.perf_counter()
     ref_version = update_reference(models, rollout.step, cfg)
     rows, total = _deal(rollout)
-    dp = _dp_size()
+    from megatron.core import parallel_state as ps
+
+    dp = ps.get_data_parallel_world_size()
     objective = DPOObjective(models.vocab_size, a.beta, a.loss_type, a.label_smoothing, a.simpo_gamma, a.orpo_lambda)
     mb = MicroBatching.from_trainer(cfg.trainer, rows_per_unit=objective.rows_per_example)
     offline = OfflineModels(models.policy, models.optimizer, models.reference, models.bridge, models.tokenizer)
@@ -140,8 +142,3 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
                     **term_metrics(rollout.reward_terms, leader)})
     return metrics, times
 
-
-def _dp_size() -> int:
-    from megatron.core import parallel_state as ps
-
-    return ps.get_data_parallel_world_size()

@@ -43,7 +43,7 @@ from alignment.trainers.offline import global_sums
 from alignment.trainers.offload import trainable
 from alignment.trainers.rewarding import combine, job_terms, padded_batch, score_terms, term_metrics
 from alignment.trainers.rl_phases import (Models, Rollout, correction_metrics, generate_for_group, head_outputs,
-                                          microbatches, policy_logprobs, rollout_phase)
+                                          microbatches, policy_logprobs, rollout_phase, sampling_config)
 from alignment.trainers.router_stats import routing_metrics
 
 
@@ -110,8 +110,7 @@ def _train_policy(models: PPOModels, mb_list, normalizer: float, loss_cfg: GRPOL
 def request(prompts: list[list[int]], cfg) -> tuple[list[list[int]], SamplingConfig]:
     """What PPO asks the engine for ``prompts`` (token ids): ``group_size`` samples each at the
     rollout's sampling settings."""
-    r = cfg.rollout
-    return prompts, SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
+    return prompts, sampling_config(cfg)
 
 
 def collect(models: PPOModels, prompts: list[list[int]], cfg, version: int = 0) -> Rollout:

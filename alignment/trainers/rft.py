@@ -31,11 +31,11 @@ from alignment.data.prompts import build_prompt_ids
 from alignment.data.tasks import Problem
 from alignment.rollout.base import Sample
 from alignment.trainers.batching import make_batch
-from alignment.trainers.grpo import sampling_config
 from alignment.trainers.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
 from alignment.trainers.offload import trainable
 from alignment.trainers.rewarding import combine, job_terms, score_terms, term_metrics
-from alignment.trainers.rl_phases import Models, Rollout, generate_for_group, microbatches, rollout_phase
+from alignment.trainers.rl_phases import (Models, Rollout, generate_for_group, microbatches, rollout_phase,
+                                          sampling_config)
 
 
 def _sample_and_accept(models: Models, problems: list[Problem], prompts: list[list[int]], sampling, cfg):

@@ -77,6 +77,13 @@ def rollout_phase(models: Models) -> Iterator[None]:
         models.engine.sleep()
 
 
+def sampling_config(cfg) -> SamplingConfig:
+    """``rollout.group_size`` samples per prompt at the rollout's temperature, top-p and ``max_tokens``
+    (what every RL job asks its engine for)."""
+    r = cfg.rollout
+    return SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
+
+
 def generate_for_group(engine, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
     """Generate for this DP rank's prompts, splitting the work over the ranks of its
     model replica (TP x CP x PP, each has an engine) and gathering every rank's samples; an
