@@ -65,7 +65,8 @@ class DataConfig:
     """Task or dataset and split sizes; held-out records are never trained on."""
 
     task: str = "arithmetic"  # RL jobs: arithmetic (reasoning-gym chain_sum) | gsm8k | length (smoke test)
-    # SFT / RM / DPO jobs: alpaca_en_demo (SFT) | dpo_en_demo (pairs), from the llamafactory sdist
+    # SFT / RM / DPO jobs: alpaca_en_demo (SFT) | dpo_en_demo (pairs), from the llamafactory sdist;
+    # PRM: a directory of step-labelled solutions (train.jsonl, heldout.jsonl) from tools/make_prm_data.py
     dataset: str = "dpo_en_demo"
     max_length: int = 256  # tokens of prompt + response (longer ones are truncated)
     max_prompt_length: int = 128  # the prompt keeps its last max_prompt_length tokens
@@ -74,6 +75,9 @@ class DataConfig:
         "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
     train_size: int = 2000
     heldout_size: int = 100
+    # RL tasks: the instruction after the question; null: the task's own (alignment/data/prompts.py), e.g.
+    # "Solve it step by step, ..." (alignment.data.step_data.STEP_INSTRUCTION) for a process reward model
+    instruction: Optional[str] = None
 
 
 @dataclass
@@ -129,7 +133,7 @@ class AlgorithmConfig:
     """The algorithm (``name``) and its settings: GRPO-family advantage estimator, clipping, KL to the
     reference, loss aggregation; preference-loss settings for ``dpo`` and ``rm``."""
 
-    name: str = "grpo"  # grpo | ppo | rft | online_dpo | sft | rm | dpo
+    name: str = "grpo"  # grpo | ppo | rft | online_dpo | sft | rm | dpo | prm
     # grpo | grpo_no_std (Dr.GRPO) | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline
     advantage_estimator: str = "grpo"
     # reinforce_plus_plus[_baseline]: whiten over each response once (sequence) or every valid token
@@ -175,6 +179,11 @@ class AlgorithmConfig:
     # policy of that moment (iteration: iterative DPO, Xu et al. 2023; checkpointed with the policy)
     ref_update: str = "initial"
     iteration_steps: int = 4
+    # prm (process reward model): the scalar head scored at the end of every step (steps end at
+    # step_separator), trained on each step's label (process) or, as an outcome reward model, only on the
+    # final answer's correctness at the last step (outcome; Lightman et al. 2023's ORM, same data)
+    step_separator: str = "\n"
+    supervision: str = "process"
 
 
 @dataclass
@@ -182,7 +191,9 @@ class RewardFunctionConfig:
     """One entry of ``reward.functions`` (alignment/algorithms/composite_reward.py)."""
 
     # correctness (the task's grader) | format (the answer in the form the prompt asks for) | length
-    # (-tokens / rollout.max_tokens) | reward_model (model.reward_model_path's score at the last token)
+    # (-tokens / rollout.max_tokens) | reward_model (model.reward_model_path's score at the last token) |
+    # process_reward (reward.process_reward_model's P(step correct) at the end of every step: a dense
+    # reward, GRPO family: process-supervised advantages, PPO: rewards on the step-end tokens)
     name: str = "correctness"
     weight: float = 1.0
     whiten: bool = False  # standardise this function's scores over the global batch before weighting
@@ -194,6 +205,9 @@ class RewardConfig:
     (the task's grader for the GRPO family, the reward model for PPO)."""
 
     functions: list[RewardFunctionConfig] = field(default_factory=list)
+    # HF export of a process reward model (--config-name prm) for the process_reward function; its steps
+    # end at algorithm.step_separator
+    process_reward_model: str = ""
 
 
 @dataclass
@@ -302,8 +316,9 @@ class ConfigError(ValueError):
 
 
 RL_ALGORITHMS = ("grpo", "ppo", "rft", "online_dpo")
+TASK_ALGORITHMS = ("grpo", "rft", "online_dpo")  # the jobs that ask data.task's questions
 REF_UPDATES = ("initial", "iteration")
-OFFLINE_ALGORITHMS = ("sft", "rm", "dpo")
+OFFLINE_ALGORITHMS = ("sft", "rm", "dpo", "prm")
 
 
 def _validate_ppo(cfg, dp: int) -> None:
@@ -444,13 +459,32 @@ def _validate_staleness(r, a) -> None:
                           "truncated at algorithm.rollout_correction.is_threshold, or rollout.max_staleness=0")
 
 
+def _validate_prm(cfg) -> None:
+    """The process reward model: a step separator, a known supervision, the data tool's files."""
+    from pathlib import Path
+
+    from alignment.data.step_data import SPLIT_FILES, SUPERVISIONS
+
+    a, d = cfg.algorithm, cfg.data
+    if not a.step_separator:
+        raise ConfigError("algorithm.step_separator is empty: give the string that ends a step, e.g. '\\n'")
+    if a.supervision not in SUPERVISIONS:
+        raise ConfigError(f"algorithm.supervision={a.supervision!r}: valid values are {', '.join(SUPERVISIONS)}")
+    missing = [f for f in SPLIT_FILES.values() if not (Path(d.dataset) / f).is_file()]
+    if missing:
+        raise ConfigError(f"data.dataset={d.dataset}: algorithm.name=prm trains on a directory of step-labelled "
+                          f"solutions, but {', '.join(missing)} is missing there; write them with `python "
+                          f"tools/make_prm_data.py --out {d.dataset}` (or point data.dataset at such a directory)")
+
+
 def _validate_offline(cfg, dp: int) -> None:
-    """SFT / reward model / DPO: dataset matches the algorithm, batch sizes divide."""
+    """SFT / reward model / DPO / PRM: dataset matches the algorithm, batch sizes divide."""
     from alignment.trainers.dpo import LOSS_TYPES
 
     a, d, t = cfg.algorithm, cfg.data, cfg.trainer
-    wanted = "alpaca_en_demo" if a.name == "sft" else "dpo_en_demo"
-    if d.dataset != wanted:
+    if a.name == "prm":
+        _validate_prm(cfg)
+    elif d.dataset != (wanted := "alpaca_en_demo" if a.name == "sft" else "dpo_en_demo"):
         raise ConfigError(f"data.dataset={d.dataset!r}: algorithm.name={a.name} trains on {wanted}")
     if a.name == "dpo" and a.loss_type not in LOSS_TYPES:
         raise ConfigError(f"algorithm.loss_type={a.loss_type!r}: valid values are {', '.join(LOSS_TYPES)}")
@@ -484,7 +518,9 @@ def _validate_offline(cfg, dp: int) -> None:
         raise ConfigError(f"trainer.epochs={t.epochs}: must be >= 1")
 
 
-REWARD_FUNCTIONS = ("correctness", "format", "length", "reward_model")
+REWARD_FUNCTIONS = ("correctness", "format", "length", "reward_model", "process_reward")
+PROCESS_REWARD = "process_reward"  # the dense term: per step, not per sample
+PROCESS_ESTIMATORS = ("grpo", "grpo_no_std")  # the GRPO-family estimators process_reward has advantages for
 
 
 def reward_terms(cfg) -> list:
@@ -499,6 +535,11 @@ def reward_terms(cfg) -> list:
     return [RewardTerm(f.name, float(f.weight), bool(f.whiten)) for f in functions]
 
 
+def process_reward_weight(cfg) -> float:
+    """The weight of ``reward.functions``' dense ``process_reward`` term; 0.0 without one."""
+    return next((t.weight for t in reward_terms(cfg) if t.name == PROCESS_REWARD), 0.0)
+
+
 def _validate_rewards(cfg) -> None:
     """``reward.functions``: known, distinct names, finite weights not all 0, each function
     available to this job (a task to grade, a reward model to load)."""
@@ -508,7 +549,11 @@ def _validate_rewards(cfg) -> None:
 
     functions = list(cfg.reward.functions) if "reward" in cfg else []
     a = cfg.algorithm
+    prm_path = cfg.reward.get("process_reward_model", "") if "reward" in cfg else ""
     if a.name in OFFLINE_ALGORITHMS:
+        if prm_path:
+            raise ConfigError(f"reward.process_reward_model is set, but algorithm.name={a.name} trains on fixed data "
+                              "and computes no rewards; set reward.process_reward_model='' (it applies to the RL jobs)")
         if functions:
             raise ConfigError(f"reward.functions is set, but algorithm.name={a.name} trains on fixed data and "
                               "computes no rewards; set reward.functions=[] (it applies to the RL jobs)")
@@ -534,6 +579,38 @@ def _validate_rewards(cfg) -> None:
         raise ConfigError("reward.functions has reward_model, but model.reward_model_path is empty: give the HF "
                           "export of a trained reward model (e.g. outputs/rm_smollm2_dpo_en_demo/hf from "
                           "--config-name rm)")
+    _validate_process_reward(cfg, functions, prm_path)
+
+
+def _validate_process_reward(cfg, functions, prm_path: str) -> None:
+    """The dense ``process_reward`` term: a PRM to load, for the jobs that take per-token rewards."""
+    a = cfg.algorithm
+    term = next((f for f in functions if f.name == PROCESS_REWARD), None)
+    if term is None:
+        if prm_path:
+            raise ConfigError(f"reward.process_reward_model={prm_path} is set, but reward.functions has no "
+                              "process_reward term to use it; add {name: process_reward, weight: 1.0} to "
+                              "reward.functions (or set reward.process_reward_model='')")
+        return
+    if not prm_path:
+        raise ConfigError("reward.functions has process_reward, but reward.process_reward_model is empty: give the "
+                          "HF export of a process reward model (e.g. outputs/prm_smollm2/hf from --config-name prm)")
+    if a.name not in ("grpo", "ppo"):
+        raise ConfigError(f"reward.functions has process_reward, a dense per-step reward, but algorithm.name={a.name} "
+                          "judges whole samples; it applies to the GRPO family and PPO")
+    if a.name == "grpo" and a.advantage_estimator not in PROCESS_ESTIMATORS:
+        raise ConfigError(f"reward.functions has process_reward, whose step rewards become group-normalised advantages "
+                          f"(DeepSeekMath's process supervision), defined for algorithm.advantage_estimator in "
+                          f"{', '.join(PROCESS_ESTIMATORS)}, not {a.advantage_estimator}")
+    if term.whiten:
+        raise ConfigError("reward.functions[process_reward].whiten=true: its step rewards are normalised per group "
+                          "(GRPO) or folded into whitened advantages (PPO) already; set whiten=false")
+    if not a.step_separator:
+        raise ConfigError("algorithm.step_separator is empty: give the string that ends a step, e.g. '\\n'")
+    if a.dynamic_sampling:
+        raise ConfigError("algorithm.dynamic_sampling keeps the groups whose sample rewards differ, but with "
+                          "process_reward a group of equal sample rewards still has step rewards to learn from; set "
+                          "algorithm.dynamic_sampling=false")
 
 
 def _validate_rollout_tp(t: int, world_size: int, parallel, hf_config) -> None:
@@ -736,6 +813,9 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
     if cfg.model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype={cfg.model.dtype!r}: valid values are float32, bfloat16")
     _validate_rewards(cfg)
+    if cfg.data.get("instruction") is not None and cfg.algorithm.name not in TASK_ALGORITHMS:
+        raise ConfigError(f"data.instruction is set, but algorithm.name={cfg.algorithm.name} does not ask data.task's "
+                          f"questions (it applies to {', '.join(TASK_ALGORITHMS)}); set data.instruction=null")
     if cfg.algorithm.name in OFFLINE_ALGORITHMS:
         return _validate_offline(cfg, dp)
     if cfg.algorithm.name not in RL_ALGORITHMS:

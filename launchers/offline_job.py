@@ -1,5 +1,5 @@
-"""SFT, reward-model and DPO jobs (``algorithm.name`` = sft | rm | dpo), run by
-``launchers/train.py`` with ``--config-name sft|rm|dpo``.
+"""SFT, reward-model, DPO and process-reward-model jobs (``algorithm.name`` = sft | rm | dpo | prm),
+run by ``launchers/train.py`` with ``--config-name sft|rm|dpo|prm``.
 
 config -> validate -> groups -> tokenise the dataset -> build the model (LM, or scalar-head
 reward model) and, for the DPO family, a frozen reference -> resume -> held-out metrics ->
@@ -16,8 +16,10 @@ import torch
 
 
 def make_objective(cfg, vocab_size: int):
-    """The loss function object for ``cfg.algorithm`` (:mod:`alignment.trainers.sft` / ``reward_model`` / ``dpo``)."""
+    """The loss function object for ``cfg.algorithm`` (:mod:`alignment.trainers.sft` / ``reward_model`` /
+    ``dpo`` / ``process_reward``)."""
     from alignment.trainers.dpo import DPOObjective
+    from alignment.trainers.process_reward import ProcessRewardObjective
     from alignment.trainers.reward_model import RewardModelObjective
     from alignment.trainers.sft import SFTObjective
 
@@ -26,16 +28,24 @@ def make_objective(cfg, vocab_size: int):
         return SFTObjective(vocab_size)
     if a.name == "rm":
         return RewardModelObjective(center_coef=a.center_coef)
+    if a.name == "prm":
+        return ProcessRewardObjective()
     return DPOObjective(vocab_size, beta=a.beta, loss_type=a.loss_type, label_smoothing=a.label_smoothing,
                         simpo_gamma=a.simpo_gamma, orpo_lambda=a.orpo_lambda)
 
 
-def tokenize_split(cfg, tokenizer, split: str) -> list[list[tuple[list[int], int]]]:
-    """Per example, its rows ``(ids, prompt_len)``: one for SFT, ``[chosen, rejected]`` for pairs."""
+def tokenize_split(cfg, tokenizer, split: str) -> list[list[tuple]]:
+    """Per example, its rows ``(ids, prompt_len)``: one for SFT, ``[chosen, rejected]`` for pairs;
+    for the PRM one ``(ids, prompt_len, step_ends, labels)`` per solution with a labelled step
+    (:func:`alignment.trainers.process_reward.tokenize_steps`)."""
     from alignment.data.chat_data import encode_example, load_preference_pairs, load_sft_examples
+    from alignment.trainers.process_reward import tokenize_steps
 
     d = cfg.data
     enc = lambda msgs, resp: encode_example(tokenizer, msgs, resp, d.max_length, d.max_prompt_length)  # noqa: E731
+    if cfg.algorithm.name == "prm":
+        out = [[row] for row in tokenize_steps(cfg, tokenizer, split)]
+        return out[: d.train_size] if split == "train" else out[: d.heldout_size]
     if cfg.algorithm.name == "sft":
         examples = load_sft_examples(split, d.heldout_size, d.dataset)
         out = [[enc(e.messages, e.response)] for e in examples]
@@ -89,7 +99,7 @@ def build(cfg, hf_dir: Path, hf_config, objective):
 def export_config(cfg, hf_config, tokenizer, bridge):
     """The HF config written with the export: a sequence classifier (``score`` head, the family's
     ``*ForSequenceClassification``) for a reward model."""
-    if cfg.algorithm.name != "rm":
+    if cfg.algorithm.name not in ("rm", "prm"):
         return hf_config
     out = type(hf_config).from_dict(hf_config.to_dict())
     out.architectures = [bridge.hf_architecture]
@@ -130,8 +140,15 @@ def run(cfg) -> dict:
     rows_per_mb = MicroBatching.from_trainer(cfg.trainer, objective.rows_per_example)
 
     def batch_of(examples) -> dict:
-        return offline.build_batch([r for e in examples for r in e], pad, models, objective, rows_per_mb)
+        rows = [r for e in examples for r in e]
+        batch = offline.build_batch([r[:2] for r in rows], pad, models, objective, rows_per_mb)
+        if hasattr(objective, "add_targets"):  # the PRM's step labels
+            objective.add_targets(batch, rows)
+        return batch
 
+    if len(heldout) < dp:  # the PRM keeps only the solutions with a labelled step
+        raise ValueError(f"{len(heldout)} held-out examples for {dp} data-parallel ranks: data.dataset={cfg.data.dataset}"
+                         f" needs at least {dp} (with a labelled step within data.max_length for the PRM)")
     mine = heldout[: len(heldout) // dp * dp][dp_rank::dp]
     heldout_batches = [batch_of(mine[i : i + mbs]) for i in range(0, len(mine), mbs)]
     evaluate = lambda: offline.evaluate(models, objective, heldout_batches, rows_per_mb)  # noqa: E731
@@ -168,7 +185,7 @@ def run(cfg) -> dict:
         epoch, k = divmod(step, steps_per_epoch)  # a fresh shuffle per epoch, the same on every rank
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
         step_idx = order[k * gbs : (k + 1) * gbs]
-        share, imbalance = global_batch_share([sum(len(ids) for ids, _ in train[i]) for i in step_idx], dp, dp_rank,
+        share, imbalance = global_batch_share([sum(len(r[0]) for r in train[i]) for i in step_idx], dp, dp_rank,
                                              cfg.trainer.balance_batch)
         idx = [step_idx[j] for j in share]
         t0 = time.perf_counter()

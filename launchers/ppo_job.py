@@ -19,7 +19,7 @@ import torch
 
 def build(cfg, hf_dir: Path, hf_config, rank: int):
     """This rank's :class:`alignment.trainers.ppo.PPOModels`."""
-    from alignment.config import lora_spec
+    from alignment.config import lora_spec, process_reward_weight
     from alignment.models.families import get_bridge
     from alignment.trainers.offload import DevicePlacement, offload_enabled
     from alignment.trainers.ppo import PPOModels
@@ -37,6 +37,7 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     if cfg.algorithm.kl_coef > 0:  # with LoRA: the policy with its adapters off, no second copy
         reference = FrozenBase(policy) if lora_spec(cfg) else shard(cfg.model.path, False)
     reward_model = shard(cfg.model.reward_model_path, True)
+    prm = shard(cfg.reward.process_reward_model, True) if process_reward_weight(cfg) else None
     bridge = get_bridge(hf_config)
     engine, resharder = rollout_engine(cfg, hf_dir, policy, bridge, hf_config.vocab_size, rank)
     placement = DevicePlacement(enabled=offload_enabled(t.offload))
@@ -44,9 +45,10 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     placement.add_model("critic", critic, critic_optimizer)
     placement.add_model("reference", reference)
     placement.add_model("reward_model", reward_model)
+    placement.add_model("process_reward_model", prm)
     return PPOModels(policy, optimizer, reference, engine, bridge, engine.tokenizer,
                      hf_config.vocab_size, placement, resharder, critic=critic, critic_optimizer=critic_optimizer,
-                     reward_model=reward_model)
+                     reward_model=reward_model, process_reward_model=prm)
 
 
 def prompts_of(cfg, tokenizer, split: str) -> list[list[int]]:

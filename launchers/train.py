@@ -41,7 +41,7 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     from alignment.trainers.rl_phases import Models
     from alignment.trainers.megatron_step import OptimConfig, main_param_writer, setup_training
     from alignment.trainers.offload import DevicePlacement, offload_enabled
-    from alignment.config import reward_terms
+    from alignment.config import process_reward_weight, reward_terms
     from launchers.common import add_adapters, job_transformer_config, load_model, rollout_engine
     from parallel.lora import FrozenBase
 
@@ -62,16 +62,19 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
         load_hf_weights(reference, hf_state, bridge)
         reference.requires_grad_(False)
     del hf_state  # unmaps the safetensors files (their pages count in this process's RSS)
-    reward_model = None
+    reward_model = prm = None
     if any(term.name == "reward_model" for term in reward_terms(cfg)):  # reward.functions: a judge of its own
         reward_model = load_model(cfg, cfg.model.reward_model_path, value_head=True)
+    if process_reward_weight(cfg):  # reward.functions: process_reward, step by step
+        prm = load_model(cfg, cfg.reward.process_reward_model, value_head=True)
     engine, resharder = rollout_engine(cfg, hf_dir, policy, bridge, hf_config.vocab_size, rank)
     placement = DevicePlacement(enabled=offload_enabled(cfg.trainer.offload))
     placement.add_model("policy", policy, optimizer)
     placement.add_model("reference", reference)
     placement.add_model("reward_model", reward_model)
+    placement.add_model("process_reward_model", prm)
     return Models(policy, optimizer, reference, engine, bridge, engine.tokenizer, hf_config.vocab_size, placement,
-                  resharder, reward_model)
+                  resharder, reward_model, prm)
 
 
 def run(cfg: DictConfig) -> dict:
@@ -109,7 +112,8 @@ class HeldoutAccuracy:
         from alignment.trainers import grpo
 
         cfg = self.job.cfg
-        return grpo.evaluate(self.models, self.heldout, cfg.data.task, cfg.rollout.eval_max_tokens)
+        return grpo.evaluate(self.models, self.heldout, cfg.data.task, cfg.rollout.eval_max_tokens,
+                             cfg.data.instruction)
 
     def before(self, step: int) -> dict[str, float]:
         from alignment.trainers.eval_cache import cached_accuracy, heldout_key

@@ -173,6 +173,27 @@ def test_offline_config_errors_name_the_field():
         validate(cfg("algorithm.loss_type=kto", "data.heldout_size=3", name="dpo"), world_size=2, hf_config=SMOLLM2)
 
 
+def test_prm_config_needs_the_data_tools_files(tmp_path):
+    with pytest.raises(ConfigError, match=rf"data.dataset={tmp_path}: algorithm.name=prm trains on a directory of "
+                                          r"step-labelled solutions, but train.jsonl, heldout.jsonl is missing there; "
+                                          rf"write them with `python tools/make_prm_data.py --out {tmp_path}`"):
+        validate(cfg(f"data.dataset={tmp_path}", name="prm"), world_size=2, hf_config=SMOLLM2)
+    (tmp_path / "train.jsonl").write_text("")
+    (tmp_path / "heldout.jsonl").write_text("")
+    validate(cfg(f"data.dataset={tmp_path}", name="prm"), world_size=2, hf_config=SMOLLM2)
+    validate(cfg(f"data.dataset={tmp_path}", "algorithm.supervision=outcome", name="prm"), world_size=2,
+             hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match="algorithm.supervision='steps': valid values are process, outcome"):
+        validate(cfg(f"data.dataset={tmp_path}", "algorithm.supervision=steps", name="prm"), world_size=2,
+                 hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match="algorithm.step_separator is empty"):
+        validate(cfg(f"data.dataset={tmp_path}", "algorithm.step_separator=''", name="prm"), world_size=2,
+                 hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match="reward.functions is set, but algorithm.name=prm trains on fixed data"):
+        validate(cfg(f"data.dataset={tmp_path}", "reward.functions=[{name: length}]", name="prm"), world_size=2,
+                 hf_config=SMOLLM2)
+
+
 def test_profile_fields_are_checked():
     with pytest.raises(ConfigError, match=r"profile.ranks=\[2\]: global ranks of trainers, in \[0, 2\)"):
         validate(cfg("profile.enabled=true", "profile.ranks=[2]"), world_size=2, hf_config=SMOLLM2)
@@ -183,9 +204,10 @@ def test_profile_fields_are_checked():
 
 GROUPS = {"model": ["smollm2", "smollm2_sft_rm"],
           "algorithm": ["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "cispo", "ppo", "sft", "rm", "dpo",
-                        "rft", "online_dpo"],
+                        "rft", "online_dpo", "prm"],
           "parallel": ["single", "tp2", "tp2_sp", "pp2", "cp2_ring", "cp2_ulysses", "tp2_pp2"],
-          "rollout": ["default", "long"], "data": ["arithmetic", "gsm8k", "alpaca_en_demo", "dpo_en_demo"],
+          "rollout": ["default", "long"], "data": ["arithmetic", "gsm8k", "alpaca_en_demo", "dpo_en_demo",
+                                                    "prm_steps"],
           "cluster": ["local", "slurm_h100x8"]}
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from alignment.algorithms.composite_reward import RewardTerm, combine_rewards, whiten_scores
-from alignment.config import ConfigError, reward_terms, validate
+from alignment.config import ConfigError, process_reward_weight, reward_terms, validate
 from alignment.data.reward_functions import format_score, length_score, text_scores
 from alignment.data.tasks import Problem
 from alignment.rollout.base import Sample
@@ -121,6 +121,18 @@ def test_reward_config_defaults_and_overrides():
                  "{name: reward_model, weight: 0.5, whiten: true}]"), world_size=2, hf_config=SMOLLM2)
     validate(cfg("reward.functions=[{name: reward_model}, {name: length, weight: 0.1}]",
                  "model.reward_model_path=/rm", name="ppo"), world_size=2, hf_config=SMOLLM2)
+    # the dense process reward: GRPO (and Dr.GRPO) with step-by-step prompts, PPO
+    c = cfg("reward.functions=[{name: correctness}, {name: process_reward, weight: 0.5}]",
+            "reward.process_reward_model=/prm", "data.instruction=Solve it step by step.")
+    assert process_reward_weight(c) == 0.5 and process_reward_weight(cfg()) == 0.0
+    validate(c, world_size=2, hf_config=SMOLLM2)
+    validate(cfg("reward.functions=[{name: process_reward}]", "reward.process_reward_model=/prm",
+                 "algorithm=dr_grpo"), world_size=2, hf_config=SMOLLM2)
+    validate(cfg("reward.functions=[{name: reward_model}, {name: process_reward}]", "reward.process_reward_model=/prm",
+                 "model.reward_model_path=/rm", name="ppo"), world_size=2, hf_config=SMOLLM2)
+
+
+P = "reward.process_reward_model=/prm"
 
 
 @pytest.mark.parametrize("overrides,name,message", [
@@ -133,6 +145,21 @@ def test_reward_config_defaults_and_overrides():
     (["reward.functions=[{name: format}]", "data.task=length"], "grpo", "data.task=length asks for no answer format"),
     (["reward.functions=[{name: reward_model}]"], "grpo", "model.reward_model_path is empty"),
     (["reward.functions=[{name: length}]"], "dpo", "algorithm.name=dpo trains on fixed data and computes no rewards"),
+    # the dense process reward (P: its model's path)
+    ([P], "grpo", r"reward.process_reward_model=/prm is set, but reward.functions has "
+     r"no process_reward term to use it; add \{name: process_reward, weight: 1.0\}"),
+    (["reward.functions=[{name: process_reward}]"], "grpo", "reward.process_reward_model is empty"),
+    (["reward.functions=[{name: process_reward}]", P], "rft", "algorithm.name=rft judges whole samples"),
+    (["reward.functions=[{name: process_reward, whiten: true}]", P], "grpo", r"whiten=true: its step rewards"),
+    (["reward.functions=[{name: process_reward}]", P, "algorithm.advantage_estimator=rloo"], "grpo",
+     "defined for algorithm.advantage_estimator in grpo, grpo_no_std, not rloo"),
+    (["reward.functions=[{name: correctness}, {name: process_reward}]", P, "algorithm.dynamic_sampling=true"], "grpo",
+     "set algorithm.dynamic_sampling=false"),
+    (["reward.functions=[{name: process_reward}]", P, "algorithm.step_separator=''"], "grpo",
+     "algorithm.step_separator is empty"),
+    ([P], "dpo", "reward.process_reward_model is set, but algorithm.name=dpo trains on fixed data"),
+    (["data.instruction=Think."], "ppo", "data.instruction is set, but algorithm.name=ppo does not ask data.task's "
+     "questions"),
 ])
 def test_reward_config_errors_name_the_field(overrides, name, message):
     extra = ["model.reward_model_path=/rm"] if name == "ppo" else []

@@ -15,7 +15,8 @@ INSTRUCTIONS: dict[str, str] = {
 }
 
 
-def build_prompt_ids(tokenizer: Any, question: str, task: str, hint: str | None = None) -> list[int]:
+def build_prompt_ids(tokenizer: Any, question: str, task: str, hint: str | None = None,
+                     instruction: str | None = None) -> list[int]:
     """Token ids of a chat prompt asking ``question``, ending with the assistant generation prefix.
 
     The prompt is one user message, ``question`` followed by the task's instruction from
@@ -28,6 +29,7 @@ def build_prompt_ids(tokenizer: Any, question: str, task: str, hint: str | None 
         task: a task name from ``alignment.data.tasks.TASKS``.
         hint: the reference answer, given as "Hint: the answer is <hint>." between the question and
             the instruction (STaR's rationalisation, Zelikman et al. 2022 Sec. 3.2); None: no hint.
+        instruction: replaces the task's instruction (``data.instruction``); None: the task's.
 
     Returns:
         A flat ``list[int]`` (transformers 5 may return a BatchEncoding; it is unwrapped).
@@ -38,5 +40,6 @@ def build_prompt_ids(tokenizer: Any, question: str, task: str, hint: str | None 
     if task not in INSTRUCTIONS:
         raise ValueError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
     given = f"\nHint: the answer is {hint}." if hint is not None else ""
-    messages = [{"role": "user", "content": f"{question.strip()}{given}\n{INSTRUCTIONS[task]}"}]
+    said = INSTRUCTIONS[task] if instruction is None else instruction
+    messages = [{"role": "user", "content": f"{question.strip()}{given}\n{said}"}]
     return encode_prompt(tokenizer, messages)

@@ -102,7 +102,8 @@ def heldout_key(hf_dir: str | os.PathLike, tokenizer, problems: list, cfg, world
 
     prompts = hashlib.sha256()
     for p in problems:
-        prompts.update(json.dumps([build_prompt_ids(tokenizer, p.question, cfg.data.task), p.answer]).encode())
+        ids = build_prompt_ids(tokenizer, p.question, cfg.data.task, instruction=cfg.data.get("instruction"))
+        prompts.update(json.dumps([ids, p.answer]).encode())
     r = cfg.rollout
     return cache_key({
         "what": "greedy held-out accuracy", "weights": weight_files_fingerprint(hf_dir), "dtype": cfg.model.dtype,

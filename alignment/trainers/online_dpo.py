@@ -51,7 +51,7 @@ def collect(models: Models, problems: list[Problem], cfg, version: int = 0) -> R
     samples = [s for grp in groups for s in grp]
     terms = job_terms(cfg)
     scores = score_terms(models, [p for p in problems for _ in range(g)], samples, terms, cfg)
-    rewards = combine(scores, terms)
+    rewards = combine(scores, terms, len(samples))
     pairs = [p for p in best_worst_pairs(rewards, g) if p is not None]
     info = {"prompts": float(len(problems)), "pairs": float(len(pairs)),
             "chosen_reward_sum": float(sum(rewards[c] for c, _ in pairs)),

@@ -28,8 +28,9 @@ import torch
 from alignment.algorithms.advantages import gae
 from alignment.algorithms.grpo_loss import GRPOLossConfig, grpo_loss
 from alignment.algorithms.kl import kl_in_reward
+from alignment.algorithms.process_rewards import place_step_rewards, to_batch_columns
 from alignment.algorithms.value_loss import value_loss
-from alignment.config import shares_prompts
+from alignment.config import process_reward_weight, shares_prompts
 from alignment.rollout.base import SamplingConfig
 from alignment.trainers.dp_balance import balance_over_dp
 from alignment.trainers.megatron_step import (
@@ -41,6 +42,7 @@ from alignment.trainers.megatron_step import (
 )
 from alignment.trainers.offline import global_sums
 from alignment.trainers.offload import trainable
+from alignment.trainers.process_rewarding import score_steps, step_metrics
 from alignment.trainers.rewarding import combine, job_terms, padded_batch, score_terms, term_metrics
 from alignment.trainers.rl_phases import (Models, Rollout, correction_metrics, generate_for_group, head_outputs,
                                           microbatches, policy_logprobs, rollout_phase, sampling_config)
@@ -127,8 +129,9 @@ def collect(models: PPOModels, prompts: list[list[int]], cfg, version: int = 0) 
     batch = padded_batch(models, samples)
     terms = job_terms(cfg)
     scores = score_terms(models, [None] * len(samples), samples, terms, cfg, batch)
-    return Rollout(samples, combine(scores, terms), version, batch=batch, seconds=time.perf_counter() - t0,
-                   reward_terms=scores)
+    steps = score_steps(models, samples, cfg) if process_reward_weight(cfg) else None  # the dense term
+    return Rollout(samples, combine(scores, terms, len(samples)), version, batch=batch,
+                   seconds=time.perf_counter() - t0, reward_terms=scores, steps=steps)
 
 
 def train(models: PPOModels, rollout: Rollout, cfg) -> tuple[dict[str, float], dict[str, float]]:
@@ -156,6 +159,11 @@ def train(models: PPOModels, rollout: Rollout, cfg) -> tuple[dict[str, float], d
     values = head_outputs(models.critic, microbatches(batch, cfg), **packing)
     values = values * mask if values is not None else zeros
     token_rewards = kl_in_reward(rewards, old, ref, mask, a.kl_coef, "k1")
+    if rollout.steps is not None:  # the process reward: P(step correct) on each step's last token
+        s = rollout.steps
+        dense = place_step_rewards(s.rewards, s.positions, [len(x.response_ids) for x in rollout.samples])
+        token_rewards = token_rewards + s.weight * to_batch_columns(
+            dense, [len(x.prompt_ids) for x in rollout.samples], mask.shape[1]) * mask
     advantages, returns = gae(token_rewards, values, mask, a.gamma, a.gae_lambda)
     batch.update(old_logprobs=old, values=values, returns=returns,
                  advantages=masked_whiten(advantages, mask, dp_group) if a.whiten_advantages else advantages)
@@ -214,5 +222,6 @@ def train(models: PPOModels, rollout: Rollout, cfg) -> tuple[dict[str, float], d
         **routing_metrics(models.policy),  # MoE: expert load imbalance, aux loss
         **critic_routing,
         **term_metrics(rollout.reward_terms, replica_group().rank() == 0),
+        **step_metrics(rollout.steps, replica_group().rank() == 0),
     }
     return metrics, times

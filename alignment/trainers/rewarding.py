@@ -74,19 +74,22 @@ def score_terms(models: Models, problems: Sequence[Problem | None], samples: Seq
 
 
 def job_terms(cfg) -> list[RewardTerm]:
-    """The job's terms: ``reward.functions`` (:func:`alignment.config.reward_terms`), plus DAPO's
-    overlong penalty when ``algorithm.overlong_buffer_len > 0``."""
-    from alignment.config import reward_terms
+    """The job's per-sample terms: ``reward.functions`` (:func:`alignment.config.reward_terms`) but the
+    dense ``process_reward`` (:mod:`alignment.trainers.process_rewarding`), plus DAPO's overlong
+    penalty when ``algorithm.overlong_buffer_len > 0``."""
+    from alignment.config import PROCESS_REWARD, reward_terms
 
-    terms = reward_terms(cfg)
+    terms = [t for t in reward_terms(cfg) if t.name != PROCESS_REWARD]
     if cfg.algorithm.overlong_buffer_len > 0:
         terms.append(RewardTerm(OVERLONG))
     return terms
 
 
-def combine(scores: dict[str, torch.Tensor], terms: Sequence[RewardTerm]) -> torch.Tensor:
-    """The rewards ``[N]`` of this rank's samples (whitened terms over the global batch: the
-    data-parallel group; collective)."""
+def combine(scores: dict[str, torch.Tensor], terms: Sequence[RewardTerm], n: int) -> torch.Tensor:
+    """The rewards ``[n]`` of this rank's ``n`` samples (whitened terms over the global batch: the
+    data-parallel group; collective); zeros when the only reward is the dense process reward."""
+    if not terms:
+        return torch.zeros(n)
     group = _ps().get_data_parallel_group()
     return combine_rewards(scores, terms, lambda sums: all_reduce_sum(sums, group))
 

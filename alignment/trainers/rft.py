@@ -48,7 +48,7 @@ def _sample_and_accept(models: Models, problems: list[Problem], prompts: list[li
         return [], {}, torch.zeros(0), [[] for _ in problems]
     terms = job_terms(cfg)
     scores = score_terms(models, [p for p in problems for _ in range(r.group_size)], samples, terms, cfg)
-    rewards = combine(scores, terms)  # no whitened terms (refused by the config check): no collective
+    rewards = combine(scores, terms, len(samples))  # no whitened terms (refused by the config check): no collective
     texts = [s.text for s in samples] if a.dedup_responses else None
     return samples, scores, rewards, accepted_indices(rewards, r.group_size, a.accept_threshold, texts)
 
@@ -63,7 +63,9 @@ def collect(models: Models, problems: list[Problem], cfg, version: int = 0) -> R
     t0 = time.perf_counter()
     a, task = cfg.algorithm, cfg.data.task
     tok = models.tokenizer
-    prompts, sampling = [build_prompt_ids(tok, p.question, task) for p in problems], sampling_config(cfg)
+    said = cfg.data.instruction
+    prompts = [build_prompt_ids(tok, p.question, task, instruction=said) for p in problems]
+    sampling = sampling_config(cfg)
     with rollout_phase(models):
         samples, scores, rewards, kept = _sample_and_accept(models, problems, prompts, sampling, cfg)
         accepted = int((rewards >= a.accept_threshold).sum()) if len(rewards) else 0
@@ -73,7 +75,8 @@ def collect(models: Models, problems: list[Problem], cfg, version: int = 0) -> R
         rationalized = 0
         if a.rationalize:  # every rank takes part, with no prompts when it solved everything
             failed = [j for j, k in enumerate(kept) if not k]
-            hinted = [build_prompt_ids(tok, problems[j].question, task, hint=problems[j].answer) for j in failed]
+            hinted = [build_prompt_ids(tok, problems[j].question, task, hint=problems[j].answer, instruction=said)
+                      for j in failed]
             h_samples, _, h_rewards, h_kept = _sample_and_accept(models, [problems[j] for j in failed], hinted,
                                                                  sampling, cfg)
             for j, k in zip(failed, h_kept):

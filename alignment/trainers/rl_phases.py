@@ -37,6 +37,7 @@ class Models:
     placement: DevicePlacement = field(default_factory=lambda: DevicePlacement(enabled=False))
     resharder: object = None  # parallel.reshard.Resharder feeding a vLLM engine; None: the engine runs the policy
     reward_model: torch.nn.Module | None = None  # frozen scalar-head model (reward.functions: reward_model)
+    process_reward_model: torch.nn.Module | None = None  # frozen PRM (reward.functions: process_reward)
 
 
 
@@ -51,7 +52,8 @@ class Rollout:
     that sampled it (the behaviour policy), and ``step``: the loop step that trains on it
     (``step - version`` is its staleness when trained; :mod:`launchers.rl_loop` sets it).
     ``reward_terms``: each reward function's raw scores ``[N]`` (``reward.functions``), of which
-    ``rewards`` is the weighted (optionally whitened) sum.
+    ``rewards`` is the weighted (optionally whitened) sum. ``steps``: the dense ``process_reward``
+    term's step scores (:class:`alignment.trainers.process_rewarding.StepRewards`), None without one.
     """
 
     samples: list[Sample]
@@ -62,6 +64,7 @@ class Rollout:
     info: dict = field(default_factory=dict)
     seconds: float = 0.0
     reward_terms: dict = field(default_factory=dict)
+    steps: object = None
 
 
 @contextmanager
