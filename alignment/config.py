@@ -64,7 +64,9 @@ class ParallelConfig:
 class DataConfig:
     """Task or dataset and split sizes; held-out records are never trained on."""
 
-    task: str = "arithmetic"  # RL jobs: arithmetic (reasoning-gym chain_sum) | gsm8k | length (smoke test)
+    # RL jobs: arithmetic (reasoning-gym chain_sum) | gsm8k | humaneval (unit tests run in the sandbox) |
+    # length (a smoke test)
+    task: str = "arithmetic"
     # SFT / RM / DPO jobs: alpaca_en_demo (SFT) | dpo_en_demo (pairs), from the llamafactory sdist;
     # PRM: a directory of step-labelled solutions (train.jsonl, heldout.jsonl) from tools/make_prm_data.py
     dataset: str = "dpo_en_demo"

@@ -12,6 +12,7 @@ INSTRUCTIONS: dict[str, str] = {
     "arithmetic": "Answer with a single number.",
     "gsm8k": "Answer with a single number.",
     "length": "Answer in about 20 characters.",
+    "humaneval": "Complete this Python function. Answer with the whole function in one ```python code block.",
 }
 
 

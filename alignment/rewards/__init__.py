@@ -1,0 +1,1 @@
+"""Rewards that run code: the sandbox (:mod:`alignment.rewards.sandbox`)."""
