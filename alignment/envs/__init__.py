@@ -1,0 +1,1 @@
+"""Environments for multi-turn rollouts, their tools and the tool-call format."""
