@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from alignment.envs.tool_calls import ToolCall, parse_tool_calls
-from alignment.envs.tools import TOOLS, calculator, evaluate_arithmetic, python_tool, run_tool
+from alignment.data.step_labels import evaluate_arithmetic
+from alignment.envs.tools import TOOLS, calculator, python_tool, run_tool
 
 
 def test_parse_valid_and_several_calls():

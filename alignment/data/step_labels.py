@@ -10,7 +10,7 @@ import ast
 import operator
 import re
 
-__all__ = ["step_end_positions", "arithmetic_step_label"]
+__all__ = ["step_end_positions", "arithmetic_step_label", "evaluate_arithmetic"]
 
 # lhs: numbers, + - * / and parentheses, starting at a number, a minus sign or a parenthesis; rhs: a number
 _EQUATION = re.compile(r"((?:-\s*)?[\d(][-+*/().\d\s]*?)\s*=\s*(-?\d+(?:\.\d+)?)")
@@ -19,7 +19,9 @@ _ADJACENT = re.compile(r"[\w.]$|\d,$")  # the lhs would continue a word or a num
 _OPERATOR = re.compile(r"[-+*/=]$")  # ... or a longer expression
 _OPERAND = re.compile(r"[\w)]$")  # a leading minus after an operand is a binary minus (x - 3 = 4)
 _NOT_AFTER = re.compile(r"\d|[.,]\d|\s*[-+*/=]\s*[\d(]")  # the rhs would be part of a number or an expression
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+MAX_EXPONENT, MAX_DIGITS = 100, 1000  # bounds that keep one evaluation cheap
 
 
 def step_end_positions(token_texts: list[str], separator: str = "\n") -> list[int]:
@@ -39,17 +41,37 @@ def step_end_positions(token_texts: list[str], separator: str = "\n") -> list[in
     return ends
 
 
-def _evaluate(node) -> float:
-    if isinstance(node, ast.Expression):
-        return _evaluate(node.body)
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        value = _evaluate(node.operand)
-        return -value if isinstance(node.op, ast.USub) else value
-    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-        return _OPS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
-    raise ValueError("not arithmetic")
+def evaluate_arithmetic(expression: str) -> int | float:
+    """The value of ``expression``: numbers, ``+ - * / // % **`` and parentheses only (no names,
+    no calls), exponents up to :data:`MAX_EXPONENT`, integers up to :data:`MAX_DIGITS` digits.
+
+    Raises:
+        ValueError: anything else, with what was wrong.
+        ZeroDivisionError: division by zero.
+    """
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as e:
+        raise ValueError(f"not an arithmetic expression ({e.msg})") from e
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+            v = value(node.operand)
+            return -v if isinstance(node.op, ast.USub) else v
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
+                raise ValueError(f"exponent {right} is larger than {MAX_EXPONENT}")
+            out = _BINARY[type(node.op)](left, right)
+            if isinstance(out, int) and abs(out).bit_length() > MAX_DIGITS * 3.33:
+                raise ValueError(f"a result longer than {MAX_DIGITS} digits")
+            return out
+        raise ValueError(f"{ast.unparse(node)!r} is not a number or + - * / // % ** of numbers")
+
+    return value(tree.body)
+
 
 
 def _equations(text: str):
@@ -80,8 +102,8 @@ def arithmetic_step_label(step: str) -> int | None:
     found = None
     for lhs, rhs in _equations(step.replace("\u2212", "-").replace("\u00d7", "*").replace("\u00f7", "/")):
         try:
-            value = _evaluate(ast.parse(lhs.strip(), mode="eval"))
-        except (SyntaxError, ValueError, ZeroDivisionError):
+            value = evaluate_arithmetic(lhs)
+        except (ValueError, ZeroDivisionError, OverflowError, RecursionError):
             continue
         if abs(value - float(rhs)) > 1e-9:
             return 0

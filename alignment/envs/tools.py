@@ -7,19 +7,15 @@ turn and nothing else.
 
 from __future__ import annotations
 
-import ast
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from alignment.data.step_labels import evaluate_arithmetic
 from alignment.envs.tool_calls import ToolCall
 from alignment.rewards.sandbox import SandboxLimits, run_python
 
-__all__ = ["Tool", "calculator", "python_tool", "TOOLS", "run_tool", "evaluate_arithmetic"]
+__all__ = ["Tool", "calculator", "python_tool", "TOOLS", "run_tool"]
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
-MAX_EXPONENT, MAX_DIGITS = 100, 1000  # bounds that keep one call cheap
 PYTHON_LIMITS = SandboxLimits(wall_seconds=5.0, cpu_seconds=3, memory_mb=256, output_bytes=2000)
 
 
@@ -41,41 +37,9 @@ class Tool:
                            "required": [self.argument]}}}
 
 
-def evaluate_arithmetic(expression: str) -> int | float:
-    """The value of ``expression``: numbers, ``+ - * / // % **`` and parentheses only (no names,
-    no calls), exponents up to :data:`MAX_EXPONENT`, integers up to :data:`MAX_DIGITS` digits.
-
-    Raises:
-        ValueError: anything else, with what was wrong.
-        ZeroDivisionError: division by zero.
-    """
-    try:
-        tree = ast.parse(expression.strip(), mode="eval")
-    except SyntaxError as e:
-        raise ValueError(f"not an arithmetic expression ({e.msg})") from e
-
-    def value(node):
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return node.value
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
-            v = value(node.operand)
-            return -v if isinstance(node.op, ast.USub) else v
-        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-            left, right = value(node.left), value(node.right)
-            if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
-                raise ValueError(f"exponent {right} is larger than {MAX_EXPONENT}")
-            out = _BINARY[type(node.op)](left, right)
-            if isinstance(out, int) and abs(out).bit_length() > MAX_DIGITS * 3.33:
-                raise ValueError(f"a result longer than {MAX_DIGITS} digits")
-            return out
-        raise ValueError(f"{ast.unparse(node)!r} is not a number or + - * / // % ** of numbers")
-
-    return value(tree.body)
-
-
 def calculator(expression: str = "") -> str:
-    """The value of an arithmetic expression as text (integers exact; a whole float without its
-    ``.0``), or ``Error: ...``."""
+    """The value of an arithmetic expression (:func:`alignment.data.step_labels.evaluate_arithmetic`)
+    as text (integers exact; a whole float without its ``.0``), or ``Error: ...``."""
     try:
         v = evaluate_arithmetic(str(expression))
     except (ValueError, ZeroDivisionError, OverflowError, RecursionError) as e:
