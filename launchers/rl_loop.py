@@ -4,7 +4,8 @@ online DPO), top to bottom:
     baseline -> resume -> evaluate -> for each step:
         collect (sample + reward) the batches of steps up to max_staleness ahead -> train this
         step's batch (while rollout ranks of their own sample the farthest one) -> sync weights
-        -> log -> preemption check -> checkpoint
+        -> log (and every trainer.rollout_table_every steps the rollout table) -> preemption check
+        -> checkpoint
     -> evaluate -> final checkpoint -> HF export -> summary
 
 What differs between algorithms comes in an :class:`RLJob` (its ``collect`` and ``train``, the
@@ -160,6 +161,7 @@ def run(job, models, spec: RLJob) -> dict:
     from launchers import preemption
     from launchers.common import export_adapters
     from launchers.profiling import peak_rss_bytes
+    from launchers.rollout_table import write_rollout_table
 
     cfg, t = job.cfg, job.cfg.trainer
     units = [unit for name, (_, optimizer) in spec.trained.items()  # resident to load or save them
@@ -189,12 +191,12 @@ def run(job, models, spec: RLJob) -> dict:
     def items(s: int) -> list:
         return prompts_of_step(spec.train_set, s, cfg.rollout.prompts_per_step, dp_rank, dp)
 
-    post = None
-    if spec.request is not None and getattr(models.engine, "prefetch", None) is not None:
-        def post(s: int) -> None:  # engines of their own sample step s while this step trains
-            post_for_group(models.engine, *spec.request(items(s)))
+    def post(s: int) -> None:  # engines of their own sample step s while this step trains
+        post_for_group(models.engine, *spec.request(items(s)))
+
+    prefetches = spec.request is not None and getattr(models.engine, "prefetch", None) is not None
     queue = RolloutQueue(lambda s, version: spec.collect(items(s), s, version), cfg.rollout.max_staleness,
-                         start_step, t.steps, post)
+                         start_step, t.steps, post if prefetches else None)
     steps = job.progress(start_step, t.steps, spec.name)
     for step in steps:  # the policy has had `step` updates
         t0 = time.perf_counter()
@@ -217,6 +219,8 @@ def run(job, models, spec: RLJob) -> dict:
             metrics.update(spec.evaluation.measure())
         job.log(metrics, step + 1)
         job.history.append(metrics)
+        if t.rollout_table_every and (step + 1) % t.rollout_table_every == 0 and job.rank == 0:
+            write_rollout_table(job.out, step + 1, rollout, models.tokenizer, job.writer)
         if preemption.stop_requested():  # SIGUSR1/SIGTERM on any rank: save this step, exit 75
             preemption.save_and_exit(job, step + 1, checkpoint, models.engine)
         if t.save_every and (step + 1) % t.save_every == 0 and step + 1 < t.steps:

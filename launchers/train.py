@@ -74,7 +74,19 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     placement.add_model("reward_model", reward_model)
     placement.add_model("process_reward_model", prm)
     return Models(policy, optimizer, reference, engine, bridge, engine.tokenizer, hf_config.vocab_size, placement,
-                  resharder, reward_model, prm)
+                  resharder, reward_model, prm, episode_setup(cfg, hf_dir, engine.tokenizer))
+
+
+def episode_setup(cfg, hf_dir: Path, tokenizer):
+    """The job's environment (``rollout.environment``), turn tokens, ``rollout.max_turns`` and
+    ``rollout.max_tokens_per_turn``."""
+    from alignment.envs.factory import build_environment
+    from alignment.rollout.factory import eos_token_ids
+    from alignment.rollout.multi_turn import EpisodeSetup
+    from alignment.rollout.turn_tokens import TurnTokens
+
+    return EpisodeSetup(build_environment(cfg), TurnTokens(tokenizer, eos_token_ids(hf_dir, tokenizer)),
+                        cfg.rollout.max_turns, cfg.rollout.max_tokens_per_turn)
 
 
 def run(cfg: DictConfig) -> dict:
@@ -103,7 +115,7 @@ class HeldoutAccuracy:
 
     def __init__(self, job, models, heldout):
         self.job, self.models, self.heldout = job, models, heldout
-        self.acc_before, self.cached = None, False
+        self.acc_before, self.cached, self.sampled_before = None, False, {}
 
     def baseline(self) -> None:
         pass
@@ -112,8 +124,16 @@ class HeldoutAccuracy:
         from alignment.trainers import grpo
 
         cfg = self.job.cfg
-        return grpo.evaluate(self.models, self.heldout, cfg.data.task, cfg.rollout.eval_max_tokens,
-                             cfg.data.instruction)
+        return grpo.evaluate(self.models, self.heldout, cfg.rollout.eval_max_tokens)
+
+    def _sampled(self) -> dict[str, float]:
+        """``heldout/pass@1``, ``pass@k``, ``tool_call_rate`` with ``rollout.eval_pass_k`` > 0, else {}."""
+        from alignment.trainers import grpo
+
+        r = self.job.cfg.rollout
+        if not r.eval_pass_k:
+            return {}
+        return grpo.pass_at_k(self.models, self.heldout, r.eval_pass_k, r.eval_max_tokens, r.temperature)
 
     def before(self, step: int) -> dict[str, float]:
         from alignment.trainers.eval_cache import cached_accuracy, heldout_key
@@ -128,7 +148,11 @@ class HeldoutAccuracy:
             what = f"at step {step} (resumed)" if step else "before training"
             note = " (cached from an earlier run: trainer.eval_cache)" if self.cached else ""
             print(f"held-out accuracy {what}: {self.acc_before:.3f} ({len(self.heldout)} problems){note}", flush=True)
-        return {"heldout/accuracy": self.acc_before}
+        self.sampled_before = self._sampled()
+        if job.rank == 0 and self.sampled_before:
+            print("held-out, sampled: " + ", ".join(f"{k[8:]} {v:.3f}" for k, v in self.sampled_before.items()),
+                  flush=True)
+        return {"heldout/accuracy": self.acc_before, **self.sampled_before}
 
     def measure(self) -> dict[str, float]:
         return {"heldout/accuracy": self._accuracy()}
@@ -138,7 +162,12 @@ class HeldoutAccuracy:
         before = f" (before: {self.acc_before:.3f})" if self.acc_before is not None else ""
         summary = {"heldout_accuracy_before": self.acc_before, "heldout_before_cached": self.cached,
                    "heldout_accuracy_after": after, "heldout_size": len(self.heldout)}
-        return {"heldout/accuracy": after}, summary, f"held-out accuracy after training: {after:.3f}{before}"
+        sampled = self._sampled()
+        summary.update({f"{k[8:]}_before": v for k, v in self.sampled_before.items()})
+        summary.update({f"{k[8:]}_after": v for k, v in sampled.items()})
+        message = f"held-out accuracy after training: {after:.3f}{before}" + "".join(
+            f", {k[8:]} {v:.3f} (before: {self.sampled_before.get(k, float('nan')):.3f})" for k, v in sampled.items())
+        return {"heldout/accuracy": after, **sampled}, summary, message
 
 
 def run_rl(cfg: DictConfig) -> dict:
@@ -152,7 +181,8 @@ def run_rl(cfg: DictConfig) -> dict:
 
     job = start(cfg)  # validates the config before any process group starts
     models = build(cfg, job.hf_dir, job.hf_config, job.rank)
-    kw = {"generator_kwargs": dict(cfg.data.generator_kwargs)} if cfg.data.task in ("arithmetic", "length") else {}
+    kw = {"generator": cfg.data.generator, "generator_kwargs": dict(cfg.data.generator_kwargs)} \
+        if cfg.data.task in ("arithmetic", "length") else {}
     train = load_problems(cfg.data.task, "train", cfg.data.train_size, seed=cfg.seed, **kw)
     heldout = load_problems(cfg.data.task, "heldout", cfg.data.heldout_size, seed=cfg.seed, **kw)
 

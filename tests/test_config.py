@@ -207,7 +207,7 @@ GROUPS = {"model": ["smollm2", "smollm2_sft_rm"],
                         "rft", "online_dpo", "prm"],
           "parallel": ["single", "tp2", "tp2_sp", "pp2", "cp2_ring", "cp2_ulysses", "tp2_pp2"],
           "rollout": ["default", "long"], "data": ["arithmetic", "gsm8k", "alpaca_en_demo", "dpo_en_demo",
-                                                    "prm_steps"],
+                                                    "prm_steps", "arithmetic_tools"],
           "cluster": ["local", "slurm_h100x8"]}
 
 
@@ -286,3 +286,31 @@ def test_model_families_and_experts_are_validated_before_start():
         validate(cfg(), world_size=2, hf_config=GPT2Config(architectures=["GPT2LMHeadModel"]))
     with pytest.raises(ConfigError, match="data.task='poetry': valid values are arithmetic, gsm8k, length"):
         validate(cfg("data.task=poetry"), world_size=2, hf_config=SMOLLM2)
+
+
+def test_environment_settings_are_checked():
+    c = cfg(name="grpo_tools")
+    assert (c.rollout.environment, c.rollout.max_turns, c.data.generator) == ("tools", 3, "basic_arithmetic")
+    validate(c, world_size=2, hf_config=SMOLLM2)
+    validate(cfg("rollout.environment=tests.dist.echo_env:build", "rollout.max_turns=3"), world_size=2,
+             hf_config=SMOLLM2)
+    h = cfg(name="grpo_humaneval")
+    assert (h.data.task, h.rollout.eval_pass_k, h.rollout.max_model_len) == ("humaneval", 4, 1024)
+    validate(h, world_size=2, hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match="rollout.eval_pass_k=-1"):
+        validate(cfg("rollout.eval_pass_k=-1"), world_size=2, hf_config=SMOLLM2)
+    bad = {("rollout.environment=chat",): "rollout.environment='chat': valid values are single_turn, tools",
+           ("rollout.max_turns=0",): "rollout.max_turns=0: must be >= 1",
+           ("rollout.max_turns=1",): "rollout.max_turns>=2",
+           ("rollout.tools=[search]",): r"rollout.tools=\['search'\]: give one or more of calculator, python",
+           ("rollout.max_tokens_per_turn=500",): r"must be in \[1, rollout.max_tokens=192\]",
+           ("rollout.backend=megatron",): "set rollout.backend=vllm",
+           ("algorithm=rft",): "set rollout.environment=single_turn",
+           ("data.generator=no_such_set",): "is not a reasoning-gym dataset; e.g. .*basic_arithmetic",
+           ("rollout.placement=disaggregated", "rollout.rollout_ranks=1"): "set rollout.placement=colocated"}
+    for overrides, message in bad.items():
+        with pytest.raises(ConfigError, match=message):
+            validate(cfg(*overrides, name="grpo_tools"), world_size=3 if "rollout.rollout_ranks=1" in overrides
+                     else 2, hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match="data.generator='chain_sum' applies to data.task=arithmetic"):
+        validate(cfg("data.task=gsm8k", "data.generator=chain_sum"), world_size=2, hf_config=SMOLLM2)

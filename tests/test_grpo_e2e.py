@@ -233,3 +233,38 @@ def test_qwen3_moe_with_expert_parallelism(tmp_path):
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "ep2" / "hf")  # per-expert checkpoint, loads
     assert exported.config.num_experts == 4
+
+
+def test_multi_turn_episodes_train_on_the_model_tokens(tmp_path):
+    """GRPO on 3-turn episodes (tests/dist/echo_env.py answers every turn) sampled by vLLM, trained
+    with context parallelism 2 and packing: the trainer's logprobs equal vLLM's on every generated
+    token of every turn (fp32: token_mult_prob_error == 1; an environment token counted as the
+    model's would break it), the environment's reward is a reward term, the rollout table holds
+    the conversations, and the sampled held-out evaluation gives pass@1 and pass@2."""
+    model_dir = save_tiny_hf_dir(tmp_path / "tiny")
+    out, result = tmp_path / "run", tmp_path / "result.json"
+    run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=2",
+                 "rollout.prompts_per_step=2", "rollout.group_size=4", "trainer.micro_batch_size=2",
+                 "data.heldout_size=4", "data.train_size=20", "rollout.max_tokens=64", "rollout.eval_max_tokens=8",
+                 "rollout.environment=tests.dist.echo_env:build", "rollout.max_turns=3",
+                 "rollout.max_tokens_per_turn=8", "parallel.context_parallel_size=2", "trainer.sequence_packing=true",
+                 "reward.functions=[{name: correctness}, {name: environment, weight: 0.5}]",
+                 "trainer.rollout_table_every=1", "trainer.lr=1e-3", "trainer.progress_bar=false",
+                 "rollout.eval_pass_k=2", str(result), timeout=900)
+    summary = json.loads(result.read_text())
+    history = summary["history"]
+    for when in ("before", "after"):  # 2 sampled episodes per held-out problem: pass@1 <= pass@2
+        assert 0.0 <= summary[f"pass@1_{when}"] <= summary[f"pass@2_{when}"] <= 1.0
+        assert summary[f"tool_call_rate_{when}"] == 1.0  # the scripted environment counts every turn a call
+    for m in history:
+        assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
+        assert m["rollout_correction/kl"] < 1e-6
+        assert m["episode/turns"] > 2.0 and m["episode/env_tokens"] > 0
+        assert m["episode/generated_tokens"] < m["response_length"]  # the rest came from the environment
+        assert m["reward/environment"] == 0.25 * m["episode/turns"]  # 0.25 per answered turn
+        assert m["episode/tool_calls"] == m["episode/turns"] and m["episode/tool_call_rate"] == 1.0
+    rows = [json.loads(line) for line in (out / "rollouts" / "step_000002.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 and all(r["turns"] >= 2 for r in rows)
+    r = rows[0]
+    assert [m["role"] for m in r["messages"]][:4] == ["user", "assistant", "user", "assistant"]
+    assert "Turn 1: go on." in r["response"] and r["reward/environment"] == 0.25 * r["turns"]

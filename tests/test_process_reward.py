@@ -10,19 +10,8 @@ import pytest
 import torch
 
 from alignment.algorithms.prm_loss import place_step_labels, prm_loss
-from alignment.data.step_labels import arithmetic_step_label, step_end_positions
+from alignment.data.step_labels import arithmetic_step_label
 from alignment.trainers.process_reward import ProcessRewardObjective
-
-
-def test_step_ends_by_hand():
-    tokens = ["3", " +", " 4", " =", " 7", "\n", "7", " -", "1", " =", " 6"]
-    assert step_end_positions(tokens) == [5, 10]  # the last step ends without a separator
-    assert step_end_positions(tokens[:6]) == [5]  # ends with one: no extra step
-    assert step_end_positions(["a", ".\n\n", "b", "\n"]) == [1, 3]  # "\n\n" in one token ends one step
-    assert step_end_positions(["x", ";", "y"], separator=";") == [1, 2]
-    assert step_end_positions([]) == []
-    with pytest.raises(ValueError, match="the step separator is empty"):
-        step_end_positions(tokens, "")
 
 
 @pytest.mark.parametrize("step,label", [

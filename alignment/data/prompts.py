@@ -16,12 +16,26 @@ INSTRUCTIONS: dict[str, str] = {
 }
 
 
+def prompt_messages(question: str, task: str, hint: str | None = None,
+                    instruction: str | None = None) -> list[dict[str, str]]:
+    """The chat messages asking ``question``: one user message, ``question`` followed by the task's
+    instruction from :data:`INSTRUCTIONS` (``hint``, ``instruction``: as :func:`build_prompt_ids`).
+
+    Raises:
+        ValueError: unknown ``task``.
+    """
+    if task not in INSTRUCTIONS:
+        raise ValueError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
+    given = f"\nHint: the answer is {hint}." if hint is not None else ""
+    said = INSTRUCTIONS[task] if instruction is None else instruction
+    return [{"role": "user", "content": f"{question.strip()}{given}\n{said}"}]
+
+
 def build_prompt_ids(tokenizer: Any, question: str, task: str, hint: str | None = None,
                      instruction: str | None = None) -> list[int]:
     """Token ids of a chat prompt asking ``question``, ending with the assistant generation prefix.
 
-    The prompt is one user message, ``question`` followed by the task's instruction from
-    :data:`INSTRUCTIONS`, rendered with ``tokenizer.apply_chat_template(...,
+    The prompt is :func:`prompt_messages` rendered with ``tokenizer.apply_chat_template(...,
     add_generation_prompt=True, tokenize=True)``; the template's default system prompt is kept.
 
     Args:
@@ -38,9 +52,4 @@ def build_prompt_ids(tokenizer: Any, question: str, task: str, hint: str | None 
     Raises:
         ValueError: unknown ``task``.
     """
-    if task not in INSTRUCTIONS:
-        raise ValueError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
-    given = f"\nHint: the answer is {hint}." if hint is not None else ""
-    said = INSTRUCTIONS[task] if instruction is None else instruction
-    messages = [{"role": "user", "content": f"{question.strip()}{given}\n{said}"}]
-    return encode_prompt(tokenizer, messages)
+    return encode_prompt(tokenizer, prompt_messages(question, task, hint, instruction))

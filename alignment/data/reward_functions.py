@@ -9,6 +9,8 @@ that runs a model, ``reward_model``, lives in :mod:`alignment.trainers.rewarding
   format reward of DeepSeek-R1 (Sec. 2.2.2) and TRL's ``format_reward``, for this task's format.
 * ``length``: ``-len(response_ids) / rollout.max_tokens``, in [-1, 0]: a length penalty
   (Kimi k1.5's length reward pushes the same way), to be weighted, e.g. 0.1.
+* ``environment``: the sum of the rewards a multi-turn episode's environment gave
+  (``rollout.environment``, :class:`alignment.envs.base.Transition`); 0 for single answers.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from alignment.data import tasks
 from alignment.rollout.base import Sample
 
-TEXT_FUNCTIONS = ("correctness", "format", "length")
+TEXT_FUNCTIONS = ("correctness", "format", "length", "environment")
 #: tasks whose prompt asks for a format :func:`format_score` checks
 FORMAT_TASKS = ("arithmetic", "gsm8k")
 #: tasks graded by running code in the sandbox (a process per response)
@@ -76,6 +78,8 @@ def text_scores(name: str, problems: Sequence[tasks.Problem | None], samples: Se
         raise ValueError(f"{len(problems)} problems for {len(samples)} samples")
     if name == "length":
         return torch.tensor([length_score(len(s.response_ids), max_tokens) for s in samples], dtype=torch.float32)
+    if name == "environment":
+        return torch.tensor([float(s.info.get("env_reward", 0.0)) for s in samples], dtype=torch.float32)
     if any(p is None for p in problems):
         raise ValueError(f"the {name} reward grades answers to a task's problems; these prompts have none")
     if name == "correctness":  # looked up at call time (tests replace the grader)

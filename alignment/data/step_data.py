@@ -12,7 +12,7 @@ the separator is, whatever the text around it.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from alignment.data.chat_data import encode_prompt
@@ -49,7 +49,6 @@ class StepRecord:
     question: str = ""
     answer: str = ""
     outcome: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 def step_spans(response: str, separator: str = "\n") -> list[tuple[int, int]]:

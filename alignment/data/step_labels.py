@@ -1,8 +1,7 @@
-"""Reasoning steps of a response and their automatic labels for the process reward model: a step
-is the text up to and including a separator (``"\\n"`` by default; the last step may end without
-one), and an arithmetic step is correct when its equations hold (every ``lhs = rhs`` in it, with
-numbers and ``+ - * /``), as Math-Shepherd labels steps without humans (Wang et al. 2024) but by
-checking the step itself instead of rolling out completions."""
+"""Automatic labels of reasoning steps for the process reward model (the steps themselves:
+:mod:`alignment.data.step_data`): an arithmetic step is correct when its equations hold (every
+``lhs = rhs`` in it, with numbers and ``+ - * /``), as Math-Shepherd labels steps without humans
+(Wang et al. 2024) but by checking the step itself instead of rolling out completions."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import ast
 import operator
 import re
 
-__all__ = ["step_end_positions", "arithmetic_step_label", "evaluate_arithmetic"]
+__all__ = ["arithmetic_step_label", "evaluate_arithmetic"]
 
 # lhs: numbers, + - * / and parentheses, starting at a number, a minus sign or a parenthesis; rhs: a number
 _EQUATION = re.compile(r"((?:-\s*)?[\d(][-+*/().\d\s]*?)\s*=\s*(-?\d+(?:\.\d+)?)")
@@ -22,23 +21,6 @@ _NOT_AFTER = re.compile(r"\d|[.,]\d|\s*[-+*/=]\s*[\d(]")  # the rhs would be par
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 MAX_EXPONENT, MAX_DIGITS = 100, 1000  # bounds that keep one evaluation cheap
-
-
-def step_end_positions(token_texts: list[str], separator: str = "\n") -> list[int]:
-    """Indices of the tokens that end a step: each token whose text contains ``separator``, and the
-    last token when the text does not end with one. ``token_texts``: each response token decoded
-    on its own (a separator split over two tokens is not seen; "\\n" is one token in SmolLM2's and
-    Llama's vocabularies).
-
-    Raises:
-        ValueError: an empty ``separator``.
-    """
-    if not separator:
-        raise ValueError("the step separator is empty: give a string, e.g. '\\n'")
-    ends = [i for i, t in enumerate(token_texts) if separator in t]
-    if token_texts and (not ends or ends[-1] != len(token_texts) - 1):
-        ends.append(len(token_texts) - 1)
-    return ends
 
 
 def evaluate_arithmetic(expression: str) -> int | float:

@@ -14,7 +14,7 @@ from alignment.data.step_labels import evaluate_arithmetic
 from alignment.envs.tool_calls import ToolCall
 from alignment.rewards.sandbox import SandboxLimits, run_python
 
-__all__ = ["Tool", "calculator", "python_tool", "TOOLS", "run_tool"]
+__all__ = ["Tool", "calculator", "python_tool", "TOOLS", "run_tool", "is_error"]
 
 PYTHON_LIMITS = SandboxLimits(wall_seconds=5.0, cpu_seconds=3, memory_mb=256, output_bytes=2000)
 
@@ -52,6 +52,7 @@ def python_tool(code: str = "") -> str:
     last line of the error when it failed."""
     r = run_python(str(code), PYTHON_LIMITS)
     out = r.stdout + ("\n[output truncated]" if r.truncated else "")
+    out += "\n" if out and not out.endswith("\n") and (r.timed_out or r.returncode != 0) else ""
     if r.timed_out:
         return out + f"Error: timed out after {PYTHON_LIMITS.wall_seconds:g} s"
     if r.returncode != 0:
@@ -76,3 +77,9 @@ def run_tool(call: ToolCall, tools: dict[str, Tool] = TOOLS) -> str:
     if unexpected or tool.argument not in call.arguments:
         return f"Error: {call.name} takes one argument, {tool.argument!r}; got {sorted(call.arguments)}"
     return tool.run(**{tool.argument: call.arguments[tool.argument]})
+
+
+def is_error(text: str) -> bool:
+    """Whether a tool's text reports a failed call: it starts with ``Error:`` (bad call, failed
+    calculation) or ends with the Python tool's ``Error: ...`` line after the program's output."""
+    return text.startswith("Error:") or text.rsplit("\n", 1)[-1].startswith("Error:")

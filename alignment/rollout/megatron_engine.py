@@ -191,10 +191,15 @@ class MegatronEngine:
         (nats, of ``softmax(logits / temperature)``; temperature 0 is greedy, logprobs at T=1).
 
         Raises:
-            ValueError: a prompt plus ``sampling.max_tokens`` longer than ``max_model_len``, or
-                ``sampling.top_p`` outside ``(0, 1]``.
+            ValueError: a prompt plus ``sampling.max_tokens`` longer than ``max_model_len``,
+                ``sampling.top_p`` outside ``(0, 1]``, or stop strings (``sampling.stop``: not
+                supported here; multi-turn environments with stop strings need ``rollout.backend=vllm``).
         """
         from megatron.core.inference.sampling_params import SamplingParams
+
+        if sampling.stop:
+            raise ValueError(f"stop strings {sampling.stop} are not supported by rollout.backend=megatron; "
+                             "use rollout.backend=vllm (or an environment that ends turns at EOS)")
 
         if not 0 < sampling.top_p <= 1:
             raise ValueError(f"top_p={sampling.top_p}: must be in (0, 1]")

@@ -170,7 +170,8 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         params = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                max_tokens=sampling.max_tokens, logprobs=0)
+                                max_tokens=sampling.max_tokens, logprobs=0, stop=sampling.stop,
+                                include_stop_str_in_output=bool(sampling.stop))
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         result = []
         for prompt, out in zip(prompts, outputs):

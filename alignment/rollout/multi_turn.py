@@ -1,0 +1,169 @@
+"""Multi-turn episodes on a rollout engine: the engine generates a turn (until EOS or the
+environment's stop string, e.g. ``</tool_call>``), the environment answers
+(:class:`alignment.envs.base.Environment`), its answer is appended as tokens
+(:class:`alignment.rollout.turn_tokens.TurnTokens`) and the engine continues from the whole
+token sequence, until the environment ends the episode, ``max_turns`` model turns were taken or
+the token budget is spent.
+
+Each episode becomes one :class:`alignment.rollout.base.Sample`: ``response_ids`` every token after
+the prompt (the model's and the environment's, in order, exactly as generated and inserted),
+``logprobs`` the engine's on the model's tokens (0 on the others), ``loss_mask`` 1 on the model's
+tokens only, so the trainer's logprobs, the loss, the KL, GAE and the critic see the model's
+tokens only. The single-turn environment with ``max_turns=1`` gives the samples of one
+:meth:`RolloutEngine.generate` call (``loss_mask`` None).
+
+The token budget is ``SamplingConfig.max_tokens`` for the whole response (model and environment
+tokens together, as verl's ``response_length``), so prompt + response stays within the engine's
+``max_model_len``; an observation that does not fit ends the episode unfinished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from alignment.data.tasks import Problem
+from alignment.envs.base import Environment
+from alignment.rollout.base import Sample, SamplingConfig
+from alignment.rollout.turn_tokens import TurnTokens
+
+__all__ = ["run_episodes", "EpisodeSetup", "EPISODE_COUNTS"]
+
+#: the per-episode counts in ``Sample.info`` (summed over turns)
+EPISODE_COUNTS = ("turns", "tool_calls", "tool_errors", "env_tokens")
+
+
+@dataclass
+class EpisodeSetup:
+    """What a job's episodes run with: the environment (``rollout.environment``), the chat template's
+    turn tokens, ``rollout.max_turns`` and ``rollout.max_tokens_per_turn``."""
+
+    env: Environment
+    turns: TurnTokens
+    max_turns: int = 1
+    max_tokens_per_turn: int | None = None
+
+
+@dataclass
+class _Episode:
+    problem: Problem
+    prompt_ids: list[int]
+    messages: list[dict]
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    counts: dict = field(default_factory=lambda: dict.fromkeys(EPISODE_COUNTS, 0))
+    env_reward: float = 0.0
+    text: str = ""
+    last_turn: list[int] = field(default_factory=list)
+    finished: bool = False
+
+    def add_turn(self, s: Sample) -> None:
+        self.ids += s.response_ids
+        self.logprobs += s.logprobs
+        self.mask += [1] * len(s.response_ids)
+        self.text, self.finished, self.last_turn = s.text, s.finished, list(s.response_ids)
+        self.messages.append({"role": "assistant", "content": s.text})
+        self.counts["turns"] += 1
+
+    def add_observation(self, messages: list[dict], ids: list[int]) -> None:
+        self.ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.mask += [0] * len(ids)
+        self.messages += messages
+        self.counts["env_tokens"] += len(ids)
+
+    def sample(self) -> Sample:
+        mask = None if all(self.mask) else list(self.mask)
+        info = {**self.counts, "env_reward": self.env_reward, "messages": self.messages}
+        return Sample(self.prompt_ids, self.ids, self.logprobs, self.text, self.finished, mask, info)
+
+
+def _fit(s: Sample, budget: int, tokenizer) -> Sample:
+    """``s`` cut to ``budget`` tokens (a prefix of a sample is a sample: its logprobs stay right)."""
+    if len(s.response_ids) <= budget:
+        return s
+    ids = s.response_ids[:budget]
+    return replace(s, response_ids=ids, logprobs=s.logprobs[:budget], finished=False,
+                   text=tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def _answer(env: Environment, live: list[_Episode], turns: TurnTokens, budget: int, max_turns: int) -> list[_Episode]:
+    """Step ``env`` on every live episode's latest message; append the observations of those that go
+    on and return them. An episode ends when the environment says so (finished when its turn
+    was), or unfinished when it took ``max_turns`` turns or the observation plus one more token
+    would not fit the budget (a turn cut by the budget always ends it)."""
+    moves = env.step([e.problem for e in live], [e.messages for e in live], [e.text for e in live]) if live else []
+    going = []
+    for e, t in zip(live, moves):
+        e.env_reward += float(t.reward)
+        for k, v in t.info.items():
+            if k in e.counts:
+                e.counts[k] += int(v)
+        if t.done:
+            continue
+        if e.counts["turns"] >= max_turns:
+            e.finished = False  # the environment was not done: out of turns
+            continue
+        ids = turns.continuation_ids(e.last_turn, t.observation)
+        if len(e.ids) + len(ids) >= budget:
+            e.finished = False
+            continue
+        e.add_observation(t.observation, ids)
+        going.append(e)
+    return going
+
+
+def run_episodes(generate: Callable[[list[list[int]], SamplingConfig], list[list[Sample]]], env: Environment,
+                 problems: Sequence[Problem], turns: TurnTokens, sampling: SamplingConfig, max_turns: int,
+                 keep_going: Callable[[bool], bool] | None = None,
+                 max_tokens_per_turn: int | None = None) -> list[list[Sample]]:
+    """``sampling.n`` episodes per problem, in problem order.
+
+    Args:
+        generate: the engine's ``generate`` (or :func:`alignment.trainers.rl_phases.generate_for_group`
+            bound to it). The first turn asks ``n`` samples of each prompt (vLLM shares the prompt's
+            KV); each later turn one call with a continuation per live episode, at the largest
+            budget left (an episode's turn is cut to its own budget afterwards).
+        env: answers every turn; its ``stop`` strings are added to ``sampling.stop``.
+        turns: renders the prompt and the tokens between turns.
+        sampling: temperature, top-p, ``n`` and ``max_tokens``: the budget of the whole response.
+        max_turns: model turns per episode (>= 1).
+        max_tokens_per_turn: the most tokens of one model turn (None: what is left of the budget); a
+            turn cut there is closed by the template's end of turn and the environment answers it.
+        keep_going: called after each turn (but with ``max_turns=1``) with whether this rank has
+            live episodes; returns whether any rank has (a collective, so every rank calls
+            ``generate`` as often: TP>1 engines and model replicas generate together). None: this
+            rank's answer.
+    Returns:
+        ``[len(problems)][n]`` samples (see the module docstring).
+    Raises:
+        ValueError: ``max_turns`` < 1 or ``max_tokens_per_turn`` < 1.
+    """
+    if max_turns < 1:
+        raise ValueError(f"rollout.max_turns={max_turns}: must be >= 1")
+    if max_tokens_per_turn is not None and max_tokens_per_turn < 1:
+        raise ValueError(f"rollout.max_tokens_per_turn={max_tokens_per_turn}: must be >= 1 (or null)")
+    keep_going = keep_going or (lambda any_live: any_live)
+    stop = list(dict.fromkeys((sampling.stop or []) + list(env.stop or []))) or None
+    opening = env.reset(problems)
+    prompts = [turns.prompt_ids(m) for m in opening]
+    cap = sampling.max_tokens if max_tokens_per_turn is None else min(max_tokens_per_turn, sampling.max_tokens)
+    first = generate(prompts, replace(sampling, stop=stop, max_tokens=cap))
+    episodes = [[_Episode(p, prompt, [dict(x) for x in msgs]) for _ in range(sampling.n)]
+                for p, prompt, msgs in zip(problems, prompts, opening)]
+    live = []
+    for group, outs in zip(episodes, first):
+        for e, s in zip(group, outs):
+            e.add_turn(s)
+            live.append(e)
+    while True:
+        live = _answer(env, live, turns, sampling.max_tokens, max_turns)
+        if max_turns == 1 or not keep_going(bool(live)):
+            break
+        left = [min(sampling.max_tokens - len(e.ids), cap) for e in live]
+        outs = generate([e.prompt_ids + e.ids for e in live],
+                        replace(sampling, n=1, stop=stop, max_tokens=max(left, default=1)))
+        for e, out, budget in zip(live, outs, left):
+            e.add_turn(_fit(out[0], budget, turns.tokenizer))
+    return [[e.sample() for e in group] for group in episodes]
