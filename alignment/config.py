@@ -342,9 +342,19 @@ OFFLINE_ALGORITHMS = ("sft", "rm", "dpo", "prm")
 def _validate_ppo(cfg, dp: int) -> None:
     """PPO: a reward model, GAE settings, and mini-batches that divide the rollout batch."""
     a, r, t = cfg.algorithm, cfg.rollout, cfg.trainer
-    if not cfg.model.reward_model_path:
+    if ppo_on_task(cfg):
+        from alignment.data.tasks import TASKS
+
+        if cfg.data.task not in TASKS:
+            raise ConfigError(f"data.task={cfg.data.task!r}: valid values are {', '.join(TASKS)}")
+        _validate_generator(cfg.data)
+        if not (cfg.model.critic_path or cfg.model.reward_model_path):
+            raise ConfigError("model.critic_path and model.reward_model_path are empty: PPO's critic starts from one "
+                              "of them (a value head on that checkpoint), e.g. model.critic_path=${model.path}")
+    elif not cfg.model.reward_model_path:
         raise ConfigError("model.reward_model_path is empty: PPO needs a trained reward model "
-                          "(e.g. outputs/rm_smollm2_dpo_en_demo/hf from --config-name rm)")
+                          "(e.g. outputs/rm_smollm2_dpo_en_demo/hf from --config-name rm), or reward.functions on "
+                          "data.task's answers (e.g. [{name: correctness}]) and a model.critic_path")
     if not (0.0 <= a.gamma <= 1.0 and 0.0 <= a.gae_lambda <= 1.0):
         raise ConfigError(f"algorithm.gamma={a.gamma} / gae_lambda={a.gae_lambda}: both must be in [0, 1]")
     if a.ppo_epochs < 1 or a.num_mini_batches < 1:
@@ -558,6 +568,13 @@ def process_reward_weight(cfg) -> float:
     return next((t.weight for t in reward_terms(cfg) if t.name == PROCESS_REWARD), 0.0)
 
 
+def ppo_on_task(cfg) -> bool:
+    """Whether a PPO job asks ``data.task``'s questions (graded by ``reward.functions``' text terms,
+    in ``rollout.environment``'s episodes): when ``reward.functions`` has no ``reward_model`` term.
+    Otherwise PPO samples answers to dpo_en_demo's chat prompts for the reward model to judge."""
+    return cfg.algorithm.name == "ppo" and all(t.name != "reward_model" for t in reward_terms(cfg))
+
+
 def _validate_rewards(cfg) -> None:
     """``reward.functions``: known, distinct names, finite weights not all 0, each function
     available to this job (a task to grade, a reward model to load)."""
@@ -587,9 +604,10 @@ def _validate_rewards(cfg) -> None:
     for f in functions:
         if not math.isfinite(f.weight):
             raise ConfigError(f"reward.functions[{f.name}].weight={f.weight}: must be a finite number")
-    if a.name == "ppo" and {"correctness", "format"} & set(names):
-        raise ConfigError(f"reward.functions={names}: PPO trains on {cfg.data.dataset}'s prompts, which have no "
-                          "answers to grade; use reward_model and length")
+    if a.name == "ppo" and {"correctness", "format"} & set(names) and "reward_model" in names:
+        raise ConfigError(f"reward.functions={names}: with a reward_model term PPO trains on {cfg.data.dataset}'s "
+                          "prompts, which have no answers to grade; use reward_model and length, or drop reward_model "
+                          "to train on data.task's problems")
     if "format" in names and cfg.data.task not in FORMAT_TASKS:
         raise ConfigError(f"reward.functions has format, but data.task={cfg.data.task} asks for no answer format "
                           f"(format applies to {', '.join(FORMAT_TASKS)})")
@@ -792,10 +810,10 @@ def _validate_environment(cfg) -> None:
         if r.max_turns < 2:
             raise ConfigError(f"rollout.environment=tools with rollout.max_turns={r.max_turns}: the model needs a turn "
                               "to call a tool and one to read its result; set rollout.max_turns>=2 (e.g. 4)")
-    if a.name not in ("grpo",):
-        raise ConfigError(f"rollout.environment={r.environment} runs multi-turn episodes in GRPO-family jobs; "
-                          f"algorithm.name={a.name} samples single answers (ppo scores chat prompts without a task); "
-                          "set rollout.environment=single_turn")
+    if a.name not in ("grpo",) and not ppo_on_task(cfg):
+        raise ConfigError(f"rollout.environment={r.environment} runs multi-turn episodes in GRPO-family jobs and in "
+                          f"PPO on data.task (reward.functions without reward_model); algorithm.name={a.name} "
+                          "samples single answers here; set rollout.environment=single_turn")
     if r.placement != "colocated":
         raise ConfigError(f"rollout.environment={r.environment} steps the environment between turns on the trainers; "
                           f"rollout.placement={r.placement} is not supported with it; set rollout.placement=colocated")
@@ -889,9 +907,10 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
     if cfg.model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype={cfg.model.dtype!r}: valid values are float32, bfloat16")
     _validate_rewards(cfg)
-    if cfg.data.get("instruction") is not None and cfg.algorithm.name not in TASK_ALGORITHMS:
+    if cfg.data.get("instruction") is not None and cfg.algorithm.name not in TASK_ALGORITHMS and not ppo_on_task(cfg):
         raise ConfigError(f"data.instruction is set, but algorithm.name={cfg.algorithm.name} does not ask data.task's "
-                          f"questions (it applies to {', '.join(TASK_ALGORITHMS)}); set data.instruction=null")
+                          f"questions (it applies to {', '.join(TASK_ALGORITHMS)}, and ppo with reward.functions on "
+                          "data.task's answers); set data.instruction=null")
     if cfg.algorithm.name in OFFLINE_ALGORITHMS:
         return _validate_offline(cfg, dp)
     if cfg.algorithm.name not in RL_ALGORITHMS:

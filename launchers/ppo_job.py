@@ -6,7 +6,9 @@ critic (from ``model.critic_path`` or the reward model) and frozen reward model
 (:mod:`launchers.rl_loop`) with PPO's collect and train (:mod:`alignment.trainers.ppo`) on the
 dpo_en_demo training prompts, evaluated by :class:`WinRate`: held-out greedy responses of the
 initial policy and of the trained one, scored by the reward model -> win rate (trained vs
-initial) and response-length drift.
+initial) and response-length drift. With ``reward.functions`` on ``data.task``'s answers (no
+``reward_model`` term, :func:`alignment.config.ppo_on_task`): the task's problems, in
+``rollout.environment``'s episodes, no reward model loaded, evaluated by held-out accuracy.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 def build(cfg, hf_dir: Path, hf_config, rank: int):
     """This rank's :class:`alignment.trainers.ppo.PPOModels`."""
-    from alignment.config import lora_spec, process_reward_weight
+    from alignment.config import lora_spec, ppo_on_task, process_reward_weight
     from alignment.models.families import get_bridge
     from alignment.trainers.offload import DevicePlacement, offload_enabled
     from alignment.trainers.ppo import PPOModels
@@ -36,7 +38,7 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     reference = None
     if cfg.algorithm.kl_coef > 0:  # with LoRA: the policy with its adapters off, no second copy
         reference = FrozenBase(policy) if lora_spec(cfg) else shard(cfg.model.path, False)
-    reward_model = shard(cfg.model.reward_model_path, True)
+    reward_model = None if ppo_on_task(cfg) else shard(cfg.model.reward_model_path, True)
     prm = shard(cfg.reward.process_reward_model, True) if process_reward_weight(cfg) else None
     bridge = get_bridge(hf_config)
     engine, resharder = rollout_engine(cfg, hf_dir, policy, bridge, hf_config.vocab_size, rank)
@@ -46,9 +48,12 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     placement.add_model("reference", reference)
     placement.add_model("reward_model", reward_model)
     placement.add_model("process_reward_model", prm)
+    from launchers.train import episode_setup
+
     return PPOModels(policy, optimizer, reference, engine, bridge, engine.tokenizer,
                      hf_config.vocab_size, placement, resharder, critic=critic, critic_optimizer=critic_optimizer,
-                     reward_model=reward_model, process_reward_model=prm)
+                     reward_model=reward_model, process_reward_model=prm,
+                     episodes=episode_setup(cfg, hf_dir, engine.tokenizer))
 
 
 def prompts_of(cfg, tokenizer, split: str) -> list[list[int]]:
@@ -119,18 +124,28 @@ def run(cfg) -> dict:
     ``<output_dir>/summary.json``."""
     from megatron.core import parallel_state as ps
 
+    from alignment.config import ppo_on_task
     from alignment.trainers import ppo
     from launchers import rl_loop
     from launchers.common import start
 
     job = start(cfg)  # validates the config before any process group starts
     models = build(cfg, job.hf_dir, job.hf_config, job.rank)
-    train, heldout = prompts_of(cfg, models.tokenizer, "train"), prompts_of(cfg, models.tokenizer, "heldout")
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    my_heldout = heldout[: len(heldout) // dp * dp][dp_rank::dp]
+    if ppo_on_task(cfg):  # data.task's problems, graded by reward.functions' text terms
+        from alignment.trainers import grpo
+        from launchers.train import HeldoutAccuracy, task_problems
+
+        train, heldout = task_problems(cfg)
+        evaluation = HeldoutAccuracy(job, models, heldout)
+        request = lambda problems: grpo.request(models.tokenizer, problems, cfg)  # noqa: E731
+    else:  # dpo_en_demo's chat prompts, judged by the reward model
+        train, heldout = prompts_of(cfg, models.tokenizer, "train"), prompts_of(cfg, models.tokenizer, "heldout")
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        evaluation = WinRate(cfg, models, heldout[: len(heldout) // dp * dp][dp_rank::dp])
+        request = lambda prompts: ppo.request(prompts, cfg)  # noqa: E731
     spec = rl_loop.RLJob(
-        "ppo", train, lambda prompts, step, version: ppo.collect(models, prompts, cfg, version),
+        "ppo", train, lambda items, step, version: ppo.collect(models, items, cfg, version),
         lambda rollout: ppo.train(models, rollout, cfg),
         {"policy": (models.policy, models.optimizer), "critic": (models.critic, models.critic_optimizer)},
-        WinRate(cfg, models, my_heldout), request=lambda prompts: ppo.request(prompts, cfg))
+        evaluation, request=request)
     return rl_loop.run(job, models, spec)

@@ -127,13 +127,15 @@ class HeldoutAccuracy:
         return grpo.evaluate(self.models, self.heldout, cfg.rollout.eval_max_tokens)
 
     def _sampled(self) -> dict[str, float]:
-        """``heldout/pass@1``, ``pass@k``, ``tool_call_rate`` with ``rollout.eval_pass_k`` > 0, else {}."""
+        """``heldout/pass@1``, ``pass@k`` (and ``tool_call_rate`` in multi-turn episodes) with
+        ``rollout.eval_pass_k`` > 0, else {}."""
         from alignment.trainers import grpo
 
         r = self.job.cfg.rollout
         if not r.eval_pass_k:
             return {}
-        return grpo.pass_at_k(self.models, self.heldout, r.eval_pass_k, r.eval_max_tokens, r.temperature)
+        return grpo.pass_at_k(self.models, self.heldout, r.eval_pass_k, r.eval_max_tokens, r.temperature,
+                              tool_calls=r.environment != "single_turn")
 
     def before(self, step: int) -> dict[str, float]:
         from alignment.trainers.eval_cache import cached_accuracy, heldout_key
@@ -170,21 +172,28 @@ class HeldoutAccuracy:
         return {"heldout/accuracy": after, **sampled}, summary, message
 
 
+def task_problems(cfg) -> tuple[list, list]:
+    """``data.task``'s train and held-out problems (``data.train_size``, ``data.heldout_size``;
+    arithmetic-style tasks from ``data.generator`` with ``data.generator_kwargs``)."""
+    from alignment.data.tasks import load_problems
+
+    kw = {"generator": cfg.data.generator, "generator_kwargs": dict(cfg.data.generator_kwargs)} \
+        if cfg.data.task in ("arithmetic", "length") else {}
+    return (load_problems(cfg.data.task, "train", cfg.data.train_size, seed=cfg.seed, **kw),
+            load_problems(cfg.data.task, "heldout", cfg.data.heldout_size, seed=cfg.seed, **kw))
+
+
 def run_rl(cfg: DictConfig) -> dict:
     """Run a GRPO-family job, rejection-sampling fine-tuning (``rft``: :mod:`alignment.trainers.rft`)
     or online DPO (``online_dpo``: :mod:`alignment.trainers.online_dpo`) through
     :mod:`launchers.rl_loop`; returns the summary written to ``<output_dir>/summary.json``."""
-    from alignment.data.tasks import load_problems
     from alignment.trainers import grpo, online_dpo, rft
     from launchers import rl_loop
     from launchers.common import start
 
     job = start(cfg)  # validates the config before any process group starts
     models = build(cfg, job.hf_dir, job.hf_config, job.rank)
-    kw = {"generator": cfg.data.generator, "generator_kwargs": dict(cfg.data.generator_kwargs)} \
-        if cfg.data.task in ("arithmetic", "length") else {}
-    train = load_problems(cfg.data.task, "train", cfg.data.train_size, seed=cfg.seed, **kw)
-    heldout = load_problems(cfg.data.task, "heldout", cfg.data.heldout_size, seed=cfg.seed, **kw)
+    train, heldout = task_problems(cfg)
 
     def grpo_collect(problems, step: int, version: int):
         from megatron.core import parallel_state as ps

