@@ -175,6 +175,9 @@ class AlgorithmConfig:
     gamma: float = 1.0
     gae_lambda: float = 0.95
     value_clip: Optional[float] = 0.2  # critic value clipping half-width; null disables
+    # PPO: stop this step's remaining epochs / mini-batches once the policy's approximate KL from the
+    # sampling policy exceeds 1.5 x target_kl (OpenAI Spinning Up's PPO); null: run them all
+    target_kl: Optional[float] = None
     ppo_epochs: int = 1  # passes over each rollout batch (ppo and the GRPO family)
     num_mini_batches: int = 1  # optimizer steps per pass (ppo and the GRPO family)
     # DAPO: dynamic sampling (drop groups whose rewards are all equal, sample more prompts)
@@ -226,6 +229,17 @@ class RewardConfig:
 
 
 @dataclass
+class MetricBound:
+    """One entry of ``trainer.warn_on`` / ``trainer.stop_on``: a logged metric (its name without the
+    ``train/`` prefix of offline jobs, e.g. ``entropy``, ``kl``, ``loss``) and the bounds it must stay
+    within (``below``: crossed when the metric falls below it; ``above``: when it rises above)."""
+
+    metric: str = ""
+    below: Optional[float] = None
+    above: Optional[float] = None
+
+
+@dataclass
 class TrainerConfig:
     """Optimisation (Adam ``lr``, ``micro_batch_size`` sequences per forward), evaluation and checkpointing."""
 
@@ -240,6 +254,14 @@ class TrainerConfig:
     # every N steps rank 0 writes its share of the step's rollouts (prompt, conversation, turns,
     # tool calls, rewards) to <output_dir>/rollouts/step_<N>.jsonl and a few rows to TensorBoard; 0: never
     rollout_table_every: int = 0
+    # an update with NaN/inf gradients is skipped (health/skipped_updates); this many consecutive steps
+    # with a skipped update stop the run with a checkpoint (alignment/trainers/health.py); 0: never stop
+    max_bad_steps: int = 3
+    # bounds on logged metrics, checked after every step: warn_on prints a warning (health/warnings
+    # counts them), stop_on saves a checkpoint and stops the run, e.g. entropy collapse and runaway KL:
+    # [{metric: entropy, below: 0.05}, {metric: kl, above: 1.0}]
+    warn_on: list[MetricBound] = field(default_factory=list)
+    stop_on: list[MetricBound] = field(default_factory=list)
     eval_before: bool = True  # evaluate the held-out split before the first step (false: start training at once)
     # RL jobs: reuse the base checkpoint's before-training accuracy from an earlier run with the same
     # weights, prompts and generation settings (~/.cache/megalign/heldout; alignment/trainers/eval_cache.py)
@@ -357,6 +379,8 @@ def _validate_ppo(cfg, dp: int) -> None:
                           "data.task's answers (e.g. [{name: correctness}]) and a model.critic_path")
     if not (0.0 <= a.gamma <= 1.0 and 0.0 <= a.gae_lambda <= 1.0):
         raise ConfigError(f"algorithm.gamma={a.gamma} / gae_lambda={a.gae_lambda}: both must be in [0, 1]")
+    if a.target_kl is not None and not a.target_kl > 0:
+        raise ConfigError(f"algorithm.target_kl={a.target_kl}: must be > 0 (e.g. 0.01), or null to run every epoch")
     if a.ppo_epochs < 1 or a.num_mini_batches < 1:
         raise ConfigError(f"algorithm.ppo_epochs={a.ppo_epochs} / num_mini_batches={a.num_mini_batches}: must be >= 1")
     if r.prompts_per_step % dp:
@@ -894,6 +918,14 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
     if prof.enabled and (not prof.ranks or min(prof.ranks) < 0 or max(prof.ranks) >= layout.world_size):
         raise ConfigError(f"profile.ranks={list(prof.ranks)}: global ranks of trainers, in [0, {layout.world_size}), "
                           "e.g. [0]")
+    for kind in ("warn_on", "stop_on"):
+        for b in t.get(kind, []):
+            if not b.metric or (b.below is None and b.above is None):
+                raise ConfigError(f"trainer.{kind} entry {dict(b)}: give a metric and a bound, e.g. "
+                                  "{metric: entropy, below: 0.05} or {metric: kl, above: 1.0}")
+    if t.get("max_bad_steps", 0) < 0 or t.get("rollout_table_every", 0) < 0:
+        raise ConfigError(f"trainer.max_bad_steps={t.max_bad_steps} / trainer.rollout_table_every="
+                          f"{t.rollout_table_every}: must be >= 0 (0: never stop / never write the table)")
     if t.max_tokens_per_microbatch < 0:
         raise ConfigError(f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch}: must be >= 0 (0: "
                           f"use trainer.micro_batch_size rows)")

@@ -118,6 +118,7 @@ def run(cfg) -> dict:
 
     from alignment.trainers import offline
     from alignment.trainers.batching import MicroBatching
+    from alignment.trainers.health import HealthMonitor
     from alignment.trainers.checkpoint import (
         latest_checkpoint,
         load_megatron_checkpoint,
@@ -179,6 +180,7 @@ def run(cfg) -> dict:
             print(f"held-out before ({len(mine) * dp} examples): {json.dumps(before)}", flush=True)
     startup_s = job.seconds_since_launch()
 
+    health = HealthMonitor(cfg.trainer, job.rank)  # NaN/inf updates, trainer.warn_on / stop_on
     steps = job.progress(start_step, total, cfg.algorithm.name)
     for step in steps:
         job.profiler.begin(step)
@@ -199,8 +201,12 @@ def run(cfg) -> dict:
         job.profiler.end(step)
         metrics.update({"time/train": dt, "time/step": dt, "tokens_per_s": tokens / dt, "seq_length": tokens / rows,
                         "dp_token_imbalance": imbalance, "epoch": epoch + (k + 1) / steps_per_epoch})
+        stop = health.check(step + 1, metrics)
         job.log({f"train/{name}": v for name, v in metrics.items()}, step + 1)
         job.history.append(metrics)
+        if stop:
+            checkpoint(step + 1)
+            raise health.error(str(ckpt_dir / f"step_{step + 1}"))
         if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0 and step + 1 < total:
             job.log({f"heldout/{name}": v for name, v in evaluate().items()}, step + 1)
         if preemption.stop_requested():  # SIGUSR1/SIGTERM on any rank: save this step, exit 75

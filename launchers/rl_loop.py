@@ -4,8 +4,8 @@ online DPO), top to bottom:
     baseline -> resume -> evaluate -> for each step:
         collect (sample + reward) the batches of steps up to max_staleness ahead -> train this
         step's batch (while rollout ranks of their own sample the farthest one) -> sync weights
-        -> log (and every trainer.rollout_table_every steps the rollout table) -> preemption check
-        -> checkpoint
+        -> log (and every trainer.rollout_table_every steps the rollout table) -> health check
+        (trainer.max_bad_steps, warn_on, stop_on) -> preemption check -> checkpoint
     -> evaluate -> final checkpoint -> HF export -> summary
 
 What differs between algorithms comes in an :class:`RLJob` (its ``collect`` and ``train``, the
@@ -156,6 +156,7 @@ def run(job, models, spec: RLJob) -> dict:
 
     from alignment.trainers.checkpoint import (latest_checkpoint, load_models_checkpoint, save_hf_checkpoint,
                                                save_models_checkpoint)
+    from alignment.trainers.health import HealthMonitor
     from alignment.trainers.offload import trainable
     from alignment.trainers.rl_phases import post_for_group, sync_weights
     from launchers import preemption
@@ -197,6 +198,7 @@ def run(job, models, spec: RLJob) -> dict:
     prefetches = spec.request is not None and getattr(models.engine, "prefetch", None) is not None
     queue = RolloutQueue(lambda s, version: spec.collect(items(s), s, version), cfg.rollout.max_staleness,
                          start_step, t.steps, post if prefetches else None)
+    health = HealthMonitor(t, job.rank)  # NaN/inf updates, trainer.warn_on / stop_on
     steps = job.progress(start_step, t.steps, spec.name)
     for step in steps:  # the policy has had `step` updates
         t0 = time.perf_counter()
@@ -217,8 +219,12 @@ def run(job, models, spec: RLJob) -> dict:
         metrics["memory/peak_rss_gib"] = peak_rss_bytes() / 2**30  # this rank's, so far
         if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
             metrics.update(spec.evaluation.measure())
+        stop = health.check(step + 1, metrics)
         job.log(metrics, step + 1)
         job.history.append(metrics)
+        if stop:
+            checkpoint(step + 1)
+            raise health.error(str(ckpt_dir / f"step_{step + 1}"))
         if t.rollout_table_every and (step + 1) % t.rollout_table_every == 0 and job.rank == 0:
             write_rollout_table(job.out, step + 1, rollout, models.tokenizer, job.writer)
         if preemption.stop_requested():  # SIGUSR1/SIGTERM on any rank: save this step, exit 75

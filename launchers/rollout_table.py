@@ -1,6 +1,6 @@
 """The rollout table: every ``trainer.rollout_table_every`` steps, rank 0 writes the samples of its
-share of the step's batch (prompt, the episode's conversation, turns, tool calls and errors, reward
-and each reward term) to ``<output_dir>/rollouts/step_<step>.jsonl``, and its first rows as a
+share of the step's batch (prompt, response, the episode's conversation, turns, tool calls and
+errors, lengths, reward and each reward term) to ``<output_dir>/rollouts/step_<step>.jsonl``, and its first rows as a
 markdown table to TensorBoard (``rollouts``, TEXT tab), as verl and NeMo-RL log sampled
 generations."""
 
@@ -27,7 +27,7 @@ def rollout_rows(rollout, tokenizer) -> list[dict]:
             "answer": s.text, "messages": info.get("messages"),
             "turns": info.get("turns", 1), "tool_calls": info.get("tool_calls", 0),
             "tool_errors": info.get("tool_errors", 0), "finished": s.finished,
-            "generated_tokens": s.generated_tokens, "reward": None if rewards is None else float(rewards[i]),
+            "response_tokens": len(s.response_ids), "generated_tokens": s.generated_tokens, "reward": None if rewards is None else float(rewards[i]),
             **{f"reward/{k}": float(v[i]) for k, v in terms.items()}})
     return rows
 

@@ -16,10 +16,12 @@ ROOT = Path(__file__).resolve().parents[1]
 TEARDOWN_ABORT = "terminate called without an active exception"
 
 
-def run_torchrun(worker: str, *args: str, nproc: int = 2, timeout: int = 900, env: dict | None = None) -> str:
+def run_torchrun(worker: str, *args: str, nproc: int = 2, timeout: int = 900, env: dict | None = None,
+                 expect_failure: bool = False) -> str:
     """Run ``tests/dist/<worker>`` under torchrun with ``nproc`` CPU processes; return its output.
-    Fails the test with the tail of the log when the workers fail; a run that failed only by a
-    worker aborting at exit (:data:`TEARDOWN_ABORT`) is run once more first."""
+    Fails the test with the tail of the log when the workers fail (``expect_failure``: when they
+    succeed); a run that failed only by a worker aborting at exit (:data:`TEARDOWN_ABORT`) is run
+    once more first."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(ROOT / "tests" / "dist" / worker), *args]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
@@ -30,7 +32,9 @@ def run_torchrun(worker: str, *args: str, nproc: int = 2, timeout: int = 900, en
         print(f"{worker}: a worker aborted at exit ({TEARDOWN_ABORT!r}); running it once more", file=sys.stderr)
         proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
         out = proc.stdout + proc.stderr
-    if proc.returncode != 0:
+    if expect_failure and proc.returncode == 0:
+        pytest.fail(f"{worker} succeeded where it should have failed:\n{out[-3000:]}")
+    if proc.returncode != 0 and not expect_failure:
         pytest.fail(f"{worker} failed (exit {proc.returncode}):\n{out[-6000:]}")
     return out
 

@@ -148,3 +148,38 @@ def test_qwen3_moe_reward_model_and_dpo_with_expert_parallelism(tmp_path):
     s, _ = job(tmp_path, "dpo", *common, "algorithm.beta=0.5", "trainer.export_hf=false", model_dir=model_dir)
     losses = [h["loss"] for h in s["history"]]
     assert abs(losses[0] - math.log(2)) < 1e-6 and losses[0] > losses[1] > losses[2], losses
+
+
+def test_diverging_run_skips_nan_updates_then_stops_with_a_checkpoint(tmp_path):
+    """lr 1e30: the first update sends the weights to ~1e30, every later forward overflows, every later
+    gradient is NaN; those updates are skipped (Adam untouched) and after trainer.max_bad_steps=2
+    consecutive bad steps the run stops with a message naming the steps, the checkpoint and the fixes;
+    trainer.warn_on prints warnings, trainer.stop_on stops a run at the step that crosses its bound."""
+    model_dir = tmp_path / "tiny"
+    save_tiny_hf_dir(model_dir)
+    out, result = tmp_path / "sft", tmp_path / "sft.json"
+    log = run_torchrun("offline_e2e_worker.py", "sft", str(model_dir), str(out), *COMMON[:-1], "trainer.lr=1e30",
+                       "data.train_size=8", "data.heldout_size=8", "trainer.global_batch_size=4",
+                       "trainer.micro_batch_size=2", "trainer.epochs=3", "trainer.max_bad_steps=2",
+                       "trainer.eval_before=false", "trainer.warn_on=[{metric: loss, below: 100}]", str(result),
+                       timeout=900, expect_failure=True)
+    assert "steps 2-3: 2 consecutive steps had NaN/inf gradients and their updates were skipped" in log, log[-3000:]
+    assert "warning: step 1: loss = " in log and "is below 100 (trainer.warn_on)" in log  # NaN at 2, 3 too
+    assert "Lower trainer.lr" in log and not result.exists()
+    ckpt = out / "checkpoints" / "step_3"
+    assert (ckpt / "metadata.json").exists() and str(ckpt) in log
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(out / "tensorboard"))
+    ea.Reload()
+    skipped = [e.value for e in ea.Scalars("train/health/skipped_updates")]
+    assert skipped == [0.0, 1.0, 1.0]  # step 1 applied, steps 2 and 3 skipped
+
+    # trainer.stop_on: a bound crossed at step 1 stops the run there, with its checkpoint
+    out = tmp_path / "sft_stop"
+    log = run_torchrun("offline_e2e_worker.py", "sft", str(model_dir), str(out), *COMMON, "data.train_size=8",
+                       "data.heldout_size=8", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
+                       "trainer.eval_before=false", "trainer.stop_on=[{metric: loss, below: 100}]", str(result),
+                       timeout=900, expect_failure=True)
+    assert "TrainingStopped: step 1: loss = " in log and "is below 100 (trainer.stop_on), so the run stopped" in log
+    assert (out / "checkpoints" / "step_1" / "metadata.json").exists() and not (out / "checkpoints" / "step_2").exists()

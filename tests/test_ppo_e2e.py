@@ -31,6 +31,7 @@ def test_ppo_steps_update_policy_and_critic_and_resume(tmp_path):
         assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
         assert 0.0 <= m["rollout_correction/kl"] < 1e-6, m  # the mismatch metrics: no gap in fp32
         assert m["clip_fraction"] > 0.0  # later mini-batches/epochs move the ratio away from 1
+        assert m["ppo/policy_updates"] == 4.0 and m["health/skipped_updates"] == 0.0  # 2 epochs x 2 mini-batches
         assert m["loss/value"] > 0.0 and math.isfinite(m["explained_variance"]) and m["grad_norm"] > 0.0
     assert first["kl"] == 0.0 and second["kl"] != 0.0  # the policy moved away from the reference
     h = s["heldout"]
@@ -64,18 +65,23 @@ def test_ppo_on_a_task_in_multi_turn_episodes(tmp_path):
     """PPO on data.task's problems (reward.functions without reward_model: no reward model loaded, the
     critic from model.critic_path) in 3-turn episodes of the scripted environment: the trainer's
     logprobs equal vLLM's on every generated token of every turn (fp32), the critic and GAE run on the
-    model's tokens only (the environment's are masked), held-out accuracy is the evaluation."""
+    model's tokens only (the environment's are masked), held-out accuracy is the evaluation; and
+    algorithm.target_kl stops a step's epochs early."""
     model_dir = save_tiny_hf_dir(tmp_path / "tiny")
     out, result = tmp_path / "run", tmp_path / "result.json"
     run_torchrun("offline_e2e_worker.py", "ppo", str(model_dir), str(out), f"model.critic_path={model_dir}",
                  "model.reward_model_path=''", *ARGS, "trainer.steps=2", "data.task=arithmetic",
                  "reward.functions=[{name: correctness}, {name: environment, weight: 0.5}]",
                  "rollout.environment=tests.dist.echo_env:build", "rollout.max_turns=3", "rollout.max_tokens=64",
-                 "rollout.max_tokens_per_turn=6", "rollout.eval_max_tokens=6", str(result), timeout=900)
+                 "rollout.max_tokens_per_turn=6", "rollout.eval_max_tokens=6", "algorithm.target_kl=1e-9",
+                 str(result), timeout=900)
     s = json.loads(result.read_text())
     for m in s["history"]:
         assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
         assert m["episode/turns"] > 2.0 and m["episode/generated_tokens"] < m["response_length"]
         assert m["reward/environment"] == 0.25 * m["episode/turns"] and m["reward/correctness"] == 0.0
-        assert m["loss/value"] > 0.0 and math.isfinite(m["explained_variance"]) and m["clip_fraction"] > 0.0
+        assert m["loss/value"] > 0.0 and math.isfinite(m["explained_variance"])
+        # algorithm.target_kl: the first update moves the policy more than 1.5e-9 from the sampling one, so
+        # the second mini-batch's forward stops the step's epochs (1 of 4 updates ran)
+        assert m["ppo/policy_updates"] == 1.0 and m["approx_kl"] > 1.5e-9, m
     assert "heldout" not in s and 0.0 <= s["heldout_accuracy_after"] <= 1.0 and s["heldout_size"] == 4

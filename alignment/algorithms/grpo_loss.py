@@ -127,6 +127,8 @@ def grpo_loss(
             "kl_sum": kl_sum,
             "clipped_tokens": (is_clipped.to(mask.dtype) * mask).sum(),
             "ratio_sum": (ratio * mask).sum(),
+            # k3 estimate of KL(old || current) per token (Schulman's approximator): PPO's early stop
+            "approx_kl_sum": (((ratio - 1) - torch.log(ratio)) * mask).sum(),
             "tokens": mask.sum(),
             **corr,
         }

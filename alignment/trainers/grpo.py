@@ -37,6 +37,7 @@ from alignment.data.tasks import Problem, score_response
 from alignment.rollout.base import SamplingConfig
 from alignment.trainers.batching import make_batch
 from alignment.trainers.dp_balance import balance_over_dp
+from alignment.trainers.health import guarded_step
 from alignment.trainers.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
 from alignment.trainers.offload import trainable
 from alignment.trainers.process_rewarding import score_steps, step_metrics
@@ -77,7 +78,7 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
     loss_cfg = GRPOLossConfig.from_algorithm(a)
     size = batch["input_ids"].shape[0] // a.num_mini_batches
     keys = ["policy_loss_sum", "kl_sum", "clipped_tokens", "entropy_sum", "prob_error_sum", "tokens"]
-    local, grad_norms, outs = [0.0] * len(keys), [], []
+    local, grad_norms, outs, skipped = [0.0] * len(keys), [], [], 0
     for _ in range(a.ppo_epochs):
         for k in range(a.num_mini_batches):
             mini = {key: v[k * size : (k + 1) * size] for key, v in batch.items()}
@@ -105,8 +106,10 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
                                    outputs=LogprobOutputs(models.vocab_size, cfg.rollout.temperature, entropy=True),
                                    packing=cfg.trainer.sequence_packing, positions="response_mask",
                                    share_prompts=shares_prompts(cfg))
-            _, grad_norm, _ = models.optimizer.step()
-            grad_norms.append(float(grad_norm) if grad_norm is not None else 0.0)
+            applied, grad_norm = guarded_step(models.policy, models.optimizer)
+            if applied:
+                grad_norms.append(grad_norm)
+            skipped += not applied
             local = [acc + sum(o[key].item() for o in out) for acc, key in zip(local, keys)]
             outs += out
     # Only one rank per model replica contributes (the last stage's TP rank 0, CP rank 0).
@@ -121,7 +124,8 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
         "clip_fraction": sums["clipped_tokens"] / n,
         "entropy": sums["entropy_sum"] / n,
         "token_mult_prob_error": sums["prob_error_sum"] / n,
-        "grad_norm": sum(grad_norms) / len(grad_norms),
+        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+        "health/skipped_updates": float(skipped),  # NaN/inf gradients: alignment/trainers/health.py
         **routing_metrics(models.policy),  # MoE: expert load imbalance, aux loss
     }
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from alignment.trainers.batching import MicroBatching, cat_rows, make_sequence_batch
+from alignment.trainers.health import guarded_step
 from alignment.trainers.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
 from alignment.trainers.router_stats import routing_metrics
 from parallel.state import comm_device
@@ -93,9 +94,10 @@ def train_step(models: OfflineModels, objective, batch: dict, mb: MicroBatching)
     out = forward_backward(models.model, mb.split(batch), lambda micro, o: objective.loss(micro, o, normalizer),
                            outputs=objective.outputs, forward_only=False, packing=mb.packing,
                            positions=objective.positions)
-    _, grad_norm, _ = models.optimizer.step()
+    applied, grad_norm = guarded_step(models.model, models.optimizer)
     metrics = objective.metrics(global_sums(out))
-    metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+    metrics["grad_norm"] = grad_norm
+    metrics["health/skipped_updates"] = float(not applied)  # NaN/inf gradients: alignment/trainers/health.py
     metrics.update(routing_metrics(models.model))  # MoE: expert load imbalance, aux loss
     return metrics
 

@@ -33,6 +33,7 @@ from alignment.algorithms.value_loss import value_loss
 from alignment.config import ppo_on_task, process_reward_weight, shares_prompts
 from alignment.rollout.base import SamplingConfig
 from alignment.trainers.dp_balance import balance_over_dp
+from alignment.trainers.health import guarded_step
 from alignment.trainers.megatron_step import (
     LogprobOutputs,
     all_reduce_sum,
@@ -78,7 +79,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, group) -> torch.Tensor:
 
 
 def _train_critic(models: PPOModels, mb_list, normalizer: float, value_clip: float | None,
-                  packing: dict) -> list[dict]:
+                  packing: dict) -> tuple[list[dict], bool]:
     def loss_fn(mb, out):
         per_token = value_loss(out["values"], mb["values"], mb["returns"], value_clip)
         mask = mb["response_mask"]
@@ -87,12 +88,15 @@ def _train_critic(models: PPOModels, mb_list, normalizer: float, value_clip: flo
     models.critic.zero_grad_buffer()
     models.critic_optimizer.zero_grad()
     out = forward_backward(models.critic, mb_list, loss_fn, outputs=value_outputs, forward_only=False, **packing)
-    models.critic_optimizer.step()
-    return out
+    applied, _ = guarded_step(models.critic, models.critic_optimizer)
+    return out, applied
 
 
-def _train_policy(models: PPOModels, mb_list, normalizer: float, loss_cfg: GRPOLossConfig,
-                  temperature: float, packing: dict) -> tuple[list[dict], float]:
+def _train_policy(models: PPOModels, mb_list, normalizer: float, loss_cfg: GRPOLossConfig, temperature: float,
+                  packing: dict, target_kl: float | None = None) -> tuple[list[dict], float, bool, bool]:
+    """One policy update on a mini-batch; returns (loss outputs, gradient norm, applied, stopped):
+    ``stopped`` when ``target_kl`` is set and the mini-batch's approximate KL from the sampling policy
+    exceeds 1.5 x ``target_kl`` (no update then; the caller ends the step's epochs)."""
     def loss_fn(mb, out):
         entropy_sum = (out["entropy"] * mb["response_mask"]).sum()
         lp = out["logprobs"]
@@ -106,8 +110,12 @@ def _train_policy(models: PPOModels, mb_list, normalizer: float, loss_cfg: GRPOL
     out = forward_backward(models.policy, mb_list, loss_fn, forward_only=False, **packing,
                            outputs=LogprobOutputs(models.vocab_size, temperature, entropy=True),
                            positions="response_mask")
-    _, grad_norm, _ = models.optimizer.step()
-    return out, float(grad_norm) if grad_norm is not None else 0.0
+    if target_kl is not None:  # Spinning Up's PPO: stop before the update that would leave the trust region
+        sums = global_sums(out, ["approx_kl_sum", "tokens"])
+        if sums["approx_kl_sum"] / max(sums["tokens"], 1.0) > 1.5 * target_kl:
+            return out, float("nan"), True, True
+    applied, grad_norm = guarded_step(models.policy, models.optimizer)
+    return out, grad_norm, applied, False
 
 
 def request(prompts: list[list[int]], cfg) -> tuple[list[list[int]], SamplingConfig]:
@@ -194,18 +202,28 @@ def train(models: PPOModels, rollout: Rollout, cfg) -> tuple[dict[str, float], d
         mini = {key: v[k * size : (k + 1) * size] for key, v in batch.items()}
         [tokens] = all_reduce_sum([mini["response_mask"].sum().item()], dp_group)
         minis.append((microbatches(mini, cfg), tokens))
-    policy_out, critic_out, grad_norms = [], [], []
+    policy_out, critic_out, grad_norms, skipped = [], [], [], 0
     models.placement.keep(*trainable("critic"))
     for _ in range(a.ppo_epochs):
         for mb_list, tokens in minis:
-            critic_out += _train_critic(models, mb_list, tokens, a.value_clip, packing)
+            out, applied = _train_critic(models, mb_list, tokens, a.value_clip, packing)
+            critic_out += out
+            skipped += not applied
     critic_routing = routing_metrics(models.critic, prefix="moe_critic")  # MoE critic; before the policy trains
     models.placement.keep(*trainable("policy"))
+    policy_updates, stopped = 0, False
     for _ in range(a.ppo_epochs):
         for mb_list, tokens in minis:
-            out, norm = _train_policy(models, mb_list, tokens, loss_cfg, r.temperature, packing)
+            out, norm, applied, stopped = _train_policy(models, mb_list, tokens, loss_cfg, r.temperature, packing,
+                                                        a.target_kl)
             policy_out += out
-            grad_norms.append(norm)
+            if stopped:  # algorithm.target_kl: the rest of this step's epochs are skipped
+                break
+            grad_norms += [norm] if applied else []
+            skipped += not applied
+            policy_updates += 1
+        if stopped:
+            break
     times["train"] = time.perf_counter() - t0
 
     # Global statistics: policy/critic sums counted once per replica; batch statistics once per DP rank.
@@ -231,7 +249,9 @@ def train(models: PPOModels, rollout: Rollout, cfg) -> tuple[dict[str, float], d
         "clip_fraction": p["clipped_tokens"] / max(p["tokens"], 1.0),
         "entropy": p["entropy_sum"] / max(p["tokens"], 1.0),
         "explained_variance": 1.0 - var_e / var_r if var_r > 0 else 0.0,
-        "grad_norm": sum(grad_norms) / len(grad_norms),
+        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+        "health/skipped_updates": float(skipped),  # policy and critic updates with NaN/inf gradients
+        "ppo/policy_updates": float(policy_updates), "approx_kl": p["approx_kl_sum"] / max(p["tokens"], 1.0),
         "token_mult_prob_error": perr / tok,
         **correction_metrics(policy_out, max(p["tokens"], 1.0)),
         **routing_metrics(models.policy),  # MoE: expert load imbalance, aux loss

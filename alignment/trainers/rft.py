@@ -31,6 +31,7 @@ from alignment.data.prompts import build_prompt_ids
 from alignment.data.tasks import Problem
 from alignment.rollout.base import Sample
 from alignment.trainers.batching import make_batch
+from alignment.trainers.health import guarded_step
 from alignment.trainers.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
 from alignment.trainers.offload import trainable
 from alignment.trainers.rewarding import combine, job_terms, score_terms, term_metrics
@@ -119,7 +120,7 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
     batch["loss_mask"] = batch["response_mask"] * float(real)  # the placeholder's token weighs 0
     [tokens] = all_reduce_sum([batch["loss_mask"].sum().item()], ps.get_data_parallel_group())
     models.placement.keep(*trainable("policy"))
-    loss_sum, grad_norm = 0.0, 0.0
+    loss_sum, grad_norm, skipped = 0.0, 0.0, 0.0
     if tokens > 0:  # every rank agrees: the sum is global
         def loss_fn(mb, out):
             lp, mask = out["logprobs"], mb["loss_mask"]
@@ -130,8 +131,8 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
         out = forward_backward(models.policy, microbatches(batch, cfg), loss_fn, forward_only=False,
                                outputs=LogprobOutputs(models.vocab_size), packing=cfg.trainer.sequence_packing,
                                positions="response_mask", share_prompts=shares_prompts(cfg))
-        _, norm, _ = models.optimizer.step()
-        grad_norm = float(norm) if norm is not None else 0.0
+        applied, grad_norm = guarded_step(models.policy, models.optimizer)
+        skipped = float(not applied)
         loss_sum = sum(float(o["nll_sum"]) for o in out) if is_output_rank() else 0.0
     times["train"] = time.perf_counter() - t0
     info = rollout.info
@@ -148,6 +149,7 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
                "rft/solved_fraction": sums["solved"] / problems,
                "rft/rationalized_fraction": sums["rationalized"] / problems,
                "rft/kept": n_kept, "loss/sft": nll / tokens if tokens else 0.0, "grad_norm": grad_norm,
+               "health/skipped_updates": skipped,
                "reward/kept_mean": r_sum / n_kept if n_kept else 0.0,
                "response_length": length / n_kept if n_kept else 0.0, "tokens": seq_tokens,
                "reward/mean": sums["reward_sum"] / max(sums["sampled"], 1.0),  # of every sampled answer

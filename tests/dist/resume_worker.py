@@ -1,6 +1,7 @@
 """torchrun worker (2 processes, DP=2): a run resumed from a Megatron checkpoint (model +
 optimizer state + step) continues exactly like an uninterrupted run, with Megatron's
-plain and distributed optimizer (the latter needs cpu_compat's state-loading shim).
+plain and distributed optimizer (the latter needs cpu_compat's state-loading shim); an update
+with a NaN gradient on one rank is skipped on both and leaves weights and Adam state untouched.
 
     torchrun --nproc-per-node 2 tests/dist/resume_worker.py CKPT_DIR RESULT.json
 Writes {"<optimizer>": {"resumed_vs_straight": float, "model_only_vs_straight": float, "step": int}}.
@@ -17,6 +18,7 @@ from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.weights import export_hf_weights, load_hf_weights
 from alignment.trainers.batching import split_microbatches
 from alignment.trainers.checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
+from alignment.trainers.health import guarded_step
 from alignment.trainers.megatron_step import LogprobOutputs, OptimConfig, forward_backward, setup_training
 from parallel.layout import ParallelLayout
 from parallel.state import env_world, init_distributed
@@ -32,9 +34,13 @@ def fresh(hf, distributed: bool, tp: int = 1):
     return setup_training(model, OptimConfig(lr=1e-2, use_distributed_optimizer=distributed))
 
 
-def train(ddp, optimizer, hf, steps: range) -> None:
+def train(ddp, optimizer, hf, steps: range, poison: bool = False) -> list[bool]:
+    """Train ``steps``; ``poison``: rank 1 writes a NaN into one gradient before each update, which
+    :func:`guarded_step` must skip on both ranks. Returns whether each update was applied."""
+    import torch
     from megatron.core import parallel_state as ps
 
+    applied = []
     for step in steps:
         batch = make_batch(hf.config.vocab_size)
         batch["advantages"] = batch["advantages"] * (1 + step)  # a different batch each step
@@ -52,7 +58,10 @@ def train(ddp, optimizer, hf, steps: range) -> None:
         optimizer.zero_grad()
         forward_backward(ddp, split_microbatches(local, 2), loss_fn, forward_only=False,
                          outputs=LogprobOutputs(hf.config.vocab_size))
-        optimizer.step()
+        if poison and torch.distributed.get_rank() == 1:
+            next(ddp.parameters()).main_grad.view(-1)[0] = float("nan")
+        applied.append(guarded_step(ddp, optimizer)[0])
+    return applied
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -83,9 +92,17 @@ def main(ckpt_root: str, path: str) -> None:
         ddp, opt = fresh(hf, distributed)  # control: model restored but Adam state lost
         load_megatron_checkpoint(ddp, ckpt)
         train(ddp, opt, hf, range(2, 3))
-        results[name] = {"resumed_vs_straight": max_diff(resumed, straight),
-                         "model_only_vs_straight": max_diff(export_hf_weights(ddp, bridge), straight),
-                         "step": step}
+        model_only = max_diff(export_hf_weights(ddp, bridge), straight)
+
+        ddp, opt = fresh(hf, distributed)  # a NaN gradient on one rank: the update is skipped everywhere
+        train(ddp, opt, hf, range(2))
+        before = export_hf_weights(ddp, bridge)
+        skipped = train(ddp, opt, hf, range(2, 3), poison=True)
+        untouched = max_diff(export_hf_weights(ddp, bridge), before)
+        train(ddp, opt, hf, range(2, 3))  # then the same step, clean: as if the bad one never happened
+        results[name] = {"resumed_vs_straight": max_diff(resumed, straight), "model_only_vs_straight": model_only,
+                         "step": step, "poisoned_applied": skipped, "poisoned_moved": untouched,
+                         "after_skip_vs_straight": max_diff(export_hf_weights(ddp, bridge), straight)}
     ddp, opt = fresh(hf, True)  # a plain-optimizer checkpoint cannot fill a distributed optimizer
     try:
         load_megatron_checkpoint(ddp, f"{ckpt_root}/optimizer/step_2", optimizer=opt)
