@@ -26,14 +26,15 @@ class TrainingDiverged(RuntimeError):
 def grads_finite(model: torch.nn.Module) -> bool:
     """Whether every gradient of ``model`` (Megatron DDP's ``main_grad`` buffers, else ``.grad``) is
     finite on every rank. Collective over all ranks (one all-reduce), so every rank takes the same
-    decision; a NaN on one data-parallel rank is seen before any reduction spreads it."""
-    bad = 0.0
+    decision; a NaN on one data-parallel rank is seen before any reduction spreads it. Costs one
+    pass over the gradients and one host sync."""
+    flags = []
     for p in model.parameters():
         g = getattr(p, "main_grad", None)
         g = p.grad if g is None else g
-        if g is not None and not bool(torch.isfinite(g).all()):
-            bad = 1.0
-            break
+        if g is not None:
+            flags.append(torch.isfinite(g).all())
+    bad = 0.0 if not flags or bool(torch.stack(flags).all()) else 1.0  # one device sync, not one per parameter
     return all_reduce_max([bad])[0] == 0.0
 
 
