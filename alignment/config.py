@@ -257,6 +257,9 @@ class TrainerConfig:
     # an update with NaN/inf gradients is skipped (health/skipped_updates); this many consecutive steps
     # with a skipped update stop the run with a checkpoint (alignment/trainers/health.py); 0: never stop
     max_bad_steps: int = 3
+    # every N steps log the gradient norm of each layer group (grad_norm/embedding, grad_norm/layer_07/mlp,
+    # ...; alignment/trainers/grad_stats.py) of the step's first update; 0: never
+    grad_stats_every: int = 0
     # bounds on logged metrics, checked after every step: warn_on prints a warning (health/warnings
     # counts them), stop_on saves a checkpoint and stops the run, e.g. entropy collapse and runaway KL:
     # [{metric: entropy, below: 0.05}, {metric: kl, above: 1.0}]
@@ -923,9 +926,10 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
             if not b.metric or (b.below is None and b.above is None):
                 raise ConfigError(f"trainer.{kind} entry {dict(b)}: give a metric and a bound, e.g. "
                                   "{metric: entropy, below: 0.05} or {metric: kl, above: 1.0}")
-    if t.get("max_bad_steps", 0) < 0 or t.get("rollout_table_every", 0) < 0:
-        raise ConfigError(f"trainer.max_bad_steps={t.max_bad_steps} / trainer.rollout_table_every="
-                          f"{t.rollout_table_every}: must be >= 0 (0: never stop / never write the table)")
+    for name in ("max_bad_steps", "rollout_table_every", "grad_stats_every"):
+        if t.get(name, 0) < 0:
+            raise ConfigError(f"trainer.{name}={t[name]}: must be >= 0 (0: never stop / never write the table / "
+                              "never measure)")
     if t.max_tokens_per_microbatch < 0:
         raise ConfigError(f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch}: must be >= 0 (0: "
                           f"use trainer.micro_batch_size rows)")

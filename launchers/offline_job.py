@@ -192,7 +192,10 @@ def run(cfg) -> dict:
         idx = [step_idx[j] for j in share]
         t0 = time.perf_counter()
         batch = batch_of([train[i] for i in idx])
+        every = cfg.trainer.grad_stats_every
+        models.grad_norms = {} if every and (step + 1) % every == 0 else None
         metrics = offline.train_step(models, objective, batch, rows_per_mb)
+        metrics.update(models.grad_norms or {})
         leader = replica_group().rank() == 0
         real = batch["input_ids"] != pad
         tokens, rows = offline.all_reduce_sum([float(real.sum()) if leader else 0.0,

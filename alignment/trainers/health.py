@@ -38,8 +38,10 @@ def grads_finite(model: torch.nn.Module) -> bool:
     return all_reduce_max([bad])[0] == 0.0
 
 
-def guarded_step(model: torch.nn.Module, optimizer) -> tuple[bool, float]:
+def guarded_step(model: torch.nn.Module, optimizer, group_norms: dict | None = None) -> tuple[bool, float]:
     """``optimizer.step()`` unless a gradient of ``model`` is NaN/inf on some rank (:func:`grads_finite`).
+    ``group_norms``: an empty dict, filled (before the step clips the gradients) with
+    :func:`alignment.trainers.grad_stats.grad_group_norms` (``trainer.grad_stats_every``); None: not measured.
 
     Returns:
         ``(applied, grad_norm)``: ``(True, the step's gradient norm)``, or ``(False, nan)`` when the
@@ -47,6 +49,10 @@ def guarded_step(model: torch.nn.Module, optimizer) -> tuple[bool, float]:
     """
     if not grads_finite(model):
         return False, float("nan")
+    if group_norms is not None and not group_norms:  # a step's first update
+        from alignment.trainers.grad_stats import grad_group_norms
+
+        group_norms.update(grad_group_norms(model, optimizer))
     _, norm, _ = optimizer.step()
     return True, float(norm) if norm is not None else 0.0
 

@@ -32,6 +32,7 @@ class OfflineModels:
     reference: torch.nn.Module | None
     bridge: object
     tokenizer: object
+    grad_norms: dict | None = None  # as alignment.trainers.rl_phases.Models.grad_norms
 
 
 def _ps():
@@ -94,7 +95,7 @@ def train_step(models: OfflineModels, objective, batch: dict, mb: MicroBatching)
     out = forward_backward(models.model, mb.split(batch), lambda micro, o: objective.loss(micro, o, normalizer),
                            outputs=objective.outputs, forward_only=False, packing=mb.packing,
                            positions=objective.positions)
-    applied, grad_norm = guarded_step(models.model, models.optimizer)
+    applied, grad_norm = guarded_step(models.model, models.optimizer, models.grad_norms)
     metrics = objective.metrics(global_sums(out))
     metrics["grad_norm"] = grad_norm
     metrics["health/skipped_updates"] = float(not applied)  # NaN/inf gradients: alignment/trainers/health.py

@@ -114,7 +114,7 @@ def _train_policy(models: PPOModels, mb_list, normalizer: float, loss_cfg: GRPOL
         sums = global_sums(out, ["approx_kl_sum", "tokens"])
         if sums["approx_kl_sum"] / max(sums["tokens"], 1.0) > 1.5 * target_kl:
             return out, float("nan"), True, True
-    applied, grad_norm = guarded_step(models.policy, models.optimizer)
+    applied, grad_norm = guarded_step(models.policy, models.optimizer, models.grad_norms)
     return out, grad_norm, applied, False
 
 

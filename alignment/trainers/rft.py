@@ -131,7 +131,7 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
         out = forward_backward(models.policy, microbatches(batch, cfg), loss_fn, forward_only=False,
                                outputs=LogprobOutputs(models.vocab_size), packing=cfg.trainer.sequence_packing,
                                positions="response_mask", share_prompts=shares_prompts(cfg))
-        applied, grad_norm = guarded_step(models.policy, models.optimizer)
+        applied, grad_norm = guarded_step(models.policy, models.optimizer, models.grad_norms)
         skipped = float(not applied)
         loss_sum = sum(float(o["nll_sum"]) for o in out) if is_output_rank() else 0.0
     times["train"] = time.perf_counter() - t0

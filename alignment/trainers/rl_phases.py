@@ -39,6 +39,9 @@ class Models:
     reward_model: torch.nn.Module | None = None  # frozen scalar-head model (reward.functions: reward_model)
     process_reward_model: torch.nn.Module | None = None  # frozen PRM (reward.functions: process_reward)
     episodes: object = None  # alignment.rollout.multi_turn.EpisodeSetup (rollout.environment)
+    #: a dict on steps that measure the policy's gradient norms per layer group (trainer.grad_stats_every):
+    #: guarded_step fills it, the loop logs it; None: not this step
+    grad_norms: dict | None = None
 
 
 

@@ -34,9 +34,10 @@ def fresh(hf, distributed: bool, tp: int = 1):
     return setup_training(model, OptimConfig(lr=1e-2, use_distributed_optimizer=distributed))
 
 
-def train(ddp, optimizer, hf, steps: range, poison: bool = False) -> list[bool]:
+def train(ddp, optimizer, hf, steps: range, poison: bool = False, stats: list | None = None) -> list[bool]:
     """Train ``steps``; ``poison``: rank 1 writes a NaN into one gradient before each update, which
-    :func:`guarded_step` must skip on both ranks. Returns whether each update was applied."""
+    :func:`guarded_step` must skip on both ranks. Returns whether each update was applied.
+    ``stats``: gets each step's ``(gradient norms per layer group, the optimizer's gradient norm)``."""
     import torch
     from megatron.core import parallel_state as ps
 
@@ -60,7 +61,11 @@ def train(ddp, optimizer, hf, steps: range, poison: bool = False) -> list[bool]:
                          outputs=LogprobOutputs(hf.config.vocab_size))
         if poison and torch.distributed.get_rank() == 1:
             next(ddp.parameters()).main_grad.view(-1)[0] = float("nan")
-        applied.append(guarded_step(ddp, optimizer)[0])
+        groups = {} if stats is not None else None
+        done, norm = guarded_step(ddp, optimizer, groups)
+        applied.append(done)
+        if stats is not None:
+            stats.append((groups, norm))
     return applied
 
 
@@ -77,8 +82,10 @@ def main(ckpt_root: str, path: str) -> None:
     for distributed in (False, True):
         name = "distributed_optimizer" if distributed else "optimizer"
         ddp, opt = fresh(hf, distributed)
-        train(ddp, opt, hf, range(3))
+        stats = []
+        train(ddp, opt, hf, range(3), stats=stats)
         straight = export_hf_weights(ddp, bridge)
+        results[f"grad_stats_{name}"] = stats
 
         ddp, opt = fresh(hf, distributed)
         train(ddp, opt, hf, range(2))
@@ -116,6 +123,11 @@ def main(ckpt_root: str, path: str) -> None:
         results["layout_error"] = None
     except ValueError as e:
         results["layout_error"] = str(e)
+    for distributed in (False, True):  # TP=2: split weights and their duplicated norms counted once
+        ddp, opt = fresh(hf, distributed, tp=2)
+        stats = []
+        train(ddp, opt, hf, range(3), stats=stats)
+        results[f"grad_stats_tp2_{'distributed_optimizer' if distributed else 'optimizer'}"] = stats
     write_results_and_shutdown(path, results)
 
 
