@@ -67,7 +67,10 @@ class DataConfig:
     # RL jobs: arithmetic (reasoning-gym chain_sum) | gsm8k | humaneval (unit tests run in the sandbox) |
     # length (a smoke test)
     task: str = "arithmetic"
-    # SFT / RM / DPO jobs: alpaca_en_demo (SFT) | dpo_en_demo (pairs), from the llamafactory sdist;
+    # SFT / RM / DPO jobs: alpaca_en_demo (SFT) | dpo_en_demo (pairs), from the llamafactory sdist, or a file
+    # of your own (.json array / .jsonl lines): SFT records alpaca-style {instruction, input, output} or
+    # {messages: [...]} ending with the assistant's; pairs ShareGPT-style {conversations, chosen, rejected} or
+    # {prompt, chosen, rejected} (alignment/data/chat_data.py);
     # PRM: a directory of step-labelled solutions (train.jsonl, heldout.jsonl) from tools/make_prm_data.py
     dataset: str = "dpo_en_demo"
     max_length: int = 256  # tokens of prompt + response (longer ones are truncated)
@@ -539,8 +542,11 @@ def _validate_offline(cfg, dp: int) -> None:
     a, d, t = cfg.algorithm, cfg.data, cfg.trainer
     if a.name == "prm":
         _validate_prm(cfg)
-    elif d.dataset != (wanted := "alpaca_en_demo" if a.name == "sft" else "dpo_en_demo"):
-        raise ConfigError(f"data.dataset={d.dataset!r}: algorithm.name={a.name} trains on {wanted}")
+    elif not str(d.dataset).endswith((".json", ".jsonl")) and \
+            d.dataset != (wanted := "alpaca_en_demo" if a.name == "sft" else "dpo_en_demo"):
+        raise ConfigError(f"data.dataset={d.dataset!r}: algorithm.name={a.name} trains on {wanted} or a file of your "
+                          f"own ({'alpaca or chat messages' if a.name == 'sft' else 'prompt, chosen, rejected'} "
+                          "records in a .json array or .jsonl lines)")
     if a.name == "dpo" and a.loss_type not in LOSS_TYPES:
         raise ConfigError(f"algorithm.loss_type={a.loss_type!r}: valid values are {', '.join(LOSS_TYPES)}")
     if a.name == "dpo" and a.beta <= 0:
@@ -889,9 +895,11 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
     Raises:
         ConfigError / parallel.layout.LayoutError: naming the field and valid values.
     """
+    from alignment.config_ranges import validate_ranges
     from alignment.models.families import model_dims
     from parallel.layout import ParallelLayout, validate_model_layout
 
+    validate_ranges(cfg)  # every numeric field in its range first (README "Bad inputs")
     try:
         dims = model_dims(hf_config)  # the family: a clear error for an unsupported architecture
     except ValueError as e:

@@ -224,18 +224,38 @@ def serve_as_rollout_rank(cfg, hf_dir: Path, hf_config) -> None:
         shutdown()
 
 
+def check_job(cfg, world_size: int):
+    """What :func:`start` checks before any process group: the config against the world size and
+    the model (:func:`alignment.config.validate`), then the job's inputs
+    (:func:`launchers.input_checks.check_inputs`). Returns ``(hf_dir, hf_config, note)``.
+
+    Raises:
+        ConfigError, LayoutError, CheckpointError, FileNotFoundError, ValueError: naming the field
+            or file and the fix (README "Bad inputs").
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    from alignment.config import validate
+    from alignment.models.hf_assets import prepare_hf_dir
+    from launchers.input_checks import check_inputs
+
+    hf_dir = prepare_hf_dir(cfg.model.path)
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    validate(cfg, world_size=world_size, hf_config=hf_config, tokenizer_size=len(tokenizer))
+    return hf_dir, hf_config, check_inputs(cfg, hf_config, tokenizer)
+
+
 def start(cfg) -> Run:
-    """Validate ``cfg`` against the world size and the model (before any process group), set
+    """Validate ``cfg`` against the world size and the model and check its inputs
+    (:mod:`launchers.input_checks`), both before any process group; set
     the CPU threads per process, initialise the parallel groups, create the output dir with
     ``config.yaml`` and a TensorBoard writer.
 
     The rollout ranks of a disaggregated job (``rollout.placement``) do not return: they serve
     the trainers' generation and weight syncs until the trainers stop them, then exit (status 0).
     The returned :class:`Run` is a trainer's (``world``: the trainer ranks)."""
-    from transformers import AutoConfig
-
-    from alignment.config import rollout_ranks, validate
-    from alignment.models.hf_assets import prepare_hf_dir
+    from alignment.config import rollout_ranks
     from launchers.preemption import install
     from parallel.layout import ParallelLayout
     from parallel.state import env_world, init_distributed, is_rollout_rank
@@ -252,11 +272,9 @@ def start(cfg) -> Run:
         log = route_third_party_output(Path(cfg.output_dir) / "logs" / f"rank{rank}.log")
         if rank == 0:
             print(f"third-party output (vLLM, torch, ...): {log}", flush=True)
-    hf_dir = prepare_hf_dir(cfg.model.path)
-    hf_config = AutoConfig.from_pretrained(hf_dir)
-    from transformers import AutoTokenizer
-
-    validate(cfg, world_size=world, hf_config=hf_config, tokenizer_size=len(AutoTokenizer.from_pretrained(hf_dir)))
+    hf_dir, hf_config, note = check_job(cfg, world)
+    if note and rank == 0:
+        print(note, flush=True)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world) if not torch.cuda.is_available() else 8)
     engines = rollout_ranks(cfg)

@@ -56,3 +56,38 @@ def test_sequence_batch_masks_response_predictions_and_last_token():
         make_sequence_batch([([5, 6], 2)], pad_id=0)
     with pytest.raises(ValueError, match="last_index"):
         sequence_scores(values, torch.tensor([0, 4]))
+
+
+def test_data_files_of_your_own(tmp_path):
+    """``data.dataset=<file>``: alpaca and chat-message SFT records, ShareGPT and TRL-style pairs, in a
+    .jsonl or a .json array, read as the demo sets are (duplicates dropped, the last records held out)."""
+    import json
+
+    from alignment.data.chat_data import PreferencePair, SFTExample
+
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("\n".join(json.dumps(r) for r in [
+        {"instruction": "Add", "input": "2 and 3", "output": "5"},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": "Hello"}]},
+        {"instruction": "Add", "input": "2 and 3", "output": "five"},  # the same prompt again: dropped
+        {"messages": [{"from": "human", "value": "Bye"}, {"from": "gpt", "value": "Goodbye"}]}]) + "\n")
+    assert load_sft_examples("train", 1, str(sft)) == [
+        SFTExample(({"role": "user", "content": "Add\n\n2 and 3"},), "5"),
+        SFTExample(({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}), "Hello")]
+    assert load_sft_examples("heldout", 1, str(sft)) == [SFTExample(({"role": "user", "content": "Bye"},), "Goodbye")]
+    pairs = tmp_path / "pairs.json"
+    pairs.write_text(json.dumps([
+        {"prompt": "Q1", "chosen": "good", "rejected": "bad"},
+        {"conversations": [{"from": "human", "value": "Q2"}], "chosen": {"from": "gpt", "value": "a"},
+         "rejected": {"from": "gpt", "value": "b"}}]))
+    assert load_preference_pairs("train", 1, str(pairs)) == [
+        PreferencePair(({"role": "user", "content": "Q1"},), "good", "bad")]
+    assert load_preference_pairs("heldout", 1, str(pairs))[0].chosen == "a"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"prompt": "x"}))
+    with pytest.raises(ValueError, match="a .json dataset is an array of records, not a dict"):
+        load_preference_pairs("train", 1, str(bad))
+    bad.write_text(json.dumps([{"messages": [{"role": "user", "content": "only a prompt"}]}]))
+    with pytest.raises(ValueError, match=r"bad.json record 1: 'messages' must end with the assistant's response"):
+        load_sft_examples("train", 1, str(bad))

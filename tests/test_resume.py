@@ -20,6 +20,10 @@ def test_resumed_training_equals_uninterrupted_and_nan_updates_are_skipped(torch
         assert r[name]["poisoned_applied"] == [False] and r[name]["poisoned_moved"] == 0.0, r
         assert r[name]["after_skip_vs_straight"] <= 1e-6, r
     assert "resume with trainer.use_distributed_optimizer=false" in r["mismatch_error"]
+    # every file of a checkpoint is in its manifest; a shard cut short is named before anything is read
+    assert {"common.pt", "metadata.json", ".metadata"} <= set(r["manifest_files"]), r["manifest_files"]
+    assert any(f.endswith(".distcp") for f in r["manifest_files"])
+    assert "is damaged: __" in r["damaged_error"] and "were written" in r["damaged_error"], r["damaged_error"]
     assert "tensor_model_parallel_size=1 (now 2)" in r["layout_error"], r["layout_error"]
     assert "pipeline_model_parallel_size" not in r["layout_error"]  # only what differs is named
     # trainer.grad_stats_every: per layer group, the squares add up to the optimizer's own (pre-clip) gradient

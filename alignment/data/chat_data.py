@@ -100,27 +100,127 @@ def _split(records: list, split: str, heldout_size: int) -> list:
     if split not in ("train", "heldout"):
         raise ValueError(f"split={split!r}: valid values are train, heldout")
     if not 0 < heldout_size < len(records):
-        raise ValueError(f"data.heldout_size={heldout_size}: must be in [1, {len(records) - 1}]")
+        raise ValueError(f"data.heldout_size={heldout_size}: must be in [1, {len(records) - 1}] (the dataset has "
+                         f"{len(records)} distinct records)")
     return records[:-heldout_size] if split == "train" else records[-heldout_size:]
 
 
-def load_sft_examples(split: str, heldout_size: int = 100, name: str = "alpaca_en_demo") -> list[SFTExample]:
-    """Alpaca-format examples (``instruction`` + optional ``input`` -> ``output``) of one split."""
-    records = json.loads(dataset_path(name).read_text())
+def is_data_file(name: str) -> bool:
+    """Whether ``data.dataset`` names a file of the user's (``.json`` / ``.jsonl``), not a demo set."""
+    return str(name).endswith((".json", ".jsonl"))
+
+
+def read_records(name: str) -> list[tuple[str, dict]]:
+    """``data.dataset``'s records, each with where it is (``file:line`` of a ``.jsonl`` line, ``file
+    record N`` of a ``.json`` array): a demo set of :data:`DATASETS` or a user's file.
+
+    Raises:
+        FileNotFoundError: no such file (naming ``data.dataset``).
+        ValueError: a line or file that is not JSON, a record that is not an object, or no records.
+    """
+    if not is_data_file(name):
+        path = dataset_path(name)
+    else:
+        path = pathlib.Path(name).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"data.dataset={name}: no such file (a .json array or .jsonl lines of records)")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".jsonl":
+        records = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append((f"{path}:{n}", json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not a JSON line ({e.msg} at column {e.colno})") from e
+    else:
+        try:
+            data = json.loads(text) if text.strip() else []
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e.msg} at line {e.lineno}); a .json file holds one array of "
+                             "records, a .jsonl file one record per line") from e
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: a .json dataset is an array of records, not a {type(data).__name__}")
+        records = [(f"{path} record {i}", r) for i, r in enumerate(data, 1)]
+    if not records:
+        raise ValueError(f"data.dataset={name}: {path} holds no records")
+    for where, r in records:
+        if not isinstance(r, dict):
+            raise ValueError(f"{where}: a record is a JSON object, not {type(r).__name__}")
+    return records
+
+
+def _text(where: str, r: dict, key: str) -> str:
+    value = r.get(key)
+    if isinstance(value, dict):  # ShareGPT's {"from": ..., "value": ...}
+        value = value.get("value")
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: {key!r} must be a string (got {type(value).__name__})")
+    return value
+
+
+def _messages(where: str, turns) -> tuple[dict, ...]:
+    if not isinstance(turns, list) or not turns:
+        raise ValueError(f"{where}: the conversation must be a non-empty list of messages")
     out = []
-    for r in records:
-        prompt = r["instruction"] if not r.get("input") else f"{r['instruction']}\n\n{r['input']}"
-        out.append(SFTExample(({"role": "user", "content": prompt},), r["output"]))
-    return _split(_dedup(out, lambda e: e.messages[0]["content"]), split, heldout_size)
+    for m in turns:
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}: a message is an object with role/content (or from/value)")
+        role, content = ((m.get("role"), m.get("content")) if "role" in m
+                         else (_ROLES.get(m.get("from")), m.get("value")))
+        if role not in ("system", "user", "assistant") or not isinstance(content, str):
+            raise ValueError(f"{where}: a message needs a role (system, user, assistant; or from: human, gpt, system) "
+                             "and a string content")
+        out.append({"role": role, "content": content})
+    return tuple(out)
+
+
+def _sft_example(where: str, r: dict) -> SFTExample:
+    """Alpaca (``instruction``, optional ``input``, ``output``) or chat (``messages``, the last an
+    assistant's: the target)."""
+    if "messages" in r:
+        msgs = _messages(where, r["messages"])
+        if msgs[-1]["role"] != "assistant" or len(msgs) < 2:
+            raise ValueError(f"{where}: 'messages' must end with the assistant's response after a prompt")
+        return SFTExample(msgs[:-1], msgs[-1]["content"])
+    missing = [k for k in ("instruction", "output") if k not in r]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(missing)} (an SFT record is alpaca-style instruction, "
+                         "input, output, or chat-style messages)")
+    prompt = _text(where, r, "instruction")
+    prompt = prompt if not r.get("input") else f"{prompt}\n\n{_text(where, r, 'input')}"
+    return SFTExample(({"role": "user", "content": prompt},), _text(where, r, "output"))
+
+
+def _preference_pair(where: str, r: dict) -> PreferencePair:
+    """ShareGPT (``conversations`` + ``chosen`` / ``rejected`` messages) or TRL-style (``prompt``
+    string or messages + ``chosen`` / ``rejected`` strings)."""
+    missing = [k for k in ("chosen", "rejected") if k not in r] + \
+        ([] if "conversations" in r or "prompt" in r else ["prompt (or conversations)"])
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(missing)} (a preference record has a prompt, chosen and "
+                         "rejected)")
+    prompt = r.get("conversations", r.get("prompt"))
+    msgs = ({"role": "user", "content": prompt},) if isinstance(prompt, str) else _messages(where, prompt)
+    return PreferencePair(msgs, _text(where, r, "chosen"), _text(where, r, "rejected"))
+
+
+def load_sft_examples(split: str, heldout_size: int = 100, name: str = "alpaca_en_demo") -> list[SFTExample]:
+    """SFT examples of one split from ``name`` (:func:`read_records`: a demo set or a user's
+    file; alpaca-style or chat-style records, :func:`_sft_example`).
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`read_records`; a record without its fields (named
+            with its place); a held-out size the data cannot give.
+    """
+    out = [_sft_example(where, r) for where, r in read_records(name)]
+    return _split(_dedup(out, lambda e: tuple((m["role"], m["content"]) for m in e.messages)), split, heldout_size)
 
 
 def load_preference_pairs(split: str, heldout_size: int = 50, name: str = "dpo_en_demo") -> list[PreferencePair]:
-    """ShareGPT-format preference pairs (``conversations`` + ``chosen``/``rejected``) of one split."""
-    records = json.loads(dataset_path(name).read_text())
-    out = []
-    for r in records:
-        msgs = tuple({"role": _ROLES[m["from"]], "content": m["value"]} for m in r["conversations"])
-        out.append(PreferencePair(msgs, r["chosen"]["value"], r["rejected"]["value"]))
+    """Preference pairs of one split from ``name`` (:func:`read_records`; ShareGPT or TRL-style
+    records, :func:`_preference_pair`). Raises as :func:`load_sft_examples`."""
+    out = [_preference_pair(where, r) for where, r in read_records(name)]
     return _split(_dedup(out, lambda p: tuple((m["role"], m["content"]) for m in p.messages)), split, heldout_size)
 
 

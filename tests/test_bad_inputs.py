@@ -1,0 +1,365 @@
+"""The catalogue of bad inputs (README "Bad inputs"): each case is what a user could give, checked the
+way a job checks it at start on every rank before any process group (``launchers/preflight.py``'s
+config check, then :mod:`launchers.input_checks`), and answered with one error naming the field or
+file and the fix; nothing is written to the output directory. The README's table is this list
+(``python -m tests.test_bad_inputs`` prints it; a test keeps the two equal).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Case:
+    """``given``: the input (README column); ``make(tmp) -> (config name, overrides, world size)``;
+    ``error``: the exception type; ``says``: a part of the message (README column: what the user sees);
+    ``patch``: monkeypatches a test needs (name -> (target, attribute, value))."""
+
+    kind: str
+    given: str
+    make: Callable
+    error: type | None
+    says: str
+    patch: Callable | None = None
+
+
+def conf(name: str, *overrides: str, world: int = 2):
+    return lambda tmp: (name, list(overrides), world)
+
+
+# ------------------------------------------------------------------ files the cases point at
+
+def _write(tmp: Path, name: str, text: str) -> str:
+    path = tmp / name
+    path.write_text(text)
+    return str(path)
+
+
+def data_file(name: str, text: str, algorithm: str = "sft", *extra: str):
+    def make(tmp):
+        return algorithm, [f"data.dataset={_write(tmp, name, text)}", f"output_dir={tmp / 'out'}", *extra], 2
+    return make
+
+
+def _tiny_dir(tmp: Path, name: str, **edit) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer; ``edit``: config.json or tokenizer_config.json
+    entries to change (``chat_template=None`` removes the template)."""
+    from tests.dist.tiny_llama import save_tiny_hf_dir
+
+    path = save_tiny_hf_dir(tmp / name)
+    cfg = json.loads((path / "config.json").read_text())
+    for k, v in edit.items():
+        if k == "chat_template":
+            (path / "chat_template.jinja").unlink(missing_ok=True)
+            tok = json.loads((path / "tokenizer_config.json").read_text())
+            tok.pop("chat_template", None)
+            (path / "tokenizer_config.json").write_text(json.dumps(tok))
+        else:
+            cfg[k] = v
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def model_dir(config: str, *extra: str, **edit):
+    return lambda tmp: (config, [f"model.path={_tiny_dir(tmp, 'model', **edit)}", f"output_dir={tmp / 'out'}",
+                                 *extra], 2)
+
+
+def checkpoint(saved: dict, damage: Callable | None = None, config: str = "sft", *extra: str, step: int = 4):
+    """A run's output directory holding ``checkpoints/step_<step>`` as a job writes it (config.yaml of
+    the run with ``saved`` overrides, Megatron's metadata.json, common.pt and a shard, the manifest),
+    then ``damage(step_dir)``; the case resumes from it."""
+    def make(tmp):
+        from omegaconf import OmegaConf
+
+        from alignment.trainers.checkpoint import _write_manifest
+        from launchers.preflight import compose
+        import torch
+
+        out = tmp / "out"
+        step_dir = out / "checkpoints" / f"step_{step}"
+        step_dir.mkdir(parents=True)
+        cfg = compose(config, [f"output_dir={out}", *extra, *(f"{k}={v}" for k, v in saved.items())])
+        (step_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        (step_dir / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+        torch.save({"step": step, "optimizer_kind": "plain"}, step_dir / "common.pt")
+        (step_dir / "__0_0.distcp").write_bytes(os.urandom(4096))
+        _write_manifest(step_dir)
+        if damage is not None:
+            damage(step_dir)
+        return config, [f"output_dir={out}", *extra], 2
+    return make
+
+
+def _truncate(d: Path) -> None:
+    with open(d / "__0_0.distcp", "r+b") as f:
+        f.truncate(1000)
+
+
+class _Payload:  # what a malicious common.pt would run when unpickled
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ.get('MEGALIGN_PAYLOAD', '/tmp/megalign_payload')}",))
+
+
+def _malicious_common(d: Path) -> None:
+    import torch
+
+    from alignment.trainers.checkpoint import _write_manifest
+
+    torch.save({"step": 4, "x": _Payload()}, d / "common.pt")
+    _write_manifest(d)
+
+
+def _prm_dir(tmp: Path, train: str) -> str:
+    d = tmp / "prm_data"
+    d.mkdir()
+    (d / "train.jsonl").write_text(train)
+    (d / "heldout.jsonl").write_text(json.dumps({"prompt": "1+1", "completions": ["2"], "labels": [True]}) + "\n")
+    return str(d)
+
+
+def _no_vllm(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+
+
+ALPACA = json.dumps({"instruction": "Say hi", "input": "", "output": "Hi"})
+
+CASES: list[Case] = [
+    # ---- configs: numeric fields out of range
+    Case("config", "`trainer.lr=-1`", conf("grpo", "trainer.lr=-1"), Exception,
+         "trainer.lr=-1.0: must be > 0"),
+    Case("config", "`trainer.micro_batch_size=0`", conf("grpo", "trainer.micro_batch_size=0"), Exception,
+         "trainer.micro_batch_size=0: must be >= 1"),
+    Case("config", "`trainer.global_batch_size=15` at DP 2", conf("sft", "trainer.global_batch_size=15"), Exception,
+         "trainer.global_batch_size=15 must be a multiple of the data-parallel size 2"),
+    Case("config", "`rollout.group_size=1` (GRPO)", conf("grpo", "rollout.group_size=1"), Exception,
+         "rollout.group_size=1: GRPO needs at least 2 samples per prompt"),
+    Case("config", "`rollout.temperature=0` (GRPO)", conf("grpo", "rollout.temperature=0"), Exception,
+         "rollout.temperature=0.0: GRPO samples"),
+    Case("config", "`rollout.max_model_len=9000` (SmolLM2: 8,192 positions)",
+         conf("grpo", "rollout.max_model_len=9000"),
+         Exception, "rollout.max_model_len=9000 exceeds the model's max_position_embeddings=8192"),
+    Case("config", "`algorithm.clip_ratio_high=-1`", conf("grpo", "algorithm.clip_ratio_high=-1"), Exception,
+         "clip_ratio_high=-1.0: must be > 0"),
+    Case("config", "`data.heldout_size=0`", conf("grpo", "data.heldout_size=0"), Exception,
+         "data.heldout_size=0: must be >= 1"),
+    Case("config", "`trainer.max_bad_steps=-1`", conf("grpo", "trainer.max_bad_steps=-1"), Exception,
+         "trainer.max_bad_steps=-1: must be >= 0"),
+    Case("config", "`model.lora.rank=-4`", conf("grpo", "model.lora.rank=-4"), Exception,
+         "model.lora.rank=-4: must be >= 0 (0: no LoRA)"),
+    Case("config", "`rollout.max_staleness=-1`", conf("grpo", "rollout.max_staleness=-1"), Exception,
+         "rollout.max_staleness=-1: must be >= 0"),
+    # ---- configs: unknown names
+    Case("config", "`algorithm.name=ppo2`", conf("grpo", "algorithm.name=ppo2"), Exception,
+         "algorithm.name='ppo2': valid values are grpo, ppo, rft, online_dpo, sft, rm, dpo, prm"),
+    Case("config", "`algorithm.loss_type=dpop` (DPO)", conf("dpo", "algorithm.loss_type=dpop"), Exception,
+         "algorithm.loss_type='dpop': valid values are sigmoid, ipo, hinge, kto, simpo, orpo"),
+    Case("config", "`algorithm.advantage_estimator=vtrace`", conf("grpo", "algorithm.advantage_estimator=vtrace"),
+         Exception, "algorithm.advantage_estimator='vtrace': valid values are grpo, grpo_no_std, rloo"),
+    Case("config", "`algorithm.policy_loss=grpo`", conf("grpo", "algorithm.policy_loss=grpo"), Exception,
+         "algorithm.policy_loss='grpo': valid values are ppo, gspo, cispo"),
+    Case("config", "`data.task=mmlu`", conf("grpo", "data.task=mmlu"), Exception,
+         "data.task='mmlu': valid values are arithmetic, gsm8k"),
+    Case("config", "`rollout.backend=sglang`", conf("grpo", "rollout.backend=sglang"), Exception,
+         "rollout.backend='sglang': valid values are vllm, megatron"),
+    Case("config", "`rollout.environment=chess`", conf("grpo", "rollout.environment=chess"), Exception,
+         "rollout.environment='chess': valid values are single_turn, tools or 'package.module:factory'"),
+    Case("config", "`reward.functions=[{name: helpfulness}]`", conf("grpo", "reward.functions=[{name: helpfulness}]"),
+         Exception, "reward.functions names ['helpfulness']"),
+    Case("config", "`trainer.lrr=1e-6` (a misspelt key)", conf("grpo", "trainer.lrr=1e-6"), Exception,
+         "Could not override 'trainer.lrr'"),
+    Case("config", "`trainer.steps=many` (a wrong type)", conf("grpo", "trainer.steps=many"), Exception,
+         "Error merging override trainer.steps=many"),
+    # ---- configs: combinations that cannot work
+    Case("config", "Ulysses context parallelism for a model whose heads it cannot split (SmolLM2: 9)",
+         conf("grpo", "parallel.context_parallel_size=2", "parallel.cp_comm_type=a2a"), Exception,
+         "cp_comm_type=a2a (Ulysses): 9 query heads"),
+    Case("config", "`rollout.max_staleness=1` without importance weights", conf("grpo", "rollout.max_staleness=1"),
+         Exception, "rollout.max_staleness=1 trains on samples from a policy up to 1 step(s) old"),
+    Case("config", "`parallel.tensor_model_parallel_size=2` for SmolLM2's 9 heads",
+         conf("grpo", "parallel.tensor_model_parallel_size=2"), Exception,
+         "parallel.tensor_model_parallel_size=2 must divide the model's 9 attention heads"),
+    Case("config", "`parallel.tensor_model_parallel_size=3` on 2 processes",
+         conf("grpo", "parallel.tensor_model_parallel_size=3"), Exception,
+         "parallel.tensor_model_parallel_size=3 does not divide the world size 2"),
+    Case("config", "`trainer.offload=true` for DPO", conf("dpo", "trainer.offload=true"), Exception,
+         "trainer.offload=true: algorithm.name=dpo uses every model"),
+    Case("config", "`data.dataset=alpaca_en_demo` for DPO", conf("dpo", "data.dataset=alpaca_en_demo"), Exception,
+         "data.dataset='alpaca_en_demo': algorithm.name=dpo trains on dpo_en_demo"),
+    Case("config", "`cluster=slurm_h100x8` (16 processes) started as 8", conf("grpo", "cluster=slurm_h100x8", world=8),
+         Exception, "cluster.nodes x cluster.gpus_per_node = 2 x 8 = 16 processes, but 8"),
+    # ---- data
+    Case("data", "`data.dataset=` a file that does not exist", lambda tmp: (
+        "sft", [f"data.dataset={tmp / 'none.jsonl'}", f"output_dir={tmp / 'out'}"], 2), FileNotFoundError,
+         "none.jsonl: no such file"),
+    Case("data", "an empty dataset file", data_file("empty.jsonl", ""), ValueError, "holds no records"),
+    Case("data", "a malformed JSON line", data_file("bad.jsonl", ALPACA + "\n" + '{"instruction": "x",\n'),
+         ValueError, "bad.jsonl:2: not a JSON line"),
+    Case("data", "a record without its response", data_file("short.jsonl", json.dumps({"instruction": "x"}) + "\n"),
+         ValueError, "short.jsonl:1: missing output"),
+    Case("data", "a preference record without `rejected`", data_file(
+        "pairs.jsonl", json.dumps({"prompt": "x", "chosen": "a"}) + "\n", "dpo"), ValueError,
+         "pairs.jsonl:1: missing rejected"),
+    Case("data", "`data.heldout_size` larger than the dataset", data_file(
+        "few.jsonl", "".join(json.dumps({"instruction": f"q{i}", "output": "a"}) + "\n" for i in range(5)), "sft",
+        "data.heldout_size=8"), ValueError, "data.heldout_size=8: must be in [1, 4]"),
+    Case("data", "a PRM data directory that does not exist", lambda tmp: (
+        "prm", [f"data.dataset={tmp / 'nowhere'}", f"output_dir={tmp / 'out'}"], 2), Exception,
+         "algorithm.name=prm trains on a directory of step-labelled solutions"),
+    Case("data", "a PRM record with fewer labels than steps", lambda tmp: (
+        "prm", [f"data.dataset={_prm_dir(tmp, json.dumps(dict(prompt='p', completions=['a', 'b'], labels=[True])))}",
+                f"output_dir={tmp / 'out'}"], 2), ValueError, "train.jsonl:1: a record needs a prompt string"),
+    Case("data", "GSM8K prompts longer than `rollout.max_model_len` leaves room for",
+         conf("grpo_gsm8k", "rollout.max_model_len=320", "rollout.max_tokens=128"), Exception,
+         "the longest prompt has 225 tokens"),
+    Case("data", "`data.generator=chain_summ` (not a reasoning-gym dataset)", conf("grpo", "data.generator=chain_summ"),
+         Exception, "data.generator='chain_summ' is not a reasoning-gym dataset"),
+    Case("data", "a tokenizer without a chat template", model_dir("sft", chat_template=None), Exception,
+         "its tokenizer has no chat template"),
+    # ---- checkpoints (trainer.resume=true: the latest complete one)
+    Case("checkpoint", "a shard file cut short", checkpoint({}, _truncate), Exception,
+         "__0_0.distcp has 1000 bytes, 4096 were written"),
+    Case("checkpoint", "a shard file missing", checkpoint({}, lambda d: (d / "__0_0.distcp").unlink()), Exception,
+         "__0_0.distcp is missing"),
+    Case("checkpoint", "`common.pt` that is not weights only (a pickled command)", checkpoint({}, _malicious_common),
+         Exception, "common.pt does not load as weights only"),
+    Case("checkpoint", "only an interrupted save (`step_4.tmp`)", lambda tmp: (
+        (tmp / "out" / "checkpoints" / "step_4.tmp").mkdir(parents=True), ("sft", [f"output_dir={tmp / 'out'}"], 2))[1],
+         None, "ignoring step_4.tmp"),
+    Case("checkpoint", "a checkpoint of another algorithm", checkpoint({"algorithm.name": "sft"}, None, "dpo"),
+         Exception, "written by another run: algorithm.name='sft' (now 'dpo')"),
+    Case("checkpoint", "a checkpoint with LoRA adapters resumed without them", checkpoint({"model.lora.rank": 8}),
+         Exception, "model.lora.rank=8 (now 0)"),
+    Case("checkpoint", "distributed-optimizer state saved at PP 2, resumed at PP 1", checkpoint(
+        {"parallel.pipeline_model_parallel_size": 2}, None, "sft", "trainer.use_distributed_optimizer=true"),
+         Exception, "parallel.pipeline_model_parallel_size=2 (now 1)"),
+    Case("checkpoint", "a checkpoint of another model", lambda tmp: checkpoint(
+        {"model.path": _tiny_dir(tmp, "other", hidden_size=32)})(tmp), Exception,
+         "the model's hidden_size=32 (now 576"),
+    # ---- models
+    Case("model", "an unsupported architecture (`GPT2LMHeadModel`)",
+         model_dir("sft", architectures=["GPT2LMHeadModel"]), Exception,
+         "model architecture 'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM"),
+    Case("model", "a tokenizer larger than the model's vocabulary", model_dir("sft", vocab_size=250), Exception,
+         "but the model's vocab_size is 250"),
+    Case("model", "`model.reward_model_path` that does not exist", lambda tmp: (
+        "ppo", ["model.path=smollm2", f"model.reward_model_path={tmp / 'rm'}", f"output_dir={tmp / 'out'}"], 2),
+         FileNotFoundError,
+         "model.reward_model_path="),
+    Case("model", "a reward model with another vocabulary", lambda tmp: (
+        "ppo", ["model.path=smollm2", f"model.reward_model_path={_tiny_dir(tmp, 'rm', vocab_size=50000)}",
+                f"output_dir={tmp / 'out'}"], 2),
+         Exception, "has a vocabulary of 50000 tokens, the policy"),
+    # ---- environment
+    Case("environment", "vLLM not installed, `rollout.backend=vllm`", conf("grpo"), Exception,
+         "rollout.backend=vllm, but vLLM is not installed", patch=_no_vllm),
+    Case("environment", "a GPU cluster config on a CPU machine", conf(
+        "sft", "cluster=slurm_h100x8", "trainer.micro_batch_size=1", world=16),
+         Exception, "has no CUDA device"),
+]
+
+
+def run_case(case: Case, tmp: Path) -> str | None:
+    """Compose, validate and check the inputs as ``launchers.common.start`` does, before any process
+    group; returns the resume note."""
+    from launchers.common import check_job
+    from launchers.preflight import compose
+
+    name, overrides, world = case.make(tmp)
+    return check_job(compose(name, overrides), world)[2]
+
+
+def _id(case: Case) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", f"{case.kind} {case.given}".lower()).strip("_")[:60]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_bad_input_gets_one_clear_error(case, tmp_path, monkeypatch):
+    if case.patch is not None:
+        case.patch(monkeypatch)
+    monkeypatch.setenv("MEGALIGN_PAYLOAD", str(tmp_path / "payload_ran"))
+    before = sorted(p.name for p in (tmp_path / "out").rglob("*")) if (tmp_path / "out").exists() else None
+    if case.error is None:
+        note = run_case(case, tmp_path)
+        assert case.says in (note or ""), note
+    else:
+        with pytest.raises(case.error) as info:
+            run_case(case, tmp_path)
+        assert case.says in str(info.value), str(info.value)
+    assert not (tmp_path / "payload_ran").exists()  # nothing unpickled ran
+    after = sorted(p.name for p in (tmp_path / "out").rglob("*")) if (tmp_path / "out").exists() else None
+    if before is not None:
+        assert after == before  # nothing written into the output directory
+
+
+def table() -> str:
+    lines = ["| # | kind | input | what the user sees (part of the message) |", "|---|---|---|---|"]
+    for i, c in enumerate(CASES, 1):
+        says = (c.says or "(nothing: the run starts)").replace("|", "\\|")
+        lines.append(f"| {i} | {c.kind} | {c.given} | {('`' + says + '`') if c.says else says} |")
+    return "\n".join(lines)
+
+
+def ranges_table() -> str:
+    """README's list of every numeric field's range."""
+    from alignment.config_ranges import RANGES, describe
+
+    return "\n".join(f"- `{f}` {describe(f)}{RANGES[f][4]}" for f in RANGES)
+
+
+def test_the_readme_lists_the_catalogue():
+    assert len(CASES) >= 40
+    readme = (ROOT / "README.md").read_text()
+    assert table() in readme and ranges_table() in readme, \
+        "README 'Bad inputs' differs from the catalogue: python -m tests.test_bad_inputs prints both"
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    print(table() + "\n\n" + ranges_table())
+
+
+def _outside(field: str):
+    from alignment.config_ranges import RANGES
+
+    low, low_in, high, high_in, _ = RANGES[field]
+    if high is not None and field != "rollout.top_p":
+        return high + 1 if high_in else high
+    return low - 1 if low_in else low
+
+
+def test_every_numeric_field_has_a_range():
+    from alignment.config_ranges import RANGES, UNBOUNDED, numeric_fields
+
+    fields = numeric_fields()
+    assert set(fields) == set(RANGES) | set(UNBOUNDED), sorted(set(fields) ^ (set(RANGES) | set(UNBOUNDED)))
+
+
+@pytest.mark.parametrize("field", sorted(__import__("alignment.config_ranges", fromlist=["RANGES"]).RANGES))
+def test_numeric_field_out_of_range(field):
+    """Each numeric field just outside its range: one error naming it and its range, before anything
+    else reads it."""
+    from alignment.config import ConfigError
+    from alignment.config_ranges import describe
+    from launchers.preflight import check
+
+    value = _outside(field)
+    config = "ppo" if field.startswith(("trainer.critic", "algorithm.gamma", "algorithm.gae", "algorithm.value")) \
+        else "grpo"
+    with pytest.raises(ConfigError) as info:
+        check(config, [f"{field}={value}", "model.path=smollm2"], 2)
+    assert str(info.value).startswith(f"{field}=") and f"must be {describe(field)}" in str(info.value), str(info.value)
