@@ -141,12 +141,12 @@ def check_resume(cfg, hf_config) -> str | None:
     """
     from omegaconf import OmegaConf
 
-    from alignment.trainers.checkpoint import latest_checkpoint, verify_checkpoint
+    from alignment.trainers.checkpoint import checkpoint_step, latest_checkpoint, verify_checkpoint
 
     directory = Path(cfg.output_dir) / "checkpoints"
     if not cfg.trainer.resume or not directory.is_dir():
         return None
-    interrupted = sorted(d.name for d in directory.glob("step_*") if not (d / "metadata.json").is_file())
+    interrupted = sorted(d.name for d in directory.glob("step_*") if checkpoint_step(d) is None)
     note = f"ignoring {', '.join(interrupted)} in {directory}: interrupted saves" if interrupted else None
     latest = latest_checkpoint(directory)
     if latest is None:

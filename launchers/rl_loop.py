@@ -12,7 +12,9 @@ What differs between algorithms comes in an :class:`RLJob` (its ``collect`` and 
 models its checkpoints hold and its held-out :class:`Evaluation`), built by the thin launchers
 (:mod:`launchers.train` for the GRPO family, ``rft`` and ``online_dpo``; :mod:`launchers.ppo_job`
 for PPO). Step ``s`` always trains on the same prompts (:func:`prompts_of_step`), so a resumed run
-neither skips nor repeats any.
+neither skips nor repeats any, and its generation samples from a stream of its own (the engines'
+``reseed(s)`` as it starts), so a run killed anywhere and resumed goes on bit for bit as the
+uninterrupted one (``tests/test_kill_resume.py``).
 
 Staleness (``rollout.max_staleness`` = k, :class:`RolloutQueue`): before training step ``s`` the
 batches of steps ``s .. s + k`` must have been sampled; the missing one(s) are sampled now by the
@@ -88,13 +90,21 @@ class RolloutQueue:
     farthest batch a step needs is then posted by :meth:`pop` and collected by :meth:`complete`
     after the step trained, so the engines sample it while the trainers train (its ``collect``
     receives what was posted). The versions are those of the schedule without ``post``.
+
+    ``reseed(step)``, when given, is called as step ``step``'s generation starts (before its
+    ``collect``, or its ``post``): the engines' :meth:`alignment.rollout.base.RolloutEngine.reseed`,
+    so that every step samples alike in an uninterrupted and a resumed run.
     """
 
-    def __init__(self, collect: Callable, max_staleness: int, first: int, end: int, post: Callable | None = None):
+    def __init__(self, collect: Callable, max_staleness: int, first: int, end: int, post: Callable | None = None,
+                 reseed: Callable | None = None):
         self.collect, self.max_staleness, self.end, self.post = collect, max_staleness, end, post
+        self.reseed = reseed or (lambda step: None)
         self.pending, self.next_step, self.posted = deque(), first, None
 
-    def _collect(self, step: int, version: int) -> float:
+    def _collect(self, step: int, version: int, posted: bool = False) -> float:
+        if not posted:
+            self.reseed(step)
         rollout = self.collect(step, version)
         rollout.step = step
         self.pending.append(rollout)
@@ -116,6 +126,7 @@ class RolloutQueue:
         seconds, last = 0.0, min(step + self.max_staleness, self.end - 1)
         while self.next_step <= last:
             if self.post is not None and self.next_step == last > step:
+                self.reseed(last)
                 self.post(last)
                 self.posted = (last, version)
                 break
@@ -131,7 +142,7 @@ class RolloutQueue:
         if self.posted is None:
             return 0.0
         (step, version), self.posted = self.posted, None
-        return self._collect(step, version)
+        return self._collect(step, version, posted=True)
 
 
 def prompts_of_step(train_set: Sequence, step: int, prompts_per_step: int, dp_rank: int, dp: int) -> list:
@@ -197,7 +208,7 @@ def run(job, models, spec: RLJob) -> dict:
 
     prefetches = spec.request is not None and getattr(models.engine, "prefetch", None) is not None
     queue = RolloutQueue(lambda s, version: spec.collect(items(s), s, version), cfg.rollout.max_staleness,
-                         start_step, t.steps, post if prefetches else None)
+                         start_step, t.steps, post if prefetches else None, reseed=models.engine.reseed)
     health = HealthMonitor(t, job.rank)  # NaN/inf updates, trainer.warn_on / stop_on
     steps = job.progress(start_step, t.steps, spec.name)
     for step in steps:  # the policy has had `step` updates

@@ -39,6 +39,26 @@ def run_torchrun(worker: str, *args: str, nproc: int = 2, timeout: int = 900, en
     return out
 
 
+def run_torchrun_killed(worker: str, *args: str, log: Path, nproc: int = 2, timeout: int = 900) -> int:
+    """Run ``tests/dist/<worker>`` as :func:`run_torchrun` does, for a worker that kills itself
+    (SIGKILL of its process group): output to ``log`` (a file, not a pipe: the killed ranks' helper
+    processes, e.g. vLLM's, outlive them and would hold a pipe open), and whatever outlives the run
+    killed with it. Returns torchrun's exit status."""
+    import contextlib
+    import signal
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           str(ROOT / "tests" / "dist" / worker), *args]
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                             stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return p.wait(timeout=timeout)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+
+
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path, monkeypatch):
     """Each test its own megalign cache (held-out accuracies, alignment.trainers.eval_cache):

@@ -202,6 +202,15 @@ CASES: list[Case] = [
          "data.dataset='alpaca_en_demo': algorithm.name=dpo trains on dpo_en_demo"),
     Case("config", "`cluster=slurm_h100x8` (16 processes) started as 8", conf("grpo", "cluster=slurm_h100x8", world=8),
          Exception, "cluster.nodes x cluster.gpus_per_node = 2 x 8 = 16 processes, but 8"),
+    Case("config", "shared-prompt packing with context parallelism",
+         conf("grpo", "trainer.shared_prompt_packing=true", "parallel.context_parallel_size=2"), Exception,
+         "trainer.shared_prompt_packing=true does not run with parallel.context_parallel_size=2"),
+    Case("config", "a token budget per micro-batch below the longest rollout",
+         conf("grpo", "trainer.max_tokens_per_microbatch=256", "rollout.max_model_len=512"), Exception,
+         "trainer.max_tokens_per_microbatch=256 is below rollout.max_model_len=512"),
+    Case("config", "pipeline parallelism without packing for rejection sampling (uneven micro-batches)",
+         conf("rft", "parallel.pipeline_model_parallel_size=2", "trainer.sequence_packing=false"),
+         Exception, "with parallel.pipeline_model_parallel_size > 1 set trainer.sequence_packing=true"),
     # ---- data
     Case("data", "`data.dataset=` a file that does not exist", lambda tmp: (
         "sft", [f"data.dataset={tmp / 'none.jsonl'}", f"output_dir={tmp / 'out'}"], 2), FileNotFoundError,

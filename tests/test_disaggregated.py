@@ -13,7 +13,8 @@ import pytest
 from safetensors.torch import load_file
 
 from alignment.config import ConfigError, rollout_ranks, validate
-from alignment.rollout.disaggregated import deal
+from alignment.rollout.base import Sample, SamplingConfig
+from alignment.rollout.disaggregated import GENERATE, STOP, RemoteEngine, deal, serve
 from tests.conftest import run_torchrun
 from tests.dist.tiny_llama import save_tiny_hf_dir
 from tests.test_config import SMOLLM2, cfg
@@ -53,6 +54,55 @@ def test_prompts_are_dealt_round_robin_over_engines():
     assert deal(lists, 2) == [[(0, 0, [1]), (0, 2, [3])], [(0, 1, [2]), (1, 0, [4])]]
     assert deal(lists, 1) == [[(0, 0, [1]), (0, 1, [2]), (0, 2, [3]), (1, 0, [4])]]
     assert deal([[], []], 3) == [[], [], []]
+
+
+class ScriptedGroup:
+    """One rank's view of the stateless group: ``broadcast_object`` and ``all_gather_object``
+    return the scripted values in turn (what the other ranks would have sent) and record what this
+    rank sent."""
+
+    def __init__(self, rank: int, size: int, broadcasts=(), gathers=()):
+        self.rank, self.size, self.sent = rank, size, []
+        self.broadcasts, self.gathers = list(broadcasts), list(gathers)
+
+    def broadcast_object(self, obj, src):
+        self.sent.append(("broadcast", obj))
+        return obj if self.rank == src else self.broadcasts.pop(0)
+
+    def all_gather_object(self, obj):
+        self.sent.append(("all_gather", obj))
+        return self.gathers.pop(0) if self.gathers else [obj] * self.size
+
+
+def test_a_reseed_reaches_the_engines_with_the_next_request():
+    # trainer side: the step goes with the first request after reseed (a posted request may be
+    # generating when the loop reseeds for the next step), and only with it
+    sampling = SamplingConfig(n=2, temperature=1.0, max_tokens=4)
+    group = ScriptedGroup(0, 2, gathers=[[[[5]], None], [None, [(0, 0, ["s"])]]])
+    remote = RemoteEngine(group, tokenizer=None, trainers=1)
+    remote.reseed(3)
+    remote.prefetch([[5]], sampling)
+    assert remote.generate([[5]], sampling) == [["s"]]
+    remote.prefetch([[6]], sampling)
+    commands = [obj for kind, obj in group.sent if kind == "broadcast"]
+    assert commands == [(GENERATE, sampling, 3), (GENERATE, sampling, None)]
+
+    # rollout side: the engine reseeds with the step before generating that request, not otherwise
+    class Engine:
+        calls = []
+
+        def reseed(self, step):
+            self.calls.append(("reseed", step))
+
+        def generate(self, prompts, sampling):
+            self.calls.append(("generate", prompts))
+            return [[Sample(p, [1], [0.0], "x", True)] * sampling.n for p in prompts]
+
+    engine = Engine()
+    rank = ScriptedGroup(1, 2, broadcasts=[(GENERATE, sampling, 7), (GENERATE, sampling, None), (STOP,)],
+                         gathers=[[[[5], [6]], None], [None, None], [[[8]], None], [None, None]])
+    serve(engine, resharder=None, group=rank, trainers=1, engine_tp=1)
+    assert engine.calls == [("reseed", 7), ("generate", [[5], [6]]), ("generate", [[8]])]
 
 
 def test_weight_sync_from_trainers_to_engine_ranks(tmp_path):

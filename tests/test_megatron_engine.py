@@ -46,6 +46,8 @@ def test_megatron_engine_matches_transformers(torchrun_json):
     assert r["shapes_ok"] and r["train_mode_restored"] and r["sync_is_noop"], r
     # its own RNG stream: the trainer's global RNG is left alone, and the same seed samples the same
     assert r["rng_untouched"] and r["same_seed_same_samples"], r
+    # reseed(step): the step's own stream, whatever was sampled before (a resumed run samples alike)
+    assert r["reseed_same_stream"] and r["reseed_other_step_differs"], r
     # sleep frees the whole KV cache (keys + values of every layer), the next generation re-allocates it
     assert r["kv_bytes"] == r["kv_expected"] > 0 and r["kv_after_sleep"] == 0, r
     # its sampler draws from softmax(logits / T): mean drawn logprob = -entropy within 4 standard errors

@@ -6,11 +6,7 @@ or repeating a prompt."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -18,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 
 from launchers.rl_loop import RolloutQueue, prompts_of_step
-from tests.conftest import ROOT, run_torchrun
+from tests.conftest import ROOT, run_torchrun, run_torchrun_killed
 from tests.dist.tiny_llama import save_tiny_hf_dir
 
 
@@ -29,20 +25,23 @@ class FakeRollout:
     step: int = -1
 
 
-def schedule(max_staleness: int, first: int, end: int) -> list[tuple]:
+def schedule(max_staleness: int, first: int, end: int, reseeds: bool = False) -> list[tuple]:
     """Run the queue as the loop does (step s is trained by the policy of version s) and list the
-    events: ("collect", step, version) and ("train", step, version of its batch)."""
+    events: ("collect", step, version) and ("train", step, version of its batch); with ``reseeds``
+    also ("reseed", step)."""
     events = []
 
     def collect(step, version):
         events.append(("collect", step, version))
         return FakeRollout(version)
 
-    queue = RolloutQueue(collect, max_staleness, first, end)
+    reseed = (lambda step: events.append(("reseed", step))) if reseeds else None
+    queue = RolloutQueue(collect, max_staleness, first, end, reseed=reseed)
     for step in range(first, end):
         n = len(events)
         rollout, seconds = queue.pop(step, version=step)
-        assert rollout.step == step and seconds == 0.5 * (len(events) - n)  # the sampling done in this call
+        collected = sum(e[0] == "collect" for e in events[n:])
+        assert rollout.step == step and seconds == 0.5 * collected  # the sampling done in this call
         events.append(("train", step, rollout.version))
     return events
 
@@ -65,7 +64,7 @@ def test_max_staleness_2_from_a_resume_refills_the_queue_with_the_resumed_policy
                                  ("train", 4, 3), ("train", 5, 3)]
 
 
-def overlapped_schedule(max_staleness: int, first: int, end: int) -> list[tuple]:
+def overlapped_schedule(max_staleness: int, first: int, end: int, reseeds: bool = False) -> list[tuple]:
     """As :func:`schedule`, with ``post`` (engines on rollout ranks of their own) and the loop's
     ``complete()`` after each step trained; ("post", step) when a batch's generation starts."""
     events = []
@@ -74,7 +73,9 @@ def overlapped_schedule(max_staleness: int, first: int, end: int) -> list[tuple]
         events.append(("collect", step, version))
         return FakeRollout(version)
 
-    queue = RolloutQueue(collect, max_staleness, first, end, post=lambda step: events.append(("post", step)))
+    reseed = (lambda step: events.append(("reseed", step))) if reseeds else None
+    queue = RolloutQueue(collect, max_staleness, first, end, post=lambda step: events.append(("post", step)),
+                         reseed=reseed)
     for step in range(first, end):
         rollout, _ = queue.pop(step, version=step)
         events.append(("train", step, rollout.version))
@@ -99,6 +100,20 @@ def test_posted_batches_are_sampled_while_a_step_trains():
     queue.pop(0, 0)
     with pytest.raises(RuntimeError, match="the batch of step 1 was posted but never completed"):
         queue.pop(1, 1)
+
+
+def test_every_step_reseeds_its_engines_once_as_its_generation_starts():
+    # the engines' stream is the step's own (RolloutEngine.reseed), whether it is collected now or
+    # posted and collected after a step trained, and from a resume as from the start
+    for events in (schedule(0, 0, 3, True), schedule(1, 0, 4, True), schedule(2, 3, 6, True),
+                   overlapped_schedule(1, 0, 4, True), overlapped_schedule(2, 3, 7, True)):
+        starts = [(i, e[1]) for i, e in enumerate(events) if e[0] in ("collect", "post")]
+        posted = {e[1] for e in events if e[0] == "post"}
+        first_starts = [(i, step) for i, step in starts if step not in posted or events[i][0] == "post"]
+        assert [e for e in events if e[0] == "reseed"] == [("reseed", step) for _, step in first_starts]
+        assert all(events[i - 1] == ("reseed", step) for i, step in first_starts)
+    assert [e for e in schedule(1, 0, 3, True) if e[0] != "reseed"] == schedule(1, 0, 3)
+    assert overlapped_schedule(1, 0, 3, True)[:4] == [("reseed", 0), ("collect", 0, 0), ("reseed", 1), ("post", 1)]
 
 
 def test_queue_refuses_a_step_out_of_order():
@@ -137,18 +152,9 @@ def test_one_step_off_policy_grpo_killed_and_resumed(tmp_path):
     resumed_rec.mkdir()
     # 1. SIGKILL every rank as step 2 is about to train (step 1 checkpointed as step_2; the batch of
     #    step 3 already sampled ahead and lost with the process)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "tests" / "dist" / "staleness_worker.py"), str(model_dir), str(out), str(killed_rec), "2",
-           *COMMON, str(result)]
     log = tmp_path / "killed.log"
-    with open(log, "w") as f:  # a file, not a pipe: the killed ranks' helper processes outlive them
-        p = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-                             stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = p.wait(timeout=900)
-        finally:
-            with contextlib.suppress(ProcessLookupError):  # what the SIGKILL left behind (vLLM helpers)
-                os.killpg(p.pid, signal.SIGKILL)
+    code = run_torchrun_killed("staleness_worker.py", str(model_dir), str(out), str(killed_rec), "2", *COMMON,
+                               str(result), log=log)
     assert code != 0 and (killed_rec / "rank0.killed").read_text() == "2", log.read_text()[-4000:]
     assert not result.exists()
     # 2. the same command, no kill: resumes from step_2

@@ -1,7 +1,7 @@
 """In-memory weight update of a running vLLM engine: afterwards its logprobs equal
 transformers' on the new weights, for full HF tensors and for streamed vLLM-layout tensors
 (with the weight check, which must catch a swapped pair of query heads, or of experts), for a
-tiny Llama and a tiny Qwen3-MoE. The tied case is a regression test: vLLM 0.32's
+tiny Llama and a tiny Qwen3-MoE; reseeding gives a step's own sampling stream. The tied case is a regression test: vLLM 0.32's
 in-place reload left the CPU-packed LM head on the old weights (error 0.75)."""
 
 from __future__ import annotations
@@ -29,3 +29,6 @@ def test_update_weights_reaches_the_engine(tmp_path):
     assert r["resharded_tied"] <= 1e-4, r
     # Qwen3-MoE: fused experts stacked from per-expert Megatron shards, prepacked again by the engine
     assert r["resharded_qwen3_moe"] <= 1e-4, r
+    # reseed(step) starts the step's own stream whatever was sampled before, leaving the trainer's
+    # random state alone (tests/test_kill_resume.py: a resumed run samples as the uninterrupted one)
+    assert all(r["reseed"].values()), r["reseed"]

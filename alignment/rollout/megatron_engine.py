@@ -167,7 +167,7 @@ class MegatronEngine:
 
         self.shares_trainer_weights = True
         self.generates_per_replica = True
-        self.seed, self._rng_state = seed, None
+        self.seed, self._rng_state, self._base_seed = seed, None, seed
         self.model, self.tokenizer = model, tokenizer
         self.eos_token_ids = {eos_token_id} if isinstance(eos_token_id, int) else {int(e) for e in eos_token_id}
         self.max_model_len, self.max_batch_size = max_model_len, max_batch_size
@@ -185,6 +185,13 @@ class MegatronEngine:
             from tqdm import tqdm
 
             static_engine.tqdm = partial(tqdm, disable=True)
+
+    def reseed(self, step: int) -> None:
+        """Sample from step ``step`` on with the stream :func:`alignment.rollout.base.step_seed` draws
+        from the engine seed and the step (see :meth:`alignment.rollout.vllm_engine.VLLMEngine.reseed`)."""
+        from alignment.rollout.base import step_seed
+
+        self.seed, self._rng_state = step_seed(self._base_seed, step), None
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
         """``sampling.n`` samples for each prompt (token ids), with the sampled tokens' logprobs

@@ -121,6 +121,7 @@ class VLLMEngine:
         elif "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # the legacy variable (whole GiB) wins when set
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         self.tensor_parallel_size, self.group = tensor_parallel_size, None
+        self.seed, self._rng = seed, None  # the sampler's stream: a seed or generator states (:meth:`reseed`)
         if tensor_parallel_size > 1:
             import torch.distributed as dist
 
@@ -172,7 +173,20 @@ class VLLMEngine:
         params = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                                 max_tokens=sampling.max_tokens, logprobs=0, stop=sampling.stop,
                                 include_stop_str_in_output=bool(sampling.stop))
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        request = [{"prompt_token_ids": p} for p in prompts]
+        if self._rng is None:  # never reseeded: torch's default generators, as vLLM seeded them at start
+            outputs = self.llm.generate(request, params, use_tqdm=False)
+        else:  # the stream of the last reseed, swapped in around the generation
+            cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+            with torch.random.fork_rng(devices=cuda):
+                if isinstance(self._rng, int):
+                    torch.manual_seed(self._rng)
+                else:
+                    torch.set_rng_state(self._rng[0])
+                    if cuda:
+                        torch.cuda.set_rng_state(self._rng[1])
+                outputs = self.llm.generate(request, params, use_tqdm=False)
+                self._rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
         result = []
         for prompt, out in zip(prompts, outputs):
             samples = []
@@ -182,6 +196,19 @@ class VLLMEngine:
                 samples.append(Sample(list(prompt), ids, lps, c.text, c.finish_reason == "stop"))
             result.append(samples)
         return result
+
+    def reseed(self, step: int) -> None:
+        """Sample from now on with a stream of its own, drawn from the engine's seed and ``step``
+        (:func:`alignment.rollout.base.step_seed`; the RL loop passes the step whose batch comes
+        next), so a run resumed at ``step`` samples it as the uninterrupted run did, whatever was
+        generated before. The trainer's random state is untouched: the in-process sampler draws
+        from torch's default generators, which are swapped for the stream around each generation.
+        Until the first reseed the engine draws from those generators as vLLM leaves them
+        (seeded with ``seed`` at start). Needs the in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+        set by the constructor unless the environment says otherwise)."""
+        from alignment.rollout.base import step_seed
+
+        self._rng = step_seed(self.seed, step)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named full tensors into the running engine and drop cached KV (the naive

@@ -267,13 +267,19 @@ def load_models_checkpoint(path: str | os.PathLike, parts: dict) -> int:
     return steps[0]
 
 
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    """N for a published, complete ``step_N`` directory (its ``metadata.json`` written); None for
+    anything else, e.g. the ``step_N.tmp`` / ``.parts`` / ``.old`` leftovers of an interrupted save."""
+    path = Path(path)
+    name = path.name
+    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() and (path / "metadata.json").is_file() \
+        else None
+
+
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The complete ``step_N`` checkpoint with the largest N under ``directory`` (``*.tmp``
-    leftovers of an interrupted save are ignored), or None."""
-    found = []
-    for d in Path(directory).glob("step_*"):
-        if d.name[5:].isdigit() and (d / "metadata.json").exists():
-            found.append((int(d.name[5:]), d))
+    """The complete ``step_N`` checkpoint with the largest N under ``directory`` (leftovers of an
+    interrupted save are ignored: :func:`checkpoint_step`), or None."""
+    found = [(step, d) for d in Path(directory).glob("step_*") if (step := checkpoint_step(d)) is not None]
     return max(found)[1] if found else None
 
 

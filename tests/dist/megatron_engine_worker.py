@@ -70,6 +70,19 @@ def main(out_path: str) -> None:
     # a fresh engine with the same seed samples the same tokens (its own RNG stream)
     again = MegatronEngine(model, None, eos_token_id=[cfg.vocab_size - 1], vocab_size=cfg.vocab_size,
                            max_model_len=64, max_batch_size=4, seed=7).generate(PROMPTS, sampling)
+    # reseeded with a step, it samples that step's stream whatever it generated before: the engine
+    # that already sampled twice and a fresh one, both reseeded with 5, sample alike; step 6 anew
+    def ids(groups):
+        return [s.response_ids for g in groups for s in g]
+
+    small.reseed(5)
+    at5 = small.generate(PROMPTS, sampling)
+    fresh = MegatronEngine(model, None, eos_token_id=[cfg.vocab_size - 1], vocab_size=cfg.vocab_size,
+                           max_model_len=64, max_batch_size=4, seed=7)
+    fresh.reseed(5)
+    fresh_at5 = fresh.generate(PROMPTS, sampling)
+    fresh.reseed(6)
+    fresh_at6 = fresh.generate(PROMPTS, sampling)
     diffs = [float((torch.tensor(s.logprobs) - hf_logprobs(hf, s.prompt_ids, s.response_ids, 0.7)).abs().max())
              for group in first for s in group]
     # the sampler draws from softmax(logits / T): over 2,048 one-token samples of one prompt the mean
@@ -96,6 +109,8 @@ def main(out_path: str) -> None:
         "rng_untouched": rng_untouched,
         "same_seed_same_samples": ([s.response_ids for g in again for s in g]
                                    == [s.response_ids for g in first for s in g]),
+        "reseed_same_stream": ids(at5) == ids(fresh_at5) and ids(at5) not in (ids(first), ids(second)),
+        "reseed_other_step_differs": ids(fresh_at6) != ids(fresh_at5),
         # keys and values, [64 positions, 4 rows, kv_heads, head_dim] fp32 per layer
         "kv_bytes": kv_bytes,
         "kv_expected": 2 * cfg.num_hidden_layers * 64 * 4 * cfg.num_key_value_heads * cfg.head_dim * 4,

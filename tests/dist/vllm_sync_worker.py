@@ -93,10 +93,44 @@ def check(workdir: str, tie: bool, path: str = "full", family: str = "llama") ->
     return (got - want).abs().max().item()
 
 
+def reseed_check(workdir: str) -> dict:
+    """``VLLMEngine.reseed``: a step's stream whatever was sampled before, the trainer's random state
+    untouched; never reseeded, the engine samples from torch's default generator (what
+    ``tools/evaluate.py`` seeds per suite)."""
+    from alignment.rollout.base import SamplingConfig
+    from alignment.rollout.vllm_engine import VLLMEngine
+    from tests.dist.tiny_llama import save_tiny_hf_dir
+
+    d = f"{workdir}/tiny_reseed"
+    save_tiny_hf_dir(d)
+    engine = VLLMEngine(d, max_model_len=128, seed=3)
+    sampling = SamplingConfig(n=4, temperature=1.0, max_tokens=8)
+    prompts = [[1, 50, 300], [7000, 12]]
+
+    def ids():
+        return [s.response_ids for g in engine.generate(prompts, sampling) for s in g]
+
+    torch.manual_seed(11)
+    global_a = ids()
+    torch.manual_seed(11)
+    global_b = ids()
+    engine.reseed(5)
+    state = torch.get_rng_state()
+    at5, after5 = ids(), ids()
+    untouched = torch.equal(torch.get_rng_state(), state)
+    engine.reseed(6)
+    at6 = ids()
+    engine.reseed(5)
+    again5 = ids()
+    engine.close()
+    return {"global_seed_repeats": global_a == global_b, "stream_repeats": at5 == again5,
+            "stream_goes_on": after5 != at5, "other_step_differs": at6 != at5, "trainer_rng_untouched": untouched}
+
+
 if __name__ == "__main__":
     workdir, result = sys.argv[1], sys.argv[2]
     res = {"tied": check(workdir, True), "untied": check(workdir, False),
            "resharded_tied": check(workdir, True, "resharded"), "resharded_untied": check(workdir, False, "resharded"),
-           "resharded_qwen3_moe": check(workdir, False, "resharded", "qwen3_moe")}
+           "resharded_qwen3_moe": check(workdir, False, "resharded", "qwen3_moe"), "reseed": reseed_check(workdir)}
     with open(result, "w") as f:
         json.dump(res, f)
