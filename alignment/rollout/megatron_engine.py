@@ -42,7 +42,7 @@ from collections.abc import Iterable
 
 import torch
 
-from alignment.rollout.base import Sample, SamplingConfig
+from alignment.rollout.base import Sample, SamplingConfig, step_seed
 
 
 class _IdsTokenizer:
@@ -189,8 +189,6 @@ class MegatronEngine:
     def reseed(self, step: int) -> None:
         """Sample from step ``step`` on with the stream :func:`alignment.rollout.base.step_seed` draws
         from the engine seed and the step (see :meth:`alignment.rollout.vllm_engine.VLLMEngine.reseed`)."""
-        from alignment.rollout.base import step_seed
-
         self.seed, self._rng_state = step_seed(self._base_seed, step), None
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:

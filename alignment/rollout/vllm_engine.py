@@ -15,7 +15,7 @@ from typing import Iterable
 
 import torch
 
-from alignment.rollout.base import Sample, SamplingConfig
+from alignment.rollout.base import Sample, SamplingConfig, step_seed
 
 
 def _retie_embeddings(worker) -> None:
@@ -206,8 +206,6 @@ class VLLMEngine:
         Until the first reseed the engine draws from those generators as vLLM leaves them
         (seeded with ``seed`` at start). Needs the in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
         set by the constructor unless the environment says otherwise)."""
-        from alignment.rollout.base import step_seed
-
         self._rng = step_seed(self.seed, step)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -271,9 +271,10 @@ def checkpoint_step(path: str | os.PathLike) -> int | None:
     """N for a published, complete ``step_N`` directory (its ``metadata.json`` written); None for
     anything else, e.g. the ``step_N.tmp`` / ``.parts`` / ``.old`` leftovers of an interrupted save."""
     path = Path(path)
-    name = path.name
-    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() and (path / "metadata.json").is_file() \
-        else None
+    n = path.name.removeprefix("step_")
+    if path.name.startswith("step_") and n.isdigit() and (path / "metadata.json").is_file():
+        return int(n)
+    return None
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
