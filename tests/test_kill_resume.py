@@ -63,6 +63,7 @@ def test_sigkill_anywhere_then_resume_equals_the_uninterrupted_run(tmp_path):
                                    log=log, timeout=600)
         text = log.read_text()
         assert code != 0 and not result.exists(), (point, step, text[-3000:])
+        assert f"SIGKILL in the {point} of step {step}" in text and "Signal 9 (SIGKILL) received" in text, text[-3000:]
         _resumed_as_expected(text, previous)
         previous = (point, step)
     text = run_torchrun("kill_worker.py", str(model_dir), str(out), "none", "0", *COMMON, str(result))

@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 
 
-def _kill() -> None:
+def _kill(point: str, step: int) -> None:
+    print(f"kill_worker: SIGKILL in the {point} of step {step}", flush=True)
     os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
@@ -57,7 +58,7 @@ def main() -> None:
 
     def generate(self, prompts, sampling):
         if point == "rollout" and now["step"] == step and dist.get_rank() == step % 2:
-            _kill()
+            _kill(point, step)
         return real_generate(self, prompts, sampling)
 
     def train(models, rollout, cfg):
@@ -67,7 +68,7 @@ def main() -> None:
 
     def guarded_step(model, optimizer, group_norms=None):
         if point == "training" and now["step"] == step:
-            _kill()
+            _kill(point, step)
         return real_guarded(model, optimizer, group_norms)
 
     def load_resharded(self, buckets):
@@ -75,14 +76,14 @@ def main() -> None:
             def cut():
                 for bucket in buckets:
                     yield bucket
-                    _kill()  # the engine asks for the next bucket: half-synced
+                    _kill(point, step)  # the engine asks for the next bucket: half-synced
             return real_load(self, cut())
         return real_load(self, buckets)
 
     def publish(tmp, final):
         if point == "checkpoint" and final.name == f"step_{step + 1}" and dist.get_rank() == 0:
             dist.barrier()  # every rank has written its shards
-            _kill()
+            _kill(point, step)
         return real_publish(tmp, final)
 
     VLLMEngine.reseed, VLLMEngine._generate, VLLMEngine.load_resharded = reseed, generate, load_resharded
