@@ -82,9 +82,25 @@ class DataConfig:
         "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
     train_size: int = 2000
     heldout_size: int = 100
-    # RL tasks: the instruction after the question; null: the task's own (alignment/data/prompts.py), e.g.
-    # "Solve it step by step, ..." (alignment.data.step_data.STEP_INSTRUCTION) for a process reward model
+    # RL tasks: the instruction after the question; null: the task's own (alignment/data/prompts.py; a file's
+    # prompts have none), e.g. "Solve it step by step, ..." (alignment.data.step_data.STEP_INSTRUCTION) for a PRM
     instruction: Optional[str] = None
+    # RL jobs on prompts of your own (alignment/data/prompt_data.py), instead of data.task: a path or a list of
+    # paths, each a .jsonl / .json / .parquet / .csv file or a Dataset.save_to_disk directory, read with
+    # Hugging Face datasets; every record is used (data.train_size / heldout_size apply to data.task only)
+    train_files: Optional[Any] = None
+    # held-out prompts: files like train_files, or else the records whose prompt hashes into
+    # heldout_fraction of [0, 1) (the same split for every seed); neither: no held-out evaluation
+    heldout_files: Optional[Any] = None
+    heldout_fraction: float = 0.0
+    prompt_key: str = "prompt"  # the prompt column: a string, or chat messages [{role, content}, ...]
+    answer_key: Optional[str] = None  # the reference-answer column; null: "answer" when the files have one
+    shuffle: bool = True  # a fresh order of the training prompts every epoch, from the seed and the epoch
+    # a prompt longer than rollout.max_model_len - rollout.max_tokens: error (refused at start) | drop (counted)
+    overlong_prompts: str = "error"
+    system_prompt: Optional[str] = None  # RL jobs: a system message before each prompt; null: the template's default
+    # RL jobs: keyword arguments of the tokenizer's chat template, e.g. {enable_thinking: false} for Qwen3
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -215,9 +231,15 @@ class RewardFunctionConfig:
     # reward_model (model.reward_model_path's score at the last token) |
     # process_reward (reward.process_reward_model's P(step correct) at the end of every step: a dense
     # reward, GRPO family: process-supervised advantages, PPO: rewards on the step-end tokens)
+    # graders (alignment/rewards/graders.py): math_verify | exact_match | numeric | regex | code_tests;
+    # or your own, by import path: package.module:function (TRL's or verl's signature, alignment/rewards/functions.py)
     name: str = "correctness"
     weight: float = 1.0
     whiten: bool = False  # standardise this function's scores over the global batch before weighting
+    # a grader or package.module:function that computes this term (null: name), so that one function can
+    # appear twice under two names, e.g. {name: strict_format, function: regex, kwargs: {pattern: ...}}
+    function: Optional[str] = None
+    kwargs: dict[str, Any] = field(default_factory=dict)  # options: a grader's, or keyword arguments of your function
 
 
 @dataclass
@@ -226,6 +248,7 @@ class RewardConfig:
     (the task's grader for the GRPO family, the reward model for PPO)."""
 
     functions: list[RewardFunctionConfig] = field(default_factory=list)
+    timeout_s: float = 300.0  # seconds one call of a reward function of your own may take (a batch, TRL's way)
     # HF export of a process reward model (--config-name prm) for the process_reward function; its steps
     # end at algorithm.step_separator
     process_reward_model: str = ""
@@ -246,8 +269,8 @@ class MetricBound:
 class TrainerConfig:
     """Optimisation (Adam ``lr``, ``micro_batch_size`` sequences per forward), evaluation and checkpointing."""
 
-    steps: int = 20  # RL: optimizer steps; SFT/RM/DPO: 0 = run `epochs` epochs, else at most this many
-    epochs: int = 1  # SFT/RM/DPO: passes over the training split
+    steps: int = 20  # RL: optimizer steps (0: `epochs` passes over the prompts); SFT/RM/DPO: 0 = run `epochs` epochs, else at most this many
+    epochs: int = 1  # passes over the training split (RL: with steps=0)
     global_batch_size: int = 32  # SFT/RM/DPO: examples (pairs) per optimizer step, over all DP ranks
     micro_batch_size: int = 8  # RL: sequences per forward; SFT/RM/DPO: examples (pairs) per forward
     lr: float = 1e-6
@@ -371,11 +394,7 @@ def _validate_ppo(cfg, dp: int) -> None:
     """PPO: a reward model, GAE settings, and mini-batches that divide the rollout batch."""
     a, r, t = cfg.algorithm, cfg.rollout, cfg.trainer
     if ppo_on_task(cfg):
-        from alignment.data.tasks import TASKS
-
-        if cfg.data.task not in TASKS:
-            raise ConfigError(f"data.task={cfg.data.task!r}: valid values are {', '.join(TASKS)}")
-        _validate_generator(cfg.data)
+        _validate_prompt_source(cfg.data)
         if not (cfg.model.critic_path or cfg.model.reward_model_path):
             raise ConfigError("model.critic_path and model.reward_model_path are empty: PPO's critic starts from one "
                               "of them (a value head on that checkpoint), e.g. model.critic_path=${model.path}")
@@ -420,14 +439,16 @@ def _validate_rft(cfg, layout) -> None:
         raise ConfigError(f"algorithm.accept_threshold={a.accept_threshold}: give a finite reward (1.0: correct "
                           "answers under the 0/1 grader)")
     terms = reward_terms(cfg)
-    if all(t.name != "reward_model" for t in terms):  # bounded terms: the best reward a sample can get
+    bounded = ("correctness", "format", "length", "environment", "math_verify", "exact_match", "numeric", "regex",
+               "code_tests")
+    if all(t.runs in bounded for t in terms):  # bounded terms: the best reward a sample can get
         # correctness / format in [0, 1]; length in [-1, -1 / max_tokens] (a response has a token; a negative
         # weight rewards length); the overlong penalty <= 0
-        best = sum(max(t.weight, 0.0) if t.name in ("correctness", "format") else 0.0 if t.name == "environment" else
+        best = sum(0.0 if t.name == "environment" else max(t.weight, 0.0) if t.runs not in ("length",) else
                    (-t.weight if t.weight < 0 else -t.weight / r.max_tokens) for t in terms)
         if a.accept_threshold > best:
             raise ConfigError(f"algorithm.accept_threshold={a.accept_threshold} is above the best reward "
-                              f"reward.functions can give ({best:g}: correctness and format score in [0, 1], length in "
+                              f"reward.functions can give ({best:g}: correctness, format and the graders score in [0, 1], length in "
                               "[-1, -1 / rollout.max_tokens], the overlong penalty at most 0), so no sample would ever "
                               "be kept; lower it")
     if layout.expert_model_parallel_size > 1:
@@ -540,6 +561,9 @@ def _validate_offline(cfg, dp: int) -> None:
     from alignment.trainers.dpo import LOSS_TYPES
 
     a, d, t = cfg.algorithm, cfg.data, cfg.trainer
+    if d.get("train_files") or d.get("heldout_files"):
+        raise ConfigError(f"data.train_files / data.heldout_files are prompts for the RL jobs; algorithm.name={a.name} "
+                          "reads its examples from data.dataset (a demo set or a .json / .jsonl file of your own)")
     if a.name == "prm":
         _validate_prm(cfg)
     elif not str(d.dataset).endswith((".json", ".jsonl")) and \
@@ -579,6 +603,7 @@ def _validate_offline(cfg, dp: int) -> None:
         raise ConfigError(f"trainer.epochs={t.epochs}: must be >= 1")
 
 
+#: the built-ins named by name only (not by a term's ``function``)
 REWARD_FUNCTIONS = ("correctness", "format", "length", "environment", "reward_model", "process_reward")
 PROCESS_REWARD = "process_reward"  # the dense term: per step, not per sample
 PROCESS_ESTIMATORS = ("grpo", "grpo_no_std")  # the GRPO-family estimators process_reward has advantages for
@@ -593,7 +618,21 @@ def reward_terms(cfg) -> list:
     functions = list(cfg.reward.functions) if "reward" in cfg else []
     if not functions:
         return [RewardTerm("reward_model" if cfg.algorithm.name == "ppo" else "correctness")]
-    return [RewardTerm(f.name, float(f.weight), bool(f.whiten)) for f in functions]
+    return [RewardTerm(f.name, float(f.weight), bool(f.whiten), f.get("function") or "",
+                       dict(f.get("kwargs") or {})) for f in functions]
+
+
+def heldout_grader(cfg):
+    """The :class:`alignment.algorithms.composite_reward.RewardTerm` whose score grades held-out answers
+    (right: >= 1): ``correctness`` (the task's grader) for ``data.task``; with ``data.train_files`` the first
+    of ``reward.functions`` that reads the answer (not a model, ``length`` or ``environment``); None: none
+    does (no held-out accuracy)."""
+    from alignment.algorithms.composite_reward import RewardTerm
+
+    if not cfg.data.get("train_files"):
+        return RewardTerm("correctness")
+    skip = ("reward_model", "process_reward", "length", "environment")
+    return next((t for t in reward_terms(cfg) if t.name not in skip), None)
 
 
 def process_reward_weight(cfg) -> float:
@@ -602,10 +641,12 @@ def process_reward_weight(cfg) -> float:
 
 
 def ppo_on_task(cfg) -> bool:
-    """Whether a PPO job asks ``data.task``'s questions (graded by ``reward.functions``' text terms,
-    in ``rollout.environment``'s episodes): when ``reward.functions`` has no ``reward_model`` term.
-    Otherwise PPO samples answers to dpo_en_demo's chat prompts for the reward model to judge."""
-    return cfg.algorithm.name == "ppo" and all(t.name != "reward_model" for t in reward_terms(cfg))
+    """Whether a PPO job asks ``data.task``'s questions or ``data.train_files``' prompts (graded by
+    ``reward.functions``, in ``rollout.environment``'s episodes): with prompt files, or when
+    ``reward.functions`` has no ``reward_model`` term. Otherwise PPO samples answers to
+    dpo_en_demo's chat prompts for the reward model to judge."""
+    return cfg.algorithm.name == "ppo" and (bool(cfg.data.get("train_files"))
+                                            or all(t.name != "reward_model" for t in reward_terms(cfg)))
 
 
 def _validate_rewards(cfg) -> None:
@@ -626,17 +667,41 @@ def _validate_rewards(cfg) -> None:
             raise ConfigError(f"reward.functions is set, but algorithm.name={a.name} trains on fixed data and "
                               "computes no rewards; set reward.functions=[] (it applies to the RL jobs)")
         return
+    from alignment.rewards.functions import BUILTINS, RewardFunctionError, check_function, is_user_function
+    from alignment.rewards.graders import GRADERS
+
     names = [f.name for f in functions]
-    unknown = sorted(set(names) - set(REWARD_FUNCTIONS))
-    if unknown:
-        raise ConfigError(f"reward.functions names {unknown}: valid names are {', '.join(REWARD_FUNCTIONS)}")
+    for f in functions:
+        runs = f.get("function") or f.name
+        if f.get("function") and f.function in REWARD_FUNCTIONS:
+            raise ConfigError(f"reward.functions[{f.name}].function={f.function}: the built-in {f.function} is named "
+                              f"by name ({{name: {f.function}}}); function names a grader ({', '.join(GRADERS)}) or "
+                              "package.module:function")
+        if runs not in BUILTINS and not is_user_function(runs):
+            raise ConfigError(f"reward.functions names {runs!r}: valid are {', '.join(BUILTINS)}, or your own as "
+                              "package.module:function")
     if len(set(names)) != len(names):
-        raise ConfigError(f"reward.functions={names}: each function may appear once (one weight each)")
+        raise ConfigError(f"reward.functions={names}: each name may appear once (one weight each; to use a function "
+                          "twice, give the second a name of its own and function: <the function>)")
+    if functions and cfg.reward.get("timeout_s", 1.0) <= 0:
+        raise ConfigError(f"reward.timeout_s={cfg.reward.timeout_s}: must be > 0 (seconds a reward function may take)")
+    if cfg.data.get("train_files") and not functions:
+        raise ConfigError("data.train_files: prompts of your own need reward.functions to score the answers, e.g. "
+                          "[{name: math_verify}] against data.answer_key, or [{name: my_pkg.rewards:score}]")
+    if cfg.data.get("train_files") and {"correctness", "format"} & set(names):
+        raise ConfigError(f"reward.functions has {sorted({'correctness', 'format'} & set(names))}, which grade "
+                          "data.task's built-in problems; with data.train_files use a grader (math_verify, "
+                          "exact_match, numeric, regex, code_tests) or a function of your own")
     if functions and not any(math.isfinite(f.weight) and f.weight != 0 for f in functions):
         raise ConfigError("reward.functions: every weight is 0 (or not finite); give at least one non-zero weight")
     for f in functions:
         if not math.isfinite(f.weight):
             raise ConfigError(f"reward.functions[{f.name}].weight={f.weight}: must be a finite number")
+    for t in reward_terms(cfg):
+        try:
+            check_function(t)
+        except RewardFunctionError as e:
+            raise ConfigError(str(e)) from e
     if a.name == "ppo" and {"correctness", "format"} & set(names) and "reward_model" in names:
         raise ConfigError(f"reward.functions={names}: with a reward_model term PPO trains on {cfg.data.dataset}'s "
                           "prompts, which have no answers to grade; use reward_model and length, or drop reward_model "
@@ -799,6 +864,31 @@ def _validate_backend(r, layout) -> None:
         raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size}: rollout.backend=megatron "
                           "generates with the trainer's own tensor parallelism (parallel.tensor_model_parallel_size);"
                           " set rollout.tensor_parallel_size=1")
+
+
+OVERLONG_PROMPTS = ("error", "drop")
+
+
+def _validate_prompt_source(d) -> None:
+    """An RL job's prompts: a built-in ``data.task`` (and its generator), or ``data.train_files`` with
+    one way to hold prompts out and a known ``data.overlong_prompts``."""
+    if d.get("overlong_prompts", "error") not in OVERLONG_PROMPTS:
+        raise ConfigError(f"data.overlong_prompts={d.overlong_prompts!r}: valid values are {', '.join(OVERLONG_PROMPTS)}")
+    if not d.get("train_files"):
+        from alignment.data.tasks import TASKS
+
+        if d.get("heldout_files") or d.get("heldout_fraction"):
+            raise ConfigError("data.heldout_files / data.heldout_fraction split data.train_files; data.task's problems "
+                              "have their own held-out split (data.heldout_size): give data.train_files, or unset them")
+        if d.task not in TASKS:
+            raise ConfigError(f"data.task={d.task!r}: valid values are {', '.join(TASKS)} (or prompts of your own: "
+                              "data.train_files)")
+        return _validate_generator(d)
+    if d.get("heldout_files") and d.get("heldout_fraction"):
+        raise ConfigError(f"data.heldout_files and data.heldout_fraction={d.heldout_fraction} are both set: hold out "
+                          "a file's prompts or a fraction of data.train_files, not both")
+    if not d.get("prompt_key"):
+        raise ConfigError("data.prompt_key is empty: name the column that holds the prompts (e.g. prompt)")
 
 
 def _validate_generator(d) -> None:
@@ -993,11 +1083,7 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
     if a.name == "ppo":
         _validate_ppo(cfg, dp)
         return _validate_rollout_lengths(r, hf_config)
-    from alignment.data.tasks import TASKS
-
-    if cfg.data.task not in TASKS:
-        raise ConfigError(f"data.task={cfg.data.task!r}: valid values are {', '.join(TASKS)}")
-    _validate_generator(cfg.data)
+    _validate_prompt_source(cfg.data)
     if a.name in ("rft", "online_dpo"):
         (_validate_rft if a.name == "rft" else _validate_online_dpo)(cfg, layout)
         return _validate_rollout_lengths(r, hf_config)

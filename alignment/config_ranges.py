@@ -26,6 +26,8 @@ RANGES: dict[str, tuple] = {
     "data.max_prompt_length": (1, True, None, False, " (tokens)"),
     "data.train_size": (1, True, None, False, ""),
     "data.heldout_size": (1, True, None, False, ""),
+    "data.heldout_fraction": (0, True, 1, False, " (0: no held-out split by hash)"),
+    "reward.timeout_s": (0, False, None, False, " (seconds)"),
     "rollout.prompts_per_step": (1, True, None, False, ""),
     "rollout.group_size": (1, True, None, False, ""),
     "rollout.temperature": (0, True, None, False, ""),

@@ -67,7 +67,7 @@ def trl_worker(steps: int, result: Path) -> None:
     tok = AutoTokenizer.from_pretrained(hf_dir)
     problems = load_problems("arithmetic", "train", 2000, seed=1234,
                              generator_kwargs={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
-    texts = [tok.decode(build_prompt_ids(tok, p.question, "arithmetic")) for p in problems]
+    texts = [tok.decode(build_prompt_ids(tok, p)) for p in problems]
     data = Dataset.from_dict({"prompt": texts, "idx": list(range(len(problems)))})
 
     def reward(prompts, completions, idx, **_):

@@ -31,6 +31,7 @@ class Run:
     history: list = field(default_factory=list)
     profiler: object = None  # launchers.profiling.StepProfiler (profile.*)
     timers: PhaseTimers = field(default_factory=PhaseTimers)  # summed phase times, e.g. checkpoint
+    prompts: object = None  # an RL job's alignment.data.prompt_data.PromptSets, read and checked at start
 
     @property
     def resolved_config(self) -> str:
@@ -227,7 +228,8 @@ def serve_as_rollout_rank(cfg, hf_dir: Path, hf_config) -> None:
 def check_job(cfg, world_size: int):
     """What :func:`start` checks before any process group: the config against the world size and
     the model (:func:`alignment.config.validate`), then the job's inputs
-    (:func:`launchers.input_checks.check_inputs`). Returns ``(hf_dir, hf_config, note)``.
+    (:func:`launchers.input_checks.check_inputs`). Returns ``(hf_dir, hf_config, note, prompts)``:
+    ``prompts`` an RL job's :class:`alignment.data.prompt_data.PromptSets` (else None).
 
     Raises:
         ConfigError, LayoutError, CheckpointError, FileNotFoundError, ValueError: naming the field
@@ -243,7 +245,7 @@ def check_job(cfg, world_size: int):
     hf_config = AutoConfig.from_pretrained(hf_dir)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     validate(cfg, world_size=world_size, hf_config=hf_config, tokenizer_size=len(tokenizer))
-    return hf_dir, hf_config, check_inputs(cfg, hf_config, tokenizer)
+    return hf_dir, hf_config, *check_inputs(cfg, hf_config, tokenizer)
 
 
 def start(cfg) -> Run:
@@ -272,9 +274,11 @@ def start(cfg) -> Run:
         log = route_third_party_output(Path(cfg.output_dir) / "logs" / f"rank{rank}.log")
         if rank == 0:
             print(f"third-party output (vLLM, torch, ...): {log}", flush=True)
-    hf_dir, hf_config, note = check_job(cfg, world)
+    hf_dir, hf_config, note, prompts = check_job(cfg, world)
     if note and rank == 0:
         print(note, flush=True)
+    if prompts is not None and rank == 0:
+        print(prompts.summary(), flush=True)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world) if not torch.cuda.is_available() else 8)
     engines = rollout_ranks(cfg)
@@ -283,7 +287,7 @@ def start(cfg) -> Run:
         serve_as_rollout_rank(cfg, hf_dir, hf_config)
         raise SystemExit(0)
     world -= engines
-    run = Run(cfg, rank, world, hf_dir, hf_config, Path(cfg.output_dir))
+    run = Run(cfg, rank, world, hf_dir, hf_config, Path(cfg.output_dir), prompts=prompts)
     run.profiler = StepProfiler(cfg.profile, rank)
     from alignment.trainers.offload import offload_enabled
 

@@ -89,10 +89,12 @@ def check_tokenizer(cfg, tokenizer) -> None:
                           "use an instruct model's tokenizer, or add a template to the directory")
 
 
-def check_data(cfg, tokenizer) -> None:
+def check_data(cfg, tokenizer):
     """Read the job's data whole, as the job will: SFT / RM / DPO files and demo sets, the PRM's
-    step-labelled files, and an RL task's problems, whose longest prompt plus ``rollout.max_tokens``
-    must fit ``rollout.max_model_len``.
+    step-labelled files, and an RL job's prompts (:func:`alignment.data.prompt_data.job_prompts`:
+    ``data.train_files`` or ``data.task``'s problems), each of which plus ``rollout.max_tokens``
+    must fit ``rollout.max_model_len`` (``data.overlong_prompts``). Returns the RL job's
+    :class:`alignment.data.prompt_data.PromptSets` (None for the other jobs).
 
     Raises:
         FileNotFoundError / ValueError / ConfigError: naming the file and line or the fields.
@@ -103,29 +105,24 @@ def check_data(cfg, tokenizer) -> None:
 
         for split in ("train", "heldout"):
             load_records(d.dataset, split)
-        return
+        return None
     if a.name in OFFLINE_ALGORITHMS:
         from alignment.data.chat_data import load_preference_pairs, load_sft_examples
 
         load = load_sft_examples if a.name == "sft" else load_preference_pairs
         for split in ("train", "heldout"):
             load(split, d.heldout_size, d.dataset)
-        return
+        return None
     from alignment.config import ppo_on_task
 
     if a.name == "ppo" and not ppo_on_task(cfg):
-        return  # prompts of dpo_en_demo, cut to data.max_prompt_length
-    from alignment.data.prompts import build_prompt_ids
-    from launchers.train import task_problems
+        return None  # prompts of dpo_en_demo, cut to data.max_prompt_length
+    from alignment.data.prompt_data import job_prompts
 
-    train, heldout = task_problems(cfg)
-    longest = max((len(build_prompt_ids(tokenizer, p.question, d.task, instruction=d.instruction)), p.question)
-                  for p in train + heldout)
-    r = cfg.rollout
-    if longest[0] + r.max_tokens > r.max_model_len:
-        raise ConfigError(f"data.task={d.task}: the longest prompt has {longest[0]} tokens ({longest[1][:60]!r}...), "
-                          f"which with rollout.max_tokens={r.max_tokens} exceeds rollout.max_model_len="
-                          f"{r.max_model_len}: raise rollout.max_model_len or lower rollout.max_tokens")
+    try:
+        return job_prompts(cfg, tokenizer)
+    except ValueError as e:  # a file of the user's, or prompts too long: named in the message
+        raise ConfigError(str(e)) from e
 
 
 def check_resume(cfg, hf_config) -> str | None:
@@ -183,10 +180,11 @@ def _model_differences(saved_path: str, hf_config) -> list[str]:
             f"{saved_path!r} then)" for k in MODEL_DIMS if getattr(old, k, None) != getattr(hf_config, k, None)]
 
 
-def check_inputs(cfg, hf_config, tokenizer) -> str | None:
-    """Every check of this module, in order; returns :func:`check_resume`'s note."""
+def check_inputs(cfg, hf_config, tokenizer):
+    """Every check of this module, in order; returns ``(note, prompts)``: :func:`check_resume`'s
+    note and :func:`check_data`'s prompts (read once, used by the job)."""
     check_environment(cfg)
     check_model_files(cfg, hf_config)
     check_tokenizer(cfg, tokenizer)
-    check_data(cfg, tokenizer)
-    return check_resume(cfg, hf_config)
+    prompts = check_data(cfg, tokenizer)
+    return check_resume(cfg, hf_config), prompts

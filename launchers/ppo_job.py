@@ -133,9 +133,9 @@ def run(cfg) -> dict:
     models = build(cfg, job.hf_dir, job.hf_config, job.rank)
     if ppo_on_task(cfg):  # data.task's problems, graded by reward.functions' text terms
         from alignment.trainers import grpo
-        from launchers.train import HeldoutAccuracy, task_problems
+        from launchers.train import HeldoutAccuracy, training_order
 
-        train, heldout = task_problems(cfg)
+        train, heldout = training_order(cfg, job.prompts), job.prompts.heldout
         evaluation = HeldoutAccuracy(job, models, heldout)
         request = lambda problems: grpo.request(models.tokenizer, problems, cfg)  # noqa: E731
     else:  # dpo_en_demo's chat prompts, judged by the reward model

@@ -147,10 +147,22 @@ class RolloutQueue:
 
 def prompts_of_step(train_set: Sequence, step: int, prompts_per_step: int, dp_rank: int, dp: int) -> list:
     """This DP rank's share of step ``step``'s ``prompts_per_step`` consecutive items of
-    ``train_set`` (wrapping around): the same for a step whether or not the run was resumed."""
+    ``train_set``: an :class:`alignment.data.prompt_data.EpochOrder` (epoch after epoch, each in its own
+    order), or a list taken again from its start: the same for a step whether or not the run was resumed."""
+    from alignment.data.prompt_data import EpochOrder
+
     per_rank = prompts_per_step // dp
     first = step * prompts_per_step + dp_rank * per_rank
+    if isinstance(train_set, EpochOrder):
+        return [train_set[first + i] for i in range(per_rank)]
     return [train_set[(first + i) % len(train_set)] for i in range(per_rank)]
+
+
+def total_steps(cfg, train_size: int) -> int:
+    """The run's optimizer steps: ``trainer.steps``, or with 0 ``trainer.epochs`` passes over the
+    ``train_size`` training prompts (``rollout.prompts_per_step`` a step, the last partial step left out)."""
+    t = cfg.trainer
+    return t.steps if t.steps else max(1, t.epochs * train_size // cfg.rollout.prompts_per_step)
 
 
 def run(job, models, spec: RLJob) -> dict:
@@ -176,6 +188,7 @@ def run(job, models, spec: RLJob) -> dict:
     from launchers.rollout_table import write_rollout_table
 
     cfg, t = job.cfg, job.cfg.trainer
+    steps_total = total_steps(cfg, len(spec.train_set))
     units = [unit for name, (_, optimizer) in spec.trained.items()  # resident to load or save them
              for unit in (trainable(name) if optimizer is not None else (name,))]
     spec.evaluation.baseline()
@@ -208,9 +221,9 @@ def run(job, models, spec: RLJob) -> dict:
 
     prefetches = spec.request is not None and getattr(models.engine, "prefetch", None) is not None
     queue = RolloutQueue(lambda s, version: spec.collect(items(s), s, version), cfg.rollout.max_staleness,
-                         start_step, t.steps, post if prefetches else None, reseed=models.engine.reseed)
+                         start_step, steps_total, post if prefetches else None, reseed=models.engine.reseed)
     health = HealthMonitor(t, job.rank)  # NaN/inf updates, trainer.warn_on / stop_on
-    steps = job.progress(start_step, t.steps, spec.name)
+    steps = job.progress(start_step, steps_total, spec.name)
     for step in steps:  # the policy has had `step` updates
         t0 = time.perf_counter()
         job.profiler.begin(step)
@@ -225,12 +238,13 @@ def run(job, models, spec: RLJob) -> dict:
         times = {"rollout": rollout_s, **times, "weight_sync": time.perf_counter() - t1}
         job.profiler.end(step)
         metrics["rollout/staleness"] = float(step - rollout.version)
+        metrics["data/epoch"] = (step + 1) * cfg.rollout.prompts_per_step / len(spec.train_set)  # passes so far
 
         step_time = time.perf_counter() - t0
         metrics["tokens_per_s"] = metrics.pop("tokens") / step_time
         metrics.update({f"time/{k}": v for k, v in times.items()}, **{"time/step": step_time})
         metrics["memory/peak_rss_gib"] = peak_rss_bytes() / 2**30  # this rank's, so far
-        if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
+        if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < steps_total:
             metrics.update(spec.evaluation.measure())
         stop = health.check(step + 1, metrics)
         job.log(metrics, step + 1)
@@ -242,7 +256,7 @@ def run(job, models, spec: RLJob) -> dict:
             write_rollout_table(job.out, step + 1, rollout, models.tokenizer, job.writer)
         if preemption.stop_requested():  # SIGUSR1/SIGTERM on any rank: save this step, exit 75
             preemption.save_and_exit(job, step + 1, checkpoint, models.engine)
-        if t.save_every and (step + 1) % t.save_every == 0 and step + 1 < t.steps:
+        if t.save_every and (step + 1) % t.save_every == 0 and step + 1 < steps_total:
             checkpoint(step + 1)
         if hasattr(steps, "set_postfix"):
             shown = {"reward": ("reward/mean", ".3f"), "kl": ("kl", ".4f"), "accept": ("rft/acceptance_rate", ".2f")}
@@ -250,13 +264,13 @@ def run(job, models, spec: RLJob) -> dict:
                               s=f"{step_time:.1f}")
 
     final_metrics, summary, message = spec.evaluation.final()
-    job.log(final_metrics, t.steps)
-    if t.save_checkpoint and start_step < t.steps:
-        checkpoint(t.steps)
+    job.log(final_metrics, steps_total)
+    if t.save_checkpoint and start_step < steps_total:
+        checkpoint(steps_total)
     if t.export_hf:
         models.placement.keep("policy")
         save_hf_checkpoint(models.policy, models.bridge, job.hf_config, models.tokenizer, job.out / "hf")
         export_adapters(job, models.policy, models.bridge)
-    summary.update(start_step=start_step, steps=t.steps, world_size=job.world, startup_s=startup_s,
+    summary.update(start_step=start_step, steps=steps_total, world_size=job.world, startup_s=startup_s,
                    history=job.history)
     return job.finish(summary, message, models.engine)

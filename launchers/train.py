@@ -85,7 +85,8 @@ def episode_setup(cfg, hf_dir: Path, tokenizer):
     from alignment.rollout.multi_turn import EpisodeSetup
     from alignment.rollout.turn_tokens import TurnTokens
 
-    return EpisodeSetup(build_environment(cfg), TurnTokens(tokenizer, eos_token_ids(hf_dir, tokenizer)),
+    kwargs = dict(cfg.data.get("chat_template_kwargs") or {})
+    return EpisodeSetup(build_environment(cfg), TurnTokens(tokenizer, eos_token_ids(hf_dir, tokenizer), kwargs),
                         cfg.rollout.max_turns, cfg.rollout.max_tokens_per_turn)
 
 
@@ -110,21 +111,29 @@ def run(cfg: DictConfig) -> dict:
 
 
 class HeldoutAccuracy:
-    """GRPO's :class:`launchers.rl_loop.Evaluation`: greedy accuracy on the task's held-out problems
-    (before training possibly cached from an earlier run: ``trainer.eval_cache``)."""
+    """GRPO's :class:`launchers.rl_loop.Evaluation`: greedy accuracy on the held-out problems, graded
+    by :func:`alignment.config.heldout_grader` (before training possibly cached from an earlier run:
+    ``trainer.eval_cache``). Without held-out problems or a grader it measures nothing."""
 
     def __init__(self, job, models, heldout):
-        self.job, self.models, self.heldout = job, models, heldout
+        from alignment.config import heldout_grader
+
+        self.job, self.models, self.heldout = job, models, list(heldout)
+        self.grader = heldout_grader(job.cfg)
         self.acc_before, self.cached, self.sampled_before = None, False, {}
+        self.off = not self.heldout or self.grader is None
 
     def baseline(self) -> None:
-        pass
+        if self.off and self.job.rank == 0:
+            why = "no held-out prompts (data.heldout_files or data.heldout_fraction)" if not self.heldout else \
+                "no reward function that grades answers"
+            print(f"held-out accuracy: not measured, {why}", flush=True)
 
     def _accuracy(self) -> float:
         from alignment.trainers import grpo
 
         cfg = self.job.cfg
-        return grpo.evaluate(self.models, self.heldout, cfg.rollout.eval_max_tokens)
+        return grpo.evaluate(self.models, self.heldout, cfg.rollout.eval_max_tokens, self.grader)
 
     def _sampled(self) -> dict[str, float]:
         """``heldout/pass@1``, ``pass@k`` (and ``tool_call_rate`` in multi-turn episodes) with
@@ -135,12 +144,14 @@ class HeldoutAccuracy:
         if not r.eval_pass_k:
             return {}
         return grpo.pass_at_k(self.models, self.heldout, r.eval_pass_k, r.eval_max_tokens, r.temperature,
-                              tool_calls=r.environment != "single_turn")
+                              tool_calls=r.environment != "single_turn", grader=self.grader)
 
     def before(self, step: int) -> dict[str, float]:
         from alignment.trainers.eval_cache import cached_accuracy, heldout_key
 
         job = self.job
+        if self.off:
+            return {}
         if step == 0:  # the base checkpoint: its accuracy may be known from an earlier run
             key = heldout_key(job.hf_dir, self.models.tokenizer, self.heldout, job.cfg, job.world)
             self.acc_before, self.cached = cached_accuracy(key, self._accuracy, job.cfg.trainer.eval_cache)
@@ -157,9 +168,11 @@ class HeldoutAccuracy:
         return {"heldout/accuracy": self.acc_before, **self.sampled_before}
 
     def measure(self) -> dict[str, float]:
-        return {"heldout/accuracy": self._accuracy()}
+        return {} if self.off else {"heldout/accuracy": self._accuracy()}
 
     def final(self) -> tuple[dict[str, float], dict, str]:
+        if self.off:
+            return {}, {}, "held-out accuracy: not measured"
         after = self._accuracy()
         before = f" (before: {self.acc_before:.3f})" if self.acc_before is not None else ""
         summary = {"heldout_accuracy_before": self.acc_before, "heldout_before_cached": self.cached,
@@ -172,15 +185,13 @@ class HeldoutAccuracy:
         return {"heldout/accuracy": after, **sampled}, summary, message
 
 
-def task_problems(cfg) -> tuple[list, list]:
-    """``data.task``'s train and held-out problems (``data.train_size``, ``data.heldout_size``;
-    arithmetic-style tasks from ``data.generator`` with ``data.generator_kwargs``)."""
-    from alignment.data.tasks import load_problems
+def training_order(cfg, prompts):
+    """The order steps take the training prompts in (:class:`alignment.data.prompt_data.EpochOrder`):
+    reshuffled every epoch from the seed (``data.shuffle``); a built-in task's first epoch in its own
+    order (already a seeded random draw)."""
+    from alignment.data.prompt_data import EpochOrder
 
-    kw = {"generator": cfg.data.generator, "generator_kwargs": dict(cfg.data.generator_kwargs)} \
-        if cfg.data.task in ("arithmetic", "length") else {}
-    return (load_problems(cfg.data.task, "train", cfg.data.train_size, seed=cfg.seed, **kw),
-            load_problems(cfg.data.task, "heldout", cfg.data.heldout_size, seed=cfg.seed, **kw))
+    return EpochOrder(prompts.train, cfg.seed, shuffle=cfg.data.shuffle, keep_first=not cfg.data.get("train_files"))
 
 
 def run_rl(cfg: DictConfig) -> dict:
@@ -191,9 +202,9 @@ def run_rl(cfg: DictConfig) -> dict:
     from launchers import rl_loop
     from launchers.common import start
 
-    job = start(cfg)  # validates the config before any process group starts
+    job = start(cfg)  # validates the config and reads the prompts before any process group starts
     models = build(cfg, job.hf_dir, job.hf_config, job.rank)
-    train, heldout = task_problems(cfg)
+    train, heldout = training_order(cfg, job.prompts), job.prompts.heldout
 
     def grpo_collect(problems, step: int, version: int):
         from megatron.core import parallel_state as ps
@@ -201,7 +212,7 @@ def run_rl(cfg: DictConfig) -> dict:
         rng = random.Random(hash((cfg.seed, step, ps.get_data_parallel_rank())))
 
         def refill(k: int):  # more training problems for DAPO dynamic sampling
-            return [train[rng.randrange(len(train))] for _ in range(k)]
+            return [train.items[rng.randrange(len(train))] for _ in range(k)]
 
         return grpo.collect(models, problems, cfg, refill, version)
 

@@ -52,6 +52,15 @@ def data_file(name: str, text: str, algorithm: str = "sft", *extra: str):
     return make
 
 
+def prompt_file(rows: list[dict], functions: str = "[{name: math_verify}]"):
+    """A GRPO job on a JSONL prompt file of ``rows``, scored by ``functions``."""
+    def make(tmp):
+        text = "".join(json.dumps(r) + "\n" for r in rows)
+        return "grpo", [f"data.train_files={_write(tmp, 'prompts.jsonl', text)}", f"reward.functions={functions}",
+                        f"output_dir={tmp / 'out'}"], 2
+    return make
+
+
 def _tiny_dir(tmp: Path, name: str, **edit) -> Path:
     """A tiny random Llama with SmolLM2's tokenizer; ``edit``: config.json or tokenizer_config.json
     entries to change (``chat_template=None`` removes the template)."""
@@ -179,7 +188,7 @@ CASES: list[Case] = [
     Case("config", "`rollout.environment=chess`", conf("grpo", "rollout.environment=chess"), Exception,
          "rollout.environment='chess': valid values are single_turn, tools or 'package.module:factory'"),
     Case("config", "`reward.functions=[{name: helpfulness}]`", conf("grpo", "reward.functions=[{name: helpfulness}]"),
-         Exception, "reward.functions names ['helpfulness']"),
+         Exception, "reward.functions names 'helpfulness'"),
     Case("config", "`trainer.lrr=1e-6` (a misspelt key)", conf("grpo", "trainer.lrr=1e-6"), Exception,
          "Could not override 'trainer.lrr'"),
     Case("config", "`trainer.steps=many` (a wrong type)", conf("grpo", "trainer.steps=many"), Exception,
@@ -239,6 +248,18 @@ CASES: list[Case] = [
          Exception, "data.generator='chain_summ' is not a reasoning-gym dataset"),
     Case("data", "a tokenizer without a chat template", model_dir("sft", chat_template=None), Exception,
          "its tokenizer has no chat template"),
+    Case("data", "a prompt file without the `data.prompt_key` column", prompt_file([{"question": "1+1?", "answer": "2"}]),
+         Exception, "data.prompt_key='prompt': "),
+    Case("data", "an empty prompt in a prompt file", prompt_file([{"prompt": "1+1?"}, {"prompt": " "}]), Exception,
+         "row 1 (prompt): the prompt is empty"),
+    Case("data", "prompt files and no `reward.functions` to score the answers", prompt_file(
+        [{"prompt": "1+1?"}], functions="[]"), Exception, "data.train_files: prompts of your own need reward.functions"),
+    Case("reward", "a reward module that does not import", conf(
+        "grpo", "reward.functions=[{name: no_such_pkg.rewards:score}]"), Exception,
+         "module 'no_such_pkg.rewards' does not import"),
+    Case("reward", "a reward function whose signature fits neither TRL's nor verl's", conf(
+        "grpo", "reward.functions=[{name: tests.reward_fns:no_convention}]"), Exception,
+         "fits neither convention: TRL's fn(prompts, completions, completion_ids, **kwargs)"),
     # ---- checkpoints (trainer.resume=true: the latest complete one)
     Case("checkpoint", "a shard file cut short", checkpoint({}, _truncate), Exception,
          "__0_0.distcp has 1000 bytes, 4096 were written"),

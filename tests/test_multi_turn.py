@@ -88,7 +88,7 @@ def test_tool_episode_tokens_mask_and_logprobs(tokenizer, turns):
         return "The answer is 89." if "<|im_start|>tool\n89" in prompt else "Let me compute. " + CALL
 
     engine = ScriptedEngine(tokenizer, script)
-    env = ToolEnvironment("arithmetic")
+    env = ToolEnvironment()
     [[s]] = run_episodes(engine.generate, env, [PROBLEM], turns, SamplingConfig(n=1, max_tokens=400), max_turns=4)
     first, second = engine.char_ids("Let me compute. " + CALL), engine.char_ids("The answer is 89.") + [EOS]
     obs = turns.continuation_ids(first, [{"role": "tool", "content": "89"}])
@@ -118,7 +118,7 @@ def test_tool_episode_tokens_mask_and_logprobs(tokenizer, turns):
 
 def test_episode_batch_masks_tool_tokens(tokenizer, turns):
     engine = ScriptedEngine(tokenizer, lambda prompt, k: "89" if "tool\n" in prompt.split("user")[-1] else CALL)
-    groups = run_episodes(engine.generate, ToolEnvironment("arithmetic"), [PROBLEM], turns,
+    groups = run_episodes(engine.generate, ToolEnvironment(), [PROBLEM], turns,
                           SamplingConfig(n=2, max_tokens=400), max_turns=3)
     samples = groups[0]
     assert len(samples) == 2 and len(engine.calls) == 2 and len(engine.calls[1][0]) == 2  # both continued
@@ -134,7 +134,7 @@ def test_episode_batch_masks_tool_tokens(tokenizer, turns):
 
 def test_max_turns_and_budget_end_episodes(tokenizer, turns):
     engine = ScriptedEngine(tokenizer, lambda prompt, k: CALL)  # never answers
-    [[s]] = run_episodes(engine.generate, ToolEnvironment("arithmetic"), [PROBLEM], turns,
+    [[s]] = run_episodes(engine.generate, ToolEnvironment(), [PROBLEM], turns,
                          SamplingConfig(n=1, max_tokens=1000), max_turns=3)
     assert s.info["turns"] == 3 and s.info["tool_calls"] == 3 and not s.finished  # out of turns, not done
     assert s.info["env_reward"] == 1.0  # three good calls, rewarded once
@@ -142,12 +142,12 @@ def test_max_turns_and_budget_end_episodes(tokenizer, turns):
         engine.char_ids(CALL), [{"role": "tool", "content": "89"}]))
     call = len(engine.char_ids(CALL))
     budget = call + 10  # room for one call, not for the tool's answer and another token
-    [[s]] = run_episodes(engine.generate, ToolEnvironment("arithmetic"), [PROBLEM], turns,
+    [[s]] = run_episodes(engine.generate, ToolEnvironment(), [PROBLEM], turns,
                          SamplingConfig(n=1, max_tokens=budget), max_turns=3)
     assert s.info["turns"] == 1 and len(s.response_ids) == call and not s.finished and s.loss_mask is None
     # a turn cut by the budget: the episode ends there, unfinished, within the budget
     budget = call + 30
-    [[s]] = run_episodes(engine.generate, ToolEnvironment("arithmetic"), [PROBLEM], turns,
+    [[s]] = run_episodes(engine.generate, ToolEnvironment(), [PROBLEM], turns,
                          SamplingConfig(n=1, max_tokens=budget), max_turns=3)
     assert s.info["turns"] == 2 and len(s.response_ids) == budget and not s.finished
 
@@ -156,7 +156,7 @@ def test_malformed_and_several_calls_are_answered(tokenizer, turns):
     bad = '<tool_call>{"name": "calculator", "arguments": {"expression": "1 +"}}</tool_call>'
     two = ('<tool_call>{"name": "calculator", "arguments": {"expression": "2 * 3"}}</tool_call>'
            '<tool_call>{"name": "nope", "arguments": {}}</tool_call>')
-    env = ToolEnvironment("arithmetic")
+    env = ToolEnvironment()
     moves = env.step([PROBLEM] * 4, [[]] * 4, [bad, two, "<tool_call>{oops</tool_call>", "42"])
     assert moves[0].info == {"tool_calls": 1, "tool_errors": 1} and moves[0].observation[0]["content"].startswith(
         "Error:")
@@ -168,7 +168,7 @@ def test_malformed_and_several_calls_are_answered(tokenizer, turns):
     assert [m.reward for m in moves] == [0.0, 0.0, 0.0, 0.0]  # no error-free call among them
     assert "Error: tool call 1: not valid JSON" in moves[2].observation[0]["content"]
     with pytest.raises(ValueError, match="rollout.tools"):
-        ToolEnvironment("arithmetic", tools=["search"])
+        ToolEnvironment(tools=["search"])
 
 
 def test_single_turn_environment_is_one_generate_call(tokenizer, turns):
@@ -176,9 +176,9 @@ def test_single_turn_environment_is_one_generate_call(tokenizer, turns):
     from alignment.data.prompts import build_prompt_ids
 
     sampling = SamplingConfig(n=3, max_tokens=20)
-    groups = run_episodes(engine.generate, SingleTurn("arithmetic"), [PROBLEM, PROBLEM], turns, sampling, max_turns=1)
+    groups = run_episodes(engine.generate, SingleTurn(), [PROBLEM, PROBLEM], turns, sampling, max_turns=1)
     direct = ScriptedEngine(tokenizer, lambda prompt, k: f"answer {k}").generate(
-        [build_prompt_ids(tokenizer, PROBLEM.question, "arithmetic")] * 2, sampling)
+        [build_prompt_ids(tokenizer, PROBLEM)] * 2, sampling)
     assert len(engine.calls) == 1 and engine.calls[0][1] == sampling  # the same request as without episodes
     for got, want in zip(sum(groups, []), sum(direct, [])):
         assert (got.prompt_ids, got.response_ids, got.logprobs, got.text, got.finished, got.loss_mask) == (
@@ -194,11 +194,11 @@ def test_turns_are_taken_together_across_ranks(tokenizer, turns):
         def step(self, problems, messages, replies):
             return [Transition(done=True, reward=0.5) for _ in replies]
 
-    [[s]] = run_episodes(engine.generate, Env("arithmetic"), [PROBLEM], turns, SamplingConfig(n=1, max_tokens=8),
+    [[s]] = run_episodes(engine.generate, Env(), [PROBLEM], turns, SamplingConfig(n=1, max_tokens=8),
                          max_turns=4, keep_going=lambda live: live or next(others_live))
     assert [len(p) for p, _ in engine.calls] == [1, 0, 0] and s.info["env_reward"] == 0.5
     with pytest.raises(ValueError, match="max_turns"):
-        run_episodes(engine.generate, Env("arithmetic"), [PROBLEM], turns, SamplingConfig(), max_turns=0)
+        run_episodes(engine.generate, Env(), [PROBLEM], turns, SamplingConfig(), max_turns=0)
 
 
 def test_turn_cap_closes_the_turn_and_the_environment_answers(tokenizer, turns):
@@ -208,7 +208,7 @@ def test_turn_cap_closes_the_turn_and_the_environment_answers(tokenizer, turns):
         def step(self, problems, messages, replies):
             return [Transition([{"role": "user", "content": "go on"}], reward=1.0) for _ in replies]
 
-    [[s]] = run_episodes(engine.generate, Echo("arithmetic"), [PROBLEM], turns, SamplingConfig(n=1, max_tokens=60),
+    [[s]] = run_episodes(engine.generate, Echo(), [PROBLEM], turns, SamplingConfig(n=1, max_tokens=60),
                          max_turns=3, max_tokens_per_turn=5)
     assert [c.max_tokens for _, c in engine.calls] == [5, 5, 5] and s.info["turns"] == 3 and not s.finished
     cut = engine.char_ids("a lon")
@@ -216,4 +216,4 @@ def test_turn_cap_closes_the_turn_and_the_environment_answers(tokenizer, turns):
     assert tokenizer.decode(obs) == "<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n"
     assert s.response_ids == cut + obs + cut + obs + cut and s.info["env_reward"] == 3.0
     with pytest.raises(ValueError, match="max_tokens_per_turn"):
-        run_episodes(engine.generate, Echo("arithmetic"), [PROBLEM], turns, SamplingConfig(), 2, max_tokens_per_turn=0)
+        run_episodes(engine.generate, Echo(), [PROBLEM], turns, SamplingConfig(), 2, max_tokens_per_turn=0)

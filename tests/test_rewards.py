@@ -142,8 +142,8 @@ P = "reward.process_reward_model=/prm"
 
 
 @pytest.mark.parametrize("overrides,name,message", [
-    (["reward.functions=[{name: bleu}]"], "grpo", r"reward.functions names \['bleu'\]: valid names are correctness"),
-    (["reward.functions=[{name: format}, {name: format, weight: 2}]"], "grpo", "each function may appear once"),
+    (["reward.functions=[{name: bleu}]"], "grpo", r"reward.functions names 'bleu': valid are correctness, format, length, environment, math_verify"),
+    (["reward.functions=[{name: format}, {name: format, weight: 2}]"], "grpo", "each name may appear once"),
     (["reward.functions=[{name: correctness, weight: 0}]"], "grpo", "every weight is 0"),
     (["reward.functions=[{name: correctness}, {name: length, weight: inf}]"], "grpo",
      r"reward.functions\[length\].weight=inf: must be a finite number"),

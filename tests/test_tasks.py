@@ -126,14 +126,14 @@ def test_prepare_hf_dir_and_prompt_ids() -> None:
     assert (hf_dir / "model.safetensors").stat().st_size > 500_000_000  # fp32, tied head not duplicated
 
     tok = AutoTokenizer.from_pretrained(str(hf_dir))
-    ids = build_prompt_ids(tok, "What is 3 + 4?", "arithmetic")
+    ids = build_prompt_ids(tok, Problem("What is 3 + 4?", "7", "arithmetic"))
     assert isinstance(ids, list) and all(type(i) is int for i in ids)
     text = tok.decode(ids)
     assert text.startswith("<|im_start|>system\n")  # the template's default system prompt is kept
     assert "<|im_start|>user\nWhat is 3 + 4?\n" in text
     assert text.endswith("<|im_start|>assistant\n")
     with pytest.raises(ValueError, match="'poetry'"):
-        build_prompt_ids(tok, "x", "poetry")
+        build_prompt_ids(tok, Problem("x", "", "poetry"))
 
 
 def test_prepare_hf_dir_errors(tmp_path: pathlib.Path) -> None:

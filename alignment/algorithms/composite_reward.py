@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -28,12 +28,21 @@ EPS = 1e-6
 
 @dataclass(frozen=True)
 class RewardTerm:
-    """One entry of ``reward.functions``: the function's ``name``, its ``weight`` in the sum and
-    whether its scores are whitened over the global batch first."""
+    """One entry of ``reward.functions``: its ``name`` (logged as ``reward/<name>``), its ``weight``
+    in the sum, whether its scores are whitened over the global batch first, the ``function`` that
+    computes them (a built-in's name or ``package.module:function``; "": ``name``) and that
+    function's options (``kwargs``)."""
 
     name: str
     weight: float = 1.0
     whiten: bool = False
+    function: str = ""
+    kwargs: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def runs(self) -> str:
+        """The function that computes this term's scores."""
+        return self.function or self.name
 
     def __post_init__(self):
         if not math.isfinite(self.weight):
@@ -45,18 +54,19 @@ def whiten_scores(scores: Tensor, all_reduce: Callable[[list[float]], list[float
     global batch.
 
     Args:
-        scores: ``[N]`` this rank's scores (float).
+        scores: ``[N]`` this rank's scores (float; NaN: no score, left out of the statistics).
         all_reduce: sums a list of floats over the data-parallel ranks (None: this rank is the
             whole batch); called twice (the mean, then the centred squares).
     Returns:
-        ``[N]`` float32; all zeros when the batch has fewer than 2 samples or a constant score.
+        ``[N]`` float32 (NaN where ``scores`` is); zeros when the batch has fewer than 2 scores.
     """
     x = scores.to(torch.float64)  # two passes in float64: a small spread around a large mean survives
-    n, s1 = _summed([float(x.numel()), x.sum().item()], all_reduce)
+    known = ~torch.isnan(x)
+    n, s1 = _summed([float(known.sum()), x[known].sum().item()], all_reduce)
     if n < 2:
-        return torch.zeros_like(x, dtype=torch.float32)
+        return torch.where(known, 0.0, x).to(torch.float32)
     mean = s1 / n
-    [sq] = _summed([((x - mean) ** 2).sum().item()], all_reduce)
+    [sq] = _summed([((x[known] - mean) ** 2).sum().item()], all_reduce)
     std = max(sq / (n - 1), 0.0) ** 0.5
     return ((x - mean) / (std + EPS)).to(torch.float32)
 
@@ -68,6 +78,9 @@ def _summed(values: list[float], all_reduce) -> list[float]:
 def combine_rewards(scores: dict[str, Tensor], terms: Sequence[RewardTerm],
                     all_reduce: Callable[[list[float]], list[float]] | None = None) -> Tensor:
     """The weighted sum of the terms' (optionally whitened) scores.
+
+    A NaN score (the function does not apply to that sample: TRL's None) adds nothing to the
+    sample's sum, as TRL's ``nansum`` over its reward functions.
 
     Args:
         scores: name -> ``[N]`` raw scores of this rank's samples, for every term.
@@ -90,5 +103,5 @@ def combine_rewards(scores: dict[str, Tensor], terms: Sequence[RewardTerm],
     total = torch.zeros(next(iter(sizes.values())), dtype=torch.float32)
     for t in terms:
         s = scores[t.name].to(torch.float32)
-        total += t.weight * (whiten_scores(s, all_reduce) if t.whiten else s)
+        total += torch.nan_to_num(t.weight * (whiten_scores(s, all_reduce) if t.whiten else s), nan=0.0)
     return total

@@ -234,9 +234,11 @@ def _ids(out) -> list[int]:
     return [int(t) for t in out]
 
 
-def encode_prompt(tokenizer, messages) -> list[int]:
-    """Chat-template token ids of ``messages`` ending with the assistant generation prefix."""
-    return _ids(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True))
+def encode_prompt(tokenizer, messages, **template_kwargs) -> list[int]:
+    """Chat-template token ids of ``messages`` ending with the assistant generation prefix
+    (``template_kwargs``: passed to ``apply_chat_template``, e.g. ``enable_thinking=False``)."""
+    return _ids(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
+                                              **template_kwargs))
 
 
 def encode_example(tokenizer, messages, response: str, max_length: int,

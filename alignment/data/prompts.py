@@ -1,11 +1,14 @@
-"""Prompt construction: a task question rendered with the model's chat template."""
+"""Prompt construction: a problem rendered with the model's chat template, as the job's ``data``
+section asks (:class:`PromptStyle`: ``data.instruction``, ``data.system_prompt``,
+``data.chat_template_kwargs``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from alignment.data.chat_data import encode_prompt
-from alignment.data.tasks import TASKS
+from alignment.data.tasks import FILE_TASK, TASKS, Problem
 
 #: Instruction appended to the question, per task.
 INSTRUCTIONS: dict[str, str] = {
@@ -16,40 +19,62 @@ INSTRUCTIONS: dict[str, str] = {
 }
 
 
-def prompt_messages(question: str, task: str, hint: str | None = None,
-                    instruction: str | None = None) -> list[dict[str, str]]:
-    """The chat messages asking ``question``: one user message, ``question`` followed by the task's
-    instruction from :data:`INSTRUCTIONS` (``hint``, ``instruction``: as :func:`build_prompt_ids`).
+@dataclass(frozen=True)
+class PromptStyle:
+    """How a job words its prompts: ``instruction`` after the question (None: the task's own from
+    :data:`INSTRUCTIONS`; a file's prompts have none), a ``system_prompt`` first (None: the chat
+    template's default) and ``chat_template_kwargs`` for ``apply_chat_template`` (e.g. Qwen3's
+    ``{"enable_thinking": False}``)."""
 
-    Raises:
-        ValueError: unknown ``task``.
-    """
-    if task not in INSTRUCTIONS:
-        raise ValueError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
-    given = f"\nHint: the answer is {hint}." if hint is not None else ""
-    said = INSTRUCTIONS[task] if instruction is None else instruction
-    return [{"role": "user", "content": f"{question.strip()}{given}\n{said}"}]
+    instruction: str | None = None
+    system_prompt: str | None = None
+    chat_template_kwargs: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, cfg) -> "PromptStyle":
+        """The style of a job config (its ``data`` section)."""
+        d = cfg.data
+        kwargs = d.get("chat_template_kwargs") or {}
+        return cls(d.get("instruction"), d.get("system_prompt"), dict(kwargs))
 
 
-def build_prompt_ids(tokenizer: Any, question: str, task: str, hint: str | None = None,
-                     instruction: str | None = None) -> list[int]:
-    """Token ids of a chat prompt asking ``question``, ending with the assistant generation prefix.
-
-    The prompt is :func:`prompt_messages` rendered with ``tokenizer.apply_chat_template(...,
-    add_generation_prompt=True, tokenize=True)``; the template's default system prompt is kept.
+def prompt_messages(problem: Problem, style: PromptStyle = PromptStyle(), hint: str | None = None) -> list[dict]:
+    """The chat messages asking ``problem``: ``style.system_prompt`` (unless the problem's own chat
+    starts with a system message), then the problem's messages or one user message; the last user
+    message gets the hint and the instruction (``style.instruction``, else the task's).
 
     Args:
-        tokenizer: a Hugging Face tokenizer with a chat template.
-        question: the raw problem text (``Problem.question``).
-        task: a task name from ``alignment.data.tasks.TASKS``.
         hint: the reference answer, given as "Hint: the answer is <hint>." between the question and
             the instruction (STaR's rationalisation, Zelikman et al. 2022 Sec. 3.2); None: no hint.
-        instruction: replaces the task's instruction (``data.instruction``); None: the task's.
-
-    Returns:
-        A flat ``list[int]`` (transformers 5 may return a BatchEncoding; it is unwrapped).
 
     Raises:
-        ValueError: unknown ``task``.
+        ValueError: a problem of an unknown task.
     """
-    return encode_prompt(tokenizer, prompt_messages(question, task, hint, instruction))
+    if problem.task not in INSTRUCTIONS and problem.task != FILE_TASK:
+        raise ValueError(f"unknown task {problem.task!r}; valid tasks: {', '.join(TASKS)}")
+    said = style.instruction if style.instruction is not None else INSTRUCTIONS.get(problem.task)
+    extra = (f"\nHint: the answer is {hint}." if hint is not None else "") + (f"\n{said}" if said else "")
+    if problem.messages is not None:
+        messages = [dict(m) for m in problem.messages]
+        messages[-1]["content"] = messages[-1]["content"] + extra
+    else:
+        messages = [{"role": "user", "content": f"{problem.question.strip()}{extra}" if problem.task != FILE_TASK
+                     else problem.question + extra}]
+    if style.system_prompt is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": style.system_prompt})
+    return messages
+
+
+def build_prompt_ids(tokenizer: Any, problem: Problem, style: PromptStyle = PromptStyle(),
+                     hint: str | None = None) -> list[int]:
+    """Token ids of a chat prompt asking ``problem``, ending with the assistant generation prefix:
+    :func:`prompt_messages` rendered with ``tokenizer.apply_chat_template(...,
+    add_generation_prompt=True, tokenize=True, **style.chat_template_kwargs)``.
+
+    Returns:
+        A flat ``list[int]``.
+
+    Raises:
+        ValueError: as :func:`prompt_messages`.
+    """
+    return encode_prompt(tokenizer, prompt_messages(problem, style, hint), **style.chat_template_kwargs)

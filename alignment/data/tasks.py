@@ -24,10 +24,13 @@ import json
 import pathlib
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 TASKS = ("arithmetic", "gsm8k", "length", "humaneval")
+#: ``Problem.task`` of a prompt from a file of the user's (``data.train_files``): no instruction of its
+#: own, graded only by ``reward.functions``
+FILE_TASK = "file"
 LENGTH_TARGET = 20  # characters, the "length" task's target
 SPLITS = ("train", "heldout")
 
@@ -51,13 +54,17 @@ _HELDOUT_SEED_OFFSET = 1_000_000_007
 
 @dataclass
 class Problem:
-    """One problem: the raw question, its reference answer, the task name and, for
-    reasoning-gym tasks, the generator's entry (needed by its scorer)."""
+    """One problem: the raw question, its reference answer ("" without one), the task name and, for
+    reasoning-gym tasks, the generator's entry (needed by its scorer). A prompt from a file
+    (``task`` :data:`FILE_TASK`, :mod:`alignment.data.prompt_data`) may be a chat: ``messages`` (then
+    ``question`` is its last user message); ``columns``: the record's columns for reward functions."""
 
     question: str
     answer: str
     task: str
     entry: dict | None = None
+    messages: tuple[dict, ...] | None = None
+    columns: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- loading

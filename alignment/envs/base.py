@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from alignment.data.prompts import prompt_messages
+from alignment.data.prompts import PromptStyle, prompt_messages
 from alignment.data.tasks import Problem
 
 __all__ = ["Transition", "Environment", "SingleTurn"]
@@ -58,17 +58,18 @@ class SingleTurn:
     environment.
 
     Args:
-        task: ``data.task``; instruction: ``data.instruction`` (None: the task's own).
+        style: the job's :class:`alignment.data.prompts.PromptStyle` (``data.instruction``,
+            ``data.system_prompt``, ``data.chat_template_kwargs``).
     """
 
     stop = None
 
-    def __init__(self, task: str, instruction: str | None = None):
-        self.task, self.instruction = task, instruction
+    def __init__(self, style: PromptStyle = PromptStyle()):
+        self.style = style
 
     def reset(self, problems: Sequence[Problem]) -> list[list[dict]]:
         """:func:`alignment.data.prompts.prompt_messages` of each problem."""
-        return [prompt_messages(p.question, self.task, instruction=self.instruction) for p in problems]
+        return [prompt_messages(p, self.style) for p in problems]
 
     def step(self, problems, messages, replies) -> list[Transition]:
         """Every episode ends after its first answer, with no environment reward."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 
+from alignment.data.prompts import PromptStyle
 from alignment.envs.base import Environment, SingleTurn
 
 ENVIRONMENTS = ("single_turn", "tools")
@@ -24,12 +25,12 @@ def build_environment(cfg) -> Environment:
     """
     name = cfg.rollout.environment
     if name == "single_turn":
-        return SingleTurn(cfg.data.task, cfg.data.instruction)
+        return SingleTurn(PromptStyle.of(cfg))
     if name == "tools":
         from alignment.data.reward_functions import sandbox_workers
         from alignment.envs.tool_env import ToolEnvironment
 
-        return ToolEnvironment(cfg.data.task, cfg.data.instruction, list(cfg.rollout.tools),
+        return ToolEnvironment(PromptStyle.of(cfg), list(cfg.rollout.tools),
                                workers=sandbox_workers())
     if ":" in name:
         module, _, attr = name.partition(":")

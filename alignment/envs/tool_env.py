@@ -10,10 +10,11 @@ The tools are described in a system message as Qwen2.5's chat template writes it
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from alignment.data.prompts import prompt_messages
+from alignment.data.prompts import PromptStyle, prompt_messages
 from alignment.data.tasks import Problem
 from alignment.envs.base import Transition
 from alignment.envs.tool_calls import TOOL_CALL_CLOSE, parse_tool_calls
@@ -49,8 +50,8 @@ class ToolEnvironment:
     used only when ``reward.functions`` weighs the ``environment`` function (e.g. 0.2).
 
     Args:
-        task: ``data.task`` (the question's framing); instruction: after the question (None:
-            :data:`TOOL_INSTRUCTION`).
+        style: the job's :class:`alignment.data.prompts.PromptStyle`; its instruction follows the
+            question (None: :data:`TOOL_INSTRUCTION`), its system prompt precedes the tool list.
         tools: tool names from :data:`alignment.envs.tools.TOOLS`.
         max_calls_per_turn: calls run per message (later ones answered with an error text).
         workers: tool calls run at once.
@@ -60,19 +61,26 @@ class ToolEnvironment:
 
     stop = [TOOL_CALL_CLOSE]
 
-    def __init__(self, task: str, instruction: str | None = None, tools: Sequence[str] = ("calculator",),
+    def __init__(self, style: PromptStyle = PromptStyle(), tools: Sequence[str] = ("calculator",),
                  max_calls_per_turn: int = 4, workers: int = 1):
         unknown = [t for t in tools if t not in TOOLS]
         if unknown or not tools:
             raise ValueError(f"rollout.tools={list(tools)}: valid tools are {', '.join(TOOLS)} (at least one)")
-        self.task, self.instruction = task, TOOL_INSTRUCTION if instruction is None else instruction
+        self.style = replace(style, instruction=TOOL_INSTRUCTION if style.instruction is None else style.instruction)
         self.tools = {t: TOOLS[t] for t in tools}
         self.max_calls, self.workers = max_calls_per_turn, workers
 
     def reset(self, problems: Sequence[Problem]) -> list[list[dict]]:
-        """The tool list as a system message, then the question with the instruction."""
-        system = {"role": "system", "content": tools_system_prompt(list(self.tools.values()))}
-        return [[system, *prompt_messages(p.question, self.task, instruction=self.instruction)] for p in problems]
+        """The tool list as a system message (after the system prompt, when there is one), then the
+        question with the instruction."""
+        listed = tools_system_prompt(list(self.tools.values()))
+        out = []
+        for p in problems:
+            messages = prompt_messages(p, self.style)
+            own = messages[0]["role"] == "system"
+            head = messages[0]["content"] + "\n\n" if own else ""
+            out.append([{"role": "system", "content": head + listed}, *messages[own:]])
+        return out
 
     def _answer(self, parsed, k: int) -> tuple[str, bool]:
         """The text for call ``k`` of a message, and whether it is an error."""

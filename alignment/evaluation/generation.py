@@ -115,9 +115,10 @@ def run_suite(engine, hf_dir, suite: suites.Suite, settings: Settings, max_model
         return _reasoning(engine, hf_dir, suite, settings)
     if suite.kind == "regression":
         from alignment.data.prompts import prompt_messages
+        from alignment.data.tasks import Problem
 
         items = suites.regression_items(settings.regression_file, settings.limit)
-        prompts = [prompt_messages(i["question"], i["task"]) if i.get("task") else
+        prompts = [prompt_messages(Problem(i["question"], "", i["task"])) if i.get("task") else
                    [{"role": "user", "content": i["question"]}] for i in items]
         keep, samples = _greedy_chat(engine, prompts, suite.max_tokens, max_model_len)
         texts = dict(zip(keep, (s.text for s in samples)))

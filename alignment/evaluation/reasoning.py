@@ -10,26 +10,34 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from alignment.algorithms.composite_reward import RewardTerm
 from alignment.data.tasks import Problem
 from alignment.rollout.base import Sample
 
+CORRECTNESS = RewardTerm("correctness")
 
-def grade(problems: Sequence[Problem], groups: Sequence[Sequence[Sample]], max_tokens: int) -> list[list[bool]]:
-    """``[problems][samples]``: whether each episode's answer is right (the ``correctness`` reward
-    function is 1: the task's grader; code runs in sandboxes side by side).
+
+def grade(problems: Sequence[Problem], groups: Sequence[Sequence[Sample]], max_tokens: int,
+          grader: RewardTerm = CORRECTNESS) -> list[list[bool]]:
+    """``[problems][samples]``: whether each episode's answer is right: ``grader``'s score is >= 1
+    (default the ``correctness`` function: the task's grader; code runs in sandboxes side by side;
+    with prompt files :func:`alignment.config.heldout_grader`). A sample the grader does not apply
+    to (None) is not right.
 
     Raises:
         ValueError: not one group per problem.
     """
-    from alignment.data.reward_functions import text_scores
+    from alignment.data.reward_functions import sandbox_workers
+    from alignment.rewards.functions import function_scores
 
     if len(problems) != len(groups):
         raise ValueError(f"{len(groups)} groups of samples for {len(problems)} problems")
     samples = [s for g in groups for s in g]
-    scores = text_scores("correctness", [p for p, g in zip(problems, groups) for _ in g], samples, max_tokens).tolist()
+    scores = function_scores(grader, [p for p, g in zip(problems, groups) for _ in g], samples, max_tokens,
+                             workers=sandbox_workers()).tolist()
     out, i = [], 0
     for g in groups:
-        out.append([x == 1.0 for x in scores[i : i + len(g)]])
+        out.append([x >= 1.0 for x in scores[i : i + len(g)]])
         i += len(g)
     return out
 

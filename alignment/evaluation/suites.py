@@ -80,10 +80,10 @@ def suite_config(suite: Suite):
 def problems(suite: Suite, cfg, limit: int | None = None) -> list:
     """A reasoning suite's problems (:class:`alignment.data.tasks.Problem`): the config's held-out
     split, then its train split when the suite joins both; the first ``limit`` when given."""
-    from launchers.train import task_problems
+    from alignment.data.prompt_data import job_prompts
 
-    train, heldout = task_problems(cfg)
-    items = heldout + (train if "train" in suite.splits else [])
+    sets = job_prompts(cfg)
+    items = list(sets.heldout) + (list(sets.train) if "train" in suite.splits else [])
     return items[:limit] if limit else items
 
 

@@ -27,13 +27,15 @@ class TurnTokens:
     Args:
         tokenizer: a Hugging Face tokenizer with a chat template.
         eos_token_ids: the ids that end a model turn (the engine stops at them).
+        template_kwargs: keyword arguments of the chat template (``data.chat_template_kwargs``).
     Raises:
         ValueError: the template does not render a conversation as a prefix of the same
             conversation with more messages (the observation could not be cut out of it).
     """
 
-    def __init__(self, tokenizer, eos_token_ids: Sequence[int]):
+    def __init__(self, tokenizer, eos_token_ids: Sequence[int], template_kwargs: dict | None = None):
         self.tokenizer, self.eos = tokenizer, set(int(i) for i in eos_token_ids)
+        self.template_kwargs = dict(template_kwargs or {})
         self._base = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": _MARK}]
         rendered = self._render(self._base, generation_prompt=False)
         if rendered.count(_MARK) != 1:
@@ -43,14 +45,15 @@ class TurnTokens:
         self.closing = rendered.split(_MARK, 1)[1]  # what ends an assistant turn, e.g. "<|im_end|>\n"
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                                  **self.template_kwargs)
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The episode's opening messages with the assistant generation prefix."""
-        return encode_prompt(self.tokenizer, messages)
+        return encode_prompt(self.tokenizer, messages, **self.template_kwargs)
 
     def observation_text(self, observation: list[dict]) -> str:
         """The template's text for ``observation`` after an assistant turn, up to and including the

@@ -98,11 +98,11 @@ def heldout_key(hf_dir: str | os.PathLike, tokenizer, problems: list, cfg, world
     ``data.task``, ``rollout.*``: a multi-turn environment's name, turns and tools too)."""
     import torch
 
-    from alignment.data.prompts import build_prompt_ids
+    from alignment.data.prompts import PromptStyle, build_prompt_ids
 
-    prompts = hashlib.sha256()
+    prompts, style = hashlib.sha256(), PromptStyle.of(cfg)
     for p in problems:
-        ids = build_prompt_ids(tokenizer, p.question, cfg.data.task, instruction=cfg.data.get("instruction"))
+        ids = build_prompt_ids(tokenizer, p, style)
         prompts.update(json.dumps([ids, p.answer]).encode())
     r = cfg.rollout
     return cache_key({

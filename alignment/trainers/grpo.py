@@ -21,6 +21,7 @@ model replica (TP x CP x PP) share the same data and split only its generation. 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -32,7 +33,7 @@ from alignment.algorithms.grpo_loss import GRPOLossConfig, grpo_loss
 from alignment.algorithms.process_rewards import process_advantages, to_batch_columns
 from alignment.algorithms.reward_shaping import informative_groups
 from alignment.config import process_reward_weight, shares_prompts
-from alignment.data.prompts import build_prompt_ids
+from alignment.data.prompts import PromptStyle, build_prompt_ids
 from alignment.data.tasks import Problem
 from alignment.rollout.base import SamplingConfig
 from alignment.trainers.batching import make_batch
@@ -130,18 +131,19 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
     }
 
 
-def evaluate(models: Models, problems: list[Problem], max_tokens: int) -> float:
+def evaluate(models: Models, problems: list[Problem], max_tokens: int, grader=None) -> float:
     """Greedy held-out accuracy (fraction of reward-1 answers): problems dealt over the
     data-parallel ranks, each replica's share run as episodes of ``models.episodes``' environment
     (:func:`alignment.trainers.rl_phases.generate_episodes`; the task's prompt, ``data.instruction``
     included, and one answer for ``rollout.environment=single_turn``), graded as ``tools/evaluate.py``
     grades (:mod:`alignment.evaluation.reasoning`) and counted once (by the replica's first rank).
-    ``max_tokens``: the response budget (``rollout.eval_max_tokens``)."""
-    return _heldout(models, problems, SamplingConfig(n=1, temperature=0.0, max_tokens=max_tokens))["pass@1"]
+    ``max_tokens``: the response budget (``rollout.eval_max_tokens``); ``grader``: the reward term whose
+    score >= 1 is right (None: ``correctness``; :func:`alignment.config.heldout_grader`)."""
+    return _heldout(models, problems, SamplingConfig(n=1, temperature=0.0, max_tokens=max_tokens), grader)["pass@1"]
 
 
 def pass_at_k(models: Models, problems: list[Problem], k: int, max_tokens: int, temperature: float,
-              tool_calls: bool = False) -> dict[str, float]:
+              tool_calls: bool = False, grader=None) -> dict[str, float]:
     """Sampled held-out metrics: ``k`` episodes per problem at ``temperature`` (dealt over the
     data-parallel ranks like :func:`evaluate`, graded by :mod:`alignment.evaluation.reasoning`).
     Returns ``heldout/pass@1``, ``heldout/pass@<k>`` (Chen et al. 2021's unbiased estimator) and
@@ -153,12 +155,12 @@ def pass_at_k(models: Models, problems: list[Problem], k: int, max_tokens: int, 
     """
     if k < 1:
         raise ValueError(f"rollout.eval_pass_k={k}: must be >= 1 (0 turns the sampled evaluation off)")
-    out = _heldout(models, problems, SamplingConfig(n=k, temperature=temperature, max_tokens=max_tokens))
+    out = _heldout(models, problems, SamplingConfig(n=k, temperature=temperature, max_tokens=max_tokens), grader)
     tool_rate = out.pop("tool_call_rate")
     return {f"heldout/{key}": v for key, v in {**out, **({"tool_call_rate": tool_rate} if tool_calls else {})}.items()}
 
 
-def _heldout(models: Models, problems: list[Problem], sampling: SamplingConfig) -> dict[str, float]:
+def _heldout(models: Models, problems: list[Problem], sampling: SamplingConfig, grader=None) -> dict[str, float]:
     """:func:`alignment.evaluation.reasoning.rates` of ``sampling.n`` episodes per problem, this DP
     rank's share generated and graded, the counts summed over replicas (one rank each)."""
     from megatron.core import parallel_state as ps
@@ -166,10 +168,11 @@ def _heldout(models: Models, problems: list[Problem], sampling: SamplingConfig) 
     from alignment.evaluation import reasoning
     from parallel.state import replica_group
 
-    mine = problems[ps.get_data_parallel_rank()::ps.get_data_parallel_world_size()]
+    mine = list(problems[ps.get_data_parallel_rank()::ps.get_data_parallel_world_size()])
     with rollout_phase(models):
         groups = generate_episodes(models, mine, sampling)
-    counts = reasoning.counts(mine, groups, reasoning.grade(mine, groups, sampling.max_tokens), sampling.n)
+    correct = reasoning.grade(mine, groups, sampling.max_tokens, grader or reasoning.CORRECTNESS)
+    counts = reasoning.counts(mine, groups, correct, sampling.n)
     lead = replica_group().rank() == 0
     summed = all_reduce_sum([v if lead else 0.0 for v in counts.values()])
     return reasoning.rates(dict(zip(counts, summed)), sampling.n)
@@ -178,8 +181,8 @@ def _heldout(models: Models, problems: list[Problem], sampling: SamplingConfig) 
 def request(tokenizer, problems: list[Problem], cfg) -> tuple[list[list[int]], SamplingConfig]:
     """What GRPO asks the engine for ``problems``: their prompts (token ids, the task's chat
     prompt) and ``group_size`` samples each at the rollout's sampling settings."""
-    prompts = [build_prompt_ids(tokenizer, p.question, cfg.data.task, instruction=cfg.data.instruction)
-               for p in problems]
+    style = PromptStyle.of(cfg)
+    prompts = [build_prompt_ids(tokenizer, p, style) for p in problems]
     return prompts, sampling_config(cfg)
 
 
@@ -190,9 +193,10 @@ def _informative(part: dict[str, torch.Tensor], terms, group_size: int) -> bool:
     weighted = [t for t in terms if t.weight != 0]
     if not weighted:  # the dense process reward only: no sample-level reward to differ
         return False
-    if any(t.whiten for t in weighted):
-        return any(bool(informative_groups(part[t.name], group_size)[0]) for t in weighted)
-    total = sum(t.weight * part[t.name].float() for t in weighted)
+    if any(t.whiten for t in weighted):  # a score of None (NaN) differs from every score and from None
+        return any(bool(informative_groups(torch.nan_to_num(part[t.name], nan=math.inf), group_size)[0])
+                   for t in weighted)
+    total = sum(torch.nan_to_num(t.weight * part[t.name].float(), nan=0.0) for t in weighted)
     return bool(informative_groups(total, group_size)[0])
 
 

@@ -1,6 +1,6 @@
 """Rewarding a rollout batch with the job's ``reward.functions``: each function's raw scores
-(text functions from :mod:`alignment.data.reward_functions`, the reward model's score at the
-last token here), combined by :func:`alignment.algorithms.composite_reward.combine_rewards`, and
+(functions of the text from :mod:`alignment.rewards.functions`: built-ins, graders and your own;
+the reward model's score at the last token here), combined by :func:`alignment.algorithms.composite_reward.combine_rewards`, and
 each function's global mean for the logs (``reward/<name>``)."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import torch
 from alignment.algorithms.composite_reward import RewardTerm, combine_rewards
 from alignment.algorithms.reward_shaping import overlong_penalty
 from alignment.config import shares_prompts
-from alignment.data.reward_functions import text_scores
+from alignment.data.reward_functions import sandbox_workers
 from alignment.data.tasks import Problem
+from alignment.rewards.functions import DEFAULT_TIMEOUT_S, function_scores
 from alignment.rollout.base import Sample
 from alignment.trainers.batching import make_batch
 from alignment.trainers.megatron_step import all_reduce_sum
@@ -69,7 +70,8 @@ def score_terms(models: Models, problems: Sequence[Problem | None], samples: Seq
             out[t.name] = overlong_penalty(lengths, cfg.rollout.max_tokens, a.overlong_buffer_len,
                                            a.overlong_penalty_factor)
         else:
-            out[t.name] = text_scores(t.name, problems, samples, cfg.rollout.max_tokens)
+            timeout = cfg.reward.get("timeout_s", DEFAULT_TIMEOUT_S) if "reward" in cfg else DEFAULT_TIMEOUT_S
+            out[t.name] = function_scores(t, problems, samples, cfg.rollout.max_tokens, timeout, sandbox_workers())
     return out
 
 
@@ -95,11 +97,15 @@ def combine(scores: dict[str, torch.Tensor], terms: Sequence[RewardTerm], n: int
 
 
 def term_metrics(scores: dict[str, torch.Tensor], count: bool) -> dict[str, float]:
-    """``reward/<name>``: each term's mean raw score over the global batch; ``count``: whether this
-    rank's samples count (one rank per data-parallel replica). Collective."""
+    """``reward/<name>``: each term's mean raw score over the global batch's samples it scored (NaN:
+    the function did not apply); ``count``: whether this rank's samples count (one rank per
+    data-parallel replica). Collective."""
     names = sorted(scores)
     if not names:
         return {}
-    n = next(iter(scores.values())).numel()
-    sums = all_reduce_sum([float(n) if count else 0.0] + [scores[k].sum().item() if count else 0.0 for k in names])
-    return {f"reward/{k}": s / max(sums[0], 1.0) for k, s in zip(names, sums[1:])}
+    local = []
+    for k in names:
+        known = ~torch.isnan(scores[k])
+        local += [float(known.sum()) if count else 0.0, scores[k][known].sum().item() if count else 0.0]
+    sums = all_reduce_sum(local)
+    return {f"reward/{k}": sums[2 * i + 1] / max(sums[2 * i], 1.0) for i, k in enumerate(names)}

@@ -27,7 +27,7 @@ import torch
 from alignment.algorithms.rejection_sampling import accepted_indices
 from alignment.algorithms.sft_loss import sft_loss
 from alignment.config import shares_prompts
-from alignment.data.prompts import build_prompt_ids
+from alignment.data.prompts import PromptStyle, build_prompt_ids
 from alignment.data.tasks import Problem
 from alignment.rollout.base import Sample
 from alignment.trainers.batching import make_batch
@@ -62,10 +62,8 @@ def collect(models: Models, problems: list[Problem], cfg, version: int = 0) -> R
     ``problems``; ``Rollout.reward_terms``: every sampled answer's raw scores (hinted ones not).
     Collective over the model replica (and over every rank with ``algorithm.rationalize``)."""
     t0 = time.perf_counter()
-    a, task = cfg.algorithm, cfg.data.task
-    tok = models.tokenizer
-    said = cfg.data.instruction
-    prompts = [build_prompt_ids(tok, p.question, task, instruction=said) for p in problems]
+    a, tok, style = cfg.algorithm, models.tokenizer, PromptStyle.of(cfg)
+    prompts = [build_prompt_ids(tok, p, style) for p in problems]
     sampling = sampling_config(cfg)
     with rollout_phase(models):
         samples, scores, rewards, kept = _sample_and_accept(models, problems, prompts, sampling, cfg)
@@ -76,8 +74,7 @@ def collect(models: Models, problems: list[Problem], cfg, version: int = 0) -> R
         rationalized = 0
         if a.rationalize:  # every rank takes part, with no prompts when it solved everything
             failed = [j for j, k in enumerate(kept) if not k]
-            hinted = [build_prompt_ids(tok, problems[j].question, task, hint=problems[j].answer, instruction=said)
-                      for j in failed]
+            hinted = [build_prompt_ids(tok, problems[j], style, hint=problems[j].answer) for j in failed]
             h_samples, _, h_rewards, h_kept = _sample_and_accept(models, [problems[j] for j in failed], hinted,
                                                                  sampling, cfg)
             for j, k in zip(failed, h_kept):

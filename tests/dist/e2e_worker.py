@@ -50,9 +50,9 @@ def main() -> None:
 
         hinted, build = [False], rft.build_prompt_ids
 
-        def build_prompt_ids(tokenizer, question, task, hint=None, instruction=None):
+        def build_prompt_ids(tokenizer, problem, style, hint=None):
             hinted[0] = hint is not None
-            return build(tokenizer, question, task, hint, instruction)
+            return build(tokenizer, problem, style, hint)
 
         rft.build_prompt_ids = build_prompt_ids
         tasks.score_response = lambda problem, text: float(hinted[0])

@@ -12,11 +12,8 @@ from alignment.envs.base import Transition
 class Echo:
     stop = None
 
-    def __init__(self, task: str):
-        self.task = task
-
     def reset(self, problems):
-        return [prompt_messages(p.question, self.task) for p in problems]
+        return [prompt_messages(p) for p in problems]
 
     def step(self, problems, messages, replies):
         return [Transition([{"role": "user", "content": f"Turn {len(m) // 2}: go on."}], reward=0.25,
@@ -24,4 +21,4 @@ class Echo:
 
 
 def build(cfg) -> Echo:
-    return Echo(cfg.data.task)
+    return Echo()

@@ -1,0 +1,356 @@
+"""Prompt datasets of your own for the RL jobs (``data.train_files`` / ``data.heldout_files``), read
+with Hugging Face ``datasets``: JSONL, JSON, Parquet, CSV, or a directory written by
+``Dataset.save_to_disk``. The rows stay in the memory-mapped Arrow table; a rank only ever builds
+the :class:`alignment.data.tasks.Problem` s of the prompts it is dealt (:class:`FileProblems`).
+
+A record's prompt is the ``data.prompt_key`` column: a string, or a chat ``messages`` list (with an
+optional system message first). Its reference answer, when the task has one, is ``data.answer_key``
+(null: the ``answer`` column if there is one); every column is handed to the reward functions
+(TRL's ``**kwargs``). Records whose prompt repeats an earlier one are dropped and counted. Without
+a held-out file, ``data.heldout_fraction`` holds out the records whose prompt hashes into that
+fraction (:func:`is_heldout`), so train and held-out are disjoint for every seed.
+
+The order of training prompts is :class:`EpochOrder`: a fresh permutation of the training records
+every epoch, drawn from ``seed`` and the epoch alone, so step ``s``'s prompts are a function of
+``s``: a run resumed at any step, an epoch boundary included, trains every prompt exactly as often
+as the uninterrupted run (the bug class of verl #7401).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from alignment.data.tasks import FILE_TASK, Problem
+
+__all__ = ["FORMATS", "read_table", "is_heldout", "FileProblems", "PromptSets", "load_prompt_files", "EpochOrder",
+           "fit_prompts", "job_prompts"]
+
+#: file suffix -> the ``datasets`` builder that reads it
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+_HASH_SCALE = float(2**64)
+
+
+def read_table(path: str, field: str = "data.train_files"):
+    """``path`` as a ``datasets.Dataset``: a ``.jsonl`` / ``.json`` / ``.parquet`` / ``.csv`` file
+    (``datasets.load_dataset``, cached as Arrow and memory-mapped) or a directory written by
+    ``Dataset.save_to_disk`` (a ``DatasetDict``'s ``train`` split, or its only one).
+
+    Raises:
+        FileNotFoundError: no such file or directory (naming ``field``).
+        ValueError: an unknown suffix, a file ``datasets`` cannot parse, a DatasetDict without a
+            ``train`` split among several, or no rows.
+    """
+    import datasets
+
+    p = Path(path).expanduser()
+    if p.is_dir():
+        try:
+            ds = datasets.load_from_disk(str(p))
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"{field}={path}: a directory must be written by Dataset.save_to_disk ({e})") from e
+        if isinstance(ds, datasets.DatasetDict):
+            if "train" not in ds and len(ds) != 1:
+                raise ValueError(f"{field}={path}: a DatasetDict with splits {list(ds)}; save one split, or "
+                                 "name it train")
+            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+    elif not p.is_file():
+        raise FileNotFoundError(f"{field}={path}: no such file or directory (give a .jsonl, .json, .parquet or .csv "
+                                "file, or a directory written by Dataset.save_to_disk)")
+    elif p.suffix not in FORMATS:
+        raise ValueError(f"{field}={path}: unknown format {p.suffix!r}; valid: {', '.join(FORMATS)} or a "
+                         "Dataset.save_to_disk directory")
+    else:
+        datasets.disable_progress_bars()
+        try:
+            ds = datasets.load_dataset(FORMATS[p.suffix], data_files=str(p), split="train")
+        except Exception as e:  # datasets raises its own DatasetGenerationError, pyarrow's errors, ...
+            cause = e.__cause__ or e
+            raise ValueError(f"{field}={path}: {FORMATS[p.suffix]} reader failed: {str(cause).splitlines()[0][:300]}"
+                             ) from e
+    if len(ds) == 0:
+        raise ValueError(f"{field}={path}: no records")
+    return ds
+
+
+def prompt_text(prompt) -> str:
+    """The text a prompt is known by (for de-duplication and the held-out hash): the string itself,
+    or the messages as JSON."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, ensure_ascii=False)
+
+
+def is_heldout(text: str, fraction: float) -> bool:
+    """Whether the prompt ``text`` is held out under ``data.heldout_fraction``: its sha256, read as a
+    number in [0, 1), is below ``fraction`` (no seed: the split is the same for every run)."""
+    digest = hashlib.sha256(text.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "little") / _HASH_SCALE < fraction
+
+
+def _messages(where: str, prompt) -> tuple[dict, ...]:
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError(f"{where}: the prompt must be a non-empty string or a list of chat messages")
+    out = []
+    for m in prompt:
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
+                or not isinstance(m.get("content"), str):
+            raise ValueError(f"{where}: a message is {{role: system|user|assistant, content: string}}, got {m!r:.120}")
+        out.append({"role": m["role"], "content": m["content"]})
+    if out[-1]["role"] != "user":
+        raise ValueError(f"{where}: a chat prompt must end with a user message (the model answers it)")
+    return tuple(out)
+
+
+def _check_prompt(where: str, prompt) -> None:
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError(f"{where}: the prompt is empty")
+        return
+    _messages(where, prompt)
+    if not any(m["content"].strip() for m in prompt if m["role"] == "user"):
+        raise ValueError(f"{where}: the prompt's user messages are empty")
+
+
+class FileProblems(Sequence):
+    """The records ``rows`` of an Arrow table as :class:`alignment.data.tasks.Problem` s, built on
+    access (``task`` :data:`alignment.data.tasks.FILE_TASK`; ``question`` the prompt string, or the
+    last user message of a chat prompt, whose messages are ``Problem.messages``; ``answer`` the
+    ``answer_key`` column as a string, "" without one; ``columns`` every column but the prompt).
+    ``source``: where the rows come from, for messages."""
+
+    def __init__(self, table, rows: np.ndarray, prompt_key: str, answer_key: str | None, source: str):
+        self.table, self.rows, self.prompt_key, self.answer_key, self.source = table, rows, prompt_key, answer_key, source
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        row = int(self.rows[i])
+        record = self.table[row]
+        prompt = record[self.prompt_key]
+        columns = {k: v for k, v in record.items() if k != self.prompt_key}
+        answer = record.get(self.answer_key) if self.answer_key else None
+        if isinstance(prompt, str):
+            return Problem(prompt, "" if answer is None else str(answer), FILE_TASK, columns=columns)
+        msgs = _messages(f"{self.source} row {row}", prompt)
+        return Problem(msgs[-1]["content"], "" if answer is None else str(answer), FILE_TASK, messages=msgs,
+                       columns=columns)
+
+
+@dataclass
+class PromptSets:
+    """An RL job's prompts: ``train`` and ``heldout`` (sequences of Problems) and what was read:
+    ``records`` (rows read), ``duplicates`` (dropped: a prompt seen before; a training prompt that is
+    also a held-out one is dropped from training), ``sources``, ``overlong`` (prompts dropped as too
+    long, ``data.overlong_prompts=drop``) and ``tokens`` (prompt tokens of the kept prompts; 0: not
+    counted)."""
+
+    train: Sequence
+    heldout: Sequence
+    records: int = 0
+    duplicates: int = 0
+    sources: tuple[str, ...] = ()
+    overlong: int = 0
+    tokens: int = 0
+
+    def summary(self) -> str:
+        """One line for the start of a run: records read, what was dropped, the split sizes and tokens."""
+        tokens = f" ({self.tokens:,} prompt tokens)" if self.tokens else ""
+        return (f"data: {self.records} records from {', '.join(self.sources)}; dropped {self.duplicates} duplicate "
+                f"and {self.overlong} overlong prompts; {len(self.train)} training prompts, {len(self.heldout)} held "
+                f"out{tokens}")
+
+
+def _resolve_keys(table, where: str, prompt_key: str, answer_key: str | None) -> str | None:
+    columns = list(table.column_names)
+    if prompt_key not in columns:
+        raise ValueError(f"data.prompt_key={prompt_key!r}: {where} has no such column; its columns are "
+                         f"{', '.join(columns)}")
+    if answer_key is None:
+        return "answer" if "answer" in columns else None
+    if answer_key not in columns:
+        raise ValueError(f"data.answer_key={answer_key!r}: {where} has no such column; its columns are "
+                         f"{', '.join(columns)} (null: no reference answer)")
+    return answer_key
+
+
+def _files(value) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else [str(v) for v in value]
+
+
+def _read(paths: list[str], field: str):
+    import datasets
+
+    tables = [read_table(p, field) for p in paths]
+    if len(tables) == 1:
+        return tables[0]
+    try:
+        return datasets.concatenate_datasets(tables)
+    except ValueError as e:
+        raise ValueError(f"{field}={paths}: the files' columns differ ({e})") from e
+
+
+def _distinct_rows(table, prompt_key: str, source: str, seen: set[str], keep=lambda text: True):
+    """Rows whose prompt is valid, kept by ``keep``, and not in ``seen`` (which grows); and the number of
+    repeats dropped."""
+    rows, dropped = [], 0
+    for i, prompt in enumerate(table[prompt_key]):  # one column, read as Python objects once
+        _check_prompt(f"{source} row {i} ({prompt_key})", prompt)
+        text = prompt_text(prompt)
+        if not keep(text):
+            continue
+        if text in seen:
+            dropped += 1
+            continue
+        seen.add(text)
+        rows.append(i)
+    return np.asarray(rows, dtype=np.int64), dropped
+
+
+def load_prompt_files(data) -> PromptSets:
+    """``data.train_files`` (and ``data.heldout_files``, or ``data.heldout_fraction`` of the training
+    records) as :class:`PromptSets`. ``data``: the job's ``data`` config section.
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`read_table`; a missing ``prompt_key`` /
+            ``answer_key`` column (naming the columns there are); an empty or malformed prompt
+            (naming the file and row); no training prompt left.
+    """
+    train_paths, heldout_paths = _files(data.train_files), _files(data.get("heldout_files"))
+    fraction = float(data.get("heldout_fraction") or 0.0)
+    table = _read(train_paths, "data.train_files")
+    where = ", ".join(train_paths)
+    answer_key = _resolve_keys(table, where, data.prompt_key, data.get("answer_key"))
+    seen: set[str] = set()
+    heldout: Sequence = []
+    duplicates, records = 0, len(table)
+    if heldout_paths:
+        h_table = _read(heldout_paths, "data.heldout_files")
+        h_where = ", ".join(heldout_paths)
+        h_answer = _resolve_keys(h_table, h_where, data.prompt_key, data.get("answer_key"))
+        h_rows, duplicates = _distinct_rows(h_table, data.prompt_key, h_where, seen)
+        heldout = FileProblems(h_table, h_rows, data.prompt_key, h_answer, h_where)
+        records += len(h_table)
+    elif fraction > 0:
+        h_rows, duplicates = _distinct_rows(table, data.prompt_key, where, seen,
+                                            keep=lambda text: is_heldout(text, fraction))
+        heldout = FileProblems(table, h_rows, data.prompt_key, answer_key, where)
+    rows, dropped = _distinct_rows(table, data.prompt_key, where, seen,
+                                   keep=lambda text: not (fraction and not heldout_paths and is_heldout(text, fraction)))
+    # a training prompt that is also a held-out file's prompt counts as a duplicate and is dropped
+    if not len(rows):
+        raise ValueError(f"data.train_files={where}: no training prompt left ({records} records, {duplicates + dropped} "
+                         f"duplicates{', the rest held out' if fraction else ''})")
+    return PromptSets(FileProblems(table, rows, data.prompt_key, answer_key, where), heldout, records,
+                      duplicates + dropped, tuple(train_paths + heldout_paths))
+
+
+class EpochOrder(Sequence):
+    """The training items in the order the steps take them: epoch after epoch, each a permutation
+    of ``items`` drawn from ``seed + epoch`` (``shuffle``; epoch 0 keeps ``items``' order when
+    ``keep_first``: a built-in task's problems are already a seeded random draw). ``order[i]`` is
+    the ``i``-th prompt trained on, so step ``s`` takes ``order[s * P : (s + 1) * P]``, a function of
+    ``s`` alone. Indexable without end (``len``: one epoch)."""
+
+    def __init__(self, items: Sequence, seed: int, shuffle: bool = True, keep_first: bool = False):
+        self.items, self.seed, self.shuffle, self.keep_first = items, seed, shuffle, keep_first
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """Epoch ``epoch``'s order of ``items``' indices."""
+        n = len(self.items)
+        if not self.shuffle or (epoch == 0 and self.keep_first):
+            return np.arange(n)
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(n))
+        return self._perm[1]
+
+    def index(self, i: int) -> tuple[int, int]:
+        """``(epoch, item index)`` of the ``i``-th prompt trained on."""
+        epoch, k = divmod(i, len(self.items))
+        return epoch, int(self.permutation(epoch)[k])
+
+    def __getitem__(self, i: int):
+        return self.items[self.index(i)[1]]
+
+
+def _keep(items: Sequence, keep: list[int]) -> Sequence:
+    if isinstance(items, FileProblems):
+        return FileProblems(items.table, items.rows[np.asarray(keep, dtype=np.int64)], items.prompt_key,
+                            items.answer_key, items.source)
+    return [items[i] for i in keep]
+
+
+def fit_prompts(sets: PromptSets, length, max_model_len: int, max_tokens: int, policy: str, field: str) -> PromptSets:
+    """``sets`` with every prompt's token count (``length(problem)``) checked against what
+    ``max_model_len`` leaves after ``max_tokens`` of response: ``policy`` ``error`` refuses a longer
+    one (naming the longest), ``drop`` leaves them out (counted in ``overlong``). The result's
+    ``tokens``: the prompt tokens of the kept prompts, both splits.
+
+    Raises:
+        ValueError: a prompt too long with ``error`` (naming it, its length and the fixes), or no
+            training prompt left.
+    """
+    budget, total, dropped, kept, longest = max_model_len - max_tokens, 0, 0, [], (0, "")
+    for items in (sets.train, sets.heldout):
+        keep = []
+        for i in range(len(items)):
+            problem = items[i]
+            n = length(problem)
+            if n > budget:
+                dropped += 1
+                longest = max(longest, (n, problem.question))
+                continue
+            total += n
+            keep.append(i)
+        kept.append(_keep(items, keep) if len(keep) < len(items) else items)
+    if dropped and policy == "error":
+        raise ValueError(f"{field}: the longest prompt has {longest[0]} tokens ({longest[1][:60]!r}...), which with "
+                         f"rollout.max_tokens={max_tokens} exceeds rollout.max_model_len={max_model_len}: raise "
+                         "rollout.max_model_len, lower rollout.max_tokens, or set data.overlong_prompts=drop "
+                         f"({dropped} prompts are too long)")
+    if not len(kept[0]):
+        raise ValueError(f"{field}: every training prompt is longer than the {budget} tokens rollout.max_model_len="
+                         f"{max_model_len} leaves after rollout.max_tokens={max_tokens}")
+    return PromptSets(kept[0], kept[1], sets.records, sets.duplicates, sets.sources, overlong=dropped, tokens=total)
+
+
+def job_prompts(cfg, tokenizer=None) -> PromptSets:
+    """An RL job's training and held-out problems: ``data.train_files`` (:func:`load_prompt_files`) or
+    else the built-in ``data.task``'s (``data.train_size``, ``data.heldout_size``; arithmetic-style tasks
+    from ``data.generator`` with ``data.generator_kwargs``), the same kind of :class:`PromptSets`.
+    With a ``tokenizer`` each prompt, as the job renders it, is checked against the rollout's
+    budget (``data.overlong_prompts``, :func:`fit_prompts`).
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`load_prompt_files`, :func:`fit_prompts` and
+            :func:`alignment.data.tasks.load_problems`.
+    """
+    from alignment.data.prompts import PromptStyle, build_prompt_ids
+    from alignment.data.tasks import load_problems
+
+    d = cfg.data
+    if d.get("train_files"):
+        sets, field = load_prompt_files(d), "data.train_files"
+    else:
+        kw = {"generator": d.generator, "generator_kwargs": dict(d.generator_kwargs)} \
+            if d.task in ("arithmetic", "length") else {}
+        train = load_problems(d.task, "train", d.train_size, seed=cfg.seed, **kw)
+        heldout = load_problems(d.task, "heldout", d.heldout_size, seed=cfg.seed, **kw)
+        sets, field = PromptSets(train, heldout, len(train) + len(heldout), 0, (f"data.task={d.task}",)), f"data.task={d.task}"
+    if tokenizer is None:
+        return sets
+    style, r = PromptStyle.of(cfg), cfg.rollout
+    return fit_prompts(sets, lambda p: len(build_prompt_ids(tokenizer, p, style)), r.max_model_len, r.max_tokens,
+                       d.get("overlong_prompts", "error"), field)
