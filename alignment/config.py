@@ -240,6 +240,14 @@ class RewardFunctionConfig:
     # appear twice under two names, e.g. {name: strict_format, function: regex, kwargs: {pattern: ...}}
     function: Optional[str] = None
     kwargs: dict[str, Any] = field(default_factory=dict)  # options: a grader's, or keyword arguments of your function
+    # function http (alignment/rewards/remote.py): the reward server's URL, completions per request, seconds per
+    # request, retries (exponential backoff), and what a batch that still fails does: stop (checkpoint and stop
+    # the run) | skip (its groups leave the update, counted as reward/skipped_groups)
+    url: Optional[str] = None
+    batch_size: Optional[int] = None
+    timeout_s: Optional[float] = None
+    max_retries: Optional[int] = None
+    on_error: Optional[str] = None
 
 
 @dataclass
@@ -618,8 +626,11 @@ def reward_terms(cfg) -> list:
     functions = list(cfg.reward.functions) if "reward" in cfg else []
     if not functions:
         return [RewardTerm("reward_model" if cfg.algorithm.name == "ppo" else "correctness")]
+    from alignment.rewards.remote import SETTINGS
+
     return [RewardTerm(f.name, float(f.weight), bool(f.whiten), f.get("function") or "",
-                       dict(f.get("kwargs") or {})) for f in functions]
+                       {**dict(f.get("kwargs") or {}), **{k: f[k] for k in SETTINGS if f.get(k) is not None}})
+            for f in functions]
 
 
 def heldout_grader(cfg):
@@ -680,6 +691,10 @@ def _validate_rewards(cfg) -> None:
         if runs not in BUILTINS and not is_user_function(runs):
             raise ConfigError(f"reward.functions names {runs!r}: valid are {', '.join(BUILTINS)}, or your own as "
                               "package.module:function")
+        given = [k for k in ("url", "batch_size", "timeout_s", "max_retries", "on_error") if f.get(k) is not None]
+        if given and runs != "http":
+            raise ConfigError(f"reward.functions[{f.name}] sets {given}, which configure a reward server (function "
+                              "http); unset them")
     if len(set(names)) != len(names):
         raise ConfigError(f"reward.functions={names}: each name may appear once (one weight each; to use a function "
                           "twice, give the second a name of its own and function: <the function>)")

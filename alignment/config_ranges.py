@@ -86,7 +86,8 @@ RANGES: dict[str, tuple] = {
 }
 #: numeric fields any value of suits (a reward threshold, bounds on metrics) or that are lists
 #: checked where they are used
-UNBOUNDED = ("algorithm.accept_threshold", "reward.functions.weight", "trainer.warn_on.below",
+UNBOUNDED = ("algorithm.accept_threshold", "reward.functions.weight", "reward.functions.batch_size",
+             "reward.functions.timeout_s", "reward.functions.max_retries", "trainer.warn_on.below",
              "trainer.warn_on.above", "trainer.stop_on.below", "trainer.stop_on.above", "profile.steps",
              "profile.ranks")
 

@@ -77,6 +77,26 @@ def check_model_files(cfg, hf_config) -> None:
                               "it from the same base model")
 
 
+def check_reward_servers(cfg) -> None:
+    """Every reward server of ``reward.functions`` (function ``http``) answers an empty batch.
+
+    Raises:
+        ConfigError: naming the entry, the URL and the error.
+    """
+    from alignment.config import reward_terms
+    from alignment.rewards.remote import SETTINGS, RewardServerError, probe
+
+    if cfg.algorithm.name in OFFLINE_ALGORITHMS:
+        return
+    for t in reward_terms(cfg):
+        if t.runs == "http":
+            settings = {**SETTINGS, **t.kwargs}
+            try:
+                probe(settings["url"], float(settings["timeout_s"]))
+            except RewardServerError as e:
+                raise ConfigError(f"reward.functions[{t.name}]: {e}; start the server, or fix its url") from e
+
+
 def check_tokenizer(cfg, tokenizer) -> None:
     """Every job renders its prompts with the tokenizer's chat template.
 
@@ -185,6 +205,7 @@ def check_inputs(cfg, hf_config, tokenizer):
     note and :func:`check_data`'s prompts (read once, used by the job)."""
     check_environment(cfg)
     check_model_files(cfg, hf_config)
+    check_reward_servers(cfg)
     check_tokenizer(cfg, tokenizer)
     prompts = check_data(cfg, tokenizer)
     return check_resume(cfg, hf_config), prompts

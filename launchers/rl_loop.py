@@ -158,6 +158,33 @@ def prompts_of_step(train_set: Sequence, step: int, prompts_per_step: int, dp_ra
     return [train_set[(first + i) % len(train_set)] for i in range(per_rank)]
 
 
+def reward_server_failures() -> list[str]:
+    """Every rank's reward-server errors since the last call (:func:`alignment.rewards.remote.take_failures`),
+    the same list on every rank (collective: one all-reduce, and an all-gather when there are some)."""
+    import torch.distributed as dist
+
+    from alignment.rewards.remote import take_failures
+    from alignment.trainers.megatron_step import all_reduce_sum
+
+    mine = take_failures()
+    if not all_reduce_sum([float(len(mine))])[0]:
+        return []
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return [f for part in gathered for f in part]
+
+
+def skipped_groups(samples, group_size: int) -> float:
+    """Groups of the global batch left out of the update because a reward server failed on them
+    (``on_error: skip``; :func:`alignment.trainers.rewarding.drop_failed_groups`); collective."""
+    from alignment.trainers.megatron_step import all_reduce_sum
+    from parallel.state import replica_group
+
+    lead = replica_group().rank() == 0
+    [n] = all_reduce_sum([sum(bool(s.info.get("reward_skipped")) for s in samples) if lead else 0.0])
+    return n / group_size
+
+
 def total_steps(cfg, train_size: int) -> int:
     """The run's optimizer steps: ``trainer.steps``, or with 0 ``trainer.epochs`` passes over the
     ``train_size`` training prompts (``rollout.prompts_per_step`` a step, the last partial step left out)."""
@@ -228,6 +255,16 @@ def run(job, models, spec: RLJob) -> dict:
         t0 = time.perf_counter()
         job.profiler.begin(step)
         rollout, rollout_s = queue.pop(step, version=step)
+        failures = reward_server_failures()  # reward.functions: http with on_error=stop, on any rank
+        if failures:
+            saved = step > start_step and not (ckpt_dir / f"step_{step}").exists()
+            if saved:
+                checkpoint(step)
+            from alignment.rewards.remote import RewardServerError
+
+            where = f"; {ckpt_dir / f'step_{step}'} saved" if saved else ""
+            raise RewardServerError(f"{failures[0]} (step {step + 1} not trained{where}; resume when the server "
+                                    "answers again, or set its on_error: skip)")
         models.grad_norms = {} if t.grad_stats_every and (step + 1) % t.grad_stats_every == 0 else None
         metrics, times = spec.train(rollout)
         metrics.update(models.grad_norms or {})
@@ -239,6 +276,7 @@ def run(job, models, spec: RLJob) -> dict:
         job.profiler.end(step)
         metrics["rollout/staleness"] = float(step - rollout.version)
         metrics["data/epoch"] = (step + 1) * cfg.rollout.prompts_per_step / len(spec.train_set)  # passes so far
+        metrics["reward/skipped_groups"] = skipped_groups(rollout.samples, cfg.rollout.group_size)
 
         step_time = time.perf_counter() - t0
         metrics["tokens_per_s"] = metrics.pop("tokens") / step_time

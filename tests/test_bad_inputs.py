@@ -52,6 +52,14 @@ def data_file(name: str, text: str, algorithm: str = "sft", *extra: str):
     return make
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # bound, then closed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def prompt_file(rows: list[dict], functions: str = "[{name: math_verify}]"):
     """A GRPO job on a JSONL prompt file of ``rows``, scored by ``functions``."""
     def make(tmp):
@@ -260,6 +268,9 @@ CASES: list[Case] = [
     Case("reward", "a reward function whose signature fits neither TRL's nor verl's", conf(
         "grpo", "reward.functions=[{name: tests.reward_fns:no_convention}]"), Exception,
          "fits neither convention: TRL's fn(prompts, completions, completion_ids, **kwargs)"),
+    Case("reward", "a reward server nothing answers at", lambda tmp: (
+        "grpo", [f"reward.functions=[{{name: judge, function: http, url: 'http://127.0.0.1:{_free_port()}/score'}}]"], 2),
+         Exception, "reward.functions[judge]: reward server http://127.0.0.1:"),
     # ---- checkpoints (trainer.resume=true: the latest complete one)
     Case("checkpoint", "a shard file cut short", checkpoint({}, _truncate), Exception,
          "__0_0.distcp has 1000 bytes, 4096 were written"),

@@ -41,3 +41,24 @@ def test_grpo_on_your_own_files_and_reward_functions(tmp_path):
         # the job's reward is the weighted sum of the two functions
         assert abs(m["reward/mean"] - (m["reward/even"] + 0.5 * m["reward/examples.own_task.rewards:concise"])) < 1e-5
     assert [m["data/epoch"] for m in s["history"]] == [16 / train, 32 / train]
+
+
+def test_a_reward_server_that_fails_stops_the_run_with_a_checkpoint(tmp_path):
+    """reward.functions: http (on_error: stop): the server answers the start-up probes, the held-out
+    grading and step 1, then only 500s: step 2 is not trained, step_1 is saved, the error names the URL."""
+    from tests.reward_server import RewardServer
+
+    rows = [{"prompt": f"Count to {i}.", "answer": str(i)} for i in range(24)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model_dir = save_tiny_hf_dir(tmp_path / "tiny")
+    out = tmp_path / "run"
+    with RewardServer(["ok"] * 6 + ["500"]) as server:  # 2 probes, 2 held-out batches, 2 of step 1 (one per rank)
+        log = run_torchrun("e2e_worker.py", str(model_dir), str(out), "task", "trainer.steps=3",
+                           f"data.train_files={tmp_path / 'p.jsonl'}", "data.heldout_fraction=0.3",
+                           f"reward.functions=[{{name: judge, function: http, url: '{server.url}', max_retries: 1}}]",
+                           "rollout.prompts_per_step=4", "rollout.group_size=2", "trainer.micro_batch_size=2",
+                           "rollout.max_tokens=8", "rollout.eval_max_tokens=8", "trainer.progress_bar=false",
+                           str(tmp_path / "result.json"), expect_failure=True, timeout=900)
+    assert f"reward.functions[judge]: reward server {server.url} failed after 2 tries: HTTP 500" in log, log[-3000:]
+    assert f"(step 2 not trained; {out / 'checkpoints' / 'step_1'} saved;" in log
+    assert (out / "checkpoints" / "step_1" / "metadata.json").exists() and len(server.requests) == 10  # step 2: two tries on each rank

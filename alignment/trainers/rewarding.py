@@ -72,7 +72,23 @@ def score_terms(models: Models, problems: Sequence[Problem | None], samples: Seq
         else:
             timeout = cfg.reward.get("timeout_s", DEFAULT_TIMEOUT_S) if "reward" in cfg else DEFAULT_TIMEOUT_S
             out[t.name] = function_scores(t, problems, samples, cfg.rollout.max_tokens, timeout, sandbox_workers())
+    drop_failed_groups(samples, cfg.rollout.group_size)
     return out
+
+
+def drop_failed_groups(samples: Sequence[Sample], group_size: int) -> int:
+    """A group (``group_size`` consecutive samples) with a sample a reward server failed to score
+    (``info["reward_failed"]``, :mod:`alignment.rewards.remote`) leaves the update: every sample of it
+    gets an all-zero ``loss_mask`` and ``info["reward_skipped"]``. Returns the groups dropped."""
+    dropped = 0
+    for g in range(0, len(samples), group_size):
+        group = samples[g : g + group_size]
+        if any("reward_failed" in s.info for s in group):
+            dropped += 1
+            for s in group:
+                s.loss_mask = [0] * len(s.response_ids)
+                s.info["reward_skipped"] = True
+    return dropped
 
 
 def job_terms(cfg) -> list[RewardTerm]:

@@ -1,0 +1,59 @@
+"""A real reward server on 127.0.0.1 for the tests (a thread of the test process), scripted per
+request: each request takes the next behaviour of ``script`` (the last one repeats):
+
+* ``ok``: ``{"scores": [len(completion) % 2 == 0 ...]}`` (1.0 / 0.0; null for an empty completion);
+* ``slow``: the same after ``delay`` seconds; ``hang``: never answers (until the server stops);
+* ``500`` / ``404``: that status; ``garbage``: a body that is not JSON; ``short``: one score too few.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class RewardServer:
+    def __init__(self, script: list[str], delay: float = 2.0):
+        self.script, self.delay, self.requests, self.stopping = list(script), delay, [], threading.Event()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):  # noqa: N802 - http.server's name
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.requests.append(body)
+                what = server.script[min(len(server.requests), len(server.script)) - 1]
+                if what == "hang":
+                    server.stopping.wait(60)
+                    return
+                if what in ("500", "404"):
+                    self.send_error(int(what))
+                    return
+                if what == "slow":
+                    time.sleep(server.delay)
+                scores = [None if not c else float(len(c) % 2 == 0) for c in body["completions"]]
+                data = b"<html>oops" if what == "garbage" else json.dumps(
+                    {"scores": scores[:-1] if what == "short" else scores}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> "RewardServer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopping.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
