@@ -248,6 +248,12 @@ class RewardFunctionConfig:
     timeout_s: Optional[float] = None
     max_retries: Optional[int] = None
     on_error: Optional[str] = None
+    # function judge (alignment/rewards/judge.py; with url, timeout_s, max_retries, on_error): the served model's
+    # name (null: the endpoint's first), the judge's prompt ({prompt}, {completion}, {reference}) and how its
+    # reply becomes a score: verdict (correct / incorrect) | number (kwargs.score_range, scaled to [0, 1])
+    model: Optional[str] = None
+    template: Optional[str] = None
+    parse: Optional[str] = None
 
 
 @dataclass
@@ -611,6 +617,10 @@ def _validate_offline(cfg, dp: int) -> None:
         raise ConfigError(f"trainer.epochs={t.epochs}: must be >= 1")
 
 
+#: a ``reward.functions`` entry's fields for a reward server or a judge -> the functions that take them
+SERVER_FIELDS = {"url": ("http", "judge"), "batch_size": ("http",), "timeout_s": ("http", "judge"),
+                 "max_retries": ("http", "judge"), "on_error": ("http", "judge"), "model": ("judge",),
+                 "template": ("judge",), "parse": ("judge",)}
 #: the built-ins named by name only (not by a term's ``function``)
 REWARD_FUNCTIONS = ("correctness", "format", "length", "environment", "reward_model", "process_reward")
 PROCESS_REWARD = "process_reward"  # the dense term: per step, not per sample
@@ -626,10 +636,8 @@ def reward_terms(cfg) -> list:
     functions = list(cfg.reward.functions) if "reward" in cfg else []
     if not functions:
         return [RewardTerm("reward_model" if cfg.algorithm.name == "ppo" else "correctness")]
-    from alignment.rewards.remote import SETTINGS
-
     return [RewardTerm(f.name, float(f.weight), bool(f.whiten), f.get("function") or "",
-                       {**dict(f.get("kwargs") or {}), **{k: f[k] for k in SETTINGS if f.get(k) is not None}})
+                       {**dict(f.get("kwargs") or {}), **{k: f[k] for k in SERVER_FIELDS if f.get(k) is not None}})
             for f in functions]
 
 
@@ -691,10 +699,11 @@ def _validate_rewards(cfg) -> None:
         if runs not in BUILTINS and not is_user_function(runs):
             raise ConfigError(f"reward.functions names {runs!r}: valid are {', '.join(BUILTINS)}, or your own as "
                               "package.module:function")
-        given = [k for k in ("url", "batch_size", "timeout_s", "max_retries", "on_error") if f.get(k) is not None]
-        if given and runs != "http":
-            raise ConfigError(f"reward.functions[{f.name}] sets {given}, which configure a reward server (function "
-                              "http); unset them")
+        given = [k for k in SERVER_FIELDS if f.get(k) is not None]
+        wrong = [k for k in given if runs not in SERVER_FIELDS[k]]
+        if wrong:
+            raise ConfigError(f"reward.functions[{f.name}] sets {wrong}, which configure "
+                              f"{' or '.join(sorted({x for k in wrong for x in SERVER_FIELDS[k]}))}, not {runs}; unset them")
     if len(set(names)) != len(names):
         raise ConfigError(f"reward.functions={names}: each name may appear once (one weight each; to use a function "
                           "twice, give the second a name of its own and function: <the function>)")

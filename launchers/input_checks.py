@@ -78,7 +78,8 @@ def check_model_files(cfg, hf_config) -> None:
 
 
 def check_reward_servers(cfg) -> None:
-    """Every reward server of ``reward.functions`` (function ``http``) answers an empty batch.
+    """Every reward server of ``reward.functions`` (function ``http``) answers an empty batch, and every
+    judge's endpoint lists its models (the one named, when ``model`` is given).
 
     Raises:
         ConfigError: naming the entry, the URL and the error.
@@ -95,6 +96,14 @@ def check_reward_servers(cfg) -> None:
                 probe(settings["url"], float(settings["timeout_s"]))
             except RewardServerError as e:
                 raise ConfigError(f"reward.functions[{t.name}]: {e}; start the server, or fix its url") from e
+        if t.runs == "judge":
+            from alignment.rewards.judge import probe_judge
+
+            try:
+                probe_judge(t.kwargs)
+            except Exception as e:  # noqa: BLE001 - the openai client's errors
+                raise ConfigError(f"reward.functions[{t.name}]: the judge at {t.kwargs.get('url')} does not answer "
+                                  f"({type(e).__name__}: {e}); start it, or fix its url") from e
 
 
 def check_tokenizer(cfg, tokenizer) -> None:

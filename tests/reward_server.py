@@ -57,3 +57,53 @@ class RewardServer:
         self.stopping.set()
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+class ScriptedJudge:
+    """An OpenAI-compatible endpoint (``GET /v1/models``, ``POST /v1/chat/completions``) on 127.0.0.1
+    whose reply is ``reply(user_message)``; ``fail``: answer every completion request with a 500."""
+
+    def __init__(self, reply, model: str = "judge-1", fail: bool = False):
+        self.reply, self.requests = reply, []
+        judge = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, body: dict, status: int = 200):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):  # noqa: N802
+                self._send({"object": "list", "data": [{"id": model, "object": "model", "created": 0,
+                                                        "owned_by": "test"}]})
+
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                judge.requests.append(body)
+                if fail:
+                    self._send({"error": {"message": "overloaded"}}, 500)
+                    return
+                text = judge.reply(body["messages"][-1]["content"])
+                self._send({"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+                            "choices": [{"index": 0, "finish_reason": "stop",
+                                         "message": {"role": "assistant", "content": text}}],
+                            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> "ScriptedJudge":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -271,6 +271,9 @@ CASES: list[Case] = [
     Case("reward", "a reward server nothing answers at", lambda tmp: (
         "grpo", [f"reward.functions=[{{name: judge, function: http, url: 'http://127.0.0.1:{_free_port()}/score'}}]"], 2),
          Exception, "reward.functions[judge]: reward server http://127.0.0.1:"),
+    Case("reward", "a judge template without `{completion}`", conf(
+        "grpo", "reward.functions=[{name: j, function: judge, url: 'http://localhost:8000/v1', template: 'Rate {prompt}'}]"),
+         Exception, "reward.functions[j].template has no {completion}"),
     # ---- checkpoints (trainer.resume=true: the latest complete one)
     Case("checkpoint", "a shard file cut short", checkpoint({}, _truncate), Exception,
          "__0_0.distcp has 1000 bytes, 4096 were written"),

@@ -11,7 +11,8 @@ Your own function takes one of two conventions, told apart by its parameter name
   for chat prompts), ``completion_ids`` their token ids, and every other column of the data as a
   keyword argument holding one value per sample (a built-in task's: ``answer`` and ``task``), plus
   the entry's ``kwargs``. A function without ``**kwargs`` gets only the names it takes.
-  (A reward server over HTTP is the ``http`` function: :mod:`alignment.rewards.remote`.)
+  (A reward server over HTTP is the ``http`` function, :mod:`alignment.rewards.remote`; an LLM judge
+  behind an OpenAI-compatible endpoint the ``judge`` function, :mod:`alignment.rewards.judge`.)
 * verl's ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``, called per
   sample: ``data_source`` the ``data_source`` column (else "file" / the task's name),
   ``ground_truth`` the reference answer, ``extra_info`` the ``extra_info`` column (else every
@@ -41,6 +42,7 @@ import torch
 from alignment.algorithms.composite_reward import RewardTerm
 from alignment.data.reward_functions import TEXT_FUNCTIONS, text_scores
 from alignment.data.tasks import FILE_TASK, Problem
+from alignment.rewards import judge
 from alignment.rewards.graders import GRADERS, check_grader_kwargs
 from alignment.rewards.remote import check_settings, http_scores
 from alignment.rollout.base import Sample
@@ -51,8 +53,9 @@ __all__ = ["RewardFunctionError", "MODEL_FUNCTIONS", "BUILTINS", "is_user_functi
 #: functions that run a model (the trainers compute them)
 MODEL_FUNCTIONS = ("reward_model", "process_reward")
 HTTP = "http"  # a reward server (alignment/rewards/remote.py)
+JUDGE = "judge"  # an LLM as judge behind an OpenAI-compatible endpoint (alignment/rewards/judge.py)
 #: every function named by a word
-BUILTINS = TEXT_FUNCTIONS + tuple(GRADERS) + (HTTP,) + MODEL_FUNCTIONS
+BUILTINS = TEXT_FUNCTIONS + tuple(GRADERS) + (HTTP, JUDGE) + MODEL_FUNCTIONS
 TRL, VERL = "trl", "verl"
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -116,9 +119,10 @@ def check_function(term: RewardTerm) -> None:
         RewardFunctionError: naming the function and the fix.
     """
     f = term.runs
-    if f in GRADERS or f == HTTP:
+    if f in GRADERS or f in (HTTP, JUDGE):
+        check = {HTTP: check_settings, JUDGE: judge.check_settings}.get(f)
         try:
-            (check_grader_kwargs(f, dict(term.kwargs)) if f in GRADERS else check_settings(term.name, dict(term.kwargs)))
+            (check_grader_kwargs(f, dict(term.kwargs)) if f in GRADERS else check(term.name, dict(term.kwargs)))
         except ValueError as e:
             raise RewardFunctionError(str(e)) from e
         return
@@ -301,6 +305,8 @@ def function_scores(term: RewardTerm, problems: Sequence[Problem | None], sample
     if f in GRADERS:
         extra = {"workers": workers} if f == "code_tests" else {}
         values = GRADERS[f](problems, texts, **dict(term.kwargs), **extra)
+    elif f == JUDGE:
+        values = judge.judge_scores(term.name, problems, samples, dict(term.kwargs))
     elif f == HTTP:
         values = http_scores(term.name, problems, samples, [problem_columns(p) for p in problems], dict(term.kwargs))
     elif is_user_function(f):
