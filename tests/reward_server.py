@@ -14,9 +14,29 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
-class RewardServer:
+class _Local:
+    """A ThreadingHTTPServer on 127.0.0.1 serving ``handler`` in a thread while the ``with`` block runs."""
+
+    def _serve(self, handler, path: str) -> None:
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}{path}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.stopping = threading.Event()
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopping.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class RewardServer(_Local):
     def __init__(self, script: list[str], delay: float = 2.0):
-        self.script, self.delay, self.requests, self.stopping = list(script), delay, [], threading.Event()
+        self.script, self.delay, self.requests = list(script), delay, []
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -44,22 +64,10 @@ class RewardServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self) -> "RewardServer":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stopping.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._serve(Handler, "/score")
 
 
-class ScriptedJudge:
+class ScriptedJudge(_Local):
     """An OpenAI-compatible endpoint (``GET /v1/models``, ``POST /v1/chat/completions``) on 127.0.0.1
     whose reply is ``reply(user_message)``; ``fail``: answer every completion request with a 500."""
 
@@ -95,15 +103,4 @@ class ScriptedJudge:
                                          "message": {"role": "assistant", "content": text}}],
                             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self) -> "ScriptedJudge":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._serve(Handler, "/v1")
