@@ -636,8 +636,13 @@ def reward_terms(cfg) -> list:
     functions = list(cfg.reward.functions) if "reward" in cfg else []
     if not functions:
         return [RewardTerm("reward_model" if cfg.algorithm.name == "ppo" else "correctness")]
+    from omegaconf import OmegaConf
+
+    def plain(value):  # nested config nodes as plain dicts and lists (JSON-able, picklable)
+        return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
     return [RewardTerm(f.name, float(f.weight), bool(f.whiten), f.get("function") or "",
-                       {**dict(f.get("kwargs") or {}), **{k: f[k] for k in SERVER_FIELDS if f.get(k) is not None}})
+                       {**plain(f.get("kwargs") or {}), **{k: plain(f[k]) for k in SERVER_FIELDS if f.get(k) is not None}})
             for f in functions]
 
 

@@ -185,3 +185,16 @@ def test_job_prompts_builtin_task_and_files_go_the_same_way(tmp_path):
     cfg.data.heldout_fraction = 0.5
     sets = job_prompts(cfg)
     assert len(sets.train) + len(sets.heldout) == 40 and sets.train[0].task == FILE_TASK
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "csv", "saved"])
+def test_sft_and_preference_data_from_parquet_csv_and_saved_datasets(tmp_path, fmt):
+    from alignment.data.chat_data import load_preference_pairs, load_sft_examples
+
+    sft = [{"instruction": f"Say {i}", "input": "", "output": f"{i}"} for i in range(6)]
+    examples = load_sft_examples("train", 2, write(tmp_path / f"sft.{fmt}", sft, fmt))
+    assert [(e.messages[0]["content"], e.response) for e in examples] == [(f"Say {i}", f"{i}") for i in range(4)]
+    pairs = [{"prompt": f"Pick {i}", "chosen": "good", "rejected": "bad"} for i in range(5)]
+    train = load_preference_pairs("train", 1, write(tmp_path / f"pairs.{fmt}", pairs, fmt))
+    assert len(train) == 4 and (train[0].messages[0]["content"], train[0].chosen, train[0].rejected) == \
+        ("Pick 0", "good", "bad")

