@@ -198,3 +198,21 @@ def test_sft_and_preference_data_from_parquet_csv_and_saved_datasets(tmp_path, f
     train = load_preference_pairs("train", 1, write(tmp_path / f"pairs.{fmt}", pairs, fmt))
     assert len(train) == 4 and (train[0].messages[0]["content"], train[0].chosen, train[0].rejected) == \
         ("Pick 0", "good", "bad")
+
+
+@pytest.mark.parametrize("job", ["grpo", "rft", "online_dpo", "ppo"])
+def test_every_rl_job_takes_prompt_files(tmp_path, job):
+    """The start-up check of every RL job reads the same prompt file the same way (the job then trains on
+    ``Run.prompts``); PPO with prompt files trains on them, not on dpo_en_demo."""
+    from alignment.models.hf_assets import prepare_hf_dir
+    from launchers.common import check_job
+    from launchers.preflight import compose
+
+    hf = prepare_hf_dir("smollm2")
+    extra = [f"model.path={hf}", "model.reward_model_path=''", f"model.critic_path={hf}"] if job == "ppo" else []
+    path = write(tmp_path / "t.jsonl", [{"prompt": r["question"], "answer": r["solution"]} for r in ROWS], "jsonl")
+    cfg = compose(job, [f"data.train_files={path}", "data.heldout_fraction=0.25", "reward.functions=[{name: numeric}]",
+                        f"output_dir={tmp_path / 'out'}", *extra])
+    *_, prompts = check_job(cfg, 2)
+    assert len(prompts.train) + len(prompts.heldout) == 40 and prompts.train[0].task == FILE_TASK
+    assert prompts.tokens > 0 and prompts.sources == (path,)
