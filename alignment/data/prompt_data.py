@@ -198,20 +198,23 @@ def _read(paths: list[str], field: str):
         raise ValueError(f"{field}={paths}: the files' columns differ ({e})") from e
 
 
-def _distinct_rows(table, prompt_key: str, source: str, seen: set[str], keep=lambda text: True):
-    """Rows whose prompt is valid, kept by ``keep``, and not in ``seen`` (which grows); and the number of
-    repeats dropped."""
-    rows, dropped = [], 0
-    for i, prompt in enumerate(table[prompt_key]):  # one column, read as Python objects once
-        _check_prompt(f"{source} row {i} ({prompt_key})", prompt)
-        text = prompt_text(prompt)
-        if not keep(text):
-            continue
-        if text in seen:
-            dropped += 1
-            continue
-        seen.add(text)
-        rows.append(i)
+def _distinct_rows(table, prompt_key: str, source: str, seen: set[bytes], keep=lambda text: True):
+    """Rows whose prompt is valid, kept by ``keep``, and not in ``seen`` (16-byte digests of the prompts
+    seen so far; it grows); and the number of repeats dropped. The prompt column is read in batches,
+    so a rank never holds the whole column as Python objects."""
+    rows, dropped, i = [], 0, 0
+    for batch in table.select_columns([prompt_key]).iter(batch_size=4096):
+        for prompt in batch[prompt_key]:
+            _check_prompt(f"{source} row {i} ({prompt_key})", prompt)
+            text = prompt_text(prompt)
+            digest = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+            if keep(text):
+                if digest in seen:
+                    dropped += 1
+                else:
+                    seen.add(digest)
+                    rows.append(i)
+            i += 1
     return np.asarray(rows, dtype=np.int64), dropped
 
 
@@ -229,7 +232,7 @@ def load_prompt_files(data) -> PromptSets:
     table = _read(train_paths, "data.train_files")
     where = ", ".join(train_paths)
     answer_key = _resolve_keys(table, where, data.prompt_key, data.get("answer_key"))
-    seen: set[str] = set()
+    seen: set[bytes] = set()
     heldout: Sequence = []
     duplicates, records = 0, len(table)
     if heldout_paths:
