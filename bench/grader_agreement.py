@@ -1,7 +1,7 @@
 """``math_verify`` against the task's number extractor on the policy's own GSM8K answers: how often
 the two graders agree, and each kind of case where they differ, with examples.
 
-    python bench/grader_agreement.py [--problems 200] [--samples 4] [--max-tokens 256] [--out grader_agreement.json]
+    python bench/grader_agreement.py [--problems 200] [--samples 4] [--max-tokens 256] [--dtype bfloat16]
 
 SmolLM2-135M-Instruct (vLLM, in this process) answers GSM8K's held-out problems with the task's
 prompt ("Answer with a single number.") at temperature 0.7; every answer is graded by
@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--out", default="grader_agreement.json")
+    ap.add_argument("--dtype", default="bfloat16", help="float32 on a CPU without AVX-512")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -61,7 +62,7 @@ def main() -> None:
     hf_dir = prepare_hf_dir("smollm2")
     tok = AutoTokenizer.from_pretrained(hf_dir)
     problems = load_problems("gsm8k", "heldout", args.problems)
-    engine = VLLMEngine(str(hf_dir), max_model_len=1024, kv_cache_gib=1.0, dtype="bfloat16")
+    engine = VLLMEngine(str(hf_dir), max_model_len=1024, kv_cache_gib=1.0, dtype=args.dtype)
     t0 = time.perf_counter()
     groups = engine.generate([build_prompt_ids(tok, p) for p in problems],
                              SamplingConfig(n=args.samples, temperature=0.7, max_tokens=args.max_tokens))
@@ -74,7 +75,7 @@ def main() -> None:
     n = len(pairs)
     kinds = Counter(d["kind"] for d in differ)
     print(f"GSM8K held-out: {len(problems)} problems x {args.samples} samples of SmolLM2-135M-Instruct "
-          f"(T=0.7, {args.max_tokens} tokens, bf16, {seconds:.0f} s of generation)")
+          f"(T=0.7, {args.max_tokens} tokens, {args.dtype}, {seconds:.0f} s of generation)")
     print("| grader | right | rate |\n|---|---|---|")
     print(f"| number extractor (`score_response`) | {int(sum(extractor))} | {sum(extractor) / n:.3f} |")
     print(f"| `math_verify` | {int(sum(verifier))} | {sum(verifier) / n:.3f} |")
