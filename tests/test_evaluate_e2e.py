@@ -4,6 +4,8 @@ results cache; the regression gate's exit status; vLLM at TP=2."""
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import shutil
 
@@ -19,6 +21,7 @@ def _regression_file(path, answers: list[str]) -> str:
     return str(path)
 
 
+@pytest.mark.heavy
 def test_checkpoints_side_by_side(tmp_path, tiny_model_dir, capsys):
     from tests.dist.tiny_llama import save_tiny_hf_dir
     from tools.evaluate import main

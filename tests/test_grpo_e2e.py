@@ -162,6 +162,7 @@ def test_variant_rloo_dr_grpo_aggregation_clip_higher_without_reference(tmp_path
         assert 1 <= m["dynamic_sampling/rounds"] <= 3 and m["dynamic_sampling/filled_groups"] >= 0
 
 
+@pytest.mark.heavy
 def test_context_parallel_ring_and_ulysses_with_packing(tmp_path):
     """The GRPO job with every sequence split over 2 ranks: ring attention (CP=2) with packed
     token-budget micro-batches, then Ulysses (CP=2, all-to-all) with packing. The trainer's
@@ -193,6 +194,7 @@ def test_context_parallel_ring_and_ulysses_with_packing(tmp_path):
     assert before["ulysses"] == before["ring"]
 
 
+@pytest.mark.heavy
 def test_qwen3_moe_with_expert_parallelism(tmp_path):
     """GRPO on a tiny random Qwen3-MoE (4 experts, top-2, one dense layer) with its experts over both
     ranks (EP=2), on the ``length`` smoke-test task (6-token answers of 20-40 characters: rewards

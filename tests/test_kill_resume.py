@@ -7,6 +7,8 @@ for bit (CPU, fp32: the rollout sampler is reseeded per step, :meth:`VLLMEngine.
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import random
 import re
@@ -46,6 +48,7 @@ def _untimed(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if not any(u in k for u in UNTIMED)}
 
 
+@pytest.mark.heavy
 def test_sigkill_anywhere_then_resume_equals_the_uninterrupted_run(tmp_path):
     model_dir = save_tiny_hf_dir(tmp_path / "tiny")
     base = tmp_path / "base"

@@ -130,6 +130,7 @@ def test_adapted_linears_equal_the_dense_math_at_tp_1_and_2_with_and_without_sp(
     assert any("layernorm" in n for n in results["tp1"]["aliased"])  # whole unadapted weights still pass as they are
 
 
+@pytest.mark.heavy
 def test_grpo_with_lora_syncs_merged_weights_and_keeps_the_base_frozen(tmp_path):
     """GRPO, fp32, TP 2 on 2 processes, rank-4 adapters: the engine's logprobs equal the trainer's
     at every step (the weight sync merges ``W + scale B A`` piece by piece), the KL to the

@@ -4,6 +4,8 @@ reward model and DPO also on a tiny Qwen3-MoE with expert parallelism."""
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import math
 
@@ -93,6 +95,7 @@ def test_dpo_starts_at_log2_and_learns(tmp_path):
     assert s["history"][2]["accuracy"] == 1.0  # the 8 training pairs are separated
 
 
+@pytest.mark.heavy
 def test_reference_free_variants_run(tmp_path):
     """SimPO, ORPO, IPO and KTO learn (2 processes, DP=2); ORPO reports its token-level NLL, and
     KTO's reference point from mismatched pairs is 0 while the policy equals the reference
@@ -129,6 +132,7 @@ def test_balanced_global_batch_trains_the_same_model(tmp_path):
     assert max(balanced) < max(plain)  # measured: 1.248, 1.116 contiguous -> 1.008, 1.097 balanced
 
 
+@pytest.mark.heavy
 def test_qwen3_moe_reward_model_and_dpo_with_expert_parallelism(tmp_path):
     """The offline jobs on a tiny random Qwen3-MoE, experts over both ranks (EP=2): the reward
     model learns and exports a ``Qwen3MoeForSequenceClassification`` whose own pooling reproduces

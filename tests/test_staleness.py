@@ -145,6 +145,7 @@ def records(path) -> list[dict]:
     return out
 
 
+@pytest.mark.heavy
 def test_one_step_off_policy_grpo_killed_and_resumed(tmp_path):
     model_dir = save_tiny_hf_dir(tmp_path / "tiny")
     out, killed_rec, resumed_rec, result = (tmp_path / d for d in ("run", "rec_killed", "rec_resumed", "r.json"))
