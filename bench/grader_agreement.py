@@ -31,7 +31,7 @@ def kind(text: str, extractor: float, verifier: float) -> str:
     numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
     if len(numbers) <= 1:
         return f"{who}: one number"
-    if any("," in n for n in numbers):
+    if re.search(r"\d{1,3}(?:,\d{3})+", text):
         return f"{who}: thousands commas"
     if re.search(r"\d\s*[%$]|\$\s*\d", text):
         return f"{who}: units ($, %)"
