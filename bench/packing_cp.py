@@ -39,12 +39,12 @@ def gsm8k_rollouts(n: int) -> list[tuple[list[int], int]]:
     from transformers import AutoTokenizer
 
     from alignment.data.prompts import build_prompt_ids
-    from alignment.data.tasks import Problem, _gsm8k_path
+    from alignment.data.tasks import Problem, gsm8k_path
     from alignment.models.hf_assets import prepare_hf_dir
 
     tok = AutoTokenizer.from_pretrained(prepare_hf_dir("smollm2"))
     rows = []
-    with _gsm8k_path().open(encoding="utf-8") as f:
+    with gsm8k_path().open(encoding="utf-8") as f:
         for line in f:
             row = json.loads(line)
             prompt = build_prompt_ids(tok, Problem(row["question"], "", "gsm8k"))

