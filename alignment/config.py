@@ -249,9 +249,12 @@ class RewardFunctionConfig:
     max_retries: Optional[int] = None
     on_error: Optional[str] = None
     # function judge (alignment/rewards/judge.py; with url, timeout_s, max_retries, on_error): the served model's
-    # name (null: the endpoint's first), the judge's prompt ({prompt}, {completion}, {reference}) and how its
-    # reply becomes a score: verdict (correct / incorrect) | number (kwargs.score_range, scaled to [0, 1])
+    # name (null: the endpoint's first), or without url an HF directory the job runs the judge from with vLLM;
+    # pointwise (one reply per response) | pairwise (a prompt's responses compared two by two, both orders);
+    # the judge's prompt ({prompt}, {completion} or {completion_a} and {completion_b}, {reference}) and how a
+    # pointwise reply becomes a score: verdict (correct / incorrect) | number (kwargs.score_range, scaled to [0, 1])
     model: Optional[str] = None
+    mode: Optional[str] = None
     template: Optional[str] = None
     parse: Optional[str] = None
 
@@ -620,7 +623,7 @@ def _validate_offline(cfg, dp: int) -> None:
 #: a ``reward.functions`` entry's fields for a reward server or a judge -> the functions that take them
 SERVER_FIELDS = {"url": ("http", "judge"), "batch_size": ("http",), "timeout_s": ("http", "judge"),
                  "max_retries": ("http", "judge"), "on_error": ("http", "judge"), "model": ("judge",),
-                 "template": ("judge",), "parse": ("judge",)}
+                 "mode": ("judge",), "template": ("judge",), "parse": ("judge",)}
 #: the built-ins named by name only (not by a term's ``function``)
 REWARD_FUNCTIONS = ("correctness", "format", "length", "environment", "reward_model", "process_reward")
 PROCESS_REWARD = "process_reward"  # the dense term: per step, not per sample
@@ -649,14 +652,20 @@ def reward_terms(cfg) -> list:
 def heldout_grader(cfg):
     """The :class:`alignment.algorithms.composite_reward.RewardTerm` whose score grades held-out answers
     (right: >= 1): ``correctness`` (the task's grader) for ``data.task``; with ``data.train_files`` the first
-    of ``reward.functions`` that reads the answer (not a model, ``length`` or ``environment``); None: none
-    does (no held-out accuracy)."""
+    of ``reward.functions`` that reads the answer (not a model, ``length``, ``environment`` or a pairwise
+    judge); None: none does (no held-out accuracy)."""
     from alignment.algorithms.composite_reward import RewardTerm
 
     if not cfg.data.get("train_files"):
         return RewardTerm("correctness")
     skip = ("reward_model", "process_reward", "length", "environment")
-    return next((t for t in reward_terms(cfg) if t.name not in skip), None)
+    return next((t for t in reward_terms(cfg) if t.name not in skip and not is_pairwise(t)), None)
+
+
+def is_pairwise(term) -> bool:
+    """Whether ``term`` is a judge comparing a prompt's responses with each other (``mode: pairwise``): it
+    scores groups, so it cannot grade a lone held-out answer."""
+    return term.runs == "judge" and term.kwargs.get("mode") == "pairwise"
 
 
 def process_reward_weight(cfg) -> float:
@@ -727,6 +736,9 @@ def _validate_rewards(cfg) -> None:
         if not math.isfinite(f.weight):
             raise ConfigError(f"reward.functions[{f.name}].weight={f.weight}: must be a finite number")
     for t in reward_terms(cfg):
+        if is_pairwise(t) and cfg.rollout.group_size < 2:
+            raise ConfigError(f"reward.functions[{t.name}].mode=pairwise compares a prompt's responses with each other; "
+                              f"rollout.group_size={cfg.rollout.group_size} gives one: set rollout.group_size >= 2")
         try:
             check_function(t)
         except RewardFunctionError as e:

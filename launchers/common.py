@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from alignment.rewards.judge_models import close_local
 from launchers.profiling import PhaseTimers, StepProfiler, memory_report
 
 
@@ -78,6 +79,7 @@ class Run:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
             self.writer.close()
         dist.barrier()
+        close_local()  # the judges run in this process (reward.functions: judge with a model directory)
         if engine is not None:
             engine.close()
         shutdown()

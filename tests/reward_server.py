@@ -104,3 +104,11 @@ class ScriptedJudge(_Local):
                             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
 
         self._serve(Handler, "/v1")
+
+
+def shorter_wins(message: str) -> str:
+    """A pairwise judge's reply to ``alignment.rewards.judge.PAIR_TEMPLATE``: the shorter answer is better
+    (``[[A]]`` / ``[[B]]``), equal lengths tie (``[[C]]``)."""
+    a = message.split("[Answer A]\n", 1)[1].split("\n[Answer B]\n", 1)
+    b = a[1].rsplit("\nReply [[A]]", 1)[0]
+    return "[[C]]" if len(a[0]) == len(b) else ("Verdict: [[A]]" if len(a[0]) < len(b) else "[[B]] is better")

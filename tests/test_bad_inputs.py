@@ -274,6 +274,12 @@ CASES: list[Case] = [
     Case("reward", "a judge template without `{completion}`", conf(
         "grpo", "reward.functions=[{name: j, function: judge, url: 'http://localhost:8000/v1', template: 'Rate {prompt}'}]"),
          Exception, "reward.functions[j].template has no {completion}"),
+    Case("reward", "a pairwise judge with one response per prompt", conf(
+        "grpo", "reward.functions=[{name: j, function: judge, url: 'http://localhost:8000/v1', mode: pairwise}]",
+        "rollout.group_size=1"), Exception, "reward.functions[j].mode=pairwise compares a prompt's responses"),
+    Case("reward", "a judge model directory that does not exist", conf(
+        "grpo", "reward.functions=[{name: j, function: judge, model: /no/judge}]"), Exception,
+         "(/no/judge has no config.json)"),
     # ---- checkpoints (trainer.resume=true: the latest complete one)
     Case("checkpoint", "a shard file cut short", checkpoint({}, _truncate), Exception,
          "__0_0.distcp has 1000 bytes, 4096 were written"),

@@ -84,3 +84,90 @@ def test_a_failing_judge_marks_the_samples_and_stops_or_skips():
 def test_judge_settings_errors(settings, says):
     with pytest.raises(RewardFunctionError, match=says):
         check_function(RewardTerm("j", function="judge", kwargs=settings))
+
+
+def test_pairwise_rendering_and_verdicts():
+    from alignment.rewards.judge import PAIR_TEMPLATE, parse_preference
+
+    text = render(PAIR_TEMPLATE, Problem("Say hi.", "", FILE_TASK), "hi", "hello")
+    assert "Question: Say hi.\nReference answer: \n[Answer A]\nhi\n[Answer B]\nhello\nReply [[A]]" in text
+    assert [parse_preference(r, {}) for r in ("[[A]]", "I pick [[b]].", "[[C]]", "A", "[[B]] not [[A]]")] == \
+        [1.0, 0.0, 0.5, None, 0.0]  # the first mark counts
+    assert parse_preference("Better: 2", {"pair_verdicts": {"1": 1.0, "2": 0.0}}) == 0.0
+
+
+def test_a_pairwise_judge_scores_each_response_by_the_comparisons_it_wins():
+    """Groups of 3 and 2 (two prompts): every pair judged in both orders. Shorter wins, so in the first
+    group "a" (1 char) beats "bbb" and "cc": 1.0; "cc" beats "bbb": 0.5; "bbb": 0.0; the second group
+    ties: 0.5 each. A judge that always answers [[A]] (position bias) gives 0.5 to everyone in both orders."""
+    from tests.reward_server import shorter_wins
+
+    probs = [Problem("q0", "", FILE_TASK)] * 3 + [Problem("q1", "", FILE_TASK)] * 2
+    smp = [Sample([1], [1], [0.0], t, True) for t in ("a", "bbb", "cc")] + \
+          [Sample([2], [1], [0.0], t, True) for t in ("xy", "zw")]
+    with ScriptedJudge(shorter_wins) as judge:
+        t = RewardTerm("pj", function="judge", kwargs={"url": judge.url, "mode": "pairwise"})
+        check_function(t)
+        assert function_scores(t, probs, smp, 16).tolist() == [1.0, 0.0, 0.5, 0.5, 0.5]
+        assert len(judge.requests) == 2 * (3 + 1)  # (3 choose 2) + (2 choose 2) pairs, both orders
+    with ScriptedJudge(lambda m: "[[A]]") as judge:
+        both = RewardTerm("pj", function="judge", kwargs={"url": judge.url, "mode": "pairwise"})
+        assert function_scores(both, probs, smp, 16).tolist() == [0.5] * 5
+        once = RewardTerm("pj", function="judge", kwargs={"url": judge.url, "mode": "pairwise", "swap": False})
+        assert function_scores(once, probs, smp, 16).tolist() == [1.0, 0.5, 0.0, 1.0, 0.0]
+    alone = [Sample([3], [1], [0.0], "a", True)]
+    with ScriptedJudge(shorter_wins) as judge:  # one response: nothing to compare with
+        lone = RewardTerm("pj", function="judge", kwargs={"url": judge.url, "mode": "pairwise"})
+        assert math.isnan(function_scores(lone, probs[:1], alone, 16).item()) and not judge.requests
+
+
+def test_judge_compare_and_evaluate_win_rates():
+    """tools/evaluate.py --judge: each checkpoint's preference answers against the baseline's."""
+    from alignment.rewards.judge import compare
+    from tests.reward_server import shorter_wins
+    from tools.evaluate import compare as evaluate_compare
+    from tools.evaluate import judge_pairs
+
+    probs = [Problem(f"q{i}", "", FILE_TASK) for i in range(3)]
+    with ScriptedJudge(shorter_wins) as judge:
+        assert compare({"url": judge.url}, probs, ["a", "bb", "cc"], ["aa", "b", "cc"]) == [1.0, 0.0, 0.5]
+
+        def items(texts):
+            return {"preference": {"items": [{"prompt": [{"role": "user", "content": f"q{i}"}], "text": t}
+                                             for i, t in enumerate(texts)], "metrics": {}}}
+
+        full = {"base": items(["aa", "bb", "c", "dd"]), "new": items(["a", "b", "cc", "dd"])}
+        preferred = judge_pairs({"url": judge.url, "mode": "pairwise"}, full, "base")
+    assert preferred == {"new": [1.0, 1.0, 0.0, 0.5]}
+    wins = evaluate_compare(full, "base", None, preferred)["win_rates"]["new"]["judge (preference)"]
+    assert (wins["wins"], wins["ties"], wins["losses"]) == (2, 1, 1) and wins["win_rate"] == 2.5 / 4
+
+
+@pytest.mark.parametrize("settings, says", [
+    ({"url": "http://h/v1", "mode": "pairwise", "template": "{completion_a} vs ?"}, r"template has no \{completion_b\}"),
+    ({"url": "http://h/v1", "mode": "pairwise", "template": "{completion}"}, r"template has no \{completion_a\}, "),
+    ({"url": "http://h/v1", "mode": "ranked"}, "mode='ranked': valid values are pointwise, pairwise"),
+    ({}, "give the judge's url .* or model: an HF model directory"),
+    ({"model": "/no/such/dir"}, r"\(/no/such/dir has no config.json\)"),
+    ({"url": "http://h/v1", "pair_verdicts": {}}, r"pair_verdicts=\{\}: map words to scores"),
+])
+def test_more_judge_settings_errors(settings, says):
+    with pytest.raises(RewardFunctionError, match=says):
+        check_function(RewardTerm("j", function="judge", kwargs=settings))
+
+
+def test_a_judge_model_run_in_the_job_replies_as_transformers_generates(tmp_path):
+    """A judge given as an HF directory runs in vLLM in the process (a subprocess here, as in a job): its
+    replies are the greedy continuations transformers generates from the same chat-templated prompts."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = tmp_path / "replies.json"
+    subprocess.run([sys.executable, str(ROOT / "tests/dist/judge_worker.py"), str(tmp_path / "judge"), str(out)],
+                   check=True, cwd=ROOT, timeout=600)
+    got = json.loads(out.read_text())
+    assert got["vllm"] == got["transformers"] and len(got["vllm"]) == 3 and all(got["vllm"]), got
+    assert got["scores"] == got["expected_scores"], got

@@ -62,3 +62,37 @@ def test_a_reward_server_that_fails_stops_the_run_with_a_checkpoint(tmp_path):
     assert f"reward.functions[judge]: reward server {server.url} failed after 2 tries: HTTP 500" in log, log[-3000:]
     assert f"(step 2 not trained; {out / 'checkpoints' / 'step_1'} saved;" in log
     assert (out / "checkpoints" / "step_1" / "metadata.json").exists() and len(server.requests) == 10  # step 2: two tries on each rank
+
+
+def test_online_dpo_on_a_file_with_a_pairwise_judge_and_a_judge_model_in_the_job(tmp_path):
+    """algorithm=online_dpo on a prompt file, judged by two judges: a pairwise one behind an OpenAI-compatible
+    endpoint (the shorter answer wins, both orders asked), which makes the pairs, and a pointwise judge run by
+    vLLM inside each rank (the tiny model itself, weight 0), which grades the held-out answers. With two
+    samples per prompt the pairwise scores of a group are (1, 0), or (0.5, 0.5) for a tie: the mean is
+    exactly 0.5, the chosen score 1 and the rejected 0, and a step's pairs are its prompts without a tie."""
+    from tests.reward_server import ScriptedJudge, shorter_wins
+
+    rows = [{"prompt": f"Write the number {i} in words.", "answer": str(i)} for i in range(40)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model_dir = save_tiny_hf_dir(tmp_path / "tiny")
+    functions = (f"[{{name: pair, function: judge, mode: pairwise}}, "
+                 f"{{name: local, function: judge, model: '{model_dir}', weight: 0.0, kwargs: {{max_model_len: 512, "
+                 "kv_cache_gib: 0.1, max_tokens: 8}}]")
+    with ScriptedJudge(shorter_wins) as judge:
+        functions = functions.replace("mode: pairwise}", f"mode: pairwise, url: '{judge.url}'}}")
+        run_torchrun("e2e_worker.py", str(model_dir), str(tmp_path / "run"), "task", "algorithm=online_dpo",
+                     "trainer.steps=2", f"data.train_files={tmp_path / 'p.jsonl'}", "data.heldout_fraction=0.2",
+                     f"reward.functions={functions}", "rollout.prompts_per_step=4", "rollout.group_size=2",
+                     "trainer.micro_batch_size=1", "rollout.max_tokens=12", "rollout.eval_max_tokens=8",
+                     "trainer.lr=1e-3", "trainer.progress_bar=false", "trainer.save_checkpoint=false",
+                     "trainer.export_hf=false", str(tmp_path / "result.json"), timeout=900)
+        requests = [r["messages"][0]["content"] for r in judge.requests]
+    s = json.loads((tmp_path / "result.json").read_text())
+    assert len(requests) == 2 * 4 * 2  # steps x prompts x both orders; the held-out answers went to the local judge
+    untied = sum(shorter_wins(r) != "[[C]]" for r in requests) // 2
+    assert sum(m["online_dpo/pairs"] for m in s["history"]) == untied > 0
+    for m in s["history"]:
+        assert m["reward/pair"] == 0.5 and m["reward/pair/scored"] == 1.0
+        assert m["reward/chosen"] == 1.0 and m["reward/rejected"] == 0.0 and m["grad_norm"] > 0.0
+        assert 0.0 <= m["reward/local/scored"] <= 1.0
+    assert s["heldout_size"] > 0 and 0.0 <= s["heldout_accuracy_after"] <= 1.0

@@ -3,6 +3,8 @@
     python tools/evaluate.py base=smollm2 tools=outputs/grpo_tools/hf --suites arithmetic,behaviour,regression
     python tools/evaluate.py base=smollm2 dpo=outputs/dpo_smollm2 --suites preference \\
         --reward-model outputs/rm_smollm2/hf
+    python tools/evaluate.py base=smollm2 dpo=outputs/dpo_smollm2 --suites preference \
+        --judge http://localhost:8000/v1                                    # or --judge <HF dir>: run in vLLM here
     python tools/evaluate.py a=ckpt_a b=ckpt_b --tensor-parallel-size 2       # vLLM TP=2 (2 processes)
 
 A checkpoint is ``NAME=PATH`` (or ``PATH``): an HF directory, ``smollm2``, a ``.gguf``, a converted
@@ -11,8 +13,9 @@ directory, at any layout (:mod:`alignment.evaluation.checkpoints`). The first is
 (``--baseline``): win rates, length drift and regressions are against it. Suites
 (:mod:`alignment.evaluation.suites`): reasoning (greedy accuracy, pass@1 / pass@k / maj@k of
 ``--samples`` episodes at ``--temperature``), code (HumanEval in the sandbox), behaviour, preference
-(a reward model judges: win rate with a 95 % Wilson interval; reasoning suites add the verifier's
-win rate) and regression (exit status 1 when a checkpoint fails an item the baseline passes).
+(a reward model scores each answer, or an LLM judge compares each answer with the baseline's in
+both orders (:func:`alignment.rewards.judge.compare`): win rate with a 95 % Wilson interval;
+reasoning suites add the verifier's win rate) and regression (exit status 1 when a checkpoint fails an item the baseline passes).
 
 Each checkpoint generates in a process of its own (``torchrun`` with ``--tensor-parallel-size`` > 1),
 through vLLM with the engine seeded by ``--seed``. Results are cached per (checkpoint files, suite
@@ -134,9 +137,11 @@ def _sandbox_message() -> str | None:
         return f"the sandbox cannot start ({e})"
 
 
-def compare(results: dict[str, dict[str, dict]], baseline: str, judged: dict[str, list[float]] | None) -> dict:
-    """Against ``baseline``: per checkpoint, win rates (the reward model's on ``preference``, the
-    verifier's on each reasoning suite: greedy right beats wrong), length drift on ``behaviour``
+def compare(results: dict[str, dict[str, dict]], baseline: str, judged: dict[str, list[float]] | None,
+            preferred: dict[str, list[float]] | None = None) -> dict:
+    """Against ``baseline``: per checkpoint, win rates (the reward model's on ``preference``; an LLM
+    judge's, ``preferred[name][i]`` being how much it prefers the checkpoint's answer to item ``i``;
+    the verifier's on each reasoning suite: greedy right beats wrong), length drift on ``behaviour``
     (mean length / the baseline's - 1) and regressions (ids the baseline passes and it fails)."""
     from alignment.evaluation.metrics import win_rate
 
@@ -148,6 +153,8 @@ def compare(results: dict[str, dict[str, dict]], baseline: str, judged: dict[str
         wins = {}
         if judged and name in judged:
             wins["reward model (preference)"] = win_rate(judged[name], judged[baseline])
+        if preferred and preferred.get(name):
+            wins["judge (preference)"] = win_rate(preferred[name], [0.5] * len(preferred[name]))
         for suite, found in suites.items():
             items, base_items = found.get("items", []), base[suite].get("items", [])
             if items and "correct" in items[0]:
@@ -162,6 +169,27 @@ def compare(results: dict[str, dict[str, dict]], baseline: str, judged: dict[str
     return out
 
 
+def judge_pairs(settings: dict, full: dict[str, dict[str, dict]], baseline: str) -> dict[str, list[float]]:
+    """For each checkpoint but the baseline, how much the judge prefers its preference-suite answers to
+    the baseline's, item by item (items without a verdict left out)."""
+    from alignment.data.tasks import FILE_TASK, Problem
+    from alignment.rewards.judge import compare as judge_compare
+    from alignment.rewards.judge_models import close_local
+
+    base = full[baseline]["preference"]["items"]
+    problems = [Problem(next((m["content"] for m in reversed(i["prompt"]) if m["role"] == "user"), ""), "", FILE_TASK)
+                for i in base]
+    out = {}
+    for name, found in full.items():
+        if name != baseline:
+            prefs = judge_compare(settings, problems, [i["text"] for i in found["preference"]["items"]],
+                                  [i["text"] for i in base])
+            out[name] = [p for p in prefs if p is not None]
+            print(f"judge: {name} against {baseline}: {len(out[name])} of {len(prefs)} items with a verdict", flush=True)
+    close_local()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoints", nargs="*", help="NAME=PATH (or PATH); the first is the baseline")
@@ -173,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=None, help="the first N items of each suite")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM TP (that many processes)")
     p.add_argument("--reward-model", help="HF export of a reward model: the preference suite's judge")
+    p.add_argument("--judge", help="an LLM judge of the preference suite, answers compared in pairs with the "
+                                   "baseline's (both orders): an OpenAI-compatible URL, or an HF model directory")
+    p.add_argument("--judge-model", default="", help="the model name the --judge URL serves (default: its first)")
+    p.add_argument("--judge-template", help="a file with the pairwise prompt ({prompt}, {completion_a}, "
+                                            "{completion_b}; default alignment.rewards.judge.PAIR_TEMPLATE)")
     p.add_argument("--regression-file", help=f"JSON lines (default {ROOT / 'evals' / 'regression_v1.jsonl'})")
     p.add_argument("--baseline", help="the checkpoint compared against (default: the first)")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -206,8 +239,21 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(e))
     if args.samples < 1 or not 0 <= args.temperature or (args.limit is not None and args.limit < 1):
         return fail("--samples and --limit must be >= 1, --temperature >= 0")
-    if any(s.kind == "preference" for s in suites) and not args.reward_model:
-        return fail("the preference suite needs a judge: --reward-model <HF export of a reward model>")
+    if any(s.kind == "preference" for s in suites) and not (args.reward_model or args.judge):
+        return fail("the preference suite needs a judge: --reward-model <HF export of a reward model> or --judge "
+                    "<URL or HF directory of an LLM judge>")
+    judge_settings = None
+    if args.judge:
+        from alignment.rewards.judge import check_settings
+
+        where = {"url": args.judge} if args.judge.startswith(("http://", "https://")) else {"model": args.judge}
+        judge_settings = {**where, "mode": "pairwise", "model": args.judge_model or where.get("model", "")}
+        try:
+            if args.judge_template:
+                judge_settings["template"] = Path(args.judge_template).read_text()
+            check_settings("judge", judge_settings)
+        except (OSError, ValueError) as e:
+            return fail(f"--judge: {e}".replace("reward.functions[judge].", "--judge-"))
     if any(s.kind == "regression" for s in suites):
         try:
             regression_items(args.regression_file)
@@ -245,7 +291,10 @@ def main(argv: list[str] | None = None) -> int:
                                    [i["text"] for i in r["preference"]["items"]]) for n, r in full.items()}
         for n, scores in judged.items():
             full[n]["preference"]["metrics"]["mean_reward"] = sum(scores) / max(len(scores), 1)
-    comparison = compare(full, baseline, judged)
+    preferred = None
+    if judge_settings and any(s.kind == "preference" for s in suites):
+        preferred = judge_pairs(judge_settings, full, baseline)
+    comparison = compare(full, baseline, judged, preferred)
     for n, drift in comparison["length_drift"].items():
         full[n]["behaviour"]["metrics"]["length_drift"] = drift
     table = {n: {s: r["metrics"] for s, r in found.items()} for n, found in full.items()}

@@ -114,7 +114,8 @@ def combine(scores: dict[str, torch.Tensor], terms: Sequence[RewardTerm], n: int
 
 def term_metrics(scores: dict[str, torch.Tensor], count: bool) -> dict[str, float]:
     """``reward/<name>``: each term's mean raw score over the global batch's samples it scored (NaN:
-    the function did not apply); ``count``: whether this rank's samples count (one rank per
+    the function did not apply, a judge's reply held no score); ``reward/<name>/scored``: the
+    fraction of samples it scored. ``count``: whether this rank's samples count (one rank per
     data-parallel replica). Collective."""
     names = sorted(scores)
     if not names:
@@ -122,6 +123,10 @@ def term_metrics(scores: dict[str, torch.Tensor], count: bool) -> dict[str, floa
     local = []
     for k in names:
         known = ~torch.isnan(scores[k])
-        local += [float(known.sum()) if count else 0.0, scores[k][known].sum().item() if count else 0.0]
+        local += [float(known.sum()), scores[k][known].sum().item(), float(known.numel())] if count else [0.0] * 3
     sums = all_reduce_sum(local)
-    return {f"reward/{k}": sums[2 * i + 1] / max(sums[2 * i], 1.0) for i, k in enumerate(names)}
+    out = {}
+    for i, k in enumerate(names):
+        scored, total, n = sums[3 * i : 3 * i + 3]
+        out[f"reward/{k}"], out[f"reward/{k}/scored"] = total / max(scored, 1.0), scored / max(n, 1.0)
+    return out
