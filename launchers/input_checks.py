@@ -10,6 +10,7 @@ the same model, algorithm, adapters and optimizer layout). README "Bad inputs" l
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 from alignment.config import OFFLINE_ALGORITHMS, ConfigError
@@ -154,12 +155,24 @@ def check_data(cfg, tokenizer):
         raise ConfigError(str(e)) from e
 
 
-def check_resume(cfg, hf_config) -> str | None:
+#: an RL job's checkpoint file naming the prompts its steps are taken from (:func:`data_position`)
+DATA_POSITION_FILE = "prompts.json"
+
+
+def data_position(cfg, prompts) -> dict:
+    """What makes step ``s``'s prompts the same after a resume (the position in the data is the step):
+    the training prompts' count and fingerprint (:class:`alignment.data.prompt_data.PromptSets`), the
+    seed that shuffles each epoch, ``data.shuffle`` and ``rollout.prompts_per_step``."""
+    return {"train_prompts": len(prompts.train), "sha256": prompts.fingerprint, "seed": cfg.seed,
+            "shuffle": bool(cfg.data.get("shuffle", True)), "prompts_per_step": cfg.rollout.prompts_per_step}
+
+
+def check_resume(cfg, hf_config, prompts=None) -> str | None:
     """The checkpoint ``trainer.resume`` would load from ``<output_dir>/checkpoints``: every part
     complete and undamaged (:func:`alignment.trainers.checkpoint.verify_checkpoint`) and written by a
-    run with the same :data:`RESUME_FIELDS` (and :data:`SHARDED_BY` with the distributed optimizer)
-    and a model of the same :data:`MODEL_DIMS`. Returns a note to print (interrupted saves ignored),
-    or None.
+    run with the same :data:`RESUME_FIELDS` (and :data:`SHARDED_BY` with the distributed optimizer),
+    a model of the same :data:`MODEL_DIMS` and, for an RL job (``prompts``), the same
+    :func:`data_position`. Returns a note to print (interrupted saves ignored), or None.
 
     Raises:
         CheckpointError: a damaged checkpoint.
@@ -187,11 +200,19 @@ def check_resume(cfg, hf_config) -> str | None:
     diffs = [f"{f}={_get(saved, f)!r} (now {_get(cfg, f)!r})" for f in fields if _get(saved, f) != _get(cfg, f)]
     if _get(saved, "model.path") != cfg.model.path:
         diffs += _model_differences(str(_get(saved, "model.path")), hf_config)
+    position = parts[0] / DATA_POSITION_FILE
+    if prompts is not None and prompts.fingerprint and position.is_file():
+        was, now = json.loads(position.read_text()), data_position(cfg, prompts)
+        diffs += [f"{WHAT_POSITION[k]}={was.get(k)!r} (now {now[k]!r})" for k in now if k in was and was[k] != now[k]]
     if diffs:
         raise ConfigError(f"trainer.resume: {latest} was written by another run: {'; '.join(diffs)}. Resume with the "
                           "values it was saved with, or start in a new output_dir (trainer.resume=false would "
                           f"overwrite {directory}'s checkpoints as it goes)")
     return note
+
+
+WHAT_POSITION = {"train_prompts": "the training prompts' count", "sha256": "the training prompts' sha256",
+                  "seed": "seed", "shuffle": "data.shuffle", "prompts_per_step": "rollout.prompts_per_step"}
 
 
 def _model_differences(saved_path: str, hf_config) -> list[str]:
@@ -217,4 +238,4 @@ def check_inputs(cfg, hf_config, tokenizer):
     check_reward_servers(cfg)
     check_tokenizer(cfg, tokenizer)
     prompts = check_data(cfg, tokenizer)
-    return check_resume(cfg, hf_config), prompts
+    return check_resume(cfg, hf_config, prompts), prompts

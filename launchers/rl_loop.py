@@ -34,11 +34,14 @@ samples them again (same prompts, by the resumed policy).
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+from launchers.input_checks import DATA_POSITION_FILE, data_position
 
 
 class Evaluation(Protocol):
@@ -229,10 +232,13 @@ def run(job, models, spec: RLJob) -> dict:
         if job.rank == 0:
             print(f"resumed from {latest} (step {start_step})", flush=True)
 
+    position = {DATA_POSITION_FILE: json.dumps(data_position(cfg, job.prompts))} \
+        if job.prompts is not None and job.prompts.fingerprint else None
+
     def checkpoint(step: int) -> None:
         with job.timers("checkpoint"):
             models.placement.keep(*units)
-            save_models_checkpoint(ckpt_dir, step, spec.trained, config=job.resolved_config)
+            save_models_checkpoint(ckpt_dir, step, spec.trained, config=job.resolved_config, files=position)
 
     if t.eval_before:
         job.log(spec.evaluation.before(start_step), start_step)

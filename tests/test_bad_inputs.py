@@ -119,6 +119,15 @@ def checkpoint(saved: dict, damage: Callable | None = None, config: str = "sft",
     return make
 
 
+def _other_prompts(tmp: Path):
+    """A GRPO run's checkpoint made on 5 training prompts, resumed on a file of 2."""
+    path = _write(tmp, "prompts.jsonl", "".join(json.dumps({"prompt": f"{i}+1?", "answer": str(i + 1)}) + "\n"
+                                                  for i in range(2)))
+    saved = {"train_prompts": 5, "sha256": "0" * 64}
+    return checkpoint({}, lambda d: (d / "prompts.json").write_text(json.dumps(saved)), "grpo",
+                      f"data.train_files={path}", "reward.functions=[{name: math_verify}]")(tmp)
+
+
 def _truncate(d: Path) -> None:
     with open(d / "__0_0.distcp", "r+b") as f:
         f.truncate(1000)
@@ -292,6 +301,8 @@ CASES: list[Case] = [
          None, "ignoring step_4.tmp"),
     Case("checkpoint", "a checkpoint of another algorithm", checkpoint({"algorithm.name": "sft"}, None, "dpo"),
          Exception, "written by another run: algorithm.name='sft' (now 'dpo')"),
+    Case("checkpoint", "a run resumed on other prompt files", _other_prompts, Exception,
+         "the training prompts' count=5 (now 2); the training prompts' sha256='000"),
     Case("checkpoint", "a checkpoint with LoRA adapters resumed without them", checkpoint({"model.lora.rank": 8}),
          Exception, "model.lora.rank=8 (now 0)"),
     Case("checkpoint", "distributed-optimizer state saved at PP 2, resumed at PP 1", checkpoint(

@@ -5,6 +5,7 @@ script, a held-out file, and reward functions of a user's by import path (TRL's 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -62,6 +63,10 @@ def test_a_reward_server_that_fails_stops_the_run_with_a_checkpoint(tmp_path):
     assert f"reward.functions[judge]: reward server {server.url} failed after 2 tries: HTTP 500" in log, log[-3000:]
     assert f"(step 2 not trained; {out / 'checkpoints' / 'step_1'} saved;" in log
     assert (out / "checkpoints" / "step_1" / "metadata.json").exists() and len(server.requests) == 10  # step 2: two tries on each rank
+    # the checkpoint names the prompts its steps were taken from (a resume on other files is refused)
+    position = json.loads((out / "checkpoints" / "step_1" / "prompts.json").read_text())
+    assert position["train_prompts"] == int(re.search(r"; (\d+) training prompts", log).group(1))
+    assert len(position["sha256"]) == 64 and position["prompts_per_step"] == 4
 
 
 def test_online_dpo_on_a_file_with_a_pairwise_judge_and_a_judge_model_in_the_job(tmp_path):

@@ -158,6 +158,7 @@ class PromptSets:
     sources: tuple[str, ...] = ()
     overlong: int = 0
     tokens: int = 0
+    fingerprint: str = ""  # sha256 of the training prompts and answers in order ("": not computed)
 
     def summary(self) -> str:
         """One line for the start of a run: records read, what was dropped, the split sizes and tokens."""
@@ -299,13 +300,15 @@ def fit_prompts(sets: PromptSets, length, max_model_len: int, max_tokens: int, p
     """``sets`` with every prompt's token count (``length(problem)``) checked against what
     ``max_model_len`` leaves after ``max_tokens`` of response: ``policy`` ``error`` refuses a longer
     one (naming the longest), ``drop`` leaves them out (counted in ``overlong``). The result's
-    ``tokens``: the prompt tokens of the kept prompts, both splits.
+    ``tokens``: the prompt tokens of the kept prompts, both splits; ``fingerprint``: the sha256 of the
+    kept training prompts and answers in order (a resume checks it).
 
     Raises:
         ValueError: a prompt too long with ``error`` (naming it, its length and the fixes), or no
             training prompt left.
     """
     budget, total, dropped, kept, longest = max_model_len - max_tokens, 0, 0, [], (0, "")
+    digest = hashlib.sha256()
     for items in (sets.train, sets.heldout):
         keep = []
         for i in range(len(items)):
@@ -317,6 +320,8 @@ def fit_prompts(sets: PromptSets, length, max_model_len: int, max_tokens: int, p
                 continue
             total += n
             keep.append(i)
+            if items is sets.train:
+                digest.update(json.dumps([problem.messages or problem.question, problem.answer]).encode() + b"\n")
         kept.append(_keep(items, keep) if len(keep) < len(items) else items)
     if dropped and policy == "error":
         raise ValueError(f"{field}: the longest prompt has {longest[0]} tokens ({longest[1][:60]!r}...), which with "
@@ -326,7 +331,8 @@ def fit_prompts(sets: PromptSets, length, max_model_len: int, max_tokens: int, p
     if not len(kept[0]):
         raise ValueError(f"{field}: every training prompt is longer than the {budget} tokens rollout.max_model_len="
                          f"{max_model_len} leaves after rollout.max_tokens={max_tokens}")
-    return PromptSets(kept[0], kept[1], sets.records, sets.duplicates, sets.sources, overlong=dropped, tokens=total)
+    return PromptSets(kept[0], kept[1], sets.records, sets.duplicates, sets.sources, overlong=dropped, tokens=total,
+                      fingerprint=digest.hexdigest())
 
 
 def job_prompts(cfg, tokenizer=None) -> PromptSets:

@@ -159,20 +159,23 @@ def _state(model, optimizer, step: int, is_loading: bool) -> dict:
 
 
 def save_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, optimizer=None, step: int = 0,
-                             config: str | None = None) -> Path:
+                             config: str | None = None, files: dict[str, str] | None = None) -> Path:
     """Megatron distributed checkpoint (``torch_dist`` format): model shards, optionally the
     optimizer state (Adam moments, sharded as the optimizer is) and the step; collective. A LoRA
     job's model (:mod:`parallel.lora`) writes only what trains (adapters, a value model's head)
     and their optimizer state: the frozen base is ``model.path``'s, named in ``config.yaml``.
     The model part loads at another TP/PP layout with ``dist_checkpointing.load``.
     ``config``: the run's resolved config (YAML text), written as ``config.yaml`` inside the
-    checkpoint before it is published."""
+    checkpoint before it is published; ``files``: more text files written beside it (name -> text, e.g.
+    ``prompts.json``: what :func:`launchers.input_checks.check_resume` compares)."""
     from megatron.core import dist_checkpointing
 
     final = Path(path)
     tmp = _fresh_tmp(final)
-    if config is not None and dist.get_rank() == 0:
-        (tmp / "config.yaml").write_text(config)
+    if dist.get_rank() == 0:
+        written = {**({"config.yaml": config} if config is not None else {}), **(files or {})}
+        for name, text in written.items():
+            (tmp / name).write_text(text)
     dist_checkpointing.save(_state(model, optimizer, step, is_loading=False), str(tmp))
     _publish(tmp, final)
     return final
@@ -234,7 +237,8 @@ def load_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, op
     return int(loaded["step"])
 
 
-def save_models_checkpoint(directory: str | os.PathLike, step: int, parts: dict, config: str | None = None) -> Path:
+def save_models_checkpoint(directory: str | os.PathLike, step: int, parts: dict, config: str | None = None,
+                           files: dict[str, str] | None = None) -> Path:
     """``<directory>/step_<step>`` holding every trained model of a job, published together;
     collective. ``parts``: name -> ``(model, optimizer)``. One part is written as one
     :func:`save_megatron_checkpoint` at the step directory itself (the policy of a GRPO job);
@@ -244,10 +248,10 @@ def save_models_checkpoint(directory: str | os.PathLike, step: int, parts: dict,
     final = Path(directory) / f"step_{step}"
     if len(parts) == 1:
         [(model, optimizer)] = parts.values()
-        return save_megatron_checkpoint(model, final, optimizer=optimizer, step=step, config=config)
+        return save_megatron_checkpoint(model, final, optimizer=optimizer, step=step, config=config, files=files)
     staged = final.with_name(final.name + ".parts")
     for name, (model, optimizer) in parts.items():
-        save_megatron_checkpoint(model, staged / name, optimizer=optimizer, step=step, config=config)
+        save_megatron_checkpoint(model, staged / name, optimizer=optimizer, step=step, config=config, files=files)
     if dist.get_rank() == 0:  # every part complete: publish them together, then mark the step complete
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staged, final)
