@@ -73,6 +73,13 @@ class DataConfig:
     # {prompt, chosen, rejected} (alignment/data/chat_data.py);
     # PRM: a directory of step-labelled solutions (train.jsonl, heldout.jsonl) from tools/make_prm_data.py
     dataset: str = "dpo_en_demo"
+    # SFT / RM / DPO: your file's column names for the fields read (LLaMA-Factory's dataset_info names):
+    # prompt, query (appended to the prompt), response, system, messages (SFT); prompt, messages, chosen,
+    # rejected, system (pairs); e.g. {prompt: question, response: answer}
+    columns: Any = None
+    # the dataset the split sizes and lengths of this data config were chosen for (the demo configs set it):
+    # another data.dataset is refused until you choose its limits (data=file takes a file whole)
+    limits_of: Optional[str] = None
     max_length: int = 256  # tokens of prompt + response (longer ones are truncated)
     max_prompt_length: int = 128  # the prompt keeps its last max_prompt_length tokens
     # task=arithmetic: the reasoning-gym generator (null: chain_sum) and its settings, e.g.
@@ -80,8 +87,8 @@ class DataConfig:
     generator: Optional[str] = None
     generator_kwargs: dict[str, Any] = field(default_factory=lambda: {
         "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
-    train_size: int = 2000
-    heldout_size: int = 100
+    train_size: Optional[int] = 2000  # the first N training examples (null: all; SFT / RM / DPO)
+    heldout_size: int = 100  # data.task's held-out problems; SFT / RM / DPO without held-out files or fraction: the last N
     # RL tasks: the instruction after the question; null: the task's own (alignment/data/prompts.py; a file's
     # prompts have none), e.g. "Solve it step by step, ..." (alignment.data.step_data.STEP_INSTRUCTION) for a PRM
     instruction: Optional[str] = None
@@ -100,7 +107,7 @@ class DataConfig:
     overlong_prompts: str = "error"
     system_prompt: Optional[str] = None  # RL jobs: a system message before each prompt; null: the template's default
     # RL jobs: keyword arguments of the tokenizer's chat template, e.g. {enable_thinking: false} for Qwen3
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    chat_template_kwargs: Any = None
 
 
 @dataclass
@@ -578,16 +585,29 @@ def _validate_offline(cfg, dp: int) -> None:
     from alignment.trainers.dpo import LOSS_TYPES
 
     a, d, t = cfg.algorithm, cfg.data, cfg.trainer
-    if d.get("train_files") or d.get("heldout_files"):
-        raise ConfigError(f"data.train_files / data.heldout_files are prompts for the RL jobs; algorithm.name={a.name} "
-                          "reads its examples from data.dataset (a demo set or a .json / .jsonl file of your own)")
+    from alignment.data.chat_data import check_columns, is_data_file
+
+    if d.get("train_files"):
+        raise ConfigError(f"data.train_files are prompts for the RL jobs; algorithm.name={a.name} reads its examples "
+                          "from data.dataset (a demo set or a file of your own; held out: data.heldout_files)")
     if a.name == "prm":
         _validate_prm(cfg)
-    elif not str(d.dataset).endswith((".json", ".jsonl")) and \
-            d.dataset != (wanted := "alpaca_en_demo" if a.name == "sft" else "dpo_en_demo"):
+    elif not is_data_file(d.dataset) and d.dataset != (wanted := "alpaca_en_demo" if a.name == "sft" else "dpo_en_demo"):
         raise ConfigError(f"data.dataset={d.dataset!r}: algorithm.name={a.name} trains on {wanted} or a file of your "
                           f"own ({'alpaca or chat messages' if a.name == 'sft' else 'prompt, chosen, rejected'} "
-                          "records in a .json array or .jsonl lines)")
+                          "records in .json / .jsonl / .parquet / .csv or a save_to_disk directory)")
+    if a.name != "prm" and d.get("limits_of") and d.dataset != d.limits_of:
+        raise ConfigError(f"data.dataset={d.dataset}: this data config's limits were chosen for {d.limits_of} "
+                          f"(data.train_size={d.train_size}, data.heldout_size={d.heldout_size} taken from the end, "
+                          f"data.max_length={d.max_length}); add data=file to use your file whole (held out: "
+                          "data.heldout_fraction=0.05), or set data.limits_of=null to keep these")
+    if a.name != "prm":
+        try:
+            check_columns(dict(d.get("columns") or {}), "sft" if a.name == "sft" else "preference")
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+    if a.name != "prm" and not 0.0 <= float(d.get("heldout_fraction") or 0.0) < 1.0:
+        raise ConfigError(f"data.heldout_fraction={d.heldout_fraction}: must be in [0, 1)")
     if a.name == "dpo" and a.loss_type not in LOSS_TYPES:
         raise ConfigError(f"algorithm.loss_type={a.loss_type!r}: valid values are {', '.join(LOSS_TYPES)}")
     if a.name == "dpo" and a.beta <= 0:
@@ -921,6 +941,8 @@ def _validate_prompt_source(d) -> None:
         if d.get("heldout_files") or d.get("heldout_fraction"):
             raise ConfigError("data.heldout_files / data.heldout_fraction split data.train_files; data.task's problems "
                               "have their own held-out split (data.heldout_size): give data.train_files, or unset them")
+        if d.get("train_size") is None:
+            raise ConfigError(f"data.train_size=null: data.task={d.task} draws that many training problems; give a number")
         if d.task not in TASKS:
             raise ConfigError(f"data.task={d.task!r}: valid values are {', '.join(TASKS)} (or prompts of your own: "
                               "data.train_files)")

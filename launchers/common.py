@@ -32,7 +32,7 @@ class Run:
     history: list = field(default_factory=list)
     profiler: object = None  # launchers.profiling.StepProfiler (profile.*)
     timers: PhaseTimers = field(default_factory=PhaseTimers)  # summed phase times, e.g. checkpoint
-    prompts: object = None  # an RL job's alignment.data.prompt_data.PromptSets, read and checked at start
+    prompts: object = None  # what the job reads, checked at start: PromptSets (RL) or ExampleCounts (SFT / RM / DPO)
 
     @property
     def resolved_config(self) -> str:

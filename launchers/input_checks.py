@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from alignment.config import OFFLINE_ALGORITHMS, ConfigError
@@ -124,7 +125,8 @@ def check_data(cfg, tokenizer):
     step-labelled files, and an RL job's prompts (:func:`alignment.data.prompt_data.job_prompts`:
     ``data.train_files`` or ``data.task``'s problems), each of which plus ``rollout.max_tokens``
     must fit ``rollout.max_model_len`` (``data.overlong_prompts``). Returns the RL job's
-    :class:`alignment.data.prompt_data.PromptSets` (None for the other jobs).
+    :class:`alignment.data.prompt_data.PromptSets`, an SFT / RM / DPO job's :class:`ExampleCounts`
+    (None for the PRM and PPO on the demo prompts).
 
     Raises:
         FileNotFoundError / ValueError / ConfigError: naming the file and line or the fields.
@@ -137,12 +139,14 @@ def check_data(cfg, tokenizer):
             load_records(d.dataset, split)
         return None
     if a.name in OFFLINE_ALGORITHMS:
-        from alignment.data.chat_data import load_preference_pairs, load_sft_examples
+        from launchers.offline_job import tokenize_split
 
-        load = load_sft_examples if a.name == "sft" else load_preference_pairs
-        for split in ("train", "heldout"):
-            load(split, d.heldout_size, d.dataset)
-        return None
+        rows = {split: tokenize_split(cfg, tokenizer, split) for split in ("train", "heldout")}
+        if not rows["train"] or not rows["heldout"]:
+            empty = "training" if not rows["train"] else "held-out"
+            raise ConfigError(f"data.dataset={d.dataset}: the {empty} split is empty; give data.heldout_files, a "
+                              "data.heldout_fraction in (0, 1) or a data.heldout_size the data can spare")
+        return ExampleCounts.of(d, rows)
     from alignment.config import ppo_on_task
 
     if a.name == "ppo" and not ppo_on_task(cfg):
@@ -153,6 +157,30 @@ def check_data(cfg, tokenizer):
         return job_prompts(cfg, tokenizer)
     except ValueError as e:  # a file of the user's, or prompts too long: named in the message
         raise ConfigError(str(e)) from e
+
+
+@dataclass
+class ExampleCounts:
+    """What an SFT / reward-model / DPO job trains on, for the line printed at start."""
+
+    source: str
+    train: int
+    heldout: int
+    tokens: int
+    at_limit: int
+    max_length: int
+
+    @classmethod
+    def of(cls, data, rows: dict) -> "ExampleCounts":
+        """Counted from :func:`launchers.offline_job.tokenize_split`'s ``{"train": rows, "heldout": rows}``."""
+        seqs = [r[0] for example in rows["train"] for r in example]
+        return cls(str(data.dataset), len(rows["train"]), len(rows["heldout"]), sum(map(len, seqs)),
+                   sum(len(s) >= data.max_length for s in seqs), int(data.max_length))
+
+    def summary(self) -> str:
+        """One line: the examples of each split, the training tokens and the sequences cut."""
+        return (f"data: {self.train} training examples ({self.tokens:,} tokens; {self.at_limit} sequences cut at "
+                f"data.max_length={self.max_length}) and {self.heldout} held out, from {self.source}")
 
 
 #: an RL job's checkpoint file naming the prompts its steps are taken from (:func:`data_position`)
@@ -201,7 +229,7 @@ def check_resume(cfg, hf_config, prompts=None) -> str | None:
     if _get(saved, "model.path") != cfg.model.path:
         diffs += _model_differences(str(_get(saved, "model.path")), hf_config)
     position = parts[0] / DATA_POSITION_FILE
-    if prompts is not None and prompts.fingerprint and position.is_file():
+    if getattr(prompts, "fingerprint", "") and position.is_file():
         was, now = json.loads(position.read_text()), data_position(cfg, prompts)
         diffs += [f"{WHAT_POSITION[k]}={was.get(k)!r} (now {now[k]!r})" for k in now if k in was and was[k] != now[k]]
     if diffs:

@@ -37,7 +37,9 @@ def make_objective(cfg, vocab_size: int):
 def tokenize_split(cfg, tokenizer, split: str) -> list[list[tuple]]:
     """Per example, its rows ``(ids, prompt_len)``: one for SFT, ``[chosen, rejected]`` for pairs;
     for the PRM one ``(ids, prompt_len, step_ends, labels)`` per solution with a labelled step
-    (:func:`alignment.trainers.process_reward.tokenize_steps`)."""
+    (:func:`alignment.trainers.process_reward.tokenize_steps`). ``data.columns`` renames a file's
+    columns; held out are ``data.heldout_files``, else ``data.heldout_fraction`` by prompt hash, else
+    the last ``data.heldout_size``; training takes the first ``data.train_size`` (null: all)."""
     from alignment.data.chat_data import encode_example, load_preference_pairs, load_sft_examples
     from alignment.trainers.process_reward import tokenize_steps
 
@@ -46,13 +48,15 @@ def tokenize_split(cfg, tokenizer, split: str) -> list[list[tuple]]:
     if cfg.algorithm.name == "prm":
         out = [[row] for row in tokenize_steps(cfg, tokenizer, split)]
         return out[: d.train_size] if split == "train" else out[: d.heldout_size]
+    kw = {"heldout_files": d.get("heldout_files"), "heldout_fraction": float(d.get("heldout_fraction") or 0.0),
+          "columns": dict(d.get("columns") or {})}
     if cfg.algorithm.name == "sft":
-        examples = load_sft_examples(split, d.heldout_size, d.dataset)
+        examples = load_sft_examples(split, d.heldout_size, d.dataset, **kw)
         out = [[enc(e.messages, e.response)] for e in examples]
     else:
-        pairs = load_preference_pairs(split, d.heldout_size, d.dataset)
+        pairs = load_preference_pairs(split, d.heldout_size, d.dataset, **kw)
         out = [[enc(p.messages, p.chosen), enc(p.messages, p.rejected)] for p in pairs]
-    return out[: d.train_size] if split == "train" else out
+    return out[: d.train_size] if split == "train" else out  # train_size null: every example
 
 
 def build(cfg, hf_dir: Path, hf_config, objective):

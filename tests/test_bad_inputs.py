@@ -48,7 +48,8 @@ def _write(tmp: Path, name: str, text: str) -> str:
 
 def data_file(name: str, text: str, algorithm: str = "sft", *extra: str):
     def make(tmp):
-        return algorithm, [f"data.dataset={_write(tmp, name, text)}", f"output_dir={tmp / 'out'}", *extra], 2
+        return algorithm, [f"data.dataset={_write(tmp, name, text)}", "data.limits_of=null", f"output_dir={tmp / 'out'}",
+                           *extra], 2
     return make
 
 
@@ -224,6 +225,13 @@ CASES: list[Case] = [
          "parallel.tensor_model_parallel_size=3 does not divide the world size 2"),
     Case("config", "`trainer.offload=true` for DPO", conf("dpo", "trainer.offload=true"), Exception,
          "trainer.offload=true: algorithm.name=dpo uses every model"),
+    Case("config", "a file of your own with the demo config's limits (`--config-name sft data.dataset=mine.jsonl`)",
+         conf("sft", "data.dataset=mine.jsonl"), Exception, "data.dataset=mine.jsonl: this data config's limits were "
+         "chosen for alpaca_en_demo (data.train_size=192, data.heldout_size=64 taken from the end"),
+    Case("data", "a `data.columns` column the records lack", data_file(
+        "qa.jsonl", json.dumps({"question": "Hi?", "answer": "Hello."}) + "\n", "sft",
+        "data.columns={prompt: question, response: reply}"), Exception,
+         "data.columns.response='reply', but the record has no such column; its columns are question, answer"),
     Case("config", "`data.dataset=alpaca_en_demo` for DPO", conf("dpo", "data.dataset=alpaca_en_demo"), Exception,
          "data.dataset='alpaca_en_demo': algorithm.name=dpo trains on dpo_en_demo"),
     Case("config", "`cluster=slurm_h100x8` (16 processes) started as 8", conf("grpo", "cluster=slurm_h100x8", world=8),
@@ -239,7 +247,7 @@ CASES: list[Case] = [
          Exception, "with parallel.pipeline_model_parallel_size > 1 set trainer.sequence_packing=true"),
     # ---- data
     Case("data", "`data.dataset=` a file that does not exist", lambda tmp: (
-        "sft", [f"data.dataset={tmp / 'none.jsonl'}", f"output_dir={tmp / 'out'}"], 2), FileNotFoundError,
+        "sft", [f"data.dataset={tmp / 'none.jsonl'}", "data=file", f"output_dir={tmp / 'out'}"], 2), FileNotFoundError,
          "none.jsonl: no such file"),
     Case("data", "an empty dataset file", data_file("empty.jsonl", ""), ValueError, "holds no records"),
     Case("data", "a malformed JSON line", data_file("bad.jsonl", ALPACA + "\n" + '{"instruction": "x",\n'),

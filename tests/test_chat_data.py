@@ -91,3 +91,63 @@ def test_data_files_of_your_own(tmp_path):
     bad.write_text(json.dumps([{"messages": [{"role": "user", "content": "only a prompt"}]}]))
     with pytest.raises(ValueError, match=r"bad.json record 1: 'messages' must end with the assistant's response"):
         load_sft_examples("train", 1, str(bad))
+
+
+def test_column_mappings_and_held_out_files_or_fraction(tmp_path):
+    """``data.columns`` renames a file's columns (LLaMA-Factory's names) for SFT and pairs, a ``system``
+    column becomes the system message; held out: ``data.heldout_files`` (their prompts leave training), or
+    the prompts hashing into ``data.heldout_fraction`` (the same split at any call, disjoint)."""
+    import json
+
+    from alignment.data.chat_data import PreferencePair, SFTExample, check_columns
+
+    qa = tmp_path / "qa.jsonl"
+    rows = [{"question": f"Q{i}", "reply": f"A{i}", "persona": "Be brief.", "id": i} for i in range(40)]
+    qa.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    columns = {"prompt": "question", "response": "reply", "system": "persona"}
+    train = load_sft_examples("train", 1, str(qa), heldout_fraction=0.25, columns=columns)
+    held = load_sft_examples("heldout", 1, str(qa), heldout_fraction=0.25, columns=columns)
+    assert train[0] == SFTExample(({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q0"}), "A0") \
+        or held[0].messages[1]["content"] == "Q0"
+    assert len(train) + len(held) == 40 and 0 < len(held) < 20
+    assert not {e.messages[1]["content"] for e in train} & {e.messages[1]["content"] for e in held}
+    assert load_sft_examples("heldout", 1, str(qa), heldout_fraction=0.25, columns=columns) == held  # stable
+    other = tmp_path / "held.jsonl"
+    other.write_text(json.dumps(rows[3]) + "\n" + json.dumps({**rows[3], "reply": "again"}) + "\n")
+    assert [e.response for e in load_sft_examples("heldout", 1, str(qa), heldout_files=[str(other)],
+                                                  columns=columns)] == ["A3"]
+    assert len(load_sft_examples("train", 1, str(qa), heldout_files=str(other), columns=columns)) == 39
+    pairs = tmp_path / "pairs.csv"
+    pairs.write_text("q,good,bad\nWhich?,this,that\nOther?,x,y\n")
+    got = load_preference_pairs("train", 1, str(pairs), columns={"prompt": "q", "chosen": "good", "rejected": "bad"})
+    assert got == [PreferencePair(({"role": "user", "content": "Which?"},), "this", "that")]
+    with pytest.raises(ValueError, match=r"data.columns.response='answer', but the record has no such column; its "
+                                         "columns are question, reply, persona, id"):
+        load_sft_examples("train", 1, str(qa), columns={"prompt": "question", "response": "answer"})
+    with pytest.raises(ValueError, match=r"data.columns has \['chosen'\]; for sft records it maps prompt, query"):
+        check_columns({"chosen": "c"}, "sft")
+
+
+def test_the_start_up_check_counts_what_an_sft_job_trains_on(tmp_path, tiny_model_dir):
+    """``data=file``: the whole file, 5 % held out by hash; the check before any process group tokenises
+    both splits as the job will and prints the examples, tokens and sequences cut."""
+    import datasets
+
+    from alignment.data.chat_data import load_sft_examples
+    from launchers.common import check_job
+    from launchers.preflight import compose
+
+    rows = [{"q": f"Spell the number {i}.", "a": " ".join(["word"] * (i % 7 + 1))} for i in range(60)]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "qa.parquet"))
+    cfg = compose("sft", [f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'out'}", "data=file",
+                          f"data.dataset={tmp_path / 'qa.parquet'}", "data.columns={prompt: q, response: a}",
+                          "data.max_length=24", "data.max_prompt_length=16", "trainer.global_batch_size=2",
+                          "trainer.micro_batch_size=1"])
+    counts = check_job(cfg, 2)[3]
+    held = load_sft_examples("heldout", 1, str(tmp_path / "qa.parquet"), heldout_fraction=0.05,
+                             columns={"prompt": "q", "response": "a"})
+    assert (counts.train, counts.heldout) == (60 - len(held), len(held)) and counts.heldout > 0
+    assert 0 < counts.at_limit < counts.train and counts.tokens > 0
+    assert counts.summary() == (f"data: {counts.train} training examples ({counts.tokens:,} tokens; {counts.at_limit} "
+                                f"sequences cut at data.max_length=24) and {counts.heldout} held out, from "
+                                f"{tmp_path / 'qa.parquet'}")

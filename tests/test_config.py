@@ -209,13 +209,28 @@ GROUPS = {"model": ["smollm2", "smollm2_sft_rm"],
                         "rft", "online_dpo", "prm"],
           "parallel": ["single", "tp2", "tp2_sp", "pp2", "cp2_ring", "cp2_ulysses", "tp2_pp2"],
           "rollout": ["default", "long"], "data": ["arithmetic", "gsm8k", "alpaca_en_demo", "dpo_en_demo",
-                                                    "prm_steps", "arithmetic_tools"],
+                                                    "prm_steps", "arithmetic_tools", "file"],
           "cluster": ["local", "slurm_h100x8"]}
 
 
 def test_config_groups_list_every_option():
     for group, options in GROUPS.items():
         assert sorted(p.stem for p in (ROOT / "configs" / group).glob("*.yaml")) == sorted(options), group
+
+
+def test_a_file_of_your_own_needs_its_own_limits():
+    """The demo data configs' sizes belong to their demo set: another data.dataset is refused until it
+    gets limits of its own; data=file takes the file whole with a hashed 5 % held out."""
+    with pytest.raises(ConfigError, match=r"data.dataset=mine.jsonl: this data config's limits were chosen for "
+                                          r"dpo_en_demo .* add data=file"):
+        validate(cfg("data.dataset=mine.jsonl", name="dpo"), world_size=2, hf_config=SMOLLM2)
+    own = cfg("data=file", "data.dataset=mine.jsonl", "data.columns={prompt: q, chosen: a, rejected: b}", name="dpo")
+    validate(own, world_size=2, hf_config=SMOLLM2)
+    assert own.data.train_size is None and own.data.heldout_fraction == 0.05 and own.data.limits_of is None
+    validate(cfg("data.dataset=mine.jsonl", "data.limits_of=null", name="sft"), world_size=2, hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match=r"data.columns has \['response'\]; for preference records"):
+        validate(cfg("data=file", "data.dataset=mine.jsonl", "data.columns={response: r}", name="dpo"), world_size=2,
+                 hf_config=SMOLLM2)
 
 
 def test_swapping_a_group_takes_its_values_and_keeps_the_rest():

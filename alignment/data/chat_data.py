@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from filelock import FileLock
 
-from alignment.data.prompt_data import read_table
+from alignment.data.prompt_data import is_heldout, read_table
 
 LLAMAFACTORY_VERSION = "0.9.5"
 DATASETS = {"alpaca_en_demo": "sft", "dpo_en_demo": "preference"}
@@ -189,53 +189,141 @@ def _messages(where: str, turns) -> tuple[dict, ...]:
     return tuple(out)
 
 
+#: ``data.columns``' names (LLaMA-Factory's ``dataset_info`` names) -> the record fields they fill, per kind
+COLUMNS = {"sft": {"prompt": "instruction", "query": "input", "response": "output", "messages": "messages",
+                   "system": "system"},
+           "preference": {"prompt": "prompt", "messages": "conversations", "chosen": "chosen", "rejected": "rejected",
+                          "system": "system"}}
+
+
+def check_columns(columns: dict, kind: str) -> None:
+    """``data.columns`` for ``kind`` (``sft`` | ``preference``) names only :data:`COLUMNS`' fields.
+
+    Raises:
+        ValueError: an unknown name, naming the valid ones.
+    """
+    unknown = sorted(set(columns) - set(COLUMNS[kind]))
+    if unknown:
+        raise ValueError(f"data.columns has {unknown}; for {kind} records it maps {', '.join(COLUMNS[kind])} to your "
+                         "file's column names, e.g. {prompt: question, response: answer}")
+
+
+def map_columns(where: str, r: dict, columns: dict, kind: str) -> dict:
+    """Record ``r`` with ``data.columns``' file columns renamed to the fields this kind reads (the
+    other columns dropped when any is mapped away from its own name).
+
+    Raises:
+        ValueError: a mapped column the record lacks (naming it and the columns it has).
+    """
+    if not columns:
+        return r
+    out = dict(r)
+    for name, column in columns.items():
+        field_name = COLUMNS[kind][name]
+        if column not in r:
+            if name in ("query", "system"):  # optional in every record
+                continue
+            raise ValueError(f"{where}: data.columns.{name}={column!r}, but the record has no such column; its "
+                             f"columns are {', '.join(r)}")
+        out.pop(column, None)
+        out[field_name] = r[column]
+    return out
+
+
+def _with_system(where: str, r: dict, msgs: tuple[dict, ...]) -> tuple[dict, ...]:
+    system = r.get("system")
+    if not system or msgs[0]["role"] == "system":
+        return msgs
+    return ({"role": "system", "content": _text(where, r, "system")},) + msgs
+
+
 def _sft_example(where: str, r: dict) -> SFTExample:
-    """Alpaca (``instruction``, optional ``input``, ``output``) or chat (``messages``, the last an
-    assistant's: the target)."""
+    """Alpaca (``instruction``, optional ``input``, ``output``, optional ``system``) or chat
+    (``messages``, the last an assistant's: the target)."""
     if "messages" in r:
         msgs = _messages(where, r["messages"])
         if msgs[-1]["role"] != "assistant" or len(msgs) < 2:
             raise ValueError(f"{where}: 'messages' must end with the assistant's response after a prompt")
-        return SFTExample(msgs[:-1], msgs[-1]["content"])
+        return SFTExample(_with_system(where, r, msgs[:-1]), msgs[-1]["content"])
     missing = [k for k in ("instruction", "output") if k not in r]
     if missing:
         raise ValueError(f"{where}: missing {', '.join(missing)} (an SFT record is alpaca-style instruction, "
-                         "input, output, or chat-style messages)")
+                         "input, output, or chat-style messages; data.columns maps your column names)")
     prompt = _text(where, r, "instruction")
     prompt = prompt if not r.get("input") else f"{prompt}\n\n{_text(where, r, 'input')}"
-    return SFTExample(({"role": "user", "content": prompt},), _text(where, r, "output"))
+    return SFTExample(_with_system(where, r, ({"role": "user", "content": prompt},)), _text(where, r, "output"))
 
 
 def _preference_pair(where: str, r: dict) -> PreferencePair:
     """ShareGPT (``conversations`` + ``chosen`` / ``rejected`` messages) or TRL-style (``prompt``
-    string or messages + ``chosen`` / ``rejected`` strings)."""
+    string or messages + ``chosen`` / ``rejected`` strings); optional ``system``."""
     missing = [k for k in ("chosen", "rejected") if k not in r] + \
         ([] if "conversations" in r or "prompt" in r else ["prompt (or conversations)"])
     if missing:
         raise ValueError(f"{where}: missing {', '.join(missing)} (a preference record has a prompt, chosen and "
-                         "rejected)")
+                         "rejected; data.columns maps your column names)")
     prompt = r.get("conversations", r.get("prompt"))
     msgs = ({"role": "user", "content": prompt},) if isinstance(prompt, str) else _messages(where, prompt)
-    return PreferencePair(msgs, _text(where, r, "chosen"), _text(where, r, "rejected"))
+    return PreferencePair(_with_system(where, r, msgs), _text(where, r, "chosen"), _text(where, r, "rejected"))
 
 
-def load_sft_examples(split: str, heldout_size: int = 100, name: str = "alpaca_en_demo") -> list[SFTExample]:
-    """SFT examples of one split from ``name`` (:func:`read_records`: a demo set or a user's
-    file; alpaca-style or chat-style records, :func:`_sft_example`).
+def _key(messages) -> str:
+    return json.dumps([[m["role"], m["content"]] for m in messages])
+
+
+def _records(name: str, columns: dict | None, kind: str, parse) -> list:
+    columns = dict(columns or {})
+    return [parse(where, map_columns(where, r, columns, kind)) for where, r in read_records(name)]
+
+
+def split_examples(items: list, split: str, heldout_size: int, heldout: list | None = None,
+                   heldout_fraction: float = 0.0) -> list:
+    """One split of examples (each with ``messages``), repeats dropped: held out are ``heldout``
+    (another file's examples; the training split then leaves out their prompts), else the examples
+    whose prompt hashes into ``heldout_fraction`` (:func:`alignment.data.prompt_data.is_heldout`: the
+    same for every seed), else the last ``heldout_size``.
+
+    Raises:
+        ValueError: an unknown split, or a held-out size the data cannot give.
+    """
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split={split!r}: valid values are train, heldout")
+    items = _dedup(items, lambda e: _key(e.messages))
+    if heldout is not None:
+        held = _dedup(heldout, lambda e: _key(e.messages))
+        keys = {_key(e.messages) for e in held}
+        return [e for e in items if _key(e.messages) not in keys] if split == "train" else held
+    if heldout_fraction > 0:
+        return [e for e in items if is_heldout(_key(e.messages), heldout_fraction) == (split == "heldout")]
+    return _split(items, split, heldout_size)
+
+
+def load_sft_examples(split: str, heldout_size: int = 100, name: str = "alpaca_en_demo", *,
+                      heldout_files=None, heldout_fraction: float = 0.0, columns: dict | None = None) -> list[SFTExample]:
+    """SFT examples of one split from ``name`` (:func:`read_records`: a demo set or a user's file;
+    alpaca-style or chat-style records, :func:`_sft_example`, with ``columns`` renamed by
+    :func:`map_columns`), split by :func:`split_examples` (``heldout_files``: a path or a list).
 
     Raises:
         FileNotFoundError, ValueError: as :func:`read_records`; a record without its fields (named
             with its place); a held-out size the data cannot give.
     """
-    out = [_sft_example(where, r) for where, r in read_records(name)]
-    return _split(_dedup(out, lambda e: tuple((m["role"], m["content"]) for m in e.messages)), split, heldout_size)
+    held = None if not heldout_files else [x for f in _paths(heldout_files) for x in _records(f, columns, "sft", _sft_example)]
+    return split_examples(_records(name, columns, "sft", _sft_example), split, heldout_size, held, heldout_fraction)
 
 
-def load_preference_pairs(split: str, heldout_size: int = 50, name: str = "dpo_en_demo") -> list[PreferencePair]:
+def load_preference_pairs(split: str, heldout_size: int = 50, name: str = "dpo_en_demo", *,
+                          heldout_files=None, heldout_fraction: float = 0.0,
+                          columns: dict | None = None) -> list[PreferencePair]:
     """Preference pairs of one split from ``name`` (:func:`read_records`; ShareGPT or TRL-style
-    records, :func:`_preference_pair`). Raises as :func:`load_sft_examples`."""
-    out = [_preference_pair(where, r) for where, r in read_records(name)]
-    return _split(_dedup(out, lambda p: tuple((m["role"], m["content"]) for m in p.messages)), split, heldout_size)
+    records, :func:`_preference_pair`). Arguments and errors as :func:`load_sft_examples`."""
+    parse = _preference_pair
+    held = None if not heldout_files else [x for f in _paths(heldout_files) for x in _records(f, columns, "preference", parse)]
+    return split_examples(_records(name, columns, "preference", parse), split, heldout_size, held, heldout_fraction)
+
+
+def _paths(value) -> list[str]:
+    return [value] if isinstance(value, str) else [str(v) for v in value]
 
 
 def _ids(out) -> list[int]:
