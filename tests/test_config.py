@@ -233,6 +233,13 @@ def test_a_file_of_your_own_needs_its_own_limits():
                  hf_config=SMOLLM2)
 
 
+def test_dict_fields_take_a_whole_dict_on_the_command_line():
+    """``data.chat_template_kwargs={enable_thinking: false}`` as the README writes it (an empty typed dict
+    in the schema refused every key: Hydra's struct mode)."""
+    c = cfg("data.chat_template_kwargs={enable_thinking: false}", "data.columns={prompt: q}")
+    assert c.data.chat_template_kwargs == {"enable_thinking": False} and c.data.columns == {"prompt": "q"}
+
+
 def test_swapping_a_group_takes_its_values_and_keeps_the_rest():
     c = cfg("algorithm=dr_grpo", "parallel=tp2_sp")
     assert c.algorithm.advantage_estimator == "grpo_no_std" and c.algorithm.loss_agg_mode == "seq-mean-token-sum-norm"
