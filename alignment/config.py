@@ -564,16 +564,14 @@ def _validate_staleness(r, a) -> None:
 
 def _validate_prm(cfg) -> None:
     """The process reward model: a step separator, a known supervision, the data tool's files."""
-    from pathlib import Path
-
-    from alignment.data.step_data import SPLIT_FILES, SUPERVISIONS
+    from alignment.data.step_data import SPLIT_FILES, SUPERVISIONS, split_path
 
     a, d = cfg.algorithm, cfg.data
     if not a.step_separator:
         raise ConfigError("algorithm.step_separator is empty: give the string that ends a step, e.g. '\\n'")
     if a.supervision not in SUPERVISIONS:
         raise ConfigError(f"algorithm.supervision={a.supervision!r}: valid values are {', '.join(SUPERVISIONS)}")
-    missing = [f for f in SPLIT_FILES.values() if not (Path(d.dataset) / f).is_file()]
+    missing = [f for split, f in SPLIT_FILES.items() if split_path(d.dataset, split) is None]
     if missing:
         raise ConfigError(f"data.dataset={d.dataset}: algorithm.name=prm trains on a directory of step-labelled "
                           f"solutions, but {', '.join(missing)} is missing there; write them with `python "

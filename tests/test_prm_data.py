@@ -93,6 +93,26 @@ def test_records_round_trip_and_bad_files(tmp_path):
         load_records(tmp_path, "heldout")
 
 
+def test_step_records_from_parquet_and_saved_datasets(tmp_path):
+    """A split may be ``train.parquet`` or a ``Dataset.save_to_disk`` directory with TRL's stepwise columns
+    (prompt, completions, labels; other columns ignored); ``.jsonl`` is looked for first."""
+    import datasets
+
+    rows = [{"prompt": "q1", "completions": ["1 + 1 = 2", "so 2"], "labels": [True, None], "source": "mine"},
+            {"prompt": "q2", "completions": ["2 + 2 = 5"], "labels": [False], "source": "mine"}]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "train.parquet"))
+    datasets.Dataset.from_list(rows[1:]).save_to_disk(str(tmp_path / "heldout"))
+    assert load_records(tmp_path, "train") == [StepRecord("q1", ["1 + 1 = 2", "so 2"], [True, None]),
+                                               StepRecord("q2", ["2 + 2 = 5"], [False])]
+    assert load_records(tmp_path, "heldout") == [StepRecord("q2", ["2 + 2 = 5"], [False])]
+    write_records(tmp_path / "train.jsonl", [StepRecord("q3", ["x"], [True])])
+    assert [r.prompt for r in load_records(tmp_path, "train")] == ["q3"]
+    datasets.Dataset.from_list([{"prompt": "q", "completions": ["a", "b"], "labels": [True]}]).to_parquet(
+        str(tmp_path / "bad" / "train.parquet"))
+    with pytest.raises(ValueError, match=r"train.parquet row 0: a record needs .* as many labels"):
+        load_records(tmp_path / "bad", "train")
+
+
 def test_best_of_n_by_hand():
     probs = [0.9, 0.5, 0.8]
     assert aggregate_steps(probs, "prod") == pytest.approx(0.36)

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from alignment.data.chat_data import encode_prompt
+from alignment.data.prompt_data import read_table
 from alignment.data.step_labels import arithmetic_step_label
 
 __all__ = ["STEP_INSTRUCTION", "step_prompt", "StepRecord", "step_spans", "split_steps", "response_steps",
@@ -163,34 +164,65 @@ def write_records(path: Path, records: list[StepRecord]) -> None:
     tmp.replace(path)
 
 
+#: the forms a split may take in the data directory, in the order looked for: JSON lines, Parquet, or a
+#: ``Dataset.save_to_disk`` directory (TRL's stepwise-supervision columns: prompt, completions, labels)
+SPLIT_FORMS = (".jsonl", ".parquet", "")
+
+
+def split_path(directory: str | Path, split: str) -> Path | None:
+    """The file (or saved dataset directory) holding ``split`` in ``directory``; None: none there."""
+    stem = Path(directory) / Path(SPLIT_FILES[split]).stem
+    for suffix in SPLIT_FORMS:
+        path = stem.with_name(stem.name + suffix)
+        if (path.is_dir() if not suffix else path.is_file()):
+            return path
+    return None
+
+
+RECORD_FIELDS = ("prompt", "completions", "labels", "question", "answer", "outcome")
+
+
+def _step_record(where: str, d) -> StepRecord:
+    try:
+        r = StepRecord(**d)
+        bad = (not isinstance(r.prompt, str) or not isinstance(r.completions, list)
+               or len(r.completions) != len(r.labels) or any(y not in (True, False, None) for y in r.labels))
+    except TypeError as e:
+        raise ValueError(f"{where}: not a step record ({e})") from e
+    if bad:
+        raise ValueError(f"{where}: a record needs a prompt string and as many labels (true/false/null) "
+                         f"as completions (steps)")
+    return r
+
+
 def load_records(directory: str | Path, split: str) -> list[StepRecord]:
-    """The records of ``<directory>/{train,heldout}.jsonl``.
+    """The records of ``split`` in ``directory``: ``{train,heldout}.jsonl``, ``.parquet`` or a saved
+    dataset directory (:func:`split_path`), with TRL's stepwise columns ``prompt``, ``completions``,
+    ``labels`` (and optionally ``question``, ``answer``, ``outcome``).
 
     Raises:
-        FileNotFoundError: the file is missing (the message has the command that writes it).
-        ValueError: an unknown ``split``, or a line that is not a record (file and line named).
+        FileNotFoundError: the split is missing (the message has the command that writes it).
+        ValueError: an unknown ``split``, or a line / row that is not a record (file and place named).
     """
     if split not in SPLIT_FILES:
         raise ValueError(f"split={split!r}: valid values are {', '.join(SPLIT_FILES)}")
-    path = Path(directory) / SPLIT_FILES[split]
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: write step-labelled data with "
-                                f"`python tools/make_prm_data.py --out {directory}`")
+    path = split_path(directory, split)
+    if path is None:
+        raise FileNotFoundError(f"{Path(directory) / SPLIT_FILES[split]} does not exist (nor .parquet, nor a saved "
+                                f"dataset): write step-labelled data with `python tools/make_prm_data.py --out "
+                                f"{directory}`")
     records = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    if path.suffix != ".jsonl":
+        for n, row in enumerate(read_table(str(path), "data.dataset")):
+            records.append(_step_record(f"{path} row {n}", {k: v for k, v in row.items() if k in RECORD_FIELDS}))
+    for n, line in enumerate(path.read_text().splitlines() if path.suffix == ".jsonl" else [], 1):
         if not line.strip():
             continue
         try:
             d = json.loads(line)
-            r = StepRecord(**d)
-            bad = (not isinstance(r.prompt, str) or not isinstance(r.completions, list)
-                   or len(r.completions) != len(r.labels) or any(y not in (True, False, None) for y in r.labels))
-        except (json.JSONDecodeError, TypeError) as e:
+        except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not a step record ({e})") from e
-        if bad:
-            raise ValueError(f"{path}:{n}: a record needs a prompt string and as many labels (true/false/null) "
-                             f"as completions (steps)")
-        records.append(r)
+        records.append(_step_record(f"{path}:{n}", d))
     if not records:
         raise ValueError(f"{path} holds no records")
     return records
