@@ -5,9 +5,10 @@ spoken to with the ``openai`` client, or a model run by vLLM inside the job.
   once, the client's own retries with backoff.
 * :class:`LocalJudge`: ``model`` an HF directory (any family vLLM runs) and no ``url``. Each process
   builds one frozen engine per judge model, the first time it judges, and keeps it for the run
-  (:func:`close_local` shuts them down); between judging phases the engine sleeps
-  (:meth:`alignment.rollout.vllm_engine.VLLMEngine.sleep`). Messages are rendered with the judge's
-  own chat template and generated greedily in one batch.
+  (:func:`close_local` shuts them down); between judging phases the engine is put to sleep
+  (:meth:`alignment.rollout.vllm_engine.VLLMEngine.sleep`, which frees nothing yet: its weights and
+  KV cache stay resident). Messages are rendered with the judge's own chat template and generated
+  greedily in one batch.
 
 Both answer :meth:`replies`: one reply (or the exception that replaced it) per message list.
 """
