@@ -30,6 +30,8 @@ def main() -> None:
     ap.add_argument("--problems", type=int, default=100)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default="judge_agreement.json")
+    ap.add_argument("--replies", help="score the replies of an earlier --out again (no model run), e.g. after a "
+                                      "parser change")
     args = ap.parse_args()
 
     from alignment.data.prompt_data import read_table
@@ -45,15 +47,20 @@ def main() -> None:
         question = prompt if isinstance(prompt, str) else [m for m in prompt if m["role"] == "user"][-1]["content"]
         problems.append(Problem(question, str(r["answer"]), FILE_TASK))
     wrong = [str(int(p.answer) + 1) for p in problems]
-    settings = settings_of({"model": str(prepare_hf_dir(args.model)), "dtype": args.dtype, "max_model_len": 1024})
-    judge = backend(settings)
-    t0 = time.perf_counter()
-    asks = [render(TEMPLATE, p, a) for p in problems for a in (p.answer, w)]
+    asks = [render(TEMPLATE, p, a) for p, w in zip(problems, wrong) for a in (p.answer, w)]
     pair_asks = [render(PAIR_TEMPLATE, p, a, b) for p, w in zip(problems, wrong)
                  for a, b in ((p.answer, w), (w, p.answer))]
-    replies = judge.replies([[{"role": "user", "content": t}] for t in asks + pair_asks])
+    t0 = time.perf_counter()
+    if args.replies:
+        saved = json.loads(open(args.replies).read())
+        settings = settings_of({})
+        replies = [r["reply"] for r in saved["pointwise"] + saved["pairwise"]]
+        assert [r["prompt"] for r in saved["pointwise"] + saved["pairwise"]] == asks + pair_asks, "other questions"
+    else:
+        settings = settings_of({"model": str(prepare_hf_dir(args.model)), "dtype": args.dtype, "max_model_len": 1024})
+        replies = backend(settings).replies([[{"role": "user", "content": t}] for t in asks + pair_asks])
+        close_local()
     seconds = time.perf_counter() - t0
-    close_local()
     point, pair = replies[: len(asks)], replies[len(asks):]
     verdicts = [parse_score(r, settings) for r in point]
     right_ok = [v for v in verdicts[0::2] if v is not None]

@@ -91,8 +91,11 @@ def test_pairwise_rendering_and_verdicts():
 
     text = render(PAIR_TEMPLATE, Problem("Say hi.", "", FILE_TASK), "hi", "hello")
     assert "Question: Say hi.\nReference answer: \n[Answer A]\nhi\n[Answer B]\nhello\nReply [[A]]" in text
-    assert [parse_preference(r, {}) for r in ("[[A]]", "I pick [[b]].", "[[C]]", "A", "[[B]] not [[A]]")] == \
-        [1.0, 0.0, 0.5, None, 0.0]  # the first mark counts
+    assert [parse_preference(r, {}) for r in ("[[A]]", "I pick [[b]].", "[[C]]", "[[B]] not [[A]]")] == \
+        [1.0, 0.0, 0.5, 0.0]  # the first mark counts
+    # what small judges write instead (SmolLM2-135M: "...is:\n[A]", "A is better."): a line of the letter alone
+    bare = ("The better one is:\n[A]", "A is better.", "Answer B", "B", "A good answer.", "a.", "Both are fine.")
+    assert [parse_preference(r, {}) for r in bare] == [1.0, 1.0, 0.0, 0.0, None, None, None]
     assert parse_preference("Better: 2", {"pair_verdicts": {"1": 1.0, "2": 0.0}}) == 0.0
 
 

@@ -139,13 +139,24 @@ def parse_score(reply: str, settings: dict) -> float | None:
     return None
 
 
+_BARE = re.compile(r"^(?:answer\s*)?\[{0,2}([ABC])\]{0,2}(?:\s+is\s+(?:the\s+)?better(?:\s+one)?)?[.!]?$", re.I)
+
+
 def parse_preference(reply: str, settings: dict) -> float | None:
     """How much the pairwise ``reply`` prefers answer A, from ``pair_verdicts``: the mark found first
-    in the reply (as written, any case); None: no mark."""
-    marks = settings_of(settings)["pair_verdicts"]
-    text = reply.lower()
+    in the reply (as written, any case); else, with the default marks, a line that is only the letter
+    (``A``, ``[B]``, ``Answer A``, ``A is better.``: what small judges write instead); None: neither."""
+    s = settings_of(settings)
+    marks, text = s["pair_verdicts"], reply.lower()
     found = [(text.find(m.lower()), m) for m in marks if m.lower() in text]
-    return float(marks[min(found)[1]]) if found else None
+    if found:
+        return float(marks[min(found)[1]])
+    if marks == SETTINGS["pair_verdicts"]:
+        for line in reversed(reply.strip().splitlines()):
+            bare = _BARE.match(line.strip())
+            if bare and (bare.group(1) in "ABC"):
+                return float(marks[f"[[{bare.group(1)}]]"])
+    return None
 
 
 def groups_of(samples: Sequence[Sample]) -> list[list[int]]:
