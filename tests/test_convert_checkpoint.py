@@ -26,6 +26,7 @@ def _hf_logits(path) -> torch.Tensor:
         return AutoModelForCausalLM.from_pretrained(path).float().eval()(INPUT_IDS).logits
 
 
+@pytest.mark.heavy
 def test_import_gives_transformers_logits_at_another_layout(hf_dir, tmp_path):
     ckpt = tmp_path / "ckpt"
     run_torchrun("convert_worker.py", "import", str(hf_dir), str(ckpt), "2", "1")  # saved at TP=2

@@ -122,6 +122,7 @@ def test_megatron_backend_samples_with_the_trained_policy(tmp_path):
     assert 0.0 <= t["heldout_accuracy_before"] <= 1.0
 
 
+@pytest.mark.heavy
 def test_variant_rloo_dr_grpo_aggregation_clip_higher_without_reference(tmp_path):
     """The critic-free variants run through the same pipeline: RLOO advantages, Dr.GRPO's
     constant-length normalisation, CISPO's loss with a clip-higher bound, dynamic sampling and

@@ -200,6 +200,7 @@ def check_peft_adapter(base_dir, out) -> None:
         torch.testing.assert_close(unloaded[name], t, rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.heavy
 def test_dpo_and_reward_model_with_lora(tmp_path):
     """DPO with rank-4 adapters: the reference is the policy with its adapters off, so the loss
     starts at exactly log 2 and falls; the reward model trains its adapters and scalar head, and

@@ -96,6 +96,7 @@ def test_local_executor_runs_a_tiny_job(local_run):
     assert "held-out after:" in log and re.search(r"nemo-run: \w+ job .*experiment dir .*megalign-sft", log)
 
 
+@pytest.mark.heavy
 def test_slurm_executor_submits_to_the_local_cluster(slurm_cluster, tiny_model_dir, local_run, tmp_path):
     out = tmp_path / "out"
     log = cli(tmp_path, "--config-name", "sft", "--executor", "slurm", "--account", "acct", "--partition", "debug",

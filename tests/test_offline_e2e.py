@@ -113,6 +113,7 @@ def test_reference_free_variants_run(tmp_path):
             assert s["history"][1]["kl"] >= 0.0 and s["heldout_after"]["kl"] >= 0.0
 
 
+@pytest.mark.heavy
 def test_balanced_global_batch_trains_the_same_model(tmp_path):
     """trainer.balance_batch deals each global batch over the 2 DP ranks by token count: the
     token-mean loss over the global batch does not depend on who holds which example, so the

@@ -78,6 +78,7 @@ def test_only_the_needed_slices_move(cases):
         assert c["received_bytes"] <= 4 * c["model_bytes"], name
 
 
+@pytest.mark.heavy
 def test_tp4_pp2_on_eight_ranks(tmp_path):
     import json
 
