@@ -212,17 +212,18 @@ def load_records(directory: str | Path, split: str) -> list[StepRecord]:
                                 f"dataset): write step-labelled data with `python tools/make_prm_data.py --out "
                                 f"{directory}`")
     records = []
-    if path.suffix != ".jsonl":
+    if path.suffix == ".jsonl":
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not a step record ({e})") from e
+            records.append(_step_record(f"{path}:{n}", d))
+    else:
         for n, row in enumerate(read_table(str(path), "data.dataset")):
             records.append(_step_record(f"{path} row {n}", {k: v for k, v in row.items() if k in RECORD_FIELDS}))
-    for n, line in enumerate(path.read_text().splitlines() if path.suffix == ".jsonl" else [], 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not a step record ({e})") from e
-        records.append(_step_record(f"{path}:{n}", d))
     if not records:
         raise ValueError(f"{path} holds no records")
     return records
