@@ -63,6 +63,8 @@ def check_model_files(cfg, hf_config) -> None:
     """
     from transformers import AutoConfig
 
+    from alignment.models.hf_assets import prepare_hf_dir
+
     used = [("model.reward_model_path", cfg.model.reward_model_path), ("model.critic_path", cfg.model.critic_path),
             ("reward.process_reward_model", _get(cfg, "reward.process_reward_model"))]
     for field, path in used:
@@ -70,8 +72,14 @@ def check_model_files(cfg, hf_config) -> None:
             continue
         p = Path(path).expanduser()
         if not (p / "config.json").is_file():
-            raise FileNotFoundError(f"{field}={path}: no HF directory there (config.json missing); give the hf/ "
-                                    "export of the run that trained it")
+            try:  # smollm2 or a .gguf: converted once, as model.path is
+                p = prepare_hf_dir(str(path)) if str(path) == "smollm2" or str(path).endswith(".gguf") else None
+            except (OSError, ValueError):
+                p = None
+            if p is None:
+                raise FileNotFoundError(f"{field}={path}: no HF directory there (config.json missing); give the hf/ "
+                                        "export of the run that trained it (or, for model.critic_path, a model.path "
+                                        "such as smollm2)")
         vocab = AutoConfig.from_pretrained(p).vocab_size
         if vocab != hf_config.vocab_size:
             raise ConfigError(f"{field}={path} has a vocabulary of {vocab} tokens, the policy ({cfg.model.path}) "

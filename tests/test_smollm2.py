@@ -43,3 +43,20 @@ def test_one_grpo_step_on_smollm2(tmp_path):
 
     hf = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32)
     assert hf.config.vocab_size == 49152 and hf.config.tie_word_embeddings
+
+
+def test_the_critic_may_start_from_smollm2_as_model_path_does(tmp_path):
+    """``model.critic_path=smollm2`` (the config check's own advice: ``model.critic_path=${model.path}``) is
+    converted as ``model.path`` is, not refused as a missing HF directory; a path that is neither is refused."""
+    from transformers import AutoConfig
+
+    from alignment.models.hf_assets import prepare_hf_dir
+    from launchers.input_checks import check_model_files
+    from launchers.preflight import compose
+
+    hf_config = AutoConfig.from_pretrained(prepare_hf_dir("smollm2"))
+    ok = compose("grpo", ["algorithm=ppo", "model.critic_path=smollm2", f"output_dir={tmp_path}"])
+    check_model_files(ok, hf_config)
+    bad = compose("grpo", ["algorithm=ppo", f"model.critic_path={tmp_path / 'none'}", f"output_dir={tmp_path}"])
+    with pytest.raises(FileNotFoundError, match=r"model.critic_path=.*none: no HF directory there"):
+        check_model_files(bad, hf_config)
