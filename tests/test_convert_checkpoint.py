@@ -37,6 +37,7 @@ def test_import_gives_transformers_logits_at_another_layout(hf_dir, tmp_path):
     assert (torch.load(tmp_path / "l.pt") - ref).abs().max() <= 1e-4
 
 
+@pytest.mark.heavy
 def test_export_of_megatron_own_weights_gives_the_same_logits_in_transformers(hf_dir, tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
     run_torchrun("convert_worker.py", "random", str(hf_dir), str(ckpt), "2", "1", str(tmp_path / "m.pt"))

@@ -78,6 +78,7 @@ def test_two_grpo_steps_tiny_model(tmp_path):
     assert m["weight_sync/checked"] == 26.0  # every parameter of this rank's vLLM TP shard verified
 
 
+@pytest.mark.heavy
 def test_megatron_backend_samples_with_the_trained_policy(tmp_path):
     """``rollout.backend=megatron``: Megatron-Core's inference engine generates on the policy's own
     model (DP=2, then TP=2; no vLLM engine, no resharder, nothing synced), with idle models offloaded between
@@ -239,6 +240,7 @@ def test_qwen3_moe_with_expert_parallelism(tmp_path):
     assert exported.config.num_experts == 4
 
 
+@pytest.mark.heavy
 def test_multi_turn_episodes_train_on_the_model_tokens(tmp_path):
     """GRPO on 3-turn episodes (tests/dist/echo_env.py answers every turn) sampled by vLLM, trained
     with context parallelism 2 and packing: the trainer's logprobs equal vLLM's on every generated

@@ -155,6 +155,7 @@ def test_qwen3_moe_reward_model_and_dpo_with_expert_parallelism(tmp_path):
     assert abs(losses[0] - math.log(2)) < 1e-6 and losses[0] > losses[1] > losses[2], losses
 
 
+@pytest.mark.heavy
 def test_diverging_run_skips_nan_updates_then_stops_with_a_checkpoint(tmp_path):
     """lr 1e30: the first update sends the weights to ~1e30, every later forward overflows, every later
     gradient is NaN; those updates are skipped (Adam untouched) and after trainer.max_bad_steps=2
