@@ -40,6 +40,9 @@ class Endpoint:
         self.where = s["url"]
 
     def replies(self, conversations: list[list[dict]]) -> list:
+        """One reply per chat (a list of ``{role, content}`` messages), asked at temperature 0 with
+        ``max_tokens``; a request that fails after the client's retries gives its exception instead
+        (never raised)."""
         try:
             model = self.s["model"] or self.client.models.list().data[0].id
         except Exception as e:  # noqa: BLE001 - every request would fail alike
@@ -83,6 +86,8 @@ class LocalJudge:
         self.engine.sleep()
 
     def replies(self, conversations: list[list[dict]]) -> list:
+        """One greedy reply per chat, all generated in one batch; a chat longer than ``max_model_len -
+        max_tokens`` tokens gives a ValueError (naming the fix) instead (never raised)."""
         room = int(self.s["max_model_len"]) - int(self.s["max_tokens"])
         ids = [encode_prompt(self.tokenizer, m) for m in conversations]
         out: list = [ValueError(f"the judge's prompt has {len(x)} tokens; the judge allows {room} "
