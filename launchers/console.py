@@ -15,8 +15,41 @@ import os
 import sys
 from pathlib import Path
 
+from alignment.config import ConfigError
+from alignment.trainers.checkpoint import CheckpointError
+from parallel.layout import LayoutError
+
 
 _ROUTED: list[Path] = []
+#: the file through which ranks report a bad input to ``megalign train`` (``tools/cli.py``)
+ERROR_FILE_ENV = "MEGALIGN_ERROR_FILE"
+#: the exit status of a bad input
+BAD_INPUT_EXIT = 2
+#: what megalign's start-up checks raise for a bad input (each message names the field or file and the fix)
+BAD_INPUTS = (ConfigError, LayoutError, CheckpointError, FileNotFoundError)
+
+
+def error_line(exc: BaseException) -> str:
+    """``exc`` as the one line a bad input prints: ``megalign: error: <message>``, the message's
+    lines joined. A type megalign's checks do not raise (a bug, likely) keeps its name."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or repr(exc)
+    if not isinstance(exc, BAD_INPUTS) \
+            and type(exc).__module__.split(".")[0] not in ("hydra", "omegaconf"):
+        text = f"{type(exc).__name__}: {text}"
+    return f"megalign: error: {text}"
+
+
+def report_bad_input(exc: BaseException) -> bool:
+    """Under ``megalign train`` (``MEGALIGN_ERROR_FILE`` set; not with ``--debug``): append a
+    rank's bad input (:class:`alignment.config.ConfigError`, ``LayoutError``, ``CheckpointError``,
+    a missing file) to that file as one line, for the command to print once. Returns whether it was
+    reported (the rank then exits with :data:`BAD_INPUT_EXIT` and no traceback)."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path or not isinstance(exc, BAD_INPUTS):
+        return False
+    with open(path, "a") as f:
+        f.write(error_line(exc) + "\n")
+    return True
 
 
 def route_third_party_output(log_file: Path) -> Path:

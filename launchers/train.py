@@ -237,7 +237,8 @@ def run_rl(cfg: DictConfig) -> dict:
 def main(cfg: DictConfig) -> None:
     """Hydra entry point: compose ``configs/grpo.yaml`` (or ``--config-name sft|rm|dpo|...``)
     with command-line overrides and run. Exits with ``launchers.preemption.PREEMPTED_EXIT_CODE``
-    (75) when stopped by SIGUSR1/SIGTERM after saving a checkpoint."""
+    (75) when stopped by SIGUSR1/SIGTERM after saving a checkpoint, and with 2 after a bad input
+    under ``megalign train`` (reported in one line by the command: :mod:`launchers.console`)."""
     from launchers.preemption import install
 
     install()  # as early as possible: a signal before this would kill the process
@@ -246,7 +247,14 @@ def main(cfg: DictConfig) -> None:
         from parallel.state import env_world
 
         route_third_party_output(Path(cfg.output_dir) / "logs" / f"rank{env_world()[0]}.log")
-    run(cfg)
+    try:
+        run(cfg)
+    except Exception as e:
+        from launchers.console import BAD_INPUT_EXIT, report_bad_input
+
+        if report_bad_input(e):  # under `megalign train`: one line, printed once by the command
+            raise SystemExit(BAD_INPUT_EXIT) from None
+        raise
 
 
 if __name__ == "__main__":

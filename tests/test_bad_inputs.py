@@ -342,33 +342,36 @@ CASES: list[Case] = [
 ]
 
 
-def run_case(case: Case, tmp: Path) -> str | None:
-    """Compose, validate and check the inputs as ``launchers.common.start`` does, before any process
-    group; returns the resume note."""
-    from launchers.common import check_job
-    from launchers.preflight import compose
-
-    name, overrides, world = case.make(tmp)
-    return check_job(compose(name, overrides), world)[2]
-
-
 def _id(case: Case) -> str:
     return re.sub(r"[^a-z0-9]+", "_", f"{case.kind} {case.given}".lower()).strip("_")[:60]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
-def test_bad_input_gets_one_clear_error(case, tmp_path, monkeypatch):
+def test_bad_input_gets_one_clear_error(case, tmp_path, monkeypatch, capfd):
+    """``megalign train --dry-run`` on the case: exactly one line, ``megalign: error: ...`` with the
+    message, exit status 2 (the run starting instead where nothing is wrong), the error of the
+    catalogued type, nothing unpickled run and nothing written to the output directory."""
+    from launchers import console
+    from tools import cli
+
     if case.patch is not None:
         case.patch(monkeypatch)
     monkeypatch.setenv("MEGALIGN_PAYLOAD", str(tmp_path / "payload_ran"))
+    raised = []
+    monkeypatch.setattr(cli, "error_line", lambda e: raised.append(e) or console.error_line(e))
+    name, overrides, world = case.make(tmp_path)
     before = sorted(p.name for p in (tmp_path / "out").rglob("*")) if (tmp_path / "out").exists() else None
+    capfd.readouterr()
+    status = cli.train(["--dry-run", "--nproc", str(world), f"--config-name={name}", *overrides])
+    out, err = capfd.readouterr()
+    lines = (out + err).splitlines()
     if case.error is None:
-        note = run_case(case, tmp_path)
-        assert case.says in (note or ""), note
+        assert status == 0 and len(lines) == 1 and lines[0].startswith("ok: ") and case.says in lines[0], out + err
     else:
-        with pytest.raises(case.error) as info:
-            run_case(case, tmp_path)
-        assert case.says in str(info.value), str(info.value)
+        assert status == 2, out + err
+        assert len(lines) == 1 and lines[0].startswith("megalign: error: "), out + err
+        assert case.says in lines[0], lines[0]
+        assert len(raised) == 1 and isinstance(raised[0], case.error), raised
     assert not (tmp_path / "payload_ran").exists()  # nothing unpickled ran
     after = sorted(p.name for p in (tmp_path / "out").rglob("*")) if (tmp_path / "out").exists() else None
     if before is not None:

@@ -60,13 +60,16 @@ def test_parameters_per_stage_by_hand():
 
 def test_qwen3_parameter_counts_by_hand():
     """The shipped Qwen3 configs, counted tensor by tensor (model cards: Qwen3-8B 8.2B parameters,
-    6.95B without embeddings; Qwen3-30B-A3B 30.5B total, 3.3B activated)."""
+    6.95B without embeddings; Qwen3-1.7B 1.7B, 1.4B without; Qwen3-30B-A3B 30.5B total, 3.3B activated)."""
     from alignment.models.flops import matmul_params
 
     d8 = model_dims(load_model_config("qwen3-8b"))  # 36 layers, H 4096, 32 heads / 8 KV of 128, MLP 12288
     layer = 4096 * 4096 + 2 * 1024 * 4096 + 4096 * 4096 + 2 * 128 + 3 * 12288 * 4096 + 2 * 4096  # q, kv, o, QK-norms
     assert layer == 192_946_432
     assert stage_parameters(d8, 1, 1, 0) == 36 * layer + 2 * 151936 * 4096 + 4096 == 8_190_735_360
+    d17 = model_dims(load_model_config("qwen3-1.7b"))  # 28 layers, H 2048, 16 heads / 8 KV of 128, MLP 6144, tied
+    layer = 2048 * 2048 + 2 * 1024 * 2048 + 2048 * 2048 + 2 * 128 + 3 * 6144 * 2048 + 2 * 2048
+    assert stage_parameters(d17, 1, 1, 0) == 28 * layer + 151936 * 2048 + 2048 == 1_720_574_976  # card: 1.7B
     moe = model_dims(load_model_config("qwen3-30b-a3b"))  # 48 layers, H 2048, 32 heads / 4 KV of 128, 128 x 768
     attention = 4096 * 2048 + 2 * 512 * 2048 + 2048 * 4096 + 2 * 128 + 2 * 2048
     expert = 3 * 768 * 2048

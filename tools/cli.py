@@ -1,0 +1,238 @@
+"""``megalign``: one command for every job and tool.
+
+    megalign train [--nproc N] [--config-name NAME] [hydra overrides]   # compose, check, then torchrun
+    megalign train --config-name sft --dry-run trainer.steps=4          # check only: "ok: ..." or one error line
+    megalign train --config-name dpo --print-config                     # the resolved config a job would run
+    megalign convert [--nproc N] import|export|reshape SRC OUT [--tp ...]
+    megalign evaluate | plan | profile | init-model | plot | rerank [their own arguments, --help]
+
+``megalign train`` composes the job's config (``configs/<name>.yaml`` with the overrides) and checks
+it once in this process, with the checks every rank makes at start (the config against the world
+size and the model, then the job's inputs: :func:`launchers.common.check_job`); only then does it
+start ``--nproc`` processes of ``launchers/train.py`` as ``torchrun`` would
+(``torch.distributed.run``'s own launcher, in this process). A bad input prints one line,
+``megalign: error: <what and how to fix>``, and exits with status 2: no traceback from any rank
+and no launcher report. ``--debug`` shows the tracebacks instead.
+
+Each other subcommand hands its arguments to the tool's own ``main`` (``tools/<tool>.py``);
+``convert --nproc N`` runs ``tools/convert_checkpoint.py`` under the same launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import logging
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from alignment.config import ConfigError
+from launchers.console import BAD_INPUT_EXIT, ERROR_FILE_ENV, error_line
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_SCRIPT = ROOT / "launchers" / "train.py"
+
+#: subcommand -> (module, one-line help); each module has ``main(argv)``
+TOOLS = {
+    "evaluate": ("tools.evaluate", "checkpoints side by side on fixed suites (tools/evaluate.py)"),
+    "plan": ("tools.plan_layout", "every valid parallel layout of a model on a cluster, with its memory"),
+    "profile": ("tools.profile_step", "run a job with the profiler on, or report on a finished run"),
+    "init-model": ("tools.init_model", "a randomly initialised HF model from an architecture config"),
+    "plot": ("tools.plot_metrics", "a run's TensorBoard curves as PNG files"),
+    "rerank": ("tools.rerank", "best-of-N reranking with process / outcome reward models"),
+}
+
+
+@contextlib.contextmanager
+def quiet_libraries(debug: bool):
+    """Keep the parent's checks and the launcher to megalign's own lines: library warnings and
+    logs below ERROR off (the launcher's own, ``torch.distributed.elastic``, entirely), restored on
+    exit. ``debug``: leave everything on."""
+    if debug:
+        yield
+        return
+    names = ("", "transformers", "torch.distributed.elastic", "hydra")
+    levels = {n: logging.getLogger(n).level for n in names}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for n in names:
+            logging.getLogger(n).setLevel(logging.CRITICAL if n == "torch.distributed.elastic" else logging.ERROR)
+        try:
+            yield
+        finally:
+            for n, level in levels.items():
+                logging.getLogger(n).setLevel(level)
+
+
+def _split_config_name(args: list[str]) -> tuple[str, list[str]]:
+    """``--config-name NAME`` / ``--config-name=NAME`` / ``-cn NAME`` out of hydra-style ``args``
+    (default ``grpo``); returns ``(name, overrides)``.
+
+    Raises:
+        ConfigError: an option other than the config name (Hydra's others are not needed here).
+    """
+    name, overrides, rest = "grpo", [], list(args)
+    while rest:
+        a = rest.pop(0)
+        if a in ("--config-name", "-cn"):
+            if not rest:
+                raise ConfigError(f"{a} needs a value: a config in configs/ (grpo, sft, rm, dpo, ppo, ...)")
+            name = rest.pop(0)
+        elif a.startswith("--config-name="):
+            name = a.split("=", 1)[1]
+        elif a.startswith("-"):
+            raise ConfigError(f"unknown option {a!r}: megalign train takes --nproc, --nnodes, --dry-run, "
+                             "--print-config, --debug, --config-name and key=value overrides")
+        else:
+            overrides.append(a)
+    return name.removesuffix(".yaml"), overrides
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megalign train", description="Compose and check a job's config, then run it "
+                                "with --nproc processes (torchrun). Other arguments: --config-name NAME and "
+                                "key=value overrides.")
+    p.add_argument("--nproc", type=int, default=1, help="processes per node (torchrun --nproc-per-node)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes (>1: also --rdzv-endpoint HOST:PORT)")
+    p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous, with --nnodes > 1")
+    p.add_argument("--dry-run", action="store_true", help="check the config and inputs, print 'ok: ...', start nothing")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config (YAML) and exit")
+    p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
+    return p
+
+
+def check(name: str, overrides: list[str], world_size: int):
+    """Compose ``configs/<name>.yaml`` with ``overrides`` and make every rank's start-up checks for
+    ``world_size`` processes (:func:`launchers.common.check_job`), before any process starts.
+    Returns ``(cfg, hf_dir, note)``: the composed config, the model directory and a resume note.
+
+    Raises:
+        ConfigError, LayoutError, CheckpointError, FileNotFoundError, ValueError, Hydra's errors:
+            naming the field or file and the fix (docs "Bad inputs").
+    """
+    from launchers.common import check_job
+    from launchers.preflight import compose
+
+    cfg = compose(name, overrides)
+    hf_dir, _, note, _ = check_job(cfg, world_size)
+    return cfg, hf_dir, note
+
+
+def launch(script: Path, script_args: list[str], nproc: int, nnodes: int = 1, rdzv_endpoint: str | None = None,
+           env: dict | None = None) -> int:
+    """Run ``python script script_args`` in ``nproc`` processes per node with
+    ``torch.distributed.run``'s launcher in this process (one node: as ``--standalone``). Returns
+    the exit status: 0, or that of the rank that failed first (the launcher then stops the others)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    endpoint = "localhost:0" if nnodes == 1 else str(rdzv_endpoint)  # torchrun --standalone's, on one node
+    targs = ["--nproc-per-node", str(nproc), "--nnodes", str(nnodes), "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", endpoint, "--rdzv-id", "megalign"]
+    args = get_args_parser().parse_args([*targs, str(script), *script_args])
+    saved = dict(os.environ)
+    os.environ.update(env or {})  # the ranks inherit this process's environment
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # megalign sets its threads per process (launchers/common.start)
+    try:
+        config, cmd, cmd_args = config_from_args(args)
+        elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+    except ChildFailedError as e:
+        return e.get_first_failure()[1].exitcode or 1  # the root cause: the others were stopped after it
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return 0
+
+
+def train(argv: list[str]) -> int:
+    """``megalign train``; returns the exit status (2: a bad input, one line printed)."""
+    opts, rest = _train_parser().parse_known_args(argv)
+    with quiet_libraries(opts.debug):
+        return _train(opts, rest)
+
+
+def _train(opts, rest: list[str]) -> int:
+    world = opts.nproc * opts.nnodes
+    try:
+        if opts.nproc < 1 or opts.nnodes < 1:
+            raise ConfigError(f"--nproc {opts.nproc} --nnodes {opts.nnodes}: both must be >= 1")
+        if opts.nnodes > 1 and not opts.rdzv_endpoint:
+            raise ConfigError(f"--nnodes {opts.nnodes} needs --rdzv-endpoint HOST:PORT (the first node's address), "
+                             "or launch each node with srun (slurm/)")
+        name, overrides = _split_config_name(rest)
+        if opts.print_config:
+            from launchers.preflight import compose
+
+            print(OmegaConf.to_yaml(compose(name, overrides), resolve=True), end="")
+            return 0
+        cfg, hf_dir, note = check(name, overrides, world)
+    except Exception as e:  # noqa: BLE001 - every bad input ends the same way: one line
+        if opts.debug:
+            raise
+        print(error_line(e), file=sys.stderr, flush=True)
+        return BAD_INPUT_EXIT
+    if opts.dry_run:
+        print(f"ok: {name} ({cfg.algorithm.name}), {world} process(es), model {hf_dir}, "
+              f"parallel {dict(cfg.parallel)}, output_dir {cfg.output_dir}" + (f"; {note}" if note else ""))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="megalign-") as tmp:
+        errors = Path(tmp) / "error"
+        env = {} if opts.debug else {ERROR_FILE_ENV: str(errors)}
+        status = launch(TRAIN_SCRIPT, [f"--config-name={name}", *overrides], opts.nproc, opts.nnodes,
+                        opts.rdzv_endpoint, env)
+        if status and errors.exists():  # a rank's bad input (launchers/train.py): its first line
+            print(errors.read_text().splitlines()[0], file=sys.stderr, flush=True)
+            return BAD_INPUT_EXIT
+        if status:
+            print(f"megalign: error: the job failed (exit status {status} of a rank; the rank's traceback is above)",
+                  file=sys.stderr, flush=True)
+        return status
+
+
+def convert(argv: list[str]) -> int:
+    """``megalign convert [--nproc N] ...``: ``tools/convert_checkpoint.py`` in this process (N=1)
+    or under the launcher."""
+    p = argparse.ArgumentParser(prog="megalign convert", add_help=False)
+    p.add_argument("--nproc", type=int, default=1)
+    opts, rest = p.parse_known_args(argv)
+    if opts.nproc > 1:
+        return launch(ROOT / "tools" / "convert_checkpoint.py", rest, opts.nproc)
+    from tools.convert_checkpoint import main as convert_main
+
+    convert_main(rest)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``megalign`` entry point; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"train": "compose, check and run a job (torchrun)",
+                "convert": "HF <-> Megatron checkpoints (tools/convert_checkpoint.py)",
+                **{k: v[1] for k, v in TOOLS.items()}}
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        width = max(map(len, commands))
+        usage = "usage: megalign COMMAND [ARGS] (megalign COMMAND --help)\n\n" + "\n".join(
+            f"  {k:<{width}}  {v}" for k, v in commands.items())
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"megalign: error: unknown command {argv[0]!r}: one of {', '.join(commands)}", file=sys.stderr)
+            return BAD_INPUT_EXIT
+        print(usage)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        return train(rest)
+    if command == "convert":
+        return convert(rest)
+    status = importlib.import_module(TOOLS[command][0]).main(rest)
+    return status if isinstance(status, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
