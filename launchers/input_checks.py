@@ -4,7 +4,7 @@ and the fix, with nothing written: the environment (vLLM for a vLLM rollout, a G
 cluster config), the other models' files (reward model, critic, PRM: present, same vocabulary), the
 tokenizer's chat template, the data (read whole: missing, empty or malformed files; prompts longer
 than the context) and the checkpoint a resume would load (complete, undamaged, written by a run with
-the same model, algorithm, adapters and optimizer layout). README "Bad inputs" lists every case.
+the same model, algorithm, adapters and optimizer layout). docs/reference/bad-inputs.md lists every case.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ config's ``cluster`` group (``configs/cluster/``); the options override them. Th
 resubmitted or requeued job finds its checkpoints and resumes. On Slurm the tasks get SIGUSR1
 ``--signal-seconds`` before the time limit: they checkpoint and exit 75
 (:mod:`launchers.preemption`); ``--retries N`` lets nemo-run requeue the job up to N times.
-Needs ``pip install -e ".[launch]"`` (nemo-run; see README for the install order).
+Needs ``pip install -e ".[launch]"`` (nemo-run; the launch extra in pyproject.toml gives the install order).
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: 
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
             if world_size > 1:
-                raise RuntimeError("MASTER_PORT is not set: launch with torchrun or srun (see README)")
+                raise RuntimeError("MASTER_PORT is not set: launch with torchrun or srun (docs/guides/clusters.md)")
             os.environ["MASTER_PORT"] = str(_free_port())
         if on_gpu():
             torch.cuda.set_device(local_rank)

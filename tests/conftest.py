@@ -28,7 +28,7 @@ def run_torchrun(worker: str, *args: str, nproc: int = 2, timeout: int = 900, en
     full_env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
-    if proc.returncode != 0 and TEARDOWN_ABORT in out:  # README "Known platform issues": run it once more
+    if proc.returncode != 0 and TEARDOWN_ABORT in out:  # docs/troubleshooting.md: run it once more
         print(f"{worker}: a worker aborted at exit ({TEARDOWN_ABORT!r}); running it once more", file=sys.stderr)
         proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
         out = proc.stdout + proc.stderr
@@ -82,9 +82,18 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path, monkeypatch):
-    """Each test its own megalign cache (held-out accuracies, alignment.trainers.eval_cache):
-    nothing read from the user's ~/.cache or from another test; jobs it launches inherit it."""
-    monkeypatch.setenv("MEGALIGN_CACHE_DIR", str(tmp_path / "megalign_cache"))
+    """Each test its own megalign cache (``$MEGALIGN_CACHE``): held-out accuracies and evaluation
+    results are never read from the user's cache or from another test; jobs it launches inherit
+    it. What is derived once and never differs, the converted models (``hf/``) and the demo data
+    (``data/``), is shared through links to the real cache."""
+    from alignment.cache import CACHE_ENV, cache_root
+
+    shared, private = cache_root(), tmp_path / "megalign_cache"
+    private.mkdir()
+    for sub in ("hf", "data"):
+        (shared / sub).mkdir(parents=True, exist_ok=True)
+        (private / sub).symlink_to(shared / sub, target_is_directory=True)
+    monkeypatch.setenv(CACHE_ENV, str(private))
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
-"""The catalogue of bad inputs (README "Bad inputs"): each case is what a user could give, checked the
+"""The catalogue of bad inputs (docs/reference/bad-inputs.md): each case is what a user could give, checked the
 way a job checks it at start on every rank before any process group (``launchers/preflight.py``'s
 config check, then :mod:`launchers.input_checks`), and answered with one error naming the field or
-file and the fix; nothing is written to the output directory. The README's table is this list
+file and the fix; nothing is written to the output directory. The docs page's table is this list
 (``python -m tests.test_bad_inputs`` prints it; a test keeps the two equal).
 """
 
@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @dataclass(frozen=True)
 class Case:
-    """``given``: the input (README column); ``make(tmp) -> (config name, overrides, world size)``;
-    ``error``: the exception type; ``says``: a part of the message (README column: what the user sees);
+    """``given``: the input (docs column); ``make(tmp) -> (config name, overrides, world size)``;
+    ``error``: the exception type; ``says``: a part of the message (docs column: what the user sees);
     ``patch``: monkeypatches a test needs (name -> (target, attribute, value))."""
 
     kind: str
@@ -387,7 +387,7 @@ def table() -> str:
 
 
 def ranges_table() -> str:
-    """README's list of every numeric field's range."""
+    """The docs page's list of every numeric field's range."""
     from alignment.config_ranges import RANGES, describe
 
     return "\n".join(f"- `{f}` {describe(f)}{RANGES[f][4]}" for f in RANGES)
@@ -395,9 +395,9 @@ def ranges_table() -> str:
 
 def test_the_readme_lists_the_catalogue():
     assert len(CASES) >= 40
-    readme = (ROOT / "README.md").read_text()
-    assert table() in readme and ranges_table() in readme, \
-        "README 'Bad inputs' differs from the catalogue: python -m tests.test_bad_inputs prints both"
+    page = (ROOT / "docs" / "reference" / "bad-inputs.md").read_text()
+    assert table() in page and ranges_table() in page, \
+        "docs/reference/bad-inputs.md differs from the catalogue: python -m tests.test_bad_inputs prints both"
 
 
 if __name__ == "__main__":

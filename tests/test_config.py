@@ -234,7 +234,7 @@ def test_a_file_of_your_own_needs_its_own_limits():
 
 
 def test_dict_fields_take_a_whole_dict_on_the_command_line():
-    """``data.chat_template_kwargs={enable_thinking: false}`` as the README writes it (an empty typed dict
+    """``data.chat_template_kwargs={enable_thinking: false}`` as the docs write it (an empty typed dict
     in the schema refused every key: Hydra's struct mode)."""
     c = cfg("data.chat_template_kwargs={enable_thinking: false}", "data.columns={prompt: q}")
     assert c.data.chat_template_kwargs == {"enable_thinking": False} and c.data.columns == {"prompt": "q"}

@@ -14,7 +14,7 @@ from alignment.trainers.eval_cache import cache_key, cached_accuracy, weight_fil
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("MEGALIGN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MEGALIGN_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache" / "heldout"
 
 

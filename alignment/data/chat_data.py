@@ -15,7 +15,6 @@ prompt is ever trained on.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 
 from filelock import FileLock
 
+from alignment.cache import cache_root
 from alignment.data.prompt_data import is_heldout, read_table
 
 LLAMAFACTORY_VERSION = "0.9.5"
@@ -32,8 +32,7 @@ DATASETS = {"alpaca_en_demo": "sft", "dpo_en_demo": "preference"}
 
 
 def _cache_dir() -> pathlib.Path:
-    root = os.environ.get("MEGALIGN_CACHE") or "~/.cache/megalign"
-    path = pathlib.Path(root).expanduser() / "data"
+    path = cache_root() / "data"
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -13,7 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from alignment.trainers.eval_cache import cache_dir, cache_key
+from alignment.cache import cache_root
+from alignment.trainers.eval_cache import cache_key
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,7 +54,7 @@ def megatron_source(path: Path) -> Path | None:
 def _export(src: Path) -> Path:
     files = sorted((str(p.relative_to(src)), p.stat().st_size, p.stat().st_mtime_ns)
                    for p in src.rglob("*") if p.is_file())
-    out = cache_dir() / "evaluate" / "hf" / cache_key({"megatron": str(src.resolve()), "files": files})
+    out = cache_root() / "evaluate" / "hf" / cache_key({"megatron": str(src.resolve()), "files": files})
     if _is_hf_dir(out):
         return out
     print(f"exporting {src} to an HF directory (once: {out})", flush=True)

@@ -17,6 +17,8 @@ import tempfile
 
 from filelock import FileLock
 
+from alignment.cache import cache_root
+
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_ALIASES = ("smollm2",)
 _MARKER = "megalign_source.json"
@@ -46,10 +48,7 @@ def smollm2_gguf_path() -> pathlib.Path:
 def _cache_root(cache_dir: str | None) -> pathlib.Path:
     if cache_dir is not None:
         return pathlib.Path(cache_dir).expanduser()
-    env = os.environ.get("MEGALIGN_CACHE")
-    if env:
-        return pathlib.Path(env).expanduser()
-    return pathlib.Path("~/.cache/megalign").expanduser()
+    return cache_root()
 
 
 def _is_hf_dir(path: pathlib.Path) -> bool:

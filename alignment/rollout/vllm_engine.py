@@ -102,7 +102,7 @@ class VLLMEngine:
         tensor_parallel_size: vLLM TP size; > 1 needs the default process group (torchrun) and
             a world size it divides.
         enforce_eager: vLLM's; None = eager on CPU, compiled with CUDA graphs on GPU. On this CPU,
-            compiling adds ~60 s to the start and generates ~11 % faster (README "Rollout speed").
+            compiling adds ~60 s to the start and generates ~11 % faster (docs/results.md).
     Raises:
         ImportError: with the install command, when vLLM is missing.
     """
@@ -136,7 +136,7 @@ class VLLMEngine:
                 g = dist.new_group(list(range(start, start + t)))
                 if start <= dist.get_rank() < start + t:
                     self.group = g
-        if enforce_eager is None:  # measured on CPU: README "Rollout speed"
+        if enforce_eager is None:  # measured on CPU: docs/results.md
             enforce_eager = not torch.cuda.is_available()
         self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=enforce_eager, max_model_len=max_model_len,
                        seed=seed, tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=True,

@@ -97,7 +97,7 @@ def _optimizer_metadata(optimizer) -> dict:  # noqa: ARG001 - same for every opt
     # bucket (fp32 master + Adam moments) as a 1-D ShardedTensor, with no gather and no copy,
     # and loads at another data-parallel size; "fully_reshardable" (which also allows a new
     # TP/PP for the optimizer state) gathers the whole state on one rank: 7.1 GiB peak there for
-    # SmolLM2-135M against 4.x GiB (README "Speed, memory and start-up").
+    # SmolLM2-135M against 4.x GiB (docs/results.md).
     return {"distrib_optim_sharding_type": "dp_reshardable"}
 
 

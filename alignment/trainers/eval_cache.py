@@ -3,7 +3,7 @@
 A job's before-training evaluation (greedy answers to the held-out problems) takes ~28 s of the
 main job's ~45 s start-up on the 2-core machine, and its result depends only on things fixed
 before training: the checkpoint's files, the dtype, the prompts, the generation settings and
-the engine layout. So the first run stores it under ``$MEGALIGN_CACHE_DIR`` (default
+the engine layout. So the first run stores it under ``$MEGALIGN_CACHE`` (default
 ``~/.cache/megalign``) ``/heldout/<sha256 of those>.json`` and the next run with the same
 inputs reads it back instead of generating (a resumed run evaluates its resumed policy and
 never reads it).
@@ -23,12 +23,9 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from alignment.cache import cache_root
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-
-
-def cache_dir() -> Path:
-    """``$MEGALIGN_CACHE_DIR`` or ``~/.cache/megalign``."""
-    return Path(os.environ.get("MEGALIGN_CACHE_DIR") or Path.home() / ".cache" / "megalign")
 
 
 def weight_files_fingerprint(hf_dir: str | os.PathLike) -> list[tuple[str, int, int]]:
@@ -60,7 +57,7 @@ def cached_accuracy(key: str, evaluate: Callable[[], float], enabled: bool = Tru
 
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
-    path = cache_dir() / "heldout" / f"{key}.json"
+    path = cache_root() / "heldout" / f"{key}.json"
     found = [None]
     if enabled and rank == 0 and path.exists():
         try:

@@ -114,7 +114,7 @@ def main_param_writer(optimizer) -> Callable[[torch.nn.Parameter, torch.Tensor],
     than half a bf16 step (lr 5e-6 moves a weight ~1e-5; bf16's step at 0.05 is 2.4e-4) never changes
     the bf16 weight the forward pass uses. Seeded from the fp32 checkpoint, masters sit inside their
     bf16 cells and a small update flips a fraction of weights proportional to its size, so the bf16
-    model follows the fp32 trajectory on average (measured in the README, section bf16). The
+    model follows the fp32 trajectory on average (measured: docs/results.md, bf16). The
     slices are the ones Megatron's own ``_copy_model_params_to_main_params`` copies (megatron-core
     0.16.1, ``optimizer.py`` / ``distrib_optimizer.py``), fed with the checkpoint instead of the
     rounded parameter.

@@ -1,0 +1,229 @@
+"""The docs site and the README cannot go stale: the site builds with ``mkdocs build --strict``
+(broken links fail it), the config-field reference equals what the schema generates, every config
+key and repository path a page names exists, and every job command a page shows composes and
+passes the config check for its world size (``megalign train``'s checks before any process)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typing import Any
+
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
+SECTIONS = ("model", "parallel", "data", "rollout", "algorithm", "reward", "trainer", "profile", "cluster")
+TOP_DIRS = ("alignment", "parallel", "launchers", "tools", "bench", "configs", "tests", "slurm", "scripts", "docs",
+            "evals", "examples")
+
+
+def _rel(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+def _text_outside_code(text: str) -> str:
+    return re.sub(r"```.*?```", "", text, flags=re.S)
+
+
+def test_site_builds_strictly(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "site" / "index.html").is_file()
+    built = {p.relative_to(tmp_path / "site").parent for p in (tmp_path / "site").rglob("index.html")}
+    assert len(built) >= len(PAGES) - 1  # every page of docs/ became a page of the site
+
+
+def test_every_page_is_in_the_nav():
+    nav = (ROOT / "mkdocs.yml").read_text()
+    for page in (ROOT / "docs").rglob("*.md"):
+        assert str(page.relative_to(ROOT / "docs")) in nav, f"{page} is not in mkdocs.yml's nav"
+
+
+def test_config_fields_page_is_generated_from_the_schema():
+    from tools.config_reference import page
+
+    assert (ROOT / "docs" / "reference" / "config-fields.md").read_text() == page(), \
+        "docs/reference/config-fields.md is stale: python -m tools.config_reference > docs/reference/config-fields.md"
+
+
+def _schema_has(key: str) -> bool:
+    """``key`` is a field of the schema, or a key inside a free-form field (``data.columns.prompt``,
+    ``data.generator_kwargs.min_terms``) or a list of records (``reward.functions``)."""
+    from alignment.config import JobConfig
+
+    node = OmegaConf.structured(JobConfig)
+    for part in key.split("."):
+        if OmegaConf.is_list(node) or node is None or (OmegaConf.is_dict(node) and node._metadata.object_type is dict):
+            return True  # inside a list, an Any field or a plain dict: free-form keys
+        if not OmegaConf.is_dict(node) or part not in node:
+            return False
+        node = node._get_node(part)
+        if not OmegaConf.is_config(node) and node._metadata.ref_type is Any:
+            node = None
+    return True
+
+
+def config_keys(text: str) -> set[str]:
+    """Dotted config keys in inline code (``trainer.lr``, ``trainer.lr=5e-6``)."""
+    keys = set()
+    for code in re.findall(r"`([^`\n]+)`", _text_outside_code(text)):
+        for m in re.finditer(r"(?<![\w./$-])((?:%s)(?:\.[a-z_][a-z0-9_]*)+)" % "|".join(SECTIONS), code):
+            keys.add(m.group(1))
+    return keys
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.name != "bad-inputs.md"], ids=_rel)
+def test_every_config_key_named_exists(page):
+    """(The bad-inputs catalogue names wrong keys on purpose.)"""
+    text = page.read_text()
+    missing = sorted(k for k in config_keys(text) if not _schema_has(k))
+    assert not missing, f"{_rel(page)} names config keys the schema does not have: {missing}"
+
+
+def repo_paths(text: str) -> set[str]:
+    """Repository paths in inline code and links (``alignment/rewards/judge.py``, ``configs/data/``)."""
+    found = set()
+    for code in re.findall(r"`([^`\n]+)`", _text_outside_code(text)) + re.findall(r"\]\(([^)#\s]+)", text):
+        for token in re.split(r"[\s,;()'\"]+", code):
+            token = token.strip(".:")
+            if token.startswith(tuple(d + "/" for d in TOP_DIRS)) and not re.search(r"[<>*{}$]|\.\.\.", token):
+                found.add(token.split("::")[0].split(":")[0])
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_every_path_named_exists(page):
+    text = page.read_text()
+    base = page.parent
+    missing = []
+    for path in sorted(repo_paths(text)):
+        if not ((ROOT / path).exists() or (base / path).exists()):
+            missing.append(path)
+    assert not missing, f"{_rel(page)} names paths that do not exist: {missing}"
+
+
+# ---------------------------------------------------------------------------------- commands
+
+SBATCH_CONFIG = {"grpo": "grpo", "sft": "sft", "rm": "rm", "dpo": "dpo", "ppo": "ppo"}
+
+
+def commands(text: str) -> list[str]:
+    """Every line of the page's ``bash`` blocks (continuations joined, comments dropped)."""
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        joined = re.sub(r"\\\n\s*", " ", block)
+        for line in joined.splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if line and not line.startswith("#"):
+                out.append(line)
+    return out
+
+
+def job_of(line: str):
+    """``(config name, overrides, world size)`` of a job command, or None for another command.
+    The forms: ``megalign train``, ``bash scripts/train.sh``, ``torchrun ... launchers/train.py``,
+    ``sbatch ... slurm/<job>.sbatch``."""
+    try:
+        words = shlex.split(line)
+    except ValueError:
+        return None
+    env = {}
+    while words and re.match(r"^[A-Z_]+=", words[0]):
+        k, v = words.pop(0).split("=", 1)
+        env[k] = v
+    if not words:
+        return None
+    nproc, nodes, rest = 1, 1, None
+    if words[:2] == ["megalign", "train"]:
+        rest, opts = [], iter(words[2:])
+        for w in opts:
+            if w == "--nproc":
+                nproc = int(next(opts))
+            elif w == "--nnodes":
+                nodes = int(next(opts))
+            elif w == "--rdzv-endpoint":
+                next(opts)
+            elif w in ("--dry-run", "--print-config", "--debug"):
+                continue
+            else:
+                rest.append(w)
+    elif words[:2] == ["bash", "scripts/train.sh"]:
+        rest, nproc = words[2:], int(env.get("NPROC", 2))
+    elif words[0] == "torchrun" and "launchers/train.py" in words:
+        i = words.index("launchers/train.py")
+        for j, w in enumerate(words[:i]):
+            if w.startswith("--nproc-per-node"):
+                nproc = int(w.split("=", 1)[1] if "=" in w else words[j + 1])
+        rest = words[i + 1:]
+    elif words[0] == "sbatch" and any(w.startswith("slurm/") for w in words):
+        i = next(j for j, w in enumerate(words) if w.startswith("slurm/"))
+        nodes = next((int(w.split("=")[1]) for w in words[:i] if w.startswith("--nodes=")), 1)
+        nproc = 8  # the scripts' --ntasks-per-node
+        name = env.get("MEGALIGN_CONFIG") or SBATCH_CONFIG[Path(words[i]).stem]
+        return name, words[i + 1:], nproc * nodes
+    else:
+        return None
+    name, overrides = "grpo", []
+    it = iter(rest)
+    for w in it:
+        if w == "--config-name":
+            name = next(it)
+        elif w.startswith("--config-name="):
+            name = w.split("=", 1)[1]
+        elif not w.startswith("-"):
+            overrides.append(w)
+    return name, overrides, nproc * nodes
+
+
+def all_jobs():
+    jobs = []
+    for page in PAGES:
+        for line in commands(page.read_text()):
+            if "<" in line or "..." in line:
+                continue  # a template, not a command
+            job = job_of(line)
+            if job is not None:
+                jobs.append(pytest.param(*job, id=f"{_rel(page)}: {line[:80]}"))
+    return jobs
+
+
+def test_the_pages_show_jobs():
+    assert len(all_jobs()) >= 20
+
+
+@pytest.mark.parametrize("name,overrides,world", all_jobs())
+def test_every_job_command_composes_and_passes_the_config_check(name, overrides, world, tmp_path, monkeypatch):
+    """The config check of ``megalign train --dry-run`` (:func:`launchers.preflight.check`: the schema,
+    then the layout and the values against the model and the world size). A model that an earlier
+    step makes or the user brings (``outputs/...``, ``/models/...``) gets the layout check alone; the
+    PRM's data directory, which ``megalign`` makes in the step before, is stood in for."""
+    from launchers.preflight import check, compose
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs" / "prm_data").mkdir(parents=True)
+    for split in ("train", "heldout"):
+        (tmp_path / "outputs" / "prm_data" / f"{split}.jsonl").write_text("")
+    path = compose(name, overrides).model.path
+    check(name, overrides, world, resolve_model=path == "smollm2" or Path(path).exists())
+
+
+def test_other_commands_exist():
+    """``megalign <command>`` lines name real subcommands; script paths exist."""
+    from tools.cli import TOOLS
+
+    known = {"train", "convert", *TOOLS}
+    for page in PAGES:
+        for line in commands(page.read_text()):
+            words = line.split()
+            if words[0] == "megalign":
+                assert words[1] in known, f"{_rel(page)}: {line}"
+            for w in words:
+                if w.endswith((".py", ".sh", ".sbatch")) and "/" in w and not w.startswith(("/", "$", "<")):
+                    assert (ROOT / w).exists(), f"{_rel(page)}: {line}: no {w}"
