@@ -5,8 +5,6 @@ of bad inputs through ``megalign train --dry-run`` is ``tests/test_bad_inputs.py
 
 from __future__ import annotations
 
-import sys
-
 import yaml
 
 from launchers.console import ERROR_FILE_ENV
@@ -86,4 +84,15 @@ def test_a_ranks_other_failure_keeps_its_traceback(tmp_path, capfd):
     out, err = capfd.readouterr()
     assert status == 1 and "RuntimeError: boom" in out + err
     assert not (tmp_path / "error").exists()
-    assert sys.executable  # the ranks ran under this interpreter (config_from_args' default)
+
+
+def test_the_launcher_leaves_signal_handlers_as_they_were(tmp_path):
+    """torch's launcher installs handlers that raise SignalException; after a launch this process
+    handles SIGINT (and the others) as before, e.g. a reward function's timeout."""
+    import signal
+
+    before = {sig: signal.getsignal(sig) for sig in cli.LAUNCHER_SIGNALS}
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    assert cli.launch(script, [], nproc=1) == 0
+    assert {sig: signal.getsignal(sig) for sig in cli.LAUNCHER_SIGNALS} == before

@@ -210,7 +210,7 @@ GROUPS = {"model": ["smollm2", "smollm2_sft_rm"],
           "parallel": ["single", "tp2", "tp2_sp", "pp2", "cp2_ring", "cp2_ulysses", "tp2_pp2"],
           "rollout": ["default", "long"], "data": ["arithmetic", "gsm8k", "alpaca_en_demo", "dpo_en_demo",
                                                     "prm_steps", "arithmetic_tools", "file"],
-          "cluster": ["local", "slurm_h100x8"]}
+          "cluster": ["local", "slurm_h100x8", "h100_1x8", "h100_4x8"]}
 
 
 def test_config_groups_list_every_option():

@@ -25,20 +25,28 @@ import contextlib
 import importlib
 import logging
 import os
+import signal
 import sys
 import tempfile
 import warnings
 from pathlib import Path
 
 from omegaconf import OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import elastic_launch
+from torch.distributed.run import config_from_args, get_args_parser
 
 from alignment.config import ConfigError
+from launchers.common import check_job
 from launchers.console import BAD_INPUT_EXIT, ERROR_FILE_ENV, error_line
+from launchers.preflight import compose
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_SCRIPT = ROOT / "launchers" / "train.py"
 
-#: subcommand -> (module, one-line help); each module has ``main(argv)``
+#: what torch's launcher handles while it runs (it raises SignalException from them); put back after
+LAUNCHER_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+#: subcommand -> (module, one-line help); each module has ``main(argv)``, imported when its command runs
 TOOLS = {
     "evaluate": ("tools.evaluate", "checkpoints side by side on fixed suites (tools/evaluate.py)"),
     "plan": ("tools.plan_layout", "every valid parallel layout of a model on a cluster, with its memory"),
@@ -116,9 +124,6 @@ def check(name: str, overrides: list[str], world_size: int):
         ConfigError, LayoutError, CheckpointError, FileNotFoundError, ValueError, Hydra's errors:
             naming the field or file and the fix (docs "Bad inputs").
     """
-    from launchers.common import check_job
-    from launchers.preflight import compose
-
     cfg = compose(name, overrides)
     hf_dir, _, note, _ = check_job(cfg, world_size)
     return cfg, hf_dir, note
@@ -129,15 +134,12 @@ def launch(script: Path, script_args: list[str], nproc: int, nnodes: int = 1, rd
     """Run ``python script script_args`` in ``nproc`` processes per node with
     ``torch.distributed.run``'s launcher in this process (one node: as ``--standalone``). Returns
     the exit status: 0, or that of the rank that failed first (the launcher then stops the others)."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
-    from torch.distributed.run import config_from_args, get_args_parser
-
     endpoint = "localhost:0" if nnodes == 1 else str(rdzv_endpoint)  # torchrun --standalone's, on one node
     targs = ["--nproc-per-node", str(nproc), "--nnodes", str(nnodes), "--rdzv-backend", "c10d",
              "--rdzv-endpoint", endpoint, "--rdzv-id", "megalign"]
     args = get_args_parser().parse_args([*targs, str(script), *script_args])
     saved = dict(os.environ)
+    handlers = {sig: signal.getsignal(sig) for sig in LAUNCHER_SIGNALS}  # the launcher installs its own
     os.environ.update(env or {})  # the ranks inherit this process's environment
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # megalign sets its threads per process (launchers/common.start)
     try:
@@ -148,6 +150,8 @@ def launch(script: Path, script_args: list[str], nproc: int, nnodes: int = 1, rd
     finally:
         os.environ.clear()
         os.environ.update(saved)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     return 0
 
 
@@ -168,8 +172,6 @@ def _train(opts, rest: list[str]) -> int:
                              "or launch each node with srun (slurm/)")
         name, overrides = _split_config_name(rest)
         if opts.print_config:
-            from launchers.preflight import compose
-
             print(OmegaConf.to_yaml(compose(name, overrides), resolve=True), end="")
             return 0
         cfg, hf_dir, note = check(name, overrides, world)
@@ -204,9 +206,7 @@ def convert(argv: list[str]) -> int:
     opts, rest = p.parse_known_args(argv)
     if opts.nproc > 1:
         return launch(ROOT / "tools" / "convert_checkpoint.py", rest, opts.nproc)
-    from tools.convert_checkpoint import main as convert_main
-
-    convert_main(rest)
+    importlib.import_module("tools.convert_checkpoint").main(rest)
     return 0
 
 
