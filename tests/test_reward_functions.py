@@ -62,6 +62,24 @@ def test_a_slow_function_times_out():
         scores("tests.reward_fns:slow", problems(1), [sample("a")], timeout=0.5)
 
 
+@pytest.mark.parametrize("disposition", ["ignored", "another handler"])
+def test_a_slow_function_times_out_whatever_the_process_does_with_sigint(disposition):
+    """The watchdog does not depend on SIGINT's disposition (a launcher or a library may have set
+    it): with SIGINT ignored, or handled by a handler that does not raise, the call still stops at
+    the timeout, and the disposition is as before afterwards."""
+    import signal
+
+    seen = []
+    handler = signal.SIG_IGN if disposition == "ignored" else (lambda signum, frame: seen.append(signum))
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        with pytest.raises(RewardFunctionError, match=r"took longer than reward.timeout_s=0.5 s"):
+            scores("tests.reward_fns:slow", problems(1), [sample("a")], timeout=0.5)
+        assert signal.getsignal(signal.SIGINT) is handler and not seen
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_loading_errors_are_one_clear_line():
     with pytest.raises(RewardFunctionError, match="module 'no_such_pkg.rewards' does not import"):
         check_function(RewardTerm("no_such_pkg.rewards:score"))

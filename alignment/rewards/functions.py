@@ -172,6 +172,10 @@ def _check_scores(name: str, values, problems: Sequence[Problem]) -> list[float 
     return out
 
 
+class _TimedOut(Exception):
+    """Raised in the main thread by :func:`_run`'s watchdog at the timeout."""
+
+
 def _too_slow(name: str, timeout: float) -> RewardFunctionError:
     return RewardFunctionError(f"reward.functions[{name}] took longer than reward.timeout_s={timeout:g} s; make it "
                                "faster or raise reward.timeout_s")
@@ -204,16 +208,26 @@ def _run(call: Callable, is_async: bool, timeout: float, name: str):
         fired.set()
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
+    def on_sigint(signum, frame):
+        if fired.is_set():
+            raise _TimedOut
+        if callable(previous):  # a real Ctrl-C: what the process did before
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            raise KeyboardInterrupt
+
+    # our own handler for the call's length: the process's may have been replaced or set to ignore
+    # SIGINT (a launcher's, a library's), and the watchdog must interrupt all the same
+    previous = signal.signal(signal.SIGINT, on_sigint)
     watchdog = threading.Timer(timeout, interrupt)
     watchdog.start()
     try:
         return call()
-    except KeyboardInterrupt:
-        if fired.is_set():
-            raise _too_slow(name, timeout) from None
-        raise
+    except _TimedOut:
+        raise _too_slow(name, timeout) from None
     finally:
         watchdog.cancel()
+        signal.signal(signal.SIGINT, previous)
 
 
 def _trl_kwargs(fn, problems: Sequence[Problem], samples: Sequence[Sample], extra: dict) -> dict:
