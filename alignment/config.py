@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from alignment.config_ranges import RANGES, describe, out_of_range
 
 
 @dataclass
@@ -305,10 +308,10 @@ class TrainerConfig:
     # tool calls, rewards) to <output_dir>/rollouts/step_<N>.jsonl and a few rows to TensorBoard; 0: never
     rollout_table_every: int = 0
     # an update with NaN/inf gradients is skipped (health/skipped_updates); this many consecutive steps
-    # with a skipped update stop the run with a checkpoint (alignment/trainers/health.py); 0: never stop
+    # with a skipped update stop the run with a checkpoint (alignment/training/health.py); 0: never stop
     max_bad_steps: int = 3
     # every N steps log the gradient norm of each layer group (grad_norm/embedding, grad_norm/layer_07/mlp,
-    # ...; alignment/trainers/grad_stats.py) of the step's first update; 0: never
+    # ...; alignment/training/grad_stats.py) of the step's first update; 0: never
     grad_stats_every: int = 0
     # bounds on logged metrics, checked after every step: warn_on prints a warning (health/warnings
     # counts them), stop_on saves a checkpoint and stops the run, e.g. entropy collapse and runaway KL:
@@ -497,7 +500,7 @@ def _validate_rft(cfg, layout) -> None:
 def _validate_online_dpo(cfg, layout) -> None:
     """Online / iterative DPO: a DPO-family loss, >= 2 samples per prompt, a reference to update
     (not LoRA's frozen base), variable pair counts."""
-    from alignment.trainers.dpo import LOSS_TYPES, REFERENCE_FREE
+    from alignment.algorithms.preference_loss import LOSS_TYPES, REFERENCE_FREE
 
     a, r = cfg.algorithm, cfg.rollout
     dp = layout.data_parallel_size
@@ -580,7 +583,7 @@ def _validate_prm(cfg) -> None:
 
 def _validate_offline(cfg, dp: int) -> None:
     """SFT / reward model / DPO / PRM: dataset matches the algorithm, batch sizes divide."""
-    from alignment.trainers.dpo import LOSS_TYPES
+    from alignment.algorithms.preference_loss import LOSS_TYPES
 
     a, d, t = cfg.algorithm, cfg.data, cfg.trainer
     from alignment.data.chat_data import check_columns, is_data_file
@@ -657,7 +660,6 @@ def reward_terms(cfg) -> list:
     functions = list(cfg.reward.functions) if "reward" in cfg else []
     if not functions:
         return [RewardTerm("reward_model" if cfg.algorithm.name == "ppo" else "correctness")]
-    from omegaconf import OmegaConf
 
     def plain(value):  # nested config nodes as plain dicts and lists (JSON-able, picklable)
         return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
@@ -705,7 +707,7 @@ def _validate_rewards(cfg) -> None:
     available to this job (a task to grade, a reward model to load)."""
     import math
 
-    from alignment.data.reward_functions import FORMAT_TASKS
+    from alignment.rewards.text import FORMAT_TASKS
 
     functions = list(cfg.reward.functions) if "reward" in cfg else []
     a = cfg.algorithm
@@ -1039,6 +1041,18 @@ def shares_prompts(cfg) -> bool:
     return p.context_parallel_size == 1 and not p.sequence_parallel
 
 
+def validate_ranges(cfg) -> None:
+    """Every numeric field of ``cfg`` in its range (:data:`alignment.config_ranges.RANGES`).
+
+    Raises:
+        ConfigError: the first field out of range, with its range and meaning.
+    """
+    for name in RANGES:
+        value = OmegaConf.select(cfg, name, default=None)
+        if out_of_range(name, value):
+            raise ConfigError(f"{name}={value}: must be {describe(name)}{RANGES[name][4]}")
+
+
 def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = None) -> None:
     """Check values that depend on each other, the world size and the model (``tokenizer_size``:
     tokens of the model's tokenizer, checked against its vocabulary when given).
@@ -1046,7 +1060,6 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
     Raises:
         ConfigError / parallel.layout.LayoutError: naming the field and valid values.
     """
-    from alignment.config_ranges import validate_ranges
     from alignment.models.families import model_dims
     from parallel.layout import ParallelLayout, validate_model_layout
 

@@ -92,12 +92,9 @@ UNBOUNDED = ("algorithm.accept_threshold", "reward.functions.weight", "reward.fu
              "profile.ranks")
 
 
-def numeric_fields(cls=None, prefix: str = "") -> list[str]:
-    """Every int / float field of the job schema (:class:`alignment.config.JobConfig`), dotted."""
-    if cls is None:
-        from alignment.config import JobConfig
-
-        cls = JobConfig
+def numeric_fields(cls, prefix: str = "") -> list[str]:
+    """Every int / float field of the dataclass schema ``cls`` (e.g. :class:`alignment.config.JobConfig`),
+    dotted, nested dataclasses included."""
     hints, out = typing.get_type_hints(cls), []
     for f in dataclasses.fields(cls):
         args = [a for a in typing.get_args(hints[f.name]) if a is not type(None)] or [hints[f.name]]
@@ -126,19 +123,3 @@ def out_of_range(field: str, value) -> bool:
     below = value < low if low_in else value <= low
     above = high is not None and (value > high if high_in else value >= high)
     return below or above
-
-
-def validate_ranges(cfg) -> None:
-    """Every numeric field of ``cfg`` in its :data:`RANGES`.
-
-    Raises:
-        alignment.config.ConfigError: the first field out of range, with its range and meaning.
-    """
-    from omegaconf import OmegaConf
-
-    from alignment.config import ConfigError
-
-    for field in RANGES:
-        value = OmegaConf.select(cfg, field, default=None)
-        if out_of_range(field, value):
-            raise ConfigError(f"{field}={value}: must be {describe(field)}{RANGES[field][4]}")

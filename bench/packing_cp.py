@@ -64,7 +64,7 @@ def model_config(layers: int):
 
 def build(hf_config, tp=1, cp=1, comm="p2p"):
     from alignment.models.gpt import build_gpt_model, transformer_config
-    from alignment.trainers.megatron_step import OptimConfig, setup_training
+    from alignment.training.megatron_step import OptimConfig, setup_training
     from parallel.layout import ParallelLayout
     from parallel.state import init_distributed
 
@@ -79,7 +79,7 @@ def build(hf_config, tp=1, cp=1, comm="p2p"):
 
 def step_seconds(ddp, microbatches, vocab: int, packing: bool, repeats: int) -> float:
     """Best wall time of one forward + backward pass over ``microbatches`` (all ranks in step)."""
-    from alignment.trainers.megatron_step import LogprobOutputs, forward_backward
+    from alignment.training.megatron_step import LogprobOutputs, forward_backward
 
     tokens = sum(float(mb["loss_mask"].sum()) for mb in microbatches)
 
@@ -107,7 +107,7 @@ def processed_tokens(microbatches, packing: bool) -> int:
 
 
 def packing_table(args, hf_config) -> list[str]:
-    from alignment.trainers.batching import make_sequence_batch, split_microbatches
+    from alignment.training.batching import make_sequence_batch, split_microbatches
     from parallel.balance import karmarkar_karp
 
     rows = gsm8k_rollouts(args.rollouts)

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from alignment.models.families import model_dims
     from alignment.models.flops import measured_matmul_peak
     from alignment.models.gpt import build_gpt_model, transformer_config
-    from alignment.trainers.megatron_step import LogprobOutputs, OptimConfig, forward_backward, setup_training
+    from alignment.training.megatron_step import LogprobOutputs, OptimConfig, forward_backward, setup_training
     from parallel.layout import ParallelLayout
     from parallel.state import init_distributed, shutdown
 

@@ -73,7 +73,7 @@ def main() -> None:
     from alignment.models.flops import flops_per_token, measured_matmul_peak
     from alignment.models.gpt import build_gpt_model, transformer_config
     from alignment.models.hf_assets import prepare_hf_dir
-    from alignment.trainers.megatron_step import LogprobOutputs, OptimConfig, forward_backward, setup_training
+    from alignment.training.megatron_step import LogprobOutputs, OptimConfig, forward_backward, setup_training
     from parallel.layout import ParallelLayout
     from parallel.state import init_distributed
 

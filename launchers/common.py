@@ -104,7 +104,7 @@ def job_transformer_config(cfg, hf_config):
 def add_adapters(cfg, model, head: bool = False) -> bool:
     """``model.lora`` (rank > 0): LoRA adapters on ``model``'s linears, every other weight frozen
     (:func:`parallel.lora.apply_lora`), a value model's scalar head (``head``: ``output_layer``)
-    kept trainable. Call before :func:`alignment.trainers.megatron_step.setup_training`. Returns
+    kept trainable. Call before :func:`alignment.training.megatron_step.setup_training`. Returns
     whether adapters were added (then the job's reference is :class:`parallel.lora.FrozenBase`)."""
     from alignment.config import lora_spec
     from parallel.lora import apply_lora
@@ -133,7 +133,7 @@ def load_model(cfg, path, value_head: bool, lr: float | None = None):
     from alignment.models.hf_assets import prepare_hf_dir
     from alignment.models.value_head import build_value_model
     from alignment.models.weights import lazy_safetensors, load_hf_weights
-    from alignment.trainers.megatron_step import OptimConfig, main_param_writer, setup_training
+    from alignment.training.megatron_step import OptimConfig, main_param_writer, setup_training
 
     t = cfg.trainer
     path = prepare_hf_dir(path)
@@ -265,7 +265,7 @@ def start(cfg) -> Run:
     from parallel.state import env_world, init_distributed, is_rollout_rank
 
     install()  # SIGUSR1/SIGTERM: checkpoint at the next step boundary and exit (launchers/preemption.py)
-    from alignment.trainers.host_memory import bound_onednn_primitive_cache, return_freed_memory_to_os
+    from alignment.training.host_memory import bound_onednn_primitive_cache, return_freed_memory_to_os
 
     return_freed_memory_to_os()
     bound_onednn_primitive_cache()
@@ -291,7 +291,7 @@ def start(cfg) -> Run:
     world -= engines
     run = Run(cfg, rank, world, hf_dir, hf_config, Path(cfg.output_dir), prompts=prompts)
     run.profiler = StepProfiler(cfg.profile, rank)
-    from alignment.trainers.offload import offload_enabled
+    from alignment.training.offload import offload_enabled
 
     if cfg.trainer.offload and not offload_enabled(True) and rank == 0:
         print("trainer.offload=true is a no-op without a GPU (host memory is the device memory)", flush=True)

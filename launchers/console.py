@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from alignment.config import ConfigError
-from alignment.trainers.checkpoint import CheckpointError
+from alignment.training.checkpoint import CheckpointError
 from parallel.layout import LayoutError
 
 

@@ -130,7 +130,7 @@ def check_tokenizer(cfg, tokenizer) -> None:
 
 def check_data(cfg, tokenizer):
     """Read the job's data whole, as the job will: SFT / RM / DPO files and demo sets, the PRM's
-    step-labelled files, and an RL job's prompts (:func:`alignment.data.prompt_data.job_prompts`:
+    step-labelled files, and an RL job's prompts (:func:`alignment.data.prompts.job_prompts`:
     ``data.train_files`` or ``data.task``'s problems), each of which plus ``rollout.max_tokens``
     must fit ``rollout.max_model_len`` (``data.overlong_prompts``). Returns the RL job's
     :class:`alignment.data.prompt_data.PromptSets`, an SFT / RM / DPO job's :class:`ExampleCounts`
@@ -147,7 +147,7 @@ def check_data(cfg, tokenizer):
             load_records(d.dataset, split)
         return None
     if a.name in OFFLINE_ALGORITHMS:
-        from launchers.offline_job import tokenize_split
+        from alignment.data.examples import tokenize_split
 
         rows = {split: tokenize_split(cfg, tokenizer, split) for split in ("train", "heldout")}
         if not rows["train"] or not rows["heldout"]:
@@ -159,7 +159,7 @@ def check_data(cfg, tokenizer):
 
     if a.name == "ppo" and not ppo_on_task(cfg):
         return None  # prompts of dpo_en_demo, cut to data.max_prompt_length
-    from alignment.data.prompt_data import job_prompts
+    from alignment.data.prompts import job_prompts
 
     try:
         return job_prompts(cfg, tokenizer)
@@ -180,7 +180,7 @@ class ExampleCounts:
 
     @classmethod
     def of(cls, data, rows: dict) -> "ExampleCounts":
-        """Counted from :func:`launchers.offline_job.tokenize_split`'s ``{"train": rows, "heldout": rows}``."""
+        """Counted from :func:`alignment.data.examples.tokenize_split`'s ``{"train": rows, "heldout": rows}``."""
         seqs = [r[0] for example in rows["train"] for r in example]
         return cls(str(data.dataset), len(rows["train"]), len(rows["heldout"]), sum(map(len, seqs)),
                    sum(len(s) >= data.max_length for s in seqs), int(data.max_length))
@@ -205,7 +205,7 @@ def data_position(cfg, prompts) -> dict:
 
 def check_resume(cfg, hf_config, prompts=None) -> str | None:
     """The checkpoint ``trainer.resume`` would load from ``<output_dir>/checkpoints``: every part
-    complete and undamaged (:func:`alignment.trainers.checkpoint.verify_checkpoint`) and written by a
+    complete and undamaged (:func:`alignment.training.checkpoint.verify_checkpoint`) and written by a
     run with the same :data:`RESUME_FIELDS` (and :data:`SHARDED_BY` with the distributed optimizer),
     a model of the same :data:`MODEL_DIMS` and, for an RL job (``prompts``), the same
     :func:`data_position`. Returns a note to print (interrupted saves ignored), or None.
@@ -216,7 +216,7 @@ def check_resume(cfg, hf_config, prompts=None) -> str | None:
     """
     from omegaconf import OmegaConf
 
-    from alignment.trainers.checkpoint import checkpoint_step, latest_checkpoint, verify_checkpoint
+    from alignment.training.checkpoint import checkpoint_step, latest_checkpoint, verify_checkpoint
 
     directory = Path(cfg.output_dir) / "checkpoints"
     if not cfg.trainer.resume or not directory.is_dir():

@@ -34,31 +34,6 @@ def make_objective(cfg, vocab_size: int):
                         simpo_gamma=a.simpo_gamma, orpo_lambda=a.orpo_lambda)
 
 
-def tokenize_split(cfg, tokenizer, split: str) -> list[list[tuple]]:
-    """Per example, its rows ``(ids, prompt_len)``: one for SFT, ``[chosen, rejected]`` for pairs;
-    for the PRM one ``(ids, prompt_len, step_ends, labels)`` per solution with a labelled step
-    (:func:`alignment.trainers.process_reward.tokenize_steps`). ``data.columns`` renames a file's
-    columns; held out are ``data.heldout_files``, else ``data.heldout_fraction`` by prompt hash, else
-    the last ``data.heldout_size``; training takes the first ``data.train_size`` (null: all)."""
-    from alignment.data.chat_data import encode_example, load_preference_pairs, load_sft_examples
-    from alignment.trainers.process_reward import tokenize_steps
-
-    d = cfg.data
-    enc = lambda msgs, resp: encode_example(tokenizer, msgs, resp, d.max_length, d.max_prompt_length)  # noqa: E731
-    if cfg.algorithm.name == "prm":
-        out = [[row] for row in tokenize_steps(cfg, tokenizer, split)]
-        return out[: d.train_size] if split == "train" else out[: d.heldout_size]
-    kw = {"heldout_files": d.get("heldout_files"), "heldout_fraction": float(d.get("heldout_fraction") or 0.0),
-          "columns": dict(d.get("columns") or {})}
-    if cfg.algorithm.name == "sft":
-        examples = load_sft_examples(split, d.heldout_size, d.dataset, **kw)
-        out = [[enc(e.messages, e.response)] for e in examples]
-    else:
-        pairs = load_preference_pairs(split, d.heldout_size, d.dataset, **kw)
-        out = [[enc(p.messages, p.chosen), enc(p.messages, p.rejected)] for p in pairs]
-    return out[: d.train_size] if split == "train" else out  # train_size null: every example
-
-
 def build(cfg, hf_dir: Path, hf_config, objective):
     """This rank's trained shard (DDP + optimizer; with ``model.lora`` its adapters, and a reward
     model's scalar head, only trained) and the frozen reference when needed (with LoRA the trained
@@ -69,8 +44,8 @@ def build(cfg, hf_dir: Path, hf_config, objective):
     from alignment.models.gpt import build_gpt_model
     from alignment.models.value_head import build_value_model
     from alignment.models.weights import lazy_safetensors, load_hf_weights
-    from alignment.trainers.megatron_step import OptimConfig, main_param_writer, setup_training
     from alignment.trainers.offline import OfflineModels
+    from alignment.training.megatron_step import OptimConfig, main_param_writer, setup_training
     from launchers.common import add_adapters, job_transformer_config
     from parallel.lora import FrozenBase
 
@@ -120,16 +95,17 @@ def run(cfg) -> dict:
     """Run an SFT / RM / DPO job; returns the summary written to ``<output_dir>/summary.json``."""
     from megatron.core import parallel_state as ps
 
+    from alignment.data.examples import tokenize_split
     from alignment.trainers import offline
-    from alignment.trainers.batching import MicroBatching
-    from alignment.trainers.health import HealthMonitor
-    from alignment.trainers.checkpoint import (
+    from alignment.training.batching import MicroBatching
+    from alignment.training.checkpoint import (
         latest_checkpoint,
         load_megatron_checkpoint,
         save_hf_checkpoint,
         save_megatron_checkpoint,
     )
-    from alignment.trainers.dp_balance import global_batch_share
+    from alignment.training.dp_balance import global_batch_share
+    from alignment.training.health import HealthMonitor
     from launchers import preemption
     from launchers.common import export_adapters, start
     from parallel.state import replica_group

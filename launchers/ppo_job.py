@@ -23,8 +23,8 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     """This rank's :class:`alignment.trainers.ppo.PPOModels`."""
     from alignment.config import lora_spec, ppo_on_task, process_reward_weight
     from alignment.models.families import get_bridge
-    from alignment.trainers.offload import DevicePlacement, offload_enabled
     from alignment.trainers.ppo import PPOModels
+    from alignment.training.offload import DevicePlacement, offload_enabled
     from launchers.common import load_model, rollout_engine
     from parallel.lora import FrozenBase
 
@@ -48,7 +48,7 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     placement.add_model("reference", reference)
     placement.add_model("reward_model", reward_model)
     placement.add_model("process_reward_model", prm)
-    from launchers.train import episode_setup
+    from alignment.rollout.multi_turn import episode_setup
 
     return PPOModels(policy, optimizer, reference, engine, bridge, engine.tokenizer,
                      hf_config.vocab_size, placement, resharder, critic=critic, critic_optimizer=critic_optimizer,
@@ -83,7 +83,7 @@ def heldout_responses(models, prompts: list[list[int]], cfg) -> dict[str, list[f
 def compare(before: dict, after: dict) -> dict[str, float]:
     """Global win rate of ``after`` over ``before`` (ties count half) and mean score and length
     of both; each DP rank's held-out prompts counted once (collective)."""
-    from alignment.trainers.megatron_step import all_reduce_sum, is_output_rank
+    from alignment.training.megatron_step import all_reduce_sum, is_output_rank
 
     keep = 1.0 if is_output_rank() else 0.0
     sb, sa = torch.tensor(before["scores"]), torch.tensor(after["scores"])
@@ -132,12 +132,13 @@ def run(cfg) -> dict:
     job = start(cfg)  # validates the config before any process group starts
     models = build(cfg, job.hf_dir, job.hf_config, job.rank)
     if ppo_on_task(cfg):  # data.task's problems, graded by reward.functions' text terms
-        from alignment.trainers import grpo
-        from launchers.train import HeldoutAccuracy, training_order
+        from alignment.data.prompt_data import training_order
+        from alignment.trainers import rl_phases
+        from alignment.trainers.heldout import HeldoutAccuracy
 
         train, heldout = training_order(cfg, job.prompts), job.prompts.heldout
         evaluation = HeldoutAccuracy(job, models, heldout)
-        request = lambda problems: grpo.request(models.tokenizer, problems, cfg)  # noqa: E731
+        request = lambda problems: rl_phases.request(models.tokenizer, problems, cfg)  # noqa: E731
     else:  # dpo_en_demo's chat prompts, judged by the reward model
         train, heldout = prompts_of(cfg, models.tokenizer, "train"), prompts_of(cfg, models.tokenizer, "heldout")
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()

@@ -5,7 +5,7 @@ touches in case a signal came before a process installed its handler) sets a fla
 step boundary the loops ask :func:`stop_requested`: one all-reduce (MAX) over all ranks, so
 every rank takes the same decision at the same step even when only one got the signal. Then
 :func:`save_and_exit` writes the checkpoint of that step (atomic, see
-:mod:`alignment.trainers.checkpoint`), shuts down and exits with :data:`PREEMPTED_EXIT_CODE`.
+:mod:`alignment.training.checkpoint`), shuts down and exits with :data:`PREEMPTED_EXIT_CODE`.
 The next run with the same ``output_dir`` resumes from it (``trainer.resume=true``); the data
 of a step is a function of the step number in every loop, so it continues where it stopped.
 """

@@ -19,6 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from alignment.compose import compose  # noqa: E402 - after the path, for `python launchers/preflight.py`
+
 
 def model_config(path: str, resolve: bool):
     """The HF config of ``model.path``, or None when it is not an HF directory and ``resolve`` is
@@ -33,22 +35,6 @@ def model_config(path: str, resolve: bool):
     from alignment.models.hf_assets import prepare_hf_dir
 
     return AutoConfig.from_pretrained(prepare_hf_dir(path))
-
-
-def compose(config_name: str, overrides: list[str]):
-    """``configs/<config_name>.yaml`` composed with ``overrides`` (as ``launchers/train.py`` would).
-
-    Raises:
-        hydra.errors.*Exception / omegaconf errors: an unknown key or a wrong type in ``overrides``.
-    """
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from alignment.config import register
-
-    register()
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-        return hydra_compose(config_name, overrides=list(overrides))
 
 
 def check(config_name: str, overrides: list[str], world_size: int, resolve_model: bool = True):

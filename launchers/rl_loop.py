@@ -167,7 +167,7 @@ def reward_server_failures() -> list[str]:
     import torch.distributed as dist
 
     from alignment.rewards.remote import take_failures
-    from alignment.trainers.megatron_step import all_reduce_sum
+    from alignment.training.megatron_step import all_reduce_sum
 
     mine = take_failures()
     if not all_reduce_sum([float(len(mine))])[0]:
@@ -180,7 +180,7 @@ def reward_server_failures() -> list[str]:
 def skipped_groups(samples, group_size: int) -> float:
     """Groups of the global batch left out of the update because a reward server failed on them
     (``on_error: skip``; :func:`alignment.trainers.rewarding.drop_failed_groups`); collective."""
-    from alignment.trainers.megatron_step import all_reduce_sum
+    from alignment.training.megatron_step import all_reduce_sum
     from parallel.state import replica_group
 
     lead = replica_group().rank() == 0
@@ -202,16 +202,16 @@ def run(job, models, spec: RLJob) -> dict:
 
     Raises:
         FileNotFoundError, ValueError: a checkpoint to resume that is incomplete or saved with an
-            incompatible optimizer layout (:func:`alignment.trainers.checkpoint.load_megatron_checkpoint`).
+            incompatible optimizer layout (:func:`alignment.training.checkpoint.load_megatron_checkpoint`).
     Exits with ``launchers.preemption.PREEMPTED_EXIT_CODE`` after saving when asked to stop.
     """
     from megatron.core import parallel_state as ps
 
-    from alignment.trainers.checkpoint import (latest_checkpoint, load_models_checkpoint, save_hf_checkpoint,
-                                               save_models_checkpoint)
-    from alignment.trainers.health import HealthMonitor
-    from alignment.trainers.offload import trainable
     from alignment.trainers.rl_phases import post_for_group, sync_weights
+    from alignment.training.checkpoint import (latest_checkpoint, load_models_checkpoint, save_hf_checkpoint,
+                                               save_models_checkpoint)
+    from alignment.training.health import HealthMonitor
+    from alignment.training.offload import trainable
     from launchers import preemption
     from launchers.common import export_adapters
     from launchers.profiling import peak_rss_bytes

@@ -24,7 +24,7 @@ register()
 def needs_reference(cfg) -> bool:
     """A frozen reference policy: for the KL term (``algorithm.kl_coef > 0``) or online DPO's
     losses that use one (all but ``simpo`` / ``orpo``)."""
-    from alignment.trainers.dpo import REFERENCE_FREE
+    from alignment.algorithms.preference_loss import REFERENCE_FREE
 
     a = cfg.algorithm
     return a.kl_coef > 0 or (a.name == "online_dpo" and a.loss_type not in REFERENCE_FREE)
@@ -35,13 +35,14 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
     reference (:func:`needs_reference`; with LoRA the policy with its adapters off) and rollout engine
     (``rollout.backend``), all loaded from the HF weights in ``hf_dir``, and the frozen reward model
     (``model.reward_model_path``) when ``reward.functions`` names ``reward_model``."""
+    from alignment.config import process_reward_weight, reward_terms
     from alignment.models.families import get_bridge
     from alignment.models.gpt import build_gpt_model
     from alignment.models.weights import lazy_safetensors, load_hf_weights
+    from alignment.rollout.multi_turn import episode_setup
     from alignment.trainers.rl_phases import Models
-    from alignment.trainers.megatron_step import OptimConfig, main_param_writer, setup_training
-    from alignment.trainers.offload import DevicePlacement, offload_enabled
-    from alignment.config import process_reward_weight, reward_terms
+    from alignment.training.megatron_step import OptimConfig, main_param_writer, setup_training
+    from alignment.training.offload import DevicePlacement, offload_enabled
     from launchers.common import add_adapters, job_transformer_config, load_model, rollout_engine
     from parallel.lora import FrozenBase
 
@@ -77,19 +78,6 @@ def build(cfg, hf_dir: Path, hf_config, rank: int):
                   resharder, reward_model, prm, episode_setup(cfg, hf_dir, engine.tokenizer))
 
 
-def episode_setup(cfg, hf_dir: Path, tokenizer):
-    """The job's environment (``rollout.environment``), turn tokens, ``rollout.max_turns`` and
-    ``rollout.max_tokens_per_turn``."""
-    from alignment.envs.factory import build_environment
-    from alignment.rollout.factory import eos_token_ids
-    from alignment.rollout.multi_turn import EpisodeSetup
-    from alignment.rollout.turn_tokens import TurnTokens
-
-    kwargs = dict(cfg.data.get("chat_template_kwargs") or {})
-    return EpisodeSetup(build_environment(cfg), TurnTokens(tokenizer, eos_token_ids(hf_dir, tokenizer), kwargs),
-                        cfg.rollout.max_turns, cfg.rollout.max_tokens_per_turn)
-
-
 def run(cfg: DictConfig) -> dict:
     """Run the job ``cfg.algorithm.name`` names; returns the summary written to ``<output_dir>/summary.json``.
 
@@ -110,95 +98,13 @@ def run(cfg: DictConfig) -> dict:
     return run_rl(cfg)
 
 
-class HeldoutAccuracy:
-    """GRPO's :class:`launchers.rl_loop.Evaluation`: greedy accuracy on the held-out problems, graded
-    by :func:`alignment.config.heldout_grader` (before training possibly cached from an earlier run:
-    ``trainer.eval_cache``). Without held-out problems or a grader it measures nothing."""
-
-    def __init__(self, job, models, heldout):
-        from alignment.config import heldout_grader
-
-        self.job, self.models, self.heldout = job, models, list(heldout)
-        self.grader = heldout_grader(job.cfg)
-        self.acc_before, self.cached, self.sampled_before = None, False, {}
-        self.off = not self.heldout or self.grader is None
-
-    def baseline(self) -> None:
-        if self.off and self.job.rank == 0:
-            why = "no held-out prompts (data.heldout_files or data.heldout_fraction)" if not self.heldout else \
-                "no reward function that grades answers"
-            print(f"held-out accuracy: not measured, {why}", flush=True)
-
-    def _accuracy(self) -> float:
-        from alignment.trainers import grpo
-
-        cfg = self.job.cfg
-        return grpo.evaluate(self.models, self.heldout, cfg.rollout.eval_max_tokens, self.grader)
-
-    def _sampled(self) -> dict[str, float]:
-        """``heldout/pass@1``, ``pass@k`` (and ``tool_call_rate`` in multi-turn episodes) with
-        ``rollout.eval_pass_k`` > 0, else {}."""
-        from alignment.trainers import grpo
-
-        r = self.job.cfg.rollout
-        if not r.eval_pass_k:
-            return {}
-        return grpo.pass_at_k(self.models, self.heldout, r.eval_pass_k, r.eval_max_tokens, r.temperature,
-                              tool_calls=r.environment != "single_turn", grader=self.grader)
-
-    def before(self, step: int) -> dict[str, float]:
-        from alignment.trainers.eval_cache import cached_accuracy, heldout_key
-
-        job = self.job
-        if self.off:
-            return {}
-        if step == 0:  # the base checkpoint: its accuracy may be known from an earlier run
-            key = heldout_key(job.hf_dir, self.models.tokenizer, self.heldout, job.cfg, job.world)
-            self.acc_before, self.cached = cached_accuracy(key, self._accuracy, job.cfg.trainer.eval_cache)
-        else:
-            self.acc_before = self._accuracy()
-        if job.rank == 0:
-            what = f"at step {step} (resumed)" if step else "before training"
-            note = " (cached from an earlier run: trainer.eval_cache)" if self.cached else ""
-            print(f"held-out accuracy {what}: {self.acc_before:.3f} ({len(self.heldout)} problems){note}", flush=True)
-        self.sampled_before = self._sampled()
-        if job.rank == 0 and self.sampled_before:
-            print("held-out, sampled: " + ", ".join(f"{k[8:]} {v:.3f}" for k, v in self.sampled_before.items()),
-                  flush=True)
-        return {"heldout/accuracy": self.acc_before, **self.sampled_before}
-
-    def measure(self) -> dict[str, float]:
-        return {} if self.off else {"heldout/accuracy": self._accuracy()}
-
-    def final(self) -> tuple[dict[str, float], dict, str]:
-        if self.off:
-            return {}, {}, "held-out accuracy: not measured"
-        after = self._accuracy()
-        before = f" (before: {self.acc_before:.3f})" if self.acc_before is not None else ""
-        summary = {"heldout_accuracy_before": self.acc_before, "heldout_before_cached": self.cached,
-                   "heldout_accuracy_after": after, "heldout_size": len(self.heldout)}
-        sampled = self._sampled()
-        summary.update({f"{k[8:]}_before": v for k, v in self.sampled_before.items()})
-        summary.update({f"{k[8:]}_after": v for k, v in sampled.items()})
-        message = f"held-out accuracy after training: {after:.3f}{before}" + "".join(
-            f", {k[8:]} {v:.3f} (before: {self.sampled_before.get(k, float('nan')):.3f})" for k, v in sampled.items())
-        return {"heldout/accuracy": after, **sampled}, summary, message
-
-
-def training_order(cfg, prompts):
-    """The order steps take the training prompts in (:class:`alignment.data.prompt_data.EpochOrder`):
-    reshuffled every epoch from the seed (``data.shuffle``); a built-in task's first epoch in its own
-    order (already a seeded random draw)."""
-    from alignment.data.prompt_data import EpochOrder
-
-    return EpochOrder(prompts.train, cfg.seed, shuffle=cfg.data.shuffle, keep_first=not cfg.data.get("train_files"))
-
-
 def run_rl(cfg: DictConfig) -> dict:
     """Run a GRPO-family job, rejection-sampling fine-tuning (``rft``: :mod:`alignment.trainers.rft`)
     or online DPO (``online_dpo``: :mod:`alignment.trainers.online_dpo`) through
     :mod:`launchers.rl_loop`; returns the summary written to ``<output_dir>/summary.json``."""
-    from alignment.trainers import grpo, online_dpo, rft
+    from alignment.data.prompt_data import training_order
+    from alignment.trainers import grpo, online_dpo, rft, rl_phases
+    from alignment.trainers.heldout import HeldoutAccuracy
     from launchers import rl_loop
     from launchers.common import start
 
@@ -229,7 +135,7 @@ def run_rl(cfg: DictConfig) -> dict:
     spec = rl_loop.RLJob(name, train, grpo_collect if trainer is grpo else own_collect,
                          lambda rollout: trainer.train(models, rollout, cfg), trained,
                          HeldoutAccuracy(job, models, heldout),
-                         request=lambda problems: grpo.request(models.tokenizer, problems, cfg))
+                         request=lambda problems: rl_phases.request(models.tokenizer, problems, cfg))
     return rl_loop.run(job, models, spec)
 
 

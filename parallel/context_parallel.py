@@ -74,7 +74,7 @@ def gather_from_context_parallel(x: torch.Tensor, group) -> torch.Tensor:
 
     The gradient of ``x`` is the gathered tensor's gradient at this rank's index, which is
     right when every CP rank evaluates the same function of the gathered tensor (megalign's
-    losses: see :mod:`alignment.trainers.megatron_step`)."""
+    losses: see :mod:`alignment.training.megatron_step`)."""
     return _GatherFromContextParallel.apply(x, group)
 
 

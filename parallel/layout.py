@@ -14,7 +14,8 @@ class LayoutError(ValueError):
     """A parallel layout that cannot work for this model or world size."""
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n`` in increasing order (``[]`` for ``n`` < 1)."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -90,7 +91,7 @@ def validate_layout(
                          ("context_parallel_size", cp)):
         if not isinstance(value, int) or value < 1:
             raise LayoutError(f"{prefix}{field}={value!r}: must be a positive integer")
-    valid_tp = [d for d in _divisors(num_query_groups) if num_attention_heads % d == 0 and ws % d == 0]
+    valid_tp = [d for d in divisors(num_query_groups) if num_attention_heads % d == 0 and ws % d == 0]
     if num_attention_heads % tp or num_query_groups % tp:
         raise LayoutError(
             f"{prefix}tensor_model_parallel_size={tp} must divide the model's {num_attention_heads} attention "
@@ -100,18 +101,18 @@ def validate_layout(
             f"{prefix}tensor_model_parallel_size={tp} does not divide the world size {ws} "
             f"(number of processes); valid values: {valid_tp}")
     if num_layers % pp:
-        valid_pp = [d for d in _divisors(num_layers) if ws % (tp * d) == 0]
+        valid_pp = [d for d in divisors(num_layers) if ws % (tp * d) == 0]
         raise LayoutError(
             f"{prefix}pipeline_model_parallel_size={pp} must divide the model's {num_layers} layers; "
             f"valid values with tensor_model_parallel_size={tp} and world size {ws}: {valid_pp}")
     if ws % (tp * pp):
-        valid_pp = [d for d in _divisors(num_layers) if ws % (tp * d) == 0]
+        valid_pp = [d for d in divisors(num_layers) if ws % (tp * d) == 0]
         raise LayoutError(
             f"world size {ws} is not divisible by tensor_model_parallel_size x pipeline_model_parallel_size "
             f"= {tp} x {pp}; set {prefix}pipeline_model_parallel_size to one of {valid_pp} "
             f"or launch a multiple of {tp * pp} processes")
     if ws % (tp * pp * cp):
-        valid_cp = [d for d in _divisors(ws) if ws % (tp * pp * d) == 0]
+        valid_cp = [d for d in divisors(ws) if ws % (tp * pp * d) == 0]
         raise LayoutError(
             f"world size {ws} is not divisible by tensor x pipeline x context parallel sizes = {tp} x {pp} x {cp}; "
             f"set {prefix}context_parallel_size to one of {valid_cp} or launch a multiple of {tp * pp * cp} processes")
@@ -123,7 +124,7 @@ def validate_layout(
 
         why = check_ulysses_heads(num_attention_heads // tp, num_query_groups // tp, cp)
         if why:
-            ok = [d for d in _divisors(ws // (tp * pp))
+            ok = [d for d in divisors(ws // (tp * pp))
                   if d > 1 and check_ulysses_heads(num_attention_heads // tp, num_query_groups // tp, d) is None]
             raise LayoutError(f"{prefix}context_parallel_size={cp} with {prefix}cp_comm_type=a2a (Ulysses): {why}; "
                               f"valid Ulysses sizes here: {ok}, or use {prefix}cp_comm_type=p2p (ring attention)")
@@ -155,7 +156,7 @@ def _validate_experts(layout: ParallelLayout, num_experts: int, moe_ffn: int, pr
                               f"model has no experts (dense); leave them at 1 / null")
         return
     etp = layout.expert_tensor_size
-    valid_ep = [d for d in _divisors(num_experts) if ws % (etp * d * pp) == 0]
+    valid_ep = [d for d in divisors(num_experts) if ws % (etp * d * pp) == 0]
     if num_experts % ep:
         raise LayoutError(f"{prefix}expert_model_parallel_size={ep} must divide the model's {num_experts} experts; "
                           f"valid values with world size {ws}: {valid_ep}")

@@ -310,7 +310,7 @@ def adapters_disabled(model: nn.Module):
 class FrozenBase:
     """The reference model of a LoRA job: the adapted ``model`` (DDP-wrapped or not) with every
     adapter off, so the reference logprobs come from the same base weights as the policy and no
-    second copy of the model exists. ``alignment.trainers.megatron_step.forward_backward`` runs
+    second copy of the model exists. ``alignment.training.megatron_step.forward_backward`` runs
     ``model`` under :func:`adapters_disabled` when given one (forward only)."""
 
     def __init__(self, model: nn.Module):

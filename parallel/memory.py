@@ -3,7 +3,7 @@
 Pure functions of a ``ModelDims``-style model (:class:`alignment.models.dims.ModelDims`) and a
 :class:`parallel.layout.ParallelLayout`; no process groups, no tensors. What is counted is
 what megalign's training path allocates (Megatron-Core 0.16.1 DDP and optimizer, the local
-layer spec with :mod:`parallel.attention`, :class:`alignment.trainers.megatron_step.LogprobOutputs`):
+layer spec with :mod:`parallel.attention`, :class:`alignment.training.megatron_step.LogprobOutputs`):
 
 * **weights**: the parameters of the largest pipeline stage, this TP rank's shard; in
   mixture-of-experts layers the replicated router and this expert-parallel rank's experts

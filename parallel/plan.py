@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel.layout import LayoutError, ParallelLayout, _divisors, validate_model_layout
+from parallel.layout import LayoutError, ParallelLayout, divisors, validate_model_layout
 from parallel.memory import MemoryBreakdown, RolloutPlan, estimate_memory
 
 RULE = ("the fitting layout with the smallest model-parallel size TP x PP x CP, i.e. the largest DP "
@@ -57,11 +57,11 @@ def enumerate_layouts(dims, *, nodes: int, gpus_per_node: int, seq_length: int, 
     world, vpp = nodes * gpus_per_node, virtual_pipeline_size
     experts = getattr(dims, "num_experts", 0)
     valid, refused = [], []
-    for tp in _divisors(world):
-        for pp in _divisors(world // tp):
-            for cp in _divisors(world // (tp * pp)):
+    for tp in divisors(world):
+        for pp in divisors(world // tp):
+            for cp in divisors(world // (tp * pp)):
                 # EP: whole experts per rank (expert TP 1); the expert grid EP x PP must divide the world
-                for ep in [e for e in _divisors(experts) if (world // pp) % e == 0] if experts else [1]:
+                for ep in [e for e in divisors(experts) if (world // pp) % e == 0] if experts else [1]:
                     layout = ParallelLayout(world_size=world, tensor_model_parallel_size=tp,
                                             pipeline_model_parallel_size=pp,
                                             sequence_parallel=sequence_parallel and tp > 1,

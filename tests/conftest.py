@@ -68,9 +68,13 @@ def slow_cpu() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """On a :func:`slow_cpu` the tests marked ``heavy`` (end-to-end variants of minutes whose paths other
-    tests also run) skip, so the whole suite stays inside CI's 90 minutes there; ``MEGALIGN_FULL_TESTS=1``
-    runs them anyway. Everywhere else every test runs."""
+    """The tiers (CONTRIBUTING.md): a ``heavy`` test is also ``slow``, so ``-m "not slow"`` (the
+    developer's loop) runs no process launch. On a :func:`slow_cpu` the tests marked ``heavy``
+    (end-to-end variants of minutes whose paths other tests also run) skip, so the whole suite stays
+    inside CI's limit there; ``MEGALIGN_FULL_TESTS=1`` runs them anyway. Everywhere else every test runs."""
+    for item in items:
+        if "heavy" in item.keywords and "slow" not in item.keywords:
+            item.add_marker(pytest.mark.slow)
     if os.environ.get("MEGALIGN_FULL_TESTS") == "1" or not slow_cpu():
         return
     skip = pytest.mark.skip(reason="heavy end-to-end run, skipped on a CPU without AVX-512 where the suite runs about "

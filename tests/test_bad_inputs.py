@@ -101,8 +101,8 @@ def checkpoint(saved: dict, damage: Callable | None = None, config: str = "sft",
     def make(tmp):
         from omegaconf import OmegaConf
 
-        from alignment.trainers.checkpoint import _write_manifest
         from launchers.preflight import compose
+        from parallel.atomic_dir import write_manifest
         import torch
 
         out = tmp / "out"
@@ -113,7 +113,7 @@ def checkpoint(saved: dict, damage: Callable | None = None, config: str = "sft",
         (step_dir / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
         torch.save({"step": step, "optimizer_kind": "plain"}, step_dir / "common.pt")
         (step_dir / "__0_0.distcp").write_bytes(os.urandom(4096))
-        _write_manifest(step_dir)
+        write_manifest(step_dir)
         if damage is not None:
             damage(step_dir)
         return config, [f"output_dir={out}", *extra], 2
@@ -142,10 +142,10 @@ class _Payload:  # what a malicious common.pt would run when unpickled
 def _malicious_common(d: Path) -> None:
     import torch
 
-    from alignment.trainers.checkpoint import _write_manifest
+    from parallel.atomic_dir import write_manifest
 
     torch.save({"step": 4, "x": _Payload()}, d / "common.pt")
-    _write_manifest(d)
+    write_manifest(d)
 
 
 def _prm_dir(tmp: Path, train: str) -> str:
@@ -415,9 +415,10 @@ def _outside(field: str):
 
 
 def test_every_numeric_field_has_a_range():
+    from alignment.config import JobConfig
     from alignment.config_ranges import RANGES, UNBOUNDED, numeric_fields
 
-    fields = numeric_fields()
+    fields = numeric_fields(JobConfig)
     assert set(fields) == set(RANGES) | set(UNBOUNDED), sorted(set(fields) ^ (set(RANGES) | set(UNBOUNDED)))
 
 

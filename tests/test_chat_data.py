@@ -8,7 +8,7 @@ import torch
 
 from alignment.data.chat_data import encode_example, load_preference_pairs, load_sft_examples
 from alignment.models.value_head import sequence_scores
-from alignment.trainers.batching import make_sequence_batch
+from alignment.training.batching import make_sequence_batch
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ of bad inputs through ``megalign train --dry-run`` is ``tests/test_bad_inputs.py
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from launchers.console import ERROR_FILE_ENV
@@ -58,6 +59,7 @@ def test_unknown_option_is_one_line(capfd):
                                         "overrides"]
 
 
+@pytest.mark.slow
 def test_a_ranks_bad_input_is_one_line_without_tracebacks(tmp_path, capfd):
     """Past the command's checks (called here without them), 2 ranks that meet a bad input each
     write its one line and exit 2 (the first to fail sets the status): no traceback, no launcher

@@ -9,6 +9,8 @@ import pytest
 
 from tests.dist.context_parallel_worker import CASES
 
+pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
+
 TOL = 1e-5
 
 

@@ -13,6 +13,8 @@ from tests.conftest import run_torchrun
 from tests.dist.convert_worker import INPUT_IDS
 from tests.dist.tiny_llama import save_tiny_hf_dir
 
+pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
+
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):

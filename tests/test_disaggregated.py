@@ -105,6 +105,7 @@ def test_a_reseed_reaches_the_engines_with_the_next_request():
     assert engine.calls == [("reseed", 7), ("generate", [[5], [6]]), ("generate", [[8]])]
 
 
+@pytest.mark.slow
 def test_weight_sync_from_trainers_to_engine_ranks(tmp_path):
     """gqa test model: 4 layers, hidden 96, untied; 27 vLLM tensors per engine rank. The replicated
     norms (2 per layer + the final one, 96 floats each) go whole to every vLLM TP rank, the rest is split."""
@@ -124,6 +125,7 @@ def test_weight_sync_from_trainers_to_engine_ranks(tmp_path):
     assert cases["tp1_pp1->vllm_tp1"]["sent_bytes"] == [cases["tp1_pp1->vllm_tp1"]["model_bytes"]] * 2
 
 
+@pytest.mark.slow
 def test_grpo_with_a_trainer_rank_and_a_rollout_rank(tmp_path):
     """1 trainer (Megatron, fp32) + 1 rank running the vLLM engine: prompts and samples cross
     the stateless group, the whole model crosses it after every step; the engine's logprobs of

@@ -11,7 +11,8 @@ import re
 import pytest
 
 from alignment.data.tasks import Problem
-from alignment.evaluation import metrics, reasoning
+from alignment.evaluation import metrics
+from alignment.rewards import grading
 from alignment.rollout.base import Sample
 
 
@@ -62,20 +63,20 @@ def test_reasoning_counts_by_hand():
     groups = [[_sample("The answer is 4"), _sample("5"), _sample("so 4", tool_calls=1)],
               [_sample("5"), _sample("7"), _sample("7")],
               [_sample("3"), _sample("2"), _sample("3")]]
-    right = reasoning.grade(problems, groups, max_tokens=16)
+    right = grading.grade(problems, groups, max_tokens=16)
     assert right == [[True, False, True], [False, False, False], [False, True, False]]
-    c = reasoning.counts(problems, groups, right, 3)
+    c = grading.counts(problems, groups, right, 3)
     assert c == {"problems": 3.0, "pass@1": pytest.approx(2 / 3 + 0 + 1 / 3), "pass@3": 2.0, "maj@3": 1.0,
                  "tool_calls": 1.0}
-    r = reasoning.rates(c, 3)
+    r = grading.rates(c, 3)
     assert r == {"pass@1": pytest.approx(1 / 3), "pass@3": pytest.approx(2 / 3), "maj@3": pytest.approx(1 / 3),
                  "tool_call_rate": pytest.approx(1 / 9)}
-    assert reasoning.rates(reasoning.counts(problems[:1], [groups[0][:1]], [[True]], 1), 1) == \
+    assert grading.rates(grading.counts(problems[:1], [groups[0][:1]], [[True]], 1), 1) == \
         {"pass@1": 1.0, "tool_call_rate": 0.0}
     with pytest.raises(ValueError, match="k=2"):
-        reasoning.counts(problems, groups, right, 2)
+        grading.counts(problems, groups, right, 2)
     with pytest.raises(ValueError, match="groups of samples for 2 problems"):
-        reasoning.grade(problems[:2], groups, 16)
+        grading.grade(problems[:2], groups, 16)
 
 
 def test_suites_and_the_regression_file(tmp_path):

@@ -19,6 +19,7 @@ def check_logits(results: dict, cases: dict) -> None:
         assert r["export_max_abs_diff"] == 0.0 and r["export_missing"] == [], (name, r)
 
 
+@pytest.mark.slow
 def test_two_rank_layouts_and_gradients(torchrun_json):
     r = torchrun_json("family_worker.py", nproc=2)
     check_logits(r, LOGIT_CASES[2])
@@ -38,6 +39,7 @@ def test_two_rank_layouts_and_gradients(torchrun_json):
     assert ref["aux_router_grad_effect"] > 100 * max(r[n]["max_router_grad_diff"] for n in GRAD_CASES)
 
 
+@pytest.mark.slow
 def test_expert_and_tensor_parallel_layouts_on_four_ranks(torchrun_json):
     check_logits(torchrun_json("family_worker.py", nproc=4), LOGIT_CASES[4])
 

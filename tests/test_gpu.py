@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def _megatron_logits(hf, input_ids, dtype):
     from alignment.models.families import get_bridge
     from alignment.models.gpt import build_gpt_model, transformer_config
     from alignment.models.weights import export_hf_weights, load_hf_weights
-    from alignment.trainers.megatron_step import forward_backward
+    from alignment.training.megatron_step import forward_backward
 
     cfg = hf.config
     model = build_gpt_model(cfg, transformer_config(cfg, tensor_model_parallel_size=1,
@@ -222,7 +222,7 @@ def test_offload_to_pinned_host_memory_frees_the_gpu_and_trains_identically():
     """trainer.offload's DevicePlacement on real CUDA tensors: keep() returns the weights' and
     Adam's GPU memory to the allocator, and 3 steps with offload between them are bitwise equal
     to 3 steps without."""
-    from alignment.trainers.offload import DevicePlacement, trainable
+    from alignment.training.offload import DevicePlacement, trainable
 
     def run(offload: bool):
         torch.manual_seed(0)

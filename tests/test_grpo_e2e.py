@@ -13,6 +13,8 @@ from safetensors.torch import load_file
 from tests.conftest import run_torchrun
 from tests.dist.tiny_llama import save_tiny_hf_dir
 
+pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
+
 
 def test_two_grpo_steps_tiny_model(tmp_path):
     model_dir = save_tiny_hf_dir(tmp_path / "tiny")

@@ -4,6 +4,10 @@ the whole batch in one process, whatever the micro-batch split or layout."""
 
 from __future__ import annotations
 
+import pytest
+
+pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
+
 
 def test_grpo_gradients_equal_single_process_autograd(torchrun_json):
     r = torchrun_json("grpo_invariance_worker.py")

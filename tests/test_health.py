@@ -4,7 +4,7 @@ optimizers, and end to end in test_offline_e2e.py)."""
 
 from __future__ import annotations
 
-from alignment.trainers.health import BadStepStreak, TrainingDiverged
+from alignment.training.health import BadStepStreak, TrainingDiverged
 
 
 def test_streak_counts_consecutive_bad_steps_only():
@@ -28,7 +28,7 @@ def test_bounds_warn_and_stop_by_hand():
 
     import pytest
 
-    from alignment.trainers.health import HealthMonitor, TrainingStopped, crossed_bounds
+    from alignment.training.health import HealthMonitor, TrainingStopped, crossed_bounds
 
     bounds = [NS(metric="entropy", below=0.05, above=None), NS(metric="kl", below=None, above=1.0)]
     assert crossed_bounds({"entropy": 0.5, "kl": 0.1}, bounds, "stop_on") == []

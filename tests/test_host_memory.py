@@ -1,4 +1,4 @@
-"""Host memory handed back to the OS (alignment/trainers/host_memory.py), in a fresh process each
+"""Host memory handed back to the OS (alignment/training/host_memory.py), in a fresh process each
 so that the allocator settings of the test process stay as they are."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FRAGMENT = r"""
 import re, sys
 sys.path.insert(0, sys.argv[1])
-from alignment.trainers.host_memory import release_free_heap, return_freed_memory_to_os
+from alignment.training.host_memory import release_free_heap, return_freed_memory_to_os
 def rss_mib():
     return int(re.search(r"VmRSS:\s+(\d+)", open("/proc/self/status").read()).group(1)) / 1024
 assert return_freed_memory_to_os()
@@ -41,7 +41,7 @@ def test_release_free_heap_returns_a_fragmented_heap_to_the_os():
 
 
 def test_onednn_primitive_cache_bound_unless_set(monkeypatch):
-    from alignment.trainers.host_memory import ONEDNN_CACHE_ENTRIES, bound_onednn_primitive_cache
+    from alignment.training.host_memory import ONEDNN_CACHE_ENTRIES, bound_onednn_primitive_cache
 
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
     monkeypatch.delenv("LRU_CACHE_CAPACITY", raising=False)
@@ -57,7 +57,7 @@ SHAPES = r"""
 import os, re, sys
 sys.path.insert(0, sys.argv[1])
 if sys.argv[2] == "bounded":
-    from alignment.trainers.host_memory import bound_onednn_primitive_cache
+    from alignment.training.host_memory import bound_onednn_primitive_cache
     bound_onednn_primitive_cache()
 import torch
 torch.set_num_threads(1)

@@ -159,6 +159,7 @@ def test_more_judge_settings_errors(settings, says):
         check_function(RewardTerm("j", function="judge", kwargs=settings))
 
 
+@pytest.mark.slow
 def test_a_judge_model_run_in_the_job_replies_as_transformers_generates(tmp_path):
     """A judge given as an HF directory runs in vLLM in the process (a subprocess here, as in a job): its
     replies are the greedy continuations transformers generates from the same chat-templated prompts."""

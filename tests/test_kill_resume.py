@@ -16,6 +16,8 @@ import re
 from tests.conftest import run_torchrun, run_torchrun_killed
 from tests.dist.tiny_llama import save_tiny_hf_dir
 
+pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
+
 STEPS = 3
 COMMON = [f"trainer.steps={STEPS}", "trainer.save_every=1", "rollout.prompts_per_step=2", "rollout.group_size=4",
           "trainer.micro_batch_size=2", "data.heldout_size=4", "data.train_size=20", "rollout.max_tokens=16",

@@ -100,6 +100,7 @@ def test_merged_narrow_adds_scale_b_a_to_just_the_slice():
         FrozenBase(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.slow
 def test_adapted_linears_equal_the_dense_math_at_tp_1_and_2_with_and_without_sp(tmp_path):
     """Column- and row-parallel linears: output, input gradient and the full A / B gradients
     (TP slices gathered, sequence-parallel partial sums all-reduced) == fp64 autograd of
@@ -220,6 +221,7 @@ def test_dpo_and_reward_model_with_lora(tmp_path):
     check_export_scores(out, s["heldout_after"])
 
 
+@pytest.mark.slow
 def test_adapter_gradients_equal_peft_autograd_for_grpo_and_dpo(torchrun_json):
     """The GRPO and DPO gradients of every adapter through Megatron (DDP, schedule, TP / SP / PP
     communication, finalize_model_grads) == single-process autograd on a PEFT-wrapped HF model

@@ -499,8 +499,8 @@ def test_kto_reference_point_from_mismatched_rows_by_hand(monkeypatch):
     from megatron.core import parallel_state as ps
 
     from alignment.trainers import dpo, offline
-    from alignment.trainers.batching import make_sequence_batch
     from alignment.trainers.dpo import DPOObjective
+    from alignment.training.batching import make_sequence_batch
 
     def fake_logps(model, batch, mb, vocab):
         ids, mask = batch["input_ids"].float(), batch["loss_mask"]

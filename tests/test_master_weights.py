@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
+pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
+
 
 def test_bf16_masters_seeded_from_checkpoint_follow_fp32_updates(torchrun_json):
     res = torchrun_json("master_weights_worker.py")

@@ -3,6 +3,7 @@ alignment/rollout/megatron_engine.py) and the KV-cache attention it needs."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -36,6 +37,7 @@ def test_cached_causal_attention_aligns_the_mask_to_the_last_queries():
     assert err <= (sdpa.float() - exact).abs().max().item() + 1e-6
 
 
+@pytest.mark.slow
 def test_megatron_engine_matches_transformers(torchrun_json):
     r = torchrun_json("megatron_engine_worker.py", nproc=1)
     assert r["greedy_equal"], r  # 8 greedy tokens of 2 prompts (lengths 5 and 3, one batch) = transformers'

@@ -5,6 +5,10 @@ exported to HF gives the same logits in transformers (``export_*`` cases)."""
 
 from __future__ import annotations
 
+import pytest
+
+pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
+
 
 def test_logits_match_transformers_for_tp_and_pp(torchrun_json):
     results = torchrun_json("parity_worker.py")

@@ -16,7 +16,7 @@ from alignment.envs.tools import TOOLS
 from alignment.rollout.base import Sample, SamplingConfig
 from alignment.rollout.multi_turn import run_episodes
 from alignment.rollout.turn_tokens import TurnTokens
-from alignment.trainers.batching import make_batch
+from alignment.training.batching import make_batch
 
 EOS = 2  # SmolLM2's <|im_end|>
 

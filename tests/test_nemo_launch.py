@@ -16,6 +16,8 @@ import pytest
 
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
+
 pytest.importorskip("nemo_run", reason="nemo-run is not installed (pip install -e '.[launch]', see .ci/run)")
 
 

@@ -4,15 +4,16 @@ reward model and DPO also on a tiny Qwen3-MoE with expert parallelism."""
 
 from __future__ import annotations
 
-import pytest
-
 import json
 import math
 
+import pytest
 import torch
 
 from tests.conftest import run_torchrun
 from tests.dist.tiny_llama import save_tiny_hf_dir
+
+pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
 
 COMMON = ["data.max_length=64", "data.max_prompt_length=32", "trainer.progress_bar=false", "trainer.lr=1e-3"]
 

@@ -9,6 +9,8 @@ import pytest
 
 from tests.dist.offline_invariance_worker import CASES
 
+pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
+
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):

@@ -1,4 +1,4 @@
-"""Offload of idle models (alignment/trainers/offload.py): the unit rules in one process, and
+"""Offload of idle models (alignment/training/offload.py): the unit rules in one process, and
 bitwise-identical training with offload between every phase under torchrun (Megatron DDP,
 distributed optimizer, TP=2)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from alignment.trainers.offload import DevicePlacement, offload_enabled, trainable
+from alignment.training.offload import DevicePlacement, offload_enabled, trainable
 
 
 def _model_and_adam():
@@ -124,6 +124,7 @@ def test_offload_enabled_only_where_it_saves_memory(monkeypatch):
     assert offload_enabled(True) is True
 
 
+@pytest.mark.slow
 def test_megatron_training_with_offload_is_bitwise_identical(torchrun_json):
     r = torchrun_json("offload_worker.py", timeout=600)
     for name, c in r.items():

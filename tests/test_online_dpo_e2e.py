@@ -8,10 +8,13 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 
 from tests.conftest import run_torchrun
 from tests.dist.tiny_llama import save_tiny_hf_dir
+
+pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
 
 COMMON = ["algorithm=online_dpo", "rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=1",
           "data.heldout_size=8", "data.train_size=50", "rollout.max_tokens=16", "rollout.eval_max_tokens=8",

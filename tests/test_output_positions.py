@@ -1,4 +1,4 @@
-"""The output layer on selected positions (alignment.trainers.output_positions): index
+"""The output layer on selected positions (alignment.training.output_positions): index
 bookkeeping by hand, and the layer sees only the selected rows. Gradient parity through Megatron
 at DP/TP/SP/PP/CP/Ulysses and packing: test_grpo_invariance.py, test_context_parallel.py."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from alignment.trainers.output_positions import OutputPositions, output_on
+from alignment.training.output_positions import OutputPositions, output_on
 
 
 def test_positions_are_sequence_major_and_put_inverts_take():

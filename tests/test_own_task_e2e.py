@@ -9,8 +9,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT, run_torchrun
 from tests.dist.tiny_llama import save_tiny_hf_dir
+
+pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
 
 
 def test_grpo_on_your_own_files_and_reward_functions(tmp_path):

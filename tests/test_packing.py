@@ -115,7 +115,7 @@ def test_token_budget_partition_fewest_parts_within_budget():
 
 
 def test_split_by_token_budget_keeps_pairs_and_restores_order():
-    from alignment.trainers.batching import cat_rows, split_microbatches
+    from alignment.training.batching import cat_rows, split_microbatches
 
     batch = {"input_ids": torch.arange(6).unsqueeze(1), "seq_lengths": torch.tensor([9, 8, 2, 2, 5, 4])}
     mbs = split_microbatches(batch, 1, max_tokens=17, rows_per_unit=2)  # pairs of 17, 4, 9 tokens
@@ -144,7 +144,7 @@ def test_layout_checks_for_context_parallel_and_ulysses():
 
 
 def test_global_batch_share_contiguous_or_balanced_by_hand():
-    from alignment.trainers.dp_balance import global_batch_share
+    from alignment.training.dp_balance import global_batch_share
 
     lengths = [8, 7, 6, 5, 4, 3, 2, 1]  # 36 tokens
     assert global_batch_share(lengths, 2, 0, False) == ([0, 1, 2, 3], 26 * 2 / 36)  # 26 vs 10 tokens

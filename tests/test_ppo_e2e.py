@@ -7,8 +7,12 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from tests.conftest import run_torchrun
 from tests.dist.tiny_llama import save_tiny_hf_dir
+
+pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
 
 ARGS = ["rollout.prompts_per_step=4", "trainer.micro_batch_size=1", "algorithm.num_mini_batches=2",
         "algorithm.ppo_epochs=2", "data.heldout_size=4", "data.train_size=16", "rollout.max_tokens=12",

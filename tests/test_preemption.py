@@ -14,6 +14,8 @@ import pytest
 from launchers.preemption import PREEMPTED_EXIT_CODE
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
+
 
 @pytest.mark.parametrize("mode", ["signal", "file"])
 def test_all_ranks_stop_at_the_same_step_and_exit_75(mode, tmp_path):

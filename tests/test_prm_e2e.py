@@ -13,6 +13,8 @@ import random
 import subprocess
 import sys
 
+import pytest
+
 from alignment.data.step_data import (
     STEP_INSTRUCTION,
     StepRecord,
@@ -23,6 +25,8 @@ from alignment.data.step_data import (
 )
 from tests.conftest import ROOT
 from tests.test_offline_e2e import job
+
+pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
 
 
 def synthetic(n: int, seed: int) -> list[StepRecord]:

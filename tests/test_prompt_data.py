@@ -9,7 +9,8 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from alignment.data.prompt_data import EpochOrder, fit_prompts, is_heldout, job_prompts, load_prompt_files
+from alignment.data.prompt_data import EpochOrder, fit_prompts, is_heldout, load_prompt_files
+from alignment.data.prompts import job_prompts
 from alignment.data.prompts import PromptStyle, prompt_messages
 from alignment.data.tasks import FILE_TASK, Problem
 from launchers.rl_loop import prompts_of_step, total_steps

@@ -9,6 +9,8 @@ import pytest
 
 from tests.dist.reshard_worker import BUCKET, LAYOUTS, MODELS, MOE_LAYOUTS
 
+pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
+
 LLAMAS = [m for m in MODELS if MODELS[m] is not None]
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
+
 
 def test_resumed_training_equals_uninterrupted_and_nan_updates_are_skipped(torchrun_json, tmp_path):
     r = torchrun_json("resume_worker.py", str(tmp_path / "ckpt"))

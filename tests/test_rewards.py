@@ -10,8 +10,8 @@ import torch
 
 from alignment.algorithms.composite_reward import RewardTerm, combine_rewards, whiten_scores
 from alignment.config import ConfigError, ppo_on_task, process_reward_weight, reward_terms, validate
-from alignment.data.reward_functions import format_score, length_score, text_scores
 from alignment.data.tasks import Problem
+from alignment.rewards.text import format_score, length_score, text_scores
 from alignment.rollout.base import Sample
 from tests.test_config import SMOLLM2, cfg
 

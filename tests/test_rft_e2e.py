@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.conftest import run_torchrun
 from tests.dist.tiny_llama import save_tiny_hf_dir
+
+pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
 
 COMMON = ["algorithm=rft", "rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=2",
           "data.heldout_size=8", "data.train_size=50", "rollout.max_tokens=16", "rollout.eval_max_tokens=8",

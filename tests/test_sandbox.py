@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from alignment.rewards.sandbox import SandboxLimits, SandboxPool, network_isolation, run_python
+from alignment.sandbox.runner import SandboxLimits, SandboxPool, network_isolation, run_python
 
 FAST = SandboxLimits(wall_seconds=3, cpu_seconds=2)
 

@@ -18,6 +18,8 @@ import pytest
 
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
+
 STEPS = 32  # 32 examples / global batch 4 = 8 steps per epoch, 4 epochs
 
 

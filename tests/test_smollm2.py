@@ -12,6 +12,7 @@ import torch
 from tests.conftest import run_torchrun
 
 
+@pytest.mark.slow
 def test_smollm2_logits_match_transformers(torchrun_json):
     r = torchrun_json("smollm2_parity_worker.py", nproc=1)
     assert r["seq"] > 20 and r["ref_logit_std"] > 1.0

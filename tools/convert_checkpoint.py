@@ -50,7 +50,7 @@ def _load_converted(src: Path, tp: int, pp: int, ep: int = 1, etp: int | None = 
     """``(model, hf_config, tokenizer)`` from a converted checkpoint, laid out at ``tp`` x ``pp`` (x ``ep``)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from alignment.trainers.checkpoint import load_megatron_checkpoint
+    from alignment.training.checkpoint import load_megatron_checkpoint
 
     if (src / "hf_config" / "config.json").exists():
         hf_dir, weights = src / "hf_config", src / "megatron"
@@ -72,7 +72,7 @@ def _load_converted(src: Path, tp: int, pp: int, ep: int = 1, etp: int | None = 
 def _save_converted(model, hf_config, tokenizer, out: Path) -> Path:
     import torch.distributed as dist
 
-    from alignment.trainers.checkpoint import save_megatron_checkpoint
+    from alignment.training.checkpoint import save_megatron_checkpoint
 
     if dist.get_rank() == 0:
         shutil.rmtree(out / "hf_config", ignore_errors=True)
@@ -103,7 +103,7 @@ def megatron_to_hf(src: str | Path, out: str | Path, tp: int = 1, pp: int = 1, e
                    etp: int | None = None) -> Path:
     """Export a converted checkpoint to an HF safetensors directory; collective (rank 0 writes)."""
     from alignment.models.families import get_bridge
-    from alignment.trainers.checkpoint import save_hf_checkpoint
+    from alignment.training.checkpoint import save_hf_checkpoint
 
     model, hf_config, tokenizer = _load_converted(Path(src), tp, pp, ep, etp)
     return save_hf_checkpoint(model, get_bridge(hf_config), hf_config, tokenizer, Path(out))

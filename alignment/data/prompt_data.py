@@ -29,7 +29,7 @@ import numpy as np
 from alignment.data.tasks import FILE_TASK, Problem
 
 __all__ = ["FORMATS", "read_table", "is_heldout", "FileProblems", "PromptSets", "load_prompt_files", "EpochOrder",
-           "fit_prompts", "job_prompts"]
+           "fit_prompts", "training_order"]
 
 #: file suffix -> the ``datasets`` builder that reads it
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -335,31 +335,8 @@ def fit_prompts(sets: PromptSets, length, max_model_len: int, max_tokens: int, p
                       fingerprint=digest.hexdigest())
 
 
-def job_prompts(cfg, tokenizer=None) -> PromptSets:
-    """An RL job's training and held-out problems: ``data.train_files`` (:func:`load_prompt_files`) or
-    else the built-in ``data.task``'s (``data.train_size``, ``data.heldout_size``; arithmetic-style tasks
-    from ``data.generator`` with ``data.generator_kwargs``), the same kind of :class:`PromptSets`.
-    With a ``tokenizer`` each prompt, as the job renders it, is checked against the rollout's
-    budget (``data.overlong_prompts``, :func:`fit_prompts`).
-
-    Raises:
-        FileNotFoundError, ValueError: as :func:`load_prompt_files`, :func:`fit_prompts` and
-            :func:`alignment.data.tasks.load_problems`.
-    """
-    from alignment.data.prompts import PromptStyle, build_prompt_ids
-    from alignment.data.tasks import load_problems
-
-    d = cfg.data
-    if d.get("train_files"):
-        sets, field = load_prompt_files(d), "data.train_files"
-    else:
-        kw = {"generator": d.generator, "generator_kwargs": dict(d.generator_kwargs)} \
-            if d.task in ("arithmetic", "length") else {}
-        train = load_problems(d.task, "train", d.train_size, seed=cfg.seed, **kw)
-        heldout = load_problems(d.task, "heldout", d.heldout_size, seed=cfg.seed, **kw)
-        sets, field = PromptSets(train, heldout, len(train) + len(heldout), 0, (f"data.task={d.task}",)), f"data.task={d.task}"
-    if tokenizer is None:
-        return sets
-    style, r = PromptStyle.of(cfg), cfg.rollout
-    return fit_prompts(sets, lambda p: len(build_prompt_ids(tokenizer, p, style)), r.max_model_len, r.max_tokens,
-                       d.get("overlong_prompts", "error"), field)
+def training_order(cfg, prompts):
+    """The order an RL job's steps take ``prompts.train`` (a :class:`PromptSets`) in, as an
+    :class:`EpochOrder`: reshuffled every epoch from ``cfg.seed`` (``data.shuffle``); a built-in task's
+    first epoch in its own order (already a seeded random draw)."""
+    return EpochOrder(prompts.train, cfg.seed, shuffle=cfg.data.shuffle, keep_first=not cfg.data.get("train_files"))

@@ -27,8 +27,8 @@ def build_environment(cfg) -> Environment:
     if name == "single_turn":
         return SingleTurn(PromptStyle.of(cfg))
     if name == "tools":
-        from alignment.data.reward_functions import sandbox_workers
         from alignment.envs.tool_env import ToolEnvironment
+        from alignment.sandbox.runner import sandbox_workers
 
         return ToolEnvironment(PromptStyle.of(cfg), list(cfg.rollout.tools),
                                workers=sandbox_workers())

@@ -43,7 +43,7 @@ class ToolEnvironment:
     Each ``<tool_call>`` block of a message gets one ``tool`` message back: the tool's output, or
     an error text naming the fix (malformed JSON, unknown tool, wrong arguments, more than
     ``max_calls_per_turn`` calls). Calls of the whole batch run side by side on ``workers``
-    threads (a Python call is a sandboxed process, :mod:`alignment.rewards.sandbox`).
+    threads (a Python call is a sandboxed process, :mod:`alignment.sandbox.runner`).
 
     Environment reward: 1.0 for the episode's first message whose calls all ran without error, 0
     otherwise (so an episode earns at most 1.0): a shaping term for models that rarely call tools,

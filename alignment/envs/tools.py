@@ -1,6 +1,6 @@
 """The tools a policy can call (:mod:`alignment.envs.tool_calls`): ``calculator`` (exact arithmetic
 on an expression, no code run) and ``python`` (a program run in the sandbox,
-:mod:`alignment.rewards.sandbox`, its output returned). Each takes keyword arguments and returns the
+:mod:`alignment.sandbox.runner`, its output returned). Each takes keyword arguments and returns the
 text the model reads next; a bad call returns an error text, never raises, so it costs the model a
 turn and nothing else.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from alignment.data.step_labels import evaluate_arithmetic
 from alignment.envs.tool_calls import ToolCall
-from alignment.rewards.sandbox import SandboxLimits, run_python
+from alignment.sandbox.runner import SandboxLimits, run_python
 
 __all__ = ["Tool", "calculator", "python_tool", "TOOLS", "run_tool", "is_error"]
 

@@ -31,7 +31,7 @@ def megatron_source(path: Path) -> Path | None:
         ValueError: an incomplete checkpoint (an interrupted save's ``*.tmp`` or ``*.parts``, or
             no ``metadata.json``), naming it and what to use instead.
     """
-    from alignment.trainers.checkpoint import latest_checkpoint
+    from alignment.training.checkpoint import latest_checkpoint
 
     if path.name.endswith((".tmp", ".parts", ".old")):
         raise ValueError(f"{path} is an incomplete checkpoint (an interrupted save); evaluate a complete "

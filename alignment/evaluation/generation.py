@@ -1,9 +1,9 @@
 """One checkpoint's answers to evaluation suites: its vLLM engine generates every suite (greedy, and
 ``samples`` sampled episodes per reasoning problem), each suite's results a JSON-able dict of
 metrics and per-item records (:func:`run_suite`). Reasoning suites run through the training code
-itself: the job's environment (:func:`launchers.train.episode_setup`), its episodes
+itself: the job's environment (:func:`alignment.rollout.multi_turn.episode_setup`), its episodes
 (:func:`alignment.rollout.multi_turn.run_episodes`) and its grading
-(:mod:`alignment.evaluation.reasoning`).
+(:mod:`alignment.rewards.grading`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict, dataclass
 
-from alignment.evaluation import metrics, reasoning, suites
+from alignment.evaluation import metrics, suites
+from alignment.rewards import grading
 from alignment.rollout.base import SamplingConfig
 
 
@@ -51,8 +52,7 @@ def _seed(settings: Settings, suite: suites.Suite) -> None:
 
 
 def _reasoning(engine, hf_dir, suite, settings: Settings) -> dict:
-    from alignment.rollout.multi_turn import run_episodes
-    from launchers.train import episode_setup
+    from alignment.rollout.multi_turn import episode_setup, run_episodes
 
     cfg = suites.suite_config(suite)
     problems = suites.problems(suite, cfg, settings.limit)
@@ -65,15 +65,15 @@ def _reasoning(engine, hf_dir, suite, settings: Settings) -> dict:
                             max_tokens_per_turn=setup.max_tokens_per_turn)
 
     greedy = episodes(1, 0.0)
-    right = reasoning.grade(problems, greedy, max_tokens)
-    out = {"accuracy": reasoning.rates(reasoning.counts(problems, greedy, right, 1), 1)["pass@1"]}
+    right = grading.grade(problems, greedy, max_tokens)
+    out = {"accuracy": grading.rates(grading.counts(problems, greedy, right, 1), 1)["pass@1"]}
     multi_turn = cfg.rollout.environment != "single_turn"
     if multi_turn:
         out["tool_call_rate"] = sum(g[0].info.get("tool_calls", 0) > 0 for g in greedy) / max(len(greedy), 1)
     if settings.samples > 1:
         _seed(settings, suite)
         sampled = episodes(settings.samples, settings.temperature)
-        rates = reasoning.rates(reasoning.counts(problems, sampled, reasoning.grade(problems, sampled, max_tokens),
+        rates = grading.rates(grading.counts(problems, sampled, grading.grade(problems, sampled, max_tokens),
                                                  settings.samples), settings.samples)
         rates["sampled_tool_call_rate"] = rates.pop("tool_call_rate")
         out.update(rates if multi_turn else {k: v for k, v in rates.items() if "tool" not in k})

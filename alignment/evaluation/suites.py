@@ -22,6 +22,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from alignment.compose import compose
+
 ROOT = Path(__file__).resolve().parents[2]
 REGRESSION_FILE = ROOT / "evals" / "regression_v1.jsonl"
 KINDS = ("reasoning", "behaviour", "preference", "regression")
@@ -72,15 +74,13 @@ def get_suites(names: str | list[str]) -> list[Suite]:
 
 def suite_config(suite: Suite):
     """A reasoning suite's composed job config (its task, environment and lengths)."""
-    from launchers.preflight import compose
-
     return compose(suite.config, [])
 
 
 def problems(suite: Suite, cfg, limit: int | None = None) -> list:
     """A reasoning suite's problems (:class:`alignment.data.tasks.Problem`): the config's held-out
     split, then its train split when the suite joins both; the first ``limit`` when given."""
-    from alignment.data.prompt_data import job_prompts
+    from alignment.data.prompts import job_prompts
 
     sets = job_prompts(cfg)
     items = list(sets.heldout) + (list(sets.train) if "train" in suite.splits else [])

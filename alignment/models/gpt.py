@@ -54,7 +54,7 @@ def transformer_config(hf_config, *, tensor_model_parallel_size: int = 1, pipeli
 
     ``calculate_per_token_loss=True``: megalign's loss functions are already divided by
     the global token count, so Megatron must sum micro-batch losses and DP gradients
-    rather than average them (see :mod:`alignment.trainers.megatron_step`).
+    rather than average them (see :mod:`alignment.training.megatron_step`).
     ``context_parallel_size``/``cp_comm_type``/``expert_*``: see :class:`parallel.layout.ParallelLayout`;
     ``moe_aux_loss_coeff``: see :func:`moe_config`. ``initialize=False`` skips Megatron's random
     initialisation (``perform_initialization``; ~1.1 s per SmolLM2 copy on one CPU thread) for

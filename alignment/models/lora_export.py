@@ -21,7 +21,8 @@ from typing import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from alignment.models.weights import _tp, share_across_ranks
+from alignment.models.weights import share_across_ranks, tensor_split
+from parallel.atomic_dir import fresh_tmp, publish
 from parallel.names import global_param_names, is_expert_param
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def export_lora_adapters(model: torch.nn.Module, bridge,
         lora = getattr(param, "lora_adapter", None)
         if lora is None:
             continue
-        _, tp_size, tp_group = _tp(is_expert_param(gname))
+        _, tp_size, tp_group = tensor_split(is_expert_param(gname))
         split = read(lora.B if lora.kind == "column" else lora.A)
         shards = [split]
         if tp_size > 1:
@@ -76,7 +77,7 @@ def load_lora_adapters(model: torch.nn.Module, bridge, tensors: Mapping[str, tor
         lora = getattr(param, "lora_adapter", None)
         if lora is None:
             continue
-        tp_rank, tp_size, _ = _tp(is_expert_param(gname))
+        tp_rank, tp_size, _ = tensor_split(is_expert_param(gname))
         pairs = _modules(bridge, gname)
         if lora.kind == "column":
             a = tensors[f"{pairs[0][1]}.lora_A.weight"]
@@ -114,11 +115,9 @@ def save_peft_adapter(model: torch.nn.Module, bridge, spec, base_model: str, pat
     from peft import LoraConfig
     from safetensors.torch import save_file
 
-    from alignment.trainers.checkpoint import _fresh_tmp, _publish
-
     tensors = export_lora_adapters(model, bridge)
     final = Path(path)
-    tmp = _fresh_tmp(final)
+    tmp = fresh_tmp(final)
     if dist.get_rank() == 0:
         targets = sorted({k.split(".")[-3] for k in tensors})  # ...<module>.lora_A.weight
         experts = {k.split(".")[-3] for k in tensors if ".experts." in k}
@@ -130,5 +129,5 @@ def save_peft_adapter(model: torch.nn.Module, bridge, spec, base_model: str, pat
                    bias="none", task_type="CAUSAL_LM", base_model_name_or_path=str(base_model)).save_pretrained(tmp)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"),
                   metadata={"format": "pt"})
-    _publish(tmp, final)
+    publish(tmp, final)
     return final

@@ -20,7 +20,7 @@ from parallel.lora import merged_narrow
 from parallel.names import global_param_names, is_expert_param
 
 
-def _tp(expert: bool) -> tuple[int, int, object]:
+def tensor_split(expert: bool) -> tuple[int, int, object]:
     """``(rank, size, group)`` of the group a parameter is split over: tensor parallel, or expert
     tensor parallel for expert parameters."""
     from megatron.core import parallel_state as ps
@@ -42,7 +42,7 @@ def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor]
         hf_state: HF checkpoint name -> full tensor (e.g. :func:`lazy_safetensors` or a dict).
         skip: global Megatron names to leave as initialised (e.g. a new reward head).
         main_params: also receives every loaded shard at the checkpoint's precision, before the
-            rounding to the model's dtype (:func:`alignment.trainers.megatron_step.main_param_writer`:
+            rounding to the model's dtype (:func:`alignment.training.megatron_step.main_param_writer`:
             a bf16 model's fp32 master weights get the fp32 checkpoint's values).
     Raises:
         ValueError: a shape mismatch, naming the parameter.
@@ -50,7 +50,7 @@ def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor]
     for _, gname, param in global_param_names(model):
         if gname in skip:
             continue
-        tp_rank, tp_size, _ = _tp(is_expert_param(gname))
+        tp_rank, tp_size, _ = tensor_split(is_expert_param(gname))
         shard = bridge.to_megatron_shard(gname, hf_state, tp_rank, tp_size)
         if shard.shape != param.shape:
             raise ValueError(f"{gname}: HF gives shard {tuple(shard.shape)}, model has {tuple(param.shape)}")
@@ -78,7 +78,7 @@ def export_hf_weights(model: torch.nn.Module, bridge: Bridge, dtype: torch.dtype
         if gname == "output_layer.weight" and bridge.output_layer_tied:
             continue
         p = source(param) if source is not None else merged_narrow(param, 0, 0, param.shape[0])
-        _, tp_size, tp_group = _tp(is_expert_param(gname))
+        _, tp_size, tp_group = tensor_split(is_expert_param(gname))
         if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
             shards = [torch.empty_like(p) for _ in range(tp_size)]
             dist.all_gather(shards, p.contiguous(), group=tp_group)

@@ -1,1 +1,1 @@
-"""Rewards that run code: the sandbox (:mod:`alignment.rewards.sandbox`)."""
+"""Rewards that run code: the sandbox (:mod:`alignment.sandbox.runner`)."""

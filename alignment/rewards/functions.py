@@ -1,5 +1,5 @@
 """Every reward function an RL job can name in ``reward.functions`` that reads the responses' text:
-the built-in text functions (:mod:`alignment.data.reward_functions`), the graders
+the built-in text functions (:mod:`alignment.rewards.text`), the graders
 (:mod:`alignment.rewards.graders`) and your own, by import path (``my_pkg.rewards:score``). The
 functions that run a model (``reward_model``, ``process_reward``) live in the trainers.
 
@@ -40,11 +40,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from alignment.algorithms.composite_reward import RewardTerm
-from alignment.data.reward_functions import TEXT_FUNCTIONS, text_scores
 from alignment.data.tasks import FILE_TASK, Problem
 from alignment.rewards import judge
 from alignment.rewards.graders import GRADERS, check_grader_kwargs
 from alignment.rewards.remote import check_settings, http_scores
+from alignment.rewards.text import TEXT_FUNCTIONS, text_scores
 from alignment.rollout.base import Sample
 
 __all__ = ["RewardFunctionError", "MODEL_FUNCTIONS", "BUILTINS", "is_user_function", "load_user_function",

@@ -14,7 +14,7 @@ problem gives nothing to grade against (TRL's convention: the function does not 
 * ``regex``: the response matches ``pattern`` (``mode``: search | match | fullmatch, DOTALL);
   needs no reference: a format check.
 * ``code_tests``: the response's program passes the problem's tests in the sandbox
-  (:mod:`alignment.rewards.sandbox`): HumanEval-style columns ``prompt``, ``test`` and
+  (:mod:`alignment.sandbox.runner`): HumanEval-style columns ``prompt``, ``test`` and
   ``entry_point`` (:func:`alignment.data.code_tasks.score_code`).
 """
 

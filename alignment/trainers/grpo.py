@@ -36,16 +36,16 @@ from alignment.config import process_reward_weight, shares_prompts
 from alignment.data.prompts import PromptStyle, build_prompt_ids
 from alignment.data.tasks import Problem
 from alignment.rollout.base import SamplingConfig
-from alignment.trainers.batching import make_batch
-from alignment.trainers.dp_balance import balance_over_dp
-from alignment.trainers.health import guarded_step
-from alignment.trainers.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
-from alignment.trainers.offload import trainable
 from alignment.trainers.process_rewarding import score_steps, step_metrics
 from alignment.trainers.rewarding import combine, job_terms, score_terms, term_metrics
 from alignment.trainers.rl_phases import (Models, Rollout, correction_metrics, episode_metrics, generate_episodes,
                                           microbatches, policy_logprobs, rollout_phase, sampling_config)
-from alignment.trainers.router_stats import routing_metrics
+from alignment.training.batching import make_batch
+from alignment.training.dp_balance import balance_over_dp
+from alignment.training.health import guarded_step
+from alignment.training.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
+from alignment.training.offload import trainable
+from alignment.training.router_stats import routing_metrics
 
 
 def _ps():
@@ -126,7 +126,7 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
         "entropy": sums["entropy_sum"] / n,
         "token_mult_prob_error": sums["prob_error_sum"] / n,
         "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
-        "health/skipped_updates": float(skipped),  # NaN/inf gradients: alignment/trainers/health.py
+        "health/skipped_updates": float(skipped),  # NaN/inf gradients: alignment/training/health.py
         **routing_metrics(models.policy),  # MoE: expert load imbalance, aux loss
     }
 
@@ -136,7 +136,7 @@ def evaluate(models: Models, problems: list[Problem], max_tokens: int, grader=No
     data-parallel ranks, each replica's share run as episodes of ``models.episodes``' environment
     (:func:`alignment.trainers.rl_phases.generate_episodes`; the task's prompt, ``data.instruction``
     included, and one answer for ``rollout.environment=single_turn``), graded as ``tools/evaluate.py``
-    grades (:mod:`alignment.evaluation.reasoning`) and counted once (by the replica's first rank).
+    grades (:mod:`alignment.rewards.grading`) and counted once (by the replica's first rank).
     ``max_tokens``: the response budget (``rollout.eval_max_tokens``); ``grader``: the reward term whose
     score >= 1 is right (None: ``correctness``; :func:`alignment.config.heldout_grader`)."""
     return _heldout(models, problems, SamplingConfig(n=1, temperature=0.0, max_tokens=max_tokens), grader)["pass@1"]
@@ -145,7 +145,7 @@ def evaluate(models: Models, problems: list[Problem], max_tokens: int, grader=No
 def pass_at_k(models: Models, problems: list[Problem], k: int, max_tokens: int, temperature: float,
               tool_calls: bool = False, grader=None) -> dict[str, float]:
     """Sampled held-out metrics: ``k`` episodes per problem at ``temperature`` (dealt over the
-    data-parallel ranks like :func:`evaluate`, graded by :mod:`alignment.evaluation.reasoning`).
+    data-parallel ranks like :func:`evaluate`, graded by :mod:`alignment.rewards.grading`).
     Returns ``heldout/pass@1``, ``heldout/pass@<k>`` (Chen et al. 2021's unbiased estimator) and
     ``heldout/maj@<k>`` (majority vote) for ``k`` > 1, and with ``tool_calls``
     ``heldout/tool_call_rate`` (episodes with a tool call). Collective.
@@ -161,30 +161,21 @@ def pass_at_k(models: Models, problems: list[Problem], k: int, max_tokens: int, 
 
 
 def _heldout(models: Models, problems: list[Problem], sampling: SamplingConfig, grader=None) -> dict[str, float]:
-    """:func:`alignment.evaluation.reasoning.rates` of ``sampling.n`` episodes per problem, this DP
+    """:func:`alignment.rewards.grading.rates` of ``sampling.n`` episodes per problem, this DP
     rank's share generated and graded, the counts summed over replicas (one rank each)."""
     from megatron.core import parallel_state as ps
 
-    from alignment.evaluation import reasoning
+    from alignment.rewards import grading
     from parallel.state import replica_group
 
     mine = list(problems[ps.get_data_parallel_rank()::ps.get_data_parallel_world_size()])
     with rollout_phase(models):
         groups = generate_episodes(models, mine, sampling)
-    correct = reasoning.grade(mine, groups, sampling.max_tokens, grader or reasoning.CORRECTNESS)
-    counts = reasoning.counts(mine, groups, correct, sampling.n)
+    correct = grading.grade(mine, groups, sampling.max_tokens, grader or grading.CORRECTNESS)
+    counts = grading.counts(mine, groups, correct, sampling.n)
     lead = replica_group().rank() == 0
     summed = all_reduce_sum([v if lead else 0.0 for v in counts.values()])
-    return reasoning.rates(dict(zip(counts, summed)), sampling.n)
-
-
-def request(tokenizer, problems: list[Problem], cfg) -> tuple[list[list[int]], SamplingConfig]:
-    """What GRPO asks the engine for ``problems``: their prompts (token ids, the task's chat
-    prompt) and ``group_size`` samples each at the rollout's sampling settings."""
-    style = PromptStyle.of(cfg)
-    prompts = [build_prompt_ids(tokenizer, p, style) for p in problems]
-    return prompts, sampling_config(cfg)
-
+    return grading.rates(dict(zip(counts, summed)), sampling.n)
 
 
 def _informative(part: dict[str, torch.Tensor], terms, group_size: int) -> bool:

@@ -13,13 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from alignment.trainers.batching import MicroBatching, cat_rows, make_sequence_batch
-from alignment.trainers.health import guarded_step
-from alignment.trainers.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
-from alignment.trainers.router_stats import routing_metrics
-from parallel.state import comm_device
+from alignment.training.batching import MicroBatching, cat_rows, make_sequence_batch
+from alignment.training.health import guarded_step
+from alignment.training.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, global_sums
+from alignment.training.router_stats import routing_metrics
 
 
 @dataclass
@@ -39,21 +37,6 @@ def _ps():
     from megatron.core import parallel_state as ps
 
     return ps
-
-
-def global_sums(outputs: list[dict], keys: list[str] | None = None) -> dict[str, float]:
-    """Sum metric tensors over micro-batches and over all ranks, counting each model replica
-    once (:func:`alignment.trainers.megatron_step.is_output_rank`); collective."""
-    if keys is None:
-        keys = sorted(outputs[0]) if outputs else []
-        obj = [keys]
-        dist.broadcast_object_list(obj, src=dist.get_world_size() - 1)  # the last rank is a last stage
-        keys = obj[0]
-    mine = is_output_rank()
-    local = torch.tensor([sum(float(o[k]) for o in outputs) if mine else 0.0 for k in keys], dtype=torch.float64,
-                         device=comm_device())
-    dist.all_reduce(local)
-    return dict(zip(keys, local.tolist()))
 
 
 def sequence_logps(model, batch: dict, mb: MicroBatching, vocab_size: int) -> torch.Tensor:
@@ -98,7 +81,7 @@ def train_step(models: OfflineModels, objective, batch: dict, mb: MicroBatching)
     applied, grad_norm = guarded_step(models.model, models.optimizer, models.grad_norms)
     metrics = objective.metrics(global_sums(out))
     metrics["grad_norm"] = grad_norm
-    metrics["health/skipped_updates"] = float(not applied)  # NaN/inf gradients: alignment/trainers/health.py
+    metrics["health/skipped_updates"] = float(not applied)  # NaN/inf gradients: alignment/training/health.py
     metrics.update(routing_metrics(models.model))  # MoE: expert load imbalance, aux loss
     return metrics
 

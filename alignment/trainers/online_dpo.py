@@ -28,14 +28,13 @@ import torch.distributed as dist
 
 from alignment.algorithms.preference_pairs import best_worst_pairs
 from alignment.data.tasks import Problem
-from alignment.trainers.batching import MicroBatching
 from alignment.trainers.dpo import DPOObjective
-from alignment.trainers.grpo import request
-from alignment.trainers.megatron_step import all_reduce_sum
 from alignment.trainers.offline import OfflineModels, build_batch, train_step
-from alignment.trainers.offload import trainable
 from alignment.trainers.rewarding import combine, job_terms, score_terms, term_metrics
-from alignment.trainers.rl_phases import Models, Rollout, generate_for_group, rollout_phase
+from alignment.trainers.rl_phases import Models, Rollout, generate_for_group, request, rollout_phase
+from alignment.training.batching import MicroBatching
+from alignment.training.megatron_step import all_reduce_sum
+from alignment.training.offload import trainable
 
 
 def collect(models: Models, problems: list[Problem], cfg, version: int = 0) -> Rollout:

@@ -32,23 +32,23 @@ from alignment.algorithms.process_rewards import place_step_rewards, to_batch_co
 from alignment.algorithms.value_loss import value_loss
 from alignment.config import ppo_on_task, process_reward_weight, shares_prompts
 from alignment.rollout.base import SamplingConfig
-from alignment.trainers.dp_balance import balance_over_dp
-from alignment.trainers.health import guarded_step
-from alignment.trainers.megatron_step import (
-    LogprobOutputs,
-    all_reduce_sum,
-    forward_backward,
-    is_output_rank,
-    value_outputs,
-)
-from alignment.trainers.offline import global_sums
-from alignment.trainers.offload import trainable
 from alignment.trainers.process_rewarding import score_steps, step_metrics
 from alignment.trainers.rewarding import combine, job_terms, padded_batch, score_terms, term_metrics
 from alignment.trainers.rl_phases import (Models, Rollout, correction_metrics, episode_metrics, generate_episodes,
                                           generate_for_group, head_outputs, microbatches, policy_logprobs,
                                           rollout_phase, sampling_config)
-from alignment.trainers.router_stats import routing_metrics
+from alignment.training.dp_balance import balance_over_dp
+from alignment.training.health import guarded_step
+from alignment.training.megatron_step import (
+    LogprobOutputs,
+    all_reduce_sum,
+    forward_backward,
+    global_sums,
+    is_output_rank,
+    value_outputs,
+)
+from alignment.training.offload import trainable
+from alignment.training.router_stats import routing_metrics
 
 
 @dataclass

@@ -8,32 +8,7 @@ from __future__ import annotations
 import torch
 
 from alignment.algorithms.prm_loss import place_step_labels, prm_loss
-from alignment.trainers.megatron_step import value_outputs
-
-
-def tokenize_steps(cfg, tokenizer, split: str) -> list[tuple[list[int], int, list[int], list[int]]]:
-    """The job's rows from ``data.dataset``'s ``split``: per solution ``(ids, prompt_len,
-    step_ends, labels)`` with only its labelled steps' end positions and 0/1 labels (by
-    ``algorithm.supervision``; :func:`alignment.data.step_data.encode_steps`, steps ending past
-    ``data.max_length`` dropped; the prompt is not cut: ``data.max_prompt_length`` does not apply).
-    Solutions without a labelled step within ``data.max_length`` are left out."""
-    from alignment.data.step_data import encode_steps, load_records, supervised_labels
-
-    a, d = cfg.algorithm, cfg.data
-    rows = []
-    for record in load_records(d.dataset, split):
-        labels = supervised_labels(record, a.supervision)
-        if not any(y is not None for y in labels):
-            continue
-        try:
-            ids, prompt_len, ends = encode_steps(tokenizer, record.prompt, record.completions, a.step_separator,
-                                                 d.max_length)
-        except ValueError:  # the prompt leaves no room for a step within data.max_length
-            continue
-        kept = [(e, int(y)) for e, y in zip(ends, labels) if y is not None]
-        if kept:
-            rows.append((ids, prompt_len, [e for e, _ in kept], [y for _, y in kept]))
-    return rows
+from alignment.training.megatron_step import value_outputs
 
 
 class ProcessRewardObjective:
@@ -49,7 +24,7 @@ class ProcessRewardObjective:
     @staticmethod
     def add_targets(batch: dict[str, torch.Tensor], rows: list[tuple]) -> None:
         """``step_labels`` / ``step_mask`` ``[N, seq]`` for the batch of ``rows`` (``(ids,
-        prompt_len, step_ends, labels)``, :func:`tokenize_steps`)."""
+        prompt_len, step_ends, labels)``, :func:`alignment.data.examples.tokenize_steps`)."""
         batch["step_labels"], batch["step_mask"] = place_step_labels(
             [r[2] for r in rows], [r[3] for r in rows], batch["input_ids"].shape[1])
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from alignment.rollout.base import Sample
-from alignment.trainers.megatron_step import all_reduce_sum
 from alignment.trainers.rl_phases import Models, head_outputs, microbatches
+from alignment.training.megatron_step import all_reduce_sum
 
 
 @dataclass
@@ -42,7 +42,7 @@ def score_steps(models: Models, samples: Sequence[Sample], cfg) -> StepRewards:
 
     from alignment.config import process_reward_weight
     from alignment.data.step_data import encode_steps, response_steps
-    from alignment.trainers.batching import make_sequence_batch
+    from alignment.training.batching import make_sequence_batch
 
     sep, tok = cfg.algorithm.step_separator, models.tokenizer
     rows, ends, positions = [], [], []

@@ -13,7 +13,7 @@ import torch
 
 from alignment.algorithms.preference_loss import bradley_terry_loss
 from alignment.models.value_head import sequence_scores
-from alignment.trainers.megatron_step import value_outputs
+from alignment.training.megatron_step import value_outputs
 
 
 class RewardModelObjective:

@@ -12,13 +12,13 @@ import torch
 from alignment.algorithms.composite_reward import RewardTerm, combine_rewards
 from alignment.algorithms.reward_shaping import overlong_penalty
 from alignment.config import shares_prompts
-from alignment.data.reward_functions import sandbox_workers
 from alignment.data.tasks import Problem
 from alignment.rewards.functions import DEFAULT_TIMEOUT_S, function_scores
 from alignment.rollout.base import Sample
-from alignment.trainers.batching import make_batch
-from alignment.trainers.megatron_step import all_reduce_sum
+from alignment.sandbox.runner import sandbox_workers
 from alignment.trainers.rl_phases import Models, head_outputs, microbatches
+from alignment.training.batching import make_batch
+from alignment.training.megatron_step import all_reduce_sum
 
 OVERLONG = "overlong"  # DAPO's overlong penalty (algorithm.overlong_buffer_len), an unwhitened term of weight 1
 
@@ -32,7 +32,7 @@ def _ps():
 def reward_model_scores(models: Models, batch: dict, cfg) -> torch.Tensor:
     """The frozen reward model's score ``[N]`` at each sequence's last token, on every rank of the
     model replica (computed on the last pipeline stage and summed over the pipeline group, where
-    the other stages give 0). ``batch``: :func:`alignment.trainers.batching.make_batch`'s with
+    the other stages give 0). ``batch``: :func:`alignment.training.batching.make_batch`'s with
     ``prompt_lengths [N]``. Collective over the replica."""
     from alignment.models.value_head import sequence_scores
 

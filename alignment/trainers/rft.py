@@ -30,13 +30,13 @@ from alignment.config import shares_prompts
 from alignment.data.prompts import PromptStyle, build_prompt_ids
 from alignment.data.tasks import Problem
 from alignment.rollout.base import Sample
-from alignment.trainers.batching import make_batch
-from alignment.trainers.health import guarded_step
-from alignment.trainers.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
-from alignment.trainers.offload import trainable
 from alignment.trainers.rewarding import combine, job_terms, score_terms, term_metrics
 from alignment.trainers.rl_phases import (Models, Rollout, generate_for_group, microbatches, rollout_phase,
                                           sampling_config)
+from alignment.training.batching import make_batch
+from alignment.training.health import guarded_step
+from alignment.training.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
+from alignment.training.offload import trainable
 
 
 def _sample_and_accept(models: Models, problems: list[Problem], prompts: list[list[int]], sampling, cfg):

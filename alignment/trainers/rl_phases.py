@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from alignment.data.prompts import PromptStyle, build_prompt_ids
+from alignment.data.tasks import Problem
 from alignment.rollout.base import RolloutEngine, Sample, SamplingConfig
-from alignment.trainers.batching import MicroBatching, cat_rows
-from alignment.trainers.megatron_step import (LogprobOutputs, all_reduce_max, all_reduce_sum, forward_backward,
+from alignment.training.batching import MicroBatching, cat_rows
+from alignment.training.megatron_step import (LogprobOutputs, all_reduce_max, all_reduce_sum, forward_backward,
                                               is_output_rank, value_outputs)
-from alignment.trainers.offload import DevicePlacement
+from alignment.training.offload import DevicePlacement
 
 
 @dataclass
@@ -89,6 +91,14 @@ def sampling_config(cfg) -> SamplingConfig:
     (what every RL job asks its engine for)."""
     r = cfg.rollout
     return SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
+
+
+def request(tokenizer, problems: list[Problem], cfg) -> tuple[list[list[int]], SamplingConfig]:
+    """What an RL job asks its engine for ``problems``: their prompts (token ids, the task's chat
+    prompt) and ``group_size`` samples each at the rollout's sampling settings."""
+    style = PromptStyle.of(cfg)
+    prompts = [build_prompt_ids(tokenizer, p, style) for p in problems]
+    return prompts, sampling_config(cfg)
 
 
 def generate_for_group(engine, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
@@ -191,7 +201,7 @@ def policy_logprobs(model, microbatches, vocab_size: int, temperature: float = 1
     order (last pipeline stage; ``None`` elsewhere). ``packing``: ``trainer.sequence_packing``;
     ``positions``: the micro-batch mask whose positions are computed (0 elsewhere; ``None``: all);
     ``share_prompts``: prompt trees (``trainer.shared_prompt_packing``); see
-    :func:`alignment.trainers.megatron_step.forward_backward`."""
+    :func:`alignment.training.megatron_step.forward_backward`."""
 
     def collect(mb, out):
         return out["logprobs"].sum() * 0, {"logprobs": out["logprobs"]}

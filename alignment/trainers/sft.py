@@ -8,13 +8,13 @@ import math
 import torch
 
 from alignment.algorithms.sft_loss import sft_loss
-from alignment.trainers.megatron_step import LogprobOutputs
+from alignment.training.megatron_step import LogprobOutputs
 
 
 class SFTObjective:
     """Loss function for :mod:`alignment.trainers.offline` (one row per example).
 
-    Batches come from :func:`alignment.trainers.batching.make_sequence_batch`.
+    Batches come from :func:`alignment.training.batching.make_sequence_batch`.
     """
 
     rows_per_example = 1

@@ -24,8 +24,8 @@ from alignment.algorithms.grpo_loss import GRPOLossConfig, grpo_loss
 from alignment.models.families import get_bridge
 from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.weights import export_hf_weights, load_hf_weights
-from alignment.trainers.batching import split_microbatches
-from alignment.trainers.megatron_step import (
+from alignment.training.batching import split_microbatches
+from alignment.training.megatron_step import (
     LogprobOutputs,
     OptimConfig,
     forward_backward,

@@ -29,7 +29,7 @@ def logits_of(model, vocab: int) -> torch.Tensor | None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from alignment.trainers.megatron_step import forward_backward
+    from alignment.training.megatron_step import forward_backward
 
     def full(logits, target_ids):
         return {"logits": gather_from_tensor_model_parallel_region(logits)[..., :vocab]}

@@ -3,7 +3,7 @@
 For one fixed global batch (8 sequences of uneven lengths, random advantages, reference
 logprobs, masks, some with a hole: a multi-turn episode's tool tokens), the gradient of the GRPO
 loss computed by
-``alignment.trainers.megatron_step.forward_backward`` (Megatron DDP + schedule) must
+``alignment.training.megatron_step.forward_backward`` (Megatron DDP + schedule) must
 equal the gradient of the same loss computed by plain autograd on the HF
 ``transformers`` model over the whole batch in one process, for:
   DP=2 with micro-batch sizes 1, 2 and 4; TP=2 (DP=1) with micro-batch 2 and 4; TP=2 with sequence
@@ -28,8 +28,8 @@ from alignment.algorithms.grpo_loss import GRPOLossConfig, grpo_loss
 from alignment.models.families import get_bridge
 from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.weights import export_hf_weights, load_hf_weights
-from alignment.trainers.batching import split_microbatches
-from alignment.trainers.megatron_step import LogprobOutputs, OptimConfig, forward_backward, setup_training
+from alignment.training.batching import split_microbatches
+from alignment.training.megatron_step import LogprobOutputs, OptimConfig, forward_backward, setup_training
 from parallel.layout import ParallelLayout
 from parallel.state import env_world, init_distributed
 from tests.dist.report import write_results_and_shutdown
@@ -114,14 +114,14 @@ def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, rou
     """Loss and HF-named (checkpoint form) gradients of the GRPO loss through Megatron, laid out
     with ``sizes`` (ParallelLayout fields), micro-batches of ``mbs`` rows; weights from ``state``
     (HF checkpoint form, default the model's state dict). ``router_stats``: also return the
-    step's :func:`alignment.trainers.router_stats.routing_metrics`. ``packing``, ``positions``,
-    ``share_prompts``: as :func:`alignment.trainers.megatron_step.forward_backward`'s. ``lora``: a
+    step's :func:`alignment.training.router_stats.routing_metrics`. ``packing``, ``positions``,
+    ``share_prompts``: as :func:`alignment.training.megatron_step.forward_backward`'s. ``lora``: a
     :class:`parallel.lora.LoRASpec` whose adapters start from ``adapters`` (PEFT-named): the
     gradients returned are then the adapters' (PEFT-named, :func:`export_lora_adapters`), and
     ``peft_dir`` receives the adapters as a PEFT directory (:func:`save_peft_adapter`)."""
     from megatron.core import parallel_state as ps
 
-    from alignment.trainers.router_stats import routing_metrics
+    from alignment.training.router_stats import routing_metrics
 
     init_distributed(ParallelLayout(world_size=world, **sizes))
     cfg = hf.config
@@ -134,7 +134,7 @@ def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, rou
 
         apply_lora(model, lora)
         load_lora_adapters(model, bridge, adapters)
-    ddp, _ = setup_training(model, OptimConfig())  # (MoE: tracks routing, alignment.trainers.router_stats)
+    ddp, _ = setup_training(model, OptimConfig())  # (MoE: tracks routing, alignment.training.router_stats)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rows = batch["input_ids"].shape[0] // dp
     local = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in batch.items()}

@@ -36,14 +36,15 @@ def main() -> None:
 
     from alignment.data import tasks
     from alignment.rollout.vllm_engine import VLLMEngine
-    from alignment.trainers import checkpoint, grpo
+    from alignment.trainers import grpo
+    from alignment.training import checkpoint
     from launchers.common import Run
     from tests.dist.e2e_worker import run_job
 
     tasks.score_response = lambda problem, text: float(len(text) % 2 == 0)
     now = {"step": -1, "trained": False}
     real_reseed, real_generate, real_load = VLLMEngine.reseed, VLLMEngine._generate, VLLMEngine.load_resharded
-    real_train, real_guarded, real_publish = grpo.train, grpo.guarded_step, checkpoint._publish
+    real_train, real_guarded, real_publish = grpo.train, grpo.guarded_step, checkpoint.publish
     real_log = Run.log
 
     def log(self, values, s):
@@ -87,7 +88,7 @@ def main() -> None:
         return real_publish(tmp, final)
 
     VLLMEngine.reseed, VLLMEngine._generate, VLLMEngine.load_resharded = reseed, generate, load_resharded
-    grpo.train, grpo.guarded_step, checkpoint._publish = train, guarded_step, publish
+    grpo.train, grpo.guarded_step, checkpoint.publish = train, guarded_step, publish
     Run.log = log
     run_job(model_dir, out_dir, overrides, result_path)
 

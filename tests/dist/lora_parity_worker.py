@@ -236,7 +236,7 @@ def moe_sync_case(hf, state, values, reference, world: int, ckpt_dir: str) -> di
         wrong += [f"aliased {n}" for b in resharder.plan.buckets for n in b.alias.values() if n in adapted]
     # an adapters-only checkpoint saved at EP 2 resumes at EP 1 with expert TP 2 (fresh adapters overwritten)
     from alignment.models.lora_export import export_lora_adapters
-    from alignment.trainers.checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
+    from alignment.training.checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
 
     ckpt = save_megatron_checkpoint(model, Path(ckpt_dir) / "step_1", step=1)
     sizes = dict(tensor_model_parallel_size=2, sequence_parallel=True)

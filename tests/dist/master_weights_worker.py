@@ -23,7 +23,7 @@ import torch.distributed as dist
 from alignment.models.families import get_bridge
 from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.weights import export_hf_weights, load_hf_weights
-from alignment.trainers.megatron_step import (LogprobOutputs, OptimConfig, forward_backward, main_param_writer,
+from alignment.training.megatron_step import (LogprobOutputs, OptimConfig, forward_backward, main_param_writer,
                                               setup_training,
                                               use_fused_cpu_adam)
 from parallel.layout import ParallelLayout

@@ -75,8 +75,8 @@ def measure(tp: int, pp: int, dist_opt: bool) -> dict:
     from transformers import LlamaConfig
 
     from alignment.models.gpt import build_gpt_model, transformer_config
-    from alignment.trainers.megatron_step import OptimConfig, forward_backward, setup_training
     from alignment.trainers.sft import SFTObjective
+    from alignment.training.megatron_step import OptimConfig, forward_backward, setup_training
     from parallel.layout import ParallelLayout
     from parallel.state import env_world, init_distributed
 

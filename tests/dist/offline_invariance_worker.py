@@ -20,12 +20,12 @@ from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.value_head import build_value_model
 from alignment.models.weights import export_hf_weights, load_hf_weights
 from alignment.trainers import offline
-from alignment.trainers.batching import make_sequence_batch, split_microbatches
 from alignment.trainers.dpo import DPOObjective
-from alignment.trainers.megatron_step import OptimConfig, setup_training, value_outputs
 from alignment.trainers.process_reward import ProcessRewardObjective
 from alignment.trainers.reward_model import RewardModelObjective
 from alignment.trainers.sft import SFTObjective
+from alignment.training.batching import make_sequence_batch, split_microbatches
+from alignment.training.megatron_step import OptimConfig, global_sums, setup_training, value_outputs
 from parallel.layout import ParallelLayout
 from parallel.state import env_world, init_distributed
 from tests.dist.report import write_results_and_shutdown
@@ -151,7 +151,7 @@ def megatron_case(kind, lm, rm, batch, tp, pp, sp, mbs, cp, comm, packed, world,
     out = offline.forward_backward(ddp, split_microbatches(local, mbs * obj.rows_per_example),
                                    lambda mb, o: obj.loss(mb, o, normalizer), outputs=obj.outputs, forward_only=False,
                                    packing=packed)
-    sums = offline.global_sums(out)
+    sums = global_sums(out)
     loss = (sums.get("loss_sum", sums.get("nll_sum")) / (sums["count"]))
     if lora is not None:
         from alignment.models.lora_export import export_lora_adapters

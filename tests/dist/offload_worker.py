@@ -22,10 +22,10 @@ from alignment.algorithms.grpo_loss import grpo_loss
 from alignment.models.families import get_bridge
 from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.weights import export_hf_weights, load_hf_weights
-from alignment.trainers.batching import split_microbatches
 from alignment.trainers.rl_phases import policy_logprobs
-from alignment.trainers.megatron_step import LogprobOutputs, OptimConfig, forward_backward, setup_training
-from alignment.trainers.offload import DevicePlacement, trainable
+from alignment.training.batching import split_microbatches
+from alignment.training.megatron_step import LogprobOutputs, OptimConfig, forward_backward, setup_training
+from alignment.training.offload import DevicePlacement, trainable
 from parallel.layout import ParallelLayout
 from parallel.state import env_world, init_distributed
 from tests.dist.grpo_invariance_worker import CFG, make_batch

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from alignment.models.families import get_bridge
 from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.weights import export_hf_weights, load_hf_weights
-from alignment.trainers.megatron_step import forward_backward
+from alignment.training.megatron_step import forward_backward
 from parallel.layout import ParallelLayout
 from parallel.state import env_world, init_distributed
 from tests.dist.report import write_results_and_shutdown

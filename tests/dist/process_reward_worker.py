@@ -32,8 +32,8 @@ def main(prm_dir: str, responses_path: str, result_path: str) -> None:
     from alignment.config import register
     from alignment.data.chat_data import encode_prompt
     from alignment.rollout.base import Sample
-    from alignment.trainers.offload import DevicePlacement
     from alignment.trainers.process_rewarding import score_steps
+    from alignment.training.offload import DevicePlacement
     from launchers.common import load_model
 
     _, world, _ = env_world()

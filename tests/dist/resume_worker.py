@@ -17,10 +17,10 @@ from alignment.algorithms.grpo_loss import grpo_loss
 from alignment.models.families import get_bridge
 from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.weights import export_hf_weights, load_hf_weights
-from alignment.trainers.batching import split_microbatches
-from alignment.trainers.checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
-from alignment.trainers.health import guarded_step
-from alignment.trainers.megatron_step import LogprobOutputs, OptimConfig, forward_backward, setup_training
+from alignment.training.batching import split_microbatches
+from alignment.training.checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
+from alignment.training.health import guarded_step
+from alignment.training.megatron_step import LogprobOutputs, OptimConfig, forward_backward, setup_training
 from parallel.layout import ParallelLayout
 from parallel.state import env_world, init_distributed
 from tests.dist.grpo_invariance_worker import CFG, make_batch

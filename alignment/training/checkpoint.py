@@ -16,19 +16,11 @@ import torch
 import torch.distributed as dist
 
 from alignment.models.weights import export_hf_weights
+from parallel.atomic_dir import MANIFEST, fresh_tmp, publish
 from parallel.names import unwrap
-
-MANIFEST = "manifest.json"
-
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read: a file missing or cut short, or not weights only."""
-
-
-def _write_manifest(directory: Path) -> None:
-    files = {str(p.relative_to(directory)): p.stat().st_size for p in sorted(directory.rglob("*"))
-             if p.is_file() and p.name != MANIFEST}
-    (directory / MANIFEST).write_text(json.dumps({"files": files}, indent=0))
 
 
 def verify_checkpoint(path: str | os.PathLike) -> None:
@@ -63,32 +55,6 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
             raise CheckpointError(f"checkpoint {path}: common.pt does not load as weights only "
                                   f"({type(e).__name__}: {str(e)[:200]}); it was not written by this code or is "
                                   f"damaged, and is not unpickled; {fix}") from e
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Rank 0 writes ``tmp``'s manifest and swaps it into ``final`` (replacing an older one); all
-    ranks wait."""
-    dist.barrier()
-    if dist.get_rank() == 0:
-        _write_manifest(tmp)
-        if final.exists():
-            old = final.with_name(final.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-    dist.barrier()
-
-
-def _fresh_tmp(final: Path) -> Path:
-    tmp = final.with_name(final.name + ".tmp")
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    return tmp
 
 
 def _optimizer_metadata(optimizer) -> dict:  # noqa: ARG001 - same for every optimizer type
@@ -171,13 +137,13 @@ def save_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, op
     from megatron.core import dist_checkpointing
 
     final = Path(path)
-    tmp = _fresh_tmp(final)
+    tmp = fresh_tmp(final)
     if dist.get_rank() == 0:
         written = {**({"config.yaml": config} if config is not None else {}), **(files or {})}
         for name, text in written.items():
             (tmp / name).write_text(text)
     dist_checkpointing.save(_state(model, optimizer, step, is_loading=False), str(tmp))
-    _publish(tmp, final)
+    publish(tmp, final)
     return final
 
 
@@ -294,12 +260,12 @@ def save_hf_checkpoint(model: torch.nn.Module, bridge, hf_config, tokenizer, pat
     from safetensors.torch import save_file
 
     final = Path(path)
-    tmp = _fresh_tmp(final)
+    tmp = fresh_tmp(final)
     state = export_hf_weights(model, bridge)
     if dist.get_rank() == 0:
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         hf_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-    _publish(tmp, final)
+    publish(tmp, final)
     return final

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from alignment.trainers.megatron_step import all_reduce_max
+from alignment.training.megatron_step import all_reduce_max
 
 __all__ = ["grads_finite", "guarded_step", "BadStepStreak", "TrainingDiverged", "crossed_bounds", "TrainingStopped",
            "HealthMonitor"]
@@ -41,7 +41,7 @@ def grads_finite(model: torch.nn.Module) -> bool:
 def guarded_step(model: torch.nn.Module, optimizer, group_norms: dict | None = None) -> tuple[bool, float]:
     """``optimizer.step()`` unless a gradient of ``model`` is NaN/inf on some rank (:func:`grads_finite`).
     ``group_norms``: an empty dict, filled (before the step clips the gradients) with
-    :func:`alignment.trainers.grad_stats.grad_group_norms` (``trainer.grad_stats_every``); None: not measured.
+    :func:`alignment.training.grad_stats.grad_group_norms` (``trainer.grad_stats_every``); None: not measured.
 
     Returns:
         ``(applied, grad_norm)``: ``(True, the step's gradient norm)``, or ``(False, nan)`` when the
@@ -50,7 +50,7 @@ def guarded_step(model: torch.nn.Module, optimizer, group_norms: dict | None = N
     if not grads_finite(model):
         return False, float("nan")
     if group_norms is not None and not group_norms:  # a step's first update
-        from alignment.trainers.grad_stats import grad_group_norms
+        from alignment.training.grad_stats import grad_group_norms
 
         group_norms.update(grad_group_norms(model, optimizer))
     _, norm, _ = optimizer.step()

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from alignment.trainers.host_memory import release_free_heap
+from alignment.training.host_memory import release_free_heap
 
 
 def offload_enabled(requested: bool) -> bool:
@@ -141,7 +141,7 @@ class DevicePlacement:
         """Make exactly the units ``names`` resident (reload them) and offload all others.
 
         Called at every phase boundary of a step. On CPU it first hands the freed heap back to the
-        OS (:func:`alignment.trainers.host_memory.release_free_heap`), enabled or not, as
+        OS (:func:`alignment.training.host_memory.release_free_heap`), enabled or not, as
         ``torch.cuda.empty_cache()`` does below for the CUDA caching allocator.
 
         Names of models registered as None, and the ``.grads`` / ``.optimizer`` units of frozen

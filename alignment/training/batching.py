@@ -1,6 +1,6 @@
 """Turn rollouts into padded training tensors and micro-batches.
 
-Alignment convention (shared with :class:`alignment.trainers.megatron_step.LogprobOutputs`):
+Alignment convention (shared with :class:`alignment.training.megatron_step.LogprobOutputs`):
 position ``t`` of every ``[batch, seq]`` tensor refers to predicting token ``t + 1``.
 So ``response_mask[i, t] = 1`` exactly when ``input_ids[i, t + 1]`` is a response token,
 and ``rollout_logprobs[i, t]`` is the engine's logprob of that token.

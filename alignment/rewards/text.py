@@ -15,7 +15,6 @@ that runs a model, ``reward_model``, lives in :mod:`alignment.trainers.rewarding
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +23,7 @@ import torch
 
 from alignment.data import tasks
 from alignment.rollout.base import Sample
+from alignment.sandbox.runner import sandbox_workers
 
 TEXT_FUNCTIONS = ("correctness", "format", "length", "environment")
 #: tasks whose prompt asks for a format :func:`format_score` checks
@@ -44,12 +44,6 @@ def format_score(task: str, text: str) -> float:
         raise ValueError(f"task {task!r} asks for no answer format; the format reward applies to "
                          f"{', '.join(FORMAT_TASKS)}")
     return 1.0 if _SINGLE_NUMBER.fullmatch(text.replace("\u2212", "-")) else 0.0
-
-
-def sandbox_workers() -> int:
-    """Sandbox runs at once per process: this node's cores shared by its local ranks (at least 1)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, (os.cpu_count() or 1) // max(local, 1))
 
 
 def length_score(response_tokens: int, max_tokens: int) -> float:
