@@ -69,7 +69,7 @@ def slow_cpu() -> bool:
 
 def pytest_collection_modifyitems(config, items):
     """The tiers (CONTRIBUTING.md): a ``heavy`` test is also ``slow``, so ``-m "not slow"`` (the
-    developer's loop) runs no process launch. On a :func:`slow_cpu` the tests marked ``heavy``
+    developer's loop) runs no torchrun, vLLM, Slurm or nemo-run job. On a :func:`slow_cpu` the tests marked ``heavy``
     (end-to-end variants of minutes whose paths other tests also run) skip, so the whole suite stays
     inside CI's limit there; ``MEGALIGN_FULL_TESTS=1`` runs them anyway. Everywhere else every test runs."""
     for item in items:
