@@ -11,9 +11,15 @@ from alignment.data.step_data import encode_steps, load_records, supervised_labe
 def tokenize_split(cfg, tokenizer, split: str) -> list[list[tuple]]:
     """Per example, its rows ``(ids, prompt_len)``: one for SFT, ``[chosen, rejected]`` for pairs;
     for the PRM one ``(ids, prompt_len, step_ends, labels)`` per solution with a labelled step
-    (:func:`tokenize_steps`). ``data.columns`` renames a file's
-    columns; held out are ``data.heldout_files``, else ``data.heldout_fraction`` by prompt hash, else
-    the last ``data.heldout_size``; training takes the first ``data.train_size`` (null: all)."""
+    (:func:`tokenize_steps`). ``data.columns`` renames a file's columns; held out are
+    ``data.heldout_files``, else ``data.heldout_fraction`` by prompt hash, else the last
+    ``data.heldout_size``; training takes the first ``data.train_size`` (null: all).
+
+    Raises:
+        FileNotFoundError, ValueError: a data file missing or a record that cannot be read, named
+            with its file and line (:mod:`alignment.data.chat_data`, :mod:`alignment.data.step_data`),
+            or an example the chat template does not render as a prompt prefix.
+    """
     d = cfg.data
     enc = lambda msgs, resp: encode_example(tokenizer, msgs, resp, d.max_length, d.max_prompt_length)  # noqa: E731
     if cfg.algorithm.name == "prm":
@@ -35,7 +41,11 @@ def tokenize_steps(cfg, tokenizer, split: str) -> list[tuple[list[int], int, lis
     step_ends, labels)`` with only its labelled steps' end positions and 0/1 labels (by
     ``algorithm.supervision``; :func:`alignment.data.step_data.encode_steps`, steps ending past
     ``data.max_length`` dropped; the prompt is not cut: ``data.max_prompt_length`` does not apply).
-    Solutions without a labelled step within ``data.max_length`` are left out."""
+    Solutions without a labelled step within ``data.max_length`` are left out.
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`alignment.data.step_data.load_records`.
+    """
     a, d = cfg.algorithm, cfg.data
     rows = []
     for record in load_records(d.dataset, split):
