@@ -49,27 +49,26 @@ def test_export_of_megatron_own_weights_gives_the_same_logits_in_transformers(hf
     assert (_hf_logits(out) - megatron).abs().max() <= 1e-4
 
 
-def test_round_trip_and_reshape_are_exact(hf_dir, tmp_path):
-    run_torchrun("convert_worker.py", "import", str(hf_dir), str(tmp_path / "a"), "1", "2")
-    run_torchrun("convert_worker.py", "reshape", str(tmp_path / "a"), str(tmp_path / "b"), "2", "1")
-    run_torchrun("convert_worker.py", "export", str(tmp_path / "b"), str(tmp_path / "hf"), "1", "1")
-    original, back = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
-    assert set(original) == set(back)
-    assert all(torch.equal(original[k], back[k]) for k in original)
+def test_bad_layout_names_the_flag_before_any_rank_starts(hf_dir, tmp_path, capsys):
+    from tools import cli
+
+    out = tmp_path / "x"
+    assert cli.main(["convert", "--nproc", "3", "import", str(hf_dir), str(out), "--tp", "3"]) == 2
+    assert capsys.readouterr().err.strip().startswith(
+        "megalign: error: --tensor_model_parallel_size=3 must divide the model's 4 attention heads")
+    assert cli.main(["convert", "--nproc", "2", "export", str(tmp_path), str(out)]) == 2
+    assert "is neither a converted checkpoint" in capsys.readouterr().err
+    assert not out.exists()
 
 
-def test_bad_layout_names_the_flag(hf_dir, tmp_path):
-    with pytest.raises(pytest.fail.Exception, match=r"--tensor_model_parallel_size=3 must divide the model's 4"):
-        run_torchrun("convert_worker.py", "import", str(hf_dir), str(tmp_path / "x"), "3", "1", nproc=3)
-
-
-def test_qwen3_and_qwen3_moe_round_trips_through_expert_and_tensor_layouts(tmp_path):
-    """Both new families through the tool: Qwen3 imported at TP 2, reshaped to PP 2; Qwen3-MoE
+def test_round_trips_and_reshapes_are_exact_for_each_family(hf_dir, tmp_path):
+    """All three families through the tool in one launch: the Llama imported at PP 2, reshaped to
+    TP 2, exported from one rank's whole model; Qwen3 imported at TP 2, reshaped to PP 2; Qwen3-MoE
     imported with its experts over 2 ranks (EP 2), reshaped to TP 2 x EP 2 with whole experts
-    (expert TP 1); both exported at PP 2: every HF tensor back exactly, experts per expert."""
+    (expert TP 1); both Qwen3 exported at PP 2: every HF tensor back exactly, experts per expert."""
     from tests.dist.tiny_models import save_tiny_dir
 
-    dirs = [save_tiny_dir(tmp_path / f, f, seed=4) for f in ("qwen3", "qwen3_moe")]
+    dirs = [hf_dir, *(save_tiny_dir(tmp_path / f, f, seed=4) for f in ("qwen3", "qwen3_moe"))]
     run_torchrun("convert_worker.py", "chain", str(tmp_path / "work"), *map(str, dirs))
     for i, d in enumerate(dirs):
         original = load_file(d / "model.safetensors")

@@ -40,6 +40,7 @@ from alignment.config import ConfigError
 from launchers.common import check_job
 from launchers.console import BAD_INPUT_EXIT, ERROR_FILE_ENV, error_line
 from launchers.preflight import compose
+from parallel.layout import LayoutError
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_SCRIPT = ROOT / "launchers" / "train.py"
@@ -203,10 +204,20 @@ def convert(argv: list[str]) -> int:
     or under the launcher."""
     p = argparse.ArgumentParser(prog="megalign convert", add_help=False)
     p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--debug", action="store_true", help="show tracebacks instead of one error line")
     opts, rest = p.parse_known_args(argv)
+    tool = importlib.import_module("tools.convert_checkpoint")
     if opts.nproc > 1:
+        if "-h" not in rest and "--help" not in rest:
+            try:  # the layout against the model, before any rank starts
+                tool.check_layout(rest, opts.nproc)
+            except (LayoutError, FileNotFoundError, OSError, ValueError) as e:
+                if opts.debug:
+                    raise
+                print(error_line(e), file=sys.stderr, flush=True)
+                return BAD_INPUT_EXIT
         return launch(ROOT / "tools" / "convert_checkpoint.py", rest, opts.nproc)
-    importlib.import_module("tools.convert_checkpoint").main(rest)
+    tool.main(rest)
     return 0
 
 

@@ -38,12 +38,49 @@ def _model(hf_config, tp: int, pp: int, ep: int = 1, etp: int | None = None):
     from parallel.layout import ParallelLayout, validate_model_layout
     from parallel.state import env_world, init_distributed
 
-    sizes = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=tp > 1,
-                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    sizes = layout_sizes(tp, pp, ep, etp)
     layout = ParallelLayout(world_size=env_world()[1], **sizes)
     validate_model_layout(layout, model_dims(hf_config), prefix="--")
     init_distributed(layout)
     return build_gpt_model(hf_config, transformer_config(hf_config, **sizes))
+
+
+def layout_sizes(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> dict:
+    """The :class:`parallel.layout.ParallelLayout` sizes this tool lays a model out with."""
+    return dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=tp > 1,
+                expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+
+
+def check_layout(argv: list[str], world_size: int) -> None:
+    """Check the command line ``argv`` (this tool's arguments) against ``world_size`` processes and
+    the model's dims, in the launching process, before any rank starts (``megalign convert``).
+    A ``.gguf`` or ``"smollm2"`` source is left to the ranks (reading it means converting it).
+
+    Raises:
+        parallel.layout.LayoutError: a layout the model or the world size cannot take, naming
+            ``--tp`` / ``--pp`` / ``--ep`` / ``--etp``.
+        FileNotFoundError: a source that is neither an HF directory nor a checkpoint.
+    """
+    from transformers import AutoConfig
+
+    from alignment.models.families import model_dims
+    from parallel.layout import ParallelLayout, validate_model_layout
+
+    args = parser().parse_args(argv)
+    src = Path(args.src)
+    if args.direction == "import":
+        if not src.is_dir():
+            return
+        hf_dir = src
+    else:
+        hf_dir = src / "hf_config"
+        if not (hf_dir / "config.json").exists():
+            if (src / "config.yaml").exists():  # a training checkpoint: its model may be a .gguf or "smollm2"
+                return
+            raise FileNotFoundError(f"{src} is neither a converted checkpoint (no hf_config/config.json; make one "
+                                    "with `megalign convert import`) nor a training checkpoint (no config.yaml)")
+    layout = ParallelLayout(world_size=world_size, **layout_sizes(args.tp, args.pp, args.ep, args.etp))
+    validate_model_layout(layout, model_dims(AutoConfig.from_pretrained(hf_dir)), prefix="--")
 
 
 def _load_converted(src: Path, tp: int, pp: int, ep: int = 1, etp: int | None = None):
@@ -115,7 +152,8 @@ def reshape(src: str | Path, out: str | Path, tp: int = 1, pp: int = 1, ep: int 
     return _save_converted(model, hf_config, tokenizer, Path(out))
 
 
-def main(argv: list[str] | None = None) -> Path:
+def parser() -> argparse.ArgumentParser:
+    """This tool's command line: ``import|export|reshape SRC OUT [--tp N] [--pp N] [--ep N] [--etp N]``."""
     ap = argparse.ArgumentParser(description="HF <-> Megatron distributed checkpoints (run under torchrun)")
     ap.add_argument("direction", choices=["import", "export", "reshape"])
     ap.add_argument("src", help="import: HF dir, .gguf or 'smollm2'; export/reshape: a converted checkpoint "
@@ -125,7 +163,12 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--pp", type=int, default=1, help="pipeline_model_parallel_size to lay the model out with")
     ap.add_argument("--ep", type=int, default=1, help="expert_model_parallel_size (mixture-of-experts models)")
     ap.add_argument("--etp", type=int, default=None, help="expert_tensor_parallel_size (default: --tp)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """Run the conversion ``argv`` names (collective under torchrun); returns the output path."""
+    args = parser().parse_args(argv)
     fn = {"import": hf_to_megatron, "export": megatron_to_hf, "reshape": reshape}[args.direction]
     from parallel.state import shutdown
 

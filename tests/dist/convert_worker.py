@@ -62,13 +62,19 @@ def main() -> None:
         workdir, *dirs = args
         for i, hf_dir in enumerate(dirs):
             w = Path(workdir) / str(i)
-            if getattr(AutoConfig.from_pretrained(hf_dir), "num_experts", 0):
+            config = AutoConfig.from_pretrained(hf_dir)
+            if getattr(config, "num_experts", 0):
                 cc.hf_to_megatron(hf_dir, w / "a", ep=2)
                 cc.reshape(w / "a", w / "b", tp=2, ep=2, etp=1)
+                cc.megatron_to_hf(w / "b", w / "hf", pp=2)
+            elif config.model_type == "llama":  # PP 2 -> TP 2 -> one rank's whole model
+                cc.hf_to_megatron(hf_dir, w / "a", pp=2)
+                cc.reshape(w / "a", w / "b", tp=2)
+                cc.megatron_to_hf(w / "b", w / "hf")
             else:
                 cc.hf_to_megatron(hf_dir, w / "a", tp=2)
                 cc.reshape(w / "a", w / "b", pp=2)
-            cc.megatron_to_hf(w / "b", w / "hf", pp=2)
+                cc.megatron_to_hf(w / "b", w / "hf", pp=2)
         shutdown()
         return
     if op == "logits":
