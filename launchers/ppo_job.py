@@ -3,7 +3,7 @@
 config -> validate -> groups -> policy (from ``model.path``, e.g. the SFT export) + reference,
 critic (from ``model.critic_path`` or the reward model) and frozen reward model
 (``model.reward_model_path``) + rollout engine (``rollout.backend``) -> the RL loop
-(:mod:`launchers.rl_loop`) with PPO's collect and train (:mod:`alignment.trainers.ppo`) on the
+(:mod:`launchers.loop`) with PPO's collect and train (:mod:`alignment.trainers.ppo`) on the
 dpo_en_demo training prompts, evaluated by :class:`WinRate`: held-out greedy responses of the
 initial policy and of the trained one, scored by the reward model -> win rate (trained vs
 initial) and response-length drift. With ``reward.functions`` on ``data.task``'s answers (no
@@ -14,46 +14,20 @@ initial) and response-length drift. With ``reward.functions`` on ``data.task``'s
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
 
 
-def build(cfg, hf_dir: Path, hf_config, rank: int):
-    """This rank's :class:`alignment.trainers.ppo.PPOModels`."""
-    from alignment.config import lora_spec, ppo_on_task, process_reward_weight
-    from alignment.models.families import get_bridge
-    from alignment.trainers.ppo import PPOModels
-    from alignment.training.offload import DevicePlacement, offload_enabled
-    from launchers.common import load_model, rollout_engine
-    from parallel.lora import FrozenBase
+def roles(cfg) -> list[str]:
+    """The models a PPO job builds (:func:`launchers.build.build_models`): the policy, the critic and
+    the engine; the reference with ``algorithm.kl_coef`` > 0; the reward model unless the job trains
+    on ``data.task``'s answers (:func:`alignment.config.ppo_on_task`); the process reward model for
+    ``process_reward``."""
+    from alignment.config import ppo_on_task, process_reward_weight
 
-    t = cfg.trainer
-
-    def shard(path, value_head: bool, lr: float | None = None):
-        return load_model(cfg, path, value_head, lr)
-
-    policy, optimizer = shard(cfg.model.path, False, lr=t.lr)
-    critic, critic_optimizer = shard(cfg.model.critic_path or cfg.model.reward_model_path, True, lr=t.critic_lr)
-    reference = None
-    if cfg.algorithm.kl_coef > 0:  # with LoRA: the policy with its adapters off, no second copy
-        reference = FrozenBase(policy) if lora_spec(cfg) else shard(cfg.model.path, False)
-    reward_model = None if ppo_on_task(cfg) else shard(cfg.model.reward_model_path, True)
-    prm = shard(cfg.reward.process_reward_model, True) if process_reward_weight(cfg) else None
-    bridge = get_bridge(hf_config)
-    engine, resharder = rollout_engine(cfg, hf_dir, policy, bridge, hf_config.vocab_size, rank)
-    placement = DevicePlacement(enabled=offload_enabled(t.offload))
-    placement.add_model("policy", policy, optimizer)
-    placement.add_model("critic", critic, critic_optimizer)
-    placement.add_model("reference", reference)
-    placement.add_model("reward_model", reward_model)
-    placement.add_model("process_reward_model", prm)
-    from alignment.rollout.multi_turn import episode_setup
-
-    return PPOModels(policy, optimizer, reference, engine, bridge, engine.tokenizer,
-                     hf_config.vocab_size, placement, resharder, critic=critic, critic_optimizer=critic_optimizer,
-                     reward_model=reward_model, process_reward_model=prm,
-                     episodes=episode_setup(cfg, hf_dir, engine.tokenizer))
+    return ["policy", "critic", "engine", *(["reference"] if cfg.algorithm.kl_coef > 0 else []),
+            *([] if ppo_on_task(cfg) else ["reward_model"]),
+            *(["process_reward_model"] if process_reward_weight(cfg) else [])]
 
 
 def prompts_of(cfg, tokenizer, split: str) -> list[list[int]]:
@@ -95,7 +69,7 @@ def compare(before: dict, after: dict) -> dict[str, float]:
 
 
 class WinRate:
-    """PPO's :class:`launchers.rl_loop.Evaluation`: greedy responses to this DP rank's held-out
+    """PPO's :class:`launchers.loop.Evaluation`: greedy responses to this DP rank's held-out
     prompts, scored by the reward model, the trained policy's against the initial one's."""
 
     def __init__(self, cfg, models, prompts: list[list[int]]):
@@ -120,17 +94,18 @@ class WinRate:
 
 
 def run(cfg) -> dict:
-    """Run a PPO job through :mod:`launchers.rl_loop`; returns the summary written to
+    """Run a PPO job through :mod:`launchers.loop`; returns the summary written to
     ``<output_dir>/summary.json``."""
     from megatron.core import parallel_state as ps
 
     from alignment.config import ppo_on_task
     from alignment.trainers import ppo
-    from launchers import rl_loop
+    from launchers import loop
+    from launchers.build import build_models
     from launchers.common import start
 
     job = start(cfg)  # validates the config before any process group starts
-    models = build(cfg, job.hf_dir, job.hf_config, job.rank)
+    models = build_models(cfg, job, roles(cfg))
     if ppo_on_task(cfg):  # data.task's problems, graded by reward.functions' text terms
         from alignment.data.prompt_data import training_order
         from alignment.trainers import rl_phases
@@ -144,9 +119,9 @@ def run(cfg) -> dict:
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         evaluation = WinRate(cfg, models, heldout[: len(heldout) // dp * dp][dp_rank::dp])
         request = lambda prompts: ppo.request(prompts, cfg)  # noqa: E731
-    spec = rl_loop.RLJob(
+    spec = loop.JobSpec(
         "ppo", train, lambda items, step, version: ppo.collect(models, items, cfg, version),
         lambda rollout: ppo.train(models, rollout, cfg),
         {"policy": (models.policy, models.optimizer), "critic": (models.critic, models.critic_optimizer)},
         evaluation, request=request)
-    return rl_loop.run(job, models, spec)
+    return loop.run(job, models, spec)

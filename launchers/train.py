@@ -1,7 +1,7 @@
 """Entry point: ``torchrun --nproc-per-node 2 launchers/train.py [hydra overrides]``.
 
 config -> validate (before any process group) -> init groups -> build models -> the RL loop
-(:mod:`launchers.rl_loop`) with GRPO's collect and train (:mod:`alignment.trainers.grpo`).
+(:mod:`launchers.loop`) with GRPO's collect and train (:mod:`alignment.trainers.grpo`).
 Works the same under ``srun`` and as a single process.
 """
 
@@ -30,52 +30,15 @@ def needs_reference(cfg) -> bool:
     return a.kl_coef > 0 or (a.name == "online_dpo" and a.loss_type not in REFERENCE_FREE)
 
 
-def build(cfg, hf_dir: Path, hf_config, rank: int):
-    """This rank's policy (DDP + optimizer; with ``model.lora`` its adapters only trained), frozen
-    reference (:func:`needs_reference`; with LoRA the policy with its adapters off) and rollout engine
-    (``rollout.backend``), all loaded from the HF weights in ``hf_dir``, and the frozen reward model
-    (``model.reward_model_path``) when ``reward.functions`` names ``reward_model``."""
+def roles(cfg) -> list[str]:
+    """The models a GRPO-family, ``rft`` or ``online_dpo`` job builds (:func:`launchers.build.build_models`):
+    the policy and its rollout engine; the frozen reference (:func:`needs_reference`); the reward
+    model when ``reward.functions`` names ``reward_model``; the process reward model for ``process_reward``."""
     from alignment.config import process_reward_weight, reward_terms
-    from alignment.models.families import get_bridge
-    from alignment.models.gpt import build_gpt_model
-    from alignment.models.weights import lazy_safetensors, load_hf_weights
-    from alignment.rollout.multi_turn import episode_setup
-    from alignment.trainers.rl_phases import Models
-    from alignment.training.megatron_step import OptimConfig, main_param_writer, setup_training
-    from alignment.training.offload import DevicePlacement, offload_enabled
-    from launchers.common import add_adapters, job_transformer_config, load_model, rollout_engine
-    from parallel.lora import FrozenBase
 
-    bridge = get_bridge(hf_config)
-    hf_state = lazy_safetensors(hf_dir)
-
-    model = build_gpt_model(hf_config, job_transformer_config(cfg, hf_config))
-    lora = add_adapters(cfg, model)
-    policy, optimizer = setup_training(model, OptimConfig(
-        lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay, clip_grad=cfg.trainer.clip_grad,
-        use_distributed_optimizer=cfg.trainer.use_distributed_optimizer))
-    load_hf_weights(model, hf_state, bridge, main_params=main_param_writer(optimizer))
-    reference = None
-    if needs_reference(cfg) and lora:
-        reference = FrozenBase(policy)  # the base weights with the adapters off: no second copy
-    elif needs_reference(cfg):
-        reference = build_gpt_model(hf_config, job_transformer_config(cfg, hf_config)).eval()
-        load_hf_weights(reference, hf_state, bridge)
-        reference.requires_grad_(False)
-    del hf_state  # unmaps the safetensors files (their pages count in this process's RSS)
-    reward_model = prm = None
-    if any(term.name == "reward_model" for term in reward_terms(cfg)):  # reward.functions: a judge of its own
-        reward_model = load_model(cfg, cfg.model.reward_model_path, value_head=True)
-    if process_reward_weight(cfg):  # reward.functions: process_reward, step by step
-        prm = load_model(cfg, cfg.reward.process_reward_model, value_head=True)
-    engine, resharder = rollout_engine(cfg, hf_dir, policy, bridge, hf_config.vocab_size, rank)
-    placement = DevicePlacement(enabled=offload_enabled(cfg.trainer.offload))
-    placement.add_model("policy", policy, optimizer)
-    placement.add_model("reference", reference)
-    placement.add_model("reward_model", reward_model)
-    placement.add_model("process_reward_model", prm)
-    return Models(policy, optimizer, reference, engine, bridge, engine.tokenizer, hf_config.vocab_size, placement,
-                  resharder, reward_model, prm, episode_setup(cfg, hf_dir, engine.tokenizer))
+    return ["policy", "engine", *(["reference"] if needs_reference(cfg) else []),
+            *(["reward_model"] if any(term.name == "reward_model" for term in reward_terms(cfg)) else []),
+            *(["process_reward_model"] if process_reward_weight(cfg) else [])]
 
 
 def run(cfg: DictConfig) -> dict:
@@ -83,7 +46,7 @@ def run(cfg: DictConfig) -> dict:
 
     ``sft``, ``rm`` and ``dpo`` train on fixed data (:mod:`launchers.offline_job`), ``ppo`` runs
     :mod:`launchers.ppo_job`; the GRPO family, ``rft`` and ``online_dpo`` run
-    :mod:`launchers.rl_loop` with :func:`run_rl`'s pieces.
+    :mod:`launchers.loop` with :func:`run_rl`'s pieces.
     """
     from alignment.config import OFFLINE_ALGORITHMS
 
@@ -101,15 +64,16 @@ def run(cfg: DictConfig) -> dict:
 def run_rl(cfg: DictConfig) -> dict:
     """Run a GRPO-family job, rejection-sampling fine-tuning (``rft``: :mod:`alignment.trainers.rft`)
     or online DPO (``online_dpo``: :mod:`alignment.trainers.online_dpo`) through
-    :mod:`launchers.rl_loop`; returns the summary written to ``<output_dir>/summary.json``."""
+    :mod:`launchers.loop`; returns the summary written to ``<output_dir>/summary.json``."""
     from alignment.data.prompt_data import training_order
     from alignment.trainers import grpo, online_dpo, rft, rl_phases
     from alignment.trainers.heldout import HeldoutAccuracy
-    from launchers import rl_loop
+    from launchers import loop
+    from launchers.build import build_models
     from launchers.common import start
 
     job = start(cfg)  # validates the config and reads the prompts before any process group starts
-    models = build(cfg, job.hf_dir, job.hf_config, job.rank)
+    models = build_models(cfg, job, roles(cfg))
     train, heldout = training_order(cfg, job.prompts), job.prompts.heldout
 
     def grpo_collect(problems, step: int, version: int):
@@ -132,11 +96,11 @@ def run_rl(cfg: DictConfig) -> dict:
     trained = {"policy": (models.policy, models.optimizer)}
     if name == "online_dpo" and cfg.algorithm.ref_update == "iteration":  # the iteration's reference resumes too
         trained["reference"] = (models.reference, None)
-    spec = rl_loop.RLJob(name, train, grpo_collect if trainer is grpo else own_collect,
+    spec = loop.JobSpec(name, train, grpo_collect if trainer is grpo else own_collect,
                          lambda rollout: trainer.train(models, rollout, cfg), trained,
                          HeldoutAccuracy(job, models, heldout),
                          request=lambda problems: rl_phases.request(models.tokenizer, problems, cfg))
-    return rl_loop.run(job, models, spec)
+    return loop.run(job, models, spec)
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="grpo")

@@ -512,7 +512,7 @@ def test_kto_reference_point_from_mismatched_rows_by_hand(monkeypatch):
     monkeypatch.setattr(dpo, "all_reduce_sum", lambda values, group: [values[0] + other])
     rows = [([1, 2, 10], 2), ([1, 2, 11, 12], 2), ([3, 20, 21], 1), ([3, 30], 1)]
     batch = make_sequence_batch(rows, pad_id=0)
-    models = SimpleNamespace(model="policy", reference="reference", tokenizer=SimpleNamespace(pad_token_id=0))
+    models = SimpleNamespace(policy="policy", reference="reference", tokenizer=SimpleNamespace(pad_token_id=0))
     obj = DPOObjective(vocab_size=64, beta=0.1, loss_type="kto")
     # KL rows: [1 2 | 20 21], [1 2 | 30], [3 | 10], [3 | 11 12] -> policy 0.41, 0.30, 0.10, 0.23
     scale, other = 1.0, 0.1  # reference 0.10, 0.05, 0.05, 0.10: this rank's mean 0.185

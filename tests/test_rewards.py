@@ -204,7 +204,7 @@ def test_rft_config_and_its_errors():
         (["algorithm.accept_threshold=nan"], "algorithm.accept_threshold=nan: give a finite reward"),
         (["reward.functions=[{name: correctness, whiten: true}]"], r"reward.functions \['correctness'\] whiten"),
         (["rollout.prompts_per_step=3"], "rollout.prompts_per_step=3 must be a multiple of the data-parallel size 2"),
-        (["rollout.temperature=0"], "rejection sampling draws group_size >= 1 samples per problem at a temperature"),
+        (["rollout.temperature=0"], "rejection sampling draws group_size samples per problem at a temperature"),
         (["parallel.pipeline_model_parallel_size=2", "trainer.sequence_packing=false"],
          "set trainer.sequence_packing=true"),
         (["reward.functions=[{name: correctness}, {name: length, weight: 0.1}]"],

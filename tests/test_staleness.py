@@ -1,4 +1,4 @@
-"""The RL loop's schedule (launchers/rl_loop.py): which step's batch is sampled by which policy
+"""The RL loop's schedule (launchers/loop.py): which step's batch is sampled by which policy
 version for rollout.max_staleness = 0, 1, 2, from a fresh start and from a resume; the prompts of
 every step; and, end to end on a tiny model under torchrun, one-step off-policy GRPO whose
 importance weights use the engine's own logprobs, SIGKILLed mid-run and resumed without skipping
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from launchers.rl_loop import RolloutQueue, prompts_of_step
+from launchers.loop import RolloutQueue, prompts_of_step
 from tests.conftest import ROOT, run_torchrun, run_torchrun_killed
 from tests.dist.tiny_llama import save_tiny_hf_dir
 

@@ -1,6 +1,6 @@
 """The config-field reference (``docs/reference/config-fields.md``), generated from the schema so it
 cannot go stale: every field of :class:`alignment.config.JobConfig` with its type, schema default,
-range (:mod:`alignment.config_ranges`), the values the shipped jobs (``configs/*.yaml``) give it
+range (its field's metadata: :func:`alignment.config.ranged`), the values the shipped jobs (``configs/*.yaml``) give it
 where they differ from the default, and its doc line (the comment beside or above it in
 ``alignment/config.py``).
 
@@ -21,7 +21,6 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from alignment import config as schema
-from alignment.config_ranges import RANGES, describe
 from launchers.preflight import compose
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,14 +120,14 @@ def page() -> str:
              "shipped jobs (`configs/<job>.yaml`, `--config-name <job>`) that run with another value.",
              "`megalign train --config-name <job> --print-config` prints a job's whole resolved config;",
              "a run writes it to `<output_dir>/config.yaml`.", ""]
-    section = None
+    section, field_ranges = None, schema.ranges()
     for name, typ, default, doc in schema_fields():
         top = name.split(".")[0] if "." in name else "(top level)"
         if top != section:
             section = top
             lines += ["", f"## {section}", "", "| field | type | default | range | jobs | doc |",
                       "|---|---|---|---|---|---|"]
-        rng = describe(name) + RANGES[name][4] if name in RANGES else ""
+        rng = field_ranges[name].describe() + field_ranges[name].note if name in field_ranges else ""
         differ = {}
         for job, values in jobs.items():
             if name in values and values[name] != default and not (name in ("run_name", "output_dir")):

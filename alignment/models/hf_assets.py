@@ -98,7 +98,7 @@ def _convert_gguf(gguf: pathlib.Path, out_dir: pathlib.Path) -> None:
     (out_dir / _MARKER).write_text(json.dumps(_fingerprint(gguf), indent=1) + "\n")
 
 
-def prepare_hf_dir(source: str, cache_dir: str | None = None) -> pathlib.Path:
+def prepare_hf_dir(source: str | os.PathLike, cache_dir: str | None = None) -> pathlib.Path:
     """Return a Hugging Face model directory (config.json + safetensors + tokenizer) for ``source``.
 
     Args:
@@ -117,6 +117,7 @@ def prepare_hf_dir(source: str, cache_dir: str | None = None) -> pathlib.Path:
         ValueError: ``source`` exists but is not an HF safetensors dir nor a ``.gguf`` file.
     """
     accepted = "an HF model directory with config.json and *.safetensors, 'smollm2', or a .gguf file"
+    source = os.fspath(source)
     if source.strip().lower() in _SMOLLM2_ALIASES:
         gguf = smollm2_gguf_path()
     else:

@@ -75,7 +75,7 @@ class DPOObjective:
         tok = models.tokenizer
         kl = make_sequence_batch(mismatched_rows(rows, self.rows_per_example),
                                  tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-        delta = sequence_logps(models.model, kl, mb, self.vocab_size) - sequence_logps(models.reference, kl, mb,
+        delta = sequence_logps(models.policy, kl, mb, self.vocab_size) - sequence_logps(models.reference, kl, mb,
                                                                                        self.vocab_size)
         group = ps.get_data_parallel_group()
         [total] = all_reduce_sum([float(delta.mean())], group)

@@ -1,7 +1,7 @@
 """GRPO (DeepSeekMath, Shao et al. 2024) on Megatron-Core, and its critic-free variants by
 config: Dr.GRPO (``advantage_estimator=grpo_no_std``, ``loss_agg_mode=seq-mean-token-sum-norm``),
 DAPO's clip-higher (``clip_ratio_high``) and dynamic sampling, RLOO (``rloo``) and REINFORCE++
-(``reinforce_plus_plus[_baseline]``). The loop around it is :mod:`launchers.rl_loop`.
+(``reinforce_plus_plus[_baseline]``). The loop around it is :mod:`launchers.loop`.
 
 :func:`collect` (the rollout collector):
   1. rollout   — the rollout engine (``rollout.backend``) samples ``group_size`` responses per prompt
@@ -38,7 +38,8 @@ from alignment.data.tasks import Problem
 from alignment.rollout.base import SamplingConfig
 from alignment.trainers.process_rewarding import score_steps, step_metrics
 from alignment.trainers.rewarding import combine, job_terms, score_terms, term_metrics
-from alignment.trainers.rl_phases import (Models, Rollout, correction_metrics, episode_metrics, generate_episodes,
+from alignment.trainers.models import Models
+from alignment.trainers.rl_phases import (Rollout, correction_metrics, episode_metrics, generate_episodes,
                                           microbatches, policy_logprobs, rollout_phase, sampling_config)
 from alignment.training.batching import make_batch
 from alignment.training.dp_balance import balance_over_dp

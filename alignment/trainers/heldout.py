@@ -9,7 +9,7 @@ from alignment.trainers.eval_cache import cached_accuracy, heldout_key
 
 
 class HeldoutAccuracy:
-    """The RL jobs' :class:`launchers.rl_loop.Evaluation`: greedy accuracy on the held-out problems, graded
+    """The RL jobs' :class:`launchers.loop.Evaluation`: greedy accuracy on the held-out problems, graded
     by :func:`alignment.config.heldout_grader` (before training possibly cached from an earlier run:
     ``trainer.eval_cache``). Without held-out problems or a grader it measures nothing."""
 

@@ -10,27 +10,13 @@ the gradient of the global-batch loss for any micro-batch split and layout
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from alignment.trainers.models import Models
 from alignment.training.batching import MicroBatching, cat_rows, make_sequence_batch
 from alignment.training.health import guarded_step
 from alignment.training.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, global_sums
 from alignment.training.router_stats import routing_metrics
-
-
-@dataclass
-class OfflineModels:
-    """This rank's trained model shard (DDP), its optimizer, the optional frozen reference
-    (DPO family), the bridge to HF names and the tokenizer."""
-
-    model: torch.nn.Module
-    optimizer: object
-    reference: torch.nn.Module | None
-    bridge: object
-    tokenizer: object
-    grad_norms: dict | None = None  # as alignment.trainers.rl_phases.Models.grad_norms
 
 
 def _ps():
@@ -53,7 +39,7 @@ def sequence_logps(model, batch: dict, mb: MicroBatching, vocab_size: int) -> to
     return cat_rows(out, "logps", parts) if out else torch.zeros(batch["input_ids"].shape[0])
 
 
-def build_batch(rows: list[tuple[list[int], int]], pad_id: int, models: OfflineModels, objective,
+def build_batch(rows: list[tuple[list[int], int]], pad_id: int, models: Models, objective,
                 mb: MicroBatching) -> dict[str, torch.Tensor]:
     """Padded tensors for this rank's rows, with the reference's log-probs when the objective
     needs them. ``mb.micro_batch_size`` counts ROWS here (examples x ``objective.rows_per_example``)."""
@@ -64,7 +50,7 @@ def build_batch(rows: list[tuple[list[int], int]], pad_id: int, models: OfflineM
     return batch
 
 
-def train_step(models: OfflineModels, objective, batch: dict, mb: MicroBatching) -> dict[str, float]:
+def train_step(models: Models, objective, batch: dict, mb: MicroBatching) -> dict[str, float]:
     """One optimizer step on this rank's slice of the global batch; returns global metrics
     (the objective's, plus ``grad_norm``). ``mb.micro_batch_size`` counts rows. The objective's
     ``normalizer`` (a tuple: its global normalisers) is summed over the data-parallel ranks;
@@ -73,21 +59,21 @@ def train_step(models: OfflineModels, objective, batch: dict, mb: MicroBatching)
     if hasattr(objective, "prepare"):
         objective.prepare(models, [batch], mb)
     normalizer = tuple(all_reduce_sum(list(objective.normalizer(batch)), ps.get_data_parallel_group()))
-    models.model.zero_grad_buffer()
+    models.policy.zero_grad_buffer()
     models.optimizer.zero_grad()
-    out = forward_backward(models.model, mb.split(batch), lambda micro, o: objective.loss(micro, o, normalizer),
+    out = forward_backward(models.policy, mb.split(batch), lambda micro, o: objective.loss(micro, o, normalizer),
                            outputs=objective.outputs, forward_only=False, packing=mb.packing,
                            positions=objective.positions)
-    applied, grad_norm = guarded_step(models.model, models.optimizer, models.grad_norms)
+    applied, grad_norm = guarded_step(models.policy, models.optimizer, models.grad_norms)
     metrics = objective.metrics(global_sums(out))
     metrics["grad_norm"] = grad_norm
     metrics["health/skipped_updates"] = float(not applied)  # NaN/inf gradients: alignment/training/health.py
-    metrics.update(routing_metrics(models.model))  # MoE: expert load imbalance, aux loss
+    metrics.update(routing_metrics(models.policy))  # MoE: expert load imbalance, aux loss
     return metrics
 
 
 @torch.no_grad()
-def evaluate(models: OfflineModels, objective, batches: list[dict], mb: MicroBatching) -> dict[str, float]:
+def evaluate(models: Models, objective, batches: list[dict], mb: MicroBatching) -> dict[str, float]:
     """Global metrics of the objective over held-out ``batches`` (this rank's slices), no update
     (metrics come from the summed metric tensors, so the loss is left unnormalised)."""
     if hasattr(objective, "prepare"):
@@ -95,7 +81,7 @@ def evaluate(models: OfflineModels, objective, batches: list[dict], mb: MicroBat
     outs = []
     for batch in batches:
         ones = tuple(1.0 for _ in objective.normalizer(batch))
-        outs += forward_backward(models.model, mb.split(batch), lambda micro, o: objective.loss(micro, o, ones),
+        outs += forward_backward(models.policy, mb.split(batch), lambda micro, o: objective.loss(micro, o, ones),
                                  outputs=objective.outputs, forward_only=True, packing=mb.packing,
                                  positions=objective.positions)
     return objective.metrics(global_sums(outs))

@@ -1,7 +1,7 @@
 """Online and iterative DPO: the policy makes its own preference pairs (Guo et al. 2024, "Direct
 Language Model Alignment from Online AI Feedback"; Xu et al. 2023, "Some things are more CRINGE
 than others: Iterative Preference Optimization with the Pairwise Cringe Loss"; Yuan et al. 2024,
-"Self-Rewarding Language Models"). The loop around it is :mod:`launchers.rl_loop`.
+"Self-Rewarding Language Models"). The loop around it is :mod:`launchers.loop`.
 
 :func:`collect` (the rollout collector):
   1. sample — ``rollout.group_size`` >= 2 responses per prompt (the rollout engine, as GRPO)
@@ -29,9 +29,10 @@ import torch.distributed as dist
 from alignment.algorithms.preference_pairs import best_worst_pairs
 from alignment.data.tasks import Problem
 from alignment.trainers.dpo import DPOObjective
-from alignment.trainers.offline import OfflineModels, build_batch, train_step
+from alignment.trainers.models import Models
+from alignment.trainers.offline import build_batch, train_step
 from alignment.trainers.rewarding import combine, job_terms, score_terms, term_metrics
-from alignment.trainers.rl_phases import Models, Rollout, generate_for_group, request, rollout_phase
+from alignment.trainers.rl_phases import Rollout, generate_for_group, request, rollout_phase
 from alignment.training.batching import MicroBatching
 from alignment.training.megatron_step import all_reduce_sum
 from alignment.training.offload import trainable
@@ -112,17 +113,16 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
     dp = ps.get_data_parallel_world_size()
     objective = DPOObjective(models.vocab_size, a.beta, a.loss_type, a.label_smoothing, a.simpo_gamma, a.orpo_lambda)
     mb = MicroBatching.from_trainer(cfg.trainer, rows_per_unit=objective.rows_per_example)
-    offline = OfflineModels(models.policy, models.optimizer, models.reference, models.bridge, models.tokenizer)
     metrics = {"grad_norm": 0.0}
     updated = total >= dp * (2 if a.loss_type == "kto" else 1)  # every rank has pairs (KTO: two, for its z0)
     if updated:
         pad = models.tokenizer.pad_token_id if models.tokenizer.pad_token_id is not None else 0
         models.placement.keep("reference")
-        batch = build_batch(rows, pad, offline, objective, mb)
+        batch = build_batch(rows, pad, models, objective, mb)
         times["logprobs"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         models.placement.keep(*trainable("policy"))
-        metrics = {f"dpo/{k}": v for k, v in train_step(offline, objective, batch, mb).items()}
+        metrics = {f"dpo/{k}": v for k, v in train_step(models, objective, batch, mb).items()}
         metrics["grad_norm"] = metrics.pop("dpo/grad_norm")
     times["train"] = time.perf_counter() - t0
 

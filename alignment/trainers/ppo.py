@@ -14,14 +14,14 @@ token-level formulation of Ziegler et al. 2019 as in verl / OpenRLHF).
                   changes nothing): ``ppo_epochs`` passes over ``num_mini_batches``
                   mini-batches, clipped value loss / clipped surrogate, one Adam step per
                   mini-batch, every loss token-mean over the global mini-batch
-The loop (:mod:`launchers.rl_loop`) then syncs the new policy weights into the engine.
+The loop (:mod:`launchers.loop`) then syncs the new policy weights into the engine.
 With ``trainer.offload`` each phase keeps on the device only the models it uses.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -34,7 +34,8 @@ from alignment.config import ppo_on_task, process_reward_weight, shares_prompts
 from alignment.rollout.base import SamplingConfig
 from alignment.trainers.process_rewarding import score_steps, step_metrics
 from alignment.trainers.rewarding import combine, job_terms, padded_batch, score_terms, term_metrics
-from alignment.trainers.rl_phases import (Models, Rollout, correction_metrics, episode_metrics, generate_episodes,
+from alignment.trainers.models import Models
+from alignment.trainers.rl_phases import (Rollout, correction_metrics, episode_metrics, generate_episodes,
                                           generate_for_group, head_outputs, microbatches, policy_logprobs,
                                           rollout_phase, sampling_config)
 from alignment.training.dp_balance import balance_over_dp
@@ -49,15 +50,6 @@ from alignment.training.megatron_step import (
 )
 from alignment.training.offload import trainable
 from alignment.training.router_stats import routing_metrics
-
-
-@dataclass
-class PPOModels(Models):
-    """:class:`alignment.trainers.rl_phases.Models` (its ``reward_model`` the frozen reward model)
-    plus the critic shard (DDP) with its optimizer."""
-
-    critic: torch.nn.Module = None
-    critic_optimizer: object = None
 
 
 def _ps():
@@ -78,7 +70,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, group) -> torch.Tensor:
     return (x - mean) / (std + 1e-8) * mask
 
 
-def _train_critic(models: PPOModels, mb_list, normalizer: float, value_clip: float | None,
+def _train_critic(models: Models, mb_list, normalizer: float, value_clip: float | None,
                   packing: dict) -> tuple[list[dict], bool]:
     def loss_fn(mb, out):
         per_token = value_loss(out["values"], mb["values"], mb["returns"], value_clip)
@@ -92,7 +84,7 @@ def _train_critic(models: PPOModels, mb_list, normalizer: float, value_clip: flo
     return out, applied
 
 
-def _train_policy(models: PPOModels, mb_list, normalizer: float, loss_cfg: GRPOLossConfig, temperature: float,
+def _train_policy(models: Models, mb_list, normalizer: float, loss_cfg: GRPOLossConfig, temperature: float,
                   packing: dict, target_kl: float | None = None) -> tuple[list[dict], float, bool, bool]:
     """One policy update on a mini-batch; returns (loss outputs, gradient norm, applied, stopped):
     ``stopped`` when ``target_kl`` is set and the mini-batch's approximate KL from the sampling policy
@@ -124,7 +116,7 @@ def request(prompts: list[list[int]], cfg) -> tuple[list[list[int]], SamplingCon
     return prompts, sampling_config(cfg)
 
 
-def collect(models: PPOModels, items: list, cfg, version: int = 0) -> Rollout:
+def collect(models: Models, items: list, cfg, version: int = 0) -> Rollout:
     """The rollout collector: ``group_size`` responses to each of this DP rank's ``items`` by the
     policy of ``version`` optimizer steps, rewarded by ``reward.functions``: chat prompts (token
     ids) judged by the frozen reward model (its scores summed over the pipeline group onto every
@@ -157,7 +149,7 @@ def collect(models: PPOModels, items: list, cfg, version: int = 0) -> Rollout:
                    steps=steps)
 
 
-def train(models: PPOModels, rollout: Rollout, cfg) -> tuple[dict[str, float], dict[str, float]]:
+def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict[str, float]]:
     """The trainer step on this DP rank's ``rollout``: old/ref logprobs and values, KL-in-reward
     GAE advantages, then the critic and the policy updates. Returns (global metrics, phase seconds)."""
     from parallel.state import replica_group

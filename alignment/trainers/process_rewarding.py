@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from alignment.rollout.base import Sample
-from alignment.trainers.rl_phases import Models, head_outputs, microbatches
+from alignment.trainers.models import Models
+from alignment.trainers.rl_phases import head_outputs, microbatches
 from alignment.training.megatron_step import all_reduce_sum
 
 

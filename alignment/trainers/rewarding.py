@@ -16,7 +16,8 @@ from alignment.data.tasks import Problem
 from alignment.rewards.functions import DEFAULT_TIMEOUT_S, function_scores
 from alignment.rollout.base import Sample
 from alignment.sandbox.runner import sandbox_workers
-from alignment.trainers.rl_phases import Models, head_outputs, microbatches
+from alignment.trainers.models import Models
+from alignment.trainers.rl_phases import head_outputs, microbatches
 from alignment.training.batching import make_batch
 from alignment.training.megatron_step import all_reduce_sum
 

@@ -1,7 +1,7 @@
 """Rejection-sampling fine-tuning: STaR (Zelikman et al. 2022, "STaR: Bootstrapping Reasoning
 With Reasoning", Alg. 1) and RFT (Yuan et al. 2023, "Scaling Relationship on Learning
 Mathematical Reasoning with Large Language Models", Sec. 3.2). The loop around it is
-:mod:`launchers.rl_loop`: one step is one iteration on ``rollout.prompts_per_step`` problems.
+:mod:`launchers.loop`: one step is one iteration on ``rollout.prompts_per_step`` problems.
 
 :func:`collect` (the rollout collector):
   1. sample    — ``rollout.group_size`` answers per problem (the rollout engine, as GRPO)
@@ -31,7 +31,8 @@ from alignment.data.prompts import PromptStyle, build_prompt_ids
 from alignment.data.tasks import Problem
 from alignment.rollout.base import Sample
 from alignment.trainers.rewarding import combine, job_terms, score_terms, term_metrics
-from alignment.trainers.rl_phases import (Models, Rollout, generate_for_group, microbatches, rollout_phase,
+from alignment.trainers.models import Models
+from alignment.trainers.rl_phases import (Rollout, generate_for_group, microbatches, rollout_phase,
                                           sampling_config)
 from alignment.training.batching import make_batch
 from alignment.training.health import guarded_step

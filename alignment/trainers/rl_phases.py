@@ -1,7 +1,7 @@
 """The phases every RL step shares, whatever the algorithm (GRPO family, PPO): what one rank
-holds (:class:`Models`), generation over a model replica, forward-only logprobs, the sampled
+holds is :class:`alignment.trainers.models.Models`; generation over a model replica, forward-only logprobs, the sampled
 batch (:class:`Rollout`), the rollout-vs-trainer mismatch metrics and the weight sync into the
-rollout engine. The loop that runs them is :mod:`launchers.rl_loop`; each algorithm's
+rollout engine. The loop that runs them is :mod:`launchers.loop`; each algorithm's
 ``collect`` and ``train`` live in :mod:`alignment.trainers.grpo` and :mod:`alignment.trainers.ppo`.
 """
 
@@ -16,35 +16,11 @@ import torch.distributed as dist
 
 from alignment.data.prompts import PromptStyle, build_prompt_ids
 from alignment.data.tasks import Problem
-from alignment.rollout.base import RolloutEngine, Sample, SamplingConfig
+from alignment.rollout.base import Sample, SamplingConfig
+from alignment.trainers.models import Models
 from alignment.training.batching import MicroBatching, cat_rows
 from alignment.training.megatron_step import (LogprobOutputs, all_reduce_max, all_reduce_sum, forward_backward,
                                               is_output_rank, value_outputs)
-from alignment.training.offload import DevicePlacement
-
-
-@dataclass
-class Models:
-    """What one rank holds: its policy shard (DDP-wrapped), optimizer, optional reference
-    shard, rollout engine, and the bridge + tokenizer to talk to HF-format engines.
-    ``placement`` moves idle models to host memory between phases (``trainer.offload``)."""
-
-    policy: torch.nn.Module
-    optimizer: object
-    reference: torch.nn.Module | None
-    engine: RolloutEngine
-    bridge: object
-    tokenizer: object
-    vocab_size: int
-    placement: DevicePlacement = field(default_factory=lambda: DevicePlacement(enabled=False))
-    resharder: object = None  # parallel.reshard.Resharder feeding a vLLM engine; None: the engine runs the policy
-    reward_model: torch.nn.Module | None = None  # frozen scalar-head model (reward.functions: reward_model)
-    process_reward_model: torch.nn.Module | None = None  # frozen PRM (reward.functions: process_reward)
-    episodes: object = None  # alignment.rollout.multi_turn.EpisodeSetup (rollout.environment)
-    #: a dict on steps that measure the policy's gradient norms per layer group (trainer.grad_stats_every):
-    #: guarded_step fills it, the loop logs it; None: not this step
-    grad_norms: dict | None = None
-
 
 
 @dataclass
@@ -56,7 +32,7 @@ class Rollout:
     padded batch), ``info`` (collector statistics, e.g. dynamic-sampling rounds), ``seconds``
     (wall time of the collection), ``version``: the number of optimizer steps of the policy
     that sampled it (the behaviour policy), and ``step``: the loop step that trains on it
-    (``step - version`` is its staleness when trained; :mod:`launchers.rl_loop` sets it).
+    (``step - version`` is its staleness when trained; :mod:`launchers.loop` sets it).
     ``reward_terms``: each reward function's raw scores ``[N]`` (``reward.functions``), of which
     ``rewards`` is the weighted (optionally whitened) sum. ``steps``: the dense ``process_reward``
     term's step scores (:class:`alignment.trainers.process_rewarding.StepRewards`), None without one.

@@ -109,7 +109,7 @@ def crossed_bounds(metrics: dict[str, float], bounds, kind: str) -> list[str]:
 
 
 class HealthMonitor:
-    """What a training loop checks after every step (:mod:`launchers.rl_loop`,
+    """What a training loop checks after every step (:mod:`launchers.loop`,
     :mod:`launchers.offline_job`): ``trainer.warn_on`` (printed on rank 0, counted in
     ``health/warnings``), ``trainer.stop_on`` and ``trainer.max_bad_steps`` (the run stops: the loop
     saves a checkpoint, then raises :meth:`error`)."""

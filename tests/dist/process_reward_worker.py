@@ -34,7 +34,7 @@ def main(prm_dir: str, responses_path: str, result_path: str) -> None:
     from alignment.rollout.base import Sample
     from alignment.trainers.process_rewarding import score_steps
     from alignment.training.offload import DevicePlacement
-    from launchers.common import load_model
+    from launchers.build import load_model
 
     _, world, _ = env_world()
     spec = json.loads(Path(responses_path).read_text())

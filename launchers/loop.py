@@ -1,20 +1,23 @@
-"""The RL loop every online job runs (the GRPO family, PPO, rejection-sampling fine-tuning and
-online DPO), top to bottom:
+"""The loop every job runs, top to bottom: the online jobs (the GRPO family, PPO,
+rejection-sampling fine-tuning and online DPO) and the offline ones (SFT, reward model, DPO family,
+process reward model), for which ``collect`` takes the step's slice of the dataset:
 
     baseline -> resume -> evaluate -> for each step:
-        collect (sample + reward) the batches of steps up to max_staleness ahead -> train this
-        step's batch (while rollout ranks of their own sample the farthest one) -> sync weights
-        -> log (and every trainer.rollout_table_every steps the rollout table) -> health check
-        (trainer.max_bad_steps, warn_on, stop_on) -> preemption check -> checkpoint
+        collect the batches of steps up to max_staleness ahead (online: sample + reward; offline:
+        the step's examples) -> train this step's batch (while rollout ranks of their own sample
+        the farthest one) -> online: sync weights -> log (and every trainer.rollout_table_every
+        steps the rollout table) -> health check (trainer.max_bad_steps, warn_on, stop_on) ->
+        preemption check -> checkpoint
     -> evaluate -> final checkpoint -> HF export -> summary
 
-What differs between algorithms comes in an :class:`RLJob` (its ``collect`` and ``train``, the
-models its checkpoints hold and its held-out :class:`Evaluation`), built by the thin launchers
+What differs between jobs comes in a :class:`JobSpec` (its ``collect`` and ``train``, the models
+its checkpoints hold and its held-out :class:`Evaluation`), built by the thin launchers
 (:mod:`launchers.train` for the GRPO family, ``rft`` and ``online_dpo``; :mod:`launchers.ppo_job`
-for PPO). Step ``s`` always trains on the same prompts (:func:`prompts_of_step`), so a resumed run
-neither skips nor repeats any, and its generation samples from a stream of its own (the engines'
-``reseed(s)`` as it starts), so a run killed anywhere and resumed goes on bit for bit as the
-uninterrupted one (``tests/test_kill_resume.py``).
+for PPO; :mod:`launchers.offline_job` for SFT / RM / DPO / PRM). A job is online when its models
+hold a rollout engine. Step ``s`` always trains on the same prompts (:func:`prompts_of_step`) or
+examples, so a resumed run neither skips nor repeats any, and its generation samples from a stream
+of its own (the engines' ``reseed(s)`` as it starts), so a run killed anywhere and resumed goes on
+bit for bit as the uninterrupted one (``tests/test_kill_resume.py``).
 
 Staleness (``rollout.max_staleness`` = k, :class:`RolloutQueue`): before training step ``s`` the
 batches of steps ``s .. s + k`` must have been sampled; the missing one(s) are sampled now by the
@@ -38,7 +41,7 @@ import json
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from launchers.input_checks import DATA_POSITION_FILE, data_position
@@ -60,18 +63,29 @@ class Evaluation(Protocol):
         """After training: (metrics to log, summary entries, the line to print)."""
 
 
-@dataclass
-class RLJob:
-    """One algorithm plugged into the loop.
+#: the progress bar's postfix of an online job: shown name -> (metric, format)
+RL_POSTFIX = {"reward": ("reward/mean", ".3f"), "kl": ("kl", ".4f"), "accept": ("rft/acceptance_rate", ".2f")}
 
-    ``name``: progress-bar label. ``train_set``: prompts or problems, sliced per step and DP rank.
-    ``collect(items, step, version)``: this DP rank's :class:`alignment.trainers.rl_phases.Rollout`
-    for ``items``, sampled by the policy after ``version`` optimizer steps.
-    ``train(rollout)``: (global metrics, phase seconds). ``trained``: name -> (model, optimizer)
-    of what checkpoints hold (optimizer None: a frozen model whose weights still change, e.g.
-    iterative DPO's reference). ``evaluation``: see :class:`Evaluation`. ``request(items)``: the
-    ``(prompts, SamplingConfig)`` of the first generation ``collect(items, ...)`` asks for, so that
-    an engine on rollout ranks of its own can start it early (:class:`RolloutQueue`'s ``post``).
+
+@dataclass
+class JobSpec:
+    """One job plugged into the loop.
+
+    ``name``: progress-bar label. ``train_set``: prompts, problems or examples, sliced per step and
+    DP rank by ``items(step)`` (default: :func:`prompts_of_step` with ``rollout.prompts_per_step``).
+    ``collect(items, step, version)``: this DP rank's batch for ``items`` (online: the
+    :class:`alignment.trainers.rl_phases.Rollout` sampled by the policy after ``version`` optimizer
+    steps), an object with ``seconds`` (its wall time) and a ``step`` the loop sets.
+    ``train(batch)``: (global metrics, phase seconds); a ``tokens`` metric (the step's tokens) is
+    turned into ``tokens_per_s``. ``trained``: name -> (model, optimizer) of what checkpoints hold
+    (optimizer None: a frozen model whose weights still change, e.g. iterative DPO's reference).
+    ``evaluation``: see :class:`Evaluation`. ``request(items)``: the ``(prompts, SamplingConfig)``
+    of the first generation ``collect(items, ...)`` asks for, so that an engine on rollout ranks of
+    its own can start it early (:class:`RolloutQueue`'s ``post``). ``steps``: the run's optimizer
+    steps (default: :func:`total_steps`). ``log_prefix``: put before each step metric's TensorBoard
+    name (offline jobs: ``train/``). ``postfix``: the progress bar's (name -> (metric, format)).
+    ``hf_config``: the HF config written with the export (default: the job's); ``export_adapters``:
+    with ``model.lora``, also write the PEFT adapters.
     """
 
     name: str
@@ -81,6 +95,12 @@ class RLJob:
     trained: dict
     evaluation: Evaluation
     request: Callable | None = None
+    items: Callable | None = None
+    steps: int | None = None
+    log_prefix: str = ""
+    postfix: dict = field(default_factory=lambda: dict(RL_POSTFIX))
+    hf_config: object = None
+    export_adapters: bool = True
 
 
 class RolloutQueue:
@@ -195,10 +215,10 @@ def total_steps(cfg, train_size: int) -> int:
     return t.steps if t.steps else max(1, t.epochs * train_size // cfg.rollout.prompts_per_step)
 
 
-def run(job, models, spec: RLJob) -> dict:
-    """Run ``spec`` for ``trainer.steps`` steps from the latest checkpoint (``trainer.resume``);
-    returns the summary written to ``<output_dir>/summary.json``. ``job``: the
-    :class:`launchers.common.Run`; ``models``: the :class:`alignment.trainers.rl_phases.Models`.
+def run(job, models, spec: JobSpec) -> dict:
+    """Run ``spec`` for its steps from the latest checkpoint (``trainer.resume``); returns the
+    summary written to ``<output_dir>/summary.json``. ``job``: the :class:`launchers.common.Run`;
+    ``models``: the :class:`alignment.trainers.models.Models` (with an engine: an online job).
 
     Raises:
         FileNotFoundError, ValueError: a checkpoint to resume that is incomplete or saved with an
@@ -218,7 +238,8 @@ def run(job, models, spec: RLJob) -> dict:
     from launchers.rollout_table import write_rollout_table
 
     cfg, t = job.cfg, job.cfg.trainer
-    steps_total = total_steps(cfg, len(spec.train_set))
+    online = models.engine is not None
+    steps_total = spec.steps if spec.steps is not None else total_steps(cfg, len(spec.train_set))
     units = [unit for name, (_, optimizer) in spec.trained.items()  # resident to load or save them
              for unit in (trainable(name) if optimizer is not None else (name,))]
     spec.evaluation.baseline()
@@ -228,12 +249,13 @@ def run(job, models, spec: RLJob) -> dict:
         models.placement.keep(*units)
         start_step = load_models_checkpoint(latest, spec.trained)
         models.placement.keep("policy")
-        sync_weights(models, cfg.rollout.check_weight_sync)
+        if online:
+            sync_weights(models, cfg.rollout.check_weight_sync)
         if job.rank == 0:
             print(f"resumed from {latest} (step {start_step})", flush=True)
 
     position = {DATA_POSITION_FILE: json.dumps(data_position(cfg, job.prompts))} \
-        if job.prompts is not None and job.prompts.fingerprint else None
+        if getattr(job.prompts, "fingerprint", None) else None
 
     def checkpoint(step: int) -> None:
         with job.timers("checkpoint"):
@@ -247,21 +269,24 @@ def run(job, models, spec: RLJob) -> dict:
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
 
     def items(s: int) -> list:
+        if spec.items is not None:
+            return spec.items(s)
         return prompts_of_step(spec.train_set, s, cfg.rollout.prompts_per_step, dp_rank, dp)
 
     def post(s: int) -> None:  # engines of their own sample step s while this step trains
         post_for_group(models.engine, *spec.request(items(s)))
 
     prefetches = spec.request is not None and getattr(models.engine, "prefetch", None) is not None
-    queue = RolloutQueue(lambda s, version: spec.collect(items(s), s, version), cfg.rollout.max_staleness,
-                         start_step, steps_total, post if prefetches else None, reseed=models.engine.reseed)
+    queue = RolloutQueue(lambda s, version: spec.collect(items(s), s, version),
+                         cfg.rollout.max_staleness if online else 0, start_step, steps_total,
+                         post if prefetches else None, reseed=models.engine.reseed if online else None)
     health = HealthMonitor(t, job.rank)  # NaN/inf updates, trainer.warn_on / stop_on
     steps = job.progress(start_step, steps_total, spec.name)
     for step in steps:  # the policy has had `step` updates
         t0 = time.perf_counter()
         job.profiler.begin(step)
         rollout, rollout_s = queue.pop(step, version=step)
-        failures = reward_server_failures()  # reward.functions: http with on_error=stop, on any rank
+        failures = reward_server_failures() if online else []  # reward.functions: http with on_error=stop
         if failures:
             saved = step > start_step and not (ckpt_dir / f"step_{step}").exists()
             if saved:
@@ -274,37 +299,42 @@ def run(job, models, spec: RLJob) -> dict:
         models.grad_norms = {} if t.grad_stats_every and (step + 1) % t.grad_stats_every == 0 else None
         metrics, times = spec.train(rollout)
         metrics.update(models.grad_norms or {})
-        rollout_s += queue.complete()  # the batch posted before this step trained
-        t1 = time.perf_counter()
-        models.placement.keep("policy")
-        metrics.update(sync_weights(models, cfg.rollout.check_weight_sync), **models.placement.pop_stats())
-        times = {"rollout": rollout_s, **times, "weight_sync": time.perf_counter() - t1}
+        if online:
+            rollout_s += queue.complete()  # the batch posted before this step trained
+            t1 = time.perf_counter()
+            models.placement.keep("policy")
+            metrics.update(sync_weights(models, cfg.rollout.check_weight_sync), **models.placement.pop_stats())
+            times = {"rollout": rollout_s, **times, "weight_sync": time.perf_counter() - t1}
+            metrics["rollout/staleness"] = float(step - rollout.version)
+            metrics["data/epoch"] = (step + 1) * cfg.rollout.prompts_per_step / len(spec.train_set)  # passes so far
+            metrics["reward/skipped_groups"] = skipped_groups(rollout.samples, cfg.rollout.group_size)
+        else:
+            times = {"batch": rollout_s, **times}
         job.profiler.end(step)
-        metrics["rollout/staleness"] = float(step - rollout.version)
-        metrics["data/epoch"] = (step + 1) * cfg.rollout.prompts_per_step / len(spec.train_set)  # passes so far
-        metrics["reward/skipped_groups"] = skipped_groups(rollout.samples, cfg.rollout.group_size)
 
         step_time = time.perf_counter() - t0
         metrics["tokens_per_s"] = metrics.pop("tokens") / step_time
         metrics.update({f"time/{k}": v for k, v in times.items()}, **{"time/step": step_time})
         metrics["memory/peak_rss_gib"] = peak_rss_bytes() / 2**30  # this rank's, so far
+        logged = {f"{spec.log_prefix}{k}": v for k, v in metrics.items()}
         if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < steps_total:
-            metrics.update(spec.evaluation.measure())
+            held_out = spec.evaluation.measure()
+            metrics.update(held_out)
+            logged.update(held_out)
         stop = health.check(step + 1, metrics)
-        job.log(metrics, step + 1)
+        job.log(logged, step + 1)
         job.history.append(metrics)
         if stop:
             checkpoint(step + 1)
             raise health.error(str(ckpt_dir / f"step_{step + 1}"))
-        if t.rollout_table_every and (step + 1) % t.rollout_table_every == 0 and job.rank == 0:
+        if online and t.rollout_table_every and (step + 1) % t.rollout_table_every == 0 and job.rank == 0:
             write_rollout_table(job.out, step + 1, rollout, models.tokenizer, job.writer)
         if preemption.stop_requested():  # SIGUSR1/SIGTERM on any rank: save this step, exit 75
             preemption.save_and_exit(job, step + 1, checkpoint, models.engine)
         if t.save_every and (step + 1) % t.save_every == 0 and step + 1 < steps_total:
             checkpoint(step + 1)
         if hasattr(steps, "set_postfix"):
-            shown = {"reward": ("reward/mean", ".3f"), "kl": ("kl", ".4f"), "accept": ("rft/acceptance_rate", ".2f")}
-            steps.set_postfix(**{k: f"{metrics[m]:{f}}" for k, (m, f) in shown.items() if m in metrics},
+            steps.set_postfix(**{k: f"{metrics[m]:{f}}" for k, (m, f) in spec.postfix.items() if m in metrics},
                               s=f"{step_time:.1f}")
 
     final_metrics, summary, message = spec.evaluation.final()
@@ -313,8 +343,10 @@ def run(job, models, spec: RLJob) -> dict:
         checkpoint(steps_total)
     if t.export_hf:
         models.placement.keep("policy")
-        save_hf_checkpoint(models.policy, models.bridge, job.hf_config, models.tokenizer, job.out / "hf")
-        export_adapters(job, models.policy, models.bridge)
+        save_hf_checkpoint(models.policy, models.bridge, spec.hf_config or job.hf_config, models.tokenizer,
+                           job.out / "hf")
+        if spec.export_adapters:
+            export_adapters(job, models.policy, models.bridge)
     summary.update(start_step=start_step, steps=steps_total, world_size=job.world, startup_s=startup_s,
                    history=job.history)
     return job.finish(summary, message, models.engine)

@@ -1,0 +1,42 @@
+"""What one rank holds for a job (:class:`Models`), whatever the algorithm: the trained policy shard
+and its optimizer, the frozen models the job scores or regularises with, the rollout engine (online
+jobs), the bridge and the tokenizer. ``launchers/build.py``'s ``build_models`` fills it for every job."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from alignment.rollout.base import RolloutEngine
+from alignment.training.offload import DevicePlacement
+
+
+@dataclass
+class Models:
+    """This rank's models.
+
+    ``policy``: the trained shard (DDP-wrapped; a scalar-head value model for a reward-model or PRM
+    job), with its ``optimizer``. ``reference``: the frozen reference (KL term, DPO family), or None.
+    ``engine``: the rollout engine (None in an offline job). ``bridge`` / ``tokenizer``: the HF
+    names and tokenizer of ``policy``; ``vocab_size``: the HF vocabulary (logits beyond it are
+    padding). ``placement`` moves idle models to host memory between phases (``trainer.offload``).
+    """
+
+    policy: torch.nn.Module
+    optimizer: object
+    reference: torch.nn.Module | None
+    engine: RolloutEngine | None
+    bridge: object
+    tokenizer: object
+    vocab_size: int
+    placement: DevicePlacement = field(default_factory=lambda: DevicePlacement(enabled=False))
+    resharder: object = None  # parallel.reshard.Resharder feeding a vLLM engine; None: the engine runs the policy
+    reward_model: torch.nn.Module | None = None  # frozen scalar-head model (reward.functions: reward_model)
+    process_reward_model: torch.nn.Module | None = None  # frozen PRM (reward.functions: process_reward)
+    critic: torch.nn.Module | None = None  # PPO's value model (DDP), trained with critic_optimizer
+    critic_optimizer: object = None
+    episodes: object = None  # alignment.rollout.multi_turn.EpisodeSetup (rollout.environment)
+    #: a dict on steps that measure the policy's gradient norms per layer group (trainer.grad_stats_every):
+    #: guarded_step fills it, the loop logs it; None: not this step
+    grad_norms: dict | None = None
