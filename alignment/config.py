@@ -480,6 +480,40 @@ class ConfigError(ValueError):
     """A config value that cannot work; the message names the field and the fix."""
 
 
+def job_config(cfg) -> JobConfig:
+    """The typed config every component reads: a composed Hydra config (``DictConfig``) turned into
+    :class:`JobConfig` by ``OmegaConf.to_object`` (interpolations resolved, nested dataclasses and
+    plain dicts and lists), once, at the entry (``launchers/train.py``'s ``run``, the preflight);
+    a :class:`JobConfig` is returned as is."""
+    return cfg if isinstance(cfg, JobConfig) else OmegaConf.to_object(cfg)
+
+
+def config_yaml(cfg: JobConfig) -> str:
+    """``cfg`` as the YAML a run writes to ``<output_dir>/config.yaml`` (what resumes compare)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg) if isinstance(cfg, JobConfig) else cfg, resolve=True)
+
+
+def plain(value):
+    """A config section or value as plain dicts and lists (JSON-able, picklable): a dataclass via
+    ``dataclasses.asdict``, a config node via ``OmegaConf.to_container``."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def dotted(cfg, name: str):
+    """The value of the dotted field ``name`` (e.g. ``trainer.lr``) of ``cfg``; None where a part is absent."""
+    for part in name.split("."):
+        cfg = getattr(cfg, part, None)
+    return cfg
+
+
+def parallel_sizes(parallel: ParallelConfig) -> dict:
+    """``parallel``'s fields by name: the keyword arguments of :class:`parallel.layout.ParallelLayout`
+    and of :func:`alignment.models.gpt.transformer_config`."""
+    return {f.name: getattr(parallel, f.name) for f in dataclasses.fields(ParallelConfig)}
+
+
 RL_ALGORITHMS = ("grpo", "ppo", "rft", "online_dpo")
 TASK_ALGORITHMS = ("grpo", "rft", "online_dpo")  # the jobs that ask data.task's questions
 REF_UPDATES = ("initial", "iteration")
@@ -605,7 +639,7 @@ def _validate_policy_loss(a) -> None:
         raise ConfigError(f"algorithm.clip_ratio_c={a.clip_ratio_c}: the dual clip needs algorithm.policy_loss=ppo "
                           f"(it is {a.policy_loss}), or null")
     try:
-        RolloutCorrection(**a.rollout_correction)
+        RolloutCorrection(**plain(a.rollout_correction))
     except ValueError as e:
         raise ConfigError(f"algorithm.rollout_correction.{e}") from e
 
@@ -643,7 +677,7 @@ def _validate_offline(cfg, dp: int) -> None:
     a, d, t = cfg.algorithm, cfg.data, cfg.trainer
     from alignment.data.chat_data import check_columns, is_data_file
 
-    if d.get("train_files"):
+    if d.train_files:
         raise ConfigError(f"data.train_files are prompts for the RL jobs; algorithm.name={a.name} reads its examples "
                           "from data.dataset (a demo set or a file of your own; held out: data.heldout_files)")
     if a.name == "prm":
@@ -652,14 +686,14 @@ def _validate_offline(cfg, dp: int) -> None:
         raise ConfigError(f"data.dataset={d.dataset!r}: algorithm.name={a.name} trains on {wanted} or a file of your "
                           f"own ({'alpaca or chat messages' if a.name == 'sft' else 'prompt, chosen, rejected'} "
                           "records in .json / .jsonl / .parquet / .csv or a save_to_disk directory)")
-    if a.name != "prm" and d.get("limits_of") and d.dataset != d.limits_of:
+    if a.name != "prm" and d.limits_of and d.dataset != d.limits_of:
         raise ConfigError(f"data.dataset={d.dataset}: this data config's limits were chosen for {d.limits_of} "
                           f"(data.train_size={d.train_size}, data.heldout_size={d.heldout_size} taken from the end, "
                           f"data.max_length={d.max_length}); add data=file to use your file whole (held out: "
                           "data.heldout_fraction=0.05), or set data.limits_of=null to keep these")
     if a.name != "prm":
         try:
-            check_columns(dict(d.get("columns") or {}), "sft" if a.name == "sft" else "preference")
+            check_columns(dict(d.columns or {}), "sft" if a.name == "sft" else "preference")
         except ValueError as e:
             raise ConfigError(str(e)) from e
     if a.name == "dpo" and a.loss_type not in LOSS_TYPES:
@@ -706,15 +740,13 @@ def reward_terms(cfg) -> list:
     ``reward_model`` for PPO)."""
     from alignment.algorithms.composite_reward import RewardTerm
 
-    functions = list(cfg.reward.functions) if "reward" in cfg else []
+    functions = list(cfg.reward.functions)
     if not functions:
         return [RewardTerm("reward_model" if cfg.algorithm.name == "ppo" else "correctness")]
 
-    def plain(value):  # nested config nodes as plain dicts and lists (JSON-able, picklable)
-        return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-
-    return [RewardTerm(f.name, float(f.weight), bool(f.whiten), f.get("function") or "",
-                       {**plain(f.get("kwargs") or {}), **{k: plain(f[k]) for k in SERVER_FIELDS if f.get(k) is not None}})
+    return [RewardTerm(f.name, float(f.weight), bool(f.whiten), f.function or "",
+                       {**plain(f.kwargs or {}), **{k: plain(getattr(f, k)) for k in SERVER_FIELDS
+                                                    if getattr(f, k) is not None}})
             for f in functions]
 
 
@@ -725,7 +757,7 @@ def heldout_grader(cfg):
     judge); None: none does (no held-out accuracy)."""
     from alignment.algorithms.composite_reward import RewardTerm
 
-    if not cfg.data.get("train_files"):
+    if not cfg.data.train_files:
         return RewardTerm("correctness")
     skip = ("reward_model", "process_reward", "length", "environment")
     return next((t for t in reward_terms(cfg) if t.name not in skip and not is_pairwise(t)), None)
@@ -747,7 +779,7 @@ def ppo_on_task(cfg) -> bool:
     ``reward.functions``, in ``rollout.environment``'s episodes): with prompt files, or when
     ``reward.functions`` has no ``reward_model`` term. Otherwise PPO samples answers to
     dpo_en_demo's chat prompts for the reward model to judge."""
-    return cfg.algorithm.name == "ppo" and (bool(cfg.data.get("train_files"))
+    return cfg.algorithm.name == "ppo" and (bool(cfg.data.train_files)
                                             or all(t.name != "reward_model" for t in reward_terms(cfg)))
 
 
@@ -757,9 +789,9 @@ def _validate_rewards(cfg) -> None:
 
     from alignment.rewards.text import FORMAT_TASKS
 
-    functions = list(cfg.reward.functions) if "reward" in cfg else []
+    functions = list(cfg.reward.functions)
     a = cfg.algorithm
-    prm_path = cfg.reward.get("process_reward_model", "") if "reward" in cfg else ""
+    prm_path = cfg.reward.process_reward_model
     if a.name in OFFLINE_ALGORITHMS:
         if prm_path:
             raise ConfigError(f"reward.process_reward_model is set, but algorithm.name={a.name} trains on fixed data "
@@ -773,15 +805,15 @@ def _validate_rewards(cfg) -> None:
 
     names = [f.name for f in functions]
     for f in functions:
-        runs = f.get("function") or f.name
-        if f.get("function") and f.function in REWARD_FUNCTIONS:
+        runs = f.function or f.name
+        if f.function and f.function in REWARD_FUNCTIONS:
             raise ConfigError(f"reward.functions[{f.name}].function={f.function}: the built-in {f.function} is named "
                               f"by name ({{name: {f.function}}}); function names a grader ({', '.join(GRADERS)}) or "
                               "package.module:function")
         if runs not in BUILTINS and not is_user_function(runs):
             raise ConfigError(f"reward.functions names {runs!r}: valid are {', '.join(BUILTINS)}, or your own as "
                               "package.module:function")
-        given = [k for k in SERVER_FIELDS if f.get(k) is not None]
+        given = [k for k in SERVER_FIELDS if getattr(f, k) is not None]
         wrong = [k for k in given if runs not in SERVER_FIELDS[k]]
         if wrong:
             raise ConfigError(f"reward.functions[{f.name}] sets {wrong}, which configure "
@@ -789,10 +821,10 @@ def _validate_rewards(cfg) -> None:
     if len(set(names)) != len(names):
         raise ConfigError(f"reward.functions={names}: each name may appear once (one weight each; to use a function "
                           "twice, give the second a name of its own and function: <the function>)")
-    if cfg.data.get("train_files") and not functions:
+    if cfg.data.train_files and not functions:
         raise ConfigError("data.train_files: prompts of your own need reward.functions to score the answers, e.g. "
                           "[{name: math_verify}] against data.answer_key, or [{name: my_pkg.rewards:score}]")
-    if cfg.data.get("train_files") and {"correctness", "format"} & set(names):
+    if cfg.data.train_files and {"correctness", "format"} & set(names):
         raise ConfigError(f"reward.functions has {sorted({'correctness', 'format'} & set(names))}, which grade "
                           "data.task's built-in problems; with data.train_files use a grader (math_verify, "
                           "exact_match, numeric, regex, code_tests) or a function of your own")
@@ -863,7 +895,7 @@ def _validate_rollout_tp(t: int, world_size: int, parallel, hf_config) -> None:
         raise ConfigError(f"rollout.tensor_parallel_size={t} must divide the world size {world_size}; valid: {valid}")
     try:
         get_bridge(hf_config).check_tp_sizes(parallel.tensor_model_parallel_size, t,
-                                             parallel.get("expert_tensor_parallel_size"))
+                                             parallel.expert_tensor_parallel_size)
     except ValueError as e:
         raise ConfigError(str(e)) from e
 
@@ -973,30 +1005,30 @@ OVERLONG_PROMPTS = ("error", "drop")
 def _validate_prompt_source(d) -> None:
     """An RL job's prompts: a built-in ``data.task`` (and its generator), or ``data.train_files`` with
     one way to hold prompts out and a known ``data.overlong_prompts``."""
-    if d.get("overlong_prompts", "error") not in OVERLONG_PROMPTS:
+    if d.overlong_prompts not in OVERLONG_PROMPTS:
         raise ConfigError(f"data.overlong_prompts={d.overlong_prompts!r}: valid values are {', '.join(OVERLONG_PROMPTS)}")
-    if not d.get("train_files"):
+    if not d.train_files:
         from alignment.data.tasks import TASKS
 
-        if d.get("heldout_files") or d.get("heldout_fraction"):
+        if d.heldout_files or d.heldout_fraction:
             raise ConfigError("data.heldout_files / data.heldout_fraction split data.train_files; data.task's problems "
                               "have their own held-out split (data.heldout_size): give data.train_files, or unset them")
-        if d.get("train_size") is None:
+        if d.train_size is None:
             raise ConfigError(f"data.train_size=null: data.task={d.task} draws that many training problems; give a number")
         if d.task not in TASKS:
             raise ConfigError(f"data.task={d.task!r}: valid values are {', '.join(TASKS)} (or prompts of your own: "
                               "data.train_files)")
         return _validate_generator(d)
-    if d.get("heldout_files") and d.get("heldout_fraction"):
+    if d.heldout_files and d.heldout_fraction:
         raise ConfigError(f"data.heldout_files and data.heldout_fraction={d.heldout_fraction} are both set: hold out "
                           "a file's prompts or a fraction of data.train_files, not both")
-    if not d.get("prompt_key"):
+    if not d.prompt_key:
         raise ConfigError("data.prompt_key is empty: name the column that holds the prompts (e.g. prompt)")
 
 
 def _validate_generator(d) -> None:
     """``data.generator``: a reasoning-gym dataset, for the arithmetic-style tasks only."""
-    gen = d.get("generator")
+    gen = d.generator
     if gen is None:
         return
     if d.task not in ("arithmetic", "length"):
@@ -1108,14 +1140,15 @@ def validate_ranges(cfg) -> None:
         ConfigError: the first field out of range, with its range and meaning.
     """
     for name, rng in ranges().items():
-        value = OmegaConf.select(cfg, name, default=None)
+        value = dotted(cfg, name)
         if rng.excludes(value):
             raise ConfigError(f"{name}={value}: must be {rng.describe()}{rng.note}")
 
 
-def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = None) -> None:
+def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int | None = None) -> None:
     """Check values that depend on each other, the world size and the model (``tokenizer_size``:
-    tokens of the model's tokenizer, checked against its vocabulary when given).
+    tokens of the model's tokenizer, checked against its vocabulary when given). ``cfg``: a
+    :class:`JobConfig` (a composed ``DictConfig`` is turned into one: :func:`job_config`).
 
     Raises:
         ConfigError / parallel.layout.LayoutError: naming the field and valid values.
@@ -1123,6 +1156,7 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
     from alignment.models.families import model_dims
     from parallel.layout import ParallelLayout, validate_model_layout
 
+    cfg = job_config(cfg)
     validate_ranges(cfg)  # every numeric field in its range first (docs/reference/bad-inputs.md)
     try:
         dims = model_dims(hf_config)  # the family: a clear error for an unsupported architecture
@@ -1130,7 +1164,7 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
         raise ConfigError(f"model.path={cfg.model.path}: {e}") from e
     _validate_placement(cfg, world_size)
     engines = rollout_ranks(cfg)  # ranks that only generate; the others train
-    layout = ParallelLayout(world_size=world_size - engines, **cfg.parallel)
+    layout = ParallelLayout(world_size=world_size - engines, **parallel_sizes(cfg.parallel))
     validate_model_layout(layout, dims)
     _validate_lora(cfg, dims)
     dp = layout.data_parallel_size
@@ -1148,9 +1182,9 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
         raise ConfigError(f"profile.ranks={list(prof.ranks)}: global ranks of trainers, in [0, {layout.world_size}), "
                           "e.g. [0]")
     for kind in ("warn_on", "stop_on"):
-        for b in t.get(kind, []):
+        for b in getattr(t, kind):
             if not b.metric or (b.below is None and b.above is None):
-                raise ConfigError(f"trainer.{kind} entry {dict(b)}: give a metric and a bound, e.g. "
+                raise ConfigError(f"trainer.{kind} entry {plain(b)}: give a metric and a bound, e.g. "
                                   "{metric: entropy, below: 0.05} or {metric: kl, above: 1.0}")
     if t.max_tokens_per_microbatch and layout.pipeline_model_parallel_size > 1 and not t.sequence_packing:
         raise ConfigError("trainer.max_tokens_per_microbatch with parallel.pipeline_model_parallel_size > 1 needs "
@@ -1159,7 +1193,7 @@ def validate(cfg, *, world_size: int, hf_config, tokenizer_size: int | None = No
     if cfg.model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype={cfg.model.dtype!r}: valid values are float32, bfloat16")
     _validate_rewards(cfg)
-    if cfg.data.get("instruction") is not None and cfg.algorithm.name not in TASK_ALGORITHMS and not ppo_on_task(cfg):
+    if cfg.data.instruction is not None and cfg.algorithm.name not in TASK_ALGORITHMS and not ppo_on_task(cfg):
         raise ConfigError(f"data.instruction is set, but algorithm.name={cfg.algorithm.name} does not ask data.task's "
                           f"questions (it applies to {', '.join(TASK_ALGORITHMS)}, and ppo with reward.functions on "
                           "data.task's answers); set data.instruction=null")

@@ -80,6 +80,7 @@ def job_transformer_config(cfg, hf_config):
     weights, and for mixture-of-experts models ``model.moe_aux_loss_coeff`` (null: the HF
     config's ``router_aux_loss_coef``). No random initialisation: a job loads every weight from its
     checkpoint (a new scalar head initialises itself). See :func:`alignment.models.gpt.transformer_config`."""
+    from alignment.config import parallel_sizes
     from alignment.models.gpt import transformer_config
 
     coeff = cfg.model.moe_aux_loss_coeff
@@ -87,7 +88,7 @@ def job_transformer_config(cfg, hf_config):
         coeff = float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
     return transformer_config(hf_config, params_dtype=getattr(torch, cfg.model.dtype), moe_aux_loss_coeff=coeff,
                               initialize=False,
-                              **cfg.parallel)
+                              **parallel_sizes(cfg.parallel))
 
 
 def add_adapters(cfg, model, head: bool = False) -> bool:
@@ -147,7 +148,7 @@ def rollout_layout(bridge, cfg):
     job's training TP (and expert TP) and its engines' ``rollout.tensor_parallel_size``."""
     p = cfg.parallel
     return bridge.vllm_layout(p.tensor_model_parallel_size, cfg.rollout.tensor_parallel_size,
-                              p.get("expert_tensor_parallel_size"))
+                              p.expert_tensor_parallel_size)
 
 
 def rollout_engine(cfg, hf_dir: Path, policy, bridge, vocab_size: int, rank: int):

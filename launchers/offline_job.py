@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from alignment.config import JobConfig
+
 
 def make_objective(cfg, vocab_size: int):
     """The loss function object for ``cfg.algorithm`` (:mod:`alignment.trainers.sft` / ``reward_model`` /
@@ -92,7 +94,7 @@ class HeldoutLoss:
         return {f"heldout/{k}": v for k, v in after.items()}, summary, f"held-out after: {json.dumps(after)}"
 
 
-def run(cfg) -> dict:
+def run(cfg: JobConfig) -> dict:
     """Run an SFT / RM / DPO / PRM job through :mod:`launchers.loop`; returns the summary written
     to ``<output_dir>/summary.json``.
 

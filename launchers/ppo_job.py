@@ -17,6 +17,8 @@ import json
 
 import torch
 
+from alignment.config import JobConfig
+
 
 def roles(cfg) -> list[str]:
     """The models a PPO job builds (:func:`launchers.build.build_models`): the policy, the critic and
@@ -93,7 +95,7 @@ class WinRate:
         return metrics, {"heldout": result}, f"held-out (reward model judge): {json.dumps(result)}"
 
 
-def run(cfg) -> dict:
+def run(cfg: JobConfig) -> dict:
     """Run a PPO job through :mod:`launchers.loop`; returns the summary written to
     ``<output_dir>/summary.json``."""
     from megatron.core import parallel_state as ps

@@ -39,7 +39,7 @@ def model_config(path: str, resolve: bool):
 
 def check(config_name: str, overrides: list[str], world_size: int, resolve_model: bool = True):
     """Compose ``configs/<config_name>.yaml`` with ``overrides`` and validate it for ``world_size``
-    processes; returns the composed config.
+    processes; returns the typed config (:class:`alignment.config.JobConfig`).
 
     Raises:
         hydra.errors.*Exception / omegaconf errors: an unknown key or a wrong type in ``overrides``.
@@ -48,12 +48,12 @@ def check(config_name: str, overrides: list[str], world_size: int, resolve_model
             only TP x PP x CP dividing ``world_size`` is checked).
         ValueError: ``world_size`` < 1.
     """
-    from alignment.config import validate
+    from alignment.config import job_config, validate
     from parallel.layout import LayoutError
 
     if world_size < 1:
         raise ValueError(f"world size {world_size}: must be >= 1 (nodes x processes per node)")
-    cfg = compose(config_name, overrides)
+    cfg = job_config(compose(config_name, overrides))
     hf_config = model_config(cfg.model.path, resolve_model)
     if hf_config is not None:
         validate(cfg, world_size=world_size, hf_config=hf_config)
@@ -64,8 +64,8 @@ def check(config_name: str, overrides: list[str], world_size: int, resolve_model
         raise LayoutError(f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size x "
                           f"pipeline_model_parallel_size x context_parallel_size = {tp} x {pp} x {cp}; change them "
                           f"or launch a multiple of {tp * pp * cp} processes (nodes x processes per node)")
-    c = cfg.get("cluster")
-    if c is not None and c.gpus_per_node and world_size != c.nodes * c.gpus_per_node:
+    c = cfg.cluster
+    if c.gpus_per_node and world_size != c.nodes * c.gpus_per_node:
         from alignment.config import ConfigError
 
         raise ConfigError(f"cluster.nodes x cluster.gpus_per_node = {c.nodes} x {c.gpus_per_node} processes, but the "
@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-resolve-model", action="store_true", help="skip model checks unless model.path is an HF dir")
     ap.add_argument("overrides", nargs="*", help="hydra overrides, key=value")
     args = ap.parse_args(argv)
+    from alignment.config import plain
+
     try:
         cfg = check(args.config_name, args.overrides, args.world_size, resolve_model=not args.no_resolve_model)
     except Exception as e:  # noqa: BLE001 - every config error is reported the same way
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{type(e).__name__}: {e}", flush=True)
         return 2
     print(f"preflight ok: {args.config_name} ({cfg.algorithm.name}), world size {args.world_size}, "
-          f"parallel {dict(cfg.parallel)}, output_dir {cfg.output_dir}", flush=True)
+          f"parallel {plain(cfg.parallel)}, output_dir {cfg.output_dir}", flush=True)
     return 0
 
 

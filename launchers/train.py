@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from alignment.config import register  # noqa: E402
+from alignment.config import JobConfig, register  # noqa: E402
 
 register()
 
@@ -41,15 +41,17 @@ def roles(cfg) -> list[str]:
             *(["process_reward_model"] if process_reward_weight(cfg) else [])]
 
 
-def run(cfg: DictConfig) -> dict:
+def run(cfg: DictConfig | JobConfig) -> dict:
     """Run the job ``cfg.algorithm.name`` names; returns the summary written to ``<output_dir>/summary.json``.
 
-    ``sft``, ``rm`` and ``dpo`` train on fixed data (:mod:`launchers.offline_job`), ``ppo`` runs
-    :mod:`launchers.ppo_job`; the GRPO family, ``rft`` and ``online_dpo`` run
-    :mod:`launchers.loop` with :func:`run_rl`'s pieces.
+    The composed config becomes the typed :class:`alignment.config.JobConfig` here, once
+    (:func:`alignment.config.job_config`); everything below reads that. ``sft``, ``rm``, ``dpo`` and
+    ``prm`` train on fixed data (:mod:`launchers.offline_job`), ``ppo`` runs :mod:`launchers.ppo_job`;
+    the GRPO family, ``rft`` and ``online_dpo`` run :mod:`launchers.loop` with :func:`run_rl`'s pieces.
     """
-    from alignment.config import OFFLINE_ALGORITHMS
+    from alignment.config import OFFLINE_ALGORITHMS, job_config
 
+    cfg = job_config(cfg)
     if cfg.algorithm.name in OFFLINE_ALGORITHMS:
         from launchers.offline_job import run as run_offline
 
@@ -61,7 +63,7 @@ def run(cfg: DictConfig) -> dict:
     return run_rl(cfg)
 
 
-def run_rl(cfg: DictConfig) -> dict:
+def run_rl(cfg: JobConfig) -> dict:
     """Run a GRPO-family job, rejection-sampling fine-tuning (``rft``: :mod:`alignment.trainers.rft`)
     or online DPO (``online_dpo``: :mod:`alignment.trainers.online_dpo`) through
     :mod:`launchers.loop`; returns the summary written to ``<output_dir>/summary.json``."""

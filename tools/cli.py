@@ -36,7 +36,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, get_args_parser
 
-from alignment.config import ConfigError
+from alignment.config import ConfigError, job_config, plain
 from launchers.common import check_job
 from launchers.console import BAD_INPUT_EXIT, ERROR_FILE_ENV, error_line
 from launchers.preflight import compose
@@ -119,13 +119,14 @@ def _train_parser() -> argparse.ArgumentParser:
 def check(name: str, overrides: list[str], world_size: int):
     """Compose ``configs/<name>.yaml`` with ``overrides`` and make every rank's start-up checks for
     ``world_size`` processes (:func:`launchers.common.check_job`), before any process starts.
-    Returns ``(cfg, hf_dir, note)``: the composed config, the model directory and a resume note.
+    Returns ``(cfg, hf_dir, note)``: the typed config (:class:`alignment.config.JobConfig`), the model
+    directory and a resume note.
 
     Raises:
         ConfigError, LayoutError, CheckpointError, FileNotFoundError, ValueError, Hydra's errors:
             naming the field or file and the fix (docs "Bad inputs").
     """
-    cfg = compose(name, overrides)
+    cfg = job_config(compose(name, overrides))
     hf_dir, _, note, _ = check_job(cfg, world_size)
     return cfg, hf_dir, note
 
@@ -183,7 +184,7 @@ def _train(opts, rest: list[str]) -> int:
         return BAD_INPUT_EXIT
     if opts.dry_run:
         print(f"ok: {name} ({cfg.algorithm.name}), {world} process(es), model {hf_dir}, "
-              f"parallel {dict(cfg.parallel)}, output_dir {cfg.output_dir}" + (f"; {note}" if note else ""))
+              f"parallel {plain(cfg.parallel)}, output_dir {cfg.output_dir}" + (f"; {note}" if note else ""))
         return 0
     with tempfile.TemporaryDirectory(prefix="megalign-") as tmp:
         errors = Path(tmp) / "error"

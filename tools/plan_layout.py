@@ -174,13 +174,13 @@ def job_memory(cfg, hf_config, world_size: int, gpu_memory_gib: float) -> JobMem
     Raises:
         ValueError / LayoutError: a layout the model cannot take.
     """
-    from alignment.config import OFFLINE_ALGORITHMS, lora_spec
+    from alignment.config import OFFLINE_ALGORITHMS, lora_spec, parallel_sizes
     from alignment.models.families import model_dims
     from parallel.layout import ParallelLayout
 
     t, offline = cfg.trainer, cfg.algorithm.name in OFFLINE_ALGORITHMS
     pairs = cfg.algorithm.name in ("dpo", "rm")
-    layout = ParallelLayout(world_size=world_size, **cfg.parallel)
+    layout = ParallelLayout(world_size=world_size, **parallel_sizes(cfg.parallel))
     lora = lora_spec(cfg)
     training = estimate_memory(model_dims(hf_config), layout, dtype=cfg.model.dtype,
                                micro_batch_size=t.micro_batch_size * (2 if pairs else 1),

@@ -3,7 +3,7 @@ the rollout engine's policy, + KL to the reference policy."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
@@ -39,8 +39,9 @@ class GRPOLossConfig:
 
     @classmethod
     def from_algorithm(cls, a) -> "GRPOLossConfig":
-        """From the job's ``algorithm`` config section."""
+        """From the job's ``algorithm`` config section (:class:`alignment.config.AlgorithmConfig`)."""
         corr = a.rollout_correction
+        corr = None if corr is None else {f.name: getattr(corr, f.name) for f in fields(RolloutCorrection)}
         return cls(clip_ratio=a.clip_ratio, clip_ratio_high=a.clip_ratio_high, kl_coef=a.kl_coef,
                    kl_estimator=a.kl_estimator, loss_agg_mode=a.loss_agg_mode, policy_loss=a.policy_loss,
                    clip_ratio_c=a.clip_ratio_c,

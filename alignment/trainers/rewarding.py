@@ -13,7 +13,7 @@ from alignment.algorithms.composite_reward import RewardTerm, combine_rewards
 from alignment.algorithms.reward_shaping import overlong_penalty
 from alignment.config import shares_prompts
 from alignment.data.tasks import Problem
-from alignment.rewards.functions import DEFAULT_TIMEOUT_S, function_scores
+from alignment.rewards.functions import function_scores
 from alignment.rollout.base import Sample
 from alignment.sandbox.runner import sandbox_workers
 from alignment.trainers.models import Models
@@ -71,7 +71,7 @@ def score_terms(models: Models, problems: Sequence[Problem | None], samples: Seq
             out[t.name] = overlong_penalty(lengths, cfg.rollout.max_tokens, a.overlong_buffer_len,
                                            a.overlong_penalty_factor)
         else:
-            timeout = cfg.reward.get("timeout_s", DEFAULT_TIMEOUT_S) if "reward" in cfg else DEFAULT_TIMEOUT_S
+            timeout = cfg.reward.timeout_s
             out[t.name] = function_scores(t, problems, samples, cfg.rollout.max_tokens, timeout, sandbox_workers())
     drop_failed_groups(samples, cfg.rollout.group_size)
     return out
