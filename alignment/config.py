@@ -20,6 +20,26 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from alignment.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from alignment.algorithms.aggregation import AGGREGATION_MODES
+from alignment.algorithms.composite_reward import RewardTerm
+from alignment.algorithms.kl import KL_ESTIMATORS
+from alignment.algorithms.policy_loss import POLICY_LOSSES
+from alignment.algorithms.preference_loss import LOSS_TYPES, REFERENCE_FREE
+from alignment.algorithms.rollout_correction import RolloutCorrection
+from alignment.data.chat_data import check_columns, is_data_file
+from alignment.data.step_data import SPLIT_FILES, SUPERVISIONS, split_path
+from alignment.envs.factory import ENVIRONMENTS
+from alignment.envs.tools import TOOLS
+from alignment.models.families import get_bridge, model_dims
+from alignment.rewards.functions import BUILTINS, RewardFunctionError, check_function, is_user_function
+from alignment.rewards.graders import GRADERS
+from alignment.rewards.text import FORMAT_TASKS
+from alignment.rollout.factory import BACKENDS
+from parallel.layout import ParallelLayout, validate_model_layout
+from parallel.lora import LoRASpec, TARGETS, is_target
+from parallel.packing import alignment
+
 
 @dataclass(frozen=True)
 class Range:
@@ -596,7 +616,6 @@ def _validate_rft(cfg, layout) -> None:
 def _validate_online_dpo(cfg, layout) -> None:
     """Online / iterative DPO: a DPO-family loss, >= 2 samples per prompt, a reference to update
     (not LoRA's frozen base), variable pair counts."""
-    from alignment.algorithms.preference_loss import LOSS_TYPES, REFERENCE_FREE
 
     a, r = cfg.algorithm, cfg.rollout
     dp = layout.data_parallel_size
@@ -630,8 +649,6 @@ def _validate_online_dpo(cfg, layout) -> None:
 
 def _validate_policy_loss(a) -> None:
     """RL jobs: the policy loss, its dual clip and the rollout correction."""
-    from alignment.algorithms.policy_loss import POLICY_LOSSES
-    from alignment.algorithms.rollout_correction import RolloutCorrection
 
     if a.policy_loss not in POLICY_LOSSES:
         raise ConfigError(f"algorithm.policy_loss={a.policy_loss!r}: valid values are {', '.join(POLICY_LOSSES)}")
@@ -656,7 +673,6 @@ def _validate_staleness(r, a) -> None:
 
 def _validate_prm(cfg) -> None:
     """The process reward model: a step separator, a known supervision, the data tool's files."""
-    from alignment.data.step_data import SPLIT_FILES, SUPERVISIONS, split_path
 
     a, d = cfg.algorithm, cfg.data
     if not a.step_separator:
@@ -672,10 +688,8 @@ def _validate_prm(cfg) -> None:
 
 def _validate_offline(cfg, dp: int) -> None:
     """SFT / reward model / DPO / PRM: dataset matches the algorithm, batch sizes divide."""
-    from alignment.algorithms.preference_loss import LOSS_TYPES
 
     a, d, t = cfg.algorithm, cfg.data, cfg.trainer
-    from alignment.data.chat_data import check_columns, is_data_file
 
     if d.train_files:
         raise ConfigError(f"data.train_files are prompts for the RL jobs; algorithm.name={a.name} reads its examples "
@@ -738,7 +752,6 @@ def reward_terms(cfg) -> list:
     """The :class:`alignment.algorithms.composite_reward.RewardTerm` s an RL job sums
     (``reward.functions``, or the job's own when empty: ``correctness`` for the GRPO family,
     ``reward_model`` for PPO)."""
-    from alignment.algorithms.composite_reward import RewardTerm
 
     functions = list(cfg.reward.functions)
     if not functions:
@@ -755,7 +768,6 @@ def heldout_grader(cfg):
     (right: >= 1): ``correctness`` (the task's grader) for ``data.task``; with ``data.train_files`` the first
     of ``reward.functions`` that reads the answer (not a model, ``length``, ``environment`` or a pairwise
     judge); None: none does (no held-out accuracy)."""
-    from alignment.algorithms.composite_reward import RewardTerm
 
     if not cfg.data.train_files:
         return RewardTerm("correctness")
@@ -787,8 +799,6 @@ def _validate_rewards(cfg) -> None:
     """``reward.functions``: known, distinct names, finite weights not all 0, each function
     available to this job (a task to grade, a reward model to load)."""
 
-    from alignment.rewards.text import FORMAT_TASKS
-
     functions = list(cfg.reward.functions)
     a = cfg.algorithm
     prm_path = cfg.reward.process_reward_model
@@ -800,8 +810,6 @@ def _validate_rewards(cfg) -> None:
             raise ConfigError(f"reward.functions is set, but algorithm.name={a.name} trains on fixed data and "
                               "computes no rewards; set reward.functions=[] (it applies to the RL jobs)")
         return
-    from alignment.rewards.functions import BUILTINS, RewardFunctionError, check_function, is_user_function
-    from alignment.rewards.graders import GRADERS
 
     names = [f.name for f in functions]
     for f in functions:
@@ -888,7 +896,6 @@ def _validate_process_reward(cfg, functions, prm_path: str) -> None:
 
 def _validate_rollout_tp(t: int, world_size: int, parallel, hf_config) -> None:
     """The engines' ``rollout.tensor_parallel_size``: divides the world and splits the model."""
-    from alignment.models.families import get_bridge
 
     if world_size % t:
         valid = [k for k in range(1, world_size + 1) if world_size % k == 0]
@@ -943,7 +950,6 @@ def _validate_placement(cfg, world_size: int) -> None:
 def _validate_lora(cfg, dims) -> None:
     """``model.lora`` (its rank, alpha and dropout in their ranges already): known targets, and
     targets that name some linear of the model (``dims``: expert and dense MLP layers)."""
-    from parallel.lora import TARGETS, is_target
 
     lo = cfg.model.lora
     if lo.rank == 0:
@@ -965,7 +971,6 @@ def _validate_lora(cfg, dims) -> None:
 
 def lora_spec(cfg):
     """The :class:`parallel.lora.LoRASpec` of ``model.lora``, or None when ``rank`` is 0."""
-    from parallel.lora import LoRASpec
 
     lo = cfg.model.lora
     if lo.rank == 0:
@@ -977,7 +982,6 @@ def lora_spec(cfg):
 def _validate_backend(r, layout) -> None:
     """``rollout.backend``: a known one; ``megatron`` generates on whole or tensor-parallel model
     replicas, without sequence parallelism."""
-    from alignment.rollout.factory import BACKENDS
 
     if r.backend not in BACKENDS:
         raise ConfigError(f"rollout.backend={r.backend!r}: valid values are {', '.join(BACKENDS)}")
@@ -1044,8 +1048,6 @@ def _validate_generator(d) -> None:
 def _validate_environment(cfg) -> None:
     """``rollout.environment``, ``max_turns`` and ``tools``: a known environment; multi-turn episodes
     in GRPO-family jobs on colocated vLLM engines, with a task's problems and no process reward."""
-    from alignment.envs.factory import ENVIRONMENTS
-    from alignment.envs.tools import TOOLS
 
     r, a = cfg.rollout, cfg.algorithm
     if r.environment not in ENVIRONMENTS and ":" not in r.environment:
@@ -1085,7 +1087,6 @@ def _validate_environment(cfg) -> None:
 def _validate_lengths(cfg, layout, hf_config, tokenizer_size: int | None) -> None:
     """The tokenizer fits the embedding; the longest sequence, padded to the CP/SP alignment,
     fits the model's positions."""
-    from parallel.packing import alignment
 
     if tokenizer_size is not None and tokenizer_size > hf_config.vocab_size:
         raise ConfigError(f"model.path={cfg.model.path}: its tokenizer has {tokenizer_size} tokens but the model's "
@@ -1153,8 +1154,6 @@ def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int 
     Raises:
         ConfigError / parallel.layout.LayoutError: naming the field and valid values.
     """
-    from alignment.models.families import model_dims
-    from parallel.layout import ParallelLayout, validate_model_layout
 
     cfg = job_config(cfg)
     validate_ranges(cfg)  # every numeric field in its range first (docs/reference/bad-inputs.md)
@@ -1202,9 +1201,6 @@ def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int 
     if cfg.algorithm.name not in RL_ALGORITHMS:
         raise ConfigError(f"algorithm.name={cfg.algorithm.name!r}: valid values are "
                           f"{', '.join(RL_ALGORITHMS + OFFLINE_ALGORITHMS)}")
-    from alignment.algorithms.advantages import ADVANTAGE_ESTIMATORS
-    from alignment.algorithms.aggregation import AGGREGATION_MODES
-    from alignment.algorithms.kl import KL_ESTIMATORS
 
     _validate_rollout_tp(r.tensor_parallel_size, engines or world_size, cfg.parallel, hf_config)
     _validate_backend(r, layout)

@@ -11,6 +11,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from alignment.config import lora_spec, parallel_sizes
+from alignment.models.families import get_bridge
+from alignment.models.gpt import build_gpt_model, transformer_config
+from alignment.models.hf_assets import prepare_hf_dir
+from alignment.models.value_head import build_value_model
+from alignment.models.weights import lazy_safetensors, load_hf_weights
+from alignment.rollout.factory import build_engine
+from alignment.rollout.multi_turn import episode_setup
+from alignment.trainers.models import Models
+from alignment.training.megatron_step import OptimConfig, main_param_writer, setup_training
+from alignment.training.offload import DevicePlacement, offload_enabled
+from parallel.lora import FrozenBase, apply_lora
+from parallel.reshard import Resharder
+from parallel.state import trainer_rollout_group
+
 #: what a job can ask :func:`build_models` for, in the order they are built
 ROLES = ("policy", "critic", "reference", "reward_model", "process_reward_model", "engine")
 
@@ -35,13 +50,6 @@ def build_models(cfg, job, roles: Collection[str], value_policy: bool = False):
         ValueError: a role not in :data:`ROLES`, or no ``policy``.
     """
     from transformers import AutoTokenizer
-
-    from alignment.config import lora_spec
-    from alignment.models.families import get_bridge
-    from alignment.rollout.multi_turn import episode_setup
-    from alignment.trainers.models import Models
-    from alignment.training.offload import DevicePlacement, offload_enabled
-    from parallel.lora import FrozenBase
 
     unknown = set(roles) - set(ROLES)
     if unknown or "policy" not in roles:
@@ -80,8 +88,6 @@ def job_transformer_config(cfg, hf_config):
     weights, and for mixture-of-experts models ``model.moe_aux_loss_coeff`` (null: the HF
     config's ``router_aux_loss_coef``). No random initialisation: a job loads every weight from its
     checkpoint (a new scalar head initialises itself). See :func:`alignment.models.gpt.transformer_config`."""
-    from alignment.config import parallel_sizes
-    from alignment.models.gpt import transformer_config
 
     coeff = cfg.model.moe_aux_loss_coeff
     if coeff is None:
@@ -96,8 +102,6 @@ def add_adapters(cfg, model, head: bool = False) -> bool:
     (:func:`parallel.lora.apply_lora`), a value model's scalar head (``head``: ``output_layer``)
     kept trainable. Call before :func:`alignment.training.megatron_step.setup_training`. Returns
     whether adapters were added (then the job's reference is :class:`parallel.lora.FrozenBase`)."""
-    from alignment.config import lora_spec
-    from parallel.lora import apply_lora
 
     spec = lora_spec(cfg)
     if spec is None:
@@ -117,13 +121,6 @@ def load_model(cfg, path, value_head: bool, lr: float | None = None):
     optimizer's fp32 master weights (with ``model.lora``: adapters, and a value model's head,
     trained; the rest frozen). A value model from a causal-LM checkpoint gets a new head."""
     from transformers import AutoConfig
-
-    from alignment.models.families import get_bridge
-    from alignment.models.gpt import build_gpt_model
-    from alignment.models.hf_assets import prepare_hf_dir
-    from alignment.models.value_head import build_value_model
-    from alignment.models.weights import lazy_safetensors, load_hf_weights
-    from alignment.training.megatron_step import OptimConfig, main_param_writer, setup_training
 
     t = cfg.trainer
     path = prepare_hf_dir(path)
@@ -158,10 +155,6 @@ def rollout_engine(cfg, hf_dir: Path, policy, bridge, vocab_size: int, rank: int
     trainer's engine is the rollout ranks' (:class:`alignment.rollout.disaggregated.RemoteEngine`),
     fed over the group that joins them."""
     from megatron.core import parallel_state as ps
-
-    from alignment.rollout.factory import build_engine
-    from parallel.reshard import Resharder
-    from parallel.state import trainer_rollout_group
 
     group = trainer_rollout_group()
     if group is not None:

@@ -12,9 +12,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from alignment.config import JobConfig, config_yaml, parallel_sizes
+from alignment.config import JobConfig, config_yaml, lora_spec, parallel_sizes, rollout_ranks, validate
+from alignment.models.families import get_bridge
+from alignment.models.hf_assets import prepare_hf_dir
+from alignment.models.lora_export import save_peft_adapter
 from alignment.rewards.judge_models import close_local
+from alignment.rollout.disaggregated import serve
+from alignment.rollout.factory import build_engine
+from alignment.training.host_memory import bound_onednn_primitive_cache, return_freed_memory_to_os
+from alignment.training.offload import offload_enabled
+from launchers.build import rollout_layout
+from launchers.input_checks import check_inputs
+from launchers.preemption import install
 from launchers.profiling import PhaseTimers, StepProfiler, memory_report
+from parallel.layout import ParallelLayout
+from parallel.reshard import Resharder
+from parallel.state import env_world, init_distributed, is_rollout_rank, shutdown, trainer_rollout_group
 
 
 @dataclass
@@ -68,7 +81,6 @@ class Run:
     def finish(self, summary: dict, message: str, engine=None) -> dict:
         """Rank 0 prints ``message`` and writes ``summary.json``; all ranks wait, then the rollout
         ``engine`` is closed (vLLM's teardown also tears down torch.distributed) and the groups shut down."""
-        from parallel.state import shutdown
 
         reports = [None] * self.world
         traces = self.profiler.written if self.profiler is not None else []
@@ -89,8 +101,6 @@ class Run:
 def export_adapters(job: Run, model, bridge) -> None:
     """With ``model.lora``: the adapters as a PEFT directory ``<output_dir>/hf_adapter`` for the
     base in ``job.hf_dir`` (beside the merged ``hf/`` export); nothing otherwise. Collective."""
-    from alignment.config import lora_spec
-    from alignment.models.lora_export import save_peft_adapter
 
     spec = lora_spec(job.cfg)
     if spec is not None:
@@ -101,12 +111,6 @@ def serve_as_rollout_rank(cfg, hf_dir: Path, hf_config) -> None:
     """All a rollout rank of a disaggregated job does: build its vLLM engine from ``hf_dir`` (the
     initial policy) and the receiving side of the weight sync, serve the trainers until they stop
     it (:func:`alignment.rollout.disaggregated.serve`), then close the engine and the groups."""
-    from alignment.models.families import get_bridge
-    from alignment.rollout.disaggregated import serve
-    from alignment.rollout.factory import build_engine
-    from launchers.build import rollout_layout
-    from parallel.reshard import Resharder
-    from parallel.state import shutdown, trainer_rollout_group
 
     group, r = trainer_rollout_group(), cfg.rollout
     trainers = group.size - r.rollout_ranks
@@ -134,10 +138,6 @@ def check_job(cfg: JobConfig, world_size: int):
     """
     from transformers import AutoConfig, AutoTokenizer
 
-    from alignment.config import validate
-    from alignment.models.hf_assets import prepare_hf_dir
-    from launchers.input_checks import check_inputs
-
     hf_dir = prepare_hf_dir(cfg.model.path)
     hf_config = AutoConfig.from_pretrained(hf_dir)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
@@ -154,13 +154,8 @@ def start(cfg: JobConfig) -> Run:
     The rollout ranks of a disaggregated job (``rollout.placement``) do not return: they serve
     the trainers' generation and weight syncs until the trainers stop them, then exit (status 0).
     The returned :class:`Run` is a trainer's (``world``: the trainer ranks)."""
-    from alignment.config import rollout_ranks
-    from launchers.preemption import install
-    from parallel.layout import ParallelLayout
-    from parallel.state import env_world, init_distributed, is_rollout_rank
 
     install()  # SIGUSR1/SIGTERM: checkpoint at the next step boundary and exit (launchers/preemption.py)
-    from alignment.training.host_memory import bound_onednn_primitive_cache, return_freed_memory_to_os
 
     return_freed_memory_to_os()
     bound_onednn_primitive_cache()
@@ -186,7 +181,6 @@ def start(cfg: JobConfig) -> Run:
     world -= engines
     run = Run(cfg, rank, world, hf_dir, hf_config, Path(cfg.output_dir), prompts=prompts)
     run.profiler = StepProfiler(cfg.profile, rank)
-    from alignment.training.offload import offload_enabled
 
     if cfg.trainer.offload and not offload_enabled(True) and rank == 0:
         print("trainer.offload=true is a no-op without a GPU (host memory is the device memory)", flush=True)

@@ -14,7 +14,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from alignment.config import OFFLINE_ALGORITHMS, ConfigError, dotted, plain
+from alignment.config import ConfigError, OFFLINE_ALGORITHMS, dotted, plain, ppo_on_task, reward_terms
+from alignment.data.prompts import job_prompts
+from alignment.models.hf_assets import prepare_hf_dir
+from alignment.rewards.remote import RewardServerError, SETTINGS, probe
+from alignment.training.checkpoint import checkpoint_step, latest_checkpoint, verify_checkpoint
 
 #: what a resumed run must share with the run that wrote its checkpoint
 RESUME_FIELDS = ("algorithm.name", "model.lora.rank", "model.lora.alpha", "model.lora.target_modules",
@@ -60,8 +64,6 @@ def check_model_files(cfg, hf_config) -> None:
     """
     from transformers import AutoConfig
 
-    from alignment.models.hf_assets import prepare_hf_dir
-
     used = [("model.reward_model_path", cfg.model.reward_model_path), ("model.critic_path", cfg.model.critic_path),
             ("reward.process_reward_model", _get(cfg, "reward.process_reward_model"))]
     for field, path in used:
@@ -91,8 +93,6 @@ def check_reward_servers(cfg) -> None:
     Raises:
         ConfigError: naming the entry, the URL and the error.
     """
-    from alignment.config import reward_terms
-    from alignment.rewards.remote import SETTINGS, RewardServerError, probe
 
     if cfg.algorithm.name in OFFLINE_ALGORITHMS:
         return
@@ -152,11 +152,9 @@ def check_data(cfg, tokenizer):
             raise ConfigError(f"data.dataset={d.dataset}: the {empty} split is empty; give data.heldout_files, a "
                               "data.heldout_fraction in (0, 1) or a data.heldout_size the data can spare")
         return ExampleCounts.of(d, rows)
-    from alignment.config import ppo_on_task
 
     if a.name == "ppo" and not ppo_on_task(cfg):
         return None  # prompts of dpo_en_demo, cut to data.max_prompt_length
-    from alignment.data.prompts import job_prompts
 
     try:
         return job_prompts(cfg, tokenizer)
@@ -213,8 +211,6 @@ def check_resume(cfg, hf_config, prompts=None) -> str | None:
     """
     from omegaconf import OmegaConf
 
-    from alignment.training.checkpoint import checkpoint_step, latest_checkpoint, verify_checkpoint
-
     directory = Path(cfg.output_dir) / "checkpoints"
     if not cfg.trainer.resume or not directory.is_dir():
         return None
@@ -252,8 +248,6 @@ def _model_differences(saved_path: str, hf_config) -> list[str]:
     """``model.path`` changed: the dimensions in which the two models differ (none: the same weights'
     shapes, e.g. a moved directory)."""
     from transformers import AutoConfig
-
-    from alignment.models.hf_assets import prepare_hf_dir
 
     try:
         old = AutoConfig.from_pretrained(prepare_hf_dir(saved_path))

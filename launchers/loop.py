@@ -44,7 +44,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from alignment.data.prompt_data import EpochOrder
+from alignment.rewards.remote import take_failures
+from alignment.trainers.rl_phases import post_for_group, sync_weights
+from alignment.training.checkpoint import (latest_checkpoint, load_models_checkpoint, save_hf_checkpoint,
+                                           save_models_checkpoint)
+from alignment.training.health import HealthMonitor
+from alignment.training.megatron_step import all_reduce_sum
+from alignment.training.offload import trainable
+from launchers import preemption
+from launchers.common import export_adapters
 from launchers.input_checks import DATA_POSITION_FILE, data_position
+from launchers.profiling import peak_rss_bytes
+from launchers.rollout_table import write_rollout_table
+from parallel.state import replica_group
 
 
 class Evaluation(Protocol):
@@ -172,7 +185,6 @@ def prompts_of_step(train_set: Sequence, step: int, prompts_per_step: int, dp_ra
     """This DP rank's share of step ``step``'s ``prompts_per_step`` consecutive items of
     ``train_set``: an :class:`alignment.data.prompt_data.EpochOrder` (epoch after epoch, each in its own
     order), or a list taken again from its start: the same for a step whether or not the run was resumed."""
-    from alignment.data.prompt_data import EpochOrder
 
     per_rank = prompts_per_step // dp
     first = step * prompts_per_step + dp_rank * per_rank
@@ -186,9 +198,6 @@ def reward_server_failures() -> list[str]:
     the same list on every rank (collective: one all-reduce, and an all-gather when there are some)."""
     import torch.distributed as dist
 
-    from alignment.rewards.remote import take_failures
-    from alignment.training.megatron_step import all_reduce_sum
-
     mine = take_failures()
     if not all_reduce_sum([float(len(mine))])[0]:
         return []
@@ -200,8 +209,6 @@ def reward_server_failures() -> list[str]:
 def skipped_groups(samples, group_size: int) -> float:
     """Groups of the global batch left out of the update because a reward server failed on them
     (``on_error: skip``; :func:`alignment.trainers.rewarding.drop_failed_groups`); collective."""
-    from alignment.training.megatron_step import all_reduce_sum
-    from parallel.state import replica_group
 
     lead = replica_group().rank() == 0
     [n] = all_reduce_sum([sum(bool(s.info.get("reward_skipped")) for s in samples) if lead else 0.0])
@@ -226,16 +233,6 @@ def run(job, models, spec: JobSpec) -> dict:
     Exits with ``launchers.preemption.PREEMPTED_EXIT_CODE`` after saving when asked to stop.
     """
     from megatron.core import parallel_state as ps
-
-    from alignment.trainers.rl_phases import post_for_group, sync_weights
-    from alignment.training.checkpoint import (latest_checkpoint, load_models_checkpoint, save_hf_checkpoint,
-                                               save_models_checkpoint)
-    from alignment.training.health import HealthMonitor
-    from alignment.training.offload import trainable
-    from launchers import preemption
-    from launchers.common import export_adapters
-    from launchers.profiling import peak_rss_bytes
-    from launchers.rollout_table import write_rollout_table
 
     cfg, t = job.cfg, job.cfg.trainer
     online = models.engine is not None

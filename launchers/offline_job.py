@@ -16,15 +16,23 @@ from dataclasses import dataclass
 import torch
 
 from alignment.config import JobConfig
+from alignment.data.examples import tokenize_split
+from alignment.trainers import offline
+from alignment.trainers.dpo import DPOObjective
+from alignment.trainers.process_reward import ProcessRewardObjective
+from alignment.trainers.reward_model import RewardModelObjective
+from alignment.trainers.sft import SFTObjective
+from alignment.training.batching import MicroBatching
+from alignment.training.dp_balance import global_batch_share
+from launchers import loop
+from launchers.build import build_models
+from launchers.common import start
+from parallel.state import replica_group
 
 
 def make_objective(cfg, vocab_size: int):
     """The loss function object for ``cfg.algorithm`` (:mod:`alignment.trainers.sft` / ``reward_model`` /
     ``dpo`` / ``process_reward``)."""
-    from alignment.trainers.dpo import DPOObjective
-    from alignment.trainers.process_reward import ProcessRewardObjective
-    from alignment.trainers.reward_model import RewardModelObjective
-    from alignment.trainers.sft import SFTObjective
 
     a = cfg.algorithm
     if a.name == "sft":
@@ -103,15 +111,6 @@ def run(cfg: JobConfig) -> dict:
             than the training set.
     """
     from megatron.core import parallel_state as ps
-
-    from alignment.data.examples import tokenize_split
-    from alignment.trainers import offline
-    from alignment.training.batching import MicroBatching
-    from alignment.training.dp_balance import global_batch_share
-    from launchers import loop
-    from launchers.build import build_models
-    from launchers.common import start
-    from parallel.state import replica_group
 
     job = start(cfg)  # validates the config before any process group starts
     objective = make_objective(cfg, job.hf_config.vocab_size)

@@ -17,7 +17,16 @@ import json
 
 import torch
 
-from alignment.config import JobConfig
+from alignment.config import JobConfig, ppo_on_task, process_reward_weight
+from alignment.data.chat_data import encode_prompt, load_preference_pairs
+from alignment.rollout.base import SamplingConfig
+from alignment.trainers import ppo
+from alignment.trainers.rewarding import padded_batch, reward_model_scores
+from alignment.trainers.rl_phases import generate_for_group, rollout_phase
+from alignment.training.megatron_step import all_reduce_sum, is_output_rank
+from launchers import loop
+from launchers.build import build_models
+from launchers.common import start
 
 
 def roles(cfg) -> list[str]:
@@ -25,7 +34,6 @@ def roles(cfg) -> list[str]:
     the engine; the reference with ``algorithm.kl_coef`` > 0; the reward model unless the job trains
     on ``data.task``'s answers (:func:`alignment.config.ppo_on_task`); the process reward model for
     ``process_reward``."""
-    from alignment.config import ppo_on_task, process_reward_weight
 
     return ["policy", "critic", "engine", *(["reference"] if cfg.algorithm.kl_coef > 0 else []),
             *([] if ppo_on_task(cfg) else ["reward_model"]),
@@ -34,7 +42,6 @@ def roles(cfg) -> list[str]:
 
 def prompts_of(cfg, tokenizer, split: str) -> list[list[int]]:
     """Chat-template prompt ids of the dpo_en_demo split, keeping the last ``data.max_prompt_length`` tokens."""
-    from alignment.data.chat_data import encode_prompt, load_preference_pairs
 
     pairs = load_preference_pairs(split, cfg.data.heldout_size, "dpo_en_demo")
     out = [encode_prompt(tokenizer, p.messages)[-cfg.data.max_prompt_length:] for p in pairs]
@@ -44,9 +51,6 @@ def prompts_of(cfg, tokenizer, split: str) -> list[list[int]]:
 def heldout_responses(models, prompts: list[list[int]], cfg) -> dict[str, list[float]]:
     """Greedy responses of the current policy to this DP rank's held-out prompts, scored by the
     reward model: ``{"scores": [...], "lengths": [...]}`` (last pipeline stage's values)."""
-    from alignment.rollout.base import SamplingConfig
-    from alignment.trainers.rewarding import padded_batch, reward_model_scores
-    from alignment.trainers.rl_phases import generate_for_group, rollout_phase
 
     with rollout_phase(models):
         groups = generate_for_group(models.engine, prompts, SamplingConfig(n=1, temperature=0.0,
@@ -59,7 +63,6 @@ def heldout_responses(models, prompts: list[list[int]], cfg) -> dict[str, list[f
 def compare(before: dict, after: dict) -> dict[str, float]:
     """Global win rate of ``after`` over ``before`` (ties count half) and mean score and length
     of both; each DP rank's held-out prompts counted once (collective)."""
-    from alignment.training.megatron_step import all_reduce_sum, is_output_rank
 
     keep = 1.0 if is_output_rank() else 0.0
     sb, sa = torch.tensor(before["scores"]), torch.tensor(after["scores"])
@@ -99,12 +102,6 @@ def run(cfg: JobConfig) -> dict:
     """Run a PPO job through :mod:`launchers.loop`; returns the summary written to
     ``<output_dir>/summary.json``."""
     from megatron.core import parallel_state as ps
-
-    from alignment.config import ppo_on_task
-    from alignment.trainers import ppo
-    from launchers import loop
-    from launchers.build import build_models
-    from launchers.common import start
 
     job = start(cfg)  # validates the config before any process group starts
     models = build_models(cfg, job, roles(cfg))
