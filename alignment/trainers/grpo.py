@@ -33,7 +33,6 @@ from alignment.algorithms.grpo_loss import GRPOLossConfig, grpo_loss
 from alignment.algorithms.process_rewards import process_advantages, to_batch_columns
 from alignment.algorithms.reward_shaping import informative_groups
 from alignment.config import process_reward_weight, shares_prompts
-from alignment.data.prompts import PromptStyle, build_prompt_ids
 from alignment.data.tasks import Problem
 from alignment.rollout.base import SamplingConfig
 from alignment.trainers.process_rewarding import score_steps, step_metrics
