@@ -16,7 +16,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from alignment.config import JobConfig, register  # noqa: E402
+from alignment.algorithms.preference_loss import REFERENCE_FREE  # noqa: E402
+from alignment.config import (  # noqa: E402
+    OFFLINE_ALGORITHMS,
+    JobConfig,
+    job_config,
+    process_reward_weight,
+    register,
+    reward_terms,
+)
+from alignment.data.prompt_data import training_order  # noqa: E402
+from alignment.trainers import grpo, online_dpo, rft, rl_phases  # noqa: E402
+from alignment.trainers.heldout import HeldoutAccuracy  # noqa: E402
+from launchers import loop, offline_job, ppo_job  # noqa: E402
+from launchers.build import build_models  # noqa: E402
+from launchers.common import start  # noqa: E402
+from launchers.console import BAD_INPUT_EXIT, report_bad_input, route_third_party_output  # noqa: E402
+from launchers.preemption import install  # noqa: E402
+from parallel.state import env_world  # noqa: E402
 
 register()
 
@@ -24,8 +41,6 @@ register()
 def needs_reference(cfg) -> bool:
     """A frozen reference policy: for the KL term (``algorithm.kl_coef > 0``) or online DPO's
     losses that use one (all but ``simpo`` / ``orpo``)."""
-    from alignment.algorithms.preference_loss import REFERENCE_FREE
-
     a = cfg.algorithm
     return a.kl_coef > 0 or (a.name == "online_dpo" and a.loss_type not in REFERENCE_FREE)
 
@@ -34,8 +49,6 @@ def roles(cfg) -> list[str]:
     """The models a GRPO-family, ``rft`` or ``online_dpo`` job builds (:func:`launchers.build.build_models`):
     the policy and its rollout engine; the frozen reference (:func:`needs_reference`); the reward
     model when ``reward.functions`` names ``reward_model``; the process reward model for ``process_reward``."""
-    from alignment.config import process_reward_weight, reward_terms
-
     return ["policy", "engine", *(["reference"] if needs_reference(cfg) else []),
             *(["reward_model"] if any(term.name == "reward_model" for term in reward_terms(cfg)) else []),
             *(["process_reward_model"] if process_reward_weight(cfg) else [])]
@@ -49,17 +62,11 @@ def run(cfg: DictConfig | JobConfig) -> dict:
     ``prm`` train on fixed data (:mod:`launchers.offline_job`), ``ppo`` runs :mod:`launchers.ppo_job`;
     the GRPO family, ``rft`` and ``online_dpo`` run :mod:`launchers.loop` with :func:`run_rl`'s pieces.
     """
-    from alignment.config import OFFLINE_ALGORITHMS, job_config
-
     cfg = job_config(cfg)
     if cfg.algorithm.name in OFFLINE_ALGORITHMS:
-        from launchers.offline_job import run as run_offline
-
-        return run_offline(cfg)
+        return offline_job.run(cfg)
     if cfg.algorithm.name == "ppo":
-        from launchers.ppo_job import run as run_ppo
-
-        return run_ppo(cfg)
+        return ppo_job.run(cfg)
     return run_rl(cfg)
 
 
@@ -67,13 +74,6 @@ def run_rl(cfg: JobConfig) -> dict:
     """Run a GRPO-family job, rejection-sampling fine-tuning (``rft``: :mod:`alignment.trainers.rft`)
     or online DPO (``online_dpo``: :mod:`alignment.trainers.online_dpo`) through
     :mod:`launchers.loop`; returns the summary written to ``<output_dir>/summary.json``."""
-    from alignment.data.prompt_data import training_order
-    from alignment.trainers import grpo, online_dpo, rft, rl_phases
-    from alignment.trainers.heldout import HeldoutAccuracy
-    from launchers import loop
-    from launchers.build import build_models
-    from launchers.common import start
-
     job = start(cfg)  # validates the config and reads the prompts before any process group starts
     models = build_models(cfg, job, roles(cfg))
     train, heldout = training_order(cfg, job.prompts), job.prompts.heldout
@@ -111,19 +111,12 @@ def main(cfg: DictConfig) -> None:
     with command-line overrides and run. Exits with ``launchers.preemption.PREEMPTED_EXIT_CODE``
     (75) when stopped by SIGUSR1/SIGTERM after saving a checkpoint, and with 2 after a bad input
     under ``megalign train`` (reported in one line by the command: :mod:`launchers.console`)."""
-    from launchers.preemption import install
-
     install()  # as early as possible: a signal before this would kill the process
     if cfg.trainer.quiet:  # before Megatron and vLLM are imported (launchers/console.py)
-        from launchers.console import route_third_party_output
-        from parallel.state import env_world
-
         route_third_party_output(Path(cfg.output_dir) / "logs" / f"rank{env_world()[0]}.log")
     try:
         run(cfg)
     except Exception as e:
-        from launchers.console import BAD_INPUT_EXIT, report_bad_input
-
         if report_bad_input(e):  # under `megalign train`: one line, printed once by the command
             raise SystemExit(BAD_INPUT_EXIT) from None
         raise

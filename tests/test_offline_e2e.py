@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import run_torchrun
+from tests.conftest import Job, run_jobs, run_torchrun
 from tests.dist.tiny_llama import save_tiny_hf_dir
 
 pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
@@ -30,9 +30,24 @@ def job(tmp_path, config, *overrides, out=None, model_dir=None):
     return json.loads(result.read_text()), out
 
 
-def test_sft_learns_checkpoints_resumes_and_exports(tmp_path):
-    s, out = job(tmp_path, "sft", "data.train_size=8", "data.heldout_size=8", "trainer.global_batch_size=8",
-                 "trainer.micro_batch_size=2", "trainer.epochs=3")
+SIZES = ["data.train_size=8", "data.heldout_size=8", "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
+         "trainer.epochs=3"]
+
+
+@pytest.fixture(scope="module")
+def first_runs(tmp_path_factory) -> dict:
+    """SFT, the reward model and DPO, 3 epochs of the same 8 examples each, in one launch."""
+    root = tmp_path_factory.mktemp("offline")
+    model_dir = save_tiny_hf_dir(root / "tiny")
+    jobs = {"sft": Job("sft", model_dir, root / "sft", [*COMMON, *SIZES]),
+            "rm": Job("rm", model_dir, root / "rm", [*COMMON, *SIZES]),
+            "dpo": Job("dpo", model_dir, root / "dpo", [*COMMON, *SIZES, "algorithm.beta=0.5"])}
+    run_jobs(*jobs.values())
+    return {name: (j.summary(), j.out, model_dir) for name, j in jobs.items()}
+
+
+def test_sft_learns_checkpoints_resumes_and_exports(first_runs, tmp_path):
+    s, out, model_dir = first_runs["sft"]
     losses = [h["loss"] for h in s["history"]]
     assert len(losses) == 3 and losses[0] > losses[1] > losses[2]  # same 8 examples each step
     assert s["heldout_before"]["loss"] > 8.0  # a random model: about ln(49152) = 10.8 nats
@@ -47,15 +62,13 @@ def test_sft_learns_checkpoints_resumes_and_exports(tmp_path):
 
     AutoModelForCausalLM.from_pretrained(out / "hf")
     # A longer run in the same directory resumes at step 3 and continues the same schedule.
-    s2, _ = job(tmp_path, "sft", "data.train_size=8", "data.heldout_size=8", "trainer.global_batch_size=8",
-                "trainer.micro_batch_size=2", "trainer.epochs=4", out=out)
+    s2, _ = job(tmp_path, "sft", *SIZES[:-1], "trainer.epochs=4", out=out, model_dir=model_dir)
     assert s2["start_step"] == 3 and len(s2["history"]) == 1
     assert s2["history"][0]["loss"] < losses[2]
 
 
-def test_reward_model_trains_and_exports_a_sequence_classifier(tmp_path):
-    s, out = job(tmp_path, "rm", "data.train_size=8", "data.heldout_size=8", "trainer.global_batch_size=8",
-                 "trainer.micro_batch_size=2", "trainer.epochs=3")
+def test_reward_model_trains_and_exports_a_sequence_classifier(first_runs):
+    s, out, _ = first_runs["rm"]
     losses = [h["loss"] for h in s["history"]]
     assert losses[0] > losses[1] > losses[2]
     # The HF export is a LlamaForSequenceClassification whose own pooled scores give the
@@ -85,9 +98,8 @@ def check_export_scores(out, after: dict, pairs: int = 8) -> None:
     assert abs(after["margin"] - sum(margins) / pairs) < 1e-4
 
 
-def test_dpo_starts_at_log2_and_learns(tmp_path):
-    s, _ = job(tmp_path, "dpo", "data.train_size=8", "data.heldout_size=8", "trainer.global_batch_size=8",
-               "trainer.micro_batch_size=2", "trainer.epochs=3", "algorithm.beta=0.5")
+def test_dpo_starts_at_log2_and_learns(first_runs):
+    s, _, _ = first_runs["dpo"]
     # policy == reference before training: every implicit reward is 0, the loss is log 2
     assert abs(s["heldout_before"]["loss"] - math.log(2)) < 1e-6
     assert s["heldout_before"]["margin"] == 0.0 and s["heldout_before"]["accuracy"] == 0.0
@@ -101,10 +113,13 @@ def test_reference_free_variants_run(tmp_path):
     """SimPO, ORPO, IPO and KTO learn (2 processes, DP=2); ORPO reports its token-level NLL, and
     KTO's reference point from mismatched pairs is 0 while the policy equals the reference
     (before training, first step; the value by hand is in test_losses.py)."""
-    for loss_type in ("simpo", "orpo", "ipo", "kto"):
-        s, _ = job(tmp_path, "dpo", "data.train_size=4", "data.heldout_size=4", "trainer.global_batch_size=4",
-                   "trainer.micro_batch_size=2", "trainer.epochs=2", f"algorithm.loss_type={loss_type}",
-                   "trainer.save_checkpoint=false", "trainer.export_hf=false", out=tmp_path / f"dpo_{loss_type}")
+    model_dir = save_tiny_hf_dir(tmp_path / "tiny")
+    loss_types = ("simpo", "orpo", "ipo", "kto")
+    summaries = run_jobs(*(Job("dpo", model_dir, tmp_path / f"dpo_{loss_type}",
+                               [*COMMON, "data.train_size=4", "data.heldout_size=4", "trainer.global_batch_size=4",
+                                "trainer.micro_batch_size=2", "trainer.epochs=2", f"algorithm.loss_type={loss_type}",
+                                "trainer.save_checkpoint=false", "trainer.export_hf=false"]) for loss_type in loss_types))
+    for loss_type, s in zip(loss_types, summaries):
         losses = [h["loss"] for h in s["history"]]
         assert losses[1] < losses[0], (loss_type, losses)
         if loss_type == "orpo":

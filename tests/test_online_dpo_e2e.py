@@ -5,13 +5,12 @@ mid-iteration."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
 
-from tests.conftest import run_torchrun
+from tests.conftest import Job, run_jobs
 from tests.dist.tiny_llama import save_tiny_hf_dir
 
 pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
@@ -34,10 +33,13 @@ def _weights(step_dir) -> dict:
 
 def test_online_dpo_pairs_its_own_samples_updates_the_reference_and_resumes_mid_iteration(tmp_path):
     model_dir = save_tiny_hf_dir(tmp_path / "tiny")
-    out, result = tmp_path / "run", tmp_path / "result.json"
-    run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=3",
-                 "trainer.save_every=1", "rollout.check_weight_sync=true", *COMMON, str(result), timeout=900)
-    s = json.loads(result.read_text())
+    out = tmp_path / "run"
+    # in one launch: 3 steps, then the resume of the last part of this test
+    s, resumed = run_jobs(
+        Job("grpo", model_dir, out, ["trainer.steps=3", "trainer.save_every=1", "rollout.check_weight_sync=true",
+                                     *COMMON], reward="even_length"),
+        Job("grpo", model_dir, out, ["trainer.steps=4", "algorithm.loss_type=ipo", *COMMON], reward="even_length",
+            result=tmp_path / "resumed.json"))
     history = s["history"]
     for m in history:
         assert 0 < m["online_dpo/pairs"] <= 4 and m["online_dpo/pairs"] == 4 * (1 - m["online_dpo/tie_fraction"])
@@ -60,9 +62,6 @@ def test_online_dpo_pairs_its_own_samples_updates_the_reference_and_resumes_mid_
     # resumed mid-iteration (step 3 of the iteration [2, 4)) with IPO: the reference comes back from the
     # checkpoint (version 2): not the policy (version 3; the loss is not IPO's at zero margin), and not the
     # initial weights (the final checkpoint's reference is still step 2's policy)
-    run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=4",
-                 "algorithm.loss_type=ipo", *COMMON, str(result), timeout=900)
-    resumed = json.loads(result.read_text())
     assert resumed["start_step"] == 3 and len(resumed["history"]) == 1
     m = resumed["history"][0]
     assert m["online_dpo/ref_version"] == 2.0 and m["grad_norm"] > 0.0

@@ -23,8 +23,9 @@ from alignment.data.step_data import (
     step_prompt,
     write_records,
 )
-from tests.conftest import ROOT
-from tests.test_offline_e2e import job
+from tests.conftest import ROOT, Job, run_jobs, run_torchrun
+from tests.dist.tiny_llama import save_tiny_hf_dir
+from tests.test_offline_e2e import COMMON, job
 
 pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
 
@@ -80,12 +81,16 @@ def test_prm_trains_and_its_export_scores_the_steps_as_the_job_did(tmp_path):
     assert result["pass@2"] == sum(g[0].outcome or g[1].outcome for g in groups) / 4
     assert json.loads((tmp_path / "rerank.json").read_text()) == result
 
-    # the outcome reward model on the same data: one label per solution, the final answer's
-    s, _ = job(tmp_path, "prm", *common, "algorithm.supervision=outcome", "trainer.epochs=1",
-               "trainer.save_checkpoint=false", "trainer.export_hf=false", out=tmp_path / "orm")
-    assert abs(s["heldout_before"]["positive_fraction"] - sum(r.outcome for r in heldout) / 8) < 1e-9
+    # in one launch: the outcome reward model on the same data (one label per solution, the final
+    # answer's), and GRPO and PPO with the process reward of the export
+    orm, grpo, ppo = run_jobs(
+        Job("prm", tmp_path / "tiny", tmp_path / "orm",
+            [*COMMON, *common, "algorithm.supervision=outcome", "trainer.epochs=1", "trainer.save_checkpoint=false",
+             "trainer.export_hf=false"]),
+        *rl_jobs(tmp_path, out / "hf"))
+    assert abs(orm["heldout_before"]["positive_fraction"] - sum(r.outcome for r in heldout) / 8) < 1e-9
+    check_rl_jobs_with_the_process_reward(grpo, ppo)
     check_dense_scores(tmp_path, out / "hf")
-    check_rl_jobs_with_the_process_reward(tmp_path, out / "hf")
 
 
 def check_dense_scores(tmp_path, prm_dir) -> None:
@@ -94,7 +99,6 @@ def check_dense_scores(tmp_path, prm_dir) -> None:
     from transformers import AutoTokenizer
 
     from alignment.data.step_data import response_steps
-    from tests.conftest import run_torchrun
     from tools.rerank import step_probabilities
 
     prompt = step_prompt("What is 3 + 4 + 12?")
@@ -114,40 +118,39 @@ def check_dense_scores(tmp_path, prm_dir) -> None:
             assert len(mine) == len(ref) and all(abs(a - b) < 1e-5 for a, b in zip(mine, ref)), (case, mine, ref)
 
 
-def check_rl_jobs_with_the_process_reward(tmp_path, prm_dir) -> None:
+def rl_jobs(tmp_path, prm_dir) -> list[Job]:
     """GRPO (grader + PRM, step-by-step prompts, batches re-dealt over DP) and PPO (reward model +
-    PRM) train with the dense term: it is logged apart, and the sample rewards are the other terms'."""
-    from tests.conftest import run_torchrun
-    from tests.dist.tiny_llama import save_tiny_hf_dir
-
+    PRM) with the process reward model in ``prm_dir``."""
     model = save_tiny_hf_dir(tmp_path / "policy")
     rl = ["rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=4", "data.heldout_size=4",
           "data.train_size=16", "rollout.max_tokens=16", "rollout.eval_max_tokens=8", "trainer.lr=1e-3",
           "trainer.progress_bar=false", "trainer.export_hf=false", "trainer.save_checkpoint=false", "trainer.steps=2",
           f"reward.process_reward_model={prm_dir}"]
-    result = tmp_path / "grpo.json"
-    run_torchrun("offline_e2e_worker.py", "grpo", str(model), str(tmp_path / "grpo"), *rl,
-                 "reward.functions=[{name: correctness}, {name: process_reward, weight: 0.5}]",
-                 f'data.instruction="{STEP_INSTRUCTION}"', "trainer.balance_batch=true", str(result), timeout=900)
-    history = json.loads(result.read_text())["history"]
+    return [Job("grpo", model, tmp_path / "grpo",
+                [*rl, "reward.functions=[{name: correctness}, {name: process_reward, weight: 0.5}]",
+                 f'data.instruction="{STEP_INSTRUCTION}"', "trainer.balance_batch=true"]),
+            Job("ppo", model, tmp_path / "ppo",
+                [*rl, f"model.reward_model_path={model}", "trainer.micro_batch_size=2", "trainer.steps=1",
+                 "reward.functions=[{name: reward_model}, {name: process_reward}]"])]
+
+
+def check_rl_jobs_with_the_process_reward(grpo: dict, ppo: dict) -> None:
+    """The RL jobs of :func:`rl_jobs` train with the dense term: it is logged apart, and the sample
+    rewards are the other terms'."""
+    history = grpo["history"]
     assert len(history) == 2
     print("GRPO with the process reward:", history)
     for m in history:
         assert abs(m["reward/mean"] - m["reward/correctness"]) < 1e-6, m  # the dense term is not a sample reward
         assert 0.0 < m["reward/process_reward"] < 1.0 and m["process_reward/steps"] >= 1.0, m
         assert m["grad_norm"] > 0.0 and 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
-    result = tmp_path / "ppo.json"
-    run_torchrun("offline_e2e_worker.py", "ppo", str(model), str(tmp_path / "ppo"), *rl,
-                 f"model.reward_model_path={model}", "trainer.micro_batch_size=2", "trainer.steps=1",
-                 "reward.functions=[{name: reward_model}, {name: process_reward}]", str(result), timeout=900)
-    [m] = json.loads(result.read_text())["history"]
+    [m] = ppo["history"]
     assert abs(m["reward/mean"] - m["reward/reward_model"]) < 1e-5, m
     assert 0.0 < m["reward/process_reward"] < 1.0 and m["loss/value"] > 0.0, m
 
 
 def test_make_prm_data_samples_and_labels_with_vllm(tmp_path):
     from alignment.data.tasks import load_problems, score_response
-    from tests.dist.tiny_llama import save_tiny_hf_dir
 
     model = save_tiny_hf_dir(tmp_path / "tiny")
     out = tmp_path / "data"

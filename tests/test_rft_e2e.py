@@ -4,11 +4,10 @@ iteration, weights synced into the engine, checkpoints and resume."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
-from tests.conftest import run_torchrun
+from tests.conftest import Job, run_jobs
 from tests.dist.tiny_llama import save_tiny_hf_dir
 
 pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
@@ -20,12 +19,16 @@ COMMON = ["algorithm=rft", "rollout.prompts_per_step=4", "rollout.group_size=4",
 
 def test_rft_iterations_filter_fine_tune_and_resume(tmp_path):
     model_dir = save_tiny_hf_dir(tmp_path / "tiny")
-    out, result = tmp_path / "run", tmp_path / "result.json"
-    # temperature 1: the engine samples from the policy itself, so the trainer's NLL of the kept
-    # answers before the step is the engine's NLL of them (fp32)
-    run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", "trainer.steps=2",
-                 "rollout.temperature=1.0", "rollout.check_weight_sync=true", *COMMON, str(result), timeout=900)
-    s = json.loads(result.read_text())
+    out = tmp_path / "run"
+    # in one launch: 2 steps, then a resume at step 2 with STaR's rationalisation and a grader that
+    # accepts only answers to hinted prompts: every problem fails, is asked again with its answer as
+    # a hint, and is solved that way. Temperature 1 in the first: the engine samples from the policy
+    # itself, so the trainer's NLL of the kept answers before the step is the engine's NLL of them (fp32)
+    s, resumed = run_jobs(
+        Job("grpo", model_dir, out, ["trainer.steps=2", "rollout.temperature=1.0", "rollout.check_weight_sync=true",
+                                     *COMMON], reward="even_length"),
+        Job("grpo", model_dir, out, ["trainer.steps=3", "algorithm.rationalize=true", *COMMON], reward="hint_only",
+            result=tmp_path / "resumed.json"))
     first, second = s["history"]
     for m in (first, second):
         # the grader is 0/1 and the threshold 1: the acceptance rate is the mean correctness of all samples
@@ -38,12 +41,6 @@ def test_rft_iterations_filter_fine_tune_and_resume(tmp_path):
         assert m["weight_sync/checked"] == 26.0  # the fine-tuned weights reached every engine parameter
     assert "kl" not in first and (out / "checkpoints" / "step_2" / "metadata.json").exists()
     assert 0.0 <= s["heldout_accuracy_before"] <= 1.0 and 0.0 <= s["heldout_accuracy_after"] <= 1.0
-
-    # resume at step 2 with STaR's rationalisation and a grader that accepts only answers to hinted
-    # prompts: every problem fails, is asked again with its answer as a hint, and is solved that way
-    run_torchrun("e2e_worker.py", str(model_dir), str(out), "hint_only", "trainer.steps=3",
-                 "algorithm.rationalize=true", *COMMON, str(result), timeout=900)
-    resumed = json.loads(result.read_text())
     assert resumed["start_step"] == 2 and len(resumed["history"]) == 1
     m = resumed["history"][0]
     assert m["rft/acceptance_rate"] == 0.0 and m["reward/correctness"] == 0.0  # the unhinted samples

@@ -43,6 +43,7 @@ from collections.abc import Iterable
 import torch
 
 from alignment.rollout.base import Sample, SamplingConfig, step_seed
+from parallel.cpu_compat import host_timing_events
 
 
 class _IdsTokenizer:
@@ -224,6 +225,8 @@ class MegatronEngine:
         was_training = self.model.training
         self.model.eval()
         cuda = torch.cuda.is_available()
+        if not cuda:
+            host_timing_events()  # vLLM's CPU worker, imported since, rebinds torch.cuda.Event
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
                 if self._rng_state is None:

@@ -12,42 +12,41 @@ answer as a hint 1, so every problem goes through STaR's rationalisation.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
+from alignment.config import register
+from alignment.data import tasks
+from alignment.trainers import rft
+from launchers.train import run
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_job(model_dir: str, out_dir: str, overrides: list[str], result_path: str) -> None:
-    """Compose ``configs/grpo.yaml`` (fp32, ``model_dir``, ``out_dir``) with ``overrides``, run the
-    job and, on rank 0, write its summary to ``result_path``."""
-    import os
-
-    from alignment.config import register
-    from launchers.train import run
-
+def run_job(model_dir: str, out_dir: str, overrides: list[str], result_path: str, config: str = "grpo") -> None:
+    """Compose ``configs/<config>.yaml`` (fp32, ``model_dir``, ``out_dir``) with ``overrides``, run
+    the job and, on rank 0, write its summary to ``result_path``."""
     register()
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-        cfg = compose("grpo", overrides=[f"model.path={model_dir}", f"output_dir={out_dir}", "model.dtype=float32",
-                                            *overrides])
+        cfg = compose(config, overrides=[f"model.path={model_dir}", f"output_dir={out_dir}", "model.dtype=float32",
+                                         *overrides])
     summary = run(cfg)
     if os.environ.get("RANK", "0") == "0":
-        Path(result_path).write_text(json.dumps(summary))
+        Path(result_path).write_text(json.dumps(summary, default=float))
 
 
-def main() -> None:
-    model_dir, out_dir, reward, *overrides, result_path = sys.argv[1:]
-    from alignment.data import tasks
-    from alignment.trainers import grpo
-
+@contextlib.contextmanager
+def reward_patch(reward: str):
+    """The grader for REWARD (this module's docstring) while the block runs, the real one after."""
+    saved = tasks.score_response, rft.build_prompt_ids
     if reward == "even_length":  # the correctness reward and the held-out grader alike
-        tasks.score_response = grpo.score_response = lambda problem, text: float(len(text) % 2 == 0)
-    if reward == "hint_only":  # rft: every answer to a plain prompt is wrong, every answer to a hinted one right
-        from alignment.trainers import rft
-
+        tasks.score_response = lambda problem, text: float(len(text) % 2 == 0)
+    elif reward == "hint_only":  # rft: every answer to a plain prompt is wrong, every answer to a hinted one right
         hinted, build = [False], rft.build_prompt_ids
 
         def build_prompt_ids(tokenizer, problem, style, hint=None):
@@ -56,8 +55,18 @@ def main() -> None:
 
         rft.build_prompt_ids = build_prompt_ids
         tasks.score_response = lambda problem, text: float(hinted[0])
-        grpo.score_response = lambda problem, text: float(len(text) % 2 == 0)
-    run_job(model_dir, out_dir, overrides, result_path)
+    elif reward != "task":
+        raise ValueError(f"reward {reward!r}: task, even_length or hint_only")
+    try:
+        yield
+    finally:
+        tasks.score_response, rft.build_prompt_ids = saved
+
+
+def main() -> None:
+    model_dir, out_dir, reward, *overrides, result_path = sys.argv[1:]
+    with reward_patch(reward):
+        run_job(model_dir, out_dir, overrides, result_path)
 
 
 if __name__ == "__main__":
