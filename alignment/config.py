@@ -29,6 +29,7 @@ from alignment.algorithms.preference_loss import LOSS_TYPES, REFERENCE_FREE
 from alignment.algorithms.rollout_correction import RolloutCorrection
 from alignment.data.chat_data import check_columns, is_data_file
 from alignment.data.step_data import SPLIT_FILES, SUPERVISIONS, split_path
+from alignment.data.tasks import TASKS
 from alignment.envs.factory import ENVIRONMENTS
 from alignment.envs.tools import TOOLS
 from alignment.models.families import get_bridge, model_dims
@@ -1012,7 +1013,6 @@ def _validate_prompt_source(d) -> None:
     if d.overlong_prompts not in OVERLONG_PROMPTS:
         raise ConfigError(f"data.overlong_prompts={d.overlong_prompts!r}: valid values are {', '.join(OVERLONG_PROMPTS)}")
     if not d.train_files:
-        from alignment.data.tasks import TASKS
 
         if d.heldout_files or d.heldout_fraction:
             raise ConfigError("data.heldout_files / data.heldout_fraction split data.train_files; data.task's problems "

@@ -20,6 +20,13 @@ import re
 import time
 from collections import Counter
 
+from alignment.data.prompts import build_prompt_ids
+from alignment.data.tasks import load_problems, score_response
+from alignment.models.hf_assets import prepare_hf_dir
+from alignment.rewards.graders import math_verify
+from alignment.rollout.base import SamplingConfig
+from alignment.rollout.vllm_engine import VLLMEngine
+
 
 def kind(text: str, extractor: float, verifier: float) -> str:
     """A short name for why the two graders differ on ``text``."""
@@ -50,13 +57,6 @@ def main() -> None:
 
     import torch
     from transformers import AutoTokenizer
-
-    from alignment.data.prompts import build_prompt_ids
-    from alignment.data.tasks import load_problems, score_response
-    from alignment.models.hf_assets import prepare_hf_dir
-    from alignment.rewards.graders import math_verify
-    from alignment.rollout.base import SamplingConfig
-    from alignment.rollout.vllm_engine import VLLMEngine
 
     torch.manual_seed(0)
     hf_dir = prepare_hf_dir("smollm2")

@@ -30,8 +30,16 @@ import tempfile
 import time
 from pathlib import Path
 
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from alignment.data.prompts import build_prompt_ids  # noqa: E402
+from alignment.data.tasks import load_problems, score_response  # noqa: E402
+from alignment.models.families import model_dims  # noqa: E402
+from alignment.models.flops import flops_per_token, measured_matmul_peak  # noqa: E402
+from alignment.models.hf_assets import prepare_hf_dir  # noqa: E402
+from launchers.profiling import peak_rss_bytes  # noqa: E402
 
 LR, KL_COEF, CLIP, TEMPERATURE, MAX_TOKENS, PROMPTS, GROUP = 5e-6, 0.04, 0.2, 0.7, 48, 8, 8
 
@@ -56,11 +64,6 @@ def trl_worker(steps: int, result: Path) -> None:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-
-    from alignment.data.prompts import build_prompt_ids
-    from alignment.data.tasks import load_problems, score_response
-    from alignment.models.hf_assets import prepare_hf_dir
-    from launchers.profiling import peak_rss_bytes
 
     torch.set_num_threads(os.cpu_count() or 1)
     hf_dir = prepare_hf_dir("smollm2")
@@ -125,10 +128,6 @@ def main() -> None:
         return trl_worker(a.steps, a.trl_worker)
     import torch
     from transformers import AutoConfig
-
-    from alignment.models.families import model_dims
-    from alignment.models.flops import flops_per_token, measured_matmul_peak
-    from alignment.models.hf_assets import prepare_hf_dir
 
     torch.set_num_threads(os.cpu_count() or 1)
     peak = measured_matmul_peak(dtype=torch.bfloat16)

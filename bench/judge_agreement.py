@@ -21,6 +21,12 @@ import argparse
 import json
 import time
 
+from alignment.data.prompt_data import read_table
+from alignment.data.tasks import FILE_TASK, Problem
+from alignment.models.hf_assets import prepare_hf_dir
+from alignment.rewards.judge import PAIR_TEMPLATE, TEMPLATE, parse_preference, parse_score, render, settings_of
+from alignment.rewards.judge_models import backend, close_local
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -33,12 +39,6 @@ def main() -> None:
     ap.add_argument("--replies", help="score the replies of an earlier --out again (no model run), e.g. after a "
                                       "parser change")
     args = ap.parse_args()
-
-    from alignment.data.prompt_data import read_table
-    from alignment.data.tasks import FILE_TASK, Problem
-    from alignment.models.hf_assets import prepare_hf_dir
-    from alignment.rewards.judge import PAIR_TEMPLATE, TEMPLATE, parse_preference, parse_score, render, settings_of
-    from alignment.rewards.judge_models import backend, close_local
 
     rows = list(read_table(args.heldout, "--heldout"))[: args.problems]
     problems = []

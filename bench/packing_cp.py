@@ -33,14 +33,21 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
+from alignment.data.prompts import build_prompt_ids  # noqa: E402
+from alignment.data.tasks import Problem, gsm8k_path  # noqa: E402
+from alignment.models.gpt import build_gpt_model, transformer_config  # noqa: E402
+from alignment.models.hf_assets import prepare_hf_dir  # noqa: E402
+from alignment.training.batching import make_sequence_batch, split_microbatches  # noqa: E402
+from alignment.training.megatron_step import LogprobOutputs, OptimConfig, forward_backward, setup_training  # noqa: E402
+from parallel.balance import karmarkar_karp  # noqa: E402
+from parallel.layout import ParallelLayout  # noqa: E402
+from parallel.packing import model_inputs  # noqa: E402
+from parallel.state import init_distributed, shutdown  # noqa: E402
+
 
 def gsm8k_rollouts(n: int) -> list[tuple[list[int], int]]:
     """``n`` (token ids, prompt length) pairs: chat-templated GSM8K question + reference solution."""
     from transformers import AutoTokenizer
-
-    from alignment.data.prompts import build_prompt_ids
-    from alignment.data.tasks import Problem, gsm8k_path
-    from alignment.models.hf_assets import prepare_hf_dir
 
     tok = AutoTokenizer.from_pretrained(prepare_hf_dir("smollm2"))
     rows = []
@@ -63,11 +70,6 @@ def model_config(layers: int):
 
 
 def build(hf_config, tp=1, cp=1, comm="p2p"):
-    from alignment.models.gpt import build_gpt_model, transformer_config
-    from alignment.training.megatron_step import OptimConfig, setup_training
-    from parallel.layout import ParallelLayout
-    from parallel.state import init_distributed
-
     init_distributed(ParallelLayout(world_size=dist.get_world_size(), context_parallel_size=cp, cp_comm_type=comm))
     torch.manual_seed(0)
     model = build_gpt_model(hf_config, transformer_config(hf_config, tensor_model_parallel_size=tp,
@@ -79,7 +81,6 @@ def build(hf_config, tp=1, cp=1, comm="p2p"):
 
 def step_seconds(ddp, microbatches, vocab: int, packing: bool, repeats: int) -> float:
     """Best wall time of one forward + backward pass over ``microbatches`` (all ranks in step)."""
-    from alignment.training.megatron_step import LogprobOutputs, forward_backward
 
     tokens = sum(float(mb["loss_mask"].sum()) for mb in microbatches)
 
@@ -100,16 +101,12 @@ def step_seconds(ddp, microbatches, vocab: int, packing: bool, repeats: int) -> 
 
 def processed_tokens(microbatches, packing: bool) -> int:
     """Tokens the model computes on (real + padding) for these micro-batches on one CP=1 rank."""
-    from parallel.packing import model_inputs
 
     return sum(model_inputs(mb["input_ids"], mb["seq_lengths"], packed=packing, pad_id=0).input_ids.numel()
                for mb in microbatches)
 
 
 def packing_table(args, hf_config) -> list[str]:
-    from alignment.training.batching import make_sequence_batch, split_microbatches
-    from parallel.balance import karmarkar_karp
-
     rows = gsm8k_rollouts(args.rollouts)
     lengths = [len(ids) for ids, _ in rows]
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -190,7 +187,6 @@ def main() -> None:
         lines += cp_table(args, hf_config)
     if dist.get_rank() == 0:
         print("\n".join(lines), flush=True)
-    from parallel.state import shutdown
 
     shutdown()
 

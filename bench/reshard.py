@@ -22,6 +22,15 @@ import time
 import torch
 import torch.distributed as dist
 
+from alignment.models.families import get_bridge
+from alignment.models.gpt import build_gpt_model, transformer_config
+from alignment.models.hf_assets import prepare_hf_dir
+from alignment.models.weights import export_hf_weights, lazy_safetensors, load_hf_weights
+from alignment.rollout.vllm_engine import VLLMEngine
+from parallel.layout import ParallelLayout
+from parallel.reshard import Resharder
+from parallel.state import env_world, init_distributed
+
 
 def memcpy_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     """Best copy bandwidth of one ``nbytes`` buffer into another, in GB/s (read + write counted once)."""
@@ -76,14 +85,6 @@ def main() -> None:
 
     from transformers import AutoConfig
 
-    from alignment.models.families import get_bridge
-    from alignment.models.gpt import build_gpt_model, transformer_config
-    from alignment.models.hf_assets import prepare_hf_dir
-    from alignment.models.weights import export_hf_weights, lazy_safetensors, load_hf_weights
-    from parallel.layout import ParallelLayout
-    from parallel.reshard import Resharder
-    from parallel.state import env_world, init_distributed
-
     rank, world, _ = env_world()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     init_distributed(ParallelLayout(world_size=world))  # the default group, before vLLM looks for one
@@ -96,7 +97,6 @@ def main() -> None:
     p2p = p2p_gbps() if world > 1 else float("nan")
     engine = None
     if args.engine:
-        from alignment.rollout.vllm_engine import VLLMEngine
 
         engine = VLLMEngine(str(hf_dir), max_model_len=256, seed=rank // args.engine_tp,
                             tensor_parallel_size=args.engine_tp)
@@ -145,8 +145,6 @@ def synthetic_gqa8(rank: int):
     from pathlib import Path
 
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from alignment.models.hf_assets import prepare_hf_dir
 
     path = Path(tempfile.gettempdir()) / "megalign_bench_gqa8"
     if rank == 0 and not (path / "config.json").exists():

@@ -27,8 +27,17 @@ import sys
 import time
 from pathlib import Path
 
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from alignment.models.families import model_dims  # noqa: E402
+from alignment.models.flops import flops_per_token, measured_matmul_peak  # noqa: E402
+from alignment.models.gpt import build_gpt_model, transformer_config  # noqa: E402
+from alignment.training.megatron_step import LogprobOutputs, OptimConfig, forward_backward, setup_training  # noqa: E402
+from parallel.layout import ParallelLayout  # noqa: E402
+from parallel.prompt_tree import tree_tokens  # noqa: E402
+from parallel.state import init_distributed, shutdown  # noqa: E402
 
 MODELS = {
     # TinyLlama-1.1B (Zhang et al. 2024): Llama-2 architecture, 1.10 B parameters, no RoPE scaling
@@ -98,8 +107,6 @@ def model_flops(dims, seqs, mbs, share_prompts: bool) -> float:
     shared prompts) x FLOPs per token at the batch's attention-weighted length
     ``sum(T^2) / sum(T)`` (causal attention costs ``T^2`` per sequence), the output layer on the
     loss positions only."""
-    from alignment.models.flops import flops_per_token
-    from parallel.prompt_tree import tree_tokens
 
     lengths = [len(ids) for ids, _ in seqs]
     tokens = sum(lengths)
@@ -133,13 +140,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     os.environ.setdefault("MASTER_PORT", "29563")
     import torch
     from transformers import LlamaConfig
-
-    from alignment.models.families import model_dims
-    from alignment.models.flops import measured_matmul_peak
-    from alignment.models.gpt import build_gpt_model, transformer_config
-    from alignment.training.megatron_step import LogprobOutputs, OptimConfig, forward_backward, setup_training
-    from parallel.layout import ParallelLayout
-    from parallel.state import init_distributed, shutdown
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"

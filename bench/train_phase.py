@@ -19,8 +19,18 @@ import sys
 import time
 from pathlib import Path
 
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from alignment.models.families import model_dims  # noqa: E402
+from alignment.models.flops import flops_per_token, measured_matmul_peak  # noqa: E402
+from alignment.models.gpt import build_gpt_model, transformer_config  # noqa: E402
+from alignment.models.hf_assets import prepare_hf_dir  # noqa: E402
+from alignment.training.megatron_step import LogprobOutputs, OptimConfig, forward_backward, setup_training  # noqa: E402
+from parallel.layout import ParallelLayout  # noqa: E402
+from parallel.prompt_tree import tree_tokens  # noqa: E402
+from parallel.state import init_distributed  # noqa: E402
 
 # (name, packing, positions, share_prompts, micro-batches per step)
 VARIANTS = [("padded, logits everywhere", False, None, False, 4),
@@ -69,21 +79,12 @@ def main() -> None:
     import torch
     from transformers import AutoConfig
 
-    from alignment.models.families import model_dims
-    from alignment.models.flops import flops_per_token, measured_matmul_peak
-    from alignment.models.gpt import build_gpt_model, transformer_config
-    from alignment.models.hf_assets import prepare_hf_dir
-    from alignment.training.megatron_step import LogprobOutputs, OptimConfig, forward_backward, setup_training
-    from parallel.layout import ParallelLayout
-    from parallel.state import init_distributed
-
     torch.set_num_threads(a.threads)
     peak = measured_matmul_peak("cpu", torch.bfloat16)
     hf = AutoConfig.from_pretrained(prepare_hf_dir("smollm2"))
     init_distributed(ParallelLayout(world_size=1))
     model = build_gpt_model(hf, transformer_config(hf, params_dtype=torch.bfloat16))
     ddp, optimizer = setup_training(model, OptimConfig(lr=1e-6, use_distributed_optimizer=True))
-    from parallel.prompt_tree import tree_tokens
 
     mbs = batch()
     tokens = sum(int(mb["seq_lengths"].sum()) for mb in mbs)

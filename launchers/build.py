@@ -17,6 +17,7 @@ from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.hf_assets import prepare_hf_dir
 from alignment.models.value_head import build_value_model
 from alignment.models.weights import lazy_safetensors, load_hf_weights
+from alignment.rollout.disaggregated import RemoteEngine
 from alignment.rollout.factory import build_engine
 from alignment.rollout.multi_turn import episode_setup
 from alignment.trainers.models import Models
@@ -160,7 +161,6 @@ def rollout_engine(cfg, hf_dir: Path, policy, bridge, vocab_size: int, rank: int
     if group is not None:
         from transformers import AutoTokenizer
 
-        from alignment.rollout.disaggregated import RemoteEngine
 
         engine = RemoteEngine(group, AutoTokenizer.from_pretrained(hf_dir), trainers=dist.get_world_size())
         return engine, Resharder(policy, rollout_layout(bridge, cfg), vllm_tp=cfg.rollout.tensor_parallel_size,

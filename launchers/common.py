@@ -22,6 +22,7 @@ from alignment.rollout.factory import build_engine
 from alignment.training.host_memory import bound_onednn_primitive_cache, return_freed_memory_to_os
 from alignment.training.offload import offload_enabled
 from launchers.build import rollout_layout
+from launchers.console import route_third_party_output
 from launchers.input_checks import check_inputs
 from launchers.preemption import install
 from launchers.profiling import PhaseTimers, StepProfiler, memory_report
@@ -161,7 +162,6 @@ def start(cfg: JobConfig) -> Run:
     bound_onednn_primitive_cache()
     rank, world, _ = env_world()
     if cfg.trainer.quiet:
-        from launchers.console import route_third_party_output
 
         log = route_third_party_output(Path(cfg.output_dir) / "logs" / f"rank{rank}.log")
         if rank == 0:

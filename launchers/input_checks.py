@@ -15,8 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from alignment.config import ConfigError, OFFLINE_ALGORITHMS, dotted, plain, ppo_on_task, reward_terms
+from alignment.data.examples import tokenize_split
 from alignment.data.prompts import job_prompts
+from alignment.data.step_data import load_records
 from alignment.models.hf_assets import prepare_hf_dir
+from alignment.rewards.judge import probe_judge
 from alignment.rewards.remote import RewardServerError, SETTINGS, probe
 from alignment.training.checkpoint import checkpoint_step, latest_checkpoint, verify_checkpoint
 
@@ -104,7 +107,6 @@ def check_reward_servers(cfg) -> None:
             except RewardServerError as e:
                 raise ConfigError(f"reward.functions[{t.name}]: {e}; start the server, or fix its url") from e
         if t.runs == "judge":
-            from alignment.rewards.judge import probe_judge
 
             try:
                 probe_judge(t.kwargs)
@@ -138,13 +140,11 @@ def check_data(cfg, tokenizer):
     """
     a, d = cfg.algorithm, cfg.data
     if a.name == "prm":
-        from alignment.data.step_data import load_records
 
         for split in ("train", "heldout"):
             load_records(d.dataset, split)
         return None
     if a.name in OFFLINE_ALGORITHMS:
-        from alignment.data.examples import tokenize_split
 
         rows = {split: tokenize_split(cfg, tokenizer, split) for split in ("train", "heldout")}
         if not rows["train"] or not rows["heldout"]:

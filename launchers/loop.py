@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from alignment.data.prompt_data import EpochOrder
-from alignment.rewards.remote import take_failures
+from alignment.rewards.remote import RewardServerError, take_failures
 from alignment.trainers.rl_phases import post_for_group, sync_weights
 from alignment.training.checkpoint import (latest_checkpoint, load_models_checkpoint, save_hf_checkpoint,
                                            save_models_checkpoint)
@@ -288,7 +288,6 @@ def run(job, models, spec: JobSpec) -> dict:
             saved = step > start_step and not (ckpt_dir / f"step_{step}").exists()
             if saved:
                 checkpoint(step)
-            from alignment.rewards.remote import RewardServerError
 
             where = f"; {ckpt_dir / f'step_{step}'} saved" if saved else ""
             raise RewardServerError(f"{failures[0]} (step {step + 1} not trained{where}; resume when the server "

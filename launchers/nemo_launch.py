@@ -25,6 +25,8 @@ import os
 import sys
 from pathlib import Path
 
+from launchers.preflight import check, compose
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -87,7 +89,6 @@ def absolute_output_dir(config_name: str, overrides: list[str], world_size: int)
     """Check the config for ``world_size`` (:func:`launchers.preflight.check`, model checks only
     when ``model.path`` is an HF directory) and return ``overrides`` with an absolute ``output_dir``
     (a relative one is taken from the repository root)."""
-    from launchers.preflight import check
 
     cfg = check(config_name, overrides, world_size, resolve_model=False)
     out = Path(cfg.output_dir)
@@ -148,8 +149,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="hydra overrides, key=value (cluster=<name> picks configs/cluster/)")
     a = ap.parse_args(argv)
     import nemo_run as run
-
-    from launchers.preflight import compose
 
     try:
         c = compose(a.config_name, a.overrides).cluster

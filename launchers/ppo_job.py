@@ -19,8 +19,10 @@ import torch
 
 from alignment.config import JobConfig, ppo_on_task, process_reward_weight
 from alignment.data.chat_data import encode_prompt, load_preference_pairs
+from alignment.data.prompt_data import training_order
 from alignment.rollout.base import SamplingConfig
-from alignment.trainers import ppo
+from alignment.trainers import ppo, rl_phases
+from alignment.trainers.heldout import HeldoutAccuracy
 from alignment.trainers.rewarding import padded_batch, reward_model_scores
 from alignment.trainers.rl_phases import generate_for_group, rollout_phase
 from alignment.training.megatron_step import all_reduce_sum, is_output_rank
@@ -106,9 +108,6 @@ def run(cfg: JobConfig) -> dict:
     job = start(cfg)  # validates the config before any process group starts
     models = build_models(cfg, job, roles(cfg))
     if ppo_on_task(cfg):  # data.task's problems, graded by reward.functions' text terms
-        from alignment.data.prompt_data import training_order
-        from alignment.trainers import rl_phases
-        from alignment.trainers.heldout import HeldoutAccuracy
 
         train, heldout = training_order(cfg, job.prompts), job.prompts.heldout
         evaluation = HeldoutAccuracy(job, models, heldout)

@@ -16,6 +16,8 @@ import os
 import signal
 import threading
 
+from parallel.state import on_gpu, shutdown
+
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): stopped on request, a checkpoint is saved: run again
 STOP_FILE_ENV = "MEGALIGN_STOP_FILE"
 
@@ -57,8 +59,6 @@ def stop_requested() -> bool:
     import torch
     import torch.distributed as dist
 
-    from parallel.state import on_gpu
-
     flag = 1.0 if local_request() else 0.0
     if not dist.is_initialized():
         return bool(flag)
@@ -79,8 +79,6 @@ def save_and_exit(job, step: int, checkpoint, engine=None) -> None:
         engine: the vLLM engine to close, if any.
     """
     import torch.distributed as dist
-
-    from parallel.state import shutdown
 
     checkpoint(step)
     if job.rank == 0:

@@ -20,6 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from alignment.compose import compose  # noqa: E402 - after the path, for `python launchers/preflight.py`
+from alignment.config import job_config, plain, validate  # noqa: E402
+from alignment.models.hf_assets import prepare_hf_dir  # noqa: E402
+from parallel.layout import LayoutError  # noqa: E402
+
+from alignment.config import ConfigError
 
 
 def model_config(path: str, resolve: bool):
@@ -32,7 +37,6 @@ def model_config(path: str, resolve: bool):
         return AutoConfig.from_pretrained(p)
     if not resolve:
         return None
-    from alignment.models.hf_assets import prepare_hf_dir
 
     return AutoConfig.from_pretrained(prepare_hf_dir(path))
 
@@ -48,8 +52,6 @@ def check(config_name: str, overrides: list[str], world_size: int, resolve_model
             only TP x PP x CP dividing ``world_size`` is checked).
         ValueError: ``world_size`` < 1.
     """
-    from alignment.config import job_config, validate
-    from parallel.layout import LayoutError
 
     if world_size < 1:
         raise ValueError(f"world size {world_size}: must be >= 1 (nodes x processes per node)")
@@ -66,7 +68,6 @@ def check(config_name: str, overrides: list[str], world_size: int, resolve_model
                           f"or launch a multiple of {tp * pp * cp} processes (nodes x processes per node)")
     c = cfg.cluster
     if c.gpus_per_node and world_size != c.nodes * c.gpus_per_node:
-        from alignment.config import ConfigError
 
         raise ConfigError(f"cluster.nodes x cluster.gpus_per_node = {c.nodes} x {c.gpus_per_node} processes, but the "
                           f"allocation starts {world_size}: match them, or set cluster=local / cluster.gpus_per_node=0")
@@ -81,7 +82,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-resolve-model", action="store_true", help="skip model checks unless model.path is an HF dir")
     ap.add_argument("overrides", nargs="*", help="hydra overrides, key=value")
     args = ap.parse_args(argv)
-    from alignment.config import plain
 
     try:
         cfg = check(args.config_name, args.overrides, args.world_size, resolve_model=not args.no_resolve_model)

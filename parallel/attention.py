@@ -18,7 +18,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from parallel.context_parallel import ring_attention
-from parallel.ulysses import FLASH_DTYPES, causal_attention, sdpa_backends, ulysses_attention
+from parallel.ulysses import FLASH_DTYPES, causal_attention, sdpa_backends, ulysses_attention, varlen_causal_attention
 
 CP_COMM_TYPES = ("p2p", "a2a")
 
@@ -43,7 +43,6 @@ def tree_attention(query, key, value, cu_seqlens, tree_masks, scale: float, segm
     import torch.nn.functional as F
 
     if query.is_cuda and segments is not None and query.dtype in FLASH_DTYPES:
-        from parallel.ulysses import varlen_causal_attention
 
         k, v = key[segments.key_index], value[segments.key_index]
         return varlen_causal_attention(query, k, v, segments.cu_seqlens_q, segments.cu_seqlens_kv,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from parallel.ulysses import check_ulysses_heads
+
 
 class LayoutError(ValueError):
     """A parallel layout that cannot work for this model or world size."""
@@ -120,7 +122,6 @@ def validate_layout(
         raise LayoutError(f"{prefix}cp_comm_type={layout.cp_comm_type!r}: valid values are p2p (ring attention) "
                           f"and a2a (Ulysses)")
     if cp > 1 and layout.cp_comm_type == "a2a":
-        from parallel.ulysses import check_ulysses_heads
 
         why = check_ulysses_heads(num_attention_heads // tp, num_query_groups // tp, cp)
         if why:

@@ -52,6 +52,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from parallel.names import global_param_names
+
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "mlp.linear_fc1", "mlp.linear_fc2",
            "experts.linear_fc1", "experts.linear_fc2")
 DEFAULT_TARGETS = TARGETS[:4]  # every attention, dense MLP and expert linear
@@ -235,8 +237,6 @@ def apply_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
             layernorm-linear included: its input is not the normalised activation).
     """
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    from parallel.names import global_param_names
 
     if spec.rank < 1:
         raise ValueError(f"model.lora.rank={spec.rank}: give a rank >= 1 (or leave model.lora unset for none)")

@@ -42,6 +42,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from parallel.layout import ParallelLayout
+from parallel.lora import is_target
+from parallel.vocab_logprobs import chunk_tokens
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 GiB = 1024**3
@@ -95,7 +97,6 @@ def lora_layer_parameters(dims, tp: int, rank: int, targets=("linear_qkv", "line
     else:
         sizes.update({"linear_fc1": r * h + 2 * d.ffn_hidden_size // tp * r,
                       "linear_fc2": r * d.ffn_hidden_size // tp + h * r})
-    from parallel.lora import is_target
 
     mlp = "mlp.experts." if moe else "mlp."
     names = {"linear_fc1": mlp + "linear_fc1", "linear_fc2": mlp + "linear_fc2"}
@@ -266,7 +267,6 @@ def logits_bytes(dims, tokens: int, tp: int, dtype: str) -> int:
     exponentials), ``chunk`` = :func:`parallel.vocab_logprobs.chunk_tokens` tokens at most.
     So ``2 x dtype bytes`` per entry plus ``2 x 4`` bytes per entry of one chunk.
     """
-    from parallel.vocab_logprobs import chunk_tokens
 
     v_local = dims.padded_vocab_size(tp) // tp
     working = 2 * 4 * min(tokens, chunk_tokens(v_local)) * v_local

@@ -16,7 +16,9 @@ import socket
 import torch
 import torch.distributed as dist
 
+from parallel import cpu_compat
 from parallel.layout import ParallelLayout
+from parallel.stateless_group import StatelessGroup
 
 
 def on_gpu() -> bool:
@@ -121,7 +123,6 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: 
         _OWN_DEFAULT_GROUP = True
     if is_rollout_rank():
         return
-    from parallel import cpu_compat
 
     cpu_compat.apply_without_transformer_engine()
     if not on_gpu():
@@ -145,8 +146,6 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: 
     if on_gpu():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
-        from parallel import cpu_compat
-
         cpu_compat.model_parallel_manual_seed(seed)
 
 
@@ -162,7 +161,6 @@ def _init_split_worlds(rank: int, world_size: int, trainers: int, backend: str, 
     over the launcher's store (key prefixes ``trainers`` / ``rollout``), and a stateless group
     joins all ``world_size`` ranks (prefix ``bridge``)."""
     global _TRAINER_ROLLOUT_GROUP, _ROLLOUT_RANK, _STORE
-    from parallel.stateless_group import StatelessGroup
 
     _STORE, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
     _ROLLOUT_RANK = rank >= trainers

@@ -28,15 +28,19 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
+from alignment.models.families import get_bridge, model_dims  # noqa: E402
+from alignment.models.gpt import build_gpt_model, transformer_config  # noqa: E402
+from alignment.models.hf_assets import prepare_hf_dir  # noqa: E402
+from alignment.models.weights import lazy_safetensors, load_hf_weights  # noqa: E402
+from alignment.training.checkpoint import load_megatron_checkpoint, save_hf_checkpoint, save_megatron_checkpoint  # noqa: E402
+from parallel.layout import ParallelLayout, validate_model_layout  # noqa: E402
+from parallel.state import env_world, init_distributed, shutdown  # noqa: E402
+
 
 def _model(hf_config, tp: int, pp: int, ep: int = 1, etp: int | None = None):
     """This rank's GPTModel shard for ``tp`` x ``pp`` (``ep`` x ``etp`` for experts; process
     groups started here). Sequence parallelism is on with TP > 1 (Megatron's MoE needs it; it
     does not change the weights)."""
-    from alignment.models.families import model_dims
-    from alignment.models.gpt import build_gpt_model, transformer_config
-    from parallel.layout import ParallelLayout, validate_model_layout
-    from parallel.state import env_world, init_distributed
 
     sizes = layout_sizes(tp, pp, ep, etp)
     layout = ParallelLayout(world_size=env_world()[1], **sizes)
@@ -63,9 +67,6 @@ def check_layout(argv: list[str], world_size: int) -> None:
     """
     from transformers import AutoConfig
 
-    from alignment.models.families import model_dims
-    from parallel.layout import ParallelLayout, validate_model_layout
-
     args = parser().parse_args(argv)
     src = Path(args.src)
     if args.direction == "import":
@@ -87,14 +88,10 @@ def _load_converted(src: Path, tp: int, pp: int, ep: int = 1, etp: int | None = 
     """``(model, hf_config, tokenizer)`` from a converted checkpoint, laid out at ``tp`` x ``pp`` (x ``ep``)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from alignment.training.checkpoint import load_megatron_checkpoint
-
     if (src / "hf_config" / "config.json").exists():
         hf_dir, weights = src / "hf_config", src / "megatron"
     elif (src / "config.yaml").exists():  # a training checkpoint: its model is the run's model.path
         from omegaconf import OmegaConf
-
-        from alignment.models.hf_assets import prepare_hf_dir
 
         hf_dir, weights = Path(prepare_hf_dir(OmegaConf.load(src / "config.yaml").model.path)), src
     else:
@@ -108,8 +105,6 @@ def _load_converted(src: Path, tp: int, pp: int, ep: int = 1, etp: int | None = 
 
 def _save_converted(model, hf_config, tokenizer, out: Path) -> Path:
     import torch.distributed as dist
-
-    from alignment.training.checkpoint import save_megatron_checkpoint
 
     if dist.get_rank() == 0:
         shutil.rmtree(out / "hf_config", ignore_errors=True)
@@ -125,10 +120,6 @@ def hf_to_megatron(src: str, out: str | Path, tp: int = 1, pp: int = 1, ep: int 
     cannot take (naming ``--tp``/``--pp``/``--ep``)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from alignment.models.families import get_bridge
-    from alignment.models.hf_assets import prepare_hf_dir
-    from alignment.models.weights import lazy_safetensors, load_hf_weights
-
     hf_dir = prepare_hf_dir(src)
     hf_config = AutoConfig.from_pretrained(hf_dir)
     model = _model(hf_config, tp, pp, ep, etp)
@@ -139,8 +130,6 @@ def hf_to_megatron(src: str, out: str | Path, tp: int = 1, pp: int = 1, ep: int 
 def megatron_to_hf(src: str | Path, out: str | Path, tp: int = 1, pp: int = 1, ep: int = 1,
                    etp: int | None = None) -> Path:
     """Export a converted checkpoint to an HF safetensors directory; collective (rank 0 writes)."""
-    from alignment.models.families import get_bridge
-    from alignment.training.checkpoint import save_hf_checkpoint
 
     model, hf_config, tokenizer = _load_converted(Path(src), tp, pp, ep, etp)
     return save_hf_checkpoint(model, get_bridge(hf_config), hf_config, tokenizer, Path(out))
@@ -170,7 +159,6 @@ def main(argv: list[str] | None = None) -> Path:
     """Run the conversion ``argv`` names (collective under torchrun); returns the output path."""
     args = parser().parse_args(argv)
     fn = {"import": hf_to_megatron, "export": megatron_to_hf, "reshape": reshape}[args.direction]
-    from parallel.state import shutdown
 
     try:
         path = fn(args.src, args.out, args.tp, args.pp, args.ep, args.etp)

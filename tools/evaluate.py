@@ -37,6 +37,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from alignment.cache import cache_root  # noqa: E402
+from alignment.data.tasks import FILE_TASK, Problem  # noqa: E402
+from alignment.evaluation import report  # noqa: E402
+from alignment.evaluation.checkpoints import resolve  # noqa: E402
+from alignment.evaluation.generation import Settings, run_suite  # noqa: E402
+from alignment.evaluation.judge import reward_scores  # noqa: E402
+from alignment.evaluation.metrics import win_rate  # noqa: E402
+from alignment.evaluation.suites import SUITES, get_suites, regression_items, suite_config  # noqa: E402
+from alignment.rewards.judge import check_settings  # noqa: E402
+from alignment.rewards.judge import compare as judge_compare  # noqa: E402
+from alignment.rewards.judge_models import close_local  # noqa: E402
+from alignment.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from alignment.sandbox.runner import run_python  # noqa: E402
+from alignment.trainers.eval_cache import cache_key, package_version, weight_files_fingerprint  # noqa: E402
+
 CHAT_MODEL_LEN = 2048  # behaviour, preference, regression: longest prompt + answer
 
 
@@ -56,8 +71,6 @@ def _checkpoints(specs: list[str]) -> dict[str, str]:
 def _model_len(suites: list, hf_dir: Path, override: int | None) -> int:
     from transformers import AutoConfig
 
-    from alignment.evaluation.suites import suite_config
-
     if override:
         return override
     need = max(suite_config(s).rollout.max_model_len if s.kind == "reasoning" else CHAT_MODEL_LEN for s in suites)
@@ -67,9 +80,6 @@ def _model_len(suites: list, hf_dir: Path, override: int | None) -> int:
 
 def _cache_path(hf_dir: Path, suite, settings, model_len: int) -> Path:
     import torch
-
-    from alignment.cache import cache_root
-    from alignment.trainers.eval_cache import cache_key, package_version, weight_files_fingerprint
 
     key = cache_key({"weights": weight_files_fingerprint(hf_dir), "suite": suite.name, "version": suite.version,
                      "settings": settings.key(suite), "max_model_len": model_len, "torch": torch.__version__,
@@ -100,10 +110,6 @@ def worker(spec_path: str) -> None:
     process, rank 0 writes ``<out>/<suite>.json``)."""
     import torch.distributed as dist
 
-    from alignment.evaluation.generation import Settings, run_suite
-    from alignment.evaluation.suites import SUITES
-    from alignment.rollout.vllm_engine import VLLMEngine
-
     spec = json.loads(Path(spec_path).read_text())
     settings = Settings(**spec["settings"])
     if settings.tensor_parallel_size > 1:
@@ -130,7 +136,6 @@ def _store(path: Path, result: dict) -> None:
 
 def _sandbox_message() -> str | None:
     """Why HumanEval cannot run here (None: the sandbox runs Python)."""
-    from alignment.sandbox.runner import run_python
 
     try:
         return None if run_python("print(1)").ok else "the sandbox cannot run Python here"
@@ -144,7 +149,6 @@ def compare(results: dict[str, dict[str, dict]], baseline: str, judged: dict[str
     judge's, ``preferred[name][i]`` being how much it prefers the checkpoint's answer to item ``i``;
     the verifier's on each reasoning suite: greedy right beats wrong), length drift on ``behaviour``
     (mean length / the baseline's - 1) and regressions (ids the baseline passes and it fails)."""
-    from alignment.evaluation.metrics import win_rate
 
     base = results[baseline]
     out = {"win_rates": {}, "regressions": {}, "length_drift": {}}
@@ -173,9 +177,6 @@ def compare(results: dict[str, dict[str, dict]], baseline: str, judged: dict[str
 def judge_pairs(settings: dict, full: dict[str, dict[str, dict]], baseline: str) -> dict[str, list[float]]:
     """For each checkpoint but the baseline, how much the judge prefers its preference-suite answers to
     the baseline's, item by item (items without a verdict left out)."""
-    from alignment.data.tasks import FILE_TASK, Problem
-    from alignment.rewards.judge import compare as judge_compare
-    from alignment.rewards.judge_models import close_local
 
     base = full[baseline]["preference"]["items"]
     problems = [Problem(next((m["content"] for m in reversed(i["prompt"]) if m["role"] == "user"), ""), "", FILE_TASK)
@@ -219,11 +220,6 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.worker)
         return 0
 
-    from alignment.evaluation import report
-    from alignment.evaluation.checkpoints import resolve
-    from alignment.evaluation.generation import Settings
-    from alignment.evaluation.suites import get_suites, regression_items
-
     def fail(message: str) -> int:
         print(f"error: {message}", file=sys.stderr)
         return 2
@@ -245,7 +241,6 @@ def main(argv: list[str] | None = None) -> int:
                     "<URL or HF directory of an LLM judge>")
     judge_settings = None
     if args.judge:
-        from alignment.rewards.judge import check_settings
 
         where = {"url": args.judge} if args.judge.startswith(("http://", "https://")) else {"model": args.judge}
         judge_settings = {**where, "mode": "pairwise", "model": args.judge_model or where.get("model", "")}
@@ -286,7 +281,6 @@ def main(argv: list[str] | None = None) -> int:
 
     judged = None
     if any(s.kind == "preference" for s in suites):
-        from alignment.evaluation.judge import reward_scores
 
         judged = {n: reward_scores(args.reward_model, [i["prompt"] for i in r["preference"]["items"]],
                                    [i["text"] for i in r["preference"]["items"]]) for n, r in full.items()}

@@ -20,6 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
+from alignment.models.families import family_of  # noqa: E402
+from alignment.models.hf_assets import prepare_hf_dir  # noqa: E402
+
 CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
 
 
@@ -32,9 +35,6 @@ def init_model(config: str, out: str | os.PathLike, tokenizer: str = "smollm2", 
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from alignment.models.families import family_of
-    from alignment.models.hf_assets import prepare_hf_dir
 
     path = CONFIG_DIR / f"{config}.json" if (CONFIG_DIR / f"{config}.json").is_file() else Path(config)
     if not path.is_file():

@@ -27,12 +27,17 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
+from alignment.data.chat_data import encode_prompt  # noqa: E402
+from alignment.data.step_data import StepRecord, label_steps, split_steps, step_prompt, write_records  # noqa: E402
+from alignment.data.tasks import load_problems, score_response  # noqa: E402
+from alignment.models.hf_assets import prepare_hf_dir  # noqa: E402
+from alignment.rollout.base import SamplingConfig  # noqa: E402
+from alignment.rollout.vllm_engine import VLLMEngine  # noqa: E402
+
 
 def label_solution(problem, response: str, separator: str = "\n"):
     """The :class:`alignment.data.step_data.StepRecord` of one sampled ``response`` to ``problem``:
     its steps, their automatic labels and the graded final answer."""
-    from alignment.data.step_data import StepRecord, label_steps, split_steps, step_prompt
-    from alignment.data.tasks import score_response
 
     steps = split_steps(response, separator)
     return StepRecord(prompt=step_prompt(problem.question), completions=steps,
@@ -76,13 +81,6 @@ def main(argv=None) -> dict:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
     if args.max_terms < args.min_terms or args.max_digits < args.min_digits:
         p.error("--max-terms / --max-digits must be >= --min-terms / --min-digits")
-
-    from alignment.data.chat_data import encode_prompt
-    from alignment.data.step_data import step_prompt, write_records
-    from alignment.data.tasks import load_problems
-    from alignment.models.hf_assets import prepare_hf_dir
-    from alignment.rollout.base import SamplingConfig
-    from alignment.rollout.vllm_engine import VLLMEngine
 
     kwargs = {"min_terms": args.min_terms, "max_terms": args.max_terms, "min_digits": args.min_digits,
               "max_digits": args.max_digits}

@@ -27,7 +27,13 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-from parallel.memory import GiB, MemoryBreakdown, estimate_memory  # noqa: E402
+from alignment.config import OFFLINE_ALGORITHMS, lora_spec, parallel_sizes  # noqa: E402
+from alignment.models.families import family_of, get_bridge, model_dims  # noqa: E402
+from alignment.models.hf_assets import smollm2_gguf_path  # noqa: E402
+from parallel.layout import ParallelLayout  # noqa: E402
+from parallel.memory import DTYPE_BYTES, GiB, MemoryBreakdown, RolloutPlan, estimate_memory  # noqa: E402
+from parallel.plan import RULE, plan, recommend  # noqa: E402
+
 
 CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
 COLUMNS = ("weights", "grads", "optimizer_plain", "optimizer_distributed", "activations", "logits",
@@ -54,7 +60,6 @@ def load_model_config(model: str):
     elif model.lower() == "smollm2" or path.suffix.lower() == ".gguf":
         from transformers import AutoConfig
 
-        from alignment.models.hf_assets import smollm2_gguf_path
 
         gguf = smollm2_gguf_path() if model.lower() == "smollm2" else path
         if not gguf.is_file():
@@ -66,7 +71,6 @@ def load_model_config(model: str):
         cfg = SimpleNamespace(**json.loads(path.read_text()))
     else:
         raise ValueError(f"--model {model}: not found; expected {accepted}")
-    from alignment.models.families import family_of
 
     try:
         family_of(cfg)
@@ -110,7 +114,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _check(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """``ap.error`` (exit 2, usage + message) naming the flag and the fix."""
-    from parallel.memory import DTYPE_BYTES
 
     for flag, value in (("--nodes", a.nodes), ("--gpus-per-node", a.gpus_per_node),
                         ("--micro-batch-size", a.micro_batch_size), ("--seq-length", a.seq_length)):
@@ -141,7 +144,6 @@ def _check(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     except (ValueError, FileNotFoundError) as e:
         ap.error(str(e))
     if a.rollout_tp:
-        from alignment.models.families import get_bridge
 
         try:
             get_bridge(a.hf_config).check_tp_sizes(1, a.rollout_tp)
@@ -174,9 +176,6 @@ def job_memory(cfg, hf_config, world_size: int, gpu_memory_gib: float) -> JobMem
     Raises:
         ValueError / LayoutError: a layout the model cannot take.
     """
-    from alignment.config import OFFLINE_ALGORITHMS, lora_spec, parallel_sizes
-    from alignment.models.families import model_dims
-    from parallel.layout import ParallelLayout
 
     t, offline = cfg.trainer, cfg.algorithm.name in OFFLINE_ALGORITHMS
     pairs = cfg.algorithm.name in ("dpo", "rm")
@@ -252,10 +251,6 @@ def render(candidates, refused, best, args, usable: float) -> str:
 def main(argv=None):
     """Print the plan; return ``(candidates, refused, recommended)`` (see :func:`parallel.plan.plan`)."""
     args = parse_args(argv)
-    from alignment.models.families import model_dims
-    from parallel.memory import GiB, RolloutPlan
-    from parallel.plan import RULE, plan, recommend
-
     dims = model_dims(args.hf_config)
     rollout = (RolloutPlan(args.rollout_tp, args.kv_cache_tokens, args.dtype) if args.rollout_tp else None)
     kw = dict(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_memory_bytes=int(args.gpu_memory_gib * GiB),

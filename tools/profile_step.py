@@ -21,8 +21,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from alignment.config import OFFLINE_ALGORITHMS  # noqa: E402
+from alignment.models.families import model_dims  # noqa: E402
+from alignment.models.flops import flops_per_token, measured_matmul_peak  # noqa: E402
+from alignment.models.hf_assets import prepare_hf_dir  # noqa: E402
+from launchers.preflight import compose  # noqa: E402
 
 PHASES = ["rollout", "weight_sync", "logprobs", "train"]  # time/<phase> in the step metrics
 
@@ -44,9 +51,6 @@ def mfu(summary: dict, cfg, hf_config, peak_flops: float) -> dict | None:
     reference logprobs, DPO's reference) are not counted. The output layer counts on response
     tokens only where the run logs ``response_length`` (the RL jobs, whose losses compute logits
     there alone), else on every token (an upper bound for SFT/DPO, which also skip prompts)."""
-    from alignment.config import OFFLINE_ALGORITHMS
-    from alignment.models.families import model_dims
-    from alignment.models.flops import flops_per_token
 
     rows = _steady(summary["history"])
     tps, seq, train_s = _mean(rows, "tokens_per_s"), _mean(rows, "seq_length"), _mean(rows, "time/train")
@@ -66,8 +70,6 @@ def device_peak(summary: dict, dtype_name: str) -> tuple[float, str]:
     """(FLOP/s of all devices of the run, description): a matmul measured now on this machine's
     GPU times the run's GPUs, or on this CPU host (all cores) times the run's hosts."""
     import torch
-
-    from alignment.models.flops import measured_matmul_peak
 
     dtype = getattr(torch, dtype_name)
     if torch.cuda.is_available():
@@ -89,8 +91,6 @@ def report(out_dir: str | os.PathLike, peak: tuple[float, str] | None = None) ->
     """
     from omegaconf import OmegaConf
     from transformers import AutoConfig
-
-    from alignment.models.hf_assets import prepare_hf_dir
 
     out = Path(out_dir)
     if not (out / "summary.json").exists():
@@ -139,7 +139,6 @@ def report(out_dir: str | os.PathLike, peak: tuple[float, str] | None = None) ->
 
 def _output_dir(hydra_args: list[str]) -> Path:
     """The resolved ``output_dir`` of the job these Hydra arguments compose."""
-    from launchers.preflight import compose
 
     name, overrides, args = "grpo", [], list(hydra_args)
     while args:

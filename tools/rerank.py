@@ -23,6 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
+from alignment.algorithms.best_of_n import aggregate_steps, majority_vote, pick_best  # noqa: E402
+from alignment.data.step_data import encode_steps, load_records, supervised_labels  # noqa: E402
+from alignment.data.tasks import extract_final_number  # noqa: E402
+
 
 def group_by_problem(records: list, samples: int | None = None) -> list[list]:
     """The held-out records as one list per problem: runs of ``samples`` records when given (the data
@@ -51,8 +55,6 @@ def step_probabilities(model_dir: str, records: list, separator: str = "\n", bat
     every position of its base model's last hidden states), run in ``dtype``."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    from alignment.data.step_data import encode_steps
 
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -85,8 +87,6 @@ def rerank(groups: list[list], scorers: dict[str, list[list[float]]]) -> dict[st
     """Accuracy of each pick over the problems: ``random`` (expected), ``majority_vote``, one per
     scorer and aggregation (``<name>_prod`` / ``_min`` / ``_last``), and ``pass@N``. ``scorers``:
     per name, the step probabilities of every record in ``groups`` order."""
-    from alignment.algorithms.best_of_n import aggregate_steps, majority_vote, pick_best
-    from alignment.data.tasks import extract_final_number
 
     n = max(len(groups), 1)
     result = {"random": sum(sum(r.outcome for r in g) / len(g) for g in groups) / n,
@@ -113,8 +113,6 @@ def main(argv=None) -> dict:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="bfloat16: ~5x faster on CPUs with AMX, scores within ~1e-2")
     args = p.parse_args(argv)
-
-    from alignment.data.step_data import load_records, supervised_labels
 
     records = load_records(args.data, "heldout")
     meta_path = Path(args.data) / "meta.json"

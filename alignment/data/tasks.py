@@ -27,6 +27,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from alignment.data.code_tasks import load_humaneval, score_code
+
 TASKS = ("arithmetic", "gsm8k", "length", "humaneval")
 #: ``Problem.task`` of a prompt from a file of the user's (``data.train_files``): no instruction of its
 #: own, graded only by ``reward.functions``
@@ -180,7 +182,6 @@ def load_problems(
     if task == "gsm8k":
         return _load_gsm8k(split, size, seed)
     if task == "humaneval":
-        from alignment.data.code_tasks import load_humaneval
 
         return [Problem(p["prompt"], "", "humaneval", p) for p in load_humaneval(split, size, seed)]
     name = generator or ARITHMETIC_GENERATOR
@@ -267,7 +268,6 @@ def score_response(problem: Problem, response: str) -> float:
     if problem.task == "length":
         return max(0.0, 1.0 - abs(len(response.strip()) - LENGTH_TARGET) / LENGTH_TARGET)
     if problem.task == "humaneval":
-        from alignment.data.code_tasks import score_code
 
         return score_code(problem.entry, response)
     pred = extract_final_number(response)

@@ -13,6 +13,8 @@ import importlib
 
 from alignment.data.prompts import PromptStyle
 from alignment.envs.base import Environment, SingleTurn
+from alignment.envs.tool_env import ToolEnvironment
+from alignment.sandbox.runner import sandbox_workers
 
 ENVIRONMENTS = ("single_turn", "tools")
 
@@ -27,8 +29,6 @@ def build_environment(cfg) -> Environment:
     if name == "single_turn":
         return SingleTurn(PromptStyle.of(cfg))
     if name == "tools":
-        from alignment.envs.tool_env import ToolEnvironment
-        from alignment.sandbox.runner import sandbox_workers
 
         return ToolEnvironment(PromptStyle.of(cfg), list(cfg.rollout.tools),
                                workers=sandbox_workers())

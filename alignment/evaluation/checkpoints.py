@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 
 from alignment.cache import cache_root
+from alignment.models.hf_assets import prepare_hf_dir
 from alignment.trainers.eval_cache import cache_key
+from alignment.training.checkpoint import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +33,6 @@ def megatron_source(path: Path) -> Path | None:
         ValueError: an incomplete checkpoint (an interrupted save's ``*.tmp`` or ``*.parts``, or
             no ``metadata.json``), naming it and what to use instead.
     """
-    from alignment.training.checkpoint import latest_checkpoint
 
     if path.name.endswith((".tmp", ".parts", ".old")):
         raise ValueError(f"{path} is an incomplete checkpoint (an interrupted save); evaluate a complete "
@@ -86,7 +87,6 @@ def resolve(path: str) -> Path:
         raise FileNotFoundError(f"{p}: neither an HF directory (config.json + *.safetensors) nor a Megatron "
                                 "checkpoint (hf_config/ + megatron/, or a training run's checkpoints/step_N)")
     if p.suffix == ".gguf" or not p.exists():
-        from alignment.models.hf_assets import prepare_hf_dir
 
         try:
             return Path(prepare_hf_dir(path))

@@ -11,9 +11,13 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict, dataclass
 
+from alignment.data.chat_data import encode_prompt
+from alignment.data.prompts import prompt_messages
+from alignment.data.tasks import Problem, score_response
 from alignment.evaluation import metrics, suites
 from alignment.rewards import grading
 from alignment.rollout.base import SamplingConfig
+from alignment.rollout.multi_turn import episode_setup, run_episodes
 
 
 @dataclass(frozen=True)
@@ -52,8 +56,6 @@ def _seed(settings: Settings, suite: suites.Suite) -> None:
 
 
 def _reasoning(engine, hf_dir, suite, settings: Settings) -> dict:
-    from alignment.rollout.multi_turn import episode_setup, run_episodes
-
     cfg = suites.suite_config(suite)
     problems = suites.problems(suite, cfg, settings.limit)
     setup = episode_setup(cfg, hf_dir, engine.tokenizer)
@@ -86,7 +88,6 @@ def _reasoning(engine, hf_dir, suite, settings: Settings) -> dict:
 def _greedy_chat(engine, prompts: list[list[dict]], max_tokens: int, max_model_len: int):
     """Greedy answers to chat ``prompts``; a prompt that leaves no room for ``max_tokens`` in
     ``max_model_len`` is skipped (counted in ``skipped``)."""
-    from alignment.data.chat_data import encode_prompt
 
     ids = [encode_prompt(engine.tokenizer, m) for m in prompts]
     keep = [i for i, x in enumerate(ids) if len(x) + max_tokens <= max_model_len]
@@ -97,7 +98,6 @@ def _greedy_chat(engine, prompts: list[list[dict]], max_tokens: int, max_model_l
 def _regression_pass(item: dict, text: str) -> bool:
     if item["match"] == "contains":
         return item["answer"].lower() in text.lower()
-    from alignment.data.tasks import Problem, score_response
 
     return score_response(Problem(item["question"], str(item["answer"]), "gsm8k"), text) == 1.0
 
@@ -114,9 +114,6 @@ def run_suite(engine, hf_dir, suite: suites.Suite, settings: Settings, max_model
     if suite.kind == "reasoning":
         return _reasoning(engine, hf_dir, suite, settings)
     if suite.kind == "regression":
-        from alignment.data.prompts import prompt_messages
-        from alignment.data.tasks import Problem
-
         items = suites.regression_items(settings.regression_file, settings.limit)
         prompts = [prompt_messages(Problem(i["question"], "", i["task"])) if i.get("task") else
                    [{"role": "user", "content": i["question"]}] for i in items]

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from alignment.data.chat_data import encode_example, encode_prompt
+
 
 def encode_answer(tokenizer, prompt: list[dict], answer: str, max_length: int = 1024) -> list[int]:
     """Token ids of ``prompt`` + ``answer`` as the reward model was trained on them
     (:func:`alignment.data.chat_data.encode_example`); an answer the template cannot render after the
     prompt (empty or whitespace only) as the prompt's ids, the answer's and the end-of-turn token."""
-    from alignment.data.chat_data import encode_example, encode_prompt
 
     try:
         return encode_example(tokenizer, prompt, answer, max_length)[0]

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from alignment.compose import compose
+from alignment.data.chat_data import load_preference_pairs, load_sft_examples
+from alignment.data.prompts import INSTRUCTIONS, job_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 REGRESSION_FILE = ROOT / "evals" / "regression_v1.jsonl"
@@ -80,7 +82,6 @@ def suite_config(suite: Suite):
 def problems(suite: Suite, cfg, limit: int | None = None) -> list:
     """A reasoning suite's problems (:class:`alignment.data.tasks.Problem`): the config's held-out
     split, then its train split when the suite joins both; the first ``limit`` when given."""
-    from alignment.data.prompts import job_prompts
 
     sets = job_prompts(cfg)
     items = list(sets.heldout) + (list(sets.train) if "train" in suite.splits else [])
@@ -89,7 +90,6 @@ def problems(suite: Suite, cfg, limit: int | None = None) -> list:
 
 def chat_prompts(suite: Suite, limit: int | None = None) -> list[list[dict]]:
     """A behaviour or preference suite's prompts (chat messages, the assistant's turn next)."""
-    from alignment.data.chat_data import load_preference_pairs, load_sft_examples
 
     if suite.kind == "behaviour":
         items = [list(e.messages) for e in load_sft_examples("heldout", suite.size)]
@@ -108,7 +108,6 @@ def regression_items(path: str | Path | None = None, limit: int | None = None) -
         ValueError: a line that is not JSON, misses a field, repeats an id or has an unknown
             ``match`` or ``task`` (naming the file and line).
     """
-    from alignment.data.prompts import INSTRUCTIONS
 
     path = Path(path or REGRESSION_FILE)
     if not path.is_file():

@@ -16,6 +16,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from alignment.models.gpt import build_gpt_model, place_shard
+
 
 class ScalarHead(torch.nn.Module):
     """Drop-in for ``GPTModel.output_layer``: ``[s, b, hidden] -> ([s, b, 1], None)``.
@@ -51,7 +53,6 @@ def build_value_model(hf_config, config, *, vp_stage: int | None = None, seed: i
     last stage. Load weights with ``load_hf_weights(model, hf, get_bridge(cfg, head="score"))``
     (pass ``skip=("output_layer.weight",)`` when starting from a causal-LM checkpoint).
     """
-    from alignment.models.gpt import build_gpt_model, place_shard
 
     model = build_gpt_model(hf_config, config, vp_stage=vp_stage, share_embeddings=False)
     if model.post_process:

@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from alignment.data.code_tasks import score_code
 from alignment.data.tasks import Problem, extract_final_number
 
 __all__ = ["GRADERS", "math_verify", "exact_match", "numeric", "regex", "code_tests", "check_grader_kwargs"]
@@ -97,7 +98,6 @@ def code_tests(problems: Sequence[Problem], texts: Sequence[str], workers: int =
     """1.0 where the response's program passes the problem's tests in the sandbox, else 0.0; None
     for a problem without ``test`` and ``entry_point`` columns (or a HumanEval entry). ``workers``:
     sandbox processes side by side."""
-    from alignment.data.code_tasks import score_code
 
     def one(p: Problem, text: str) -> float | None:
         entry = p.entry if p.entry is not None else p.columns

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from alignment.data.chat_data import encode_prompt
 from alignment.rollout.base import SamplingConfig
+from alignment.rollout.vllm_engine import VLLMEngine
 
 __all__ = ["Endpoint", "LocalJudge", "backend", "close_local"]
 
@@ -76,8 +77,6 @@ class LocalJudge:
 
     def __init__(self, s: dict):
         from transformers import AutoTokenizer
-
-        from alignment.rollout.vllm_engine import VLLMEngine
 
         self.s, self.where = s, s["model"]
         self.tokenizer = AutoTokenizer.from_pretrained(s["model"])

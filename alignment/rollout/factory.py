@@ -16,6 +16,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from alignment.rollout.megatron_engine import MegatronEngine
+from alignment.rollout.vllm_engine import VLLMEngine
+
 BACKENDS = ("vllm", "megatron")
 
 
@@ -47,7 +50,6 @@ def build_engine(cfg, *, hf_dir: Path, policy, vocab_size: int, rank: int, data_
     """
     r = cfg.rollout
     if r.backend == "vllm":
-        from alignment.rollout.vllm_engine import VLLMEngine
 
         return VLLMEngine(str(hf_dir), max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
                           gpu_memory_utilization=r.gpu_memory_utilization,
@@ -58,7 +60,6 @@ def build_engine(cfg, *, hf_dir: Path, policy, vocab_size: int, rank: int, data_
         from megatron.core.utils import unwrap_model
         from transformers import AutoTokenizer
 
-        from alignment.rollout.megatron_engine import MegatronEngine
 
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         rows = max(1, r.prompts_per_step * r.group_size // data_parallel_size)

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from alignment.algorithms.preference_loss import (LOSS_TYPES, REFERENCE_FREE, dpo_loss, kto_loss, orpo_loss,
-                                                   simpo_loss)
+from alignment.algorithms.preference_loss import LOSS_TYPES, REFERENCE_FREE, dpo_loss, kto_loss, orpo_loss, simpo_loss
+from alignment.trainers.offline import sequence_logps
+from alignment.training.batching import make_sequence_batch
 from alignment.training.megatron_step import LogprobOutputs, all_reduce_sum
 
 
@@ -63,9 +64,6 @@ class DPOObjective:
         if self.loss_type != "kto":
             return
         from megatron.core import parallel_state as ps
-
-        from alignment.trainers.offline import sequence_logps
-        from alignment.training.batching import make_sequence_batch
 
         rows = []
         for b in batches:

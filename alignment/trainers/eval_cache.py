@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Callable
 
 from alignment.cache import cache_root
+from alignment.config import heldout_grader
+from alignment.data.prompts import PromptStyle, build_prompt_ids
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
@@ -95,10 +97,6 @@ def heldout_key(hf_dir: str | os.PathLike, tokenizer, problems: list, cfg, world
     ``data.task``, ``rollout.*``: a multi-turn environment's name, turns and tools too; with prompt
     files the grader, :func:`alignment.config.heldout_grader`)."""
     import torch
-
-    from alignment.data.prompts import PromptStyle, build_prompt_ids
-
-    from alignment.config import heldout_grader
 
     prompts, style, grader = hashlib.sha256(), PromptStyle.of(cfg), heldout_grader(cfg)
     for p in problems:

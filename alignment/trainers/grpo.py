@@ -34,6 +34,7 @@ from alignment.algorithms.process_rewards import process_advantages, to_batch_co
 from alignment.algorithms.reward_shaping import informative_groups
 from alignment.config import process_reward_weight, shares_prompts
 from alignment.data.tasks import Problem
+from alignment.rewards import grading
 from alignment.rollout.base import SamplingConfig
 from alignment.trainers.process_rewarding import score_steps, step_metrics
 from alignment.trainers.rewarding import combine, job_terms, score_terms, term_metrics
@@ -46,6 +47,7 @@ from alignment.training.health import guarded_step
 from alignment.training.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
 from alignment.training.offload import trainable
 from alignment.training.router_stats import routing_metrics
+from parallel.state import replica_group
 
 
 def _ps():
@@ -59,7 +61,7 @@ def _model_tokens(batch: dict, cfg) -> int:
     every row, each micro-batch's shared prompts counted once with ``trainer.shared_prompt_packing``."""
     if not shares_prompts(cfg):
         return int(batch["seq_lengths"].sum())
-    from parallel.prompt_tree import tree_tokens
+    from parallel.prompt_tree import tree_tokens  # imports Megatron
 
     return sum(tree_tokens(mb["input_ids"], mb["seq_lengths"], mb["seq_lengths"] - mb["response_lengths"])
                for mb in microbatches(batch, cfg))
@@ -164,9 +166,6 @@ def _heldout(models: Models, problems: list[Problem], sampling: SamplingConfig, 
     """:func:`alignment.rewards.grading.rates` of ``sampling.n`` episodes per problem, this DP
     rank's share generated and graded, the counts summed over replicas (one rank each)."""
     from megatron.core import parallel_state as ps
-
-    from alignment.rewards import grading
-    from parallel.state import replica_group
 
     mine = list(problems[ps.get_data_parallel_rank()::ps.get_data_parallel_world_size()])
     with rollout_phase(models):
@@ -300,7 +299,6 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
     times["train"] = time.perf_counter() - t
 
     # Reward and length statistics over the global batch (one contribution per DP rank).
-    from parallel.state import replica_group
 
     dp_leader = replica_group().rank() == 0
     n, s1, s2, length, tokens, model_tokens, rounds, filled = all_reduce_sum([

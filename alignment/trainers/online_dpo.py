@@ -36,6 +36,8 @@ from alignment.trainers.rl_phases import Rollout, generate_for_group, request, r
 from alignment.training.batching import MicroBatching
 from alignment.training.megatron_step import all_reduce_sum
 from alignment.training.offload import trainable
+from parallel.names import unwrap
+from parallel.state import replica_group
 
 
 def collect(models: Models, problems: list[Problem], cfg, version: int = 0) -> Rollout:
@@ -81,7 +83,6 @@ def update_reference(models: Models, step: int, cfg) -> int:
     multiple of ``algorithm.iteration_steps``, not 0) copy the policy's weights into the reference;
     returns the version of the policy the reference now holds (the step it was copied at; 0: the
     initial policy)."""
-    from parallel.names import unwrap
 
     a = cfg.algorithm
     if a.ref_update != "iteration":
@@ -102,7 +103,6 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
     without a pair), ``online_dpo/ref_version``, the objective's ``dpo/loss``, ``dpo/accuracy``,
     ``dpo/margin`` (implicit rewards), ``grad_norm`` (0 without an update), the judge's
     ``reward/mean`` over every sample and ``reward/chosen`` / ``reward/rejected`` over the pairs."""
-    from parallel.state import replica_group
 
     a, times = cfg.algorithm, {}
     t0 = time.perf_counter()

@@ -32,24 +32,19 @@ from alignment.algorithms.process_rewards import place_step_rewards, to_batch_co
 from alignment.algorithms.value_loss import value_loss
 from alignment.config import ppo_on_task, process_reward_weight, shares_prompts
 from alignment.rollout.base import SamplingConfig
+from alignment.trainers.models import Models
 from alignment.trainers.process_rewarding import score_steps, step_metrics
 from alignment.trainers.rewarding import combine, job_terms, padded_batch, score_terms, term_metrics
-from alignment.trainers.models import Models
 from alignment.trainers.rl_phases import (Rollout, correction_metrics, episode_metrics, generate_episodes,
                                           generate_for_group, head_outputs, microbatches, policy_logprobs,
                                           rollout_phase, sampling_config)
 from alignment.training.dp_balance import balance_over_dp
 from alignment.training.health import guarded_step
-from alignment.training.megatron_step import (
-    LogprobOutputs,
-    all_reduce_sum,
-    forward_backward,
-    global_sums,
-    is_output_rank,
-    value_outputs,
-)
+from alignment.training.megatron_step import (LogprobOutputs, all_reduce_sum, forward_backward, global_sums,
+                                              is_output_rank, value_outputs)
 from alignment.training.offload import trainable
 from alignment.training.router_stats import routing_metrics
+from parallel.state import replica_group
 
 
 def _ps():
@@ -152,7 +147,6 @@ def collect(models: Models, items: list, cfg, version: int = 0) -> Rollout:
 def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict[str, float]]:
     """The trainer step on this DP rank's ``rollout``: old/ref logprobs and values, KL-in-reward
     GAE advantages, then the critic and the policy updates. Returns (global metrics, phase seconds)."""
-    from parallel.state import replica_group
 
     ps = _ps()
     a, r, t = cfg.algorithm, cfg.rollout, cfg.trainer

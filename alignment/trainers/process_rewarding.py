@@ -19,9 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
+from alignment.config import process_reward_weight
+from alignment.data.step_data import encode_steps, response_steps
 from alignment.rollout.base import Sample
 from alignment.trainers.models import Models
 from alignment.trainers.rl_phases import head_outputs, microbatches
+from alignment.training.batching import make_sequence_batch
 from alignment.training.megatron_step import all_reduce_sum
 
 
@@ -40,10 +43,6 @@ def score_steps(models: Models, samples: Sequence[Sample], cfg) -> StepRewards:
     summed over the pipeline group, so every rank of the replica holds them. Collective over the
     model replica (whose ranks hold the same samples)."""
     from megatron.core import parallel_state as ps
-
-    from alignment.config import process_reward_weight
-    from alignment.data.step_data import encode_steps, response_steps
-    from alignment.training.batching import make_sequence_batch
 
     sep, tok = cfg.algorithm.step_separator, models.tokenizer
     rows, ends, positions = [], [], []

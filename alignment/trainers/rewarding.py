@@ -11,8 +11,9 @@ import torch
 
 from alignment.algorithms.composite_reward import RewardTerm, combine_rewards
 from alignment.algorithms.reward_shaping import overlong_penalty
-from alignment.config import shares_prompts
+from alignment.config import PROCESS_REWARD, reward_terms, shares_prompts
 from alignment.data.tasks import Problem
+from alignment.models.value_head import sequence_scores
 from alignment.rewards.functions import function_scores
 from alignment.rollout.base import Sample
 from alignment.sandbox.runner import sandbox_workers
@@ -35,7 +36,6 @@ def reward_model_scores(models: Models, batch: dict, cfg) -> torch.Tensor:
     model replica (computed on the last pipeline stage and summed over the pipeline group, where
     the other stages give 0). ``batch``: :func:`alignment.training.batching.make_batch`'s with
     ``prompt_lengths [N]``. Collective over the replica."""
-    from alignment.models.value_head import sequence_scores
 
     ps = _ps()
     models.placement.keep("reward_model", *(("policy",) if models.engine.shares_trainer_weights else ()))
@@ -96,7 +96,6 @@ def job_terms(cfg) -> list[RewardTerm]:
     """The job's per-sample terms: ``reward.functions`` (:func:`alignment.config.reward_terms`) but the
     dense ``process_reward`` (:mod:`alignment.trainers.process_rewarding`), plus DAPO's overlong
     penalty when ``algorithm.overlong_buffer_len > 0``."""
-    from alignment.config import PROCESS_REWARD, reward_terms
 
     terms = [t for t in reward_terms(cfg) if t.name != PROCESS_REWARD]
     if cfg.algorithm.overlong_buffer_len > 0:

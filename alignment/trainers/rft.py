@@ -30,14 +30,14 @@ from alignment.config import shares_prompts
 from alignment.data.prompts import PromptStyle, build_prompt_ids
 from alignment.data.tasks import Problem
 from alignment.rollout.base import Sample
-from alignment.trainers.rewarding import combine, job_terms, score_terms, term_metrics
 from alignment.trainers.models import Models
-from alignment.trainers.rl_phases import (Rollout, generate_for_group, microbatches, rollout_phase,
-                                          sampling_config)
+from alignment.trainers.rewarding import combine, job_terms, score_terms, term_metrics
+from alignment.trainers.rl_phases import Rollout, generate_for_group, microbatches, rollout_phase, sampling_config
 from alignment.training.batching import make_batch
 from alignment.training.health import guarded_step
 from alignment.training.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
 from alignment.training.offload import trainable
+from parallel.state import replica_group
 
 
 def _sample_and_accept(models: Models, problems: list[Problem], prompts: list[list[int]], sampling, cfg):
@@ -108,8 +108,6 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
     the engine's sampling distribution, hinted answers apart), ``grad_norm``, ``reward/mean`` (every sampled
     answer), ``reward/kept_mean``, ``reward/<name>`` per term, ``response_length`` (kept)."""
     from megatron.core import parallel_state as ps
-
-    from parallel.state import replica_group
 
     times, t0 = {}, time.perf_counter()
     leader = replica_group().rank() == 0  # one contribution per data-parallel replica

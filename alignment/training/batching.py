@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from alignment.rollout.base import Sample
+from parallel.balance import token_budget_partition
 
 
 def make_batch(samples: list[Sample], pad_id: int, pad_to_multiple: int = 8) -> dict[str, torch.Tensor]:
@@ -64,7 +65,6 @@ def split_microbatches(batch: dict[str, torch.Tensor], micro_batch_size: int, ma
         raise ValueError(f"micro_batch_size={micro_batch_size}: must be >= 1")
     n = batch["input_ids"].shape[0]
     if max_tokens > 0:
-        from parallel.balance import token_budget_partition
 
         per_unit = batch["seq_lengths"].view(-1, rows_per_unit).sum(1).tolist()
         parts = [torch.tensor([u * rows_per_unit + j for u in p for j in range(rows_per_unit)])

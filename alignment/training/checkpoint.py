@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from alignment.models.weights import export_hf_weights
 from parallel.atomic_dir import MANIFEST, fresh_tmp, publish
+from parallel.lora import adapters, signature
 from parallel.names import unwrap
 
 class CheckpointError(ValueError):
@@ -89,14 +90,11 @@ def _model_parallel_sizes() -> dict[str, int]:
 
 def _adapters_only(model) -> bool:
     """A LoRA job's model (:mod:`parallel.lora`): its checkpoints hold only what trains."""
-    from parallel.lora import adapters
 
     return bool(adapters(model))
 
 
 def _lora_signature(model) -> dict | None:
-    from parallel.lora import signature
-
     return signature(unwrap(model))
 
 

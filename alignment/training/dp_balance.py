@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from alignment.rollout.base import Sample
+from parallel.balance import karmarkar_karp
 
 
 def balance_over_dp(samples: list[Sample], per_sample: list[torch.Tensor]) -> tuple[list[Sample], list[torch.Tensor]]:
@@ -24,8 +25,6 @@ def balance_over_dp(samples: list[Sample], per_sample: list[torch.Tensor]) -> tu
         ValueError: DP ranks with different sample counts.
     """
     from megatron.core import parallel_state as ps
-
-    from parallel.balance import karmarkar_karp
 
     group = ps.get_data_parallel_group()
     dp = group.size()
@@ -59,7 +58,6 @@ def global_batch_share(lengths: list[int], dp: int, dp_rank: int, balance: bool)
     Raises:
         ValueError: ``len(lengths)`` not a multiple of ``dp``.
     """
-    from parallel.balance import karmarkar_karp
 
     if len(lengths) % dp:
         raise ValueError(f"global_batch_share: {len(lengths)} examples cannot be split over {dp} data-parallel ranks")

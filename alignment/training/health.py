@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from alignment.training.grad_stats import grad_group_norms
 from alignment.training.megatron_step import all_reduce_max
 
 __all__ = ["grads_finite", "guarded_step", "BadStepStreak", "TrainingDiverged", "crossed_bounds", "TrainingStopped",
@@ -50,7 +51,6 @@ def guarded_step(model: torch.nn.Module, optimizer, group_norms: dict | None = N
     if not grads_finite(model):
         return False, float("nan")
     if group_norms is not None and not group_norms:  # a step's first update
-        from alignment.training.grad_stats import grad_group_norms
 
         group_norms.update(grad_group_norms(model, optimizer))
     _, norm, _ = optimizer.step()

@@ -27,6 +27,7 @@ from parallel.lora import FrozenBase, adapters_disabled
 from parallel.packing import alignment as packing_alignment
 from parallel.packing import model_inputs
 from parallel.state import comm_device
+from parallel.vocab_logprobs import vocab_parallel_logprobs
 
 
 @dataclass
@@ -161,7 +162,7 @@ def _model_inputs(microbatches: list[dict], packing: bool, pad_id: int, sequence
     fixed shapes)."""
     from megatron.core import parallel_state as ps
 
-    from parallel.prompt_tree import shared_prompt_inputs
+    from parallel.prompt_tree import shared_prompt_inputs  # imports Megatron
 
     cp, tp = ps.get_context_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
     kw = dict(packed=packing, pad_id=pad_id, cp_size=cp, cp_rank=ps.get_context_parallel_rank(),
@@ -290,7 +291,7 @@ def _selected_positions(mb: dict, inp, key: str | None, sequence_parallel: bool)
 
 def _forward_backward(schedule, model, microbatches, loss_fn, *, outputs, forward_only, packing, pad_id,
                       positions=None, share_prompts=False):
-    from parallel.prompt_tree import tree_rotary
+    from parallel.prompt_tree import tree_rotary  # imports Megatron
 
     device = next(model.parameters()).device
     sequence_parallel = bool(model.config.sequence_parallel)
@@ -345,8 +346,6 @@ class LogprobOutputs:
 
     def __call__(self, logits: torch.Tensor, target_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         from megatron.core import parallel_state as ps
-
-        from parallel.vocab_logprobs import vocab_parallel_logprobs
 
         logprobs, entropy = vocab_parallel_logprobs(logits, target_ids, self.vocab_size, self.temperature,
                                                     group=ps.get_tensor_model_parallel_group())

@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from alignment.training.host_memory import release_free_heap
+from parallel.lora import FrozenBase
 
 
 def offload_enabled(requested: bool) -> bool:
@@ -97,7 +98,6 @@ class DevicePlacement:
             return
         if name in self.units or name in self._absent or name in self._aliases:
             raise ValueError(f"offload unit {name!r} is registered twice")
-        from parallel.lora import FrozenBase
 
         if model is None:
             self._absent.add(name)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.names import unwrap
+from parallel.state import comm_device
 
 
 def track_routing(model: torch.nn.Module) -> None:
@@ -60,8 +61,6 @@ def routing_metrics(model: torch.nn.Module, prefix: str = "moe") -> dict[str, fl
     Collective over the default group for MoE models; ``{}`` for a model without
     :func:`track_routing` (every rank must agree, as they do for one job's model)."""
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
-
-    from parallel.state import comm_device
 
     gpt = unwrap(model)
     counts, calls = getattr(gpt, "_routing_counts", None), getattr(gpt, "_routing_calls", None)
