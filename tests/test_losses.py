@@ -498,7 +498,7 @@ def test_kto_reference_point_from_mismatched_rows_by_hand(monkeypatch):
 
     from megatron.core import parallel_state as ps
 
-    from alignment.trainers import dpo, offline
+    from alignment.trainers import dpo
     from alignment.trainers.dpo import DPOObjective
     from alignment.training.batching import make_sequence_batch
 
@@ -507,7 +507,7 @@ def test_kto_reference_point_from_mismatched_rows_by_hand(monkeypatch):
         response = torch.roll(ids, -1, 1) * mask  # loss_mask[t] marks token t + 1
         return response.sum(1) / 100 if model == "policy" else 0.05 * mask.sum(1) * scale
 
-    monkeypatch.setattr(offline, "sequence_logps", fake_logps)
+    monkeypatch.setattr(dpo, "sequence_logps", fake_logps)
     monkeypatch.setattr(ps, "get_data_parallel_group", lambda: SimpleNamespace(size=lambda: 2))
     monkeypatch.setattr(dpo, "all_reduce_sum", lambda values, group: [values[0] + other])
     rows = [([1, 2, 10], 2), ([1, 2, 11, 12], 2), ([3, 20, 21], 1), ([3, 30], 1)]
