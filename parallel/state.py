@@ -100,6 +100,7 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: 
         ValueError: the launcher started a different number of processes.
         RuntimeError: several processes but no ``MASTER_PORT`` (not started by torchrun or srun).
     """
+    global _OWN_DEFAULT_GROUP
     rank, world_size, local_rank = env_world()
     if world_size != layout.world_size + rollout_ranks:
         split = f" + rollout.rollout_ranks={rollout_ranks}" if rollout_ranks else ""
@@ -119,7 +120,6 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: 
             _init_split_worlds(rank, world_size, layout.world_size, backend, timeout)
         else:
             dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
-        global _OWN_DEFAULT_GROUP
         _OWN_DEFAULT_GROUP = True
     if is_rollout_rank():
         return

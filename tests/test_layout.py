@@ -57,3 +57,39 @@ def test_sequence_parallel_needs_tp():
 def test_non_positive_sizes():
     with pytest.raises(LayoutError, match="must be a positive integer"):
         check(2, tp=0)
+
+
+SHUTDOWN_SCRIPT = """
+import os, sys
+import torch.distributed as dist
+from parallel.layout import ParallelLayout
+from parallel.state import init_distributed, shutdown
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+own = sys.argv[1] == "own"
+if not own:  # the caller starts the default group, as tests/dist/jobs_worker.py does for each job
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+for _ in range(2):  # two jobs in turn
+    init_distributed(ParallelLayout(world_size=1))
+    shutdown()
+    print("initialized after shutdown:", dist.is_initialized())
+    if own:
+        os.environ.pop("MASTER_PORT", None)
+"""
+
+
+@pytest.mark.slow  # a subprocess importing Megatron
+@pytest.mark.parametrize("who", ["own", "caller"])
+def test_shutdown_ends_the_default_group_only_when_init_distributed_started_it(who):
+    """``parallel.state.shutdown`` destroys the default group that ``init_distributed`` started
+    (twice in one process), and leaves one its caller started, with its own subgroups ended."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    proc = subprocess.run([sys.executable, "-c", SHUTDOWN_SCRIPT, who], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = "False" if who == "own" else "True"
+    assert proc.stdout.splitlines() == [f"initialized after shutdown: {expected}"] * 2, proc.stdout
