@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from alignment.config import lora_spec, parallel_sizes
+from alignment.config import parallel_sizes
+from alignment.models.config import lora_spec
 from alignment.models.families import get_bridge
 from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.hf_assets import prepare_hf_dir
@@ -62,7 +63,7 @@ def build_models(cfg, job, roles: Collection[str], value_policy: bool = False):
         critic, critic_optimizer = load_model(cfg, cfg.model.critic_path or cfg.model.reward_model_path, True,
                                               lr=t.critic_lr)
     if "reference" in roles:
-        reference = FrozenBase(policy) if lora_spec(cfg) else load_model(cfg, hf_dir, value_policy)
+        reference = FrozenBase(policy) if cfg.model.lora.rank else load_model(cfg, hf_dir, value_policy)
     if "reward_model" in roles:
         reward_model = load_model(cfg, cfg.model.reward_model_path, True)
     if "process_reward_model" in roles:
@@ -104,7 +105,7 @@ def add_adapters(cfg, model, head: bool = False) -> bool:
     kept trainable. Call before :func:`alignment.training.megatron_step.setup_training`. Returns
     whether adapters were added (then the job's reference is :class:`parallel.lora.FrozenBase`)."""
 
-    spec = lora_spec(cfg)
+    spec = lora_spec(cfg.model.lora, cfg.seed)
     if spec is None:
         return False
     apply_lora(model, spec)
@@ -166,8 +167,8 @@ def rollout_engine(cfg, hf_dir: Path, policy, bridge, vocab_size: int, rank: int
         return engine, Resharder(policy, rollout_layout(bridge, cfg), vllm_tp=cfg.rollout.tensor_parallel_size,
                                  bucket_bytes=cfg.rollout.sync_bucket_mb << 20, group=group)
 
-    engine = build_engine(cfg, hf_dir=hf_dir, policy=policy, vocab_size=vocab_size, rank=rank,
-                          data_parallel_size=ps.get_data_parallel_world_size())
+    engine = build_engine(cfg.rollout, seed=cfg.seed, dtype=cfg.model.dtype, hf_dir=hf_dir, policy=policy,
+                          vocab_size=vocab_size, rank=rank, data_parallel_size=ps.get_data_parallel_world_size())
     if engine.shares_trainer_weights:
         return engine, None
     resharder = Resharder(policy, rollout_layout(bridge, cfg), vllm_tp=cfg.rollout.tensor_parallel_size,

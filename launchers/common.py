@@ -12,11 +12,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from alignment.config import JobConfig, config_yaml, lora_spec, parallel_sizes, rollout_ranks, validate
+from alignment.config import JobConfig, config_yaml, parallel_sizes, validate
+from alignment.models.config import lora_spec
 from alignment.models.families import get_bridge
 from alignment.models.hf_assets import prepare_hf_dir
 from alignment.models.lora_export import save_peft_adapter
 from alignment.rewards.judge_models import close_local
+from alignment.rollout.config import rollout_ranks
 from alignment.rollout.disaggregated import serve
 from alignment.rollout.factory import build_engine
 from alignment.training.host_memory import bound_onednn_primitive_cache, return_freed_memory_to_os
@@ -103,7 +105,7 @@ def export_adapters(job: Run, model, bridge) -> None:
     """With ``model.lora``: the adapters as a PEFT directory ``<output_dir>/hf_adapter`` for the
     base in ``job.hf_dir`` (beside the merged ``hf/`` export); nothing otherwise. Collective."""
 
-    spec = lora_spec(job.cfg)
+    spec = lora_spec(job.cfg.model.lora, job.cfg.seed)
     if spec is not None:
         save_peft_adapter(model, bridge, spec, job.hf_dir, job.out / "hf_adapter")
 
@@ -115,7 +117,7 @@ def serve_as_rollout_rank(cfg, hf_dir: Path, hf_config) -> None:
 
     group, r = trainer_rollout_group(), cfg.rollout
     trainers = group.size - r.rollout_ranks
-    engine = build_engine(cfg, hf_dir=hf_dir, policy=None, vocab_size=hf_config.vocab_size,
+    engine = build_engine(r, seed=cfg.seed, dtype=cfg.model.dtype, hf_dir=hf_dir, policy=None, vocab_size=hf_config.vocab_size,
                           rank=group.rank - trainers, data_parallel_size=1)
     resharder = Resharder(None, rollout_layout(get_bridge(hf_config), cfg), vllm_tp=r.tensor_parallel_size,
                           bucket_bytes=r.sync_bucket_mb << 20, group=group, dtype=getattr(torch, cfg.model.dtype),
@@ -173,7 +175,7 @@ def start(cfg: JobConfig) -> Run:
         print(prompts.summary(), flush=True)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world) if not torch.cuda.is_available() else 8)
-    engines = rollout_ranks(cfg)
+    engines = rollout_ranks(cfg.rollout)
     init_distributed(ParallelLayout(world_size=world - engines, **parallel_sizes(cfg.parallel)), seed=cfg.seed, rollout_ranks=engines)
     if is_rollout_rank():
         serve_as_rollout_rank(cfg, hf_dir, hf_config)

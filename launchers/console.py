@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from alignment.config import ConfigError
+from alignment.schema import ConfigError
 from alignment.training.checkpoint import CheckpointError
 from parallel.layout import LayoutError
 
@@ -42,7 +42,7 @@ def error_line(exc: BaseException) -> str:
 
 def report_bad_input(exc: BaseException) -> bool:
     """Under ``megalign train`` (``MEGALIGN_ERROR_FILE`` set; not with ``--debug``): append a
-    rank's bad input (:class:`alignment.config.ConfigError`, ``LayoutError``, ``CheckpointError``,
+    rank's bad input (:class:`alignment.schema.ConfigError`, ``LayoutError``, ``CheckpointError``,
     a missing file) to that file as one line, for the command to print once. Returns whether it was
     reported (the rank then exits with :data:`BAD_INPUT_EXIT` and no traceback)."""
     path = os.environ.get(ERROR_FILE_ENV)

@@ -14,13 +14,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from alignment.config import ConfigError, OFFLINE_ALGORITHMS, dotted, plain, ppo_on_task, reward_terms
+from alignment.config import OFFLINE_ALGORITHMS, ppo_on_task, reward_terms
 from alignment.data.examples import tokenize_split
 from alignment.data.prompts import job_prompts
 from alignment.data.step_data import load_records
 from alignment.models.hf_assets import prepare_hf_dir
 from alignment.rewards.judge import probe_judge
 from alignment.rewards.remote import RewardServerError, SETTINGS, probe
+from alignment.schema import ConfigError, dotted, plain
 from alignment.training.checkpoint import checkpoint_step, latest_checkpoint, verify_checkpoint
 
 #: what a resumed run must share with the run that wrote its checkpoint
@@ -146,7 +147,7 @@ def check_data(cfg, tokenizer):
         return None
     if a.name in OFFLINE_ALGORITHMS:
 
-        rows = {split: tokenize_split(cfg, tokenizer, split) for split in ("train", "heldout")}
+        rows = {split: tokenize_split(d, a, tokenizer, split) for split in ("train", "heldout")}
         if not rows["train"] or not rows["heldout"]:
             empty = "training" if not rows["train"] else "held-out"
             raise ConfigError(f"data.dataset={d.dataset}: the {empty} split is empty; give data.heldout_files, a "
@@ -157,7 +158,7 @@ def check_data(cfg, tokenizer):
         return None  # prompts of dpo_en_demo, cut to data.max_prompt_length
 
     try:
-        return job_prompts(cfg, tokenizer)
+        return job_prompts(d, cfg.seed, tokenizer, cfg.rollout)
     except ValueError as e:  # a file of the user's, or prompts too long: named in the message
         raise ConfigError(str(e)) from e
 

@@ -118,7 +118,7 @@ def run(cfg: JobConfig) -> dict:
                           value_policy=objective.value_head)
     tok = models.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    train, heldout = tokenize_split(cfg, tok, "train"), tokenize_split(cfg, tok, "heldout")
+    train, heldout = (tokenize_split(cfg.data, cfg.algorithm, tok, split) for split in ("train", "heldout"))
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mbs = cfg.trainer.micro_batch_size
     rows_per_mb = MicroBatching.from_trainer(cfg.trainer, objective.rows_per_example)

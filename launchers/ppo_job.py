@@ -109,7 +109,7 @@ def run(cfg: JobConfig) -> dict:
     models = build_models(cfg, job, roles(cfg))
     if ppo_on_task(cfg):  # data.task's problems, graded by reward.functions' text terms
 
-        train, heldout = training_order(cfg, job.prompts), job.prompts.heldout
+        train, heldout = training_order(cfg.data, cfg.seed, job.prompts), job.prompts.heldout
         evaluation = HeldoutAccuracy(job, models, heldout)
         request = lambda problems: rl_phases.request(models.tokenizer, problems, cfg)  # noqa: E731
     else:  # dpo_en_demo's chat prompts, judged by the reward model

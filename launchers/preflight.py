@@ -20,11 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from alignment.compose import compose  # noqa: E402 - after the path, for `python launchers/preflight.py`
-from alignment.config import job_config, plain, validate  # noqa: E402
+from alignment.config import job_config, validate  # noqa: E402
 from alignment.models.hf_assets import prepare_hf_dir  # noqa: E402
+from alignment.schema import ConfigError, plain  # noqa: E402
 from parallel.layout import LayoutError  # noqa: E402
-
-from alignment.config import ConfigError
 
 
 def model_config(path: str, resolve: bool):
@@ -47,7 +46,7 @@ def check(config_name: str, overrides: list[str], world_size: int, resolve_model
 
     Raises:
         hydra.errors.*Exception / omegaconf errors: an unknown key or a wrong type in ``overrides``.
-        alignment.config.ConfigError / parallel.layout.LayoutError: a value that cannot work for
+        alignment.schema.ConfigError / parallel.layout.LayoutError: a value that cannot work for
             this world size or model, naming the field and the valid values (without the model
             only TP x PP x CP dividing ``world_size`` is checked).
         ValueError: ``world_size`` < 1.

@@ -76,7 +76,7 @@ def run_rl(cfg: JobConfig) -> dict:
     :mod:`launchers.loop`; returns the summary written to ``<output_dir>/summary.json``."""
     job = start(cfg)  # validates the config and reads the prompts before any process group starts
     models = build_models(cfg, job, roles(cfg))
-    train, heldout = training_order(cfg, job.prompts), job.prompts.heldout
+    train, heldout = training_order(cfg.data, cfg.seed, job.prompts), job.prompts.heldout
 
     def grpo_collect(problems, step: int, version: int):
         from megatron.core import parallel_state as ps

@@ -415,7 +415,8 @@ def _outside(field: str):
 
 
 def test_every_numeric_field_has_a_range_or_is_marked_unbounded():
-    from alignment.config import JobConfig, numeric_fields
+    from alignment.config import JobConfig
+    from alignment.schema import numeric_fields
 
     unmarked = [name for name, f in numeric_fields(JobConfig).items() if "range" not in f.metadata]
     assert unmarked == [], f"numeric fields with neither ranged(...) nor unbounded(...): {unmarked}"
@@ -429,7 +430,8 @@ def test_every_numeric_field_has_a_range_or_is_marked_unbounded():
 def test_numeric_field_out_of_range(field):
     """Each numeric field just outside its range: one error naming it and its range, before anything
     else reads it."""
-    from alignment.config import ConfigError, ranges
+    from alignment.config import ranges
+    from alignment.schema import ConfigError
     from launchers.preflight import check
 
     value = _outside(field)

@@ -8,7 +8,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from transformers import LlamaConfig
 
-from alignment.config import ConfigError, register, shares_prompts, validate
+from alignment.config import register, shares_prompts, validate
+from alignment.schema import ConfigError
 from parallel.layout import LayoutError
 from tests.conftest import ROOT
 

@@ -12,9 +12,11 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from alignment.config import ConfigError, rollout_ranks, validate
+from alignment.config import validate
 from alignment.rollout.base import Sample, SamplingConfig
+from alignment.rollout.config import rollout_ranks
 from alignment.rollout.disaggregated import GENERATE, STOP, RemoteEngine, deal, serve
+from alignment.schema import ConfigError
 from tests.conftest import run_torchrun
 from tests.dist.tiny_llama import save_tiny_hf_dir
 from tests.test_config import SMOLLM2, cfg
@@ -24,7 +26,7 @@ SPLIT = ("rollout.placement=disaggregated", "rollout.rollout_ranks=2")
 
 def test_the_split_is_validated_before_start():
     c = cfg(*SPLIT, "parallel.tensor_model_parallel_size=3", "rollout.prompts_per_step=6")
-    assert rollout_ranks(c) == 2 and rollout_ranks(cfg()) == 0
+    assert rollout_ranks(c.rollout) == 2 and rollout_ranks(cfg().rollout) == 0
     validate(c, world_size=8, hf_config=SMOLLM2)  # 6 trainers at TP 3 (DP 2) + 2 engine ranks
     validate(cfg(*SPLIT, name="ppo"), world_size=4, hf_config=SMOLLM2)
     cases = [

@@ -12,7 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from alignment.config import ConfigError, lora_spec, validate
+from alignment.config import validate
+from alignment.models.config import lora_spec
+from alignment.schema import ConfigError
 from parallel.lora import FrozenBase, LoRAAdapter, LoRASpec, kaiming_uniform_a, merged_narrow
 from tests.conftest import run_torchrun
 from tests.dist.tiny_llama import save_tiny_hf_dir
@@ -20,8 +22,9 @@ from tests.test_config import SMOLLM2, cfg
 
 
 def test_lora_settings_are_checked_before_start():
-    assert lora_spec(cfg()) is None  # rank 0: full fine-tuning
-    spec = lora_spec(cfg("model.lora.rank=8", "model.lora.alpha=32", "seed=5"))
+    assert lora_spec(cfg().model.lora, 1) is None  # rank 0: full fine-tuning
+    c = cfg("model.lora.rank=8", "model.lora.alpha=32", "seed=5")
+    spec = lora_spec(c.model.lora, c.seed)
     assert (spec.rank, spec.scale, spec.seed) == (8, 4.0, 5) and spec.target_modules[0] == "linear_qkv"
     for name in ("grpo", "sft", "dpo", "rm", "ppo"):
         validate(cfg("model.lora.rank=8", name=name), world_size=2, hf_config=SMOLLM2)

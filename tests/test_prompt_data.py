@@ -180,11 +180,11 @@ def test_job_prompts_builtin_task_and_files_go_the_same_way(tmp_path):
     cfg = OmegaConf.create({"seed": 1, "data": {**data(), "train_size": 6, "heldout_size": 3, "generator": None,
                                                 "generator_kwargs": {"min_terms": 2, "max_terms": 2, "min_digits": 1,
                                                                      "max_digits": 1}}})
-    sets = job_prompts(cfg)
+    sets = job_prompts(cfg.data, cfg.seed)
     assert len(sets.train) == 6 and len(sets.heldout) == 3 and sets.sources == ("data.task=arithmetic",)
     cfg.data.train_files = write(tmp_path / "t.parquet", ROWS, "parquet")
     cfg.data.heldout_fraction = 0.5
-    sets = job_prompts(cfg)
+    sets = job_prompts(cfg.data, cfg.seed)
     assert len(sets.train) + len(sets.heldout) == 40 and sets.train[0].task == FILE_TASK
 
 

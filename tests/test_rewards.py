@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from alignment.algorithms.composite_reward import RewardTerm, combine_rewards, whiten_scores
-from alignment.config import ConfigError, ppo_on_task, process_reward_weight, reward_terms, validate
+from alignment.config import ppo_on_task, process_reward_weight, reward_terms, validate
 from alignment.data.tasks import Problem
 from alignment.rewards.text import format_score, length_score, text_scores
 from alignment.rollout.base import Sample
+from alignment.schema import ConfigError
 from tests.test_config import SMOLLM2, cfg
 
 

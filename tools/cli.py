@@ -36,7 +36,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, get_args_parser
 
-from alignment.config import ConfigError, job_config, plain
+from alignment.config import job_config
+from alignment.schema import ConfigError, plain
 from launchers.common import check_job
 from launchers.console import BAD_INPUT_EXIT, ERROR_FILE_ENV, error_line
 from launchers.preflight import compose

@@ -27,7 +27,8 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-from alignment.config import OFFLINE_ALGORITHMS, lora_spec, parallel_sizes  # noqa: E402
+from alignment.config import OFFLINE_ALGORITHMS, parallel_sizes  # noqa: E402
+from alignment.models.config import lora_spec  # noqa: E402
 from alignment.models.families import family_of, get_bridge, model_dims  # noqa: E402
 from alignment.models.hf_assets import smollm2_gguf_path  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
@@ -180,7 +181,7 @@ def job_memory(cfg, hf_config, world_size: int, gpu_memory_gib: float) -> JobMem
     t, offline = cfg.trainer, cfg.algorithm.name in OFFLINE_ALGORITHMS
     pairs = cfg.algorithm.name in ("dpo", "rm")
     layout = ParallelLayout(world_size=world_size, **parallel_sizes(cfg.parallel))
-    lora = lora_spec(cfg)
+    lora = lora_spec(cfg.model.lora, cfg.seed)
     training = estimate_memory(model_dims(hf_config), layout, dtype=cfg.model.dtype,
                                micro_batch_size=t.micro_batch_size * (2 if pairs else 1),
                                seq_length=cfg.data.max_length if offline else cfg.rollout.max_model_len,

@@ -4,11 +4,13 @@
 
 from __future__ import annotations
 
+from alignment.algorithms.config import AlgorithmConfig
 from alignment.data.chat_data import encode_example, load_preference_pairs, load_sft_examples
+from alignment.data.config import DataConfig
 from alignment.data.step_data import encode_steps, load_records, supervised_labels
 
 
-def tokenize_split(cfg, tokenizer, split: str) -> list[list[tuple]]:
+def tokenize_split(d: DataConfig, a: AlgorithmConfig, tokenizer, split: str) -> list[list[tuple]]:
     """Per example, its rows ``(ids, prompt_len)``: one for SFT, ``[chosen, rejected]`` for pairs;
     for the PRM one ``(ids, prompt_len, step_ends, labels)`` per solution with a labelled step
     (:func:`tokenize_steps`). ``data.columns`` renames a file's columns; held out are
@@ -20,14 +22,13 @@ def tokenize_split(cfg, tokenizer, split: str) -> list[list[tuple]]:
             with its file and line (:mod:`alignment.data.chat_data`, :mod:`alignment.data.step_data`),
             or an example the chat template does not render as a prompt prefix.
     """
-    d = cfg.data
     enc = lambda msgs, resp: encode_example(tokenizer, msgs, resp, d.max_length, d.max_prompt_length)  # noqa: E731
-    if cfg.algorithm.name == "prm":
-        out = [[row] for row in tokenize_steps(cfg, tokenizer, split)]
+    if a.name == "prm":
+        out = [[row] for row in tokenize_steps(d, a, tokenizer, split)]
         return out[: d.train_size] if split == "train" else out[: d.heldout_size]
     kw = {"heldout_files": d.heldout_files, "heldout_fraction": float(d.heldout_fraction or 0.0),
           "columns": dict(d.columns or {})}
-    if cfg.algorithm.name == "sft":
+    if a.name == "sft":
         examples = load_sft_examples(split, d.heldout_size, d.dataset, **kw)
         out = [[enc(e.messages, e.response)] for e in examples]
     else:
@@ -36,7 +37,7 @@ def tokenize_split(cfg, tokenizer, split: str) -> list[list[tuple]]:
     return out[: d.train_size] if split == "train" else out  # train_size null: every example
 
 
-def tokenize_steps(cfg, tokenizer, split: str) -> list[tuple[list[int], int, list[int], list[int]]]:
+def tokenize_steps(d: DataConfig, a: AlgorithmConfig, tokenizer, split: str) -> list[tuple[list[int], int, list[int], list[int]]]:
     """The job's rows from ``data.dataset``'s ``split``: per solution ``(ids, prompt_len,
     step_ends, labels)`` with only its labelled steps' end positions and 0/1 labels (by
     ``algorithm.supervision``; :func:`alignment.data.step_data.encode_steps`, steps ending past
@@ -46,7 +47,6 @@ def tokenize_steps(cfg, tokenizer, split: str) -> list[tuple[list[int], int, lis
     Raises:
         FileNotFoundError, ValueError: as :func:`alignment.data.step_data.load_records`.
     """
-    a, d = cfg.algorithm, cfg.data
     rows = []
     for record in load_records(d.dataset, split):
         labels = supervised_labels(record, a.supervision)

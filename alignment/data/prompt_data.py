@@ -335,8 +335,8 @@ def fit_prompts(sets: PromptSets, length, max_model_len: int, max_tokens: int, p
                       fingerprint=digest.hexdigest())
 
 
-def training_order(cfg, prompts):
+def training_order(d, seed: int, prompts):
     """The order an RL job's steps take ``prompts.train`` (a :class:`PromptSets`) in, as an
-    :class:`EpochOrder`: reshuffled every epoch from ``cfg.seed`` (``data.shuffle``); a built-in task's
-    first epoch in its own order (already a seeded random draw)."""
-    return EpochOrder(prompts.train, cfg.seed, shuffle=cfg.data.shuffle, keep_first=not cfg.data.train_files)
+    :class:`EpochOrder`: reshuffled every epoch from the job's ``seed`` (``d``: its ``data`` section,
+    ``data.shuffle``); a built-in task's first epoch in its own order (already a seeded random draw)."""
+    return EpochOrder(prompts.train, seed, shuffle=d.shuffle, keep_first=not d.train_files)

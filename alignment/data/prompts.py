@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from alignment.data.chat_data import encode_prompt
+from alignment.data.config import DataConfig
 from alignment.data.prompt_data import PromptSets, fit_prompts, load_prompt_files
 from alignment.data.tasks import FILE_TASK, TASKS, Problem, load_problems
 
@@ -32,9 +33,9 @@ class PromptStyle:
     chat_template_kwargs: dict = field(default_factory=dict)
 
     @classmethod
-    def of(cls, cfg) -> "PromptStyle":
-        """The style of a job config (its ``data`` section)."""
-        d = cfg.data
+    def of(cls, d: DataConfig) -> "PromptStyle":
+        """The style a job's ``data`` section gives (``instruction``, ``system_prompt``,
+        ``chat_template_kwargs``)."""
         kwargs = d.chat_template_kwargs or {}
         return cls(d.instruction, d.system_prompt, dict(kwargs))
 
@@ -81,30 +82,32 @@ def build_prompt_ids(tokenizer: Any, problem: Problem, style: PromptStyle = Prom
     return encode_prompt(tokenizer, prompt_messages(problem, style, hint), **style.chat_template_kwargs)
 
 
-def job_prompts(cfg, tokenizer=None) -> PromptSets:
+def job_prompts(d: DataConfig, seed: int, tokenizer=None, rollout=None) -> PromptSets:
     """An RL job's training and held-out problems as a :class:`alignment.data.prompt_data.PromptSets`:
     ``data.train_files`` (:func:`alignment.data.prompt_data.load_prompt_files`) or else the built-in
     ``data.task``'s (``data.train_size``, ``data.heldout_size``; arithmetic-style tasks from
     ``data.generator`` with ``data.generator_kwargs``). With a ``tokenizer`` each prompt, rendered as
-    the job renders it (:func:`build_prompt_ids`), is checked against the rollout's budget
-    (``data.overlong_prompts``, :func:`alignment.data.prompt_data.fit_prompts`).
+    the job renders it (:func:`build_prompt_ids`), is checked against the job's ``rollout`` section's budget
+    (``max_model_len`` - ``max_tokens``; ``data.overlong_prompts``, :func:`alignment.data.prompt_data.fit_prompts`).
+    ``seed``: the job's, which draws a built-in task's problems.
 
     Raises:
         FileNotFoundError, ValueError: as ``load_prompt_files``, ``fit_prompts`` and
             :func:`alignment.data.tasks.load_problems`.
     """
-    d = cfg.data
     if d.train_files:
         sets, source = load_prompt_files(d), "data.train_files"
     else:
         kw = {"generator": d.generator, "generator_kwargs": dict(d.generator_kwargs)} \
             if d.task in ("arithmetic", "length") else {}
-        train = load_problems(d.task, "train", d.train_size, seed=cfg.seed, **kw)
-        heldout = load_problems(d.task, "heldout", d.heldout_size, seed=cfg.seed, **kw)
+        train = load_problems(d.task, "train", d.train_size, seed=seed, **kw)
+        heldout = load_problems(d.task, "heldout", d.heldout_size, seed=seed, **kw)
         source = f"data.task={d.task}"
         sets = PromptSets(train, heldout, len(train) + len(heldout), 0, (source,))
     if tokenizer is None:
         return sets
-    style, r = PromptStyle.of(cfg), cfg.rollout
-    return fit_prompts(sets, lambda p: len(build_prompt_ids(tokenizer, p, style)), r.max_model_len, r.max_tokens,
-                       d.overlong_prompts, source)
+    if rollout is None:
+        raise ValueError("job_prompts: a tokenizer checks prompts against the rollout's budget; give rollout=")
+    style = PromptStyle.of(d)
+    return fit_prompts(sets, lambda p: len(build_prompt_ids(tokenizer, p, style)), rollout.max_model_len,
+                       rollout.max_tokens, d.overlong_prompts, source)

@@ -27,10 +27,10 @@ def build_environment(cfg) -> Environment:
     """
     name = cfg.rollout.environment
     if name == "single_turn":
-        return SingleTurn(PromptStyle.of(cfg))
+        return SingleTurn(PromptStyle.of(cfg.data))
     if name == "tools":
 
-        return ToolEnvironment(PromptStyle.of(cfg), list(cfg.rollout.tools),
+        return ToolEnvironment(PromptStyle.of(cfg.data), list(cfg.rollout.tools),
                                workers=sandbox_workers())
     if ":" in name:
         module, _, attr = name.partition(":")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from alignment.compose import compose
+from alignment.config import JobConfig, job_config
 from alignment.data.chat_data import load_preference_pairs, load_sft_examples
 from alignment.data.prompts import INSTRUCTIONS, job_prompts
 
@@ -74,16 +75,16 @@ def get_suites(names: str | list[str]) -> list[Suite]:
     return [SUITES[n] for n in names]
 
 
-def suite_config(suite: Suite):
-    """A reasoning suite's composed job config (its task, environment and lengths)."""
-    return compose(suite.config, [])
+def suite_config(suite: Suite) -> JobConfig:
+    """A reasoning suite's job config, composed and typed (its task, environment and lengths)."""
+    return job_config(compose(suite.config, []))
 
 
-def problems(suite: Suite, cfg, limit: int | None = None) -> list:
+def problems(suite: Suite, cfg: JobConfig, limit: int | None = None) -> list:
     """A reasoning suite's problems (:class:`alignment.data.tasks.Problem`): the config's held-out
     split, then its train split when the suite joins both; the first ``limit`` when given."""
 
-    sets = job_prompts(cfg)
+    sets = job_prompts(cfg.data, cfg.seed)
     items = list(sets.heldout) + (list(sets.train) if "train" in suite.splits else [])
     return items[:limit] if limit else items
 

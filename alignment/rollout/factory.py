@@ -16,10 +16,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from alignment.rollout.config import BACKENDS, RolloutConfig
 from alignment.rollout.megatron_engine import MegatronEngine
 from alignment.rollout.vllm_engine import VLLMEngine
-
-BACKENDS = ("vllm", "megatron")
 
 
 def eos_token_ids(hf_dir: Path, tokenizer) -> list[int]:
@@ -35,10 +34,13 @@ def eos_token_ids(hf_dir: Path, tokenizer) -> list[int]:
     return ids
 
 
-def build_engine(cfg, *, hf_dir: Path, policy, vocab_size: int, rank: int, data_parallel_size: int):
-    """This rank's rollout engine for ``cfg.rollout.backend``.
+def build_engine(r: RolloutConfig, *, seed: int, dtype: str, hf_dir: Path, policy, vocab_size: int, rank: int,
+                 data_parallel_size: int):
+    """This rank's rollout engine for ``rollout.backend`` (``r``: the job's ``rollout`` section).
 
     Args:
+        seed: the job's seed (each engine samples from its own stream derived from it).
+        dtype: ``model.dtype``, the engine's weights (vLLM's ``dtype``).
         hf_dir: the HF directory of the initial policy (vLLM loads it; its tokenizer decodes).
         policy: this rank's policy (DDP-wrapped or not); the ``megatron`` backend generates with it.
         vocab_size: the HF config's vocabulary (Megatron pads the model's).
@@ -48,14 +50,13 @@ def build_engine(cfg, *, hf_dir: Path, policy, vocab_size: int, rank: int, data_
     Raises:
         ValueError: an unknown ``rollout.backend``.
     """
-    r = cfg.rollout
     if r.backend == "vllm":
 
         return VLLMEngine(str(hf_dir), max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
                           gpu_memory_utilization=r.gpu_memory_utilization,
-                          seed=cfg.seed + rank // r.tensor_parallel_size,
+                          seed=seed + rank // r.tensor_parallel_size,
                           tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager,
-                          dtype=cfg.model.dtype)
+                          dtype=dtype)
     if r.backend == "megatron":
         from megatron.core.utils import unwrap_model
         from transformers import AutoTokenizer
@@ -67,5 +68,5 @@ def build_engine(cfg, *, hf_dir: Path, policy, vocab_size: int, rank: int, data_
 
         return MegatronEngine(unwrap_model(policy), tokenizer, eos_token_id=eos_token_ids(hf_dir, tokenizer),
                               vocab_size=vocab_size, max_model_len=r.max_model_len, max_batch_size=rows,
-                              seed=cfg.seed + ps.get_data_parallel_rank())
+                              seed=seed + ps.get_data_parallel_rank())
     raise ValueError(f"rollout.backend={r.backend!r}: valid values are {', '.join(BACKENDS)}")

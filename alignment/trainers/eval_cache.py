@@ -98,7 +98,7 @@ def heldout_key(hf_dir: str | os.PathLike, tokenizer, problems: list, cfg, world
     files the grader, :func:`alignment.config.heldout_grader`)."""
     import torch
 
-    prompts, style, grader = hashlib.sha256(), PromptStyle.of(cfg), heldout_grader(cfg)
+    prompts, style, grader = hashlib.sha256(), PromptStyle.of(cfg.data), heldout_grader(cfg)
     for p in problems:
         ids = build_prompt_ids(tokenizer, p, style)
         prompts.update(json.dumps([ids, p.answer]).encode())

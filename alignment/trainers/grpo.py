@@ -36,9 +36,9 @@ from alignment.config import process_reward_weight, shares_prompts
 from alignment.data.tasks import Problem
 from alignment.rewards import grading
 from alignment.rollout.base import SamplingConfig
+from alignment.trainers.models import Models
 from alignment.trainers.process_rewarding import score_steps, step_metrics
 from alignment.trainers.rewarding import combine, job_terms, score_terms, term_metrics
-from alignment.trainers.models import Models
 from alignment.trainers.rl_phases import (Rollout, correction_metrics, episode_metrics, generate_episodes,
                                           microbatches, policy_logprobs, rollout_phase, sampling_config)
 from alignment.training.batching import make_batch
@@ -64,7 +64,7 @@ def _model_tokens(batch: dict, cfg) -> int:
     from parallel.prompt_tree import tree_tokens  # imports Megatron
 
     return sum(tree_tokens(mb["input_ids"], mb["seq_lengths"], mb["seq_lengths"] - mb["response_lengths"])
-               for mb in microbatches(batch, cfg))
+               for mb in microbatches(batch, cfg.trainer))
 
 
 def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
@@ -105,7 +105,7 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
             models.policy.zero_grad_buffer()
             models.optimizer.zero_grad()
             # The policy being optimised is the one vLLM samples from: softmax(logits / T).
-            out = forward_backward(models.policy, microbatches(mini, cfg), loss_fn, forward_only=False,
+            out = forward_backward(models.policy, microbatches(mini, cfg.trainer), loss_fn, forward_only=False,
                                    outputs=LogprobOutputs(models.vocab_size, cfg.rollout.temperature, entropy=True),
                                    packing=cfg.trainer.sequence_packing, positions="response_mask",
                                    share_prompts=shares_prompts(cfg))
@@ -207,7 +207,7 @@ def sample_groups(models: Models, problems: list[Problem], cfg, refill: Callable
     kept, dropped, rounds, todo = [], [], 0, problems
     while True:
         rounds += 1 if todo else 0
-        groups = generate_episodes(models, todo, sampling_config(cfg))
+        groups = generate_episodes(models, todo, sampling_config(cfg.rollout))
         samples = [s for g in groups for s in g]
         # model terms are collective over the replica, whose ranks all hold these samples (or none)
         scores = score_terms(models, [p for p in todo for _ in range(g_size)], samples, terms, cfg) if samples else {}
@@ -285,11 +285,11 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
     zeros = torch.zeros_like(batch["response_mask"])
     if models.reference is not None and a.kl_coef > 0:
         models.placement.keep("reference")
-        ref = policy_logprobs(models.reference, microbatches(batch, cfg), models.vocab_size, r.temperature, **packing)
+        ref = policy_logprobs(models.reference, microbatches(batch, cfg.trainer), models.vocab_size, r.temperature, **packing)
         batch["ref_logprobs"] = ref if ref is not None else zeros
     if a.ppo_epochs > 1 or a.num_mini_batches > 1:  # several updates: freeze the sampling policy's logprobs
         models.placement.keep("policy")
-        old = policy_logprobs(models.policy, microbatches(batch, cfg), models.vocab_size, r.temperature, **packing)
+        old = policy_logprobs(models.policy, microbatches(batch, cfg.trainer), models.vocab_size, r.temperature, **packing)
         batch["old_logprobs"] = old if old is not None else zeros
     times["logprobs"] = time.perf_counter() - t
 

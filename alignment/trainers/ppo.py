@@ -108,7 +108,7 @@ def _train_policy(models: Models, mb_list, normalizer: float, loss_cfg: GRPOLoss
 def request(prompts: list[list[int]], cfg) -> tuple[list[list[int]], SamplingConfig]:
     """What PPO asks the engine for ``prompts`` (token ids): ``group_size`` samples each at the
     rollout's sampling settings."""
-    return prompts, sampling_config(cfg)
+    return prompts, sampling_config(cfg.rollout)
 
 
 def collect(models: Models, items: list, cfg, version: int = 0) -> Rollout:
@@ -121,7 +121,7 @@ def collect(models: Models, items: list, cfg, version: int = 0) -> Rollout:
     t0 = time.perf_counter()
     on_task = ppo_on_task(cfg)
     with rollout_phase(models):
-        groups = (generate_episodes(models, items, sampling_config(cfg)) if on_task
+        groups = (generate_episodes(models, items, sampling_config(cfg.rollout)) if on_task
                   else generate_for_group(models.engine, *request(items, cfg)))
     samples = [s for g in groups for s in g]
     terms = job_terms(cfg)
@@ -158,14 +158,14 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
     mask = batch["response_mask"]
     zeros = torch.zeros_like(mask)
     models.placement.keep("policy")
-    old = policy_logprobs(models.policy, microbatches(batch, cfg), models.vocab_size, r.temperature, **packing)
+    old = policy_logprobs(models.policy, microbatches(batch, cfg.trainer), models.vocab_size, r.temperature, **packing)
     old = old if old is not None else zeros
     models.placement.keep("reference")
     ref = zeros if models.reference is None else policy_logprobs(
-        models.reference, microbatches(batch, cfg), models.vocab_size, r.temperature, **packing)
+        models.reference, microbatches(batch, cfg.trainer), models.vocab_size, r.temperature, **packing)
     ref = ref if ref is not None else zeros
     models.placement.keep("critic")
-    values = head_outputs(models.critic, microbatches(batch, cfg), **packing)
+    values = head_outputs(models.critic, microbatches(batch, cfg.trainer), **packing)
     values = values * mask if values is not None else zeros
     token_rewards = kl_in_reward(rewards, old, ref, mask, a.kl_coef, "k1")
     if rollout.steps is not None:  # the process reward: P(step correct) on each step's last token
@@ -187,7 +187,7 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
     for k in range(a.num_mini_batches):
         mini = {key: v[k * size : (k + 1) * size] for key, v in batch.items()}
         [tokens] = all_reduce_sum([mini["response_mask"].sum().item()], dp_group)
-        minis.append((microbatches(mini, cfg), tokens))
+        minis.append((microbatches(mini, cfg.trainer), tokens))
     policy_out, critic_out, grad_norms, skipped = [], [], [], 0
     models.placement.keep(*trainable("critic"))
     for _ in range(a.ppo_epochs):

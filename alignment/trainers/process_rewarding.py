@@ -61,7 +61,7 @@ def score_steps(models: Models, samples: Sequence[Sample], cfg) -> StepRewards:
                               *(("policy",) if models.engine.shares_trainer_weights else ()))
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         batch = make_sequence_batch(rows, pad)
-        values = head_outputs(models.process_reward_model, microbatches(batch, cfg), cfg.trainer.sequence_packing)
+        values = head_outputs(models.process_reward_model, microbatches(batch, cfg.trainer), cfg.trainer.sequence_packing)
         flat = ([float(torch.sigmoid(values[j, e].float())) for j, at in enumerate(ends) for e in at]
                 if values is not None else [0.0] * sum(len(at) for at in ends))
         if ps.get_pipeline_model_parallel_world_size() > 1:

@@ -11,9 +11,10 @@ import torch
 
 from alignment.algorithms.composite_reward import RewardTerm, combine_rewards
 from alignment.algorithms.reward_shaping import overlong_penalty
-from alignment.config import PROCESS_REWARD, reward_terms, shares_prompts
+from alignment.config import reward_terms, shares_prompts
 from alignment.data.tasks import Problem
 from alignment.models.value_head import sequence_scores
+from alignment.rewards.config import PROCESS_REWARD
 from alignment.rewards.functions import function_scores
 from alignment.rollout.base import Sample
 from alignment.sandbox.runner import sandbox_workers
@@ -40,7 +41,7 @@ def reward_model_scores(models: Models, batch: dict, cfg) -> torch.Tensor:
     ps = _ps()
     models.placement.keep("reward_model", *(("policy",) if models.engine.shares_trainer_weights else ()))
     last = batch["response_mask"].sum(1).long() + batch["prompt_lengths"] - 1
-    values = head_outputs(models.reward_model, microbatches(batch, cfg), cfg.trainer.sequence_packing,
+    values = head_outputs(models.reward_model, microbatches(batch, cfg.trainer), cfg.trainer.sequence_packing,
                           shares_prompts(cfg))
     scores = sequence_scores(values, last).float() if values is not None else torch.zeros(len(last))
     if ps.get_pipeline_model_parallel_world_size() > 1:

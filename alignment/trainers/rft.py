@@ -63,9 +63,9 @@ def collect(models: Models, problems: list[Problem], cfg, version: int = 0) -> R
     ``problems``; ``Rollout.reward_terms``: every sampled answer's raw scores (hinted ones not).
     Collective over the model replica (and over every rank with ``algorithm.rationalize``)."""
     t0 = time.perf_counter()
-    a, tok, style = cfg.algorithm, models.tokenizer, PromptStyle.of(cfg)
+    a, tok, style = cfg.algorithm, models.tokenizer, PromptStyle.of(cfg.data)
     prompts = [build_prompt_ids(tok, p, style) for p in problems]
-    sampling = sampling_config(cfg)
+    sampling = sampling_config(cfg.rollout)
     with rollout_phase(models):
         samples, scores, rewards, kept = _sample_and_accept(models, problems, prompts, sampling, cfg)
         accepted = int((rewards >= a.accept_threshold).sum()) if len(rewards) else 0
@@ -124,7 +124,7 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
 
         models.policy.zero_grad_buffer()
         models.optimizer.zero_grad()
-        out = forward_backward(models.policy, microbatches(batch, cfg), loss_fn, forward_only=False,
+        out = forward_backward(models.policy, microbatches(batch, cfg.trainer), loss_fn, forward_only=False,
                                outputs=LogprobOutputs(models.vocab_size), packing=cfg.trainer.sequence_packing,
                                positions="response_mask", share_prompts=shares_prompts(cfg))
         applied, grad_norm = guarded_step(models.policy, models.optimizer, models.grad_norms)

@@ -18,10 +18,12 @@ from alignment.data.prompts import PromptStyle, build_prompt_ids
 from alignment.data.tasks import Problem
 from alignment.models.weights import export_hf_weights
 from alignment.rollout.base import Sample, SamplingConfig
+from alignment.rollout.config import RolloutConfig
 from alignment.rollout.multi_turn import run_episodes
 from alignment.rollout.weight_check import check_engine_weights
 from alignment.trainers.models import Models
 from alignment.training.batching import MicroBatching, cat_rows
+from alignment.training.config import TrainerConfig
 from alignment.training.megatron_step import (LogprobOutputs, all_reduce_max, all_reduce_sum, forward_backward,
                                               is_output_rank, value_outputs)
 from parallel.state import replica_group
@@ -66,19 +68,18 @@ def rollout_phase(models: Models) -> Iterator[None]:
         models.engine.sleep()
 
 
-def sampling_config(cfg) -> SamplingConfig:
+def sampling_config(r: RolloutConfig) -> SamplingConfig:
     """``rollout.group_size`` samples per prompt at the rollout's temperature, top-p and ``max_tokens``
     (what every RL job asks its engine for)."""
-    r = cfg.rollout
     return SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
 
 
 def request(tokenizer, problems: list[Problem], cfg) -> tuple[list[list[int]], SamplingConfig]:
     """What an RL job asks its engine for ``problems``: their prompts (token ids, the task's chat
     prompt) and ``group_size`` samples each at the rollout's sampling settings."""
-    style = PromptStyle.of(cfg)
+    style = PromptStyle.of(cfg.data)
     prompts = [build_prompt_ids(tokenizer, p, style) for p in problems]
-    return prompts, sampling_config(cfg)
+    return prompts, sampling_config(cfg.rollout)
 
 
 def generate_for_group(engine, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
@@ -199,9 +200,9 @@ def head_outputs(model, mbs: list[dict], packing: bool = False, share_prompts: b
     return cat_rows(out, "v", mbs) if out else None
 
 
-def microbatches(batch: dict, cfg) -> list[dict]:
+def microbatches(batch: dict, trainer: TrainerConfig) -> list[dict]:
     """``trainer.micro_batch_size`` rows, or ``trainer.max_tokens_per_microbatch`` tokens, per micro-batch."""
-    return MicroBatching.from_trainer(cfg.trainer).split(batch)
+    return MicroBatching.from_trainer(trainer).split(batch)
 
 
 

