@@ -16,6 +16,7 @@ from alignment.config import JobConfig, config_yaml, parallel_sizes, validate
 from alignment.models.config import lora_spec
 from alignment.models.families import get_bridge
 from alignment.models.hf_assets import prepare_hf_dir
+from alignment.models.hf_files import check_hf_dir
 from alignment.models.lora_export import save_peft_adapter
 from alignment.rewards.judge_models import close_local
 from alignment.rollout.config import rollout_ranks
@@ -26,6 +27,7 @@ from alignment.training.offload import offload_enabled
 from launchers.build import rollout_layout
 from launchers.console import route_third_party_output
 from launchers.input_checks import check_inputs
+from launchers.job_guard import die_with_launcher, lock_run_dir
 from launchers.preemption import install
 from launchers.profiling import PhaseTimers, StepProfiler, memory_report
 from parallel.layout import ParallelLayout
@@ -142,6 +144,7 @@ def check_job(cfg: JobConfig, world_size: int):
     from transformers import AutoConfig, AutoTokenizer
 
     hf_dir = prepare_hf_dir(cfg.model.path)
+    check_hf_dir(hf_dir, "model.path", tokenizer=True)  # a damaged file named before transformers reads it
     hf_config = AutoConfig.from_pretrained(hf_dir)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     validate(cfg, world_size=world_size, hf_config=hf_config, tokenizer_size=len(tokenizer))
@@ -154,17 +157,20 @@ def start(cfg: JobConfig) -> Run:
     the CPU threads per process, initialise the parallel groups, create the output dir with
     ``config.yaml`` and a TensorBoard writer.
 
+    Before anything else, a rank started by torchrun asks to die with the launcher, and every rank
+    takes its lock on the output directory (:mod:`launchers.job_guard`).
+
     The rollout ranks of a disaggregated job (``rollout.placement``) do not return: they serve
     the trainers' generation and weight syncs until the trainers stop them, then exit (status 0).
     The returned :class:`Run` is a trainer's (``world``: the trainer ranks)."""
 
     install()  # SIGUSR1/SIGTERM: checkpoint at the next step boundary and exit (launchers/preemption.py)
-
+    die_with_launcher()  # under torchrun: SIGKILLed when the launcher dies, never an orphan
+    rank, world, _ = env_world()
+    lock_run_dir(cfg.output_dir, rank)  # one job per run directory: a second is refused before it writes
     return_freed_memory_to_os()
     bound_onednn_primitive_cache()
-    rank, world, _ = env_world()
     if cfg.trainer.quiet:
-
         log = route_third_party_output(Path(cfg.output_dir) / "logs" / f"rank{rank}.log")
         if rank == 0:
             print(f"third-party output (vLLM, torch, ...): {log}", flush=True)

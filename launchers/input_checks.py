@@ -19,6 +19,7 @@ from alignment.data.examples import tokenize_split
 from alignment.data.prompts import job_prompts
 from alignment.data.step_data import load_records
 from alignment.models.hf_assets import prepare_hf_dir
+from alignment.models.hf_files import check_hf_dir
 from alignment.rewards.judge import probe_judge
 from alignment.rewards.remote import RewardServerError, SETTINGS, probe
 from alignment.schema import ConfigError, dotted, plain
@@ -83,6 +84,7 @@ def check_model_files(cfg, hf_config) -> None:
                 raise FileNotFoundError(f"{field}={path}: no HF directory there (config.json missing); give the hf/ "
                                         "export of the run that trained it (or, for model.critic_path, a model.path "
                                         "such as smollm2)")
+        check_hf_dir(p, field)
         vocab = AutoConfig.from_pretrained(p).vocab_size
         if vocab != hf_config.vocab_size:
             raise ConfigError(f"{field}={path} has a vocabulary of {vocab} tokens, the policy ({cfg.model.path}) "

@@ -47,8 +47,9 @@ from typing import Protocol
 from alignment.data.prompt_data import EpochOrder
 from alignment.rewards.remote import RewardServerError, take_failures
 from alignment.trainers.rl_phases import post_for_group, sync_weights
-from alignment.training.checkpoint import (latest_checkpoint, load_models_checkpoint, save_hf_checkpoint,
-                                           save_models_checkpoint)
+from alignment.models.families import model_dims
+from alignment.training.checkpoint import (ensure_space, latest_checkpoint, load_models_checkpoint, prune_checkpoints,
+                                           save_hf_checkpoint, save_models_checkpoint)
 from alignment.training.health import HealthMonitor
 from alignment.training.megatron_step import all_reduce_sum
 from alignment.training.offload import trainable
@@ -57,6 +58,7 @@ from launchers.common import export_adapters
 from launchers.input_checks import DATA_POSITION_FILE, data_position
 from launchers.profiling import peak_rss_bytes
 from launchers.rollout_table import write_rollout_table
+from parallel.memory import checkpoint_bytes
 from parallel.state import replica_group
 
 
@@ -254,10 +256,18 @@ def run(job, models, spec: JobSpec) -> dict:
     position = {DATA_POSITION_FILE: json.dumps(data_position(cfg, job.prompts))} \
         if getattr(job.prompts, "fingerprint", None) else None
 
+    def estimate() -> int:  # the first save's size: every trained model with its Adam state
+        lora = cfg.model.lora
+        return len(spec.trained) * checkpoint_bytes(model_dims(job.hf_config), dtype=cfg.model.dtype,
+                                                    lora_rank=lora.rank, lora_targets=tuple(lora.target_modules))
+
     def checkpoint(step: int) -> None:
         with job.timers("checkpoint"):
             models.placement.keep(*units)
+            ensure_space(ckpt_dir, estimate, f"checkpoint step_{step}")  # a full disk stops the run cleanly
             save_models_checkpoint(ckpt_dir, step, spec.trained, config=job.resolved_config, files=position)
+            if t.keep_last and job.rank == 0:  # the new one is complete: older ones may go
+                prune_checkpoints(ckpt_dir, t.keep_last)
 
     if t.eval_before:
         job.log(spec.evaluation.before(start_step), start_step)

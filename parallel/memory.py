@@ -178,6 +178,26 @@ def optimizer_bytes_per_param(dtype: str) -> int:
     return 8 + (4 if dtype_bytes(dtype) != 4 else 0)
 
 
+def checkpoint_bytes(dims, *, dtype: str, optimizer: bool = True, lora_rank: int = 0,
+                     lora_targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")) -> int:
+    """Bytes of one model's checkpoint (Megatron's ``torch_dist``, written once whatever the layout:
+    the parameters at TP = PP = 1) in ``dtype``, with Adam's state (:func:`optimizer_bytes_per_param`)
+    when ``optimizer``; with LoRA (``lora_rank`` > 0) only the adapters and their state, the frozen
+    base being the model's own files. An estimate: metadata and per-file overhead are left out
+    (a few kB).
+
+    Raises:
+        ValueError: an unknown ``dtype``.
+    """
+    per = dtype_bytes(dtype) + (optimizer_bytes_per_param(dtype) if optimizer else 0)
+    if lora_rank:
+        params = sum(lora_layer_parameters(dims, 1, lora_rank, lora_targets, moe=_is_moe(dims, i))
+                     for i in range(dims.num_layers))
+    else:
+        params = stage_parameters(dims, 1, 1, 0)
+    return params * per
+
+
 # ---- activations ----------------------------------------------------------------------------
 
 def layer_activation_bytes(dims, tokens: int, tp: int, sequence_parallel: bool, dtype: str, *, moe: bool = False,

@@ -16,6 +16,11 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from hydra.errors import ConfigCompositionException
+
+from alignment.schema import ConfigError
+from alignment.training.checkpoint import CheckpointError
+from parallel.layout import LayoutError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,13 +45,13 @@ def conf(name: str, *overrides: str, world: int = 2):
 
 # ------------------------------------------------------------------ files the cases point at
 
-def _write(tmp: Path, name: str, text: str) -> str:
+def _write(tmp: Path, name: str, text: str | bytes) -> str:
     path = tmp / name
-    path.write_text(text)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
     return str(path)
 
 
-def data_file(name: str, text: str, algorithm: str = "sft", *extra: str):
+def data_file(name: str, text: str | bytes, algorithm: str = "sft", *extra: str):
     def make(tmp):
         return algorithm, [f"data.dataset={_write(tmp, name, text)}", "data.limits_of=null", f"output_dir={tmp / 'out'}",
                            *extra], 2
@@ -61,12 +66,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def prompt_file(rows: list[dict], functions: str = "[{name: math_verify}]"):
-    """A GRPO job on a JSONL prompt file of ``rows``, scored by ``functions``."""
+def prompt_file(rows: list[dict], functions: str = "[{name: math_verify}]", tail: bytes = b""):
+    """A GRPO job on a JSONL prompt file of ``rows`` (then the raw bytes ``tail``), scored by ``functions``."""
     def make(tmp):
-        text = "".join(json.dumps(r) + "\n" for r in rows)
-        return "grpo", [f"data.train_files={_write(tmp, 'prompts.jsonl', text)}", f"reward.functions={functions}",
-                        f"output_dir={tmp / 'out'}"], 2
+        path = tmp / "prompts.jsonl"
+        path.write_bytes("".join(json.dumps(r) + "\n" for r in rows).encode() + tail)
+        return "grpo", [f"data.train_files={path}", f"reward.functions={functions}", f"output_dir={tmp / 'out'}"], 2
     return make
 
 
@@ -92,6 +97,38 @@ def _tiny_dir(tmp: Path, name: str, **edit) -> Path:
 def model_dir(config: str, *extra: str, **edit):
     return lambda tmp: (config, [f"model.path={_tiny_dir(tmp, 'model', **edit)}", f"output_dir={tmp / 'out'}",
                                  *extra], 2)
+
+
+def damaged_model(damage: Callable, config: str = "sft"):
+    """An SFT job on a tiny model directory after ``damage(directory)``."""
+    def make(tmp):
+        path = _tiny_dir(tmp, "model")
+        damage(path)
+        return config, [f"model.path={path}", f"output_dir={tmp / 'out'}"], 2
+    return make
+
+
+def _cut_weights(d: Path) -> None:  # a download interrupted: the file ends early
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _garble_header(d: Path) -> None:  # bytes of the JSON header overwritten
+    with open(d / "model.safetensors", "r+b") as f:
+        f.seek(12)
+        f.write(b"\xff" * 8)
+
+
+def _shard_index(d: Path) -> None:  # an index naming a second shard that is not there
+    weights = json.loads(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
+                                                    "b": "model-00002-of-00002.safetensors"}}))
+    (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps(weights))
+
+
+def _no_tokenizer(d: Path) -> None:
+    for name in ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model"):
+        (d / name).unlink(missing_ok=True)
 
 
 def checkpoint(saved: dict, damage: Callable | None = None, config: str = "sft", *extra: str, step: int = 4):
@@ -167,84 +204,84 @@ ALPACA = json.dumps({"instruction": "Say hi", "input": "", "output": "Hi"})
 
 CASES: list[Case] = [
     # ---- configs: numeric fields out of range
-    Case("config", "`trainer.lr=-1`", conf("grpo", "trainer.lr=-1"), Exception,
+    Case("config", "`trainer.lr=-1`", conf("grpo", "trainer.lr=-1"), ConfigError,
          "trainer.lr=-1.0: must be > 0"),
-    Case("config", "`trainer.micro_batch_size=0`", conf("grpo", "trainer.micro_batch_size=0"), Exception,
+    Case("config", "`trainer.micro_batch_size=0`", conf("grpo", "trainer.micro_batch_size=0"), ConfigError,
          "trainer.micro_batch_size=0: must be >= 1"),
-    Case("config", "`trainer.global_batch_size=15` at DP 2", conf("sft", "trainer.global_batch_size=15"), Exception,
+    Case("config", "`trainer.global_batch_size=15` at DP 2", conf("sft", "trainer.global_batch_size=15"), ConfigError,
          "trainer.global_batch_size=15 must be a multiple of the data-parallel size 2"),
-    Case("config", "`rollout.group_size=1` (GRPO)", conf("grpo", "rollout.group_size=1"), Exception,
+    Case("config", "`rollout.group_size=1` (GRPO)", conf("grpo", "rollout.group_size=1"), ConfigError,
          "rollout.group_size=1: GRPO needs at least 2 samples per prompt"),
-    Case("config", "`rollout.temperature=0` (GRPO)", conf("grpo", "rollout.temperature=0"), Exception,
+    Case("config", "`rollout.temperature=0` (GRPO)", conf("grpo", "rollout.temperature=0"), ConfigError,
          "rollout.temperature=0.0: GRPO samples"),
     Case("config", "`rollout.max_model_len=9000` (SmolLM2: 8,192 positions)",
          conf("grpo", "rollout.max_model_len=9000"),
-         Exception, "rollout.max_model_len=9000 exceeds the model's max_position_embeddings=8192"),
-    Case("config", "`algorithm.clip_ratio_high=-1`", conf("grpo", "algorithm.clip_ratio_high=-1"), Exception,
+         ConfigError, "rollout.max_model_len=9000 exceeds the model's max_position_embeddings=8192"),
+    Case("config", "`algorithm.clip_ratio_high=-1`", conf("grpo", "algorithm.clip_ratio_high=-1"), ConfigError,
          "clip_ratio_high=-1.0: must be > 0"),
-    Case("config", "`data.heldout_size=0`", conf("grpo", "data.heldout_size=0"), Exception,
+    Case("config", "`data.heldout_size=0`", conf("grpo", "data.heldout_size=0"), ConfigError,
          "data.heldout_size=0: must be >= 1"),
-    Case("config", "`trainer.max_bad_steps=-1`", conf("grpo", "trainer.max_bad_steps=-1"), Exception,
+    Case("config", "`trainer.max_bad_steps=-1`", conf("grpo", "trainer.max_bad_steps=-1"), ConfigError,
          "trainer.max_bad_steps=-1: must be >= 0"),
-    Case("config", "`model.lora.rank=-4`", conf("grpo", "model.lora.rank=-4"), Exception,
+    Case("config", "`model.lora.rank=-4`", conf("grpo", "model.lora.rank=-4"), ConfigError,
          "model.lora.rank=-4: must be >= 0 (0: no LoRA)"),
-    Case("config", "`rollout.max_staleness=-1`", conf("grpo", "rollout.max_staleness=-1"), Exception,
+    Case("config", "`rollout.max_staleness=-1`", conf("grpo", "rollout.max_staleness=-1"), ConfigError,
          "rollout.max_staleness=-1: must be >= 0"),
     # ---- configs: unknown names
-    Case("config", "`algorithm.name=ppo2`", conf("grpo", "algorithm.name=ppo2"), Exception,
+    Case("config", "`algorithm.name=ppo2`", conf("grpo", "algorithm.name=ppo2"), ConfigError,
          "algorithm.name='ppo2': valid values are grpo, ppo, rft, online_dpo, sft, rm, dpo, prm"),
-    Case("config", "`algorithm.loss_type=dpop` (DPO)", conf("dpo", "algorithm.loss_type=dpop"), Exception,
+    Case("config", "`algorithm.loss_type=dpop` (DPO)", conf("dpo", "algorithm.loss_type=dpop"), ConfigError,
          "algorithm.loss_type='dpop': valid values are sigmoid, ipo, hinge, kto, simpo, orpo"),
     Case("config", "`algorithm.advantage_estimator=vtrace`", conf("grpo", "algorithm.advantage_estimator=vtrace"),
-         Exception, "algorithm.advantage_estimator='vtrace': valid values are grpo, grpo_no_std, rloo"),
-    Case("config", "`algorithm.policy_loss=grpo`", conf("grpo", "algorithm.policy_loss=grpo"), Exception,
+         ConfigError, "algorithm.advantage_estimator='vtrace': valid values are grpo, grpo_no_std, rloo"),
+    Case("config", "`algorithm.policy_loss=grpo`", conf("grpo", "algorithm.policy_loss=grpo"), ConfigError,
          "algorithm.policy_loss='grpo': valid values are ppo, gspo, cispo"),
-    Case("config", "`data.task=mmlu`", conf("grpo", "data.task=mmlu"), Exception,
+    Case("config", "`data.task=mmlu`", conf("grpo", "data.task=mmlu"), ConfigError,
          "data.task='mmlu': valid values are arithmetic, gsm8k"),
-    Case("config", "`rollout.backend=sglang`", conf("grpo", "rollout.backend=sglang"), Exception,
+    Case("config", "`rollout.backend=sglang`", conf("grpo", "rollout.backend=sglang"), ConfigError,
          "rollout.backend='sglang': valid values are vllm, megatron"),
-    Case("config", "`rollout.environment=chess`", conf("grpo", "rollout.environment=chess"), Exception,
+    Case("config", "`rollout.environment=chess`", conf("grpo", "rollout.environment=chess"), ConfigError,
          "rollout.environment='chess': valid values are single_turn, tools or 'package.module:factory'"),
     Case("config", "`reward.functions=[{name: helpfulness}]`", conf("grpo", "reward.functions=[{name: helpfulness}]"),
-         Exception, "reward.functions names 'helpfulness'"),
-    Case("config", "`trainer.lrr=1e-6` (a misspelt key)", conf("grpo", "trainer.lrr=1e-6"), Exception,
+         ConfigError, "reward.functions names 'helpfulness'"),
+    Case("config", "`trainer.lrr=1e-6` (a misspelt key)", conf("grpo", "trainer.lrr=1e-6"), ConfigCompositionException,
          "Could not override 'trainer.lrr'"),
-    Case("config", "`trainer.steps=many` (a wrong type)", conf("grpo", "trainer.steps=many"), Exception,
+    Case("config", "`trainer.steps=many` (a wrong type)", conf("grpo", "trainer.steps=many"), ConfigCompositionException,
          "Error merging override trainer.steps=many"),
     # ---- configs: combinations that cannot work
     Case("config", "Ulysses context parallelism for a model whose heads it cannot split (SmolLM2: 9)",
-         conf("grpo", "parallel.context_parallel_size=2", "parallel.cp_comm_type=a2a"), Exception,
+         conf("grpo", "parallel.context_parallel_size=2", "parallel.cp_comm_type=a2a"), LayoutError,
          "cp_comm_type=a2a (Ulysses): 9 query heads"),
     Case("config", "`rollout.max_staleness=1` without importance weights", conf("grpo", "rollout.max_staleness=1"),
-         Exception, "rollout.max_staleness=1 trains on samples from a policy up to 1 step(s) old"),
+         ConfigError, "rollout.max_staleness=1 trains on samples from a policy up to 1 step(s) old"),
     Case("config", "`parallel.tensor_model_parallel_size=2` for SmolLM2's 9 heads",
-         conf("grpo", "parallel.tensor_model_parallel_size=2"), Exception,
+         conf("grpo", "parallel.tensor_model_parallel_size=2"), LayoutError,
          "parallel.tensor_model_parallel_size=2 must divide the model's 9 attention heads"),
     Case("config", "`parallel.tensor_model_parallel_size=3` on 2 processes",
-         conf("grpo", "parallel.tensor_model_parallel_size=3"), Exception,
+         conf("grpo", "parallel.tensor_model_parallel_size=3"), LayoutError,
          "parallel.tensor_model_parallel_size=3 does not divide the world size 2"),
-    Case("config", "`trainer.offload=true` for DPO", conf("dpo", "trainer.offload=true"), Exception,
+    Case("config", "`trainer.offload=true` for DPO", conf("dpo", "trainer.offload=true"), ConfigError,
          "trainer.offload=true: algorithm.name=dpo uses every model"),
     Case("config", "a file of your own with the demo config's limits (`--config-name sft data.dataset=mine.jsonl`)",
-         conf("sft", "data.dataset=mine.jsonl"), Exception, "data.dataset=mine.jsonl: this data config's limits were "
+         conf("sft", "data.dataset=mine.jsonl"), ConfigError, "data.dataset=mine.jsonl: this data config's limits were "
          "chosen for alpaca_en_demo (data.train_size=192, data.heldout_size=64 taken from the end"),
     Case("data", "a `data.columns` column the records lack", data_file(
         "qa.jsonl", json.dumps({"question": "Hi?", "answer": "Hello."}) + "\n", "sft",
-        "data.columns={prompt: question, response: reply}"), Exception,
+        "data.columns={prompt: question, response: reply}"), ValueError,
          "data.columns.response='reply', but the record has no such column; its columns are question, answer"),
-    Case("config", "`data.dataset=alpaca_en_demo` for DPO", conf("dpo", "data.dataset=alpaca_en_demo"), Exception,
+    Case("config", "`data.dataset=alpaca_en_demo` for DPO", conf("dpo", "data.dataset=alpaca_en_demo"), ConfigError,
          "data.dataset='alpaca_en_demo': algorithm.name=dpo trains on dpo_en_demo"),
     Case("config", "`cluster=slurm_h100x8` (16 processes) started as 8", conf("grpo", "cluster=slurm_h100x8", world=8),
-         Exception, "cluster.nodes x cluster.gpus_per_node = 2 x 8 = 16 processes, but 8"),
+         ConfigError, "cluster.nodes x cluster.gpus_per_node = 2 x 8 = 16 processes, but 8"),
     Case("config", "shared-prompt packing with context parallelism",
-         conf("grpo", "trainer.shared_prompt_packing=true", "parallel.context_parallel_size=2"), Exception,
+         conf("grpo", "trainer.shared_prompt_packing=true", "parallel.context_parallel_size=2"), ConfigError,
          "trainer.shared_prompt_packing=true does not run with parallel.context_parallel_size=2"),
     Case("config", "a token budget per micro-batch below the longest rollout",
-         conf("grpo", "trainer.max_tokens_per_microbatch=256", "rollout.max_model_len=512"), Exception,
+         conf("grpo", "trainer.max_tokens_per_microbatch=256", "rollout.max_model_len=512"), ConfigError,
          "trainer.max_tokens_per_microbatch=256 is below rollout.max_model_len=512"),
     Case("config", "pipeline parallelism without packing for rejection sampling (uneven micro-batches)",
          conf("rft", "parallel.pipeline_model_parallel_size=2", "trainer.sequence_packing=false"),
-         Exception, "with parallel.pipeline_model_parallel_size > 1 set trainer.sequence_packing=true"),
+         ConfigError, "with parallel.pipeline_model_parallel_size > 1 set trainer.sequence_packing=true"),
     # ---- data
     Case("data", "`data.dataset=` a file that does not exist", lambda tmp: (
         "sft", [f"data.dataset={tmp / 'none.jsonl'}", "data=file", f"output_dir={tmp / 'out'}"], 2), FileNotFoundError,
@@ -252,6 +289,9 @@ CASES: list[Case] = [
     Case("data", "an empty dataset file", data_file("empty.jsonl", ""), ValueError, "holds no records"),
     Case("data", "a malformed JSON line", data_file("bad.jsonl", ALPACA + "\n" + '{"instruction": "x",\n'),
          ValueError, "bad.jsonl:2: not a JSON line"),
+    Case("data", "a data file with a byte that is not UTF-8 (a Latin-1 line)", data_file(
+        "latin1.jsonl", (ALPACA + "\n" + '{"instruction": "Caf\u00e9?", "output": "Oui"}\n').encode("latin-1")),
+         ValueError, "latin1.jsonl:2: not UTF-8 text (byte 0xe9 at column 21"),
     Case("data", "a record without its response", data_file("short.jsonl", json.dumps({"instruction": "x"}) + "\n"),
          ValueError, "short.jsonl:1: missing output"),
     Case("data", "a preference record without `rejected`", data_file(
@@ -261,69 +301,83 @@ CASES: list[Case] = [
         "few.jsonl", "".join(json.dumps({"instruction": f"q{i}", "output": "a"}) + "\n" for i in range(5)), "sft",
         "data.heldout_size=8"), ValueError, "data.heldout_size=8: must be in [1, 4]"),
     Case("data", "a PRM data directory that does not exist", lambda tmp: (
-        "prm", [f"data.dataset={tmp / 'nowhere'}", f"output_dir={tmp / 'out'}"], 2), Exception,
+        "prm", [f"data.dataset={tmp / 'nowhere'}", f"output_dir={tmp / 'out'}"], 2), ConfigError,
          "algorithm.name=prm trains on a directory of step-labelled solutions"),
     Case("data", "a PRM record with fewer labels than steps", lambda tmp: (
         "prm", [f"data.dataset={_prm_dir(tmp, json.dumps(dict(prompt='p', completions=['a', 'b'], labels=[True])))}",
                 f"output_dir={tmp / 'out'}"], 2), ValueError, "train.jsonl:1: a record needs a prompt string"),
     Case("data", "GSM8K prompts longer than `rollout.max_model_len` leaves room for",
-         conf("grpo_gsm8k", "rollout.max_model_len=320", "rollout.max_tokens=128"), Exception,
+         conf("grpo_gsm8k", "rollout.max_model_len=320", "rollout.max_tokens=128"), ConfigError,
          "the longest prompt has 225 tokens"),
     Case("data", "`data.generator=chain_summ` (not a reasoning-gym dataset)", conf("grpo", "data.generator=chain_summ"),
-         Exception, "data.generator='chain_summ' is not a reasoning-gym dataset"),
-    Case("data", "a tokenizer without a chat template", model_dir("sft", chat_template=None), Exception,
+         ConfigError, "data.generator='chain_summ' is not a reasoning-gym dataset"),
+    Case("data", "a tokenizer without a chat template", model_dir("sft", chat_template=None), ConfigError,
          "its tokenizer has no chat template"),
     Case("data", "a prompt file without the `data.prompt_key` column", prompt_file([{"question": "1+1?", "answer": "2"}]),
-         Exception, "data.prompt_key='prompt': "),
-    Case("data", "an empty prompt in a prompt file", prompt_file([{"prompt": "1+1?"}, {"prompt": " "}]), Exception,
+         ConfigError, "data.prompt_key='prompt': "),
+    Case("data", "an empty prompt in a prompt file", prompt_file([{"prompt": "1+1?"}, {"prompt": " "}]), ConfigError,
          "row 1 (prompt): the prompt is empty"),
+    Case("data", "a prompt file with a byte that is not UTF-8", prompt_file(
+        [{"prompt": "1+1?", "answer": "2"}], tail=b'{"prompt": "2+2\xff?", "answer": "4"}\n'), ConfigError,
+         "prompts.jsonl:2: not UTF-8 text (byte 0xff at column 16"),
     Case("data", "prompt files and no `reward.functions` to score the answers", prompt_file(
-        [{"prompt": "1+1?"}], functions="[]"), Exception, "data.train_files: prompts of your own need reward.functions"),
+        [{"prompt": "1+1?"}], functions="[]"), ConfigError, "data.train_files: prompts of your own need reward.functions"),
     Case("reward", "a reward module that does not import", conf(
-        "grpo", "reward.functions=[{name: no_such_pkg.rewards:score}]"), Exception,
+        "grpo", "reward.functions=[{name: no_such_pkg.rewards:score}]"), ConfigError,
          "module 'no_such_pkg.rewards' does not import"),
     Case("reward", "a reward function whose signature fits neither TRL's nor verl's", conf(
-        "grpo", "reward.functions=[{name: tests.reward_fns:no_convention}]"), Exception,
+        "grpo", "reward.functions=[{name: tests.reward_fns:no_convention}]"), ConfigError,
          "fits neither convention: TRL's fn(prompts, completions, completion_ids, **kwargs)"),
     Case("reward", "a reward server nothing answers at", lambda tmp: (
         "grpo", [f"reward.functions=[{{name: judge, function: http, url: 'http://127.0.0.1:{_free_port()}/score'}}]"], 2),
-         Exception, "reward.functions[judge]: reward server http://127.0.0.1:"),
+         ConfigError, "reward.functions[judge]: reward server http://127.0.0.1:"),
     Case("reward", "a judge template without `{completion}`", conf(
         "grpo", "reward.functions=[{name: j, function: judge, url: 'http://localhost:8000/v1', template: 'Rate {prompt}'}]"),
-         Exception, "reward.functions[j].template has no {completion}"),
+         ConfigError, "reward.functions[j].template has no {completion}"),
     Case("reward", "a pairwise judge with one response per prompt", conf(
         "grpo", "reward.functions=[{name: j, function: judge, url: 'http://localhost:8000/v1', mode: pairwise}]",
-        "rollout.group_size=1"), Exception, "reward.functions[j].mode=pairwise compares a prompt's responses"),
+        "rollout.group_size=1"), ConfigError, "reward.functions[j].mode=pairwise compares a prompt's responses"),
     Case("reward", "a judge model directory that does not exist", conf(
-        "grpo", "reward.functions=[{name: j, function: judge, model: /no/judge}]"), Exception,
+        "grpo", "reward.functions=[{name: j, function: judge, model: /no/judge}]"), ConfigError,
          "(/no/judge has no config.json)"),
     # ---- checkpoints (trainer.resume=true: the latest complete one)
-    Case("checkpoint", "a shard file cut short", checkpoint({}, _truncate), Exception,
+    Case("checkpoint", "a shard file cut short", checkpoint({}, _truncate), CheckpointError,
          "__0_0.distcp has 1000 bytes, 4096 were written"),
-    Case("checkpoint", "a shard file missing", checkpoint({}, lambda d: (d / "__0_0.distcp").unlink()), Exception,
+    Case("checkpoint", "a shard file missing", checkpoint({}, lambda d: (d / "__0_0.distcp").unlink()), CheckpointError,
          "__0_0.distcp is missing"),
     Case("checkpoint", "`common.pt` that is not weights only (a pickled command)", checkpoint({}, _malicious_common),
-         Exception, "common.pt does not load as weights only"),
+         CheckpointError, "common.pt does not load as weights only"),
     Case("checkpoint", "only an interrupted save (`step_4.tmp`)", lambda tmp: (
         (tmp / "out" / "checkpoints" / "step_4.tmp").mkdir(parents=True), ("sft", [f"output_dir={tmp / 'out'}"], 2))[1],
          None, "ignoring step_4.tmp"),
     Case("checkpoint", "a checkpoint of another algorithm", checkpoint({"algorithm.name": "sft"}, None, "dpo"),
-         Exception, "written by another run: algorithm.name='sft' (now 'dpo')"),
-    Case("checkpoint", "a run resumed on other prompt files", _other_prompts, Exception,
+         ConfigError, "written by another run: algorithm.name='sft' (now 'dpo')"),
+    Case("checkpoint", "a run resumed on other prompt files", _other_prompts, ConfigError,
          "the training prompts' count=5 (now 2); the training prompts' sha256='000"),
     Case("checkpoint", "a checkpoint with LoRA adapters resumed without them", checkpoint({"model.lora.rank": 8}),
-         Exception, "model.lora.rank=8 (now 0)"),
+         ConfigError, "model.lora.rank=8 (now 0)"),
     Case("checkpoint", "distributed-optimizer state saved at PP 2, resumed at PP 1", checkpoint(
         {"parallel.pipeline_model_parallel_size": 2}, None, "sft", "trainer.use_distributed_optimizer=true"),
-         Exception, "parallel.pipeline_model_parallel_size=2 (now 1)"),
+         ConfigError, "parallel.pipeline_model_parallel_size=2 (now 1)"),
     Case("checkpoint", "a checkpoint of another model", lambda tmp: checkpoint(
-        {"model.path": _tiny_dir(tmp, "other", hidden_size=32)})(tmp), Exception,
+        {"model.path": _tiny_dir(tmp, "other", hidden_size=32)})(tmp), ConfigError,
          "the model's hidden_size=32 (now 576"),
     # ---- models
     Case("model", "an unsupported architecture (`GPT2LMHeadModel`)",
-         model_dir("sft", architectures=["GPT2LMHeadModel"]), Exception,
+         model_dir("sft", architectures=["GPT2LMHeadModel"]), ConfigError,
          "model architecture 'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM"),
-    Case("model", "a tokenizer larger than the model's vocabulary", model_dir("sft", vocab_size=250), Exception,
+    Case("model", "`model.safetensors` cut short (a download interrupted)", damaged_model(_cut_weights), ConfigError,
+         "model.safetensors is damaged (Error while deserializing header: incomplete metadata, file not fully covered"),
+    Case("model", "`model.safetensors` with a garbled header", damaged_model(_garble_header), ConfigError,
+         "model.safetensors is damaged (Error while deserializing header"),
+    Case("model", "a weight shard that `model.safetensors.index.json` names, missing", damaged_model(_shard_index),
+         FileNotFoundError, "model-00002-of-00002.safetensors named by model.safetensors.index.json is missing"),
+    Case("model", "a `config.json` that is not JSON", damaged_model(lambda d: (d / "config.json").write_text(
+        '{"hidden_size": 64,')), ConfigError, "config.json is not JSON (Expecting property name enclosed in double "
+         "quotes at line 1 column 20)"),
+    Case("model", "the tokenizer's files missing", damaged_model(_no_tokenizer), FileNotFoundError,
+         "no tokenizer files (tokenizer.json, vocab.json + merges.txt, or tokenizer.model)"),
+    Case("model", "a tokenizer larger than the model's vocabulary", model_dir("sft", vocab_size=250), ConfigError,
          "but the model's vocab_size is 250"),
     Case("model", "`model.reward_model_path` that does not exist", lambda tmp: (
         "ppo", ["model.path=smollm2", f"model.reward_model_path={tmp / 'rm'}", f"output_dir={tmp / 'out'}"], 2),
@@ -332,13 +386,13 @@ CASES: list[Case] = [
     Case("model", "a reward model with another vocabulary", lambda tmp: (
         "ppo", ["model.path=smollm2", f"model.reward_model_path={_tiny_dir(tmp, 'rm', vocab_size=50000)}",
                 f"output_dir={tmp / 'out'}"], 2),
-         Exception, "has a vocabulary of 50000 tokens, the policy"),
+         ConfigError, "has a vocabulary of 50000 tokens, the policy"),
     # ---- environment
-    Case("environment", "vLLM not installed, `rollout.backend=vllm`", conf("grpo"), Exception,
+    Case("environment", "vLLM not installed, `rollout.backend=vllm`", conf("grpo"), ConfigError,
          "rollout.backend=vllm, but vLLM is not installed", patch=_no_vllm),
     Case("environment", "a GPU cluster config on a CPU machine", conf(
         "sft", "cluster=slurm_h100x8", "trainer.micro_batch_size=1", world=16),
-         Exception, "has no CUDA device"),
+         ConfigError, "has no CUDA device"),
 ]
 
 
@@ -374,8 +428,7 @@ def test_bad_input_gets_one_clear_error(case, tmp_path, monkeypatch, capfd):
         assert len(raised) == 1 and isinstance(raised[0], case.error), raised
     assert not (tmp_path / "payload_ran").exists()  # nothing unpickled ran
     after = sorted(p.name for p in (tmp_path / "out").rglob("*")) if (tmp_path / "out").exists() else None
-    if before is not None:
-        assert after == before  # nothing written into the output directory
+    assert after == before  # nothing written into the output directory, nor the directory made
 
 
 def table() -> str:
@@ -405,13 +458,22 @@ if __name__ == "__main__":
     print(table() + "\n\n" + ranges_table())
 
 
-def _outside(field: str):
+def _outside(field: str, side: str):
+    """A value of ``field`` just outside its range, below it (``side="low"``) or above it ("high")."""
     from alignment.config import ranges
 
     r = ranges()[field]
-    if r.high is not None and field != "rollout.top_p":
+    if side == "high":
         return r.high + 1 if r.high_in else r.high
     return r.low - 1 if r.low_in else r.low
+
+
+def _sides() -> list[tuple[str, str]]:
+    """Every numeric field's lower side, and the upper side of those bounded above."""
+    from alignment.config import ranges
+
+    return [(f, "low") for f in sorted(ranges())] + [(f, "high") for f, r in sorted(ranges().items())
+                                                      if r.high is not None]
 
 
 def test_every_numeric_field_has_a_range_or_is_marked_unbounded():
@@ -426,15 +488,14 @@ def test_every_numeric_field_has_a_range_or_is_marked_unbounded():
     assert ranges()["rollout.top_p"].describe() == "in (0, 1]"
 
 
-@pytest.mark.parametrize("field", sorted(__import__("alignment.config", fromlist=["ranges"]).ranges()))
-def test_numeric_field_out_of_range(field):
-    """Each numeric field just outside its range: one error naming it and its range, before anything
-    else reads it."""
+@pytest.mark.parametrize("field,side", _sides(), ids=[f"{f}-{side}" for f, side in _sides()])
+def test_numeric_field_out_of_range(field, side):
+    """Each numeric field just outside its range, on each side it has: one error naming it and its
+    range, before anything else reads it."""
     from alignment.config import ranges
-    from alignment.schema import ConfigError
     from launchers.preflight import check
 
-    value = _outside(field)
+    value = _outside(field, side)
     config = "ppo" if field.startswith(("trainer.critic", "algorithm.gamma", "algorithm.gae", "algorithm.value")) \
         else "grpo"
     with pytest.raises(ConfigError) as info:

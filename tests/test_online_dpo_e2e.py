@@ -36,8 +36,8 @@ def test_online_dpo_pairs_its_own_samples_updates_the_reference_and_resumes_mid_
     out = tmp_path / "run"
     # in one launch: 3 steps, then the resume of the last part of this test
     s, resumed = run_jobs(
-        Job("grpo", model_dir, out, ["trainer.steps=3", "trainer.save_every=1", "rollout.check_weight_sync=true",
-                                     *COMMON], reward="even_length"),
+        Job("grpo", model_dir, out, ["trainer.steps=3", "trainer.save_every=1", "trainer.keep_last=2",
+                                     "rollout.check_weight_sync=true", *COMMON], reward="even_length"),
         Job("grpo", model_dir, out, ["trainer.steps=4", "algorithm.loss_type=ipo", *COMMON], reward="even_length",
             result=tmp_path / "resumed.json"))
     history = s["history"]
@@ -53,6 +53,8 @@ def test_online_dpo_pairs_its_own_samples_updates_the_reference_and_resumes_mid_
     assert abs(history[1]["dpo/loss"] - math.log(2)) > 1e-4 and history[1]["dpo/margin"] != 0.0
     # the reference is checkpointed: at step 3 it is the policy of step 2 (the iteration's start)
     ckpt = out / "checkpoints"
+    # trainer.keep_last=2 in the first job: step_1 went once step_3 was complete; the resume keeps all
+    assert sorted(d.name for d in ckpt.iterdir()) == ["step_2", "step_3", "step_4"]
     ref3, pol2, pol3 = _weights(ckpt / "step_3" / "reference"), _weights(ckpt / "step_2" / "policy"), _weights(
         ckpt / "step_3" / "policy")
     assert ref3.keys() == pol2.keys() and len(ref3) > 0

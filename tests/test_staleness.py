@@ -133,7 +133,7 @@ def test_prompts_of_step_deal_consecutive_items_over_dp_ranks():
 COMMON = ["rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=2", "data.heldout_size=8",
           "data.train_size=50", "rollout.max_tokens=16", "rollout.eval_max_tokens=8", "trainer.lr=1e-3",
           "trainer.progress_bar=false", "trainer.eval_before=false", "trainer.steps=4", "trainer.save_every=1",
-          "rollout.max_staleness=1", "algorithm.rollout_correction.is_level=token"]
+          "rollout.max_staleness=1", "algorithm.rollout_correction.is_level=token", "trainer.keep_last=2"]
 
 
 def records(path) -> list[dict]:
@@ -158,11 +158,14 @@ def test_one_step_off_policy_grpo_killed_and_resumed(tmp_path):
                                str(result), log=log)
     assert code != 0 and (killed_rec / "rank0.killed").read_text() == "2", log.read_text()[-4000:]
     assert not result.exists()
+    steps = lambda: sorted(d.name for d in (out / "checkpoints").iterdir())  # noqa: E731
+    assert steps() == ["step_1", "step_2"]  # trainer.keep_last=2: both still kept
     # 2. the same command, no kill: resumes from step_2
     run_torchrun("staleness_worker.py", str(model_dir), str(out), str(resumed_rec), "-1", *COMMON, str(result),
                  timeout=900)
     s = json.loads(result.read_text())
     assert s["start_step"] == 2 and [m["rollout/staleness"] for m in s["history"]] == [0.0, 1.0]
+    assert steps() == ["step_3", "step_4"]  # the two newest: older ones went once newer ones were complete
 
     before, after = records(killed_rec), records(resumed_rec)
     assert sorted({r["step"] for r in before}) == [0, 1] and sorted({r["step"] for r in after}) == [2, 3]

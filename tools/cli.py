@@ -40,6 +40,7 @@ from alignment.config import job_config
 from alignment.schema import ConfigError, plain
 from launchers.common import check_job
 from launchers.console import BAD_INPUT_EXIT, ERROR_FILE_ENV, error_line
+from launchers.job_guard import check_run_dir_free
 from launchers.preflight import compose
 from parallel.layout import LayoutError
 
@@ -128,6 +129,7 @@ def check(name: str, overrides: list[str], world_size: int):
             naming the field or file and the fix (docs "Bad inputs").
     """
     cfg = job_config(compose(name, overrides))
+    check_run_dir_free(cfg.output_dir)  # no live job writes there
     hf_dir, _, note, _ = check_job(cfg, world_size)
     return cfg, hf_dir, note
 

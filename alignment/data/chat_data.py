@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from filelock import FileLock
 
 from alignment.cache import cache_root
-from alignment.data.prompt_data import is_heldout, read_table
+from alignment.data.prompt_data import is_heldout, read_table, read_text
 
 LLAMAFACTORY_VERSION = "0.9.5"
 DATASETS = {"alpaca_en_demo": "sft", "dpo_en_demo": "preference"}
@@ -137,7 +137,7 @@ def read_records(name: str) -> list[tuple[str, dict]]:
         path = pathlib.Path(name).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"data.dataset={name}: no such file (a .json array or .jsonl lines of records)")
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path, "data.dataset")
     if path.suffix == ".jsonl":
         records = []
         for n, line in enumerate(text.splitlines(), 1):

@@ -28,12 +28,42 @@ import numpy as np
 
 from alignment.data.tasks import FILE_TASK, Problem
 
-__all__ = ["FORMATS", "read_table", "is_heldout", "FileProblems", "PromptSets", "load_prompt_files", "EpochOrder",
+__all__ = ["FORMATS", "check_utf8", "read_text", "read_table", "is_heldout", "FileProblems", "PromptSets", "load_prompt_files", "EpochOrder",
            "fit_prompts", "training_order"]
 
 #: file suffix -> the ``datasets`` builder that reads it
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 _HASH_SCALE = float(2**64)
+
+
+def check_utf8(path: str | Path, field: str) -> None:
+    """The text file ``path`` (given as the config field ``field``) is UTF-8 throughout, read a line
+    at a time.
+
+    Raises:
+        ValueError: the first byte that is not UTF-8, named by ``file:line`` and column (Python's
+            bare ``UnicodeDecodeError`` names neither) and the fix.
+    """
+    with open(Path(path).expanduser(), "rb") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{field}={path}:{n}: not UTF-8 text (byte 0x{line[e.start]:02x} at column "
+                                 f"{e.start + 1}: {e.reason}); save the file as UTF-8") from e
+
+
+def read_text(path: str | Path, field: str) -> str:
+    """The text of the file ``path`` (given as the config field ``field``), decoded as UTF-8.
+
+    Raises:
+        ValueError: a byte that is not UTF-8, named by ``file:line`` (:func:`check_utf8`).
+    """
+    try:
+        return Path(path).expanduser().read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        check_utf8(path, field)  # names the line
+        raise
 
 
 def read_table(path: str, field: str = "data.train_files"):
@@ -43,8 +73,8 @@ def read_table(path: str, field: str = "data.train_files"):
 
     Raises:
         FileNotFoundError: no such file or directory (naming ``field``).
-        ValueError: an unknown suffix, a file ``datasets`` cannot parse, a DatasetDict without a
-            ``train`` split among several, or no rows.
+        ValueError: an unknown suffix, a text file that is not UTF-8 (:func:`check_utf8`), a file
+            ``datasets`` cannot parse, a DatasetDict without a ``train`` split among several, or no rows.
     """
     import datasets
 
@@ -66,6 +96,8 @@ def read_table(path: str, field: str = "data.train_files"):
         raise ValueError(f"{field}={path}: unknown format {p.suffix!r}; valid: {', '.join(FORMATS)} or a "
                          "Dataset.save_to_disk directory")
     else:
+        if p.suffix != ".parquet":
+            check_utf8(p, field)  # a text format: a byte that is not UTF-8 named by its line, not by datasets
         datasets.disable_progress_bars()
         try:
             ds = datasets.load_dataset(FORMATS[p.suffix], data_files=str(p), split="train")

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from alignment.data.chat_data import encode_prompt
-from alignment.data.prompt_data import read_table
+from alignment.data.prompt_data import read_table, read_text
 from alignment.data.step_labels import arithmetic_step_label
 
 __all__ = ["STEP_INSTRUCTION", "step_prompt", "StepRecord", "step_spans", "split_steps", "response_steps",
@@ -213,7 +213,7 @@ def load_records(directory: str | Path, split: str) -> list[StepRecord]:
                                 f"{directory}`")
     records = []
     if path.suffix == ".jsonl":
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        for n, line in enumerate(read_text(path, "data.dataset").splitlines(), 1):
             if not line.strip():
                 continue
             try:

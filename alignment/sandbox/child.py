@@ -1,7 +1,9 @@
-"""The sandbox's launcher, run as ``python -I -S child.py LIMITS_JSON CODE_PATH`` in the
+"""The sandbox's launcher, run as ``python -I -S child.py LIMITS_JSON CODE_PATH PARENT_PID`` in the
 sandbox's directory by :func:`alignment.sandbox.runner.run_python` (standard library only: it is
-run without ``site``). In order:
+run without ``site``; ``PARENT_PID``: the process that started it). In order:
 
+0. die with the parent (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, again after each fork): a sandbox
+   outlives neither the rank that started it nor, level by level, its own launcher, whatever kills them;
 1. new network and PID namespaces (``unshare``; a user namespace too when not root), when the
    kernel allows: no interface but a down loopback, and every process the code starts dies with it;
 2. fork twice: the child is the namespace's init, the grandchild runs the code; each parent waits
@@ -15,15 +17,30 @@ run without ``site``). In order:
 import json
 import os
 import resource
+import signal
 import sys
 
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+PR_SET_PDEATHSIG = 1
 _PROCESS_EVENTS = ("os.fork", "os.forkpty", "os.posix_spawn", "os.exec", "os.system", "subprocess.Popen",
                    "os.kill", "os.killpg", "pty.spawn", "socket.__new__", "socket.connect", "socket.bind")
 _PATH_EVENTS = ("os.remove", "os.rmdir", "os.rename", "os.mkdir", "os.symlink", "os.link", "os.chmod", "os.chown",
                 "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile")
 _BLOCKED_MODULES = ("ctypes", "_ctypes", "_posixsubprocess", "mmap", "_xxsubinterpreters")
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent dies; exit at once if the parent, whose pid (as this
+    process sees it) is ``parent``, is gone already."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(128 + signal.SIGKILL)
 
 
 def isolate() -> bool:
@@ -82,16 +99,19 @@ def guard(root: str) -> None:
 
 
 def main() -> None:
-    limits, code_path = json.loads(sys.argv[1]), sys.argv[2]
+    limits, code_path, parent = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    die_with_parent(parent)
     if isolate():
         # the first child is the namespace's init (every process left in it dies with it); the code
         # runs in the init's child, where signals (CPU limit, faults) act as on any process
         for _ in range(2):
+            me = os.getpid()
             pid = os.fork()
             if pid:
                 _, status = os.waitpid(pid, 0)
                 code = os.waitstatus_to_exitcode(status)
                 os._exit(code if code >= 0 else 128 - code)
+            die_with_parent(0 if os.getppid() == 0 else me)  # the namespace's init sees its parent as pid 0
     sys.modules.pop("ctypes", None)
     limit(limits)
     import runpy

@@ -113,7 +113,8 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), stdin: str = 
         env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8",
                "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
         with open(logs / "stdout", "wb") as out, open(logs / "stderr", "wb") as err:
-            proc = subprocess.Popen([sys.executable, "-I", "-S", str(CHILD), json.dumps(asdict(limits)), "main.py"],
+            proc = subprocess.Popen([sys.executable, "-I", "-S", str(CHILD), json.dumps(asdict(limits)), "main.py",
+                                     str(os.getpid())],
                                     cwd=work, env=env, stdin=subprocess.PIPE, stdout=out, stderr=err,
                                     start_new_session=True)
             try:

@@ -7,9 +7,11 @@ by a copy or a full disk is named instead of half-read; ``common.pt`` is read wi
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,8 +22,50 @@ from parallel.atomic_dir import MANIFEST, fresh_tmp, publish
 from parallel.lora import adapters, signature
 from parallel.names import unwrap
 
+
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be read: a file missing or cut short, or not weights only."""
+    """A checkpoint that cannot be read (a file missing or cut short, or not weights only) or
+    written (no room on the disk)."""
+
+
+MIB = 1 << 20
+
+
+def directory_bytes(path: str | os.PathLike) -> int:
+    """The bytes of every file below ``path`` (0 when it does not exist)."""
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Free bytes (for this user) on the filesystem of ``path``, or of its nearest existing parent."""
+    p = Path(path).absolute()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def ensure_space(directory: str | os.PathLike, estimate: Callable[[], int], what: str) -> None:
+    """Before a save under ``directory``: rank 0 compares the bytes it will take (the newest
+    complete checkpoint's size there, else ``estimate()``, e.g. from
+    :func:`parallel.memory.checkpoint_bytes`) with the free space; every rank gets its answer.
+    Collective.
+
+    Raises:
+        CheckpointError: on every rank, when less is free than ``needed``: both in MiB, ``what``
+            (the step) named, and what to do; nothing was written.
+    """
+    answer = [None, 0, 0]
+    if dist.get_rank() == 0:
+        latest = latest_checkpoint(directory) if Path(directory).is_dir() else None
+        answer = [latest, directory_bytes(latest) if latest else estimate(), free_bytes(directory)]
+    dist.broadcast_object_list(answer, src=0)
+    latest, needed, free = answer
+    if free < needed:
+        raise CheckpointError(f"{what}: about {needed / MIB:,.1f} MiB needed in {directory}, {free / MIB:,.1f} "
+                              "MiB free; make room (trainer.keep_last=N deletes older checkpoints once a newer one "
+                              "is complete) or give an output_dir on a larger disk. Nothing was written"
+                              + (f"; {latest.name} is complete and the same command resumes from it" if latest
+                                 else ""))
 
 
 def verify_checkpoint(path: str | os.PathLike) -> None:
@@ -140,7 +184,14 @@ def save_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, op
         written = {**({"config.yaml": config} if config is not None else {}), **(files or {})}
         for name, text in written.items():
             (tmp / name).write_text(text)
-    dist_checkpointing.save(_state(model, optimizer, step, is_loading=False), str(tmp))
+    try:
+        dist_checkpointing.save(_state(model, optimizer, step, is_loading=False), str(tmp))
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise CheckpointError(f"saving {final}: the disk is full ({free_bytes(tmp) / MIB:,.1f} MiB free, "
+                              f"{directory_bytes(tmp) / MIB:,.1f} MiB written into {tmp.name}); earlier "
+                              "checkpoints are intact; make room and run the same command to resume") from e
     publish(tmp, final)
     return final
 
@@ -250,6 +301,37 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     interrupted save are ignored: :func:`checkpoint_step`), or None."""
     found = [(step, d) for d in Path(directory).glob("step_*") if (step := checkpoint_step(d)) is not None]
     return max(found)[1] if found else None
+
+
+def prune_checkpoints(directory: str | os.PathLike, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints under ``directory``
+    (``trainer.keep_last``), and what interrupted saves of older steps left (``step_N.tmp`` /
+    ``.parts`` / ``.old``). Call it after a save is published: a checkpoint goes only once a newer
+    one is complete, and each is first renamed out of :func:`latest_checkpoint`'s sight
+    (``step_N.deleting``), so a kill while deleting never leaves a half-deleted checkpoint that
+    looks complete. Rank 0 only. Returns the paths deleted.
+
+    Raises:
+        ValueError: ``keep_last`` < 1.
+    """
+    if keep_last < 1:
+        raise ValueError(f"trainer.keep_last={keep_last}: must be >= 1 (0 keeps every checkpoint: do not prune)")
+    found = sorted((step, d) for d in Path(directory).glob("step_*") if (step := checkpoint_step(d)) is not None)
+    if not found:
+        return []
+    newest = found[-1][0]
+    doomed = [d for _, d in found[:-keep_last]]
+    for d in Path(directory).glob("step_*.*"):  # leftovers: step_N.tmp / .parts / .old / .deleting
+        n = d.name.removeprefix("step_").split(".")[0]
+        if n.isdigit() and int(n) < newest and d not in doomed:
+            doomed.append(d)
+    for d in doomed:
+        gone = d if d.name.endswith(".deleting") else d.with_name(d.name + ".deleting")
+        if gone != d:
+            shutil.rmtree(gone, ignore_errors=True)
+            os.replace(d, gone)
+        shutil.rmtree(gone, ignore_errors=True)
+    return doomed
 
 
 def save_hf_checkpoint(model: torch.nn.Module, bridge, hf_config, tokenizer, path: str | os.PathLike) -> Path:

@@ -57,6 +57,9 @@ class TrainerConfig:
     save_checkpoint: bool = True  # write checkpoints (the final one, and every save_every steps)
     # also checkpoint every N steps (model + optimizer + step); 0: final only
     save_every: int = ranged(0, 0, note=' (0: at the end only)')
+    # keep the newest N complete checkpoints, deleting older ones once a newer one is complete (the disk
+    # stays bounded on a long run); 0: keep every one
+    keep_last: int = ranged(0, 0, note=' (0: keep every checkpoint)')
     resume: bool = True  # continue from the latest complete checkpoint in <output_dir>/checkpoints
     use_distributed_optimizer: bool = False  # shard Adam state over data-parallel ranks
     critic_lr: float = ranged(1e-5, 0, low_in=False)  # ppo: the critic's Adam learning rate
