@@ -28,6 +28,7 @@ from launchers.build import rollout_layout
 from launchers.console import route_third_party_output
 from launchers.input_checks import check_inputs
 from launchers.job_guard import die_with_launcher, lock_run_dir
+from launchers.phase_log import open_log
 from launchers.preemption import install
 from launchers.profiling import PhaseTimers, StepProfiler, memory_report
 from parallel.layout import ParallelLayout
@@ -168,6 +169,7 @@ def start(cfg: JobConfig) -> Run:
     die_with_launcher()  # under torchrun: SIGKILLed when the launcher dies, never an orphan
     rank, world, _ = env_world()
     lock_run_dir(cfg.output_dir, rank)  # one job per run directory: a second is refused before it writes
+    open_log(cfg.output_dir, rank)  # where this rank is, for the report of a job that dies
     return_freed_memory_to_os()
     bound_onednn_primitive_cache()
     if cfg.trainer.quiet:
@@ -182,7 +184,8 @@ def start(cfg: JobConfig) -> Run:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world) if not torch.cuda.is_available() else 8)
     engines = rollout_ranks(cfg.rollout)
-    init_distributed(ParallelLayout(world_size=world - engines, **parallel_sizes(cfg.parallel)), seed=cfg.seed, rollout_ranks=engines)
+    init_distributed(ParallelLayout(world_size=world - engines, **parallel_sizes(cfg.parallel)), seed=cfg.seed,
+                     timeout_minutes=cfg.trainer.collective_timeout_s / 60, rollout_ranks=engines)
     if is_rollout_rank():
         serve_as_rollout_rank(cfg, hf_dir, hf_config)
         raise SystemExit(0)

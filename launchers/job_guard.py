@@ -15,17 +15,15 @@
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import json
 import os
-import signal
 import time
 from pathlib import Path
 
 from alignment.schema import ConfigError
+from parallel.process_life import die_with_parent
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 LOCK_DIR = ".megalign_lock"
 
 _held: dict[str, int] = {}  # this process's run-directory lock: lock file -> its descriptor
@@ -33,19 +31,10 @@ _held: dict[str, int] = {}  # this process's run-directory lock: lock file -> it
 
 def die_with_launcher() -> bool:
     """Under torchrun (``TORCHELASTIC_RUN_ID`` set), have the kernel SIGKILL this process when its
-    parent, the launcher's agent, dies. Elsewhere (a plain ``python`` run, srun) nothing changes: a
-    shell's exit must not end a ``nohup`` run. Returns whether it was set."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return False
-    parent = os.getppid()
-    try:
-        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
-            return False
-    except (OSError, AttributeError):  # not Linux
-        return False
-    if os.getppid() != parent:  # the launcher died before the request was made
-        os.kill(os.getpid(), signal.SIGKILL)
-    return True
+    parent, the launcher's agent, dies (:func:`parallel.process_life.die_with_parent`). Elsewhere (a
+    plain ``python`` run, srun) nothing changes: a shell's exit must not end a ``nohup`` run.
+    Returns whether it was set."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and die_with_parent()
 
 
 def _holder(path: Path) -> str:

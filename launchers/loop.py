@@ -56,6 +56,7 @@ from alignment.training.offload import trainable
 from launchers import preemption
 from launchers.common import export_adapters
 from launchers.input_checks import DATA_POSITION_FILE, data_position
+from launchers.phase_log import record
 from launchers.profiling import peak_rss_bytes
 from launchers.rollout_table import write_rollout_table
 from parallel.memory import checkpoint_bytes
@@ -262,6 +263,7 @@ def run(job, models, spec: JobSpec) -> dict:
                                                     lora_rank=lora.rank, lora_targets=tuple(lora.target_modules))
 
     def checkpoint(step: int) -> None:
+        record("checkpoint", step)
         with job.timers("checkpoint"):
             models.placement.keep(*units)
             ensure_space(ckpt_dir, estimate, f"checkpoint step_{step}")  # a full disk stops the run cleanly
@@ -270,6 +272,7 @@ def run(job, models, spec: JobSpec) -> dict:
                 prune_checkpoints(ckpt_dir, t.keep_last)
 
     if t.eval_before:
+        record("evaluation", start_step)
         job.log(spec.evaluation.before(start_step), start_step)
     startup_s = job.seconds_since_launch()
 
@@ -292,6 +295,7 @@ def run(job, models, spec: JobSpec) -> dict:
     for step in steps:  # the policy has had `step` updates
         t0 = time.perf_counter()
         job.profiler.begin(step)
+        record("rollout" if online else "batch", step + 1)
         rollout, rollout_s = queue.pop(step, version=step)
         failures = reward_server_failures() if online else []  # reward.functions: http with on_error=stop
         if failures:
@@ -303,11 +307,13 @@ def run(job, models, spec: JobSpec) -> dict:
             raise RewardServerError(f"{failures[0]} (step {step + 1} not trained{where}; resume when the server "
                                     "answers again, or set its on_error: skip)")
         models.grad_norms = {} if t.grad_stats_every and (step + 1) % t.grad_stats_every == 0 else None
+        record("training", step + 1)
         metrics, times = spec.train(rollout)
         metrics.update(models.grad_norms or {})
         if online:
             rollout_s += queue.complete()  # the batch posted before this step trained
             t1 = time.perf_counter()
+            record("weight sync", step + 1)
             models.placement.keep("policy")
             metrics.update(sync_weights(models, cfg.rollout.check_weight_sync), **models.placement.pop_stats())
             times = {"rollout": rollout_s, **times, "weight_sync": time.perf_counter() - t1}
@@ -324,6 +330,7 @@ def run(job, models, spec: JobSpec) -> dict:
         metrics["memory/peak_rss_gib"] = peak_rss_bytes() / 2**30  # this rank's, so far
         logged = {f"{spec.log_prefix}{k}": v for k, v in metrics.items()}
         if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < steps_total:
+            record("evaluation", step + 1)
             held_out = spec.evaluation.measure()
             metrics.update(held_out)
             logged.update(held_out)
@@ -343,11 +350,13 @@ def run(job, models, spec: JobSpec) -> dict:
             steps.set_postfix(**{k: f"{metrics[m]:{f}}" for k, (m, f) in spec.postfix.items() if m in metrics},
                               s=f"{step_time:.1f}")
 
+    record("evaluation", steps_total)
     final_metrics, summary, message = spec.evaluation.final()
     job.log(final_metrics, steps_total)
     if t.save_checkpoint and start_step < steps_total:
         checkpoint(steps_total)
     if t.export_hf:
+        record("export", steps_total)
         models.placement.keep("policy")
         save_hf_checkpoint(models.policy, models.bridge, spec.hf_config or job.hf_config, models.tokenizer,
                            job.out / "hf")
@@ -355,4 +364,5 @@ def run(job, models, spec: JobSpec) -> dict:
             export_adapters(job, models.policy, models.bridge)
     summary.update(start_step=start_step, steps=steps_total, world_size=job.world, startup_s=startup_s,
                    history=job.history)
+    record("end", steps_total)
     return job.finish(summary, message, models.engine)

@@ -32,6 +32,7 @@ from launchers import loop, offline_job, ppo_job  # noqa: E402
 from launchers.build import build_models  # noqa: E402
 from launchers.common import start  # noqa: E402
 from launchers.console import BAD_INPUT_EXIT, report_bad_input, route_third_party_output  # noqa: E402
+from launchers.phase_log import record_error  # noqa: E402
 from launchers.preemption import install  # noqa: E402
 from parallel.state import env_world  # noqa: E402
 
@@ -117,6 +118,7 @@ def main(cfg: DictConfig) -> None:
     try:
         run(cfg)
     except Exception as e:
+        record_error(e)  # where this rank was and why it stopped, for megalign train's report
         if report_bad_input(e):  # under `megalign train`: one line, printed once by the command
             raise SystemExit(BAD_INPUT_EXIT) from None
         raise

@@ -5,8 +5,9 @@ Megatron-Core is written for CUDA: device placement is hard-coded in ~175 places
 its RNG tracker forks the CUDA generator, and its torch-norm wrapper refuses
 sequence parallelism. This module is the ONLY place in megalign that knows about
 that. :func:`apply` is called once by :mod:`parallel.state` when no GPU is present;
-on a GPU machine only :func:`apply_without_transformer_engine` runs (gaps Megatron leaves
-when transformer-engine is missing, GPU or not).
+on a GPU machine only :func:`apply_without_transformer_engine` (gaps Megatron leaves
+when transformer-engine is missing, GPU or not) and :func:`checkpoint_writer_dies_with_rank`
+(a helper process Megatron leaves behind a killed rank) run.
 
 Each shim below carries a docstring saying which Megatron code needs it and why.
 """
@@ -14,10 +15,13 @@ Each shim below carries a docstring saying which Megatron code needs it and why.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from parallel.process_life import die_with_parent
 
 _APPLIED = False
 
@@ -424,6 +428,35 @@ def apply_without_transformer_engine() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def checkpoint_writer_dies_with_rank() -> None:
+    """Megatron's ``torch_dist`` checkpoint writer keeps its results queue in a ``multiprocessing``
+    manager, a spawned server process, on CPU and GPU alike (idempotent).
+
+    Why: ``dist_checkpointing/strategies/filesystem_async.py``'s ``_get_write_results_queue`` starts
+    the manager at a rank's first save and nothing stops it when the rank is killed by a signal: it
+    waits forever (~270 MB each, seen after a SIGKILLed rank). Megatron gets a queue of a manager that
+    asks the kernel to kill it with the rank (:func:`parallel.process_life.die_with_parent`), started
+    the same way on first use."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async._get_write_results_queue, "dies_with_rank", False):
+        return
+    queue = []
+
+    def results_queue():
+        if not queue:
+            manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+            manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+            queue.append((manager, manager.Queue()))  # the manager lives as long as the rank
+        return queue[0][1]
+
+    results_queue.dies_with_rank = True
+    filesystem_async._get_write_results_queue = results_queue
 
 
 def host_timing_events() -> None:

@@ -81,11 +81,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: int = 60,
+def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: float = 60,
                      rollout_ranks: int = 0) -> None:
     """Start the default process group and Megatron's model-parallel groups.
 
-    Call only after :func:`parallel.layout.validate_layout` passed. Idempotent for the
+    ``timeout_minutes``: how long any collective of these groups waits for the other ranks before
+    it raises. Call only after :func:`parallel.layout.validate_layout` passed. Idempotent for the
     default group; (re)builds Megatron's groups for ``layout`` each call, so tests can
     try several layouts in one launch.
 
@@ -125,6 +126,7 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: 
         return
 
     cpu_compat.apply_without_transformer_engine()
+    cpu_compat.checkpoint_writer_dies_with_rank()
     if not on_gpu():
         cpu_compat.apply()
     from megatron.core import parallel_state as ps
@@ -141,8 +143,9 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: 
             context_parallel_size=layout.context_parallel_size,
             expert_model_parallel_size=layout.expert_model_parallel_size,
             expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
+            distributed_timeout_minutes=timeout_minutes,
         )
-        _build_replica_group()
+        _build_replica_group(datetime.timedelta(minutes=timeout_minutes))
     if on_gpu():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
@@ -185,8 +188,9 @@ def trainer_rollout_group():
     return _TRAINER_ROLLOUT_GROUP
 
 
-def _build_replica_group() -> None:
-    """One group per data-parallel index: the TP x CP x PP ranks of one model replica."""
+def _build_replica_group(timeout: datetime.timedelta) -> None:
+    """One group per data-parallel index: the TP x CP x PP ranks of one model replica (collectives
+    time out after ``timeout``)."""
     global _REPLICA_GROUP
     from megatron.core import parallel_state as ps
 
@@ -194,7 +198,7 @@ def _build_replica_group() -> None:
     dist.all_gather_object(dp_ranks, ps.get_data_parallel_rank())
     mine = ps.get_data_parallel_rank()
     for d in sorted(set(dp_ranks)):  # every rank creates every group, in the same order
-        group = dist.new_group([r for r, x in enumerate(dp_ranks) if x == d])
+        group = dist.new_group([r for r, x in enumerate(dp_ranks) if x == d], timeout=timeout)
         if d == mine:
             _REPLICA_GROUP = group
 

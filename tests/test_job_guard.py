@@ -1,8 +1,9 @@
 """A job's hold on its processes and run directory (launchers/job_guard.py): one live job per run
 directory (a second refused, naming the holder; a dead holder's lock never blocks), and ranks
 started by torchrun that die with their launcher; the sandbox's processes die with the process
-that started them. Real processes, SIGKILLed; no torchrun (tests/test_kill_resume.py has the
-launch)."""
+that started them. Real processes, SIGKILLed. And what a failed job says (launchers/phase_log.py):
+the rank, its pid and host, and the phase it was in, from records written by hand (a real launch:
+tests/test_rank_failure.py)."""
 
 from __future__ import annotations
 
@@ -193,3 +194,49 @@ def test_a_real_job_holds_its_directory_and_dies_with_its_launcher(tmp_path, cap
         if launcher.poll() is None:
             launcher.kill()
     assert cli.train(["--dry-run", "--nproc", "2", *args]) == 0  # a dead job's locks never block
+
+
+def _phase(out: Path, rank: int, phase: str, step: int, error: str | None = None) -> int:
+    """Write rank ``rank``'s record as launchers.phase_log does; returns its pid (made up)."""
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    pid = 1000 + rank
+    (out / "logs" / f"rank{rank}.phase").write_text(json.dumps(
+        {"rank": rank, "pid": pid, "host": "node7", "phase": phase, "step": step, "since": 0.0, "error": error}))
+    return pid
+
+
+def test_failure_report_names_the_rank_and_its_phase(tmp_path):
+    from launchers import phase_log
+
+    # a rank killed by a signal: named with its phase; the others failed in their next collective
+    _phase(tmp_path, 0, "training", 3, "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1234")
+    _phase(tmp_path, 1, "rollout", 3)
+    assert phase_log.failure_report({0: (1000, 1), 1: (1001, -9)}, tmp_path, 20) == \
+        "rank 1 (pid 1001 on node7) was killed by SIGKILL during the rollout of step 3; the other ranks were stopped"
+    # a collective timed out: the rank that recorded no error stopped answering
+    _phase(tmp_path, 0, "weight sync", 4, "RuntimeError: [gloo] Timed out waiting 20000ms for recv operation")
+    _phase(tmp_path, 1, "training", 4)
+    assert phase_log.failure_report({0: (1000, 1), 1: (1001, -9)}, tmp_path, 20) == (
+        "rank 1 (pid 1001 on node7) during the training of step 4 stopped answering: rank 0 (pid 1000 on node7) "
+        "waited trainer.collective_timeout_s=20 s in a collective during the weight sync of step 4 and gave up "
+        "(RuntimeError: [gloo] Timed out waiting 20000ms for recv operation)")
+    # an error of the program: the rank and its error
+    _phase(tmp_path, 1, "checkpoint", 2, "OSError: [Errno 5] Input/output error")
+    _phase(tmp_path, 0, "start-up", 0, "ValueError: boom")
+    assert phase_log.failure_report({0: (1000, 1), 1: (1001, 1)}, tmp_path) == \
+        "rank 0 (pid 1000 on node7) failed during the start-up: ValueError: boom"
+    (tmp_path / "logs" / "rank0.phase").unlink()  # a rank that died before it recorded anything
+    assert phase_log.failure_report({0: (1000, -9), 1: (1001, 1)}, tmp_path) == \
+        "rank 0 (pid 1000) was killed by SIGKILL before it recorded a phase; the other ranks were stopped"
+
+
+def test_phases_are_recorded_as_a_rank_goes(tmp_path):
+    from launchers import phase_log
+
+    phase_log.open_log(tmp_path, 3)
+    assert phase_log.read_phases(tmp_path)[3]["phase"] == "start-up"
+    phase_log.record("training", 5)
+    phase_log.record_error(RuntimeError("first line\nsecond line"))
+    rec = phase_log.read_phases(tmp_path)[3]
+    assert (rec["phase"], rec["step"], rec["error"], rec["pid"]) == ("training", 5, "RuntimeError: first line",
+                                                                       os.getpid())

@@ -38,9 +38,11 @@ from torch.distributed.run import config_from_args, get_args_parser
 
 from alignment.config import job_config
 from alignment.schema import ConfigError, plain
+from alignment.training.checkpoint import latest_checkpoint
 from launchers.common import check_job
 from launchers.console import BAD_INPUT_EXIT, ERROR_FILE_ENV, error_line
 from launchers.job_guard import check_run_dir_free
+from launchers.phase_log import failure_report
 from launchers.preflight import compose
 from parallel.layout import LayoutError
 
@@ -135,10 +137,12 @@ def check(name: str, overrides: list[str], world_size: int):
 
 
 def launch(script: Path, script_args: list[str], nproc: int, nnodes: int = 1, rdzv_endpoint: str | None = None,
-           env: dict | None = None) -> int:
+           env: dict | None = None, failures: dict | None = None) -> int:
     """Run ``python script script_args`` in ``nproc`` processes per node with
     ``torch.distributed.run``'s launcher in this process (one node: as ``--standalone``). Returns
-    the exit status: 0, or that of the rank that failed first (the launcher then stops the others)."""
+    the exit status: 0, or that of the rank that failed first (the launcher then stops the others).
+    ``failures``: filled, when given, with every failed rank's ``(pid, exit code)`` by global rank.
+    After a failure, whatever a failed rank started and left (its process group) is killed."""
     endpoint = "localhost:0" if nnodes == 1 else str(rdzv_endpoint)  # torchrun --standalone's, on one node
     targs = ["--nproc-per-node", str(nproc), "--nnodes", str(nnodes), "--rdzv-backend", "c10d",
              "--rdzv-endpoint", endpoint, "--rdzv-id", "megalign"]
@@ -151,6 +155,11 @@ def launch(script: Path, script_args: list[str], nproc: int, nnodes: int = 1, rd
         config, cmd, cmd_args = config_from_args(args)
         elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except ChildFailedError as e:
+        if failures is not None:
+            failures.update({rank: (f.pid, f.exitcode) for rank, f in e.failures.items()})
+        for f in e.failures.values():  # each rank led a process group: what it started goes with it
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(f.pid, signal.SIGKILL)
         return e.get_first_failure()[1].exitcode or 1  # the root cause: the others were stopped after it
     finally:
         os.environ.clear()
@@ -192,13 +201,18 @@ def _train(opts, rest: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="megalign-") as tmp:
         errors = Path(tmp) / "error"
         env = {} if opts.debug else {ERROR_FILE_ENV: str(errors)}
+        failures: dict = {}
         status = launch(TRAIN_SCRIPT, [f"--config-name={name}", *overrides], opts.nproc, opts.nnodes,
-                        opts.rdzv_endpoint, env)
+                        opts.rdzv_endpoint, env, failures)
         if status and errors.exists():  # a rank's bad input (launchers/train.py): its first line
             print(errors.read_text().splitlines()[0], file=sys.stderr, flush=True)
             return BAD_INPUT_EXIT
         if status:
-            print(f"megalign: error: the job failed (exit status {status} of a rank; the rank's traceback is above)",
+            why = failure_report(failures, cfg.output_dir, cfg.trainer.collective_timeout_s) if failures else \
+                f"exit status {status} of a rank"
+            latest = latest_checkpoint(Path(cfg.output_dir) / "checkpoints")
+            resume = f"the same command resumes from {latest}" if latest else "no checkpoint was complete yet"
+            print(f"megalign: error: the job failed: {why}; {resume} (a rank's traceback, if any, is above)",
                   file=sys.stderr, flush=True)
         return status
 

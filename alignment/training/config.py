@@ -60,6 +60,9 @@ class TrainerConfig:
     # keep the newest N complete checkpoints, deleting older ones once a newer one is complete (the disk
     # stays bounded on a long run); 0: keep every one
     keep_last: int = ranged(0, 0, note=' (0: keep every checkpoint)')
+    # seconds a collective may wait for the other ranks (torch.distributed's and Megatron's process
+    # group timeout): a rank that stops answering ends the job then, named (launchers/phase_log.py)
+    collective_timeout_s: float = ranged(1800.0, 0, low_in=False, note=' (seconds)')
     resume: bool = True  # continue from the latest complete checkpoint in <output_dir>/checkpoints
     use_distributed_optimizer: bool = False  # shard Adam state over data-parallel ranks
     critic_lr: float = ranged(1e-5, 0, low_in=False)  # ppo: the critic's Adam learning rate
