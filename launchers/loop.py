@@ -72,8 +72,8 @@ class Evaluation(Protocol):
     def before(self, step: int) -> dict[str, float]:
         """Before the first step of this run (``trainer.eval_before``): metrics to log at ``step``."""
 
-    def measure(self) -> dict[str, float]:
-        """The current policy's held-out metrics (every ``trainer.eval_every`` steps)."""
+    def measure(self, step: int) -> dict[str, float]:
+        """The current policy's held-out metrics after ``step`` optimizer steps (every ``trainer.eval_every``)."""
 
     def final(self) -> tuple[dict[str, float], dict, str]:
         """After training: (metrics to log, summary entries, the line to print)."""
@@ -331,7 +331,7 @@ def run(job, models, spec: JobSpec) -> dict:
         logged = {f"{spec.log_prefix}{k}": v for k, v in metrics.items()}
         if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < steps_total:
             record("evaluation", step + 1)
-            held_out = spec.evaluation.measure()
+            held_out = spec.evaluation.measure(step + 1)
             metrics.update(held_out)
             logged.update(held_out)
         stop = health.check(step + 1, metrics)

@@ -92,7 +92,7 @@ class HeldoutLoss:
             print(f"held-out before ({self.examples} examples): {json.dumps(self.first)}", flush=True)
         return {f"heldout/{k}": v for k, v in self.first.items()}
 
-    def measure(self) -> dict[str, float]:
+    def measure(self, step: int) -> dict[str, float]:  # noqa: ARG002 - the metrics carry no step
         return {f"heldout/{k}": v for k, v in self.evaluate().items()}
 
     def final(self) -> tuple[dict[str, float], dict, str]:

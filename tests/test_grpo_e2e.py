@@ -27,7 +27,8 @@ def test_two_grpo_steps_tiny_model(tmp_path):
     # in one launch: two steps, then the resume of this test's second part
     s, resumed = run_jobs(
         Job("grpo", model_dir, out, ["trainer.steps=2", *COMMON, "rollout.check_weight_sync=true",
-                                     "algorithm.clip_ratio_c=3.0"], reward="even_length"),
+                                     "algorithm.clip_ratio_c=3.0", "trainer.save_heldout_answers=true"],
+            reward="even_length"),
         # Same output dir, one more step: the run resumes from step 2 (model, Adam state, step), with
         # idle models offloaded between phases (forced on CPU: the same copies as on GPU), and ONE vLLM
         # engine with tensor_parallel_size=2 across both ranks (external_launcher): each rank gets its
@@ -71,6 +72,14 @@ def test_two_grpo_steps_tiny_model(tmp_path):
                 "time/logprobs", "time/train"):
         assert tag in tags, tag
     assert torch.isfinite(torch.tensor(first["entropy"]))
+    # the held-out accuracy counted again from the graded answers the job saved: each of the 8 problems
+    # once, each answer right exactly when its length is even (the even_length grader), their mean the
+    # accuracy the job logged before and after training
+    for when, logged in (("step_0", s["heldout_accuracy_before"]), ("final", s["heldout_accuracy_after"])):
+        answers = [json.loads(line) for line in (out / "heldout" / f"{when}.jsonl").read_text().splitlines()]
+        assert len(answers) == 8 and all(a["question"] and a["answer"] for a in answers), when
+        assert all(a["right"] == (len(a["response"]) % 2 == 0) for a in answers), when
+        assert sum(a["right"] for a in answers) / 8 == logged, (when, logged)
 
     assert resumed["start_step"] == 2 and len(resumed["history"]) == 1
     assert (out / "checkpoints" / "step_3" / "metadata.json").exists()

@@ -22,6 +22,9 @@ def test_grpo_gradients_equal_single_process_autograd(torchrun_json):
     for case in cases:
         assert abs(r[case]["loss"] - r["reference_loss"]) <= 1e-5 * max(1.0, abs(r["reference_loss"])), (case, r[case])
         assert r[case]["max_grad_diff"] <= 1e-5 * r["reference_max_grad"] + 1e-7, (case, r[case])
+    # negative control: each rank normalising by its own token count (the bug the global normaliser
+    # avoids) is off by far more than the tolerance
+    assert r["dp2_mbs2_local_normaliser"]["max_grad_diff"] > 1e-2 * r["reference_max_grad"], r["dp2_mbs2_local_normaliser"]
     # two prompts with four responses each, every micro-batch's rows of one prompt as one prompt
     # tree (the prompt computed once): the same loss and gradients as HF on the full sequences
     ref = r["group_reference"]

@@ -51,11 +51,11 @@ def _launch(model, out: Path, point: str, step: int, tmp: Path) -> tuple[int, di
     tag = uuid.uuid4().hex
     failures: dict = {}
     status = cli.launch(WORKER, [str(model), str(out), point, str(step), *COMMON, str(tmp / f"{point}.json")],
-                        nproc=2, env={"MEGALIGN_TEST_TAG": tag}, failures=failures)
+                        nproc=2, env={"MEGALIGN_TEST_TAG": tag, "PYTHONPATH": str(ROOT)}, failures=failures)
     ended = time.time()
     failed_at = out / "failed_at"
     waited = ended - float(failed_at.read_text()) if failed_at.exists() else 0.0
-    if os.environ.get("MEGALIGN_FIGURES"):  # bench/reliability figures: one line per launch
+    if os.environ.get("MEGALIGN_FIGURES"):  # docs/reliability.md's figures: one line per launch
         with open(os.environ["MEGALIGN_FIGURES"], "a") as f:
             f.write(json.dumps({"point": point, "status": status, "seconds_to_end": waited,
                                 "report": failure_report(failures, out, 10) if failures else None}) + "\n")

@@ -141,7 +141,12 @@ def test_the_matrix_covers_the_hard_cases():
     assert "qwen3_tied-megatron_tp2-vllm_tp4" in ids  # QK-norm, 2 KV heads replicated on 4 vLLM ranks
     # experts: width 32 split 4 ways by vLLM and 2 ways by Megatron's expert TP, or whole (expert TP 1)
     assert "qwen3_moe-megatron_tp2-vllm_tp4-expert_tp2" in ids and "qwen3_moe-megatron_tp4-vllm_tp1-expert_tp1" in ids
-    assert len(ids) >= 40
+    # the exact matrix: Megatron TP s and vLLM TP t in {1, 2, 4} wherever the heads split;
+    # mha / qwen2_bias: every pair (9); gqa / qwen3_tied: 2 KV heads, s in {1, 2} (6); mqa: s = 1 (3);
+    # qwen3_moe: expert TP 1 and s for s = 2, 4, only 1 for s = 1: (1 + 2 + 2) x 3 = 15
+    per_model = {name: sum(i.startswith(name + "-") for i in ids) for name in MODELS}
+    assert per_model == {"mha": 9, "qwen2_bias": 9, "gqa": 6, "qwen3_tied": 6, "mqa": 3, "qwen3_moe": 15}, per_model
+    assert len(ids) == 48
 
 
 def test_fused_moe_tensors_stack_experts():

@@ -21,9 +21,12 @@ model replica (TP x CP x PP) share the same data and split only its generation. 
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -133,15 +136,19 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
     }
 
 
-def evaluate(models: Models, problems: list[Problem], max_tokens: int, grader=None) -> float:
+def evaluate(models: Models, problems: list[Problem], max_tokens: int, grader=None, answers: Path | None = None
+             ) -> float:
     """Greedy held-out accuracy (fraction of reward-1 answers): problems dealt over the
     data-parallel ranks, each replica's share run as episodes of ``models.episodes``' environment
     (:func:`alignment.trainers.rl_phases.generate_episodes`; the task's prompt, ``data.instruction``
     included, and one answer for ``rollout.environment=single_turn``), graded as ``tools/evaluate.py``
     grades (:mod:`alignment.rewards.grading`) and counted once (by the replica's first rank).
     ``max_tokens``: the response budget (``rollout.eval_max_tokens``); ``grader``: the reward term whose
-    score >= 1 is right (None: ``correctness``; :func:`alignment.config.heldout_grader`)."""
-    return _heldout(models, problems, SamplingConfig(n=1, temperature=0.0, max_tokens=max_tokens), grader)["pass@1"]
+    score >= 1 is right (None: ``correctness``; :func:`alignment.config.heldout_grader`); ``answers``: a
+    JSONL file each replica's first rank appends its graded answers to (``trainer.save_heldout_answers``:
+    one line per problem with its question, reference answer, the response and whether it was right)."""
+    sampling = SamplingConfig(n=1, temperature=0.0, max_tokens=max_tokens)
+    return _heldout(models, problems, sampling, grader, answers)["pass@1"]
 
 
 def pass_at_k(models: Models, problems: list[Problem], k: int, max_tokens: int, temperature: float,
@@ -162,7 +169,8 @@ def pass_at_k(models: Models, problems: list[Problem], k: int, max_tokens: int, 
     return {f"heldout/{key}": v for key, v in {**out, **({"tool_call_rate": tool_rate} if tool_calls else {})}.items()}
 
 
-def _heldout(models: Models, problems: list[Problem], sampling: SamplingConfig, grader=None) -> dict[str, float]:
+def _heldout(models: Models, problems: list[Problem], sampling: SamplingConfig, grader=None,
+             answers: Path | None = None) -> dict[str, float]:
     """:func:`alignment.rewards.grading.rates` of ``sampling.n`` episodes per problem, this DP
     rank's share generated and graded, the counts summed over replicas (one rank each)."""
     from megatron.core import parallel_state as ps
@@ -173,6 +181,15 @@ def _heldout(models: Models, problems: list[Problem], sampling: SamplingConfig, 
     correct = grading.grade(mine, groups, sampling.max_tokens, grader or grading.CORRECTNESS)
     counts = grading.counts(mine, groups, correct, sampling.n)
     lead = replica_group().rank() == 0
+    if answers is not None and lead:  # one write per replica, appended whole (O_APPEND)
+        text = "".join(json.dumps({"question": p.question, "answer": p.answer, "response": s.text, "right": bool(ok)})
+                       + "\n" for p, g, right in zip(mine, groups, correct) for s, ok in zip(g, right))
+        answers.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(answers, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
     summed = all_reduce_sum([v if lead else 0.0 for v in counts.values()])
     return grading.rates(dict(zip(counts, summed)), sampling.n)
 

@@ -3,6 +3,8 @@ accuracy before, during and after training, and pass@k / maj@k when ``rollout.ev
 
 from __future__ import annotations
 
+import torch.distributed as dist
+
 from alignment.config import heldout_grader
 from alignment.trainers import grpo
 from alignment.trainers.eval_cache import cached_accuracy, heldout_key
@@ -25,9 +27,16 @@ class HeldoutAccuracy:
                 "no reward function that grades answers"
             print(f"held-out accuracy: not measured, {why}", flush=True)
 
-    def _accuracy(self) -> float:
+    def _accuracy(self, when: str) -> float:
+        """Greedy accuracy; with ``trainer.save_heldout_answers`` the graded answers go to
+        ``<output_dir>/heldout/<when>.jsonl`` (``when``: ``step_<N>`` or ``final``)."""
         cfg = self.job.cfg
-        return grpo.evaluate(self.models, self.heldout, cfg.rollout.eval_max_tokens, self.grader)
+        answers = self.job.out / "heldout" / f"{when}.jsonl" if cfg.trainer.save_heldout_answers else None
+        if answers is not None:  # a resumed run's evaluation replaces the earlier one's
+            if self.job.rank == 0:
+                answers.unlink(missing_ok=True)
+            dist.barrier()
+        return grpo.evaluate(self.models, self.heldout, cfg.rollout.eval_max_tokens, self.grader, answers)
 
     def _sampled(self) -> dict[str, float]:
         """``heldout/pass@1``, ``pass@k`` (and ``tool_call_rate`` in multi-turn episodes) with
@@ -44,9 +53,10 @@ class HeldoutAccuracy:
             return {}
         if step == 0:  # the base checkpoint: its accuracy may be known from an earlier run
             key = heldout_key(job.hf_dir, self.models.tokenizer, self.heldout, job.cfg, job.world)
-            self.acc_before, self.cached = cached_accuracy(key, self._accuracy, job.cfg.trainer.eval_cache)
+            cache = job.cfg.trainer.eval_cache and not job.cfg.trainer.save_heldout_answers  # answers: evaluate
+            self.acc_before, self.cached = cached_accuracy(key, lambda: self._accuracy("step_0"), cache)
         else:
-            self.acc_before = self._accuracy()
+            self.acc_before = self._accuracy(f"step_{step}")
         if job.rank == 0:
             what = f"at step {step} (resumed)" if step else "before training"
             note = " (cached from an earlier run: trainer.eval_cache)" if self.cached else ""
@@ -57,13 +67,13 @@ class HeldoutAccuracy:
                   flush=True)
         return {"heldout/accuracy": self.acc_before, **self.sampled_before}
 
-    def measure(self) -> dict[str, float]:
-        return {} if self.off else {"heldout/accuracy": self._accuracy()}
+    def measure(self, step: int) -> dict[str, float]:
+        return {} if self.off else {"heldout/accuracy": self._accuracy(f"step_{step}")}
 
     def final(self) -> tuple[dict[str, float], dict, str]:
         if self.off:
             return {}, {}, "held-out accuracy: not measured"
-        after = self._accuracy()
+        after = self._accuracy("final")
         before = f" (before: {self.acc_before:.3f})" if self.acc_before is not None else ""
         summary = {"heldout_accuracy_before": self.acc_before, "heldout_before_cached": self.cached,
                    "heldout_accuracy_after": after, "heldout_size": len(self.heldout)}

@@ -54,6 +54,9 @@ class TrainerConfig:
     # RL jobs: reuse the base checkpoint's before-training accuracy from an earlier run with the same
     # weights, prompts and generation settings (~/.cache/megalign/heldout; alignment/trainers/eval_cache.py)
     eval_cache: bool = True
+    # RL jobs: write each greedy held-out evaluation's graded answers (question, reference answer, response,
+    # right) to <output_dir>/heldout/step_<N>.jsonl (final.jsonl after training); the accuracy is then not cached
+    save_heldout_answers: bool = False
     save_checkpoint: bool = True  # write checkpoints (the final one, and every save_every steps)
     # also checkpoint every N steps (model + optimizer + step); 0: final only
     save_every: int = ranged(0, 0, note=' (0: at the end only)')

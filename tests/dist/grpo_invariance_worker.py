@@ -32,7 +32,7 @@ from alignment.training.batching import split_microbatches
 from alignment.training.megatron_step import LogprobOutputs, OptimConfig, forward_backward, setup_training
 from parallel.layout import ParallelLayout
 from parallel.state import env_world, init_distributed
-from tests.dist.report import write_results_and_shutdown
+from tests.dist.report import worst_over_ranks, write_results_and_shutdown
 from tests.dist.tiny_llama import tiny_llama
 
 CFG = GRPOLossConfig(clip_ratio=0.2, kl_coef=0.1, kl_estimator="k3")
@@ -110,7 +110,8 @@ def hf_reference(hf, batch, extra_loss=None, **forward_kwargs):
 
 
 def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, router_stats=False, packing=False,
-                  positions=None, share_prompts=False, lora=None, adapters=None, peft_dir=None, **sizes):
+                  positions=None, share_prompts=False, lora=None, adapters=None, peft_dir=None, local_normaliser=False,
+                  **sizes):
     """Loss and HF-named (checkpoint form) gradients of the GRPO loss through Megatron, laid out
     with ``sizes`` (ParallelLayout fields), micro-batches of ``mbs`` rows; weights from ``state``
     (HF checkpoint form, default the model's state dict). ``router_stats``: also return the
@@ -118,7 +119,9 @@ def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, rou
     ``share_prompts``: as :func:`alignment.training.megatron_step.forward_backward`'s. ``lora``: a
     :class:`parallel.lora.LoRASpec` whose adapters start from ``adapters`` (PEFT-named): the
     gradients returned are then the adapters' (PEFT-named, :func:`export_lora_adapters`), and
-    ``peft_dir`` receives the adapters as a PEFT directory (:func:`save_peft_adapter`)."""
+    ``peft_dir`` receives the adapters as a PEFT directory (:func:`save_peft_adapter`).
+    ``local_normaliser``: the bug the invariance rules out, each rank dividing by its own token
+    count instead of the global one (the negative control)."""
     from megatron.core import parallel_state as ps
 
     from alignment.training.router_stats import routing_metrics
@@ -138,7 +141,7 @@ def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, rou
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rows = batch["input_ids"].shape[0] // dp
     local = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in batch.items()}
-    total = batch["response_mask"].sum()  # the global normaliser, passed in
+    total = (local if local_normaliser else batch)["response_mask"].sum()  # the global normaliser, passed in
 
     def loss_fn(mb, out):
         lp = out["logprobs"]
@@ -193,7 +196,11 @@ def main(path: str) -> None:
                                     positions=positions)
         assert set(grads) == set(ref_grads), sorted(set(ref_grads) ^ set(grads))
         diff = max((grads[k] - ref_grads[k]).abs().max().item() for k in grads)
-        results[name] = {"loss": loss, "max_grad_diff": diff}
+        results[name] = {"loss": loss, "max_grad_diff": worst_over_ranks(diff)}
+    loss, grads = megatron_case(hf, batch, world, 2, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                local_normaliser=True)  # negative control: must miss the tolerance
+    results["dp2_mbs2_local_normaliser"] = {"loss": loss, "max_grad_diff": worst_over_ranks(
+        max((grads[k] - ref_grads[k]).abs().max().item() for k in grads))}
     groups = make_group_batch(hf.config.vocab_size)
     group_loss, group_grads = hf_reference(hf, groups)
     results["group_reference"] = {"loss": group_loss,
@@ -201,8 +208,8 @@ def main(path: str) -> None:
     for name, (tp, pp, mbs, positions) in SHARED_CASES.items():
         loss, grads = megatron_case(hf, groups, world, mbs, tensor_model_parallel_size=tp,
                                     pipeline_model_parallel_size=pp, positions=positions, share_prompts=True)
-        results[name] = {"loss": loss,
-                         "max_grad_diff": max((grads[k] - group_grads[k]).abs().max().item() for k in grads)}
+        results[name] = {"loss": loss, "max_grad_diff": worst_over_ranks(
+            max((grads[k] - group_grads[k]).abs().max().item() for k in grads))}
     write_results_and_shutdown(path, results)
 
 

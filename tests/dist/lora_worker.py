@@ -18,7 +18,7 @@ For each layout (TP 1 with DP 2, TP 2, TP 2 with sequence parallelism):
   adapted weight. Also: dropout only in passes that build a graph; targets that adapt nothing
   are refused.
 
-Writes {layout: {check: max abs error or bool}}.
+Writes {layout: [rank 0's {check: max abs error or bool}, rank 1's]}: every rank's checks.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch.distributed as dist
 from parallel.layout import ParallelLayout
 from parallel.lora import LoRASpec, adapters, adapters_disabled, apply_lora, merged_narrow
 from parallel.state import init_distributed
+from tests.dist.report import every_rank
 
 LAYOUTS = {"tp1": (1, False), "tp2": (2, False), "tp2_sp": (2, True)}
 S, B_, IN, OUT, R = 6, 2, 16, 12, 4  # sequence, batch, features, rank
@@ -184,7 +185,7 @@ def main(path: str) -> None:
     results = {}
     for name, (tp, sp) in LAYOUTS.items():
         init_distributed(ParallelLayout(world_size=2, tensor_model_parallel_size=tp, sequence_parallel=sp))
-        results[name] = {**linears_case(tp, sp), **model_case(tp, sp)}
+        results[name] = every_rank({**linears_case(tp, sp), **model_case(tp, sp)})  # each rank's own checks
     if dist.get_rank() == 0:
         with open(path, "w") as f:
             json.dump(results, f, indent=1)

@@ -17,7 +17,7 @@ from alignment.models.weights import export_hf_weights, load_hf_weights
 from alignment.training.megatron_step import forward_backward
 from parallel.layout import ParallelLayout
 from parallel.state import env_world, init_distributed
-from tests.dist.report import write_results_and_shutdown
+from tests.dist.report import every_rank, worst_over_ranks, write_results_and_shutdown
 from tests.dist.tiny_llama import tiny_llama
 
 LAYOUTS = {"tp1": (1, 1, False), "tp2": (2, 1, False), "tp2_sp": (2, 1, True), "pp2": (1, 2, False)}
@@ -47,10 +47,11 @@ def randomize(model) -> None:
             p.copy_(0.1 * torch.randn(p.shape, generator=g))
 
 
-def megatron_logits(hf_model, input_ids, world, own_weights=False, state=None, **sizes):
+def megatron_logits(hf_model, input_ids, world, own_weights=False, state=None, dtype=torch.float32, **sizes):
     """Logits of a Megatron shard of ``hf_model`` laid out with ``sizes`` (ParallelLayout fields), full
     vocabulary on the last stage (None elsewhere), and its HF export. Weights from ``state`` (the HF
-    checkpoint form; default the model's state dict) or, with ``own_weights``, random ones."""
+    checkpoint form; default the model's state dict) or, with ``own_weights``, random ones; the
+    model's parameters in ``dtype`` (bf16: Megatron's mixed precision, as a job's)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
@@ -62,7 +63,7 @@ def megatron_logits(hf_model, input_ids, world, own_weights=False, state=None, *
     validate_model_layout(layout, model_dims(cfg))
     init_distributed(layout)
     bridge = get_bridge(cfg)
-    model = build_gpt_model(cfg, transformer_config(cfg, **sizes)).eval()
+    model = build_gpt_model(cfg, transformer_config(cfg, params_dtype=dtype, **sizes)).eval()
     ref = hf_model.state_dict() if state is None else state
     if own_weights:
         randomize(model)
@@ -103,8 +104,8 @@ def main(path: str) -> None:
         for name, (tp, pp, sp) in LAYOUTS.items():
             logits, export_diff, missing = megatron_logits(hf, input_ids, world, **sizes(tp, pp, sp))
             results[f"{name}{'_tied' if tie else ''}"] = {
-                "max_abs_diff": max_diff_on_last_stage(logits, ref), "export_max_abs_diff": export_diff,
-                "export_missing": missing, "ref_logit_std": ref.std().item()}
+                "max_abs_diff": max_diff_on_last_stage(logits, ref), "export_max_abs_diff": worst_over_ranks(export_diff),
+                "export_missing": sorted({m for ms in every_rank(missing) for m in ms}), "ref_logit_std": ref.std().item()}
         # Export on its own: a Megatron model with its own weights -> HF -> transformers logits.
         for name, (tp, pp, sp) in LAYOUTS.items():
             logits, exported = megatron_logits(hf, input_ids, world, own_weights=True, **sizes(tp, pp, sp))
@@ -114,6 +115,21 @@ def main(path: str) -> None:
                 hf_logits = fresh(input_ids).logits
             results[f"export_{name}{'_tied' if tie else ''}"] = {
                 "max_abs_diff": max_diff_on_last_stage(logits, hf_logits), "ref_logit_std": hf_logits.std().item()}
+    # bf16 on the CPU (Megatron's bf16 against transformers' fp32 logits): bf16 keeps 8 bits of mantissa
+    # and the two sides round differently, so the measure is transformers' own bf16 error (a job's
+    # model.dtype=bfloat16)
+    hf = tiny_llama(seed=1, tie_word_embeddings=False)
+    torch.manual_seed(2)
+    input_ids = torch.randint(0, hf.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        ref = hf(input_ids).logits
+        hf16 = tiny_llama(seed=1, tie_word_embeddings=False).to(torch.bfloat16).eval()
+        err_hf16 = (hf16(input_ids).logits.float() - ref).abs().max().item()
+    for name, (tp, pp, sp) in (("tp1", LAYOUTS["tp1"]), ("tp2", LAYOUTS["tp2"])):
+        logits, _, _ = megatron_logits(hf, input_ids, world, dtype=torch.bfloat16, **sizes(tp, pp, sp))
+        results[f"bf16_{name}"] = {"max_abs_diff": max_diff_on_last_stage(logits.float(), ref),
+                                   "transformers_bf16_diff": err_hf16, "dtype": str(logits.dtype),
+                                   "ref_logit_std": ref.std().item()}
     write_results_and_shutdown(path, results)
 
 

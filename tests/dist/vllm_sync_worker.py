@@ -45,10 +45,20 @@ def vllm_layout_buckets(new: dict, config, corrupt: bool = False):
     return [tensors[:half], tensors[half:]]
 
 
-def check(workdir: str, tie: bool, path: str = "full", family: str = "llama") -> float:
+def engine_logprobs(engine, ids: list[int]) -> torch.Tensor:
+    """The engine's logprob of each of ``ids[1:]`` given the ids before it."""
+    from vllm import SamplingParams
+
+    out = engine.llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                              use_tqdm=False)[0]
+    return torch.tensor([step[t].logprob for step, t in zip(out.prompt_logprobs[1:], ids[1:])])
+
+
+def check(workdir: str, tie: bool, path: str = "full", family: str = "llama") -> dict:
+    """The engine's logprobs against transformers' on the new weights, after the update and (the
+    negative control: the comparison can fail) before it."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
-    from vllm import SamplingParams
 
     from alignment.rollout.vllm_engine import VLLMEngine
     from tests.dist.tiny_llama import save_tiny_hf_dir
@@ -60,6 +70,8 @@ def check(workdir: str, tie: bool, path: str = "full", family: str = "llama") ->
     else:
         save_tiny_dir(d, family, tie_word_embeddings=tie)
     engine = VLLMEngine(d, max_model_len=128)
+    ids = [1, 50, 300, 7000, 12, 99, 4000, 5]
+    before = engine_logprobs(engine, ids)
     torch.manual_seed(0)
     new = {k: v + 0.05 * torch.randn_like(v) for k, v in load_file(f"{d}/model.safetensors").items()}
     hf = AutoModelForCausalLM.from_pretrained(d).eval()
@@ -82,15 +94,12 @@ def check(workdir: str, tie: bool, path: str = "full", family: str = "llama") ->
         every = len(bridge.vllm_tensors(1, 1, 0))
         assert check_engine_weights(engine, new, bridge, names) == every == len(names)  # every parameter
     hf = from_checkpoint_state(hf.config, new)  # transformers' own loading (fuses MoE experts)
-    ids = [1, 50, 300, 7000, 12, 99, 4000, 5]
-    out = engine.llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                              use_tqdm=False)[0]
-    got = torch.tensor([step[t].logprob for step, t in zip(out.prompt_logprobs[1:], ids[1:])])
+    got = engine_logprobs(engine, ids)
     with torch.no_grad():
         logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
     want = logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     engine.close()
-    return (got - want).abs().max().item()
+    return {"after": (got - want).abs().max().item(), "before": (before - want).abs().max().item()}
 
 
 def reseed_check(workdir: str) -> dict:
