@@ -101,7 +101,10 @@ def failure_report(failures: dict[int, tuple[int, int]], output_dir: str | os.Pa
     if killed:
         r = killed[0]
         code = -failures[r][1]
-        name = signal.Signals(code).name if code in signal.Signals._value2member_map_ else f"signal {code}"
+        try:
+            name = signal.Signals(code).name
+        except ValueError:  # a number no signal has
+            name = f"signal {code}"
         return f"{who(r)} was killed by {name} {_where(phases.get(r))}; the other ranks were stopped"
     r = min(errors) if errors else min(failures)
     return f"{who(r)} failed {_where(phases.get(r))}: {errors.get(r) or f'exit status {failures[r][1]}'}"
