@@ -32,7 +32,8 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 def die_with_parent(parent: int) -> None:
     """SIGKILL this process when its parent dies; exit at once if the parent, whose pid (as this
-    process sees it) is ``parent``, is gone already."""
+    process sees it) is ``parent``, is gone already. (``parallel.process_life.die_with_parent`` does
+    the same for the project's processes; this file runs isolated, ``-I -S``, and imports nothing of it.)"""
     try:
         import ctypes
 
