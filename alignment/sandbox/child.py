@@ -1,17 +1,21 @@
-"""The sandbox's launcher, run as ``python -I -S child.py LIMITS_JSON CODE_PATH PARENT_PID`` in the
+"""The sandbox's launcher, run as ``python -I -S child.py OPTIONS_JSON CODE_PATH PARENT_PID`` in the
 sandbox's directory by :func:`alignment.sandbox.runner.run_python` (standard library only: it is
-run without ``site``; ``PARENT_PID``: the process that started it). In order:
+run without ``site``; ``OPTIONS_JSON``: the limits, ``audit_hook`` and ``container``, true inside
+the bubblewrap container; ``PARENT_PID``: the process that started it, as this one sees it). In order:
 
 0. die with the parent (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, again after each fork): a sandbox
    outlives neither the rank that started it nor, level by level, its own launcher, whatever kills them;
-1. new network and PID namespaces (``unshare``; a user namespace too when not root), when the
-   kernel allows: no interface but a down loopback, and every process the code starts dies with it;
-2. fork twice: the child is the namespace's init, the grandchild runs the code; each parent waits
-   and exits with its child's status (killed by signal N: 128 + N);
-3. resource limits (CPU seconds, address space, file size, open files, processes, no core dumps);
-4. an audit hook (PEP 578) that refuses, with ``PermissionError``: new processes (fork, exec,
-   spawn, ``subprocess``), sockets, ``ctypes`` and writes, renames, removals outside the directory;
-5. the code, as ``__main__``.
+1. in the container (its namespaces made by bwrap): as root, drop to uid and gid 65534 with no
+   supplementary groups, so that ``RLIMIT_NPROC`` binds; outside it, new network and PID namespaces
+   (``unshare``; a user namespace too when not root), when the kernel allows: no interface but a down
+   loopback, and every process the code starts dies with it; then fork twice: the child is the
+   namespace's init, the grandchild runs the code; each parent waits and exits with its child's
+   status (killed by signal N: 128 + N);
+2. resource limits (CPU seconds, address space, file size, open files, processes, no core dumps);
+3. an audit hook (PEP 578) that refuses, with ``PermissionError``: new processes (fork, exec,
+   spawn, ``subprocess``), sockets, ``ctypes`` and writes, renames, removals outside the directory
+   (a tripwire with readable reasons; the container is the boundary);
+4. the code, as ``__main__``.
 """
 
 import json
@@ -22,6 +26,7 @@ import sys
 
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 PR_SET_PDEATHSIG = 1
+NOBODY = 65534
 _PROCESS_EVENTS = ("os.fork", "os.forkpty", "os.posix_spawn", "os.exec", "os.system", "subprocess.Popen",
                    "os.kill", "os.killpg", "pty.spawn", "socket.__new__", "socket.connect", "socket.bind")
 _PATH_EVENTS = ("os.remove", "os.rmdir", "os.rename", "os.mkdir", "os.symlink", "os.link", "os.chmod", "os.chown",
@@ -56,6 +61,15 @@ def isolate() -> bool:
         return False
 
 
+def drop_root() -> None:
+    """Become uid / gid NOBODY with no supplementary groups (as root in the container, which leaves
+    this process ``CAP_SETUID`` and ``CAP_SETGID`` for it; after it, no capability at all)."""
+    if os.geteuid() == 0:
+        os.setgroups([])
+        os.setresgid(NOBODY, NOBODY, NOBODY)
+        os.setresuid(NOBODY, NOBODY, NOBODY)
+
+
 def limit(limits: dict) -> None:
     cpu, memory, files = limits["cpu_seconds"], limits["memory_mb"] << 20, limits["file_bytes"]
     for name, value in ((resource.RLIMIT_CPU, (cpu, cpu + 1)), (resource.RLIMIT_AS, (memory, memory)),
@@ -69,40 +83,46 @@ def limit(limits: dict) -> None:
 
 
 def guard(root: str) -> None:
-    """Install the audit hook (it cannot be removed)."""
+    """Install the audit hook (it cannot be removed). What it calls is bound here, in its closure,
+    so that the code cannot switch it off by replacing this module's globals or ``os.path.realpath``."""
     root = os.path.realpath(root)
+    realpath, fsdecode, sep, path_types = os.path.realpath, os.fsdecode, os.sep, (str, bytes, os.PathLike)
+    process_events, path_events, blocked = frozenset(_PROCESS_EVENTS), frozenset(_PATH_EVENTS), _BLOCKED_MODULES
+    write_flags, denied, is_a, text = _WRITE_FLAGS, PermissionError, isinstance, str
 
-    def inside(path) -> bool:
-        if isinstance(path, int):
-            return True  # an open descriptor: its file was checked when it was opened
+    def inside(path) -> bool:  # fails closed: whatever goes wrong (a patched builtin...) refuses
         try:
-            full = os.path.realpath(os.fsdecode(path))
-        except (TypeError, ValueError):
+            if is_a(path, int):
+                return True  # an open descriptor: its file was checked when it was opened
+            full = realpath(fsdecode(path))
+            return full == root or full.startswith(root + sep)
+        except Exception:
             return False
-        return full == root or full.startswith(root + os.sep)
 
     def hook(event, args):
-        if event in _PROCESS_EVENTS or event.startswith("ctypes."):
-            raise PermissionError(f"sandbox: {event} is not allowed")
-        if event == "import" and args[0].split(".")[0] in _BLOCKED_MODULES:
-            raise PermissionError(f"sandbox: importing {args[0]} is not allowed")
+        if event in process_events or event.startswith("ctypes."):
+            raise denied(f"sandbox: {event} is not allowed")
+        if event == "import" and args[0].split(".")[0] in blocked:
+            raise denied(f"sandbox: importing {args[0]} is not allowed")
         if event == "open":
             path, mode, flags = args
-            writes = (mode is not None and any(c in str(mode) for c in "wax+")) or bool((flags or 0) & _WRITE_FLAGS)
+            writes = (mode is not None and any(c in text(mode) for c in "wax+")) or bool((flags or 0) & write_flags)
             if writes and path is not None and not inside(path):
-                raise PermissionError(f"sandbox: writing {path!r} outside the sandbox directory is not allowed")
-        elif event in _PATH_EVENTS:
+                raise denied(f"sandbox: writing {path!r} outside the sandbox directory is not allowed")
+        elif event in path_events:
             for path in args[:2]:
-                if isinstance(path, (str, bytes, os.PathLike)) and not inside(path):
-                    raise PermissionError(f"sandbox: {event} on {path!r} outside the sandbox directory is not allowed")
+                if is_a(path, path_types) and not inside(path):
+                    raise denied(f"sandbox: {event} on {path!r} outside the sandbox directory is not allowed")
 
     sys.addaudithook(hook)
 
 
 def main() -> None:
-    limits, code_path, parent = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    options, code_path, parent = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     die_with_parent(parent)
-    if isolate():
+    if options.get("container"):
+        drop_root()
+    elif isolate():
         # the first child is the namespace's init (every process left in it dies with it); the code
         # runs in the init's child, where signals (CPU limit, faults) act as on any process
         for _ in range(2):
@@ -114,11 +134,12 @@ def main() -> None:
                 os._exit(code if code >= 0 else 128 - code)
             die_with_parent(0 if os.getppid() == 0 else me)  # the namespace's init sees its parent as pid 0
     sys.modules.pop("ctypes", None)
-    limit(limits)
+    limit(options)
     import runpy
 
     source = os.path.abspath(code_path)
-    guard(os.getcwd())
+    if options.get("audit_hook", True):
+        guard(os.getcwd())
     sys.argv = [source]
     runpy.run_path(source, run_name="__main__")
 

@@ -1,32 +1,39 @@
 """Running untrusted code (a policy's Python, a task's unit tests) for a reward: each run is a
-fresh process in its own temporary directory, with a wall-clock limit, CPU-time, memory, file-size
-and process limits (``resource.setrlimit``), no network (a new network namespace where the kernel
-allows one, and sockets refused by an audit hook either way), no new processes, no writes outside
-its directory, and capped output. A crash, an infinite loop, a fork bomb or a memory bomb ends that
-run with a failed :class:`SandboxResult` and nothing else; :class:`SandboxPool` runs several at
-once so scoring overlaps with generation.
+fresh process in a container of its own (bubblewrap, :mod:`alignment.sandbox.bwrap`) with a
+wall-clock limit, CPU-time, memory, file-size, disk and process limits (``resource.setrlimit``, a
+size-limited tmpfs), no network, no other process in sight, a read-only system and an unprivileged
+uid, plus an audit hook that refuses new processes, sockets, ``ctypes`` and writes outside its
+directory with a clear reason. A crash, an infinite loop, a fork bomb or a memory bomb ends that run
+with a failed :class:`SandboxResult` (its :attr:`SandboxResult.reason` says which limit ended it)
+and nothing else; :class:`SandboxPool` runs several at once so scoring overlaps with generation.
 
-Layers (what each limit rests on; :mod:`alignment.sandbox.child` sets them up):
+Layers (what each threat meets, in the container; :mod:`alignment.sandbox.child` sets up the inner ones):
 
 | threat | stopped by |
 |---|---|
-| infinite loop, ``sleep`` | wall clock (the whole process group killed), ``RLIMIT_CPU`` |
+| infinite loop, ``sleep`` | wall clock (the whole container killed), ``RLIMIT_CPU`` |
 | memory bomb | ``RLIMIT_AS`` (``MemoryError``) |
 | output flood | ``RLIMIT_FSIZE`` on its stdout / stderr files, and only ``output_bytes`` read back |
-| fork bomb, ``subprocess`` | the audit hook (no fork / exec / spawn), ``RLIMIT_NPROC`` (not root), the PID namespace |
+| disk fill | the tmpfs size (``disk_mb``), ``RLIMIT_FSIZE`` per file |
+| fork bomb, thread bomb, ``subprocess`` | the audit hook (no fork / exec / spawn), ``RLIMIT_NPROC`` on an unprivileged uid, the PID namespace (all die with the run) |
 | network | the network namespace (no interface up) and the audit hook (no sockets) |
-| writes elsewhere | the audit hook (``open`` for writing, remove, rename, mkdir... outside the directory) |
-| ``ctypes`` to get around the hook | the hook refuses ``ctypes`` calls |
+| reading secrets (``/etc/shadow``, the job's files, other processes' ``/proc``) | not mounted; the PID namespace |
+| writes elsewhere | a read-only system and the audit hook |
+| ``ctypes``, ``__builtins__`` tricks against the hook | the hook refuses ``ctypes``; the container does not rely on the hook |
 
-Not a container: the code runs as the calling user, and what the audit hook does not see (a C
-extension doing system calls) is limited only by the resource limits and namespaces. Run the job
-itself in a container for code from outside. As HumanEval's ``execution.py`` and verl's
-``sandbox_fusion`` do, the code runs with Python's standard library only (``python -I -S``).
+The audit hook (PEP 578) is a tripwire that gives readable reasons, not a boundary: Python code can
+get around it, which is why the container is there. Where bubblewrap cannot run
+(:func:`alignment.sandbox.bwrap.probe` says why), a run falls back, with a logged warning, to the
+child's own network and PID namespaces, the same limits and the hook: then the code runs as the
+calling user, can read what that user can, and as root ``RLIMIT_NPROC`` does not bind. As
+HumanEval's ``execution.py`` and verl's ``sandbox_fusion`` do, the code runs with Python's standard
+library only (``python -I -S``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -39,16 +46,23 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 
-CHILD = Path(__file__).with_name("child.py")
+from alignment.sandbox import bwrap
 
-__all__ = ["SandboxLimits", "SandboxResult", "run_python", "SandboxPool", "network_isolation"]
+CHILD = Path(__file__).with_name("child.py")
+ISOLATIONS = ("bwrap", "namespaces")
+logger = logging.getLogger(__name__)
+
+__all__ = ["SandboxLimits", "SandboxResult", "run_python", "SandboxPool", "network_isolation", "default_isolation",
+           "ISOLATIONS"]
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
     """Per-run limits: ``wall_seconds`` (s, the whole run), ``cpu_seconds`` (s of CPU), ``memory_mb``
     (MiB of address space), ``file_bytes`` (largest file, stdout and stderr included), ``output_bytes``
-    (of stdout and of stderr read back), ``processes`` (``RLIMIT_NPROC``; enforced for non-root users)."""
+    (of stdout and of stderr read back), ``processes`` (``RLIMIT_NPROC``: processes and threads of the
+    run's uid; binds as root only in the bwrap container), ``disk_mb`` (MiB of each of the container's
+    tmpfs, ``/sandbox`` and ``/tmp``)."""
 
     wall_seconds: float = 10.0
     cpu_seconds: int = 10
@@ -56,6 +70,7 @@ class SandboxLimits:
     file_bytes: int = 1 << 20
     output_bytes: int = 1 << 16
     processes: int = 64
+    disk_mb: int = 64
 
     def check(self) -> None:
         """Raises ValueError naming a limit that is not positive."""
@@ -68,7 +83,8 @@ class SandboxLimits:
 class SandboxResult:
     """How a run ended: ``returncode`` (0: success; 128 + N: killed by signal N; None: killed at the
     wall-clock limit), ``stdout`` / ``stderr`` (at most ``output_bytes`` each, decoded with
-    replacement), ``timed_out``, ``truncated`` (more output than was read back) and ``seconds``."""
+    replacement), ``timed_out``, ``truncated`` (more output than was read back), ``seconds`` and
+    ``isolation`` (``bwrap`` or ``namespaces``: what it ran in)."""
 
     returncode: int | None
     stdout: str
@@ -76,11 +92,53 @@ class SandboxResult:
     timed_out: bool
     truncated: bool
     seconds: float
+    isolation: str = "bwrap"
 
     @property
     def ok(self) -> bool:
         """Ran to the end with exit status 0 within the limits."""
         return self.returncode == 0 and not self.timed_out
+
+    @property
+    def reason(self) -> str:
+        """Why the run ended, in a few words: ``ok``, the limit or layer that stopped it (``wall
+        clock``, ``CPU time limit``, ``memory limit``, ``refused: sandbox: os.fork is not allowed``,
+        ``read-only file system``...), else its exit status and last line of stderr."""
+        if self.ok:
+            return "ok"
+        if self.timed_out:
+            return f"wall clock: killed after {self.seconds:.1f} s"
+        lines = self.stderr.strip().splitlines()
+        last = lines[-1] if lines else ""
+        if self.returncode is not None and self.returncode > 128:
+            name = signal.Signals(self.returncode - 128).name if self.returncode - 128 in _SIGNALS else "a signal"
+            return {"SIGXCPU": "CPU time limit (SIGXCPU)", "SIGXFSZ": "file size limit (SIGXFSZ)"}.get(
+                name, f"killed by {name}")
+        for marker, why in _ERRORS:
+            if marker in last:
+                return f"{why}: {last}"
+        return f"exit status {self.returncode}" + (f": {last}" if last else "")
+
+
+_SIGNALS = {s.value for s in signal.Signals}
+_ERRORS = (("PermissionError: sandbox:", "refused by the audit hook"), ("MemoryError", "memory limit"),
+           ("[Errno 27]", "file size limit"), ("[Errno 28]", "disk limit"), ("[Errno 30]", "read-only file system"),
+           ("[Errno 13]", "permission denied (unprivileged uid)"), ("[Errno 2]", "not in the container"),
+           ("[Errno 11]", "process limit"), ("can't start new thread", "process limit"),
+           ("[Errno 24]", "open files limit"), ("[Errno 3]", "no such process (PID namespace)"),
+           ("[Errno 101]", "no network"), ("[Errno 111]", "connection refused (the container's own network)"), ("[Errno 1]", "not permitted"))
+
+
+@lru_cache(maxsize=1)
+def default_isolation() -> str:
+    """``bwrap`` where bubblewrap runs here, else ``namespaces`` (logged once as a warning with
+    bwrap's reason). Probed once per process."""
+    why = bwrap.probe()
+    if why is None:
+        return "bwrap"
+    logger.warning("sandbox: %s; untrusted code runs with the sandbox's own namespaces, limits and audit hook "
+                   "instead, as the calling user (weaker: see alignment/sandbox/runner.py)", why)
+    return "namespaces"
 
 
 @lru_cache(maxsize=1)
@@ -98,25 +156,45 @@ def _read(path: Path, cap: int) -> tuple[str, bool]:
     return data[:cap].decode("utf-8", errors="replace"), len(data) > cap
 
 
-def run_python(code: str, limits: SandboxLimits = SandboxLimits(), stdin: str = "") -> SandboxResult:
+def run_python(code: str, limits: SandboxLimits = SandboxLimits(), stdin: str = "", *, isolation: str | None = None,
+               audit_hook: bool = True) -> SandboxResult:
     """Run the Python source ``code`` as ``__main__`` in the sandbox (module docstring) with ``stdin``.
 
+    Args:
+        isolation: ``bwrap`` (the container), ``namespaces`` (the fallback) or None (the default:
+            :func:`default_isolation`).
+        audit_hook: False only to test the layers under it (a negative control).
     Raises:
-        ValueError: a limit that is not positive.
+        ValueError: a limit that is not positive, or an unknown ``isolation``.
+        FileNotFoundError: ``isolation="bwrap"`` where bwrap is not installed.
     """
     limits.check()
-    work, logs = Path(tempfile.mkdtemp(prefix="megalign_sandbox_")), Path(tempfile.mkdtemp(prefix="megalign_logs_"))
+    isolation = isolation or default_isolation()
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"sandbox isolation={isolation!r}: expected one of {', '.join(ISOLATIONS)}")
+    options = json.dumps({**asdict(limits), "audit_hook": audit_hook, "container": isolation == "bwrap"})
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
+    logs = Path(tempfile.mkdtemp(prefix="megalign_logs_"))
+    work, code_fd = None, -1
     start = time.perf_counter()
     timed_out = False
     try:
-        (work / "main.py").write_text(code)
-        env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8",
-               "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
+        if isolation == "bwrap":  # the program reaches /sandbox/main.py through a descriptor
+            code_fd = os.memfd_create("megalign_sandbox_main")
+            os.write(code_fd, code.encode())
+            os.lseek(code_fd, 0, os.SEEK_SET)
+            env.update(HOME=bwrap.SANDBOX_DIR, TMPDIR="/tmp")
+            argv = bwrap.command(CHILD, code_fd, [options, "main.py", "1"], limits.disk_mb, env)
+            cwd, popen_env, fds = logs, {}, (code_fd,)
+        else:
+            work = Path(tempfile.mkdtemp(prefix="megalign_sandbox_"))
+            (work / "main.py").write_text(code)
+            env.update(HOME=str(work), TMPDIR=str(work))
+            argv = [sys.executable, "-I", "-S", str(CHILD), options, "main.py", str(os.getpid())]
+            cwd, popen_env, fds = work, env, ()
         with open(logs / "stdout", "wb") as out, open(logs / "stderr", "wb") as err:
-            proc = subprocess.Popen([sys.executable, "-I", "-S", str(CHILD), json.dumps(asdict(limits)), "main.py",
-                                     str(os.getpid())],
-                                    cwd=work, env=env, stdin=subprocess.PIPE, stdout=out, stderr=err,
-                                    start_new_session=True)
+            proc = subprocess.Popen(argv, cwd=cwd, env=popen_env, stdin=subprocess.PIPE, stdout=out, stderr=err,
+                                    pass_fds=fds, start_new_session=True)
             try:
                 proc.communicate(stdin.encode(), timeout=limits.wall_seconds)
             except subprocess.TimeoutExpired:
@@ -130,9 +208,12 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), stdin: str = 
         stdout, cut_out = _read(logs / "stdout", limits.output_bytes)
         stderr, cut_err = _read(logs / "stderr", limits.output_bytes)
         return SandboxResult(None if timed_out else proc.returncode, stdout, stderr, timed_out, cut_out or cut_err,
-                             time.perf_counter() - start)
+                             time.perf_counter() - start, isolation)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if code_fd >= 0:
+            os.close(code_fd)
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(logs, ignore_errors=True)
 
 
@@ -149,20 +230,22 @@ class SandboxPool:
     Args:
         workers: concurrent runs (>= 1); each is a process of its own.
         limits: the limits of every run.
+        isolation: as :func:`run_python`'s.
     Raises:
         ValueError: ``workers < 1`` or a limit that is not positive.
     """
 
-    def __init__(self, workers: int = 2, limits: SandboxLimits = SandboxLimits()):
+    def __init__(self, workers: int = 2, limits: SandboxLimits = SandboxLimits(), isolation: str | None = None):
         if workers < 1:
             raise ValueError(f"sandbox workers={workers} must be >= 1")
         limits.check()
         self.limits = limits
+        self.isolation = isolation
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox")
 
     def submit(self, code: str, stdin: str = "") -> Future:
         """A future of the :class:`SandboxResult` of ``code``."""
-        return self._executor.submit(run_python, code, self.limits, stdin)
+        return self._executor.submit(run_python, code, self.limits, stdin, isolation=self.isolation)
 
     def map(self, codes: list[str]) -> list[SandboxResult]:
         """The results of ``codes``, in order (run concurrently)."""
