@@ -23,7 +23,8 @@ from alignment.models.hf_files import check_hf_dir
 from alignment.rewards.judge import probe_judge
 from alignment.rewards.remote import RewardServerError, SETTINGS, probe
 from alignment.schema import ConfigError, dotted, plain
-from alignment.training.checkpoint import checkpoint_step, latest_checkpoint, verify_checkpoint
+from alignment.training.checkpoint import (FULLY_RESHARDABLE, checkpoint_step, latest_checkpoint, optimizer_sharding,
+                                           verify_checkpoint)
 
 #: what a resumed run must share with the run that wrote its checkpoint
 RESUME_FIELDS = ("algorithm.name", "model.lora.rank", "model.lora.alpha", "model.lora.target_modules",
@@ -204,23 +205,34 @@ def data_position(cfg, prompts) -> dict:
 def check_resume(cfg, hf_config, prompts=None) -> str | None:
     """The checkpoint ``trainer.resume`` would load from ``<output_dir>/checkpoints``: every part
     complete and undamaged (:func:`alignment.training.checkpoint.verify_checkpoint`) and written by a
-    run with the same :data:`RESUME_FIELDS` (and :data:`SHARDED_BY` with the distributed optimizer),
-    a model of the same :data:`MODEL_DIMS` and, for an RL job (``prompts``), the same
-    :func:`data_position`. Returns a note to print (interrupted saves ignored), or None.
+    run with the same :data:`RESUME_FIELDS` (and :data:`SHARDED_BY` with the distributed optimizer,
+    unless it was rewritten for any layout: ``trainer.reshard_checkpoint``), a model of the same
+    :data:`MODEL_DIMS` and, for an RL job (``prompts``), the same :func:`data_position`. Returns a
+    note to print (interrupted saves ignored), or None.
 
     Raises:
         CheckpointError: a damaged checkpoint.
-        ConfigError: a checkpoint of another run, naming every difference and the fixes.
+        ConfigError: a checkpoint of another run, naming every difference and the fixes; or
+            ``trainer.reshard_checkpoint`` without the distributed optimizer or a checkpoint to rewrite.
     """
     from omegaconf import OmegaConf
 
     directory = Path(cfg.output_dir) / "checkpoints"
+    reshard = cfg.trainer.reshard_checkpoint
+    if reshard and not (cfg.trainer.resume and cfg.trainer.use_distributed_optimizer):
+        raise ConfigError("trainer.reshard_checkpoint=true rewrites the distributed optimizer's checkpoint for another "
+                          "layout: it needs trainer.resume=true and trainer.use_distributed_optimizer=true (the plain "
+                          "optimizer's checkpoints resume at any layout already)")
     if not cfg.trainer.resume or not directory.is_dir():
+        if reshard:
+            raise ConfigError(f"trainer.reshard_checkpoint=true: no checkpoint to rewrite in {directory}")
         return None
     interrupted = sorted(d.name for d in directory.glob("step_*") if checkpoint_step(d) is None)
     note = f"ignoring {', '.join(interrupted)} in {directory}: interrupted saves" if interrupted else None
     latest = latest_checkpoint(directory)
     if latest is None:
+        if reshard:
+            raise ConfigError(f"trainer.reshard_checkpoint=true: no complete checkpoint to rewrite in {directory}")
         return note
     parts = [p for p in sorted(latest.iterdir()) if (p / "config.yaml").is_file()] or [latest]
     for part in parts:
@@ -228,7 +240,8 @@ def check_resume(cfg, hf_config, prompts=None) -> str | None:
     if not (parts[0] / "config.yaml").is_file():
         return note
     saved = OmegaConf.load(parts[0] / "config.yaml")
-    fields = RESUME_FIELDS + (SHARDED_BY if _get(saved, "trainer.use_distributed_optimizer") else ())
+    sharded = _get(saved, "trainer.use_distributed_optimizer") and optimizer_sharding(latest) != FULLY_RESHARDABLE
+    fields = RESUME_FIELDS + (SHARDED_BY if sharded else ())
     diffs = [f"{f}={_get(saved, f)!r} (now {_get(cfg, f)!r})" for f in fields if _get(saved, f) != _get(cfg, f)]
     if _get(saved, "model.path") != cfg.model.path:
         diffs += _model_differences(str(_get(saved, "model.path")), hf_config)
@@ -237,9 +250,12 @@ def check_resume(cfg, hf_config, prompts=None) -> str | None:
         was, now = json.loads(position.read_text()), data_position(cfg, prompts)
         diffs += [f"{WHAT_POSITION[k]}={was.get(k)!r} (now {now[k]!r})" for k in now if k in was and was[k] != now[k]]
     if diffs:
+        layout = any(d.startswith(SHARDED_BY) for d in diffs)
         raise ConfigError(f"trainer.resume: {latest} was written by another run: {'; '.join(diffs)}. Resume with the "
                           "values it was saved with, or start in a new output_dir (trainer.resume=false would "
-                          f"overwrite {directory}'s checkpoints as it goes)")
+                          f"overwrite {directory}'s checkpoints as it goes)"
+                          + ("; to resume at another layout, first run once at the saved one with "
+                             "trainer.reshard_checkpoint=true" if layout else ""))
     return note
 
 

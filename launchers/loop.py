@@ -2,7 +2,8 @@
 rejection-sampling fine-tuning and online DPO) and the offline ones (SFT, reward model, DPO family,
 process reward model), for which ``collect`` takes the step's slice of the dataset:
 
-    baseline -> resume -> evaluate -> for each step:
+    baseline -> resume (with trainer.reshard_checkpoint: rewrite the checkpoint for any layout, stop)
+    -> evaluate -> for each step:
         collect the batches of steps up to max_staleness ahead (online: sample + reward; offline:
         the step's examples) -> train this step's batch (while rollout ranks of their own sample
         the farthest one) -> online: sync weights -> log (and every trainer.rollout_table_every
@@ -48,8 +49,8 @@ from alignment.data.prompt_data import EpochOrder
 from alignment.rewards.remote import RewardServerError, take_failures
 from alignment.trainers.rl_phases import post_for_group, sync_weights
 from alignment.models.families import model_dims
-from alignment.training.checkpoint import (ensure_space, latest_checkpoint, load_models_checkpoint, prune_checkpoints,
-                                           save_hf_checkpoint, save_models_checkpoint)
+from alignment.training.checkpoint import (FULLY_RESHARDABLE, ensure_space, latest_checkpoint, load_models_checkpoint,
+                                           prune_checkpoints, save_hf_checkpoint, save_models_checkpoint)
 from alignment.training.health import HealthMonitor
 from alignment.training.megatron_step import all_reduce_sum
 from alignment.training.offload import trainable
@@ -60,7 +61,7 @@ from launchers.phase_log import record
 from launchers.profiling import peak_rss_bytes
 from launchers.rollout_table import write_rollout_table
 from parallel.memory import checkpoint_bytes
-from parallel.state import replica_group
+from parallel.state import replica_group, shutdown
 
 
 class Evaluation(Protocol):
@@ -225,6 +226,29 @@ def total_steps(cfg, train_size: int) -> int:
     return t.steps if t.steps else max(1, t.epochs * train_size // cfg.rollout.prompts_per_step)
 
 
+def reshard_and_exit(job, models, spec: JobSpec, latest, step: int, files: dict | None) -> dict:
+    """``trainer.reshard_checkpoint``: write the checkpoint just loaded (``latest``, of ``step``) again
+    with the distributed optimizer's state in Megatron's fully_reshardable format (model space:
+    loads at any TP / PP / EP / DP), the same config, step and data position; then close the
+    engine and the process groups. Collective. Returns ``{"resharded": path, "step": step}``."""
+    import torch.distributed as dist
+
+    record("checkpoint", step)
+    with job.timers("checkpoint"):
+        save_models_checkpoint(latest.parent, step, spec.trained, config=job.resolved_config, files=files,
+                               sharding=FULLY_RESHARDABLE)
+    if job.rank == 0:
+        print(f"rewrote {latest} (step {step}) so that it resumes at any layout: launch the job at the new "
+              "tensor / pipeline / expert / data-parallel sizes (trainer.reshard_checkpoint=false)", flush=True)
+        if job.writer is not None:
+            job.writer.close()
+    dist.barrier()
+    if models.engine is not None:
+        models.engine.close()
+    shutdown()
+    return {"resharded": str(latest), "step": step}
+
+
 def run(job, models, spec: JobSpec) -> dict:
     """Run ``spec`` for its steps from the latest checkpoint (``trainer.resume``); returns the
     summary written to ``<output_dir>/summary.json``. ``job``: the :class:`launchers.common.Run`;
@@ -244,18 +268,19 @@ def run(job, models, spec: JobSpec) -> dict:
              for unit in (trainable(name) if optimizer is not None else (name,))]
     spec.evaluation.baseline()
     ckpt_dir, start_step = job.out / "checkpoints", 0
+    position = {DATA_POSITION_FILE: json.dumps(data_position(cfg, job.prompts))} \
+        if getattr(job.prompts, "fingerprint", None) else None
     latest = latest_checkpoint(ckpt_dir) if t.resume else None
     if latest is not None:  # every trained model (with its Adam state) resumes together
         models.placement.keep(*units)
         start_step = load_models_checkpoint(latest, spec.trained)
+        if t.reshard_checkpoint:
+            return reshard_and_exit(job, models, spec, latest, start_step, position)
         models.placement.keep("policy")
         if online:
             sync_weights(models, cfg.rollout.check_weight_sync)
         if job.rank == 0:
             print(f"resumed from {latest} (step {start_step})", flush=True)
-
-    position = {DATA_POSITION_FILE: json.dumps(data_position(cfg, job.prompts))} \
-        if getattr(job.prompts, "fingerprint", None) else None
 
     def estimate() -> int:  # the first save's size: every trained model with its Adam state
         lora = cfg.model.lora

@@ -205,3 +205,47 @@ def test_diverging_run_skips_nan_updates_then_stops_with_a_checkpoint(tmp_path):
                        timeout=900, expect_failure=True)
     assert "TrainingStopped: step 1: loss = " in log and "is below 100 (trainer.stop_on), so the run stopped" in log
     assert (out / "checkpoints" / "step_1" / "metadata.json").exists() and not (out / "checkpoints" / "step_2").exists()
+
+
+def test_a_checkpoint_rewritten_for_any_layout_resumes_at_tp2_and_pp2(tmp_path):
+    """The distributed optimizer's checkpoint of an SFT run at DP 2, rewritten once at that layout
+    (``trainer.reshard_checkpoint=true``: Megatron's fully_reshardable format, nothing trained),
+    resumes at TP 2 and at PP 2 with its Adam state, step and data position: steps 3 and 4 have the
+    losses of the run that never changed layout, within fp32 reduction-order noise (step 4's depends
+    on the Adam moments). Without the rewrite, the launch at another layout is refused before start,
+    naming the sizes and the fix."""
+    from hydra import compose, initialize_config_dir
+    from transformers import AutoConfig
+
+    from alignment.config import register
+    from alignment.schema import ConfigError
+    from launchers.input_checks import check_resume
+    from tests.conftest import ROOT
+
+    model_dir = save_tiny_hf_dir(tmp_path / "tiny")
+    base = [*COMMON, *SIZES[:-1], "trainer.epochs=4", "trainer.use_distributed_optimizer=true", "trainer.save_every=2"]
+    reference = Job("sft", model_dir, tmp_path / "straight", base)
+    layouts = {"tp2": "parallel.tensor_model_parallel_size=2", "pp2": "parallel.pipeline_model_parallel_size=2"}
+    jobs = [reference]
+    for name, layout in layouts.items():
+        out = tmp_path / name
+        jobs += [Job("sft", model_dir, out, [*base, "trainer.steps=2"], result=tmp_path / f"{name}_first.json"),
+                 Job("sft", model_dir, out, [*base, "trainer.reshard_checkpoint=true"],
+                     result=tmp_path / f"{name}_rewrite.json"),
+                 Job("sft", model_dir, out, [*base, layout], result=tmp_path / f"{name}_resumed.json")]
+    summaries = run_jobs(*jobs)
+    straight = [h["loss"] for h in summaries[0]["history"]]
+    assert len(straight) == 4 and straight[3] < straight[2] < straight[1]
+    for i, name in enumerate(layouts):
+        first, rewrite, resumed = summaries[1 + 3 * i : 4 + 3 * i]
+        assert [h["loss"] for h in first["history"]] == straight[:2]  # the same run up to the checkpoint
+        assert rewrite == {"resharded": str(tmp_path / name / "checkpoints" / "step_2"), "step": 2}
+        assert resumed["start_step"] == 2 and len(resumed["history"]) == 2
+        assert [h["loss"] for h in resumed["history"]] == pytest.approx(straight[2:], rel=1e-5), name
+
+    # the TP 2 run's last checkpoint (the usual format, at TP 2) at TP 1: refused, the fix named
+    register()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        cfg = compose("sft", overrides=[f"model.path={model_dir}", f"output_dir={tmp_path / 'tp2'}", *base])
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=2 \(now 1\).*trainer.reshard_checkpoint=true"):
+        check_resume(cfg, AutoConfig.from_pretrained(model_dir))

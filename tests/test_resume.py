@@ -1,6 +1,7 @@
 """A run resumed from a checkpoint (model + optimizer state + step) continues exactly
 like an uninterrupted one, with the plain and the distributed optimizer; distributed-optimizer
-state saved at another tensor-parallel size is refused with a message that names it."""
+state saved at another tensor-parallel size is refused with a message that names it, and resumes
+there once rewritten fully reshardable (``trainer.reshard_checkpoint``)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,14 @@ def test_resumed_training_equals_uninterrupted_and_nan_updates_are_skipped(torch
     assert "is damaged: __" in r["damaged_error"] and "were written" in r["damaged_error"], r["damaged_error"]
     assert "tensor_model_parallel_size=1 (now 2)" in r["layout_error"], r["layout_error"]
     assert "pipeline_model_parallel_size" not in r["layout_error"]  # only what differs is named
+    assert "trainer.reshard_checkpoint=true" in r["layout_error"]
+    # rewritten fully reshardable, the DP=2 state resumes at TP=2 and at PP=2 (DP=1): the same weights after
+    # the next step as the run that never changed layout, within fp32 reduction-order noise; without its
+    # Adam state (control) far from them
+    for layout in ("tp2", "pp2"):
+        got = r[f"resharded_{layout}"]
+        assert got["step"] == 2 and got["resumed_vs_straight"] <= 1e-5, (layout, got)
+        assert got["model_only_vs_straight"] > 1e-3, (layout, got)
     # trainer.grad_stats_every: per layer group, the squares add up to the optimizer's own (pre-clip) gradient
     # norm, and the groups are the same whether the gradients are whole (plain optimizer), DP shards
     # (distributed optimizer) or TP shards with duplicated norms (TP=2)

@@ -102,14 +102,32 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
                                   f"damaged, and is not unpickled; {fix}") from e
 
 
-def _optimizer_metadata(optimizer) -> dict:  # noqa: ARG001 - same for every optimizer type
+#: how the distributed optimizer's state is laid out in a checkpoint (Megatron's sharding types)
+DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
+
+
+def _optimizer_metadata(sharding: str) -> dict:
     # The distributed optimizer's default sharding type needs ShardedTensor.flattened_range,
-    # which torch_dist checkpoints refuse. "dp_reshardable" writes each rank's own slice of every
-    # bucket (fp32 master + Adam moments) as a 1-D ShardedTensor, with no gather and no copy,
-    # and loads at another data-parallel size; "fully_reshardable" (which also allows a new
-    # TP/PP for the optimizer state) gathers the whole state on one rank: 7.1 GiB peak there for
-    # SmolLM2-135M against 4.x GiB (docs/results.md).
-    return {"distrib_optim_sharding_type": "dp_reshardable"}
+    # which torch_dist checkpoints refuse. "dp_reshardable" (every save) writes each rank's own
+    # slice of every bucket (fp32 master + Adam moments) as a 1-D ShardedTensor, with no gather and
+    # no copy, and loads at another data-parallel size; "fully_reshardable" (on demand:
+    # trainer.reshard_checkpoint) gathers the state and writes it in model space, one tensor per
+    # parameter shaped and sharded as the parameter, so it loads at any TP/PP/EP/DP; the gather
+    # peaks at 7.1 GiB for SmolLM2-135M against 4.x GiB (docs/results.md).
+    return {"distrib_optim_sharding_type": sharding}
+
+
+def optimizer_sharding(path: str | os.PathLike) -> str:
+    """How the checkpoint at ``path`` holds the distributed optimizer's state: :data:`DP_RESHARDABLE`
+    (resumes at another data-parallel size only) or :data:`FULLY_RESHARDABLE` (any layout); read
+    from its ``common.pt`` (weights only). A checkpoint of several parts (PPO's policy and critic):
+    :data:`FULLY_RESHARDABLE` only when every part is."""
+    path = Path(path)
+    parts = [p for p in sorted(path.iterdir()) if (p / "common.pt").is_file()] or [path]
+    kinds = {torch.load(p / "common.pt", map_location="cpu", weights_only=True).get("optimizer_sharding",
+                                                                                     DP_RESHARDABLE)
+             for p in parts}
+    return FULLY_RESHARDABLE if kinds == {FULLY_RESHARDABLE} else DP_RESHARDABLE
 
 
 def _optimizer_kind(optimizer) -> str | None:
@@ -152,22 +170,23 @@ def _trained_entries(model, model_sd: dict) -> dict:
             if isinstance(v, (ShardedTensor, ShardedTensorFactory)) and id(v.data) in trained}
 
 
-def _state(model, optimizer, step: int, is_loading: bool) -> dict:
+def _state(model, optimizer, step: int, is_loading: bool, sharding: str = DP_RESHARDABLE) -> dict:
     model_sd = unwrap(model).sharded_state_dict()
     adapters_only = _adapters_only(model)
     if adapters_only:
         model_sd = _trained_entries(model, model_sd)
     state = {"model": model_sd, "step": step, "optimizer_kind": _optimizer_kind(optimizer),
              "model_parallel_sizes": _model_parallel_sizes(), "adapters_only": adapters_only,
-             "lora": _lora_signature(model)}
+             "lora": _lora_signature(model), "optimizer_sharding": sharding}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                          metadata=_optimizer_metadata(optimizer))
+                                                          metadata=_optimizer_metadata(sharding))
     return state
 
 
 def save_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, optimizer=None, step: int = 0,
-                             config: str | None = None, files: dict[str, str] | None = None) -> Path:
+                             config: str | None = None, files: dict[str, str] | None = None,
+                             sharding: str = DP_RESHARDABLE) -> Path:
     """Megatron distributed checkpoint (``torch_dist`` format): model shards, optionally the
     optimizer state (Adam moments, sharded as the optimizer is) and the step; collective. A LoRA
     job's model (:mod:`parallel.lora`) writes only what trains (adapters, a value model's head)
@@ -175,7 +194,9 @@ def save_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, op
     The model part loads at another TP/PP layout with ``dist_checkpointing.load``.
     ``config``: the run's resolved config (YAML text), written as ``config.yaml`` inside the
     checkpoint before it is published; ``files``: more text files written beside it (name -> text, e.g.
-    ``prompts.json``: what :func:`launchers.input_checks.check_resume` compares)."""
+    ``prompts.json``: what :func:`launchers.input_checks.check_resume` compares); ``sharding``: the
+    distributed optimizer's layout in it (:data:`DP_RESHARDABLE`, or :data:`FULLY_RESHARDABLE` to
+    resume at any layout)."""
     from megatron.core import dist_checkpointing
 
     final = Path(path)
@@ -185,7 +206,7 @@ def save_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, op
         for name, text in written.items():
             (tmp / name).write_text(text)
     try:
-        dist_checkpointing.save(_state(model, optimizer, step, is_loading=False), str(tmp))
+        dist_checkpointing.save(_state(model, optimizer, step, is_loading=False, sharding=sharding), str(tmp))
     except OSError as e:
         if e.errno != errno.ENOSPC:
             raise
@@ -200,7 +221,7 @@ def load_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, op
     """Load what :func:`save_megatron_checkpoint` wrote into ``model`` (and ``optimizer``);
     returns the saved step. Collective. The model loads at any layout; the distributed
     optimizer's state at another data-parallel (or context-parallel) size but the same tensor,
-    pipeline and expert sizes.
+    pipeline and expert sizes, or at any layout when saved :data:`FULLY_RESHARDABLE`.
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
@@ -216,6 +237,7 @@ def load_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, op
         raise FileNotFoundError(f"no Megatron checkpoint at {path} (metadata.json missing)")
     verify_checkpoint(path)
     common = dist_checkpointing.load_common_state_dict(str(path))
+    sharding = common.get("optimizer_sharding", DP_RESHARDABLE)
     adapters_only = _adapters_only(model)
     if bool(common.get("adapters_only", False)) != adapters_only:
         held = "only LoRA adapters" if common.get("adapters_only") else "a whole model"
@@ -229,18 +251,18 @@ def load_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, op
     if optimizer is not None:
         saved = common.get("optimizer_kind")
         sizes, now = common.get("model_parallel_sizes"), _model_parallel_sizes()
-        if saved == "distributed" and sizes is not None and sizes != now:
+        if saved == "distributed" and sizes is not None and sizes != now and sharding == DP_RESHARDABLE:
             diff = ", ".join(f"{k}={sizes[k]} (now {now[k]})" for k in now if sizes.get(k) != now[k])
             raise ValueError(
                 f"checkpoint {path} holds distributed-optimizer state saved at {diff}: it resumes at "
-                "another data-parallel size only. Resume with those sizes, or load the weights alone "
-                "into a new run (trainer.resume=false with model.path set to an HF export of the checkpoint)")
+                "another data-parallel size only. Resume with those sizes, or rewrite it for any layout first: "
+                "run once at those sizes with trainer.reshard_checkpoint=true (docs/reliability.md)")
         if saved != _optimizer_kind(optimizer):
             raise ValueError(
                 f"checkpoint {path} holds {saved or 'no'} optimizer state but this run uses the "
                 f"{_optimizer_kind(optimizer)} optimizer: resume with trainer.use_distributed_optimizer="
                 f"{'true' if saved == 'distributed' else 'false'}, or start a new output_dir")
-    loaded = dist_checkpointing.load(_state(model, optimizer, 0, is_loading=True), str(path))
+    loaded = dist_checkpointing.load(_state(model, optimizer, 0, is_loading=True, sharding=sharding), str(path))
     result = unwrap(model).load_state_dict(loaded["model"], strict=not adapters_only)
     if adapters_only:  # the frozen base stays as loaded from model.path; every trained tensor must come back
         trained = {n for n, p in unwrap(model).named_parameters() if p.requires_grad}
@@ -253,20 +275,23 @@ def load_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, op
 
 
 def save_models_checkpoint(directory: str | os.PathLike, step: int, parts: dict, config: str | None = None,
-                           files: dict[str, str] | None = None) -> Path:
+                           files: dict[str, str] | None = None, sharding: str = DP_RESHARDABLE) -> Path:
     """``<directory>/step_<step>`` holding every trained model of a job, published together;
     collective. ``parts``: name -> ``(model, optimizer)``. One part is written as one
     :func:`save_megatron_checkpoint` at the step directory itself (the policy of a GRPO job);
     several go to ``step_<step>/<name>`` (PPO's policy and critic), written into
     ``step_<step>.parts`` first and renamed into place only when all are complete, after which the
-    step's ``metadata.json`` marks it complete for :func:`latest_checkpoint`."""
+    step's ``metadata.json`` marks it complete for :func:`latest_checkpoint`. ``sharding``: as
+    :func:`save_megatron_checkpoint`'s."""
     final = Path(directory) / f"step_{step}"
     if len(parts) == 1:
         [(model, optimizer)] = parts.values()
-        return save_megatron_checkpoint(model, final, optimizer=optimizer, step=step, config=config, files=files)
+        return save_megatron_checkpoint(model, final, optimizer=optimizer, step=step, config=config, files=files,
+                                        sharding=sharding)
     staged = final.with_name(final.name + ".parts")
     for name, (model, optimizer) in parts.items():
-        save_megatron_checkpoint(model, staged / name, optimizer=optimizer, step=step, config=config, files=files)
+        save_megatron_checkpoint(model, staged / name, optimizer=optimizer, step=step, config=config, files=files,
+                                 sharding=sharding)
     if dist.get_rank() == 0:  # every part complete: publish them together, then mark the step complete
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staged, final)

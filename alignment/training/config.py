@@ -67,6 +67,10 @@ class TrainerConfig:
     # group timeout): a rank that stops answering ends the job then, named (launchers/phase_log.py)
     collective_timeout_s: float = ranged(1800.0, 0, low_in=False, note=' (seconds)')
     resume: bool = True  # continue from the latest complete checkpoint in <output_dir>/checkpoints
+    # rewrite the checkpoint this run resumes from so that it resumes at ANY layout (another TP / PP / EP,
+    # not only another DP), Adam state, step and data position kept, then stop without training: run once
+    # at the layout it was saved with, then launch at the new one (Megatron's fully_reshardable format)
+    reshard_checkpoint: bool = False
     use_distributed_optimizer: bool = False  # shard Adam state over data-parallel ranks
     critic_lr: float = ranged(1e-5, 0, low_in=False)  # ppo: the critic's Adam learning rate
     # RL jobs: between phases, move idle models' weights, gradient buffers and Adam state to host

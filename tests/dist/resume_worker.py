@@ -18,7 +18,7 @@ from alignment.models.families import get_bridge
 from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.weights import export_hf_weights, load_hf_weights
 from alignment.training.batching import split_microbatches
-from alignment.training.checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
+from alignment.training.checkpoint import FULLY_RESHARDABLE, load_megatron_checkpoint, save_megatron_checkpoint
 from alignment.training.health import guarded_step
 from alignment.training.megatron_step import LogprobOutputs, OptimConfig, forward_backward, setup_training
 from parallel.layout import ParallelLayout
@@ -28,9 +28,9 @@ from tests.dist.report import write_results_and_shutdown
 from tests.dist.tiny_llama import tiny_llama
 
 
-def fresh(hf, distributed: bool, tp: int = 1):
+def fresh(hf, distributed: bool, tp: int = 1, pp: int = 1):
     cfg = hf.config
-    model = build_gpt_model(cfg, transformer_config(cfg, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1))
+    model = build_gpt_model(cfg, transformer_config(cfg, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp))
     load_hf_weights(model, hf.state_dict(), get_bridge(cfg))
     return setup_training(model, OptimConfig(lr=1e-2, use_distributed_optimizer=distributed))
 
@@ -92,6 +92,10 @@ def main(ckpt_root: str, path: str) -> None:
         train(ddp, opt, hf, range(2))
         ckpt = f"{ckpt_root}/{name}/step_2"
         save_megatron_checkpoint(ddp, ckpt, optimizer=opt, step=2)
+        if distributed:  # the same state written for any layout (trainer.reshard_checkpoint), resumed below
+            save_megatron_checkpoint(ddp, f"{ckpt_root}/reshardable/step_2", optimizer=opt, step=2,
+                                     sharding=FULLY_RESHARDABLE)
+            results["straight_distributed"] = straight
         ddp, opt = fresh(hf, distributed)  # a new process would start from the initial weights
         step = load_megatron_checkpoint(ddp, ckpt, optimizer=opt)
         train(ddp, opt, hf, range(step, 3))
@@ -144,6 +148,22 @@ def main(ckpt_root: str, path: str) -> None:
         results["layout_error"] = None
     except ValueError as e:
         results["layout_error"] = str(e)
+    # the fully reshardable checkpoint of DP=2 resumes at TP=2 and at PP=2 (DP=1), Adam state and step kept
+    straight = results.pop("straight_distributed")
+    for name, sizes in (("tp2", {"tp": 2}), ("pp2", {"pp": 2})):
+        layout = ParallelLayout(world_size=world, tensor_model_parallel_size=sizes.get("tp", 1),
+                                pipeline_model_parallel_size=sizes.get("pp", 1))
+        init_distributed(layout)
+        ddp, opt = fresh(hf, True, **sizes)
+        step = load_megatron_checkpoint(ddp, f"{ckpt_root}/reshardable/step_2", optimizer=opt)
+        train(ddp, opt, hf, range(step, 3))
+        resumed = export_hf_weights(ddp, bridge)
+        ddp, opt = fresh(hf, True, **sizes)  # control: the same weights without the Adam state
+        load_megatron_checkpoint(ddp, f"{ckpt_root}/reshardable/step_2")
+        train(ddp, opt, hf, range(2, 3))
+        results[f"resharded_{name}"] = {"step": step, "resumed_vs_straight": max_diff(resumed, straight),
+                                        "model_only_vs_straight": max_diff(export_hf_weights(ddp, bridge), straight)}
+    init_distributed(ParallelLayout(world_size=world, tensor_model_parallel_size=2))
     for distributed in (False, True):  # TP=2: split weights and their duplicated norms counted once
         ddp, opt = fresh(hf, distributed, tp=2)
         stats = []
