@@ -38,3 +38,26 @@ def save_tiny_hf_dir(path, tokenizer_source: str = "smollm2", seed: int = 0, tie
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def save_eos_prone_hf_dir(path, eos_logit: float = 30.0, gain: float = 20.0):
+    """:func:`save_tiny_hf_dir` (untied head) made to end its answers early, often but not always:
+    every token's embedding gets a constant 1.0 in dimension 0, which the final norm scales by
+    ``gain``, and the LM head's end-of-text row reads only that dimension (``eos_logit / gain``).
+    The end-of-text logit is then large at every position: a random model with a 49,152-token
+    vocabulary ends an answer after a few to sixteen tokens (P(EOS) 0.04-0.2 per position at the
+    defaults), so answers vary in length, and one direction of the weights makes them shorter. The
+    ``length`` reward is then a task GRPO learns in a few steps (tests/test_grpo_e2e.py)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    save_tiny_hf_dir(path, tie_word_embeddings=False)
+    eos = AutoTokenizer.from_pretrained(path).eos_token_id
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        model.model.norm.weight[0] = gain
+        model.lm_head.weight[eos] = 0.0
+        model.lm_head.weight[eos, 0] = eos_logit / gain
+    model.save_pretrained(path)
+    return path
