@@ -1,4 +1,5 @@
-"""Soak: a long GRPO run (2 ranks, the in-process vLLM engine, a tiny random Llama, short answers)
+"""Soak: a long GRPO run (2 ranks, the in-process vLLM engine, a tiny random Llama, short answers, a
+reward that varies so that every step updates the weights: :func:`even_length`)
 watched from outside at every optimizer step: each rank's resident memory (RSS), open file
 descriptors, threads and child processes, and the size of ``output_dir`` (checkpoints every
 ``--save-every`` steps, ``trainer.keep_last=2``). Prints the figures after a warm-up (the RSS
@@ -35,7 +36,15 @@ from launchers.phase_log import read_phases  # noqa: E402
 
 JOB = ["rollout.prompts_per_step=2", "rollout.group_size=4", "trainer.micro_batch_size=2", "data.heldout_size=4",
        "data.train_size=200", "rollout.max_tokens=16", "rollout.eval_max_tokens=8", "trainer.progress_bar=false",
-       "trainer.eval_before=false", "rollout.kv_cache_gib=0.25", "trainer.keep_last=2", "trainer.eval_cache=false"]
+       "trainer.eval_before=false", "rollout.kv_cache_gib=0.25", "trainer.keep_last=2", "trainer.eval_cache=false",
+       "trainer.lr=1e-4", "reward.functions=[{name: bench.soak:even_length}]"]
+
+
+def even_length(completions, **kwargs) -> list[float]:
+    """The soak's reward (``reward.functions``, TRL's signature): 1.0 for a completion with an even
+    number of characters. It varies within every group, so every step has advantages, gradients and
+    an update (a random model never solves the task, whose grader would give 0 everywhere)."""
+    return [float(len(c if isinstance(c, str) else c[-1]["content"]) % 2 == 0) for c in completions]
 
 
 def tiny_model(path: Path) -> Path:
@@ -140,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
            str(ROOT / "launchers" / "train.py"), "--config-name=grpo", f"model.path={model}", f"output_dir={run}",
            f"trainer.steps={args.steps}", f"trainer.save_every={args.save_every}", *JOB]
     with open(args.out / "soak.log", "w") as log:
-        status = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
+        status = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, stdout=log,
                                 stderr=subprocess.STDOUT).returncode
     done.set()
     watcher.join()
@@ -148,6 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     plot(samples, args.out / "soak_rss.png", args.warmup)
     print(f"soak: {args.steps} steps in {time.time() - t0:.0f} s, exit status {status}, {len(samples)} samples\n")
     print(report(samples, args.warmup))
+    summary = run / "summary.json"
+    if summary.exists():  # the job's own record: did the steps train?
+        history = json.loads(summary.read_text())["history"]
+        moved = sum(h.get("grad_norm", 0.0) > 0 for h in history)
+        print(f"\n{moved} of {len(history)} steps updated the weights (gradient norm > 0); mean reward "
+              f"{min(h['reward/mean'] for h in history):.2f}-{max(h['reward/mean'] for h in history):.2f}")
     return status
 
 

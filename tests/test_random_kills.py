@@ -34,7 +34,7 @@ def test_the_comparison_sees_any_difference(tmp_path):
     assert compare(*base, *run("bytes", steps, weights=b"w" * 7 + b"x")) == ["the final weights' bytes differ"]
 
 
-@pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
+@pytest.mark.heavy  # 5 launches, ~3 min here: skipped on a CPU without AVX-512 (tests/conftest.py)
 def test_random_kills_then_resume_equal_the_uninterrupted_run(tmp_path):
     records, problems = kill_trials(tmp_path / "kills", trials=2, steps=5, window=8.0, seed=1)
     kills = [r for r in records if r["killed"]]

@@ -16,7 +16,7 @@ Layers (what each threat meets, in the container; :mod:`alignment.sandbox.child`
 | output flood | ``RLIMIT_FSIZE`` on its stdout / stderr files, and only ``output_bytes`` read back |
 | disk fill | the tmpfs size (``disk_mb``), ``RLIMIT_FSIZE`` per file |
 | fork bomb, thread bomb, ``subprocess`` | the audit hook (no fork / exec / spawn), ``RLIMIT_NPROC`` on an unprivileged uid, the PID namespace (all die with the run) |
-| network | the network namespace (no interface up) and the audit hook (no sockets) |
+| network | the network namespace (its own loopback only) and the audit hook (no sockets) |
 | reading secrets (``/etc/shadow``, the job's files, other processes' ``/proc``) | not mounted; the PID namespace |
 | writes elsewhere | a read-only system and the audit hook |
 | ``ctypes``, ``__builtins__`` tricks against the hook | the hook refuses ``ctypes``; the container does not rely on the hook |
@@ -101,9 +101,10 @@ class SandboxResult:
 
     @property
     def reason(self) -> str:
-        """Why the run ended, in a few words: ``ok``, the limit or layer that stopped it (``wall
-        clock``, ``CPU time limit``, ``memory limit``, ``refused: sandbox: os.fork is not allowed``,
-        ``read-only file system``...), else its exit status and last line of stderr."""
+        """Why the run ended, in a few words: ``ok``, or the limit or layer that stopped it (``wall
+        clock: ...``, ``CPU time limit (SIGXCPU)``, ``memory limit: MemoryError``, ``refused by the
+        audit hook: PermissionError: sandbox: os.fork is not allowed``, ``read-only file system:
+        ...``) with the last line of stderr, else its exit status and that line."""
         if self.ok:
             return "ok"
         if self.timed_out:
@@ -116,6 +117,8 @@ class SandboxResult:
                 name, f"killed by {name}")
         for marker, why in _ERRORS:
             if marker in last:
+                if marker == "[Errno 2]" and self.isolation != "bwrap":
+                    why = "no such file"
                 return f"{why}: {last}"
         return f"exit status {self.returncode}" + (f": {last}" if last else "")
 
@@ -126,7 +129,8 @@ _ERRORS = (("PermissionError: sandbox:", "refused by the audit hook"), ("MemoryE
            ("[Errno 13]", "permission denied (unprivileged uid)"), ("[Errno 2]", "not in the container"),
            ("[Errno 11]", "process limit"), ("can't start new thread", "process limit"),
            ("[Errno 24]", "open files limit"), ("[Errno 3]", "no such process (PID namespace)"),
-           ("[Errno 101]", "no network"), ("[Errno 111]", "connection refused (the container's own network)"), ("[Errno 1]", "not permitted"))
+           ("[Errno 101]", "no network"), ("[Errno 111]", "connection refused (the container's own network)"),
+           ("[Errno 1]", "not permitted"))
 
 
 @lru_cache(maxsize=1)
