@@ -45,6 +45,8 @@ UNTIMED = ("time/", "tokens_per_s", "memory/", "weight_sync/", "seconds")
 
 
 def launch(model: Path, out: Path, result: Path, steps: int, log: Path) -> subprocess.Popen:
+    """Start the job (torchrun, 2 ranks of ``tests/dist/kill_worker.py`` with no kill of its own) on
+    ``model`` into ``out`` for ``steps`` steps, its output to ``log``, in a session of its own."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
            str(model), str(out), "none", "0", f"trainer.steps={steps}", *JOB, str(result)]
     with open(log, "w") as f:  # a file, not a pipe: nothing the kill leaves may hold it open
@@ -97,6 +99,7 @@ def trial(model: Path, out: Path, result: Path, steps: int, log: Path, delay: fl
 
 
 def untimed(record: dict) -> dict:
+    """A step's metrics without those of the machine (:data:`UNTIMED`: times, throughput, memory)."""
     return {k: v for k, v in record.items() if not any(u in k for u in UNTIMED)}
 
 
@@ -160,6 +163,7 @@ def resumed_from(text: str) -> int:
 
 
 def table(records: list[dict]) -> str:
+    """The trial log as a Markdown table, one row per launch."""
     lines = ["| launch | resumed from step | killed after training began (s) | rank 0 | rank 1 | inside a save | "
              "processes killed |", "|---|---|---|---|---|---|---|"]
     for i, r in enumerate(records):
