@@ -121,7 +121,12 @@ def optimizer_sharding(path: str | os.PathLike) -> str:
     """How the checkpoint at ``path`` holds the distributed optimizer's state: :data:`DP_RESHARDABLE`
     (resumes at another data-parallel size only) or :data:`FULLY_RESHARDABLE` (any layout); read
     from its ``common.pt`` (weights only). A checkpoint of several parts (PPO's policy and critic):
-    :data:`FULLY_RESHARDABLE` only when every part is."""
+    :data:`FULLY_RESHARDABLE` only when every part is. Written before this was recorded:
+    :data:`DP_RESHARDABLE`.
+
+    Raises:
+        FileNotFoundError: no ``common.pt`` (check with :func:`verify_checkpoint` first).
+    """
     path = Path(path)
     parts = [p for p in sorted(path.iterdir()) if (p / "common.pt").is_file()] or [path]
     kinds = {torch.load(p / "common.pt", map_location="cpu", weights_only=True).get("optimizer_sharding",
@@ -256,7 +261,7 @@ def load_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, op
             raise ValueError(
                 f"checkpoint {path} holds distributed-optimizer state saved at {diff}: it resumes at "
                 "another data-parallel size only. Resume with those sizes, or rewrite it for any layout first: "
-                "run once at those sizes with trainer.reshard_checkpoint=true (docs/reliability.md)")
+                "run once at those sizes with trainer.reshard_checkpoint=true (docs/guides/checkpoints.md)")
         if saved != _optimizer_kind(optimizer):
             raise ValueError(
                 f"checkpoint {path} holds {saved or 'no'} optimizer state but this run uses the "
