@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args(argv)
     problems = load_humaneval("train", args.runs)
-    workloads = {"print(1)": ["print(1)"] * args.runs,
+    workloads = {"print(i)": [f"print({i})" for i in range(args.runs)],  # distinct: a pool runs a program once per map
                  "HumanEval check (canonical solution)": [check_program(p, p["canonical_solution"]) for p in problems]}
     isolations = [i for i in ISOLATIONS if i != "bwrap" or probe() is None]
     if probe() is not None:

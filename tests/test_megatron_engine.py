@@ -51,6 +51,7 @@ def test_megatron_engine_matches_transformers(torchrun_json):
     assert r["rng_untouched"] and r["same_seed_same_samples"], r
     # reseed(step): the step's own stream, whatever was sampled before (a resumed run samples alike)
     assert r["reseed_same_stream"] and r["reseed_other_step_differs"], r
+    assert r["on_done_after_each_batch"], r  # a prompt's samples handed out as soon as its rows are done
     # sleep frees the whole KV cache (keys + values of every layer), the next generation re-allocates it
     assert r["kv_bytes"] == r["kv_expected"] > 0 and r["kv_after_sleep"] == 0, r
     # its sampler draws from softmax(logits / T): mean drawn logprob = -entropy within 4 standard errors

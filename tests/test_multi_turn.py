@@ -13,7 +13,7 @@ from alignment.data.tasks import Problem
 from alignment.envs.base import SingleTurn, Transition
 from alignment.envs.tool_env import ToolEnvironment, tools_system_prompt
 from alignment.envs.tools import TOOLS
-from alignment.rollout.base import Sample, SamplingConfig
+from alignment.rollout.base import Sample, SamplingConfig, report_each
 from alignment.rollout.multi_turn import run_episodes
 from alignment.rollout.turn_tokens import TurnTokens
 from alignment.training.batching import make_batch
@@ -51,7 +51,7 @@ class ScriptedEngine:
             out += ids
         return out
 
-    def generate(self, prompts, sampling: SamplingConfig):
+    def generate(self, prompts, sampling: SamplingConfig, on_done=None):
         self.calls.append((list(map(list, prompts)), sampling))
         result = []
         for p in prompts:
@@ -66,7 +66,7 @@ class ScriptedEngine:
                 lps = [-0.01 * (i + 1) for i in range(len(ids))]
                 samples.append(Sample(list(p), ids, lps, self.tokenizer.decode(ids, skip_special_tokens=True), finished))
             result.append(samples)
-        return result
+        return report_each(result, on_done)
 
 
 PROBLEM = Problem("Calculate 12 * 7 + 5.", "89", "arithmetic")
@@ -183,6 +183,21 @@ def test_single_turn_environment_is_one_generate_call(tokenizer, turns):
     for got, want in zip(sum(groups, []), sum(direct, [])):
         assert (got.prompt_ids, got.response_ids, got.logprobs, got.text, got.finished, got.loss_mask) == (
             want.prompt_ids, want.response_ids, want.logprobs, want.text, want.finished, None)
+
+
+def test_single_turn_answers_are_handed_out_as_generated(tokenizer, turns):
+    """``on_done`` sees each problem's answers once, the episodes' own texts; multi-turn episodes,
+    whose last answer comes at the end, never call it."""
+    engine = ScriptedEngine(tokenizer, lambda prompt, k: f"answer {k}")
+    seen = []
+    groups = run_episodes(engine.generate, SingleTurn(), [PROBLEM, PROBLEM], turns, SamplingConfig(n=2, max_tokens=20),
+                          max_turns=1, on_done=lambda i, samples: seen.append((i, [s.text for s in samples])))
+    assert seen == [(0, ["answer 0", "answer 1"]), (1, ["answer 0", "answer 1"])]
+    assert [[s.text for s in g] for g in groups] == [texts for _, texts in seen]
+    seen.clear()
+    run_episodes(ScriptedEngine(tokenizer, lambda prompt, k: "no call").generate, ToolEnvironment(), [PROBLEM], turns,
+                 SamplingConfig(n=1, max_tokens=40), max_turns=3, on_done=lambda i, samples: seen.append(i))
+    assert seen == []
 
 
 def test_turns_are_taken_together_across_ranks(tokenizer, turns):

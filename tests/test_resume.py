@@ -1,7 +1,7 @@
 """A run resumed from a checkpoint (model + optimizer state + step) continues exactly
 like an uninterrupted one, with the plain and the distributed optimizer; distributed-optimizer
 state saved at another tensor-parallel size is refused with a message that names it, and resumes
-there once rewritten fully reshardable (``trainer.reshard_checkpoint``)."""
+there once rewritten fully reshardable (``trainer.reshard_checkpoint``), at another TP, PP or EP size."""
 
 from __future__ import annotations
 
@@ -30,10 +30,11 @@ def test_resumed_training_equals_uninterrupted_and_nan_updates_are_skipped(torch
     assert "tensor_model_parallel_size=1 (now 2)" in r["layout_error"], r["layout_error"]
     assert "pipeline_model_parallel_size" not in r["layout_error"]  # only what differs is named
     assert "trainer.reshard_checkpoint=true" in r["layout_error"]
-    # rewritten fully reshardable, the DP=2 state resumes at TP=2 and at PP=2 (DP=1): the same weights after
-    # the next step as the run that never changed layout, within fp32 reduction-order noise; without its
-    # Adam state (control) far from them
-    for layout in ("tp2", "pp2"):
+    # rewritten fully reshardable, the DP=2 state resumes at TP=2 and at PP=2 (DP=1), and a tiny Qwen3-MoE's
+    # with its experts shared out (EP=2, their own optimizer) and back (EP 2 -> 1): the same weights after the
+    # next step as the run that never changed layout, within fp32 reduction-order noise; without its Adam
+    # state (control) far from them
+    for layout in ("tp2", "pp2", "ep2", "ep1"):
         got = r[f"resharded_{layout}"]
         assert got["step"] == 2 and got["resumed_vs_straight"] <= 1e-5, (layout, got)
         assert got["model_only_vs_straight"] > 1e-3, (layout, got)

@@ -35,3 +35,7 @@ def test_update_weights_reaches_the_engine(tmp_path):
     # reseed(step) starts the step's own stream whatever was sampled before, leaving the trainer's
     # random state alone (tests/test_kill_resume.py: a resumed run samples as the uninterrupted one)
     assert all(r["reseed"].values()), r["reseed"]
+    # on_done hands each prompt's samples out as vLLM finishes them, the first while others still
+    # generate; the samples are LLM.generate's own for the same random state
+    order = r["streaming"].pop("order")
+    assert all(r["streaming"].values()) and sorted(order) == [0, 1, 2, 3, 4], (r["streaming"], order)

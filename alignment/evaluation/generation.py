@@ -16,6 +16,7 @@ from alignment.data.prompts import prompt_messages
 from alignment.data.tasks import Problem, score_response
 from alignment.evaluation import metrics, suites
 from alignment.rewards import grading
+from alignment.rewards.code_runs import early_grading
 from alignment.rollout.base import SamplingConfig
 from alignment.rollout.multi_turn import episode_setup, run_episodes
 
@@ -61,22 +62,22 @@ def _reasoning(engine, hf_dir, suite, settings: Settings) -> dict:
     setup = episode_setup(cfg, hf_dir, engine.tokenizer)
     max_tokens = suite.max_tokens or cfg.rollout.eval_max_tokens
 
-    def episodes(n: int, temperature: float):
+    def graded(n: int, temperature: float):  # code answers start running as soon as they are generated
         sampling = SamplingConfig(n=n, temperature=temperature, max_tokens=max_tokens)
-        return run_episodes(engine.generate, setup.env, problems, setup.turns, sampling, setup.max_turns,
-                            max_tokens_per_turn=setup.max_tokens_per_turn)
+        with early_grading([grading.CORRECTNESS.runs], problems) as (pool, on_done):
+            groups = run_episodes(engine.generate, setup.env, problems, setup.turns, sampling, setup.max_turns,
+                                  max_tokens_per_turn=setup.max_tokens_per_turn, on_done=on_done)
+            return groups, grading.grade(problems, groups, max_tokens, pool=pool)
 
-    greedy = episodes(1, 0.0)
-    right = grading.grade(problems, greedy, max_tokens)
+    greedy, right = graded(1, 0.0)
     out = {"accuracy": grading.rates(grading.counts(problems, greedy, right, 1), 1)["pass@1"]}
     multi_turn = cfg.rollout.environment != "single_turn"
     if multi_turn:
         out["tool_call_rate"] = sum(g[0].info.get("tool_calls", 0) > 0 for g in greedy) / max(len(greedy), 1)
     if settings.samples > 1:
         _seed(settings, suite)
-        sampled = episodes(settings.samples, settings.temperature)
-        rates = grading.rates(grading.counts(problems, sampled, grading.grade(problems, sampled, max_tokens),
-                                                 settings.samples), settings.samples)
+        sampled, sampled_right = graded(settings.samples, settings.temperature)
+        rates = grading.rates(grading.counts(problems, sampled, sampled_right, settings.samples), settings.samples)
         rates["sampled_tool_call_rate"] = rates.pop("tool_call_rate")
         out.update(rates if multi_turn else {k: v for k, v in rates.items() if "tool" not in k})
     lengths = [g[0].generated_tokens for g in greedy]

@@ -46,6 +46,7 @@ from alignment.rewards.graders import GRADERS, check_grader_kwargs
 from alignment.rewards.remote import check_settings, http_scores
 from alignment.rewards.text import TEXT_FUNCTIONS, text_scores
 from alignment.rollout.base import Sample
+from alignment.sandbox.runner import SandboxPool
 
 __all__ = ["RewardFunctionError", "MODEL_FUNCTIONS", "BUILTINS", "is_user_function", "load_user_function",
            "check_function", "function_scores", "problem_columns"]
@@ -295,12 +296,14 @@ def _call_verl(term: RewardTerm, fn, problems, samples, timeout: float) -> list:
 
 
 def function_scores(term: RewardTerm, problems: Sequence[Problem | None], samples: Sequence[Sample],
-                    max_tokens: int, timeout: float = DEFAULT_TIMEOUT_S, workers: int = 1) -> torch.Tensor:
+                    max_tokens: int, timeout: float = DEFAULT_TIMEOUT_S, workers: int = 1,
+                    pool: SandboxPool | None = None) -> torch.Tensor:
     """Scores ``[N]`` (float32; NaN where the function returned None) of ``term``'s function for
     ``samples`` (``problems[i]``: what ``samples[i]`` answers; None only for the built-in functions
     that need no problem). ``max_tokens``: ``rollout.max_tokens`` (the ``length`` function);
     ``timeout``: ``reward.timeout_s`` per call of a user function; ``workers``: sandbox processes
-    side by side (``code_tests``).
+    side by side (``code_tests``); ``pool``: the sandbox pool code runs in instead, with the runs it
+    started while the answers were generated (:mod:`alignment.rewards.code_runs`).
 
     Raises:
         RewardFunctionError: a user function that fails, times out or returns what is not a score.
@@ -310,14 +313,14 @@ def function_scores(term: RewardTerm, problems: Sequence[Problem | None], sample
     if len(problems) != len(samples):
         raise ValueError(f"{len(problems)} problems for {len(samples)} samples")
     if f in TEXT_FUNCTIONS:
-        return text_scores(f, problems, samples, max_tokens)
+        return text_scores(f, problems, samples, max_tokens, pool)
     if f in MODEL_FUNCTIONS:
         raise ValueError(f"reward function {f} runs a model: the trainers score it")
     if any(p is None for p in problems):
         raise ValueError(f"reward function {term.name} grades answers to problems; these prompts have none")
     texts = [s.text for s in samples]
     if f in GRADERS:
-        extra = {"workers": workers} if f == "code_tests" else {}
+        extra = {"workers": workers, "pool": pool} if f == "code_tests" else {}
         values = GRADERS[f](problems, texts, **dict(term.kwargs), **extra)
     elif f == JUDGE:
         values = judge.judge_scores(term.name, problems, samples, dict(term.kwargs))

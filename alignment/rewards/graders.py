@@ -15,7 +15,7 @@ problem gives nothing to grade against (TRL's convention: the function does not 
   needs no reference: a format check.
 * ``code_tests``: the response's program passes the problem's tests in the sandbox
   (:mod:`alignment.sandbox.runner`): HumanEval-style columns ``prompt``, ``test`` and
-  ``entry_point`` (:func:`alignment.data.code_tasks.score_code`).
+  ``entry_point`` (:func:`alignment.rewards.code_runs.program`).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import math
 import re
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
-from alignment.data.code_tasks import score_code
 from alignment.data.tasks import Problem, extract_final_number
+from alignment.rewards.code_runs import program, run_programs
+from alignment.sandbox.runner import SandboxPool
 
 __all__ = ["GRADERS", "math_verify", "exact_match", "numeric", "regex", "code_tests", "check_grader_kwargs"]
 
@@ -94,19 +94,16 @@ def regex(problems: Sequence[Problem], texts: Sequence[str], pattern: str = "", 
     return [float(find(t) is not None) for t in texts]
 
 
-def code_tests(problems: Sequence[Problem], texts: Sequence[str], workers: int = 1) -> list[float | None]:
+def code_tests(problems: Sequence[Problem], texts: Sequence[str], workers: int = 1,
+               pool: SandboxPool | None = None) -> list[float | None]:
     """1.0 where the response's program passes the problem's tests in the sandbox, else 0.0; None
-    for a problem without ``test`` and ``entry_point`` columns (or a HumanEval entry). ``workers``:
-    sandbox processes side by side."""
+    for a problem without ``test`` and ``entry_point`` columns (or a HumanEval entry). Runs in
+    ``pool`` (its prefetched runs taken), or ``workers`` sandbox processes side by side."""
 
-    def one(p: Problem, text: str) -> float | None:
-        entry = p.entry if p.entry is not None else p.columns
-        if not all(isinstance(entry.get(k), str) for k in ("test", "entry_point")):
-            return None
-        return score_code({"prompt": entry.get("prompt", p.question), **entry}, text)
-
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        return list(pool.map(one, problems, texts))
+    programs = [program("code_tests", p, t) for p, t in zip(problems, texts)]
+    runs = [c for c in programs if c is not None]
+    scores = iter(run_programs(runs, pool, workers) if runs else [])
+    return [None if c is None else next(scores) for c in programs]
 
 
 GRADERS: dict[str, Callable] = {"math_verify": math_verify, "exact_match": exact_match, "numeric": numeric,

@@ -17,17 +17,19 @@ from alignment.algorithms.composite_reward import RewardTerm
 from alignment.data.tasks import Problem, extract_final_number
 from alignment.rewards.functions import function_scores
 from alignment.rollout.base import Sample
-from alignment.sandbox.runner import sandbox_workers
+from alignment.sandbox.runner import SandboxPool, sandbox_workers
 
 CORRECTNESS = RewardTerm("correctness")
 
 
 def grade(problems: Sequence[Problem], groups: Sequence[Sequence[Sample]], max_tokens: int,
-          grader: RewardTerm = CORRECTNESS) -> list[list[bool]]:
+          grader: RewardTerm = CORRECTNESS, pool: SandboxPool | None = None) -> list[list[bool]]:
     """``[problems][samples]``: whether each episode's answer is right: ``grader``'s score is >= 1
-    (default the ``correctness`` function: the task's grader; code runs in sandboxes side by side;
-    with prompt files :func:`alignment.config.heldout_grader`). A sample the grader does not apply
-    to (None) is not right.
+    (default the ``correctness`` function: the task's grader; code runs in sandboxes side by side,
+    in ``pool`` when given: the one the answers' runs were started in as they were generated,
+    :func:`alignment.rewards.code_runs.prefetcher`; with prompt files
+    :func:`alignment.config.heldout_grader`). A sample the grader does not apply to (None) is not
+    right.
 
     Raises:
         ValueError: not one group per problem.
@@ -36,7 +38,7 @@ def grade(problems: Sequence[Problem], groups: Sequence[Sequence[Sample]], max_t
         raise ValueError(f"{len(groups)} groups of samples for {len(problems)} problems")
     samples = [s for g in groups for s in g]
     scores = function_scores(grader, [p for p, g in zip(problems, groups) for _ in g], samples, max_tokens,
-                             workers=sandbox_workers()).tolist()
+                             workers=sandbox_workers(), pool=pool).tolist()
     out, i = [], 0
     for g in groups:
         out.append([x >= 1.0 for x in scores[i : i + len(g)]])

@@ -2,7 +2,9 @@
 that runs a model, ``reward_model``, lives in :mod:`alignment.trainers.rewarding`):
 
 * ``correctness``: the task's grader (:func:`alignment.data.tasks.score_response`, in [0, 1]); the
-  tasks that run code (:data:`CODE_TASKS`) are graded :func:`sandbox_workers` samples at a time.
+  tasks that run code (:data:`alignment.rewards.code_runs.CODE_TASKS`) are graded in a sandbox pool,
+  :func:`alignment.sandbox.runner.sandbox_workers` samples at a time (the runs it started while the
+  engine generated taken: :mod:`alignment.rewards.code_runs`).
 * ``format``: 1.0 when the response is in the form the task's prompt asks for
   (:data:`alignment.data.prompts.INSTRUCTIONS`: "Answer with a single number." -> the stripped
   response is one number, thousands commas, ``$`` and a final ``.`` allowed), else 0.0. The
@@ -17,19 +19,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from alignment.data import tasks
+from alignment.rewards.code_runs import CODE_TASKS, program, run_programs
 from alignment.rollout.base import Sample
-from alignment.sandbox.runner import sandbox_workers
+from alignment.sandbox.runner import SandboxPool
 
 TEXT_FUNCTIONS = ("correctness", "format", "length", "environment")
 #: tasks whose prompt asks for a format :func:`format_score` checks
 FORMAT_TASKS = ("arithmetic", "gsm8k")
-#: tasks graded by running code in the sandbox (a process per response)
-CODE_TASKS = ("humaneval",)
 _SINGLE_NUMBER = re.compile(r"\s*\$?(?:" + tasks.NUMBER_PATTERN + r")\.?\s*")
 
 
@@ -58,9 +58,11 @@ def length_score(response_tokens: int, max_tokens: int) -> float:
 
 
 def text_scores(name: str, problems: Sequence[tasks.Problem | None], samples: Sequence[Sample],
-                max_tokens: int) -> torch.Tensor:
+                max_tokens: int, pool: SandboxPool | None = None) -> torch.Tensor:
     """Scores ``[N]`` (float32) of the text function ``name`` for ``samples``; ``problems[i]`` is
-    the problem ``samples[i]`` answers (None for prompts without one: ``length`` only).
+    the problem ``samples[i]`` answers (None for prompts without one: ``length`` only). ``pool``:
+    where code tasks' answers run (:func:`alignment.rewards.code_runs.run_programs`; None: a pool
+    made for the call).
 
     Raises:
         ValueError: an unknown ``name``, mismatched lengths, or a function that needs a problem
@@ -78,8 +80,8 @@ def text_scores(name: str, problems: Sequence[tasks.Problem | None], samples: Se
         raise ValueError(f"the {name} reward grades answers to a task's problems; these prompts have none")
     if name == "correctness":  # looked up at call time (tests replace the grader)
         texts = [s.text for s in samples]
-        if any(p.task in CODE_TASKS for p in problems):  # sandbox processes side by side
-            with ThreadPoolExecutor(max_workers=sandbox_workers()) as pool:
-                return torch.tensor(list(pool.map(tasks.score_response, problems, texts)), dtype=torch.float32)
-        return torch.tensor([tasks.score_response(p, t) for p, t in zip(problems, texts)], dtype=torch.float32)
+        code = [i for i, p in enumerate(problems) if p.task in CODE_TASKS]  # sandbox processes side by side
+        ran = dict(zip(code, run_programs([program(name, problems[i], texts[i]) for i in code], pool))) if code else {}
+        return torch.tensor([ran[i] if i in ran else tasks.score_response(p, t)
+                             for i, (p, t) in enumerate(zip(problems, texts))], dtype=torch.float32)
     return torch.tensor([format_score(p.task, s.text) for p, s in zip(problems, samples)], dtype=torch.float32)

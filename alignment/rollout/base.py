@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 import torch
 
@@ -62,6 +62,21 @@ class Sample:
         return len(self.response_ids) if self.loss_mask is None else sum(self.loss_mask)
 
 
+#: called by :meth:`RolloutEngine.generate` with a prompt's index in the call and its ``n`` samples as
+#: soon as they are all finished, so work on them (running their code: :mod:`alignment.rewards.code_runs`)
+#: overlaps with the rest of the generation; on the calling thread, once per prompt
+OnDone = Callable[[int, list[Sample]], None]
+
+
+def report_each(out: list[list[Sample]], on_done: OnDone | None) -> list[list[Sample]]:
+    """``on_done`` for every prompt of ``out`` in order (an engine that finishes them all at once),
+    then ``out``."""
+    if on_done is not None:
+        for i, samples in enumerate(out):
+            on_done(i, samples)
+    return out
+
+
 class RolloutEngine(Protocol):
     """What trainers need from an inference engine. Implemented by
     :class:`alignment.rollout.vllm_engine.VLLMEngine` (``rollout.backend=vllm``: its own copy of the
@@ -80,8 +95,10 @@ class RolloutEngine(Protocol):
     #: own share (:func:`alignment.trainers.rl_phases.generate_for_group`)
     generates_per_replica: bool
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
-        """For each prompt (token ids), ``sampling.n`` samples, in prompt order."""
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, on_done: OnDone | None = None
+                 ) -> list[list[Sample]]:
+        """For each prompt (token ids), ``sampling.n`` samples, in prompt order; ``on_done(i, samples)``
+        as soon as prompt ``i``'s are finished (:data:`OnDone`)."""
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights (HF names, full tensors) into the running engine, in memory."""

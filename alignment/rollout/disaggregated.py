@@ -30,7 +30,7 @@ from typing import Iterable
 
 import torch
 
-from alignment.rollout.base import Sample, SamplingConfig
+from alignment.rollout.base import OnDone, Sample, SamplingConfig, report_each
 
 GENERATE, SYNC, STOP = "generate", "sync", "stop"
 
@@ -73,9 +73,10 @@ class RemoteEngine:
         self.group.all_gather_object(prompts)
         self.posted, self.reseeded = (prompts, sampling), None
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, on_done: OnDone | None = None
+                 ) -> list[list[Sample]]:
         """``sampling.n`` samples for each of this trainer's prompts, from the rollout ranks (the
-        posted request's, when it is this one).
+        posted request's, when it is this one); ``on_done`` for each prompt once they all arrived.
 
         Raises:
             RuntimeError: a different request was posted (the trainers' schedule is broken).
@@ -90,7 +91,7 @@ class RemoteEngine:
             for rank, k, samples in part or ():
                 if rank == self.group.rank:
                     out[k] = samples
-        return out
+        return report_each(out, on_done)
 
     def reseed(self, step: int) -> None:
         """Every engine reseeds with ``step`` (its own seed's stream,

@@ -42,7 +42,7 @@ from collections.abc import Iterable
 
 import torch
 
-from alignment.rollout.base import Sample, SamplingConfig, step_seed
+from alignment.rollout.base import OnDone, Sample, SamplingConfig, step_seed
 from parallel.cpu_compat import host_timing_events
 
 
@@ -192,9 +192,12 @@ class MegatronEngine:
         from the engine seed and the step (see :meth:`alignment.rollout.vllm_engine.VLLMEngine.reseed`)."""
         self.seed, self._rng_state = step_seed(self._base_seed, step), None
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, on_done: OnDone | None = None
+                 ) -> list[list[Sample]]:
         """``sampling.n`` samples for each prompt (token ids), with the sampled tokens' logprobs
         (nats, of ``softmax(logits / temperature)``; temperature 0 is greedy, logprobs at T=1).
+        ``on_done(i, samples)``: as each batch of ``max_batch_size`` rows ends, for the prompts whose
+        samples are all done.
 
         Raises:
             ValueError: a prompt plus ``sampling.max_tokens`` longer than ``max_model_len``,
@@ -235,31 +238,34 @@ class MegatronEngine:
                     torch.set_rng_state(self._rng_state[0])
                     if cuda:
                         torch.cuda.set_rng_state(self._rng_state[1])
-                requests, logprobs = [], []
+                requests, logprobs, out = [], [], []
                 for start in range(0, len(rows), self.max_batch_size):
                     self.controller.step_logprobs = []
                     batch = self.engine.generate(prompts=rows[start:start + self.max_batch_size],
                                                  sampling_params=params)
                     requests += batch
                     logprobs += _row_logprobs(self.controller.step_logprobs, len(batch))
+                    while len(requests) >= (len(out) + 1) * sampling.n:  # prompts whose rows are all done
+                        i = len(out)
+                        mine = slice(i * sampling.n, (i + 1) * sampling.n)
+                        out.append([self._sample(prompts[i], r, lps) for r, lps in zip(requests[mine], logprobs[mine])])
+                        if on_done is not None:
+                            on_done(i, out[i])
                 self._rng_state = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
         finally:
             self.model.train(was_training)
-        out = []
-        for i, prompt in enumerate(prompts):
-            samples = []
-            mine = slice(i * sampling.n, (i + 1) * sampling.n)
-            for r, lps in zip(requests[mine], logprobs[mine]):
-                ids = [int(t) for t in (r.generated_tokens.tolist() if torch.is_tensor(r.generated_tokens)
-                                        else r.generated_tokens)]
-                end = next((k for k, t in enumerate(ids) if t in self.eos_token_ids), None)
-                finished = end is not None
-                if finished:
-                    ids = ids[:end + 1]
-                text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-                samples.append(Sample(list(prompt), ids, lps[:len(ids)], text, finished))
-            out.append(samples)
         return out
+
+    def _sample(self, prompt: list[int], request, lps: list[float]) -> Sample:
+        """One generated row as a :class:`Sample`: cut after its first end-of-sequence token."""
+        ids = [int(t) for t in (request.generated_tokens.tolist() if torch.is_tensor(request.generated_tokens)
+                                else request.generated_tokens)]
+        end = next((k for k, t in enumerate(ids) if t in self.eos_token_ids), None)
+        finished = end is not None
+        if finished:
+            ids = ids[:end + 1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        return Sample(list(prompt), ids, lps[:len(ids)], text, finished)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Nothing to load: the engine runs the trainer's parameters."""

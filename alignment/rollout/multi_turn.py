@@ -26,7 +26,7 @@ from pathlib import Path
 from alignment.data.tasks import Problem
 from alignment.envs.base import Environment
 from alignment.envs.factory import build_environment
-from alignment.rollout.base import Sample, SamplingConfig
+from alignment.rollout.base import OnDone, Sample, SamplingConfig
 from alignment.rollout.factory import eos_token_ids
 from alignment.rollout.turn_tokens import TurnTokens
 
@@ -127,17 +127,18 @@ def _answer(env: Environment, live: list[_Episode], turns: TurnTokens, budget: i
     return going
 
 
-def run_episodes(generate: Callable[[list[list[int]], SamplingConfig], list[list[Sample]]], env: Environment,
+def run_episodes(generate: Callable[..., list[list[Sample]]], env: Environment,
                  problems: Sequence[Problem], turns: TurnTokens, sampling: SamplingConfig, max_turns: int,
                  keep_going: Callable[[bool], bool] | None = None,
-                 max_tokens_per_turn: int | None = None) -> list[list[Sample]]:
+                 max_tokens_per_turn: int | None = None, on_done: OnDone | None = None) -> list[list[Sample]]:
     """``sampling.n`` episodes per problem, in problem order.
 
     Args:
-        generate: the engine's ``generate`` (or :func:`alignment.trainers.rl_phases.generate_for_group`
-            bound to it). The first turn asks ``n`` samples of each prompt (vLLM shares the prompt's
-            KV); each later turn one call with a continuation per live episode, at the largest
-            budget left (an episode's turn is cut to its own budget afterwards).
+        generate: the engine's ``generate(prompts, sampling, on_done=None)`` (or
+            :func:`alignment.trainers.rl_phases.generate_for_group` bound to it). The first turn asks
+            ``n`` samples of each prompt (vLLM shares the prompt's KV); each later turn one call with
+            a continuation per live episode, at the largest budget left (an episode's turn is cut to
+            its own budget afterwards).
         env: answers every turn; its ``stop`` strings are added to ``sampling.stop``.
         turns: renders the prompt and the tokens between turns.
         sampling: temperature, top-p, ``n`` and ``max_tokens``: the budget of the whole response.
@@ -148,6 +149,10 @@ def run_episodes(generate: Callable[[list[list[int]], SamplingConfig], list[list
             live episodes; returns whether any rank has (a collective, so every rank calls
             ``generate`` as often: TP>1 engines and model replicas generate together). None: this
             rank's answer.
+        on_done: with ``max_turns=1``, the engine's ``on_done`` of the only turn: called with a
+            problem's index and its ``n`` answers as soon as they are generated (the episodes' texts),
+            e.g. to start running their code (:func:`alignment.rewards.code_runs.prefetcher`). Not
+            called for multi-turn episodes, whose last answer is known only at the end.
     Returns:
         ``[len(problems)][n]`` samples (see the module docstring).
     Raises:
@@ -162,7 +167,9 @@ def run_episodes(generate: Callable[[list[list[int]], SamplingConfig], list[list
     opening = env.reset(problems)
     prompts = [turns.prompt_ids(m) for m in opening]
     cap = sampling.max_tokens if max_tokens_per_turn is None else min(max_tokens_per_turn, sampling.max_tokens)
-    first = generate(prompts, replace(sampling, stop=stop, max_tokens=cap))
+    first_turn = replace(sampling, stop=stop, max_tokens=cap)
+    first = generate(prompts, first_turn, on_done) if on_done is not None and max_turns == 1 else \
+        generate(prompts, first_turn)
     episodes = [[_Episode(p, prompt, [dict(x) for x in msgs]) for _ in range(sampling.n)]
                 for p, prompt, msgs in zip(problems, prompts, opening)]
     live = []

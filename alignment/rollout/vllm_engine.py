@@ -15,7 +15,7 @@ from typing import Iterable
 
 import torch
 
-from alignment.rollout.base import Sample, SamplingConfig, step_seed
+from alignment.rollout.base import OnDone, Sample, SamplingConfig, step_seed
 
 
 def _retie_embeddings(worker) -> None:
@@ -145,15 +145,19 @@ class VLLMEngine:
         self.shares_trainer_weights = False
         self.generates_per_replica = False
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
-        """``sampling.n`` samples for each prompt (token ids), with the sampled tokens' logprobs.
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, on_done: OnDone | None = None
+                 ) -> list[list[Sample]]:
+        """``sampling.n`` samples for each prompt (token ids), with the sampled tokens' logprobs;
+        ``on_done(i, samples)`` as soon as vLLM has finished prompt ``i``'s samples, while it goes
+        on with the others (:data:`alignment.rollout.base.OnDone`).
 
         Collective for a TP>1 engine: every rank of its group calls it; the group generates the
         union of the ranks' prompt lists (ranks with identical lists, e.g. one model-parallel
-        group, count once) and each rank gets back the samples of its own prompts.
+        group, count once) and each rank gets back the samples of its own prompts (``on_done``
+        called for those only).
         """
         if self.group is None:
-            return self._generate(prompts, sampling) if prompts else []
+            return self._generate(prompts, sampling, on_done) if prompts else []
         import torch.distributed as dist
 
         lists = [None] * self.tensor_parallel_size
@@ -163,39 +167,67 @@ class VLLMEngine:
             if p not in distinct:
                 distinct.append(p)
         union = [q for p in distinct for q in p]
-        out = self._generate(union, sampling) if union else []
         start = sum(len(p) for p in distinct[: distinct.index(prompts)])
+        mine = None if on_done is None else (
+            lambda i, samples: on_done(i - start, samples) if start <= i < start + len(prompts) else None)
+        out = self._generate(union, sampling, mine) if union else []
         return out[start : start + len(prompts)]
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
+    def _generate(self, prompts: list[list[int]], sampling: SamplingConfig, on_done: OnDone | None
+                  ) -> list[list[Sample]]:
+        cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        if self._rng is None:  # never reseeded: torch's default generators, as vLLM seeded them at start
+            return self._run(prompts, sampling, on_done)
+        with torch.random.fork_rng(devices=cuda):  # the stream of the last reseed, swapped in around the run
+            if isinstance(self._rng, int):
+                torch.manual_seed(self._rng)
+            else:
+                torch.set_rng_state(self._rng[0])
+                if cuda:
+                    torch.cuda.set_rng_state(self._rng[1])
+            out = self._run(prompts, sampling, on_done)
+            self._rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
+        return out
+
+    def _run(self, prompts: list[list[int]], sampling: SamplingConfig, on_done: OnDone | None) -> list[list[Sample]]:
+        """``LLM.generate`` taken apart (vLLM 0.32's ``_run_completion``: ``enqueue``, then the engine
+        stepped until no request is left; the same requests and steps, so the same samples), to
+        hand each prompt's samples to ``on_done`` as soon as they are finished."""
         from vllm import SamplingParams
 
         params = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                                 max_tokens=sampling.max_tokens, logprobs=0, stop=sampling.stop,
                                 include_stop_str_in_output=bool(sampling.stop))
-        request = [{"prompt_token_ids": p} for p in prompts]
-        if self._rng is None:  # never reseeded: torch's default generators, as vLLM seeded them at start
-            outputs = self.llm.generate(request, params, use_tqdm=False)
-        else:  # the stream of the last reseed, swapped in around the generation
-            cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-            with torch.random.fork_rng(devices=cuda):
-                if isinstance(self._rng, int):
-                    torch.manual_seed(self._rng)
-                else:
-                    torch.set_rng_state(self._rng[0])
-                    if cuda:
-                        torch.cuda.set_rng_state(self._rng[1])
-                outputs = self.llm.generate(request, params, use_tqdm=False)
-                self._rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
-        result = []
-        for prompt, out in zip(prompts, outputs):
-            samples = []
-            for c in out.outputs:
-                ids = list(c.token_ids)
-                lps = [step[t].logprob for t, step in zip(ids, c.logprobs)] if c.logprobs else [0.0] * len(ids)
-                samples.append(Sample(list(prompt), ids, lps, c.text, c.finish_reason == "stop"))
-            result.append(samples)
-        return result
+        engine = self.llm.llm_engine
+        if engine.has_unfinished_requests():
+            raise RuntimeError("VLLMEngine.generate: the engine still has requests of an earlier call")
+        ids = self.llm.enqueue([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        # enqueue returns vLLM's internal ids, "<request id>-<8 random characters>"; outputs carry the request id
+        index = {rid.rsplit("-", 1)[0]: i for i, rid in enumerate(ids)}
+        out: list[list[Sample] | None] = [None] * len(prompts)
+        try:
+            while engine.has_unfinished_requests():
+                for done in engine.step():
+                    if not done.finished:
+                        continue
+                    i = index[done.request_id]
+                    out[i] = [self._sample(prompts[i], c) for c in done.outputs]
+                    if on_done is not None:
+                        on_done(i, out[i])
+        except BaseException:  # on_done raised, or an interrupt: leave no request behind for the next call
+            engine.abort_request([rid for rid, o in zip(ids, out) if o is None], internal=True)
+            raise
+        missing = [i for i, o in enumerate(out) if o is None]
+        if missing:
+            raise RuntimeError(f"VLLMEngine.generate: vLLM returned nothing for prompts {missing[:8]}")
+        return out
+
+    @staticmethod
+    def _sample(prompt: list[int], c) -> Sample:
+        """One of vLLM's ``CompletionOutput`` as a :class:`Sample` (the sampled tokens' logprobs)."""
+        ids = list(c.token_ids)
+        lps = [step[t].logprob for t, step in zip(ids, c.logprobs)] if c.logprobs else [0.0] * len(ids)
+        return Sample(list(prompt), ids, lps, c.text, c.finish_reason == "stop")
 
     def reseed(self, step: int) -> None:
         """Sample from now on with a stream of its own, drawn from the engine's seed and ``step``

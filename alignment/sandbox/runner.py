@@ -40,6 +40,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -229,7 +230,9 @@ def sandbox_workers() -> int:
 
 class SandboxPool:
     """Runs up to ``workers`` sandboxes at once (threads waiting on processes), so rewards that run
-    code are computed while the engine generates: :meth:`submit` returns at once.
+    code are computed while the engine generates: :meth:`prefetch` starts a program as soon as its
+    answer exists, and the later :meth:`map` that grades it takes that run instead of starting
+    another.
 
     Args:
         workers: concurrent runs (>= 1); each is a process of its own.
@@ -246,16 +249,43 @@ class SandboxPool:
         self.limits = limits
         self.isolation = isolation
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox")
+        self._started: dict[str, Future] = {}  # prefetched programs no map has taken yet
+        self._lock = threading.Lock()
+        #: programs :meth:`map` found already started by :meth:`prefetch`, and all it was asked for
+        self.taken = self.asked = 0
 
     def submit(self, code: str, stdin: str = "") -> Future:
         """A future of the :class:`SandboxResult` of ``code``."""
         return self._executor.submit(run_python, code, self.limits, stdin, isolation=self.isolation)
 
+    def prefetch(self, code: str) -> None:
+        """Start ``code`` now (once: an identical program already started is not started again), for
+        a later :meth:`map` to take."""
+        with self._lock:
+            if code not in self._started:
+                self._started[code] = self.submit(code)
+
     def map(self, codes: list[str]) -> list[SandboxResult]:
-        """The results of ``codes``, in order (run concurrently)."""
-        return [f.result() for f in [self.submit(c) for c in codes]]
+        """The results of ``codes``, in order, run concurrently: a program :meth:`prefetch` started
+        gives that run's result (and is taken: a later call runs it again), and identical programs
+        in ``codes`` run once (with no input, a sandbox run depends on its program only:
+        ``PYTHONHASHSEED=0``, nothing of the host in sight)."""
+        futures: dict[str, Future] = {}
+        with self._lock:
+            for c in codes:
+                if c not in futures:
+                    started = self._started.pop(c, None)
+                    self.taken += started is not None
+                    futures[c] = started if started is not None else self.submit(c)
+            self.asked += len(codes)
+        return [futures[c].result() for c in codes]
 
     def close(self) -> None:
+        """Wait for the runs under way (prefetched ones no map took are not started if still queued)."""
+        with self._lock:
+            for f in self._started.values():
+                f.cancel()
+            self._started.clear()
         self._executor.shutdown(wait=True)
 
     def __enter__(self) -> SandboxPool:

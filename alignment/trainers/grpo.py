@@ -38,6 +38,7 @@ from alignment.algorithms.reward_shaping import informative_groups
 from alignment.config import process_reward_weight, shares_prompts
 from alignment.data.tasks import Problem
 from alignment.rewards import grading
+from alignment.rewards.code_runs import early_grading
 from alignment.rollout.base import SamplingConfig
 from alignment.trainers.models import Models
 from alignment.trainers.process_rewarding import score_steps, step_metrics
@@ -176,9 +177,11 @@ def _heldout(models: Models, problems: list[Problem], sampling: SamplingConfig, 
     from megatron.core import parallel_state as ps
 
     mine = list(problems[ps.get_data_parallel_rank()::ps.get_data_parallel_world_size()])
-    with rollout_phase(models):
-        groups = generate_episodes(models, mine, sampling)
-    correct = grading.grade(mine, groups, sampling.max_tokens, grader or grading.CORRECTNESS)
+    grader = grader or grading.CORRECTNESS
+    with early_grading([grader.runs], mine) as (pool, on_done):  # code runs start as answers are generated
+        with rollout_phase(models):
+            groups = generate_episodes(models, mine, sampling, on_done)
+        correct = grading.grade(mine, groups, sampling.max_tokens, grader, pool)
     counts = grading.counts(mine, groups, correct, sampling.n)
     lead = replica_group().rank() == 0
     if answers is not None and lead:  # one write per replica, appended whole (O_APPEND)
@@ -222,12 +225,15 @@ def sample_groups(models: Models, problems: list[Problem], cfg, refill: Callable
     a, g_size = cfg.algorithm, cfg.rollout.group_size
     terms = job_terms(cfg)
     kept, dropped, rounds, todo = [], [], 0, problems
+    functions = [t.runs for t in terms]
     while True:
         rounds += 1 if todo else 0
-        groups = generate_episodes(models, todo, sampling_config(cfg.rollout))
-        samples = [s for g in groups for s in g]
-        # model terms are collective over the replica, whose ranks all hold these samples (or none)
-        scores = score_terms(models, [p for p in todo for _ in range(g_size)], samples, terms, cfg) if samples else {}
+        with early_grading(functions, todo) as (pool, on_done):  # code runs start as answers are generated
+            groups = generate_episodes(models, todo, sampling_config(cfg.rollout), on_done)
+            samples = [s for g in groups for s in g]
+            # model terms are collective over the replica, whose ranks all hold these samples (or none)
+            scores = score_terms(models, [p for p in todo for _ in range(g_size)], samples, terms, cfg,
+                                 pool=pool) if samples else {}
         for i, g in enumerate(groups):
             part = {k: v[i * g_size: (i + 1) * g_size] for k, v in scores.items()}
             useful = _informative(part, terms, g_size)

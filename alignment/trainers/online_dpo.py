@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from alignment.algorithms.preference_pairs import best_worst_pairs
 from alignment.data.tasks import Problem
+from alignment.rewards.code_runs import early_grading
 from alignment.trainers.dpo import DPOObjective
 from alignment.trainers.models import Models
 from alignment.trainers.offline import build_batch, train_step
@@ -48,11 +49,12 @@ def collect(models: Models, problems: list[Problem], cfg, version: int = 0) -> R
     over the model replica (and the data-parallel group for whitened terms)."""
     t0 = time.perf_counter()
     g = cfg.rollout.group_size
-    with rollout_phase(models):
-        groups = generate_for_group(models.engine, *request(models.tokenizer, problems, cfg))
-    samples = [s for grp in groups for s in grp]
     terms = job_terms(cfg)
-    scores = score_terms(models, [p for p in problems for _ in range(g)], samples, terms, cfg)
+    with early_grading([t.runs for t in terms], problems) as (pool, on_done):  # code runs start as answers come
+        with rollout_phase(models):
+            groups = generate_for_group(models.engine, *request(models.tokenizer, problems, cfg), on_done)
+        samples = [s for grp in groups for s in grp]
+        scores = score_terms(models, [p for p in problems for _ in range(g)], samples, terms, cfg, pool=pool)
     rewards = combine(scores, terms, len(samples))
     pairs = [p for p in best_worst_pairs(rewards, g) if p is not None]
     info = {"prompts": float(len(problems)), "pairs": float(len(pairs)),

@@ -31,6 +31,7 @@ from alignment.algorithms.kl import kl_in_reward
 from alignment.algorithms.process_rewards import place_step_rewards, to_batch_columns
 from alignment.algorithms.value_loss import value_loss
 from alignment.config import ppo_on_task, process_reward_weight, shares_prompts
+from alignment.rewards.code_runs import early_grading
 from alignment.rollout.base import SamplingConfig
 from alignment.trainers.models import Models
 from alignment.trainers.process_rewarding import score_steps, step_metrics
@@ -119,21 +120,23 @@ def collect(models: Models, items: list, cfg, version: int = 0) -> Rollout:
     episodes of ``rollout.environment`` (:func:`alignment.trainers.rl_phases.generate_episodes`) and
     graded by the text terms. The padded batch rides along."""
     t0 = time.perf_counter()
-    on_task = ppo_on_task(cfg)
-    with rollout_phase(models):
-        groups = (generate_episodes(models, items, sampling_config(cfg.rollout)) if on_task
-                  else generate_for_group(models.engine, *request(items, cfg)))
-    samples = [s for g in groups for s in g]
     terms = job_terms(cfg)
-    if on_task:  # text terms only: scored where the problems are, then the rewards travel with the samples
-        problems = [p for p in items for _ in range(cfg.rollout.group_size)]
-        scores = score_terms(models, problems, samples, terms, cfg)
+    if ppo_on_task(cfg):  # text terms only: scored where the problems are, then the rewards travel with the samples
+        with early_grading([t.runs for t in terms], items) as (pool, on_done):  # code runs as answers come
+            with rollout_phase(models):
+                groups = generate_episodes(models, items, sampling_config(cfg.rollout), on_done)
+            samples = [s for g in groups for s in g]
+            problems = [p for p in items for _ in range(cfg.rollout.group_size)]
+            scores = score_terms(models, problems, samples, terms, cfg, pool=pool)
         rewards = combine(scores, terms, len(samples))
         if cfg.trainer.balance_batch:
             samples, (rewards, *values) = balance_over_dp(samples, [rewards, *scores.values()])
             scores = dict(zip(scores, values))
         batch = padded_batch(models, samples)
     else:
+        with rollout_phase(models):
+            groups = generate_for_group(models.engine, *request(items, cfg))
+        samples = [s for g in groups for s in g]
         if cfg.trainer.balance_batch:  # nothing is per group in PPO: re-deal the sequences by token count now
             samples, _ = balance_over_dp(samples, [])
         batch = padded_batch(models, samples)

@@ -17,7 +17,7 @@ from alignment.models.value_head import sequence_scores
 from alignment.rewards.config import PROCESS_REWARD
 from alignment.rewards.functions import function_scores
 from alignment.rollout.base import Sample
-from alignment.sandbox.runner import sandbox_workers
+from alignment.sandbox.runner import SandboxPool, sandbox_workers
 from alignment.trainers.models import Models
 from alignment.trainers.rl_phases import head_outputs, microbatches
 from alignment.training.batching import make_batch
@@ -57,10 +57,13 @@ def padded_batch(models: Models, samples: Sequence[Sample]) -> dict:
 
 
 def score_terms(models: Models, problems: Sequence[Problem | None], samples: Sequence[Sample],
-                terms: Sequence[RewardTerm], cfg, batch: dict | None = None) -> dict[str, torch.Tensor]:
+                terms: Sequence[RewardTerm], cfg, batch: dict | None = None, pool: SandboxPool | None = None
+                ) -> dict[str, torch.Tensor]:
     """Raw scores ``[N]`` of every term for this rank's ``samples`` (``problems[i]``: the problem
     ``samples[i]`` answers, None without one); ``batch``: the samples' padded batch when already
-    built. Model terms are collective over the model replica (its ranks hold the same samples)."""
+    built; ``pool``: the sandbox pool that code-running terms take their runs from
+    (:mod:`alignment.rewards.code_runs`). Model terms are collective over the model replica (its
+    ranks hold the same samples)."""
     out = {}
     for t in terms:
         if t.name == "reward_model":
@@ -73,7 +76,8 @@ def score_terms(models: Models, problems: Sequence[Problem | None], samples: Seq
                                            a.overlong_penalty_factor)
         else:
             timeout = cfg.reward.timeout_s
-            out[t.name] = function_scores(t, problems, samples, cfg.rollout.max_tokens, timeout, sandbox_workers())
+            out[t.name] = function_scores(t, problems, samples, cfg.rollout.max_tokens, timeout, sandbox_workers(),
+                                          pool)
     drop_failed_groups(samples, cfg.rollout.group_size)
     return out
 

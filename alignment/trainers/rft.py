@@ -29,6 +29,7 @@ from alignment.algorithms.sft_loss import sft_loss
 from alignment.config import shares_prompts
 from alignment.data.prompts import PromptStyle, build_prompt_ids
 from alignment.data.tasks import Problem
+from alignment.rewards.code_runs import early_grading
 from alignment.rollout.base import Sample
 from alignment.trainers.models import Models
 from alignment.trainers.rewarding import combine, job_terms, score_terms, term_metrics
@@ -44,12 +45,14 @@ def _sample_and_accept(models: Models, problems: list[Problem], prompts: list[li
     """Sample ``group_size`` answers to ``prompts`` (one per problem), reward them as answers to
     ``problems``; returns ``(samples, scores, rewards, kept indices per problem)``. Collective."""
     a, r = cfg.algorithm, cfg.rollout
-    groups = generate_for_group(models.engine, prompts, sampling)  # collective even with no prompts
-    samples = [s for g in groups for s in g]
-    if not samples:
-        return [], {}, torch.zeros(0), [[] for _ in problems]
     terms = job_terms(cfg)
-    scores = score_terms(models, [p for p in problems for _ in range(r.group_size)], samples, terms, cfg)
+    with early_grading([t.runs for t in terms], problems) as (pool, on_done):  # code runs start as answers come
+        groups = generate_for_group(models.engine, prompts, sampling, on_done)  # collective even with no prompts
+        samples = [s for g in groups for s in g]
+        if not samples:
+            return [], {}, torch.zeros(0), [[] for _ in problems]
+        scores = score_terms(models, [p for p in problems for _ in range(r.group_size)], samples, terms, cfg,
+                             pool=pool)
     rewards = combine(scores, terms, len(samples))  # no whitened terms (refused by the config check): no collective
     texts = [s.text for s in samples] if a.dedup_responses else None
     return samples, scores, rewards, accepted_indices(rewards, r.group_size, a.accept_threshold, texts)

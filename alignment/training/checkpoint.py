@@ -113,8 +113,11 @@ def _optimizer_metadata(sharding: str) -> dict:
     # no copy, and loads at another data-parallel size; "fully_reshardable" (on demand:
     # trainer.reshard_checkpoint) gathers the state and writes it in model space, one tensor per
     # parameter shaped and sharded as the parameter, so it loads at any TP/PP/EP/DP; the gather
-    # peaks at 7.1 GiB for SmolLM2-135M against 4.x GiB (docs/results.md).
-    return {"distrib_optim_sharding_type": sharding}
+    # peaks at 7.1 GiB for SmolLM2-135M against 4.x GiB (docs/results.md). A MoE model's optimizer
+    # is a chain (dense and expert parameters) when EP > 1 and a single one at EP 1; without
+    # "chained_optim_avoid_prefix" Megatron names the state "chained_<i>.<name>", so a fully
+    # reshardable checkpoint of one would not load into the other (measured: KeyError at EP 1 -> 2).
+    return {"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": sharding == FULLY_RESHARDABLE}
 
 
 def optimizer_sharding(path: str | os.PathLike) -> str:
@@ -275,8 +278,53 @@ def load_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, op
             raise ValueError(f"checkpoint {path}: trained tensors missing {sorted(trained & set(result.missing_keys))}"
                              f", unexpected {sorted(result.unexpected_keys)}")
     if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
+        state = loaded["optimizer"]
+        optimizer.load_state_dict(_fit_to_chain(optimizer, state, path) if sharding == FULLY_RESHARDABLE else state)
     return int(loaded["step"])
+
+
+#: what tells a Megatron param group of the dense optimizer from the expert one's (not its hyperparameters)
+_GROUP_PLACE = ("is_expert_parallel",)
+
+
+def _fit_to_chain(optimizer, state: dict, path) -> dict:
+    """A fully reshardable checkpoint's optimizer state in the form ``optimizer`` loads. Megatron
+    keeps a MoE model's expert parameters in an optimizer of their own at EP > 1 (a chain of two,
+    state ``{0: dense, 1: experts}``) and in the one optimizer at EP 1, where their param groups are
+    not marked ``is_expert_parallel``; the tensors are already where ``optimizer`` asked for them
+    (``chained_optim_avoid_prefix``), but the param groups (step, learning rate, betas) come in the
+    writer's form. Each group takes the hyperparameters of the written group with the same
+    ``wd_mult``, ``lr_mult`` and ``is_decoupled_lr``.
+
+    Raises:
+        ValueError: a group with no written counterpart (naming the checkpoint).
+    """
+    subs = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    parts = {k: v for k, v in state.items() if isinstance(k, int)}
+    if (len(subs) == 1) == ("optimizer" in state):  # written in this form (one optimizer: its groups on top)
+        return state
+    written = [g for part in [state, *parts.values()] for g in part.get("optimizer", {}).get("param_groups", [])]
+    scaler = next((part["grad_scaler"] for part in [state, *parts.values()] if "grad_scaler" in part), None)
+
+    def key(group: dict) -> tuple:
+        return tuple(group.get(k) for k in ("wd_mult", "lr_mult", "is_decoupled_lr"))
+
+    by_key = {key(g): g for g in written}
+    fitted = []
+    for i, sub in enumerate(subs):
+        groups = []
+        for group in sub.optimizer.param_groups:
+            if key(group) not in by_key:
+                raise ValueError(f"checkpoint {path}: no optimizer param group with wd_mult, lr_mult, is_decoupled_lr "
+                                 f"= {key(group)} was written; it holds {sorted(by_key)}")
+            hyper = {k: v for k, v in by_key[key(group)].items() if k not in _GROUP_PLACE}
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, **hyper})
+        part = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": FULLY_RESHARDABLE,
+                "param_state": (state if len(subs) == 1 else parts[i])["param_state"]}
+        if scaler is not None:
+            part["grad_scaler"] = scaler
+        fitted.append(part)
+    return fitted[0] if len(subs) == 1 else dict(enumerate(fitted))
 
 
 def save_models_checkpoint(directory: str | os.PathLike, step: int, parts: dict, config: str | None = None,

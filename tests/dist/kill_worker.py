@@ -57,10 +57,10 @@ def main() -> None:
         now["step"], now["trained"] = s, False
         real_reseed(self, s)
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, on_done=None):
         if point == "rollout" and now["step"] == step and dist.get_rank() == step % 2:
             _kill(point, step)
-        return real_generate(self, prompts, sampling)
+        return real_generate(self, prompts, sampling, on_done)
 
     def train(models, rollout, cfg):
         out = real_train(models, rollout, cfg)

@@ -72,9 +72,14 @@ def main(out_path: str) -> None:
     kv_after_sleep = small.kv_cache_bytes()
     small.wake()
     second = small.generate(PROMPTS, sampling)
-    # a fresh engine with the same seed samples the same tokens (its own RNG stream)
-    again = MegatronEngine(model, None, eos_token_id=[cfg.vocab_size - 1], vocab_size=cfg.vocab_size,
-                           max_model_len=64, max_batch_size=4, seed=7).generate(PROMPTS, sampling)
+    # a fresh engine with the same seed samples the same tokens (its own RNG stream); on_done gets each
+    # prompt's samples once its rows are done: prompt 0's (rows 0-2) after the first batch of 4 rows
+    repeat = MegatronEngine(model, None, eos_token_id=[cfg.vocab_size - 1], vocab_size=cfg.vocab_size,
+                            max_model_len=64, max_batch_size=4, seed=7)
+    batches, calls = [], []
+    batch_generate = repeat.engine.generate
+    repeat.engine.generate = lambda **kw: batches.append(1) or batch_generate(**kw)
+    again = repeat.generate(PROMPTS, sampling, on_done=lambda i, samples: calls.append((i, len(batches), samples)))
     # reseeded with a step, it samples that step's stream whatever it generated before: the engine
     # that already sampled twice and a fresh one, both reseeded with 5, sample alike; step 6 anew
     def ids(groups):
@@ -117,6 +122,8 @@ def main(out_path: str) -> None:
                                    == [s.response_ids for g in first for s in g]),
         "reseed_same_stream": ids(at5) == ids(fresh_at5) and ids(at5) not in (ids(first), ids(second)),
         "reseed_other_step_differs": ids(fresh_at6) != ids(fresh_at5),
+        "on_done_after_each_batch": [(i, n) for i, n, _ in calls] == [(0, 1), (1, 2)]
+        and all(samples is again[i] for i, _, samples in calls),
         # keys and values, [64 positions, 4 rows, kv_heads, head_dim] fp32 per layer
         "kv_bytes": kv_bytes,
         "kv_expected": 2 * cfg.num_hidden_layers * 64 * 4 * cfg.num_key_value_heads * cfg.head_dim * 4,

@@ -54,10 +54,10 @@ def main() -> None:
         now["step"] = s
         real_reseed(self, s)
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, on_done=None):
         if point in ("rollout", "hang") and now["step"] == step and dist.get_rank() == 1:
             fail(signal.SIGKILL if point == "rollout" else signal.SIGSTOP)
-        return real_generate(self, prompts, sampling)
+        return real_generate(self, prompts, sampling, on_done)
 
     def guarded_step(model, optimizer, group_norms=None):
         if point == "collective" and now["step"] == step and dist.get_rank() == 1:

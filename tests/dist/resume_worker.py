@@ -26,12 +26,14 @@ from parallel.state import env_world, init_distributed
 from tests.dist.grpo_invariance_worker import CFG, make_batch
 from tests.dist.report import write_results_and_shutdown
 from tests.dist.tiny_llama import tiny_llama
+from tests.dist.tiny_models import checkpoint_state, tiny_qwen3_moe
 
 
-def fresh(hf, distributed: bool, tp: int = 1, pp: int = 1):
+def fresh(hf, distributed: bool, tp: int = 1, pp: int = 1, ep: int = 1):
     cfg = hf.config
-    model = build_gpt_model(cfg, transformer_config(cfg, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp))
-    load_hf_weights(model, hf.state_dict(), get_bridge(cfg))
+    model = build_gpt_model(cfg, transformer_config(cfg, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                    expert_model_parallel_size=ep))
+    load_hf_weights(model, checkpoint_state(hf), get_bridge(cfg))  # MoE: experts one by one, as saved
     return setup_training(model, OptimConfig(lr=1e-2, use_distributed_optimizer=distributed))
 
 
@@ -72,6 +74,33 @@ def train(ddp, optimizer, hf, steps: range, poison: bool = False, stats: list | 
 
 def max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def moe_resharded(ckpt_root: str, world: int, saved_ep: int, resumed_ep: int) -> dict:
+    """A tiny Qwen3-MoE trained at DP 2 with ``saved_ep`` (1: each rank every expert, one optimizer;
+    2: the experts shared out, an optimizer of their own), its distributed-optimizer state written
+    fully reshardable after 2 steps, resumed at ``resumed_ep``: the weights after step 3 against
+    the run that never changed layout, and (control) without the Adam state."""
+    init_distributed(ParallelLayout(world_size=world, expert_model_parallel_size=saved_ep))
+    moe = tiny_qwen3_moe(seed=1)
+    bridge = get_bridge(moe.config)
+    ddp, opt = fresh(moe, True, ep=saved_ep)
+    train(ddp, opt, moe, range(3))
+    straight = export_hf_weights(ddp, bridge)
+    ddp, opt = fresh(moe, True, ep=saved_ep)
+    train(ddp, opt, moe, range(2))
+    ckpt = f"{ckpt_root}/moe_ep{saved_ep}/step_2"
+    save_megatron_checkpoint(ddp, ckpt, optimizer=opt, step=2, sharding=FULLY_RESHARDABLE)
+    init_distributed(ParallelLayout(world_size=world, expert_model_parallel_size=resumed_ep))
+    ddp, opt = fresh(moe, True, ep=resumed_ep)
+    step = load_megatron_checkpoint(ddp, ckpt, optimizer=opt)
+    train(ddp, opt, moe, range(step, 3))
+    resumed = export_hf_weights(ddp, bridge)
+    ddp, opt = fresh(moe, True, ep=resumed_ep)
+    load_megatron_checkpoint(ddp, ckpt)
+    train(ddp, opt, moe, range(2, 3))
+    return {"step": step, "resumed_vs_straight": max_diff(resumed, straight),
+            "model_only_vs_straight": max_diff(export_hf_weights(ddp, bridge), straight)}
 
 
 def main(ckpt_root: str, path: str) -> None:
@@ -163,6 +192,8 @@ def main(ckpt_root: str, path: str) -> None:
         train(ddp, opt, hf, range(2, 3))
         results[f"resharded_{name}"] = {"step": step, "resumed_vs_straight": max_diff(resumed, straight),
                                         "model_only_vs_straight": max_diff(export_hf_weights(ddp, bridge), straight)}
+    results["resharded_ep2"] = moe_resharded(ckpt_root, world, 1, 2)
+    results["resharded_ep1"] = moe_resharded(ckpt_root, world, 2, 1)
     init_distributed(ParallelLayout(world_size=world, tensor_model_parallel_size=2))
     for distributed in (False, True):  # TP=2: split weights and their duplicated norms counted once
         ddp, opt = fresh(hf, distributed, tp=2)

@@ -136,10 +136,44 @@ def reseed_check(workdir: str) -> dict:
             "stream_goes_on": after5 != at5, "other_step_differs": at6 != at5, "trainer_rng_untouched": untouched}
 
 
+def streaming_check(workdir: str) -> dict:
+    """``VLLMEngine.generate(..., on_done)``: each prompt's samples handed out once, as soon as they
+    are finished (while other prompts still generate: answers of the EOS-prone model end after
+    varying lengths), and the samples are vLLM's own ``LLM.generate``'s for the same random state."""
+    from vllm import SamplingParams
+
+    from alignment.rollout.base import SamplingConfig
+    from alignment.rollout.vllm_engine import VLLMEngine
+    from tests.dist.tiny_llama import save_eos_prone_hf_dir
+
+    d = f"{workdir}/tiny_eos_prone"
+    save_eos_prone_hf_dir(d)
+    engine = VLLMEngine(d, max_model_len=128, seed=3)
+    prompts = [[1, 50, 300], [7000, 12], [5, 6, 7, 8], [99], [31, 41, 59, 26, 53]]
+    torch.manual_seed(11)
+    theirs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                 SamplingParams(n=4, temperature=1.0, max_tokens=24, logprobs=0), use_tqdm=False)
+    torch.manual_seed(11)
+    calls = []
+    ours = engine.generate(prompts, SamplingConfig(n=4, temperature=1.0, max_tokens=24),
+                           on_done=lambda i, s: calls.append((i, s, engine.llm.llm_engine.get_num_unfinished_requests())))
+    engine.close()
+    lengths = [len(s.response_ids) for g in ours for s in g]
+    return {"same_as_llm_generate": [[(s.response_ids, s.text) for s in g] for g in ours] ==
+            [[(list(c.token_ids), c.text) for c in o.outputs] for o in theirs],
+            "logprobs_same": all(abs(s.logprobs[k] - c.logprobs[k][t].logprob) < 1e-6 for g, o in zip(ours, theirs)
+                                 for s, c in zip(g, o.outputs) for k, t in enumerate(c.token_ids)),
+            "each_prompt_once": sorted(i for i, _, _ in calls) == list(range(len(prompts))),
+            "calls_hold_the_output": all(s is ours[i] for i, s, _ in calls),
+            "first_while_others_run": calls[0][2] > 0, "lengths_vary": len(set(lengths)) > 1,
+            "order": [i for i, _, _ in calls]}
+
+
 if __name__ == "__main__":
     workdir, result = sys.argv[1], sys.argv[2]
     res = {"tied": check(workdir, True), "untied": check(workdir, False),
            "resharded_tied": check(workdir, True, "resharded"), "resharded_untied": check(workdir, False, "resharded"),
-           "resharded_qwen3_moe": check(workdir, False, "resharded", "qwen3_moe"), "reseed": reseed_check(workdir)}
+           "resharded_qwen3_moe": check(workdir, False, "resharded", "qwen3_moe"), "reseed": reseed_check(workdir),
+           "streaming": streaming_check(workdir)}
     with open(result, "w") as f:
         json.dump(res, f)
