@@ -18,7 +18,6 @@ from alignment.models.families import get_bridge
 from alignment.models.hf_assets import prepare_hf_dir
 from alignment.models.hf_files import check_hf_dir
 from alignment.models.lora_export import save_peft_adapter
-from alignment.rewards.judge_models import close_local
 from alignment.rollout.config import rollout_ranks
 from alignment.rollout.disaggregated import serve
 from alignment.rollout.factory import build_engine
@@ -31,6 +30,7 @@ from launchers.job_guard import die_with_launcher, lock_run_dir
 from launchers.phase_log import open_log
 from launchers.preemption import install
 from launchers.profiling import PhaseTimers, StepProfiler, memory_report
+from launchers.teardown import close_job
 from parallel.layout import ParallelLayout
 from parallel.reshard import Resharder
 from parallel.state import env_world, init_distributed, is_rollout_rank, shutdown, trainer_rollout_group
@@ -93,14 +93,8 @@ class Run:
         dist.all_gather_object(reports, {**memory_report(self.rank), "host": os.uname().nodename, "traces": traces})
         summary.update(memory=reports, phase_timers=self.timers.as_dict())
         if self.rank == 0:
-            print(message, flush=True)
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
-            self.writer.close()
-        dist.barrier()
-        close_local()  # the judges run in this process (reward.functions: judge with a model directory)
-        if engine is not None:
-            engine.close()
-        shutdown()
+        close_job(self, message, engine)
         return summary
 
 

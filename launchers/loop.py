@@ -60,8 +60,9 @@ from launchers.input_checks import DATA_POSITION_FILE, data_position
 from launchers.phase_log import record
 from launchers.profiling import peak_rss_bytes
 from launchers.rollout_table import write_rollout_table
+from launchers.teardown import close_job
 from parallel.memory import checkpoint_bytes
-from parallel.state import replica_group, shutdown
+from parallel.state import replica_group
 
 
 class Evaluation(Protocol):
@@ -231,21 +232,12 @@ def reshard_and_exit(job, models, spec: JobSpec, latest, step: int, files: dict 
     with the distributed optimizer's state in Megatron's fully_reshardable format (model space:
     loads at any TP / PP / EP / DP), the same config, step and data position; then close the
     engine and the process groups. Collective. Returns ``{"resharded": path, "step": step}``."""
-    import torch.distributed as dist
-
     record("checkpoint", step)
     with job.timers("checkpoint"):
         save_models_checkpoint(latest.parent, step, spec.trained, config=job.resolved_config, files=files,
                                sharding=FULLY_RESHARDABLE)
-    if job.rank == 0:
-        print(f"rewrote {latest} (step {step}) so that it resumes at any layout: launch the job at the new "
-              "tensor / pipeline / expert / data-parallel sizes (trainer.reshard_checkpoint=false)", flush=True)
-        if job.writer is not None:
-            job.writer.close()
-    dist.barrier()
-    if models.engine is not None:
-        models.engine.close()
-    shutdown()
+    close_job(job, f"rewrote {latest} (step {step}) so that it resumes at any layout: launch the job at the new "
+                   "tensor / pipeline / expert / data-parallel sizes (trainer.reshard_checkpoint=false)", models.engine)
     return {"resharded": str(latest), "step": step}
 
 

@@ -16,7 +16,8 @@ import os
 import signal
 import threading
 
-from parallel.state import on_gpu, shutdown
+from launchers.teardown import close_job
+from parallel.state import on_gpu
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): stopped on request, a checkpoint is saved: run again
 STOP_FILE_ENV = "MEGALIGN_STOP_FILE"
@@ -78,16 +79,7 @@ def save_and_exit(job, step: int, checkpoint, engine=None) -> None:
         checkpoint: the loop's ``checkpoint(step)`` function.
         engine: the vLLM engine to close, if any.
     """
-    import torch.distributed as dist
-
     checkpoint(step)
-    if job.rank == 0:
-        print(f"preempted ({local_request() or 'another rank'}): checkpoint at step {step} saved in "
-              f"{job.out / 'checkpoints'}, exiting with code {PREEMPTED_EXIT_CODE}", flush=True)
-        if job.writer is not None:
-            job.writer.close()
-    dist.barrier()
-    if engine is not None:
-        engine.close()
-    shutdown()
+    close_job(job, f"preempted ({local_request() or 'another rank'}): checkpoint at step {step} saved in "
+                   f"{job.out / 'checkpoints'}, exiting with code {PREEMPTED_EXIT_CODE}", engine)
     raise SystemExit(PREEMPTED_EXIT_CODE)
