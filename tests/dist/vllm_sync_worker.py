@@ -102,17 +102,12 @@ def check(workdir: str, tie: bool, path: str = "full", family: str = "llama") ->
     return {"after": (got - want).abs().max().item(), "before": (before - want).abs().max().item()}
 
 
-def reseed_check(workdir: str) -> dict:
+def reseed_check(engine) -> dict:
     """``VLLMEngine.reseed``: a step's stream whatever was sampled before, the trainer's random state
     untouched; never reseeded, the engine samples from torch's default generator (what
     ``tools/evaluate.py`` seeds per suite)."""
     from alignment.rollout.base import SamplingConfig
-    from alignment.rollout.vllm_engine import VLLMEngine
-    from tests.dist.tiny_llama import save_tiny_hf_dir
 
-    d = f"{workdir}/tiny_reseed"
-    save_tiny_hf_dir(d)
-    engine = VLLMEngine(d, max_model_len=128, seed=3)
     sampling = SamplingConfig(n=4, temperature=1.0, max_tokens=8)
     prompts = [[1, 50, 300], [7000, 12]]
 
@@ -131,24 +126,19 @@ def reseed_check(workdir: str) -> dict:
     at6 = ids()
     engine.reseed(5)
     again5 = ids()
-    engine.close()
     return {"global_seed_repeats": global_a == global_b, "stream_repeats": at5 == again5,
             "stream_goes_on": after5 != at5, "other_step_differs": at6 != at5, "trainer_rng_untouched": untouched}
 
 
-def streaming_check(workdir: str) -> dict:
-    """``VLLMEngine.generate(..., on_done)``: each prompt's samples handed out once, as soon as they
-    are finished (while other prompts still generate: answers of the EOS-prone model end after
-    varying lengths), and the samples are vLLM's own ``LLM.generate``'s for the same random state."""
+def streaming_check(engine) -> dict:
+    """``VLLMEngine.generate(..., on_done)`` on a never-reseeded engine: each prompt's samples handed
+    out once, as soon as they are finished (while other prompts still generate: answers of the
+    EOS-prone model end after varying lengths), and the samples are vLLM's own ``LLM.generate``'s
+    for the same random state."""
     from vllm import SamplingParams
 
     from alignment.rollout.base import SamplingConfig
-    from alignment.rollout.vllm_engine import VLLMEngine
-    from tests.dist.tiny_llama import save_eos_prone_hf_dir
 
-    d = f"{workdir}/tiny_eos_prone"
-    save_eos_prone_hf_dir(d)
-    engine = VLLMEngine(d, max_model_len=128, seed=3)
     prompts = [[1, 50, 300], [7000, 12], [5, 6, 7, 8], [99], [31, 41, 59, 26, 53]]
     torch.manual_seed(11)
     theirs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -157,7 +147,6 @@ def streaming_check(workdir: str) -> dict:
     calls = []
     ours = engine.generate(prompts, SamplingConfig(n=4, temperature=1.0, max_tokens=24),
                            on_done=lambda i, s: calls.append((i, s, engine.llm.llm_engine.get_num_unfinished_requests())))
-    engine.close()
     lengths = [len(s.response_ids) for g in ours for s in g]
     return {"same_as_llm_generate": [[(s.response_ids, s.text) for s in g] for g in ours] ==
             [[(list(c.token_ids), c.text) for c in o.outputs] for o in theirs],
@@ -169,11 +158,24 @@ def streaming_check(workdir: str) -> dict:
             "order": [i for i, _, _ in calls]}
 
 
+def sampling_checks(workdir: str) -> dict:
+    """:func:`streaming_check` (first: it needs an engine never reseeded), then :func:`reseed_check`,
+    on one engine of the EOS-prone tiny model."""
+    from alignment.rollout.vllm_engine import VLLMEngine
+    from tests.dist.tiny_llama import save_eos_prone_hf_dir
+
+    d = f"{workdir}/tiny_eos_prone"
+    save_eos_prone_hf_dir(d)
+    engine = VLLMEngine(d, max_model_len=128, seed=3)
+    out = {"streaming": streaming_check(engine), "reseed": reseed_check(engine)}
+    engine.close()
+    return out
+
+
 if __name__ == "__main__":
     workdir, result = sys.argv[1], sys.argv[2]
     res = {"tied": check(workdir, True), "untied": check(workdir, False),
            "resharded_tied": check(workdir, True, "resharded"), "resharded_untied": check(workdir, False, "resharded"),
-           "resharded_qwen3_moe": check(workdir, False, "resharded", "qwen3_moe"), "reseed": reseed_check(workdir),
-           "streaming": streaming_check(workdir)}
+           "resharded_qwen3_moe": check(workdir, False, "resharded", "qwen3_moe"), **sampling_checks(workdir)}
     with open(result, "w") as f:
         json.dump(res, f)
