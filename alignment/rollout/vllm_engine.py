@@ -210,7 +210,10 @@ class VLLMEngine:
                 for done in engine.step():
                     if not done.finished:
                         continue
-                    i = index[done.request_id]
+                    i = index.get(done.request_id)
+                    if i is None:
+                        raise RuntimeError(f"VLLMEngine.generate: vLLM finished request {done.request_id!r}, not one "
+                                           f"of this call's {sorted(index)[:4]}...: its request ids changed form")
                     out[i] = [self._sample(prompts[i], c) for c in done.outputs]
                     if on_done is not None:
                         on_done(i, out[i])
