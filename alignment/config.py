@@ -32,7 +32,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from alignment.algorithms.composite_reward import RewardTerm
-from alignment.algorithms.config import AlgorithmConfig, check_estimators, check_loss_type, check_policy_loss
+from alignment.algorithms.config import (ROUTING_REPLAY, AlgorithmConfig, check_distill, check_estimators,
+                                         check_loss_type, check_policy_loss)
 from alignment.algorithms.preference_loss import REFERENCE_FREE
 from alignment.data.config import DataConfig, check_dataset, check_prompt_source
 from alignment.data.step_data import SUPERVISIONS
@@ -140,8 +141,8 @@ def parallel_sizes(parallel: ParallelConfig) -> dict:
     return {f.name: getattr(parallel, f.name) for f in dataclasses.fields(ParallelConfig)}
 
 
-RL_ALGORITHMS = ("grpo", "ppo", "rft", "online_dpo")
-TASK_ALGORITHMS = ("grpo", "rft", "online_dpo")  # the jobs that ask data.task's questions
+RL_ALGORITHMS = ("grpo", "ppo", "rft", "online_dpo", "distill")
+TASK_ALGORITHMS = ("grpo", "rft", "online_dpo", "distill")  # the jobs that ask data.task's questions
 REF_UPDATES = ("initial", "iteration")
 OFFLINE_ALGORITHMS = ("sft", "rm", "dpo", "prm")
 PROCESS_ESTIMATORS = ("grpo", "grpo_no_std")  # the GRPO-family estimators process_reward has advantages for
@@ -325,6 +326,34 @@ def _validate_staleness(r, a) -> None:
                           "truncated at algorithm.rollout_correction.is_threshold, or rollout.max_staleness=0")
 
 
+def _validate_routing_replay(a: AlgorithmConfig, dims) -> None:
+    """``algorithm.routing_replay``: a value that exists, a mixture-of-experts model to route, and for
+    ``r2`` an old-logprob pass to record."""
+    if a.routing_replay not in ROUTING_REPLAY:
+        raise ConfigError(f"algorithm.routing_replay={a.routing_replay!r}: valid values are {', '.join(ROUTING_REPLAY)}")
+    if a.routing_replay == "none":
+        return
+    if not dims.num_experts:
+        raise ConfigError(f"algorithm.routing_replay={a.routing_replay}: the model is dense (no experts to route); "
+                          "set algorithm.routing_replay=none")
+    if a.routing_replay == "r2" and a.ppo_epochs == 1 and a.num_mini_batches == 1:
+        raise ConfigError("algorithm.routing_replay=r2 forces the old-logprob pass's experts in the updates of a batch, "
+                          "but with algorithm.ppo_epochs=1 and algorithm.num_mini_batches=1 the one update is that pass; "
+                          "set algorithm.ppo_epochs or algorithm.num_mini_batches > 1")
+
+
+def _validate_distill(cfg) -> None:
+    """On-policy distillation: a loss that exists and a teacher to score with (its files and tokenizer:
+    :func:`launchers.input_checks.check_model_files`)."""
+    check_distill(cfg.algorithm)
+    if not cfg.model.teacher_path:
+        raise ConfigError("algorithm.name=distill needs a teacher: set model.teacher_path to its HF directory (e.g. "
+                          "outputs/grpo_smollm2_arithmetic/hf, a trained policy's export) or a .gguf file")
+    if process_reward_weight(cfg):
+        raise ConfigError("reward.functions has process_reward, but algorithm.name=distill trains on the teacher's "
+                          "per-token signal already; drop process_reward (or use algorithm.name=grpo)")
+
+
 def _validate_prm(a: AlgorithmConfig) -> None:
     """The process reward model's algorithm settings: a step separator and a known supervision (its
     data: :func:`alignment.data.config.check_dataset`)."""
@@ -450,8 +479,8 @@ def _validate_episodes(cfg: JobConfig) -> None:
     check_episodes(r)
     if r.environment == "single_turn":
         return
-    if a.name not in ("grpo",) and not ppo_on_task(cfg):
-        raise ConfigError(f"rollout.environment={r.environment} runs multi-turn episodes in GRPO-family jobs and in "
+    if a.name not in ("grpo", "distill") and not ppo_on_task(cfg):
+        raise ConfigError(f"rollout.environment={r.environment} runs multi-turn episodes in GRPO-family and distill jobs and in "
                           f"PPO on data.task (reward.functions without reward_model); algorithm.name={a.name} "
                           "samples single answers here; set rollout.environment=single_turn")
     if process_reward_weight(cfg):
@@ -522,6 +551,9 @@ def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int 
                           "trainer.sequence_packing=true (pipeline stages exchange one shape for every micro-batch; "
                           "packed micro-batches are one row each, padded micro-batches would differ in rows)")
     check_model(cfg.model)
+    if cfg.model.teacher_path and cfg.algorithm.name != "distill":
+        raise ConfigError(f"model.teacher_path={cfg.model.teacher_path} is set, but algorithm.name={cfg.algorithm.name} "
+                          "has no teacher; set algorithm.name=distill, or model.teacher_path=''")
     _validate_rewards(cfg)
     if cfg.data.instruction is not None and cfg.algorithm.name not in TASK_ALGORITHMS and not ppo_on_task(cfg):
         raise ConfigError(f"data.instruction is set, but algorithm.name={cfg.algorithm.name} does not ask data.task's "
@@ -548,6 +580,9 @@ def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int 
                           f"raise it to at least {r.max_model_len} (or 0 for micro_batch_size rows)")
     a = cfg.algorithm
     check_policy_loss(a)
+    if a.routing_replay != "none" and a.name not in ("grpo", "distill"):
+        raise ConfigError(f"algorithm.routing_replay={a.routing_replay} replays experts in the GRPO step (grpo and its "
+                          f"variants, distill), not in algorithm.name={a.name}; set algorithm.routing_replay=none")
     _validate_staleness(cfg.rollout, a)
     if a.overlong_buffer_len and not 0 < a.overlong_buffer_len <= r.max_tokens:  # a reward term of every RL job
         raise ConfigError(f"algorithm.overlong_buffer_len={a.overlong_buffer_len} must be in (0, rollout.max_tokens="
@@ -565,10 +600,18 @@ def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int 
         (_validate_rft if a.name == "rft" else _validate_online_dpo)(cfg, layout)
         return check_lengths(r, hf_config)
     check_estimators(a)
+    if a.name == "distill":
+        _validate_distill(cfg)
+    _validate_routing_replay(a, dims)
     if r.temperature <= 0:
-        raise ConfigError(f"rollout.temperature={r.temperature}: GRPO samples, it needs a temperature > 0")
-    if r.group_size < 2:
+        raise ConfigError(f"rollout.temperature={r.temperature}: {'on-policy distillation' if a.name == 'distill' else 'GRPO'}"
+                          " samples, it needs a temperature > 0")
+    if r.group_size < 2 and a.name != "distill":
         raise ConfigError(f"rollout.group_size={r.group_size}: GRPO needs at least 2 samples per prompt")
+    if r.group_size < 2 and a.task_reward_weight:
+        raise ConfigError(f"rollout.group_size={r.group_size}: the task's group-normalised advantages "
+                          f"(algorithm.task_reward_weight={a.task_reward_weight}) need at least 2 samples per prompt; "
+                          "set rollout.group_size >= 2, or algorithm.task_reward_weight=0 (distillation alone)")
     if r.prompts_per_step % dp:
         valid = [k * dp for k in range(1, 5)]
         raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of the data-parallel "

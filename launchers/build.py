@@ -29,7 +29,7 @@ from parallel.reshard import Resharder
 from parallel.state import trainer_rollout_group
 
 #: what a job can ask :func:`build_models` for, in the order they are built
-ROLES = ("policy", "critic", "reference", "reward_model", "process_reward_model", "engine")
+ROLES = ("policy", "critic", "reference", "teacher", "reward_model", "process_reward_model", "engine")
 
 
 def build_models(cfg, job, roles: Collection[str], value_policy: bool = False):
@@ -43,6 +43,8 @@ def build_models(cfg, job, roles: Collection[str], value_policy: bool = False):
       ``trainer.critic_lr``.
     - ``reference``: the frozen initial policy; with ``model.lora`` the policy with its adapters
       off (:class:`parallel.lora.FrozenBase`, no second copy).
+    - ``teacher``: on-policy distillation's frozen teacher from ``model.teacher_path``, at the policy's
+      layout (any supported family; the same tokenizer, checked before start).
     - ``reward_model`` / ``process_reward_model``: frozen scalar-head models from
       ``model.reward_model_path`` / ``reward.process_reward_model``.
     - ``engine``: the rollout engine (``rollout.backend``) and its resharder; without it the
@@ -58,12 +60,14 @@ def build_models(cfg, job, roles: Collection[str], value_policy: bool = False):
         raise ValueError(f"build_models roles {sorted(roles)}: each of {ROLES}, policy among them")
     t, hf_dir = cfg.trainer, job.hf_dir
     policy, optimizer = load_model(cfg, hf_dir, value_policy, lr=t.lr)
-    critic = critic_optimizer = reference = reward_model = prm = None
+    critic = critic_optimizer = reference = teacher = reward_model = prm = None
     if "critic" in roles:
         critic, critic_optimizer = load_model(cfg, cfg.model.critic_path or cfg.model.reward_model_path, True,
                                               lr=t.critic_lr)
     if "reference" in roles:
         reference = FrozenBase(policy) if cfg.model.lora.rank else load_model(cfg, hf_dir, value_policy)
+    if "teacher" in roles:
+        teacher = load_model(cfg, cfg.model.teacher_path, False)
     if "reward_model" in roles:
         reward_model = load_model(cfg, cfg.model.reward_model_path, True)
     if "process_reward_model" in roles:
@@ -78,11 +82,12 @@ def build_models(cfg, job, roles: Collection[str], value_policy: bool = False):
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     placement = DevicePlacement(enabled=offload_enabled(t.offload))
     for name, model, opt in (("policy", policy, optimizer), ("critic", critic, critic_optimizer),
-                             ("reference", reference, None), ("reward_model", reward_model, None),
+                             ("reference", reference, None), ("teacher", teacher, None),
+                             ("reward_model", reward_model, None),
                              ("process_reward_model", prm, None)):
         placement.add_model(name, model, opt)  # None: skipped
     return Models(policy, optimizer, reference, engine, bridge, tokenizer, job.hf_config.vocab_size, placement,
-                  resharder, reward_model, prm, critic, critic_optimizer, episodes)
+                  resharder, reward_model, prm, critic, critic_optimizer, episodes, teacher=teacher)
 
 
 def job_transformer_config(cfg, hf_config):

@@ -61,9 +61,10 @@ def check_environment(cfg) -> None:
                           "cluster=local for CPU processes")
 
 
-def check_model_files(cfg, hf_config) -> None:
-    """The reward model, critic and process reward model a job loads exist, are HF directories and
-    share the policy's vocabulary (they read the policy's token ids).
+def check_model_files(cfg, hf_config, tokenizer=None) -> None:
+    """The reward model, critic, process reward model and teacher a job loads exist, are HF directories
+    and share the policy's vocabulary (they read the policy's token ids); the teacher also its tokenizer
+    (``tokenizer``: the policy's), token for token.
 
     Raises:
         FileNotFoundError / ConfigError: naming the field, the file and the fix.
@@ -71,7 +72,8 @@ def check_model_files(cfg, hf_config) -> None:
     from transformers import AutoConfig
 
     used = [("model.reward_model_path", cfg.model.reward_model_path), ("model.critic_path", cfg.model.critic_path),
-            ("reward.process_reward_model", _get(cfg, "reward.process_reward_model"))]
+            ("reward.process_reward_model", _get(cfg, "reward.process_reward_model")),
+            ("model.teacher_path", cfg.model.teacher_path)]
     for field, path in used:
         if not path or cfg.algorithm.name in OFFLINE_ALGORITHMS:
             continue
@@ -86,11 +88,37 @@ def check_model_files(cfg, hf_config) -> None:
                                         "export of the run that trained it (or, for model.critic_path, a model.path "
                                         "such as smollm2)")
         check_hf_dir(p, field)
+        if field == "model.teacher_path" and tokenizer is not None:
+            check_same_tokenizer(p, tokenizer, cfg.model.path)
         vocab = AutoConfig.from_pretrained(p).vocab_size
         if vocab != hf_config.vocab_size:
             raise ConfigError(f"{field}={path} has a vocabulary of {vocab} tokens, the policy ({cfg.model.path}) "
                               f"{hf_config.vocab_size}: it would read the policy's token ids as other tokens; train "
                               "it from the same base model")
+
+
+def check_same_tokenizer(teacher_dir: Path, tokenizer, student: str) -> None:
+    """On-policy distillation scores the student's token ids with the teacher: the teacher's tokenizer
+    (in ``teacher_dir``) must map every token to the id the student's (``tokenizer``, from ``student``)
+    does, with the same end-of-sequence token.
+
+    Raises:
+        ConfigError: naming both tokenizers and the first difference.
+    """
+    from transformers import AutoTokenizer
+
+    theirs = AutoTokenizer.from_pretrained(teacher_dir)
+    ours_vocab, their_vocab = tokenizer.get_vocab(), theirs.get_vocab()
+    diff = next((t for t in sorted(set(ours_vocab) | set(their_vocab)) if ours_vocab.get(t) != their_vocab.get(t)), None)
+    why = (f"token {diff!r} is id {their_vocab.get(diff)} for the teacher, {ours_vocab.get(diff)} for the student"
+           if diff is not None else
+           f"the end-of-sequence token is {theirs.eos_token!r} for the teacher, {tokenizer.eos_token!r} for the student"
+           if theirs.eos_token_id != tokenizer.eos_token_id else None)
+    if why:
+        raise ConfigError(f"model.teacher_path={teacher_dir}: its tokenizer ({len(their_vocab)} tokens) differs from "
+                          f"the student's (model.path={student}: {tokenizer.name_or_path}, {len(ours_vocab)} tokens): "
+                          f"{why}; distillation scores the student's token ids with the teacher, so both must share "
+                          "one tokenizer")
 
 
 def check_reward_servers(cfg) -> None:
@@ -280,7 +308,7 @@ def check_inputs(cfg, hf_config, tokenizer):
     """Every check of this module, in order; returns ``(note, prompts)``: :func:`check_resume`'s
     note and :func:`check_data`'s prompts (read once, used by the job)."""
     check_environment(cfg)
-    check_model_files(cfg, hf_config)
+    check_model_files(cfg, hf_config, tokenizer)
     check_reward_servers(cfg)
     check_tokenizer(cfg, tokenizer)
     prompts = check_data(cfg, tokenizer)

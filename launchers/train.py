@@ -47,10 +47,11 @@ def needs_reference(cfg) -> bool:
 
 
 def roles(cfg) -> list[str]:
-    """The models a GRPO-family, ``rft`` or ``online_dpo`` job builds (:func:`launchers.build.build_models`):
-    the policy and its rollout engine; the frozen reference (:func:`needs_reference`); the reward
+    """The models a GRPO-family, ``distill``, ``rft`` or ``online_dpo`` job builds (:func:`launchers.build.build_models`):
+    the policy and its rollout engine; the frozen reference (:func:`needs_reference`); ``distill``'s teacher; the reward
     model when ``reward.functions`` names ``reward_model``; the process reward model for ``process_reward``."""
     return ["policy", "engine", *(["reference"] if needs_reference(cfg) else []),
+            *(["teacher"] if cfg.algorithm.name == "distill" else []),
             *(["reward_model"] if any(term.name == "reward_model" for term in reward_terms(cfg)) else []),
             *(["process_reward_model"] if process_reward_weight(cfg) else [])]
 

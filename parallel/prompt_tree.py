@@ -83,6 +83,8 @@ class SharedPromptInputs:
     (the output layer's input, repeats allowed); ``target_ids``: ``[1, n]`` the token each one
     predicts; ``flat_index``: ``[n]`` its ``row * seq + column`` in the padded micro-batch
     ``shape = (rows, seq)``, ``rows * seq`` for a placeholder (a micro-batch with nothing to score).
+    ``token_index``: ``[T]`` the ``row * seq + column`` of the token at every tree position (a shared
+    prompt token: one of its rows'), ``-1`` for padding.
     """
 
     input_ids: torch.Tensor
@@ -92,6 +94,7 @@ class SharedPromptInputs:
     target_ids: torch.Tensor
     flat_index: torch.Tensor
     shape: tuple[int, int]
+    token_index: torch.Tensor | None = None
 
     @property
     def seq_length(self) -> int:
@@ -109,7 +112,8 @@ class SharedPromptInputs:
                     tree_segments=p.tree_segments and p.tree_segments.to(device), **moved)
         return SharedPromptInputs(self.input_ids.to(device), self.position_ids.to(device), p,
                                   self.score_index.to(device), self.target_ids.to(device),
-                                  self.flat_index.to(device), self.shape)
+                                  self.flat_index.to(device), self.shape,
+                                  None if self.token_index is None else self.token_index.to(device))
 
     def restore(self, selected: torch.Tensor) -> torch.Tensor:
         """Per-score output ``[1, n, ...]`` -> ``[rows, seq, ...]`` of the padded micro-batch
@@ -222,8 +226,11 @@ def shared_prompt_inputs(input_ids: torch.Tensor, seq_lengths: torch.Tensor, pro
     params = PromptTreeSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
                                  cu_seqlens_kv_padded=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
                                  tree_masks=masks, tree_segments=segments)
+    token_index = torch.full((sum(seg_lens),), -1)
+    placed = tree_pos.reshape(-1) >= 0
+    token_index[tree_pos.reshape(-1)[placed]] = placed.nonzero().squeeze(1)
     return SharedPromptInputs(torch.cat(ids).unsqueeze(0), torch.cat(pos).unsqueeze(0), params, score_index,
-                              targets.unsqueeze(0), flat_index, (rows, seq))
+                              targets.unsqueeze(0), flat_index, (rows, seq), token_index)
 
 
 @contextmanager

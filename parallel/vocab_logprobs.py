@@ -116,3 +116,49 @@ def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab_si
                          f"(columns {start}..{start + v_local}); use a smaller tensor_model_parallel_size")
     return _VocabParallelLogprobs.apply(logits, target, start, real_cols, 1.0 / temperature, group,
                                         chunk or chunk_tokens(v_local))
+
+
+class _GatherVocab(torch.autograd.Function):
+    """All-gather of the vocabulary slices along the last dimension; backward keeps this rank's
+    slice of the gradient (right when every tensor-parallel rank evaluates the same function of the
+    gathered tensor, as Megatron's ``gather_from_tensor_model_parallel_region``)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        tp, rank = dist.get_world_size(group), dist.get_rank(group)
+        parts = [torch.empty_like(x) for _ in range(tp)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        ctx.meta = (rank, x.shape[-1])
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank, width = ctx.meta
+        return grad[..., rank * width:(rank + 1) * width].contiguous(), None
+
+
+def vocab_parallel_log_softmax(logits: torch.Tensor, vocab_size: int, temperature: float = 1.0,
+                               group=None) -> torch.Tensor:
+    """The whole distribution ``log_softmax(logits / temperature)`` over the real vocabulary, from
+    this tensor-parallel rank's slice: what a divergence between two models' distributions (on-policy
+    distillation's JSD and forward KL) reads. Unlike :func:`vocab_parallel_logprobs` it makes the
+    ``[..., V]`` fp32 tensor, so callers run it on the positions they score only.
+
+    Args:
+        logits: ``[..., V_pad / tp]`` this rank's contiguous vocabulary slice (rank ``r`` holds columns
+            ``[r * V_pad / tp, (r + 1) * V_pad / tp)``); any float dtype.
+        vocab_size: the real vocabulary size ``V``; padding columns ``>= V`` are dropped.
+        temperature: > 0.
+        group: the tensor-parallel group (``None`` or size 1: the whole vocabulary is local).
+    Returns:
+        ``[..., V]`` float32 log-probabilities, the same on every rank of ``group``; differentiable with
+        respect to ``logits`` (each rank gets its slice's gradient).
+    Raises:
+        ValueError: ``temperature <= 0``, or a padded vocabulary narrower than ``vocab_size``.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature}: must be > 0")
+    full = logits if group is None or dist.get_world_size(group) == 1 else _GatherVocab.apply(logits, group)
+    if full.shape[-1] < vocab_size:
+        raise ValueError(f"logits hold {full.shape[-1]} vocabulary columns, fewer than vocab_size={vocab_size}")
+    return torch.log_softmax(full[..., :vocab_size].float() / temperature, dim=-1)

@@ -229,7 +229,7 @@ CASES: list[Case] = [
          "rollout.max_staleness=-1: must be >= 0"),
     # ---- configs: unknown names
     Case("config", "`algorithm.name=ppo2`", conf("grpo", "algorithm.name=ppo2"), ConfigError,
-         "algorithm.name='ppo2': valid values are grpo, ppo, rft, online_dpo, sft, rm, dpo, prm"),
+         "algorithm.name='ppo2': valid values are grpo, ppo, rft, online_dpo, distill, sft, rm, dpo, prm"),
     Case("config", "`algorithm.loss_type=dpop` (DPO)", conf("dpo", "algorithm.loss_type=dpop"), ConfigError,
          "algorithm.loss_type='dpop': valid values are sigmoid, ipo, hinge, kto, simpo, orpo"),
     Case("config", "`algorithm.advantage_estimator=vtrace`", conf("grpo", "algorithm.advantage_estimator=vtrace"),

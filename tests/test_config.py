@@ -207,7 +207,7 @@ def test_profile_fields_are_checked():
 
 GROUPS = {"model": ["smollm2", "smollm2_sft_rm"],
           "algorithm": ["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "cispo", "ppo", "sft", "rm", "dpo",
-                        "rft", "online_dpo", "prm"],
+                        "rft", "online_dpo", "prm", "distill"],
           "parallel": ["single", "tp2", "tp2_sp", "pp2", "cp2_ring", "cp2_ulysses", "tp2_pp2"],
           "rollout": ["default", "long"], "data": ["arithmetic", "gsm8k", "alpaca_en_demo", "dpo_en_demo",
                                                     "prm_steps", "arithmetic_tools", "file"],
@@ -311,6 +311,18 @@ def test_model_families_and_experts_are_validated_before_start():
         validate(cfg(), world_size=2, hf_config=GPT2Config(architectures=["GPT2LMHeadModel"]))
     with pytest.raises(ConfigError, match="data.task='poetry': valid values are arithmetic, gsm8k, length"):
         validate(cfg("data.task=poetry"), world_size=2, hf_config=SMOLLM2)
+    # routing replay: a MoE model, an old-logprob pass to record (r2), the GRPO step
+    validate(cfg("algorithm.routing_replay=r2", "algorithm.num_mini_batches=2"), world_size=2, hf_config=moe)
+    with pytest.raises(ConfigError, match=r"algorithm.routing_replay=r2 forces the old-logprob pass's experts .* set "
+                                          r"algorithm.ppo_epochs or algorithm.num_mini_batches > 1"):
+        validate(cfg("algorithm.routing_replay=r2"), world_size=2, hf_config=moe)
+    with pytest.raises(ConfigError, match=r"algorithm.routing_replay=r2: the model is dense"):
+        validate(cfg("algorithm.routing_replay=r2", "algorithm.ppo_epochs=2"), world_size=2, hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match=r"algorithm.routing_replay='r9': valid values are none, r2"):
+        validate(cfg("algorithm.routing_replay=r9"), world_size=2, hf_config=moe)
+    with pytest.raises(ConfigError, match=r"algorithm.routing_replay=r2 replays experts in the GRPO step .* not in "
+                                          r"algorithm.name=rft"):
+        validate(cfg("algorithm.routing_replay=r2", name="rft"), world_size=2, hf_config=moe)
 
 
 def test_environment_settings_are_checked():

@@ -107,6 +107,7 @@ def test_a_reseed_reaches_the_engines_with_the_next_request():
     assert engine.calls == [("reseed", 7), ("generate", [[5], [6]]), ("generate", [[8]])]
 
 
+@pytest.mark.heavy  # 4 processes on 2 cores; the disaggregated GRPO job below syncs its weights in CI
 @pytest.mark.slow
 def test_weight_sync_from_trainers_to_engine_ranks(tmp_path):
     """gqa test model: 4 layers, hidden 96, untied; 27 vLLM tensors per engine rank. The replicated

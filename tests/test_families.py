@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist.family_worker import GRAD_CASES, LOGIT_CASES
+from tests.dist.family_worker import GRAD_CASES, LOGIT_CASES, ROUTING_CASES
 
 
 def check_logits(results: dict, cases: dict) -> None:
@@ -37,8 +37,34 @@ def test_two_rank_layouts_and_gradients(torchrun_json):
     assert "moe/aux_loss" not in r["grad/ep2"]  # coefficient 0: Megatron does not compute it
     # the load-balancing term really moves the router gradient, and Megatron matches it
     assert ref["aux_router_grad_effect"] > 100 * max(r[n]["max_router_grad_diff"] for n in GRAD_CASES)
+    check_routing_replay(r)
 
 
+def check_routing_replay(r: dict) -> None:
+    """MoE routing replay (alignment/training/routing_replay.py): what Megatron records is HF's routing,
+    token for token; a forced table replayed at EP=1, EP=2, TP=2 with sequence parallelism and PP=2 gives
+    the loss and gradients of the HF model forced to the same experts, and the agreement each logs is the
+    share of (token, layer) pairs whose own choice (given the forced layers before) is the table's."""
+    ref = r["routing_reference"]
+    assert ref["moe_layers"] == [0, 1, 2] and ref["dense_layer_recorded"] == 0  # layer 3 is a dense MLP
+    assert ref["recorded_mismatches"] == 0
+    # the forced experts change the model: the loss, and the gradients by far more than the tolerance
+    assert abs(ref["loss"] - ref["unforced_loss"]) > 1e-4 and ref["forcing_grad_effect"] > 1e-2 * ref["max_grad"], ref
+    # a third of the tokens forced in each layer (and the later layers' own choices moved by it)
+    assert abs(ref["forced_share"] - 1 / 3) < 0.02 and 0.3 < ref["expected_agreement"] < 0.67, ref
+    for name in ROUTING_CASES:
+        c = r[name]
+        assert abs(c["loss"] - ref["loss"]) <= 1e-5 * max(1.0, abs(ref["loss"])), (name, c, ref)
+        assert c["max_grad_diff"] <= 1e-5 * ref["max_grad"] + 1e-7, (name, c, ref)
+        assert c["agreement"] == pytest.approx(ref["expected_agreement"], abs=1e-9), (name, c)
+    # compare: the model keeps its own experts (the unforced loss), which differ from the table exactly
+    # where the table was forced
+    c = r["routing/compare_ep1"]
+    assert abs(c["loss"] - ref["unforced_loss"]) <= 1e-5 * max(1.0, abs(ref["unforced_loss"])), (c, ref)
+    assert c["agreement"] == pytest.approx(1.0 - ref["forced_share"], abs=1e-9), c
+
+
+@pytest.mark.heavy  # 4 processes on 2 cores; the 2-rank layouts run in CI
 @pytest.mark.slow
 def test_expert_and_tensor_parallel_layouts_on_four_ranks(torchrun_json):
     check_logits(torchrun_json("family_worker.py", nproc=4), LOGIT_CASES[4])

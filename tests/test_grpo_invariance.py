@@ -33,3 +33,20 @@ def test_grpo_gradients_equal_single_process_autograd(torchrun_json):
                  "shared_dp2_mbs4_all_positions"):
         assert abs(r[case]["loss"] - ref["loss"]) <= 1e-5 * max(1.0, abs(ref["loss"])), (case, r[case], ref)
         assert r[case]["max_grad_diff"] <= 1e-5 * ref["max_grad"] + 1e-7, (case, r[case], ref)
+    check_distillation(r)
+
+
+def check_distillation(r: dict) -> None:
+    """On-policy distillation's terms (GKD's JSD of the whole distributions; the reverse-KL advantages)
+    added to the GRPO loss: the same loss and gradients as one process at DP=2, TP=2 (the vocabulary
+    gathered over TP), TP=2 on the response only and PP=2."""
+    for kind, cases in (("jsd", ("distill_jsd_dp2_mbs2", "distill_jsd_tp2_mbs2", "distill_jsd_tp2_response_only",
+                                 "distill_jsd_pp2_mbs2")),
+                        ("reverse_kl", ("distill_reverse_kl_tp2_mbs2",))):
+        ref = r[f"distill_{kind}_reference"]
+        assert ref["max_grad"] > 1e-3
+        for case in cases:
+            assert abs(r[case]["loss"] - ref["loss"]) <= 1e-5 * max(1.0, abs(ref["loss"])), (case, r[case], ref)
+            assert r[case]["max_grad_diff"] <= 1e-5 * ref["max_grad"] + 1e-7, (case, r[case], ref)
+    # the distillation term moves the loss: the JSD reference differs from plain GRPO's on the same batch
+    assert abs(r["distill_jsd_reference"]["loss"] - r["reference_loss"]) > 1e-3

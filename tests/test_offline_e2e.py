@@ -207,6 +207,7 @@ def test_diverging_run_skips_nan_updates_then_stops_with_a_checkpoint(tmp_path):
     assert (out / "checkpoints" / "step_1" / "metadata.json").exists() and not (out / "checkpoints" / "step_2").exists()
 
 
+@pytest.mark.heavy  # one more launch pair; resume at another layout runs in tests/test_resume.py
 def test_a_checkpoint_rewritten_for_any_layout_resumes_at_tp2(tmp_path):
     """The distributed optimizer's checkpoint of an SFT run at DP 2, rewritten once at that layout
     (``trainer.reshard_checkpoint=true``: Megatron's fully_reshardable format, nothing trained),

@@ -149,6 +149,7 @@ def check_rl_jobs_with_the_process_reward(grpo: dict, ppo: dict) -> None:
     assert 0.0 < m["reward/process_reward"] < 1.0 and m["loss/value"] > 0.0, m
 
 
+@pytest.mark.heavy  # the data tool; the PRM job itself runs in CI
 def test_make_prm_data_samples_and_labels_with_vllm(tmp_path):
     from alignment.data.tasks import load_problems, score_response
 

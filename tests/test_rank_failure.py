@@ -66,7 +66,10 @@ def _launch(model, out: Path, point: str, step: int, tmp: Path) -> tuple[int, di
     return status, failures, waited, tag
 
 
-@pytest.mark.parametrize("point,phase", [("rollout", "rollout"), ("collective", "training")])
+# the kill inside a collective of the training phase is heavy: the rollout kill and the kill during a
+# checkpoint (below) run in CI
+@pytest.mark.parametrize("point,phase", [("rollout", "rollout"),
+                                         pytest.param("collective", "training", marks=pytest.mark.heavy)])
 def test_a_rank_killed_ends_the_job_within_a_minute_named_with_its_phase(tmp_path, point, phase):
     model, out = save_tiny_hf_dir(tmp_path / "tiny"), tmp_path / "run"
     status, failures, waited, tag = _launch(model, out, point, 1, tmp_path)

@@ -9,6 +9,7 @@ from typing import Optional
 
 from alignment.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from alignment.algorithms.aggregation import AGGREGATION_MODES
+from alignment.algorithms.distill_loss import DISTILL_LOSSES
 from alignment.algorithms.kl import KL_ESTIMATORS
 from alignment.algorithms.policy_loss import POLICY_LOSSES
 from alignment.algorithms.preference_loss import LOSS_TYPES
@@ -16,6 +17,8 @@ from alignment.algorithms.rollout_correction import RolloutCorrection
 from alignment.schema import ConfigError, plain, ranged, unbounded
 
 WHITEN_LEVELS = ("sequence", "token")
+#: ``algorithm.routing_replay`` values (alignment/training/routing_replay.py)
+ROUTING_REPLAY = ("none", "r2")
 
 
 @dataclass
@@ -36,7 +39,7 @@ class AlgorithmConfig:
     """The algorithm (``name``) and its settings: GRPO-family advantage estimator, clipping, KL to the
     reference, loss aggregation; preference-loss settings for ``dpo`` and ``rm``."""
 
-    name: str = "grpo"  # grpo | ppo | rft | online_dpo | sft | rm | dpo | prm
+    name: str = "grpo"  # grpo | ppo | rft | online_dpo | distill | sft | rm | dpo | prm
     # grpo | grpo_no_std (Dr.GRPO) | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline
     advantage_estimator: str = "grpo"
     # reinforce_plus_plus[_baseline]: whiten over each response once (sequence) or every valid token
@@ -96,6 +99,20 @@ class AlgorithmConfig:
     # final answer's correctness at the last step (outcome; Lightman et al. 2023's ORM, same data)
     step_separator: str = "\n"  # prm: what ends a step
     supervision: str = "process"  # prm: process (every step's label) | outcome (the answer, at the last step)
+    # distill (on-policy distillation: the student samples, model.teacher_path scores its tokens):
+    # reverse_kl (each token's teacher-minus-student logprob is its advantage, the policy-gradient loss) |
+    # jsd (GKD's generalized Jensen-Shannon divergence of the whole distributions, minimised) |
+    # forward_kl (KL(teacher || student) of the whole distributions: jsd at distill_beta=0)
+    distill_loss: str = "reverse_kl"
+    distill_beta: float = ranged(0.5, 0, 1, high_in=True)  # distill jsd: GKD's beta (0: forward KL, 1: reverse KL)
+    # distill: weight of the task's group-normalised reward advantages (reward.functions) beside the
+    # distillation term; 0: distillation only (the rewards are still computed and logged)
+    task_reward_weight: float = ranged(0.0, 0)
+    # mixture-of-experts policies (the GRPO step): none | r2 (the experts each token took in the
+    # old-logprob pass are forced in every update of the batch, so the PPO ratio compares one sub-network;
+    # needs ppo_epochs or num_mini_batches > 1). With several updates moe/routing_agreement is logged either
+    # way: the share of (token, layer) pairs whose experts in the updates equal the old pass's
+    routing_replay: str = "none"
 
 
 def check_policy_loss(a: AlgorithmConfig) -> None:
@@ -133,6 +150,16 @@ def check_estimators(a: AlgorithmConfig) -> None:
                           "units REINFORCE++ whitens its advantages over)")
     if a.loss_agg_mode not in AGGREGATION_MODES:
         raise ConfigError(f"algorithm.loss_agg_mode={a.loss_agg_mode!r}: valid values are {', '.join(AGGREGATION_MODES)}")
+
+
+def check_distill(a: AlgorithmConfig) -> None:
+    """``algorithm.name=distill``: a distillation loss that exists.
+
+    Raises:
+        ConfigError: naming the field and its valid values.
+    """
+    if a.distill_loss not in DISTILL_LOSSES:
+        raise ConfigError(f"algorithm.distill_loss={a.distill_loss!r}: valid values are {', '.join(DISTILL_LOSSES)}")
 
 
 def check_loss_type(a: AlgorithmConfig) -> None:

@@ -35,6 +35,9 @@ class ModelConfig:
     dtype: str = "bfloat16"
     reward_model_path: str = ""  # ppo: HF dir of a trained reward model (*ForSequenceClassification)
     critic_path: str = ""  # ppo: critic initialisation; "" = the reward model
+    # distill: the frozen teacher (an HF directory, a .gguf file or "smollm2"; any supported family, the
+    # student's tokenizer), built at the policy's parallel layout and offloaded between phases like the reference
+    teacher_path: str = ""
     # mixture-of-experts models: weight of the router's load-balancing (switch) loss, averaged over
     # micro-batches and data-parallel ranks; null = the HF config's router_aux_loss_coef
     moe_aux_loss_coeff: Optional[float] = ranged(None, 0, note=" (0: no load-balancing loss; null: the HF config's)")

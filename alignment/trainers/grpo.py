@@ -40,6 +40,7 @@ from alignment.data.tasks import Problem
 from alignment.rewards import grading
 from alignment.rewards.code_runs import early_grading
 from alignment.rollout.base import SamplingConfig
+from alignment.trainers import distill
 from alignment.trainers.models import Models
 from alignment.trainers.process_rewarding import score_steps, step_metrics
 from alignment.trainers.rewarding import combine, job_terms, score_terms, term_metrics
@@ -48,9 +49,11 @@ from alignment.trainers.rl_phases import (Rollout, correction_metrics, episode_m
 from alignment.training.batching import make_batch
 from alignment.training.dp_balance import balance_over_dp
 from alignment.training.health import guarded_step
-from alignment.training.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
+from alignment.training.megatron_step import (LogprobOutputs, VocabOutputs, all_reduce_sum, forward_backward,
+                                              is_output_rank)
 from alignment.training.offload import trainable
 from alignment.training.router_stats import routing_metrics
+from alignment.training.routing_replay import COMPARE, RECORD, REPLAY, RoutingPass, agreement_metrics
 from parallel.state import replica_group
 
 
@@ -84,7 +87,11 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
     a = cfg.algorithm
     loss_cfg = GRPOLossConfig.from_algorithm(a)
     size = batch["input_ids"].shape[0] // a.num_mini_batches
-    keys = ["policy_loss_sum", "kl_sum", "clipped_tokens", "entropy_sum", "prob_error_sum", "tokens"]
+    distilling = a.name == "distill"
+    routing = (RoutingPass.of(models.policy, REPLAY if a.routing_replay == "r2" else COMPARE)
+               if "routed_experts" in batch else None)
+    keys = ["policy_loss_sum", "kl_sum", "clipped_tokens", "entropy_sum", "prob_error_sum", "tokens",
+            *(distill.SUMS if distilling else ())]
     local, grad_norms, outs, skipped = [0.0] * len(keys), [], [], 0
     for _ in range(a.ppo_epochs):
         for k in range(a.num_mini_batches):
@@ -99,9 +106,13 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
                 entropy_sum = (out["entropy"] * mask).sum()
                 lp = out["logprobs"]
                 old = mb["old_logprobs"] if "old_logprobs" in mb else lp.detach()
-                loss, m = grpo_loss(lp, old, mb.get("ref_logprobs"), mb["advantages"], mask, normalizer, loss_cfg,
+                advantages, extra, more = (distill.distill_terms(mb, out, old, normalizer, a) if distilling
+                                           else (mb["advantages"], None, {}))
+                loss, m = grpo_loss(lp, old, mb.get("ref_logprobs"), advantages, mask, normalizer, loss_cfg,
                                     rollout_logprobs=mb["rollout_logprobs"])
-                m["entropy_sum"] = entropy_sum
+                if extra is not None:  # the whole-distribution distillation loss
+                    loss = loss + extra
+                m.update(more, entropy_sum=entropy_sum)
                 with torch.no_grad():
                     m["prob_error_sum"] = (torch.exp((old - mb["rollout_logprobs"]).abs()) * mask).sum()
                 return loss, m
@@ -109,10 +120,12 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
             models.policy.zero_grad_buffer()
             models.optimizer.zero_grad()
             # The policy being optimised is the one vLLM samples from: softmax(logits / T).
+            outputs = (VocabOutputs(models.vocab_size, cfg.rollout.temperature) if distill.full_distribution(cfg)
+                       else LogprobOutputs(models.vocab_size, cfg.rollout.temperature, entropy=True))
             out = forward_backward(models.policy, microbatches(mini, cfg.trainer), loss_fn, forward_only=False,
-                                   outputs=LogprobOutputs(models.vocab_size, cfg.rollout.temperature, entropy=True),
+                                   outputs=outputs,
                                    packing=cfg.trainer.sequence_packing, positions="response_mask",
-                                   share_prompts=shares_prompts(cfg))
+                                   share_prompts=shares_prompts(cfg), routing=routing)
             applied, grad_norm = guarded_step(models.policy, models.optimizer, models.grad_norms)
             if applied:
                 grad_norms.append(grad_norm)
@@ -134,6 +147,9 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
         "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
         "health/skipped_updates": float(skipped),  # NaN/inf gradients: alignment/training/health.py
         **routing_metrics(models.policy),  # MoE: expert load imbalance, aux loss
+        **(agreement_metrics(models.policy) if routing is not None else {}),  # MoE routing replay
+        **({"distill/reverse_kl": sums["distill_kl_sum"] / n, "distill/divergence": sums["distill_divergence_sum"] / n}
+           if distilling else {}),
     }
 
 
@@ -294,7 +310,11 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
         whitening = {"all_reduce": lambda sums: all_reduce_sum(sums, dp_group),
                      "token_counts": (torch.tensor([len(s.response_ids) for s in samples])
                                       if a.whiten_level == "token" else None)}
-    advantages = get_advantage_estimator(a.advantage_estimator)(rewards, r.group_size, **whitening)
+    if a.name == "distill" and not a.task_reward_weight:  # distillation only: no task advantages
+        advantages = torch.zeros_like(rewards, dtype=torch.float32)
+    else:  # distill: the task's share, weighted
+        advantages = get_advantage_estimator(a.advantage_estimator)(rewards, r.group_size, **whitening)
+        advantages = advantages * (a.task_reward_weight if a.name == "distill" else 1.0)
     if rollout.steps is not None:  # process supervision: per-token advantages [N, R] (response tokens)
         advantages = token_advantages(advantages, rollout.steps, samples, r.group_size, r.max_tokens,
                                       a.advantage_estimator == "grpo")
@@ -306,14 +326,22 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
     batch["advantages"] = advantages
     packing = dict(packing=cfg.trainer.sequence_packing, share_prompts=shares_prompts(cfg))
     zeros = torch.zeros_like(batch["response_mask"])
+    if models.teacher is not None:  # on-policy distillation: the teacher scores the student's tokens
+        distill.teacher_scores(models, batch, cfg, **packing)
     if models.reference is not None and a.kl_coef > 0:
         models.placement.keep("reference")
         ref = policy_logprobs(models.reference, microbatches(batch, cfg.trainer), models.vocab_size, r.temperature, **packing)
         batch["ref_logprobs"] = ref if ref is not None else zeros
     if a.ppo_epochs > 1 or a.num_mini_batches > 1:  # several updates: freeze the sampling policy's logprobs
         models.placement.keep("policy")
-        old = policy_logprobs(models.policy, microbatches(batch, cfg.trainer), models.vocab_size, r.temperature, **packing)
+        # MoE: the experts of this pass are replayed in every update (R2), or compared with the updates' own
+        # choices (moe/routing_agreement; alignment/training/routing_replay.py)
+        record = RoutingPass.of(models.policy, RECORD)
+        old = policy_logprobs(models.policy, microbatches(batch, cfg.trainer), models.vocab_size, r.temperature,
+                              routing=record, **packing)
         batch["old_logprobs"] = old if old is not None else zeros
+        if record is not None:
+            batch["routed_experts"] = record.recorded_rows()
     times["logprobs"] = time.perf_counter() - t
 
     t = time.perf_counter()

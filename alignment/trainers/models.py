@@ -37,6 +37,7 @@ class Models:
     critic: torch.nn.Module | None = None  # PPO's value model (DDP), trained with critic_optimizer
     critic_optimizer: object = None
     episodes: object = None  # alignment.rollout.multi_turn.EpisodeSetup (rollout.environment)
+    teacher: torch.nn.Module | None = None  # on-policy distillation's frozen teacher (model.teacher_path)
     #: a dict on steps that measure the policy's gradient norms per layer group (trainer.grad_stats_every):
     #: guarded_step fills it, the loop logs it; None: not this step
     grad_norms: dict | None = None

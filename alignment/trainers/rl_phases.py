@@ -24,8 +24,8 @@ from alignment.rollout.weight_check import check_engine_weights
 from alignment.trainers.models import Models
 from alignment.training.batching import MicroBatching, cat_rows
 from alignment.training.config import TrainerConfig
-from alignment.training.megatron_step import (LogprobOutputs, all_reduce_max, all_reduce_sum, forward_backward,
-                                              is_output_rank, value_outputs)
+from alignment.training.megatron_step import (LogprobOutputs, VocabOutputs, all_reduce_max, all_reduce_sum,
+                                              forward_backward, is_output_rank, value_outputs)
 from parallel.state import replica_group
 
 
@@ -182,20 +182,25 @@ def post_for_group(engine, prompts: list[list[int]], sampling: SamplingConfig) -
 
 def policy_logprobs(model, microbatches, vocab_size: int, temperature: float = 1.0,
                     packing: bool = False, positions: str | None = "response_mask",
-                    share_prompts: bool = False) -> torch.Tensor | None:
+                    share_prompts: bool = False, distribution: bool = False, routing=None) -> torch.Tensor | None:
     """Forward-only logprobs ``[N, seq]`` of ``softmax(logits / temperature)`` in batch row
     order (last pipeline stage; ``None`` elsewhere). ``packing``: ``trainer.sequence_packing``;
     ``positions``: the micro-batch mask whose positions are computed (0 elsewhere; ``None``: all);
     ``share_prompts``: prompt trees (``trainer.shared_prompt_packing``); see
-    :func:`alignment.training.megatron_step.forward_backward`."""
+    :func:`alignment.training.megatron_step.forward_backward`. ``distribution``: the whole
+    distribution instead, ``[N, seq, V]`` fp32 (:class:`alignment.training.megatron_step.VocabOutputs`;
+    zeros off ``positions``). ``routing``: the pass's MoE routing (record, replay;
+    :class:`alignment.training.routing_replay.RoutingPass`)."""
+    key = "vocab_logprobs" if distribution else "logprobs"
 
     def collect(mb, out):
-        return out["logprobs"].sum() * 0, {"logprobs": out["logprobs"]}
+        return out[key].sum() * 0, {key: out[key]}
 
+    outputs = (VocabOutputs if distribution else LogprobOutputs)(vocab_size, temperature)
     with torch.no_grad():
-        out = forward_backward(model, microbatches, collect, outputs=LogprobOutputs(vocab_size, temperature),
-                               forward_only=True, packing=packing, positions=positions, share_prompts=share_prompts)
-    return cat_rows(out, "logprobs", microbatches) if out else None
+        out = forward_backward(model, microbatches, collect, outputs=outputs, forward_only=True, packing=packing,
+                               positions=positions, share_prompts=share_prompts, routing=routing)
+    return cat_rows(out, key, microbatches) if out else None
 
 
 def head_outputs(model, mbs: list[dict], packing: bool = False, share_prompts: bool = False) -> torch.Tensor | None:

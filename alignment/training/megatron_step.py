@@ -27,7 +27,7 @@ from parallel.lora import FrozenBase, adapters_disabled
 from parallel.packing import alignment as packing_alignment
 from parallel.packing import model_inputs
 from parallel.state import comm_device
-from parallel.vocab_logprobs import vocab_parallel_logprobs
+from parallel.vocab_logprobs import vocab_parallel_log_softmax, vocab_parallel_logprobs
 
 
 @dataclass
@@ -196,6 +196,7 @@ def forward_backward(
     pad_id: int = 0,
     positions: str | None = None,
     share_prompts: bool = False,
+    routing=None,
 ) -> list[dict]:
     """Run all micro-batches through Megatron's schedule (1F1B under PP).
 
@@ -225,6 +226,8 @@ def forward_backward(
             ``[mbs]``) run as one prompt tree, the prompt computed once
             (:mod:`parallel.prompt_tree`, ``trainer.shared_prompt_packing``); same outputs and
             gradients as ``packing``. Not with context or sequence parallelism.
+        routing: a :class:`alignment.training.routing_replay.RoutingPass` (MoE models): the routers record
+            their choices, or replay / compare the micro-batches' ``routed_experts``; None: they choose.
     Returns:
         the metrics dicts of every micro-batch on the last pipeline stage; ``[]`` elsewhere.
     Raises:
@@ -239,7 +242,8 @@ def forward_backward(
             raise ValueError("a FrozenBase reference model runs forward only")
         with adapters_disabled(model.model):
             return forward_backward(model.model, microbatches, loss_fn, outputs=outputs, forward_only=True,
-                                    packing=packing, pad_id=pad_id, positions=positions, share_prompts=share_prompts)
+                                    packing=packing, pad_id=pad_id, positions=positions, share_prompts=share_prompts,
+                                    routing=routing)
     if share_prompts and (ps.get_context_parallel_world_size() > 1 or model.config.sequence_parallel):
         raise ValueError("share_prompts (trainer.shared_prompt_packing) needs context_parallel_size=1 and "
                          "sequence_parallel=false: a prompt tree's attention mask spans the whole tree")
@@ -247,7 +251,7 @@ def forward_backward(
     with moe_aux_loss_scale(model.config, len(microbatches), forward_only):
         return _forward_backward(get_forward_backward_func(), model, microbatches, loss_fn, outputs=outputs,
                                  forward_only=forward_only, packing=packing, pad_id=pad_id, positions=positions,
-                                 share_prompts=share_prompts)
+                                 share_prompts=share_prompts, routing=routing)
 
 
 @contextmanager
@@ -290,7 +294,7 @@ def _selected_positions(mb: dict, inp, key: str | None, sequence_parallel: bool)
 
 
 def _forward_backward(schedule, model, microbatches, loss_fn, *, outputs, forward_only, packing, pad_id,
-                      positions=None, share_prompts=False):
+                      positions=None, share_prompts=False, routing=None):
     from parallel.prompt_tree import tree_rotary  # imports Megatron
 
     device = next(model.parameters()).device
@@ -315,7 +319,8 @@ def _forward_backward(schedule, model, microbatches, loss_fn, *, outputs, forwar
         else:
             sel = _selected_positions(mb, inp, positions, sequence_parallel)
             rotary = nullcontext()
-        with output_on(m, sel), rotary:
+        routed = routing.micro_batch(mb, inp, sequence_parallel) if routing is not None else nullcontext()
+        with output_on(m, sel), rotary, routed:
             out = m(inp.input_ids, inp.position_ids, attention_mask=None, packed_seq_params=inp.packed_seq_params)
         return out, partial(loss_func, mb, inp, sel)
 
@@ -350,6 +355,28 @@ class LogprobOutputs:
         logprobs, entropy = vocab_parallel_logprobs(logits, target_ids, self.vocab_size, self.temperature,
                                                     group=ps.get_tensor_model_parallel_group())
         return {"logprobs": logprobs, "entropy": entropy} if self.entropy else {"logprobs": logprobs}
+
+
+@dataclass
+class VocabOutputs:
+    """:class:`LogprobOutputs`' ``logprobs`` and ``entropy`` (no gradient), plus ``vocab_logprobs``
+    ``[b, s, V]``: the whole distribution ``log_softmax(logits / temperature)`` at every position, in
+    fp32, the same on every tensor-parallel rank (:func:`parallel.vocab_logprobs.vocab_parallel_log_softmax`),
+    for losses that compare two models' distributions (on-policy distillation's JSD and forward KL).
+    It makes ``[tokens, V]`` fp32 tensors: use it with ``positions`` (the response only)."""
+
+    vocab_size: int
+    temperature: float = 1.0
+
+    def __call__(self, logits: torch.Tensor, target_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        from megatron.core import parallel_state as ps
+
+        full = vocab_parallel_log_softmax(logits, self.vocab_size, self.temperature,
+                                          group=ps.get_tensor_model_parallel_group())
+        index = target_ids.clamp(0, self.vocab_size - 1).unsqueeze(-1)  # padding positions: any real token
+        with torch.no_grad():
+            entropy = -(full.exp() * full).sum(-1)
+        return {"logprobs": full.gather(-1, index).squeeze(-1), "entropy": entropy, "vocab_logprobs": full}
 
 
 def value_outputs(values: torch.Tensor, target_ids: torch.Tensor) -> dict[str, torch.Tensor]:

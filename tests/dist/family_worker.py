@@ -7,15 +7,18 @@ Logits (fp32, full vocabulary) of tiny random models loaded from their HF checkp
 must equal transformers' (``max_abs_diff``), and the HF export must give every checkpoint
 tensor back exactly (``export_max_abs_diff``, ``export_missing``). On 2 ranks also: GRPO-loss
 gradients of Qwen3-MoE at EP=2 (and EP=1, TP=2+SP) against plain autograd on the HF model over
-the whole batch, and, with the load-balancing loss on, EP=1 vs EP=2 gradients and aux losses.
+the whole batch, and, with the load-balancing loss on, EP=1 vs EP=2 gradients and aux losses; and
+MoE routing replay (:func:`routing_cases`).
 Writes {case: {...}}.
 """
 
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 
 from parallel.state import env_world
 from tests.dist.grpo_invariance_worker import hf_reference, make_batch, megatron_case
@@ -116,11 +119,93 @@ def grad_cases(world: int) -> dict:
     return results
 
 
+ROUTING_CASES = {  # name: (sizes, micro-batch rows); every case replays one forced routing table
+    "routing/ep1": (L(), 2), "routing/ep2": (L(ep=2), 2), "routing/tp2_sp_ep2_etp1": (L(tp=2, ep=2, etp=1), 4),
+    "routing/pp2": (L(pp=2), 2)}
+
+
+@contextmanager
+def hf_routing(hf, forced: torch.Tensor | None = None):
+    """Within the block, the experts every HF router would choose are appended to the yielded list (one
+    ``[tokens, k]`` per MoE layer and forward, tokens row-major); with ``forced`` (``[rows, seq, layers,
+    k]``) the routers then take those experts instead, weighted by their renormalised softmax
+    probabilities (what Megatron's replay computes)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    chosen, handles = [], []
+    for i, layer in enumerate(hf.model.layers):
+        gate = getattr(layer.mlp, "gate", None)
+        if not isinstance(gate, Qwen3MoeTopKRouter):
+            continue
+
+        def hook(module, args, output, i=i):
+            logits, scores, indices = output
+            chosen.append(indices)
+            if forced is not None:
+                indices = forced[:, :, i].reshape(-1, forced.shape[-1]).long()
+                scores = torch.softmax(logits.float().gather(1, indices), -1).to(logits.dtype)
+            return logits, scores, indices
+
+        handles.append(gate.register_forward_hook(hook))
+    try:
+        yield chosen
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def routing_cases(world: int) -> dict:
+    """MoE routing replay (alignment/training/routing_replay.py): the experts recorded through Megatron
+    (EP=1, DP=2) equal HF's router choices; a forced table (a third of the tokens sent to the two experts
+    they did not choose, in every MoE layer) replayed at every layout gives the loss and gradients of the
+    HF model forced to the same experts, and each layout's ``moe/routing_agreement`` is the share of
+    (token, layer) pairs left alone; ``compare`` keeps the model's own routing (the unforced loss)."""
+    hf = tiny_qwen3_moe(seed=3)
+    batch, state = make_batch(hf.config.vocab_size), checkpoint_state(hf)
+    rows, seq = batch["input_ids"].shape
+    with hf_routing(hf) as own:
+        unforced_loss, unforced_grads = hf_reference(hf, batch)
+    unforced_grads = checkpoint_state(hf, unforced_grads)
+    _, _, info = megatron_case(hf, batch, world, 2, state=state, routing="record")
+    parts = [None] * world
+    dist.all_gather_object(parts, info["recorded"])
+    table = torch.cat(parts)  # EP=1, DP=2: the global ranks are the data-parallel ranks
+    moe = [i for i in range(hf.config.num_hidden_layers) if (table[:, :, i] >= 0).all()]
+    mismatches = sum(int((table[:, :, i].reshape(-1, 2).long().sort(-1).values
+                          != o.sort(-1).values).any(-1).sum()) for i, o in zip(moe, own))
+    forced, experts = table.clone().long(), hf.config.num_experts
+    pick = (torch.arange(rows * seq) % 3 == 0).view(rows, seq)
+    for i in moe:  # the two experts a token did not choose (4 experts, top-2)
+        others = torch.stack([torch.tensor([e for e in range(experts) if e not in set(t.tolist())])
+                              for t in forced[:, :, i].reshape(-1, 2)]).view(rows, seq, 2)
+        forced[:, :, i] = torch.where(pick[..., None], others, forced[:, :, i])
+    with hf_routing(hf, forced) as own_forced:  # forcing a layer moves the later layers' own choices too
+        ref_loss, ref_grads = hf_reference(hf, batch)
+    agreeing = sum(int((forced[:, :, i].reshape(-1, 2).sort(-1).values == o.sort(-1).values).all(-1).sum())
+                   for i, o in zip(moe, own_forced))
+    ref_grads = checkpoint_state(hf, ref_grads)
+    results = {"routing_reference": {
+        "loss": ref_loss, "unforced_loss": unforced_loss, "moe_layers": moe, "recorded_mismatches": mismatches,
+        "dense_layer_recorded": int((table[:, :, [i for i in range(table.shape[2]) if i not in moe]] >= 0).sum()),
+        "expected_agreement": agreeing / (rows * seq * len(moe)), "forced_share": float(pick.sum()) / (rows * seq),
+        "max_grad": max(g.abs().max().item() for g in ref_grads.values()),
+        "forcing_grad_effect": max((ref_grads[k] - unforced_grads[k]).abs().max().item() for k in ref_grads)}}
+    data = {**batch, "routed_experts": forced.to(torch.int16)}
+    for name, (sizes, mbs) in ROUTING_CASES.items():
+        loss, grads, info = megatron_case(hf, data, world, mbs, state=state, routing="replay", **sizes)
+        results[name] = {"loss": loss, "agreement": info["moe/routing_agreement"],
+                         "max_grad_diff": max((grads[k] - ref_grads[k]).abs().max().item() for k in grads)}
+    loss, _, info = megatron_case(hf, data, world, 2, state=state, routing="compare")
+    results["routing/compare_ep1"] = {"loss": loss, "agreement": info["moe/routing_agreement"]}
+    return results
+
+
 def main(path: str) -> None:
     _, world, _ = env_world()
     results = logit_cases(world)
     if world == 2:
         results.update(grad_cases(world))
+        results.update(routing_cases(world))
     write_results_and_shutdown(path, results)
 
 

@@ -13,13 +13,16 @@ equal the gradient of the same loss computed by plain autograd on the HF
   prompts with four responses each, shared-prompt packing (``share_prompts``, parallel/prompt_tree.py:
   one tree per prompt in a micro-batch) at DP=2 (one tree, and two trees of two responses, per
   rank), TP=2 (one and two trees per micro-batch), PP=2 (trees padded to one length), and scoring
-  every position.
+  every position. On-policy distillation's terms (:func:`alignment.trainers.distill.distill_terms`) added to the
+  GRPO loss: GKD's JSD of the whole distributions (:class:`VocabOutputs`) at DP=2, TP=2, TP=2 on the response
+  positions only, and PP=2, and the reverse-KL advantages at TP=2.
 Writes {case: {"loss": float, "max_grad_diff": float, "max_grad": float}} + the reference loss.
 """
 
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -29,7 +32,10 @@ from alignment.models.families import get_bridge
 from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.weights import export_hf_weights, load_hf_weights
 from alignment.training.batching import split_microbatches
-from alignment.training.megatron_step import LogprobOutputs, OptimConfig, forward_backward, setup_training
+from alignment.trainers.distill import distill_terms
+from alignment.training.routing_replay import RoutingPass, agreement_metrics
+from alignment.training.megatron_step import (LogprobOutputs, OptimConfig, VocabOutputs, forward_backward,
+                                              setup_training)
 from parallel.layout import ParallelLayout
 from parallel.state import env_world, init_distributed
 from tests.dist.report import worst_over_ranks, write_results_and_shutdown
@@ -46,6 +52,11 @@ CASES = {"dp2_mbs1": (1, 1, 1, False, False, None), "dp2_mbs2": (1, 1, 2, False,
          "tp2_mbs2_response_only": (2, 1, 2, False, False, "response_mask"),
          "tp2_sp_mbs2_response_only": (2, 1, 2, True, False, "response_mask"),
          "pp2_mbs2_response_only": (1, 2, 2, False, False, "response_mask")}
+# distillation: name: (tp, pp, micro-batch size, output positions, loss)
+DISTILL_CASES = {"distill_jsd_dp2_mbs2": (1, 1, 2, None, "jsd"), "distill_jsd_tp2_mbs2": (2, 1, 2, None, "jsd"),
+                 "distill_jsd_tp2_response_only": (2, 1, 2, "response_mask", "jsd"),
+                 "distill_jsd_pp2_mbs2": (1, 2, 2, None, "jsd"),
+                 "distill_reverse_kl_tp2_mbs2": (2, 1, 2, None, "reverse_kl")}
 # shared-prompt packing on GROUP_BATCH: name: (tp, pp, micro-batch size, output positions)
 SHARED_CASES = {"shared_dp2_mbs4": (1, 1, 4, "response_mask"), "shared_dp2_mbs2": (1, 1, 2, "response_mask"),
                 "shared_tp2_mbs4": (2, 1, 4, "response_mask"), "shared_tp2_mbs8": (2, 1, 8, "response_mask"),
@@ -93,17 +104,34 @@ def make_group_batch(vocab: int):
             "advantages": torch.randn(n, generator=g)}
 
 
-def hf_reference(hf, batch, extra_loss=None, **forward_kwargs):
-    """GRPO loss and HF-named gradients by plain autograd over the full batch; ``extra_loss(output)``
-    is added to what is differentiated (not to the returned loss)."""
+def distill_batch(batch: dict, vocab: int, loss: str) -> dict:
+    """``batch`` with a teacher's scores: ``teacher_vocab_logprobs`` ``[n, seq, V]`` (a random distribution
+    per position) for ``jsd``, ``teacher_logprobs`` ``[n, seq]`` for ``reverse_kl``."""
+    g = torch.Generator().manual_seed(11)
+    teacher = torch.log_softmax(2 * torch.randn(*batch["input_ids"].shape, vocab, generator=g), -1)
+    if loss == "reverse_kl":
+        return {**batch, "teacher_logprobs": teacher[..., 0]}
+    return {**batch, "teacher_vocab_logprobs": teacher}
+
+
+def hf_reference(hf, batch, extra_loss=None, distill=None, **forward_kwargs):
+    """GRPO loss (plus ``distill``'s terms: an ``algorithm`` namespace) and HF-named gradients by plain
+    autograd over the full batch; ``extra_loss(output)`` is added to what is differentiated (not to the
+    returned loss)."""
     hf.zero_grad()
     output = hf(batch["input_ids"], **forward_kwargs)
     logits = output.logits.float()
-    lp = torch.log_softmax(logits, -1)[:, :-1].gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    full = torch.log_softmax(logits, -1)
+    full = torch.cat([full[:, :-1], full.new_zeros(full.shape[0], 1, full.shape[2])], 1)
+    lp = full[:, :-1].gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
     lp = torch.cat([lp, lp.new_zeros(lp.shape[0], 1)], 1)
     total = batch["response_mask"].sum()
-    loss, _ = grpo_loss(lp, lp.detach() + batch["old_delta"], batch["ref_logprobs"], batch["advantages"],
-                        batch["response_mask"], total, CFG)
+    old = lp.detach() + batch["old_delta"]
+    advantages, extra, _ = (distill_terms(batch, {"vocab_logprobs": full}, old, total, distill) if distill
+                            else (batch["advantages"], None, {}))
+    loss, _ = grpo_loss(lp, old, batch["ref_logprobs"], advantages, batch["response_mask"], total, CFG)
+    if extra is not None:
+        loss = loss + extra
     value = loss.item()
     (loss if extra_loss is None else loss + extra_loss(output)).backward()
     return value, {k: p.grad.clone() for k, p in hf.named_parameters() if p.grad is not None}
@@ -111,7 +139,7 @@ def hf_reference(hf, batch, extra_loss=None, **forward_kwargs):
 
 def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, router_stats=False, packing=False,
                   positions=None, share_prompts=False, lora=None, adapters=None, peft_dir=None, local_normaliser=False,
-                  **sizes):
+                  distill=None, routing=None, **sizes):
     """Loss and HF-named (checkpoint form) gradients of the GRPO loss through Megatron, laid out
     with ``sizes`` (ParallelLayout fields), micro-batches of ``mbs`` rows; weights from ``state``
     (HF checkpoint form, default the model's state dict). ``router_stats``: also return the
@@ -121,7 +149,11 @@ def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, rou
     gradients returned are then the adapters' (PEFT-named, :func:`export_lora_adapters`), and
     ``peft_dir`` receives the adapters as a PEFT directory (:func:`save_peft_adapter`).
     ``local_normaliser``: the bug the invariance rules out, each rank dividing by its own token
-    count instead of the global one (the negative control)."""
+    count instead of the global one (the negative control). ``distill``: an ``algorithm`` namespace whose
+    distillation terms join the loss (:func:`alignment.trainers.distill.distill_terms`). ``routing``: the MoE
+    routers ``record`` their experts, or ``replay`` / ``compare`` the batch's ``routed_experts``
+    (:class:`alignment.training.routing_replay.RoutingPass`); then also returns ``{"recorded": this rank's
+    rows' table or None, "moe/routing_agreement": ...}``."""
     from megatron.core import parallel_state as ps
 
     from alignment.training.router_stats import routing_metrics
@@ -145,14 +177,21 @@ def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, rou
 
     def loss_fn(mb, out):
         lp = out["logprobs"]
-        return grpo_loss(lp, lp.detach() + mb["old_delta"], mb["ref_logprobs"], mb["advantages"],
-                         mb["response_mask"], total, CFG)
+        old = lp.detach() + mb["old_delta"]
+        advantages, extra, _ = (distill_terms(mb, out, old, total, distill) if distill
+                                else (mb["advantages"], None, {}))
+        loss, m = grpo_loss(lp, old, mb["ref_logprobs"], advantages, mb["response_mask"], total, CFG)
+        m["extra_sum"] = torch.zeros(()) if extra is None else extra.detach() * total
+        return (loss, m) if extra is None else (loss + extra, m)
 
     ddp.zero_grad_buffer()
+    outputs = VocabOutputs(cfg.vocab_size) if distill else LogprobOutputs(cfg.vocab_size)
+    routes = RoutingPass.of(ddp, routing) if routing else None
     out = forward_backward(ddp, split_microbatches(local, mbs), loss_fn, forward_only=False,
-                           outputs=LogprobOutputs(cfg.vocab_size), packing=packing, positions=positions,
-                           share_prompts=share_prompts)
-    loss = torch.tensor(sum(o["policy_loss_sum"].item() + CFG.kl_coef * o["kl_sum"].item() for o in out)
+                           outputs=outputs, packing=packing, positions=positions, share_prompts=share_prompts,
+                           routing=routes)
+    loss = torch.tensor(sum(o["policy_loss_sum"].item() + CFG.kl_coef * o["kl_sum"].item() + o["extra_sum"].item()
+                            for o in out)
                         if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 else 0.0,
                         dtype=torch.float64)
     dist.all_reduce(loss)
@@ -168,6 +207,9 @@ def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, rou
         grads = export_hf_weights(ddp, bridge, source=lambda p: p.main_grad)
     if router_stats:
         return loss.item() / total.item(), grads, routing_metrics(ddp)
+    if routes is not None:
+        return loss.item() / total.item(), grads, {
+            "recorded": routes.recorded_rows() if routing == "record" else None, **agreement_metrics(ddp)}
     return loss.item() / total.item(), grads
 
 
@@ -201,6 +243,18 @@ def main(path: str) -> None:
                                 local_normaliser=True)  # negative control: must miss the tolerance
     results["dp2_mbs2_local_normaliser"] = {"loss": loss, "max_grad_diff": worst_over_ranks(
         max((grads[k] - ref_grads[k]).abs().max().item() for k in grads))}
+    distill_grads = {}  # loss kind -> the single-process reference gradients
+    for name, (tp, pp, mbs, positions, kind) in DISTILL_CASES.items():
+        algorithm = SimpleNamespace(distill_loss=kind, distill_beta=0.3, loss_agg_mode="token-mean")
+        data = distill_batch(batch, hf.config.vocab_size, kind)
+        if kind not in distill_grads:
+            value, distill_grads[kind] = hf_reference(hf, data, distill=algorithm)
+            results[f"distill_{kind}_reference"] = {
+                "loss": value, "max_grad": max(g.abs().max().item() for g in distill_grads[kind].values())}
+        loss, grads = megatron_case(hf, data, world, mbs, tensor_model_parallel_size=tp,
+                                    pipeline_model_parallel_size=pp, positions=positions, distill=algorithm)
+        results[name] = {"loss": loss, "max_grad_diff": worst_over_ranks(
+            max((grads[k] - distill_grads[kind][k]).abs().max().item() for k in grads))}
     groups = make_group_batch(hf.config.vocab_size)
     group_loss, group_grads = hf_reference(hf, groups)
     results["group_reference"] = {"loss": group_loss,

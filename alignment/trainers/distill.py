@@ -1,0 +1,84 @@
+"""On-policy distillation (``algorithm.name=distill``) inside the GRPO step.
+
+The student (the policy) samples from its rollout engine exactly as in GRPO (:func:`alignment.trainers.grpo.collect`,
+the task's rewards computed and logged); the frozen teacher (``model.teacher_path``, built at the policy's
+layout and offloaded between phases like the reference) then scores the student's tokens
+(:func:`teacher_scores`), and each micro-batch's loss gains the distillation term (:func:`distill_terms`):
+
+- ``reverse_kl``: per-token advantages ``log pi_T - log pi_S`` added to ``algorithm.task_reward_weight`` x
+  the task's group advantages, trained by the GRPO policy loss (clipping, rollout correction, KL to the
+  reference as configured);
+- ``jsd`` / ``forward_kl``: GKD's generalized JSD (``algorithm.distill_beta``; 0 for forward KL) of the two
+  whole distributions at every response position, aggregated like the policy loss
+  (``algorithm.loss_agg_mode`` over the global batch) and added to it.
+
+The math is :mod:`alignment.algorithms.distill_loss`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from alignment.algorithms.aggregation import aggregate
+from alignment.algorithms.distill_loss import FULL_DISTRIBUTION, generalized_jsd, jsd_beta, reverse_kl_advantages
+from alignment.trainers.models import Models
+from alignment.trainers.rl_phases import microbatches, policy_logprobs
+
+#: the metric sums :func:`distill_terms` adds to a micro-batch's metrics
+SUMS = ("distill_kl_sum", "distill_divergence_sum")
+
+
+def full_distribution(cfg) -> bool:
+    """Whether this job's distillation loss compares whole distributions (``jsd``, ``forward_kl``)."""
+    return cfg.algorithm.name == "distill" and cfg.algorithm.distill_loss in FULL_DISTRIBUTION
+
+
+def teacher_scores(models: Models, batch: dict, cfg, packing: bool, share_prompts: bool) -> None:
+    """The teacher's forward pass over the batch the student trains on: adds ``teacher_logprobs``
+    ``[N, seq]`` (its log-probability of each sampled token, at the rollout's temperature) for
+    ``reverse_kl``, or ``teacher_vocab_logprobs`` ``[N, seq, V]`` (fp32, zeros off the response) for the
+    whole-distribution losses, on the last pipeline stage (zeros, or nothing, elsewhere: only that stage
+    computes losses). Collective over the model-parallel groups."""
+    models.placement.keep("teacher")
+    mbs = microbatches(batch, cfg.trainer)
+    full = full_distribution(cfg)
+    out = policy_logprobs(models.teacher, mbs, models.vocab_size, cfg.rollout.temperature, packing=packing,
+                          share_prompts=share_prompts, distribution=full)
+    if full:
+        if out is not None:
+            batch["teacher_vocab_logprobs"] = out
+    else:
+        batch["teacher_logprobs"] = out if out is not None else torch.zeros_like(batch["response_mask"])
+
+
+def distill_terms(mb: dict, out: dict, old_logprobs: torch.Tensor, normalizer: float, algorithm
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+    """One micro-batch's distillation term.
+
+    Args:
+        mb: the micro-batch: ``advantages`` ``[mbs]`` or ``[mbs, seq]`` (the task's share, already
+            weighted), ``response_mask`` and ``input_ids`` ``[mbs, seq]``, and :func:`teacher_scores`' key.
+        out: the student's outputs (``vocab_logprobs`` ``[mbs, seq, V]`` for the whole-distribution losses).
+        old_logprobs: ``[mbs, seq]`` the sampling student's log-probabilities (no gradient).
+        normalizer: the global normaliser of ``algorithm.loss_agg_mode``.
+        algorithm: the ``algorithm`` config (``distill_loss``, ``distill_beta``, ``loss_agg_mode``).
+    Returns:
+        ``(advantages [mbs, seq], extra loss or None, metrics)``: the advantages the policy loss uses, the
+        divergence loss to add (whole-distribution losses), and the sums ``distill_kl_sum`` (the sampled
+        tokens' ``log pi_S - log pi_T``: an estimate of KL(student || teacher)) and
+        ``distill_divergence_sum`` (the whole-distribution divergence; 0 for ``reverse_kl``).
+    """
+    mask = mb["response_mask"]
+    adv = mb["advantages"]
+    adv = adv[:, None] * mask if adv.dim() == 1 else adv
+    if "teacher_logprobs" in mb:
+        gain = reverse_kl_advantages(mb["teacher_logprobs"], old_logprobs.detach(), mask)
+        return adv + gain, None, {"distill_kl_sum": -gain.sum(), "distill_divergence_sum": torch.zeros(())}
+    teacher = mb["teacher_vocab_logprobs"]
+    div = generalized_jsd(out["vocab_logprobs"], teacher, jsd_beta(algorithm.distill_loss, algorithm.distill_beta))
+    with torch.no_grad():  # position t scores token t + 1
+        targets = torch.roll(mb["input_ids"], -1, dims=1).unsqueeze(-1)
+        teacher_lp = teacher.gather(-1, targets.clamp(0, teacher.shape[-1] - 1)).squeeze(-1)
+        metrics = {"distill_kl_sum": ((old_logprobs.detach() - teacher_lp) * mask).sum(),
+                   "distill_divergence_sum": (div.detach() * mask).sum()}
+    return adv, aggregate(div, mask, algorithm.loss_agg_mode, normalizer), metrics

@@ -1,0 +1,54 @@
+"""On-policy distillation end to end (``--config-name distill``): a tiny student samples with vLLM, a tiny
+teacher of another family scores its tokens, and the student moves towards the teacher. Two jobs in one
+launch (2 processes, fp32):
+
+- ``reverse_kl`` at DP=2: the student ends its answers early and often (tests/dist/tiny_llama.py's
+  ``save_eos_prone_hf_dir``), the teacher (a random Qwen3) almost never: the teacher gives the student's
+  end-of-text tokens a log-probability near -11, so their advantages are strongly negative, and the
+  answers grow longer while the sampled reverse KL falls;
+- ``forward_kl`` at PP=2 with the task's reward mixed in (``algorithm.task_reward_weight``): the roles
+  swapped (a random Llama student, the early-ending teacher), the divergence of the whole distributions
+  falls.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import Job, run_jobs
+from tests.dist.tiny_llama import save_eos_prone_hf_dir, save_tiny_hf_dir
+from tests.dist.tiny_models import save_tiny_dir
+
+pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
+
+COMMON = ["trainer.steps=4", "rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=4",
+          "data.heldout_size=4", "data.train_size=40", "rollout.max_tokens=16", "rollout.eval_max_tokens=8",
+          "trainer.progress_bar=false", "trainer.eval_before=false", "trainer.save_checkpoint=false",
+          "trainer.export_hf=false"]
+
+
+def test_the_student_moves_towards_the_teacher(tmp_path):
+    early = save_eos_prone_hf_dir(tmp_path / "eos_prone")
+    qwen3 = save_tiny_dir(tmp_path / "qwen3", "qwen3", seed=1)
+    llama = save_tiny_hf_dir(tmp_path / "llama", seed=2)
+    reverse, forward = run_jobs(
+        Job("distill", early, tmp_path / "reverse_kl", [*COMMON, f"model.teacher_path={qwen3}", "trainer.lr=1e-4"]),
+        Job("distill", llama, tmp_path / "forward_kl",
+            [*COMMON, f"model.teacher_path={early}", "algorithm.distill_loss=forward_kl", "trainer.lr=1e-3",
+             "algorithm.task_reward_weight=0.5", "parallel.pipeline_model_parallel_size=2"], reward="even_length"))
+    for s in (reverse, forward):
+        h = s["history"]
+        assert len(h) == 4
+        for m in h:  # the fp32 engine samples with the trainer's weights, step after step
+            assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
+    h = reverse["history"]
+    kl, length = [m["distill/reverse_kl"] for m in h], [m["response_length"] for m in h]
+    # measured: KL 2.75 -> 1.52, 1.41, 1.57; answers of 6 tokens on average, then all 16 (max_tokens)
+    assert kl[0] > 2.0 and max(kl[1:]) < 0.7 * kl[0], kl
+    assert length[0] < 10 and length[-1] == 16, length
+    assert all(m["distill/divergence"] == 0.0 for m in h)  # reverse_kl reads the sampled tokens only
+    h = forward["history"]
+    div = [m["distill/divergence"] for m in h]
+    assert div[0] > 2.0 and div[-1] < 0.85 * div[0], div
+    # the task's reward (even lengths) is computed and mixed in: it varies within the batch
+    assert any(m["reward/std"] > 0 for m in h)
