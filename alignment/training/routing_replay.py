@@ -111,6 +111,7 @@ class RoutingPass:
     layers: int
     topk: int
     records: list = field(default_factory=list)
+    slots: dict = field(default_factory=dict)  # layer number -> ReplaySlot, found once per pass
 
     @classmethod
     def of(cls, model: torch.nn.Module, action: str) -> "RoutingPass | None":
@@ -124,7 +125,9 @@ class RoutingPass:
     def micro_batch(self, mb: dict, inp, sequence_parallel: bool):
         """Around one micro-batch's forward: set every router's slot, then (``record``) keep its choices
         as a ``[rows, seq, layers, k]`` table (-1 where this rank routed nothing)."""
-        slots = {n: r.router_replay for n, r in routers(self.model).items()}
+        if not self.slots:
+            self.slots = {n: r.router_replay for n, r in routers(self.model).items()}
+        slots = self.slots
         order = token_positions(inp, sequence_parallel).cpu()
         real = order >= 0
         rows, seq = inp.shape
