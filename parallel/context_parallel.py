@@ -70,7 +70,9 @@ class _GatherFromContextParallel(torch.autograd.Function):
 
 
 def gather_from_context_parallel(x: torch.Tensor, group) -> torch.Tensor:
-    """``[cp, *x.shape]``: every CP rank's ``x`` (same shape on all ranks), differentiable.
+    """``[cp, *x.shape]``: every CP rank's ``x`` (same shape on all ranks), differentiable. Any group
+    whose ranks all compute one loss from the gathered tensor can use it (also the tensor-parallel
+    vocabulary slices: :func:`parallel.vocab_logprobs.vocab_parallel_log_softmax`).
 
     The gradient of ``x`` is the gathered tensor's gradient at this rank's index, which is
     right when every CP rank evaluates the same function of the gathered tensor (megalign's

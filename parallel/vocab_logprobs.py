@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from parallel.context_parallel import gather_from_context_parallel
+
 CHUNK_BYTES = 64 << 20  # fp32 working set per chunk
 
 
@@ -118,25 +120,6 @@ def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab_si
                                         chunk or chunk_tokens(v_local))
 
 
-class _GatherVocab(torch.autograd.Function):
-    """All-gather of the vocabulary slices along the last dimension; backward keeps this rank's
-    slice of the gradient (right when every tensor-parallel rank evaluates the same function of the
-    gathered tensor, as Megatron's ``gather_from_tensor_model_parallel_region``)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        tp, rank = dist.get_world_size(group), dist.get_rank(group)
-        parts = [torch.empty_like(x) for _ in range(tp)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        ctx.meta = (rank, x.shape[-1])
-        return torch.cat(parts, dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        rank, width = ctx.meta
-        return grad[..., rank * width:(rank + 1) * width].contiguous(), None
-
-
 def vocab_parallel_log_softmax(logits: torch.Tensor, vocab_size: int, temperature: float = 1.0,
                                group=None) -> torch.Tensor:
     """The whole distribution ``log_softmax(logits / temperature)`` over the real vocabulary, from
@@ -158,7 +141,10 @@ def vocab_parallel_log_softmax(logits: torch.Tensor, vocab_size: int, temperatur
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: must be > 0")
-    full = logits if group is None or dist.get_world_size(group) == 1 else _GatherVocab.apply(logits, group)
+    if group is None or dist.get_world_size(group) == 1:
+        full = logits
+    else:  # every rank's slice, in rank order; backward keeps this rank's (every rank computes the same loss)
+        full = torch.cat(list(gather_from_context_parallel(logits, group)), dim=-1)
     if full.shape[-1] < vocab_size:
         raise ValueError(f"logits hold {full.shape[-1]} vocabulary columns, fewer than vocab_size={vocab_size}")
     return torch.log_softmax(full[..., :vocab_size].float() / temperature, dim=-1)
