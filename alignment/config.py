@@ -327,8 +327,8 @@ def _validate_staleness(r, a) -> None:
 
 
 def _validate_routing_replay(a: AlgorithmConfig, dims) -> None:
-    """``algorithm.routing_replay``: a value that exists, a mixture-of-experts model to route, and for
-    ``r2`` an old-logprob pass to record."""
+    """``algorithm.routing_replay``: a value that exists, a mixture-of-experts model to route, for
+    ``r2`` an old-logprob pass to record, for ``r3`` an engine that records its routing."""
     if a.routing_replay not in ROUTING_REPLAY:
         raise ConfigError(f"algorithm.routing_replay={a.routing_replay!r}: valid values are {', '.join(ROUTING_REPLAY)}")
     if a.routing_replay == "none":
@@ -340,6 +340,19 @@ def _validate_routing_replay(a: AlgorithmConfig, dims) -> None:
         raise ConfigError("algorithm.routing_replay=r2 forces the old-logprob pass's experts in the updates of a batch, "
                           "but with algorithm.ppo_epochs=1 and algorithm.num_mini_batches=1 the one update is that pass; "
                           "set algorithm.ppo_epochs or algorithm.num_mini_batches > 1")
+
+
+def _validate_rollout_routing(cfg) -> None:
+    """``algorithm.routing_replay=r3`` replays the rollout engine's routing, which only
+    ``rollout.backend=megatron`` records (vLLM 0.32 reports routed experts only with its Model Runner
+    V2, which needs Triton) and only for single-turn samples."""
+    r = cfg.rollout
+    if cfg.algorithm.routing_replay != "r3":
+        return
+    if r.backend != "megatron":
+        raise ConfigError(f"algorithm.routing_replay=r3 replays the experts the rollout engine routed each token to, "
+                          f"which rollout.backend={r.backend} does not report (vLLM 0.32 only with Model Runner V2, "
+                          "on GPUs); set rollout.backend=megatron, or algorithm.routing_replay=r2")
 
 
 def _validate_distill(cfg) -> None:
@@ -603,6 +616,7 @@ def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int 
     if a.name == "distill":
         _validate_distill(cfg)
     _validate_routing_replay(a, dims)
+    _validate_rollout_routing(cfg)
     if r.temperature <= 0:
         raise ConfigError(f"rollout.temperature={r.temperature}: {'on-policy distillation' if a.name == 'distill' else 'GRPO'}"
                           " samples, it needs a temperature > 0")

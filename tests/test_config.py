@@ -135,8 +135,8 @@ def test_rollout_backend_is_checked():
                        intermediate_size=128, vocab_size=49152, max_position_embeddings=8192)
     validate(cfg("rollout.backend=megatron", "parallel.tensor_model_parallel_size=2"), world_size=2,
              hf_config=even)  # TP=2: the two ranks generate together
-    with pytest.raises(ConfigError, match=r"rollout.backend=megatron generates on whole or tensor-parallel model "
-                                          r"replicas for now, but pipeline_model_parallel_size=2, "
+    with pytest.raises(ConfigError, match=r"rollout.backend=megatron generates on whole, tensor- or expert-parallel "
+                                          r"model replicas for now, but pipeline_model_parallel_size=2, "
                                           r"context_parallel_size=2: set those to 1"):
         validate(cfg("rollout.backend=megatron", "parallel.context_parallel_size=2",
                      "parallel.pipeline_model_parallel_size=2"), world_size=4, hf_config=SMOLLM2)
@@ -318,7 +318,13 @@ def test_model_families_and_experts_are_validated_before_start():
         validate(cfg("algorithm.routing_replay=r2"), world_size=2, hf_config=moe)
     with pytest.raises(ConfigError, match=r"algorithm.routing_replay=r2: the model is dense"):
         validate(cfg("algorithm.routing_replay=r2", "algorithm.ppo_epochs=2"), world_size=2, hf_config=SMOLLM2)
-    with pytest.raises(ConfigError, match=r"algorithm.routing_replay='r9': valid values are none, r2"):
+    # r3: the rollout engine's routing, which the Megatron backend records, at EP=2 too (TP=1)
+    validate(cfg("algorithm.routing_replay=r3", "rollout.backend=megatron", "parallel.expert_model_parallel_size=2"),
+             world_size=2, hf_config=moe)
+    with pytest.raises(ConfigError, match=r"algorithm.routing_replay=r3 .* which rollout.backend=vllm does not report "
+                                          r".* set rollout.backend=megatron, or algorithm.routing_replay=r2"):
+        validate(cfg("algorithm.routing_replay=r3"), world_size=2, hf_config=moe)
+    with pytest.raises(ConfigError, match=r"algorithm.routing_replay='r9': valid values are none, r2, r3"):
         validate(cfg("algorithm.routing_replay=r9"), world_size=2, hf_config=moe)
     with pytest.raises(ConfigError, match=r"algorithm.routing_replay=r2 replays experts in the GRPO step .* not in "
                                           r"algorithm.name=rft"):

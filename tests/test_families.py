@@ -38,6 +38,20 @@ def test_two_rank_layouts_and_gradients(torchrun_json):
     # the load-balancing term really moves the router gradient, and Megatron matches it
     assert ref["aux_router_grad_effect"] > 100 * max(r[n]["max_router_grad_diff"] for n in GRAD_CASES)
     check_routing_replay(r)
+    check_rollout_routing(r["rollout_routing/ep2"])
+
+
+def check_rollout_routing(ranks: list[dict]) -> None:
+    """R3 at EP=2: the Megatron engine generated on both ranks together (1 vs 2 batches, other prompt
+    lengths), and every sample's recorded routing is HF's router choice at every position and MoE layer
+    (nothing missing but the last, never-fed-back token; nothing in the dense layer); a training pass
+    replaying it gives the engine's logprobs (fp32 token_mult_prob_error 1) with agreement 1."""
+    assert [c["samples"] for c in ranks] == [2, 6], ranks
+    for c in ranks:
+        assert c["moe_layers"] == [0, 1, 2] and c["lengths_ok"] and c["last_unknown"], c
+        assert c["mismatches"] == 0 and c["unknown_inside"] == 0 and c["dense_recorded"] == 0, c
+        assert c["max_logprob_diff"] < 1e-5 and c["prob_error"] < 1 + 1e-5, c
+        assert c["moe/routing_agreement"] == 1.0, c
 
 
 def check_routing_replay(r: dict) -> None:

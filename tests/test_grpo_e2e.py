@@ -272,6 +272,19 @@ def test_qwen3_moe_with_expert_parallelism(tmp_path):
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "ep2" / "hf")  # per-expert checkpoint, loads
     assert exported.config.num_experts == 4
+    # R3: the Megatron engine generates at EP=2 (both ranks' forwards in lockstep) and records each token's
+    # experts; the old-logprob pass and both mini-batch updates replay them: the old pass's logprobs of the
+    # sampled tokens are the engine's (fp32). The routers' own choices agree with the rollout's in the old pass
+    # and first update (tests/test_families.py: exactly) but not all after the first update moved the weights
+    out, result = tmp_path / "r3", tmp_path / "r3.json"
+    r3_common = [c for c in common if c != "rollout.check_weight_sync=true"]
+    run_torchrun("e2e_worker.py", str(model_dir), str(out), "task", "trainer.steps=2",
+                 "parallel.expert_model_parallel_size=2", "rollout.backend=megatron", "algorithm.routing_replay=r3",
+                 "algorithm.num_mini_batches=2", "trainer.export_hf=false",
+                 *r3_common, str(result), timeout=900)
+    for m in json.loads(result.read_text())["history"]:
+        assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
+        assert 0.5 < m["moe/routing_agreement"] < 1.0 and m["grad_norm"] > 0.0, m
 
 
 @pytest.mark.heavy

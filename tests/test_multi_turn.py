@@ -41,8 +41,8 @@ class ScriptedEngine:
     any re-tokenisation shows), then EOS unless the reply ends with a stop string. Logprobs:
     -0.01 * (position + 1) of each token in its reply, so every token's value is known."""
 
-    def __init__(self, tokenizer, script):
-        self.tokenizer, self.script, self.calls = tokenizer, script, []
+    def __init__(self, tokenizer, script, routing: bool = False):
+        self.tokenizer, self.script, self.calls, self.routing = tokenizer, script, [], routing
 
     def char_ids(self, text: str) -> list[int]:
         out = []
@@ -64,7 +64,12 @@ class ScriptedEngine:
                 finished = len(ids) <= sampling.max_tokens
                 ids = ids[: sampling.max_tokens]
                 lps = [-0.01 * (i + 1) for i in range(len(ids))]
-                samples.append(Sample(list(p), ids, lps, self.tokenizer.decode(ids, skip_special_tokens=True), finished))
+                routed = None
+                if self.routing:  # a MoE engine's routing (2 layers, top-1): the call's number, -1 on the last token
+                    routed = torch.full((len(p) + len(ids), 2, 1), len(self.calls) - 1, dtype=torch.int16)
+                    routed[-1] = -1
+                samples.append(Sample(list(p), ids, lps, self.tokenizer.decode(ids, skip_special_tokens=True), finished,
+                                      routed_experts=routed))
             result.append(samples)
         return report_each(result, on_done)
 
@@ -114,6 +119,25 @@ def test_tool_episode_tokens_mask_and_logprobs(tokenizer, turns):
     # up to the newline the template writes after the last EOS
     rendered = tokenizer.apply_chat_template(s.info["messages"], tokenize=False)
     assert tokenizer.decode(s.prompt_ids + s.response_ids) + "\n" == rendered
+
+
+def test_episode_routing_keeps_each_turns_own(tokenizer, turns):
+    """A MoE engine's routing (R3) across turns: every position keeps the routing of the turn that first
+    routed it (the one that sampled its successors), the first turn's unrouted last token takes the
+    second turn's, the episode's last token stays unknown; make_batch lays it out by position."""
+    engine = ScriptedEngine(tokenizer, lambda prompt, k: "89" if "tool\n" in prompt.split("user")[-1] else CALL,
+                            routing=True)
+    [[s]] = run_episodes(engine.generate, ToolEnvironment(), [PROBLEM], turns, SamplingConfig(n=1, max_tokens=400),
+                         max_turns=3)
+    first = len(engine.char_ids(CALL))
+    p, r = len(s.prompt_ids), len(s.response_ids)
+    expected = torch.ones(p + r, 2, 1, dtype=torch.int16)
+    expected[: p + first - 1] = 0
+    expected[-1] = -1
+    assert torch.equal(s.routed_experts, expected)
+    batch = make_batch([s, s], pad_id=0)
+    assert batch["routed_experts"].shape == (2, batch["input_ids"].shape[1], 2, 1)
+    assert torch.equal(batch["routed_experts"][1, : p + r], expected) and (batch["routed_experts"][:, p + r:] == -1).all()
 
 
 def test_episode_batch_masks_tool_tokens(tokenizer, turns):

@@ -123,6 +123,7 @@ def test_truncated_importance_weights_by_hand():
     w, m = _weights(is_level="token", is_threshold=1.5)
     assert close(w, [[1.5, 0.8, 1.0], [1.5, 0.5, 0.0]])
     assert m["is_weight_sum"].item() == pytest.approx(1.5 + 0.8 + 1 + 1.5 + 0.5)
+    assert m["is_weight_sq_sum"].item() == pytest.approx(1.5**2 + 0.8**2 + 1 + 1.5**2 + 0.5**2)
     w, _ = _weights(is_level="sequence", is_threshold=1.5)  # min(1.6, 1.5) and min(1, 1.5)
     assert close(w, [[1.5, 1.5, 1.5], [1.0, 1.0, 0.0]])
     w, m = _weights()  # off: 1 on valid tokens, 0 on padding; the metrics are there all the same

@@ -18,7 +18,7 @@ from alignment.schema import ConfigError, plain, ranged, unbounded
 
 WHITEN_LEVELS = ("sequence", "token")
 #: ``algorithm.routing_replay`` values (alignment/training/routing_replay.py)
-ROUTING_REPLAY = ("none", "r2")
+ROUTING_REPLAY = ("none", "r2", "r3")
 
 
 @dataclass
@@ -110,8 +110,11 @@ class AlgorithmConfig:
     task_reward_weight: float = ranged(0.0, 0)
     # mixture-of-experts policies (the GRPO step): none | r2 (the experts each token took in the
     # old-logprob pass are forced in every update of the batch, so the PPO ratio compares one sub-network;
-    # needs ppo_epochs or num_mini_batches > 1). With several updates moe/routing_agreement is logged either
-    # way: the share of (token, layer) pairs whose experts in the updates equal the old pass's
+    # needs ppo_epochs or num_mini_batches > 1) | r3 (the experts the rollout engine routed each token to
+    # are forced in every training pass, so the trainer runs the sub-network that sampled; needs
+    # rollout.backend=megatron). moe/routing_agreement: the share of (token, layer) pairs whose own experts
+    # in training equal the rollout's (rollout.backend=megatron, none and r3) or the old pass's (r2; none
+    # with vLLM and several updates)
     routing_replay: str = "none"
 
 

@@ -88,8 +88,8 @@ def rollout_correction(old_logprobs: Tensor, rollout_logprobs: Tensor, response_
         ``metrics``, detached 0-d tensors over valid tokens, to be summed over micro-batches and
         ranks (``*_sum``, ``masked_tokens``) or max-reduced (``rollout_ratio_max``):
         ``rollout_kl_sum`` (k3 estimate of KL(pi_rollout || pi_old): ``r - 1 - log r`` per
-        token, Schulman 2020), ``is_weight_sum``, ``masked_tokens``, ``rollout_ratio_max``
-        (the largest token ratio ``r_t``).
+        token, Schulman 2020), ``is_weight_sum``, ``is_weight_sq_sum`` (their squares: the
+        weights' spread), ``masked_tokens``, ``rollout_ratio_max`` (the largest token ratio ``r_t``).
     Raises:
         ValueError: shapes that do not match.
     """
@@ -118,6 +118,7 @@ def rollout_correction(old_logprobs: Tensor, rollout_logprobs: Tensor, response_
         metrics = {
             "rollout_kl_sum": ((ratio - 1 - log_r) * mask).sum(),
             "is_weight_sum": (weights * mask).sum(),
+            "is_weight_sq_sum": (weights.square() * mask).sum(),
             "masked_tokens": masked.float(),
             "rollout_ratio_max": ratio[valid].max() if valid.any() else torch.zeros(()),
         }

@@ -46,6 +46,10 @@ class Sample:
     ``text``: what the reward functions grade (an episode's last assistant message).
     ``info``: an episode's statistics (``turns``, ``tool_calls``, ``tool_errors``,
     ``env_reward``, ``messages``); empty for a single-turn sample.
+    ``routed_experts`` ``[P + R, layers, k]`` int16: the experts each token of prompt + response was
+    routed to in every layer of a mixture-of-experts policy as the engine generated it (-1 where
+    unknown: dense layers, the last token), for routing replay R3
+    (:mod:`alignment.training.routing_replay`); None when the engine did not record it.
     """
 
     prompt_ids: list[int]
@@ -55,6 +59,7 @@ class Sample:
     finished: bool  # stopped by EOS/stop token rather than max_tokens
     loss_mask: list[int] | None = None
     info: dict = field(default_factory=dict)
+    routed_experts: torch.Tensor | None = None
 
     @property
     def generated_tokens(self) -> int:

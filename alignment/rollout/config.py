@@ -124,23 +124,22 @@ def check_engine_tp(r: RolloutConfig, world_size: int, parallel, hf_config) -> N
 
 
 def check_backend(r: RolloutConfig, layout) -> None:
-    """``rollout.backend``: a known one; ``megatron`` generates on whole or tensor-parallel model
-    replicas, without sequence parallelism."""
+    """``rollout.backend``: a known one; ``megatron`` generates on whole, tensor-parallel
+    or expert-parallel replicas, without sequence parallelism (so a MoE model generates at TP = 1:
+    Megatron trains it with TP only beside sequence parallelism)."""
 
     if r.backend not in BACKENDS:
         raise ConfigError(f"rollout.backend={r.backend!r}: valid values are {', '.join(BACKENDS)}")
     if r.backend != "megatron":
         return
-    split = {name: getattr(layout, name) for name in ("pipeline_model_parallel_size", "context_parallel_size",
-                                                      "expert_model_parallel_size")
+    split = {name: getattr(layout, name) for name in ("pipeline_model_parallel_size", "context_parallel_size")
              if getattr(layout, name) > 1}
     if layout.sequence_parallel:
         split["sequence_parallel"] = True
     if split:
         given = ", ".join(f"{k}={v}" for k, v in split.items())
-        raise ConfigError(f"rollout.backend=megatron generates on whole or tensor-parallel model replicas for now, "
-                          f"but {given}: set those to 1 / false (tensor and data parallelism only), or "
-                          "rollout.backend=vllm")
+        raise ConfigError(f"rollout.backend=megatron generates on whole, tensor- or expert-parallel model replicas for "
+                          f"now, but {given}: set those to 1 / false, or rollout.backend=vllm")
     if r.tensor_parallel_size > 1:
         raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size}: rollout.backend=megatron "
                           "generates with the trainer's own tensor parallelism (parallel.tensor_model_parallel_size);"

@@ -7,8 +7,10 @@
   (:class:`alignment.rollout.megatron_engine.MegatronEngine`): no second copy of the weights and
   no sync; it also runs where vLLM cannot be installed. Whole-model replicas or tensor parallel
   ones (every rank of a TP group generates the same prompts together, with the same sampling
-  stream); PP = CP = EP = 1 and no sequence parallelism for now (:func:`alignment.config.validate`
-  says so before any process group starts).
+  stream), and expert-parallel MoE policies at TP = 1; PP = CP = 1 and no sequence parallelism for
+  now (:func:`alignment.config.validate` says so before any process group starts). A MoE policy's
+  samples carry the experts each token was routed to (``Sample.routed_experts``): the trainer
+  replays them (``algorithm.routing_replay=r3``) or compares its own routing with them.
 """
 
 from __future__ import annotations
@@ -51,22 +53,19 @@ def build_engine(r: RolloutConfig, *, seed: int, dtype: str, hf_dir: Path, polic
         ValueError: an unknown ``rollout.backend``.
     """
     if r.backend == "vllm":
-
         return VLLMEngine(str(hf_dir), max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
                           gpu_memory_utilization=r.gpu_memory_utilization,
                           seed=seed + rank // r.tensor_parallel_size,
                           tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager,
                           dtype=dtype)
     if r.backend == "megatron":
+        from megatron.core import parallel_state as ps
         from megatron.core.utils import unwrap_model
         from transformers import AutoTokenizer
 
-
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         rows = max(1, r.prompts_per_step * r.group_size // data_parallel_size)
-        from megatron.core import parallel_state as ps
-
         return MegatronEngine(unwrap_model(policy), tokenizer, eos_token_id=eos_token_ids(hf_dir, tokenizer),
                               vocab_size=vocab_size, max_model_len=r.max_model_len, max_batch_size=rows,
-                              seed=seed + ps.get_data_parallel_rank())
+                              seed=seed + ps.get_data_parallel_rank(), record_routing=True)
     raise ValueError(f"rollout.backend={r.backend!r}: valid values are {', '.join(BACKENDS)}")

@@ -30,9 +30,23 @@ allocates it again.
 
 Tensor parallelism: every rank of a TP group runs the same prompts through its shard
 (megatron-core gathers the vocabulary-parallel logits), and samples with the same seed, so the
-ranks draw the same tokens (:attr:`MegatronEngine.generates_per_replica`). Not yet here:
-pipeline, context and expert parallel generation, and sequence parallelism (megatron-core 0.16.1
-refuses it outside MoE models); ``rollout.backend=megatron`` asks for PP = CP = EP = 1.
+ranks draw the same tokens (:attr:`MegatronEngine.generates_per_replica`).
+
+Expert parallelism (a mixture-of-experts policy, TP = 1): each rank of an expert-parallel group
+generates its own prompts, but every forward of its MoE layers exchanges tokens with the group's other
+ranks, so they must run their forwards together although their prompts, batches and stopping points
+differ. Before each forward a rank says over the group whether it has one to run (one all-reduce, as
+Megatron-LM's dynamic engine agrees on a step); a rank whose generation is over runs Megatron's
+one-token ``dummy_forward`` while another still has one, and leaves ``generate`` when none has.
+
+MoE routing (``record_routing``): every forward's top-k experts per token are kept per row and
+position (:class:`alignment.rollout.routed_experts.GenerationRouting`) and returned as
+``Sample.routed_experts`` for routing replay R3.
+
+Not yet here: pipeline and context parallel generation, expert parallelism with TP > 1 (megatron-core
+0.16.1 then switches the model's sequence parallelism off outside the MoE layers), and sequence
+parallelism (refused outside MoE models); ``rollout.backend=megatron`` asks for PP = CP = 1, and
+TP = 1 with EP > 1.
 """
 
 from __future__ import annotations
@@ -43,6 +57,7 @@ from collections.abc import Iterable
 import torch
 
 from alignment.rollout.base import OnDone, Sample, SamplingConfig, step_seed
+from alignment.rollout.routed_experts import GenerationRouting
 from parallel.cpu_compat import host_timing_events
 
 
@@ -110,17 +125,48 @@ def _rollout_controller(wrapper, tokenizer, eos_token_ids: set[int]):
     return RolloutController(wrapper, tokenizer)
 
 
+class ExpertLockstep:
+    """Forwards run together over an expert-parallel ``group`` (see the module docstring): each rank
+    calls :meth:`before_forward` before a real forward and :meth:`drain` when its generation is over."""
+
+    def __init__(self, group, device):
+        self.group, self.device = group, device
+
+    def _others_busy(self, mine: int) -> bool:
+        flag = torch.tensor([float(mine)], device=self.device)
+        torch.distributed.all_reduce(flag, group=self.group)
+        return flag.item() > mine
+
+    def before_forward(self) -> None:
+        """This rank runs a forward now (its peers run theirs, or a dummy one)."""
+        self._others_busy(1)
+
+    def drain(self, dummy_forward) -> None:
+        """Run ``dummy_forward()`` for as long as another rank of the group still has forwards."""
+        while self._others_busy(0):
+            dummy_forward()
+
+
 def _temperature_wrapper(model, config, context, vocab_size: int):
     """A ``GPTInferenceWrapper`` whose last-stage logits are fp32, divided by ``.temperature``,
     and ``-inf`` on Megatron's padding columns (ids >= ``vocab_size``), so that neither sampling
-    nor the logprobs' normaliser sees tokens the model does not have."""
+    nor the logprobs' normaliser sees tokens the model does not have. ``.lockstep``
+    (:class:`ExpertLockstep`) and ``.routing`` (:class:`GenerationRouting`), when set, see every forward."""
+    from contextlib import nullcontext
+
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
 
     class TemperatureScaled(GPTInferenceWrapper):
         temperature = 1.0
+        lockstep: ExpertLockstep | None = None
+        routing: GenerationRouting | None = None
 
         def _forward(self, inference_input):
-            out = super()._forward(inference_input)
+            if self.lockstep is not None:
+                self.lockstep.before_forward()
+            recording = self.routing.forward(inference_input["position_ids"]) if self.routing else nullcontext()
+            with recording:
+                out = super()._forward(inference_input)
             if not getattr(self.model, "post_process", True):
                 return out  # an earlier pipeline stage: hidden states
             logits = out.float() / self.temperature
@@ -157,10 +203,11 @@ class MegatronEngine:
         seed: the engine's own sampling stream (one per model replica: the ranks of a TP group
             must draw the same tokens): it samples from a saved torch RNG state, so the trainer's
             global RNG is left as it was.
+        record_routing: a mixture-of-experts model's samples carry ``routed_experts`` (R3).
     """
 
     def __init__(self, model, tokenizer, *, eos_token_id: int | list[int], vocab_size: int, max_model_len: int = 1024,
-                 max_batch_size: int = 64, seed: int = 0):
+                 max_batch_size: int = 64, seed: int = 0, record_routing: bool = False):
         from megatron.core.inference.contexts import StaticInferenceContext
         from megatron.core.inference.engines import static_engine
         from megatron.core.inference.engines.static_engine import StaticInferenceEngine
@@ -180,12 +227,24 @@ class MegatronEngine:
         self.controller = _rollout_controller(self.wrapper, _IdsTokenizer(tokenizer, vocab_size), self.eos_token_ids)
         self.engine = StaticInferenceEngine(self.controller, max_batch_size=max_batch_size, legacy=True)
         self.engine.random_seed = None  # see the module docstring: no global re-seed per call
+        self.routing = self.wrapper.routing = GenerationRouting.of(model) if record_routing else None
+        self.wrapper.lockstep = self._lockstep(model)
         if static_engine.HAVE_TQDM:  # its "static requests" bar per call: the job's step bar is enough
             from functools import partial
 
             from tqdm import tqdm
 
             static_engine.tqdm = partial(tqdm, disable=True)
+
+    @staticmethod
+    def _lockstep(model) -> ExpertLockstep | None:
+        """An :class:`ExpertLockstep` over the expert-parallel group of a model split over one."""
+        if getattr(model.config, "expert_model_parallel_size", 1) <= 1:
+            return None
+        from megatron.core import parallel_state as ps
+
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return ExpertLockstep(ps.get_expert_model_parallel_group(), device)
 
     def reseed(self, step: int) -> None:
         """Sample from step ``step`` on with the stream :func:`alignment.rollout.base.step_seed` draws
@@ -216,7 +275,7 @@ class MegatronEngine:
         if longest > self.max_model_len:
             raise ValueError(f"a prompt of {longest - sampling.max_tokens} tokens + max_tokens={sampling.max_tokens} "
                              f"exceeds max_model_len={self.max_model_len}")
-        if not prompts:
+        if not prompts and self.wrapper.lockstep is None:
             return []
         greedy = sampling.temperature == 0
         self.wrapper.temperature = 1.0 if greedy else sampling.temperature
@@ -238,26 +297,34 @@ class MegatronEngine:
                     torch.set_rng_state(self._rng_state[0])
                     if cuda:
                         torch.cuda.set_rng_state(self._rng_state[1])
-                requests, logprobs, out = [], [], []
+                requests, logprobs, routed, out = [], [], [], []
                 for start in range(0, len(rows), self.max_batch_size):
                     self.controller.step_logprobs = []
-                    batch = self.engine.generate(prompts=rows[start:start + self.max_batch_size],
-                                                 sampling_params=params)
+                    chunk = rows[start:start + self.max_batch_size]
+                    if self.routing is not None:
+                        self.routing.start(len(chunk), max(map(len, chunk)) + sampling.max_tokens)
+                    batch = self.engine.generate(prompts=chunk, sampling_params=params)
                     requests += batch
                     logprobs += _row_logprobs(self.controller.step_logprobs, len(batch))
+                    routed += ([self.routing.row(j, self.max_model_len) for j in range(len(batch))]
+                               if self.routing is not None else [None] * len(batch))
                     while len(requests) >= (len(out) + 1) * sampling.n:  # prompts whose rows are all done
                         i = len(out)
                         mine = slice(i * sampling.n, (i + 1) * sampling.n)
-                        out.append([self._sample(prompts[i], r, lps) for r, lps in zip(requests[mine], logprobs[mine])])
+                        out.append([self._sample(prompts[i], r, lps, experts) for r, lps, experts
+                                    in zip(requests[mine], logprobs[mine], routed[mine])])
                         if on_done is not None:
                             on_done(i, out[i])
+                if self.wrapper.lockstep is not None:  # forwards with the expert-parallel peers still generating
+                    self.wrapper.lockstep.drain(self.wrapper.dummy_forward)
                 self._rng_state = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
         finally:
             self.model.train(was_training)
         return out
 
-    def _sample(self, prompt: list[int], request, lps: list[float]) -> Sample:
-        """One generated row as a :class:`Sample`: cut after its first end-of-sequence token."""
+    def _sample(self, prompt: list[int], request, lps: list[float], experts: torch.Tensor | None) -> Sample:
+        """One generated row as a :class:`Sample`: cut after its first end-of-sequence token;
+        ``experts``: the row's recorded routing (``[positions, layers, k]``), or None."""
         ids = [int(t) for t in (request.generated_tokens.tolist() if torch.is_tensor(request.generated_tokens)
                                 else request.generated_tokens)]
         end = next((k for k, t in enumerate(ids) if t in self.eos_token_ids), None)
@@ -265,7 +332,10 @@ class MegatronEngine:
         if finished:
             ids = ids[:end + 1]
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-        return Sample(list(prompt), ids, lps[:len(ids)], text, finished)
+        routed = None if experts is None else experts[:len(prompt) + len(ids)].clone()
+        if routed is not None and ids:
+            routed[-1] = -1  # sampled, never fed back: no forward routed it
+        return Sample(list(prompt), ids, lps[:len(ids)], text, finished, routed_experts=routed)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Nothing to load: the engine runs the trainer's parameters."""

@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
+
 from alignment.data.tasks import Problem
 from alignment.envs.base import Environment
 from alignment.envs.factory import build_environment
@@ -70,8 +72,15 @@ class _Episode:
     text: str = ""
     last_turn: list[int] = field(default_factory=list)
     finished: bool = False
+    routed: torch.Tensor | None = None  # [positions, layers, k]: each turn's routing, the earliest kept
 
     def add_turn(self, s: Sample) -> None:
+        if s.routed_experts is not None:  # the turn's prompt is the episode so far: it covers every position
+            table = s.routed_experts.clone()
+            if self.routed is not None:  # a position keeps the routing of the turn that sampled it
+                known = self.routed.shape[0]
+                table[:known] = torch.where(self.routed >= 0, self.routed, table[:known])
+            self.routed = table
         self.ids += s.response_ids
         self.logprobs += s.logprobs
         self.mask += [1] * len(s.response_ids)
@@ -89,7 +98,11 @@ class _Episode:
     def sample(self) -> Sample:
         mask = None if all(self.mask) else list(self.mask)
         info = {**self.counts, "env_reward": self.env_reward, "messages": self.messages}
-        return Sample(self.prompt_ids, self.ids, self.logprobs, self.text, self.finished, mask, info)
+        routed = None
+        if self.routed is not None:  # -1 on environment tokens no turn has seen yet
+            routed = torch.full((len(self.prompt_ids) + len(self.ids), *self.routed.shape[1:]), -1, dtype=torch.int16)
+            routed[: self.routed.shape[0]] = self.routed[: routed.shape[0]]
+        return Sample(self.prompt_ids, self.ids, self.logprobs, self.text, self.finished, mask, info, routed)
 
 
 def _fit(s: Sample, budget: int, tokenizer) -> Sample:
@@ -97,8 +110,9 @@ def _fit(s: Sample, budget: int, tokenizer) -> Sample:
     if len(s.response_ids) <= budget:
         return s
     ids = s.response_ids[:budget]
+    routed = None if s.routed_experts is None else s.routed_experts[: len(s.prompt_ids) + budget]
     return replace(s, response_ids=ids, logprobs=s.logprobs[:budget], finished=False,
-                   text=tokenizer.decode(ids, skip_special_tokens=True))
+                   text=tokenizer.decode(ids, skip_special_tokens=True), routed_experts=routed)
 
 
 def _answer(env: Environment, live: list[_Episode], turns: TurnTokens, budget: int, max_turns: int) -> list[_Episode]:

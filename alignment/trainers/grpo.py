@@ -88,7 +88,7 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
     loss_cfg = GRPOLossConfig.from_algorithm(a)
     size = batch["input_ids"].shape[0] // a.num_mini_batches
     distilling = a.name == "distill"
-    routing = (RoutingPass.of(models.policy, REPLAY if a.routing_replay == "r2" else COMPARE)
+    routing = (RoutingPass.of(models.policy, COMPARE if a.routing_replay == "none" else REPLAY)
                if "routed_experts" in batch else None)
     keys = ["policy_loss_sum", "kl_sum", "clipped_tokens", "entropy_sum", "prob_error_sum", "tokens",
             *(distill.SUMS if distilling else ())]
@@ -334,14 +334,17 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
         batch["ref_logprobs"] = ref if ref is not None else zeros
     if a.ppo_epochs > 1 or a.num_mini_batches > 1:  # several updates: freeze the sampling policy's logprobs
         models.placement.keep("policy")
-        # MoE: the experts of this pass are replayed in every update (R2), or compared with the updates' own
-        # choices (moe/routing_agreement; alignment/training/routing_replay.py)
-        record = RoutingPass.of(models.policy, RECORD)
+        # MoE (alignment/training/routing_replay.py): this pass replays the rollout's experts (R3) or compares
+        # its own with them; without them (or with R2) it records its own, which every update replays (R2)
+        # or compares with (moe/routing_agreement)
+        rollout_routes = "routed_experts" in batch and a.routing_replay != "r2"
+        routes = RoutingPass.of(models.policy, (REPLAY if a.routing_replay == "r3" else COMPARE) if rollout_routes
+                                else RECORD)
         old = policy_logprobs(models.policy, microbatches(batch, cfg.trainer), models.vocab_size, r.temperature,
-                              routing=record, **packing)
+                              routing=routes, **packing)
         batch["old_logprobs"] = old if old is not None else zeros
-        if record is not None:
-            batch["routed_experts"] = record.recorded_rows()
+        if routes is not None and routes.action == RECORD:
+            batch["routed_experts"] = routes.recorded_rows()
     times["logprobs"] = time.perf_counter() - t
 
     t = time.perf_counter()

@@ -223,12 +223,16 @@ def correction_metrics(outs: list[dict], tokens: float) -> dict[str, float]:
     """The rollout-vs-trainer mismatch over the global batch from the loss metrics of every
     micro-batch (:func:`alignment.algorithms.rollout_correction.rollout_correction`): k3 KL and
     mean importance weight per token, fraction of tokens masked, largest token ratio; one
-    contribution per model replica; collective. ``tokens``: the global valid-token count."""
+    contribution per model replica; collective. ``tokens``: the global valid-token count.
+    ``is_weight_std``: the weights' standard deviation over the tokens (0 with the correction off)."""
     mine = is_output_rank() and bool(outs)
-    kl, weight, masked = all_reduce_sum([sum(float(o[k]) for o in outs) if mine else 0.0
-                                         for k in ("rollout_kl_sum", "is_weight_sum", "masked_tokens")])
+    kl, weight, square, masked = all_reduce_sum([sum(float(o[k]) for o in outs) if mine else 0.0
+                                                 for k in ("rollout_kl_sum", "is_weight_sum", "is_weight_sq_sum",
+                                                           "masked_tokens")])
     [ratio_max] = all_reduce_max([max(float(o["rollout_ratio_max"]) for o in outs) if mine else 0.0])
-    return {"rollout_correction/kl": kl / tokens, "rollout_correction/is_weight_mean": weight / tokens,
+    mean = weight / tokens
+    return {"rollout_correction/kl": kl / tokens, "rollout_correction/is_weight_mean": mean,
+            "rollout_correction/is_weight_std": max(square / tokens - mean * mean, 0.0) ** 0.5,
             "rollout_correction/masked_fraction": masked / tokens, "rollout_correction/ratio_max": ratio_max}
 
 

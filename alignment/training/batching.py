@@ -22,8 +22,9 @@ def make_batch(samples: list[Sample], pad_id: int, pad_to_multiple: int = 8) -> 
     Returns ``input_ids``, ``position_ids``, ``response_mask`` (float: 1 on the tokens the model
     generated, so 0 on an episode's tool outputs, ``Sample.loss_mask``), ``rollout_logprobs``:
     all ``[N, S]`` with ``S`` the longest prompt+response rounded up to ``pad_to_multiple``;
-    ``response_lengths`` and ``seq_lengths`` (prompt + response) ``[N]``. Raises ValueError
-    for an empty list.
+    ``response_lengths`` and ``seq_lengths`` (prompt + response) ``[N]``; when every sample carries
+    ``routed_experts`` (a MoE policy's rollout routing), ``routed_experts`` ``[N, S, layers, k]`` int16,
+    -1 on padding. Raises ValueError for an empty list.
     """
     if not samples:
         raise ValueError("make_batch needs at least one sample")
@@ -38,7 +39,7 @@ def make_batch(samples: list[Sample], pad_id: int, pad_to_multiple: int = 8) -> 
         input_ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
         mask[i, p - 1 : p + r - 1] = 1.0 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32)
         rollout_lp[i, p - 1 : p + r - 1] = torch.tensor(s.logprobs, dtype=torch.float32)
-    return {
+    batch = {
         "input_ids": input_ids,
         "position_ids": torch.arange(seq).expand(n, seq).contiguous(),
         "response_mask": mask,
@@ -46,6 +47,13 @@ def make_batch(samples: list[Sample], pad_id: int, pad_to_multiple: int = 8) -> 
         "response_lengths": torch.tensor([len(s.response_ids) for s in samples]),
         "seq_lengths": torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples]),
     }
+    if all(s.routed_experts is not None for s in samples):
+        first = samples[0].routed_experts
+        routed = torch.full((n, seq, *first.shape[1:]), -1, dtype=torch.int16)
+        for i, s in enumerate(samples):
+            routed[i, : s.routed_experts.shape[0]] = s.routed_experts
+        batch["routed_experts"] = routed
+    return batch
 
 
 def split_microbatches(batch: dict[str, torch.Tensor], micro_batch_size: int, max_tokens: int = 0,

@@ -13,7 +13,7 @@ the replayed experts (their gathered scores), as Megatron's replay computes them
 
 How: Megatron-Core 0.16.1's routers take a ``router_replay`` object
 (``megatron/core/transformer/moe/router_replay.py``) whose ``get_replay_topk`` returns the top-k
-experts; :class:`ReplaySlot` is such an object per router, set for each micro-batch from a
+experts; :class:`parallel.router_slots.ReplaySlot` is such an object per router, set for each micro-batch from a
 ``[rows, seq, layers, topk]`` table (``routed_experts``, -1 where unknown) through the map from the
 router's token order to (row, column) of the padded micro-batch (:func:`token_positions`: packing,
 context parallelism, sequence parallelism and prompt trees alike). Every slot also counts how many
@@ -29,55 +29,9 @@ import torch
 
 from alignment.training.megatron_step import all_reduce_sum
 from parallel.names import unwrap
+from parallel.router_slots import COMPARE, RECORD, REPLAY, routers
 
-RECORD, REPLAY, COMPARE = "record", "replay", "compare"
-
-
-@dataclass
-class ReplaySlot:
-    """What one router does in the current forward pass (Megatron's ``router_replay`` interface):
-    ``record`` its own top-k choice into ``recorded``; ``replay`` the ``target`` experts ``[tokens, k]``;
-    ``compare`` its own choice with ``target`` and keep its own; nothing (``action`` None) outside a pass.
-    ``replay`` and ``compare`` count the ``valid`` tokens (``[tokens]`` bool) whose own top-k set equals
-    the target's in ``agree`` / ``count``."""
-
-    action: str | None = None
-    target: torch.Tensor | None = None
-    valid: torch.Tensor | None = None
-    recorded: torch.Tensor | None = None
-    agree: float = 0.0
-    count: float = 0.0
-
-    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        """Megatron's call (``moe_utils.topk_routing_with_score_function``): ``(top-k scores [tokens, k],
-        top-k expert ids [tokens, k])``."""
-        own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        if self.action == RECORD:
-            self.recorded = own[1].detach()
-        if self.action not in (REPLAY, COMPARE):
-            return own
-        target = self.target.to(scores.device)
-        with torch.no_grad():
-            same = (own[1].sort(-1).values == target.sort(-1).values).all(-1) & self.valid.to(scores.device)
-            self.agree += float(same.sum())
-            self.count += float(self.valid.sum())
-        if self.action == COMPARE:
-            return own
-        return scores.gather(1, target), target
-
-
-def routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    """``{layer_number (1-based, global): TopKRouter}`` of this shard, each given a :class:`ReplaySlot`
-    (once; Megatron then asks it for every top-k choice). ``{}`` for a dense model."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    out = {}
-    for module in unwrap(model).modules():
-        if isinstance(module, TopKRouter):
-            if not isinstance(module.router_replay, ReplaySlot):
-                module.router_replay = ReplaySlot()
-            out[module.layer_number] = module
-    return out
+__all__ = ["COMPARE", "RECORD", "REPLAY", "RoutingPass", "agreement", "agreement_metrics", "token_positions"]
 
 
 def token_positions(inp, sequence_parallel: bool) -> torch.Tensor:

@@ -8,7 +8,8 @@ must equal transformers' (``max_abs_diff``), and the HF export must give every c
 tensor back exactly (``export_max_abs_diff``, ``export_missing``). On 2 ranks also: GRPO-loss
 gradients of Qwen3-MoE at EP=2 (and EP=1, TP=2+SP) against plain autograd on the HF model over
 the whole batch, and, with the load-balancing loss on, EP=1 vs EP=2 gradients and aux losses; and
-MoE routing replay (:func:`routing_cases`).
+MoE routing replay (:func:`routing_cases`, and R3 through the Megatron engine at EP=2:
+:func:`rollout_routing_case`).
 Writes {case: {...}}.
 """
 
@@ -20,7 +21,19 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from parallel.state import env_world
+from alignment.models.families import get_bridge
+from alignment.models.gpt import build_gpt_model, transformer_config
+from alignment.models.weights import load_hf_weights
+from alignment.rollout.base import SamplingConfig
+from alignment.rollout.megatron_engine import MegatronEngine
+from alignment.trainers.rl_phases import policy_logprobs
+from alignment.training.batching import make_batch as rollout_batch
+from alignment.training.batching import split_microbatches
+from alignment.training.megatron_step import OptimConfig, setup_training
+from alignment.training.routing_replay import REPLAY, RoutingPass, agreement_metrics
+from parallel.layout import ParallelLayout
+from parallel.names import unwrap
+from parallel.state import env_world, init_distributed
 from tests.dist.grpo_invariance_worker import hf_reference, make_batch, megatron_case
 from tests.dist.parity_worker import max_diff_on_last_stage, megatron_logits
 from tests.dist.report import write_results_and_shutdown
@@ -200,12 +213,62 @@ def routing_cases(world: int) -> dict:
     return results
 
 
+ROLLOUT_PROMPTS = {0: [[5, 17, 33, 101, 7, 9, 12]], 1: [[42, 9, 200], [7, 7, 81, 3, 60], [11, 150]]}
+
+
+def rollout_routing_case(world: int) -> dict:
+    """R3 (``algorithm.routing_replay=r3``): Qwen3-MoE at EP=2 (DP=2), fp32, sampled by the Megatron engine
+    on the policy's own shards, the two ranks on different prompts (1 vs 3 prompts x 2 samples, batches of
+    4 rows: 1 vs 2 engine batches, and different stopping points: the expert-parallel lockstep). Each
+    sample's recorded routing is compared with HF's router choices on prompt + response, and a training
+    pass replaying it (the trainer's R3 pass) with the engine's logprobs."""
+    hf = tiny_qwen3_moe(seed=3)
+    cfg = hf.config
+    init_distributed(ParallelLayout(world_size=world, expert_model_parallel_size=2))
+    model = build_gpt_model(cfg, transformer_config(cfg, expert_model_parallel_size=2))
+    load_hf_weights(model, checkpoint_state(hf), get_bridge(cfg))
+    ddp, _ = setup_training(model, OptimConfig())
+    rank = dist.get_rank()
+    engine = MegatronEngine(unwrap(ddp), None, eos_token_id=cfg.vocab_size - 1, vocab_size=cfg.vocab_size,
+                            max_model_len=64, max_batch_size=4, seed=rank, record_routing=True)
+    samples = [s for group in engine.generate(ROLLOUT_PROMPTS[rank], SamplingConfig(n=2, temperature=1.0, max_tokens=6))
+               for s in group]
+    mismatches = unknown_inside = dense_recorded = 0
+    for s in samples:
+        ids = s.prompt_ids + s.response_ids
+        with torch.no_grad(), hf_routing(hf) as own:
+            hf(torch.tensor([ids]))
+        moe = [i for i in range(cfg.num_hidden_layers) if (s.routed_experts[:-1, i] >= 0).any()]
+        for i, chosen in zip(moe, own):  # every position but the last (sampled, never fed back)
+            mine = s.routed_experts[:-1, i].long().sort(-1).values
+            mismatches += int((mine != chosen[:-1].sort(-1).values).any(-1).sum())
+            unknown_inside += int((s.routed_experts[:-1, i] < 0).any(-1).sum())
+        dense_recorded += int((s.routed_experts[:, [i for i in range(cfg.num_hidden_layers) if i not in moe]] >= 0).sum())
+    batch = rollout_batch(samples, pad_id=0)
+    routes = RoutingPass.of(ddp, REPLAY)
+    # one micro-batch per rank: the ranks of an expert-parallel group must run the same number of forwards
+    lp = policy_logprobs(ddp, split_microbatches(batch, len(samples)), cfg.vocab_size, 1.0, routing=routes)
+    mask = batch["response_mask"].bool()
+    diff = (lp - batch["rollout_logprobs"])[mask].abs()
+    info = {"rank": rank, "samples": len(samples), "moe_layers": moe, "mismatches": mismatches,
+            "unknown_inside": unknown_inside, "dense_recorded": dense_recorded,
+            "last_unknown": all(bool((s.routed_experts[-1] < 0).all()) for s in samples),
+            "lengths_ok": all(s.routed_experts.shape[0] == len(s.prompt_ids) + len(s.response_ids) for s in samples),
+            "response_lengths": [len(s.response_ids) for s in samples],
+            "max_logprob_diff": diff.max().item(), "prob_error": torch.exp(diff).mean().item(),
+            **agreement_metrics(ddp)}
+    parts = [None] * world
+    dist.all_gather_object(parts, info)
+    return {"rollout_routing/ep2": parts}
+
+
 def main(path: str) -> None:
     _, world, _ = env_world()
     results = logit_cases(world)
     if world == 2:
         results.update(grad_cases(world))
         results.update(routing_cases(world))
+        results.update(rollout_routing_case(world))
     write_results_and_shutdown(path, results)
 
 

@@ -1,0 +1,63 @@
+"""The experts a generating mixture-of-experts model routed each token to, per row and position, as
+an inference engine runs its forwards (routing replay R3: ``algorithm.routing_replay=r3``,
+:mod:`alignment.training.routing_replay`)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from parallel.names import unwrap
+from parallel.router_slots import RECORD, routers
+
+
+class GenerationRouting:
+    """The routing of a generating model (R3: ``algorithm.routing_replay=r3``), recorded per row and
+    position: an inference engine calls :meth:`start` before a batch of ``rows`` sequences, wraps each
+    forward over a window of positions in :meth:`forward` and reads each row's ``[length, layers, k]``
+    table with :meth:`row` (-1 at positions no forward processed: the last token, which generation
+    samples but never feeds back, and every dense layer).
+
+    The routers see a window's hidden states ``[window, batch, hidden]`` flattened sequence-major
+    (no sequence parallelism in generation), the same window of positions for every row (a static
+    batch, :class:`alignment.rollout.megatron_engine.MegatronEngine`).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        config = unwrap(model).config
+        self.layers, self.topk = config.num_layers, config.moe_router_topk
+        self.slots = {n: r.router_replay for n, r in routers(model).items()}
+        self.table: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "GenerationRouting | None":
+        """A recorder for ``model``, or None for a dense model."""
+        return cls(model) if getattr(unwrap(model).config, "num_moe_experts", None) else None
+
+    def start(self, rows: int, length: int) -> None:
+        """A new batch of ``rows`` sequences of at most ``length`` positions (prompt + response)."""
+        self.table = torch.full((rows, length, self.layers, self.topk), -1, dtype=torch.int16)
+
+    @contextmanager
+    def forward(self, position_ids: torch.Tensor):
+        """Around one forward over ``position_ids`` ``[batch, window]`` (rows past :meth:`start`'s
+        ``rows`` are the engine's padding and are dropped): every router's choice lands at
+        ``table[row, position, layer]``."""
+        for slot in self.slots.values():
+            slot.action = RECORD
+        try:
+            yield
+        finally:
+            batch, window = position_ids.shape
+            first = int(position_ids[0, 0])
+            rows = min(batch, self.table.shape[0])
+            for n, slot in self.slots.items():
+                if slot.recorded is not None:
+                    chosen = slot.recorded.view(window, batch, self.topk).transpose(0, 1)[:rows]
+                    self.table[:rows, first:first + window, n - 1] = chosen.cpu().to(torch.int16)
+                slot.action, slot.recorded = None, None
+
+    def row(self, i: int, length: int) -> torch.Tensor:
+        """Row ``i``'s first ``length`` positions, ``[length, layers, k]`` int16."""
+        return self.table[i, :length].clone()
