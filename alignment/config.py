@@ -42,7 +42,7 @@ from alignment.models.families import model_dims
 from alignment.rewards.config import PROCESS_REWARD, RewardConfig, check_functions, is_pairwise, terms_of
 from alignment.rewards.text import FORMAT_TASKS
 from alignment.rollout.config import (RolloutConfig, check_backend, check_engine_tp, check_episodes, check_lengths,
-                                      check_placement, rollout_ranks)
+                                      check_partial, check_placement, rollout_ranks)
 from alignment.schema import ConfigError, Range, dotted, field_ranges, ranged, unbounded
 from alignment.training.config import TrainerConfig, check_metric_bounds
 from parallel.layout import ParallelLayout, validate_model_layout
@@ -540,6 +540,7 @@ def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int 
         raise ConfigError(f"rollout.placement=disaggregated: algorithm.name={cfg.algorithm.name} trains on fixed "
                           "data and generates nothing; use rollout.placement=colocated")
     check_placement(cfg.rollout, world_size)
+    check_partial(cfg.rollout)
     engines = rollout_ranks(cfg.rollout)  # ranks that only generate; the others train
     layout = ParallelLayout(world_size=world_size - engines, **parallel_sizes(cfg.parallel))
     validate_model_layout(layout, dims)

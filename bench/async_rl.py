@@ -13,6 +13,9 @@ Modes (``rollout.max_staleness``, :mod:`launchers.loop`):
                   only runs the vLLM engine, the others only train (2 processes: 1 + 1), with
                   ``max_staleness`` 0 (the trainer waits for every rollout) and 1 (step s+1's batch
                   is generated on the engine's core while step s trains on the trainer's)
+  disaggregated partial   one-step-off with ``rollout.partial=true``: the engine takes step s's
+                  new weights between two decode chunks of step s+1's batch and continues the
+                  unfinished answers under them (``alignment/rollout/partial.py``)
 
 What 2 cores can show: whether training on one-step-old samples learns as well (accuracy), what
 each phase costs, and a disaggregated split of the cores (1 training, 1 generating) against
@@ -39,7 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 OFF_POLICY = ["rollout.max_staleness=1", "algorithm.rollout_correction.is_level=token"]
 SPLIT = ["rollout.placement=disaggregated", "rollout.rollout_ranks=1"]
 MODES = {"sync": [], "one-step-off": OFF_POLICY, "disaggregated sync": SPLIT,
-         "disaggregated one-step-off": SPLIT + OFF_POLICY}
+         "disaggregated one-step-off": SPLIT + OFF_POLICY,
+         "disaggregated partial": SPLIT + OFF_POLICY + ["rollout.partial=true"]}
 PHASES = ("rollout", "logprobs", "train", "weight_sync")
 
 

@@ -120,7 +120,9 @@ def serve_as_rollout_rank(cfg, hf_dir: Path, hf_config) -> None:
                           bucket_bytes=r.sync_bucket_mb << 20, group=group, dtype=getattr(torch, cfg.model.dtype),
                           device="cuda" if torch.cuda.is_available() else "cpu")
     try:
-        serve(engine, resharder, group, trainers, r.tensor_parallel_size)
+        # MEGALIGN_PARTIAL_HOLD_CHUNKS (tests): partial rollouts take the update after that many chunks
+        serve(engine, resharder, group, trainers, r.tensor_parallel_size,
+              hold_chunks=int(os.environ.get("MEGALIGN_PARTIAL_HOLD_CHUNKS", "0")))
     finally:
         engine.close()
         shutdown()

@@ -47,7 +47,7 @@ from typing import Protocol
 
 from alignment.data.prompt_data import EpochOrder
 from alignment.rewards.remote import RewardServerError, take_failures
-from alignment.trainers.rl_phases import post_for_group, sync_weights
+from alignment.trainers.rl_phases import post_for_group, sync_weights, token_staleness
 from alignment.models.families import model_dims
 from alignment.training.checkpoint import (FULLY_RESHARDABLE, ensure_space, latest_checkpoint, load_models_checkpoint,
                                            prune_checkpoints, save_hf_checkpoint, save_models_checkpoint)
@@ -328,13 +328,18 @@ def run(job, models, spec: JobSpec) -> dict:
         metrics, times = spec.train(rollout)
         metrics.update(models.grad_norms or {})
         if online:
-            rollout_s += queue.complete()  # the batch posted before this step trained
+            partial = cfg.rollout.partial and queue.posted is not None  # the engines take the update mid-batch
+            if not partial:
+                rollout_s += queue.complete()  # the batch posted before this step trained
             t1 = time.perf_counter()
             record("weight sync", step + 1)
             models.placement.keep("policy")
             metrics.update(sync_weights(models, cfg.rollout.check_weight_sync), **models.placement.pop_stats())
             times = {"rollout": rollout_s, **times, "weight_sync": time.perf_counter() - t1}
+            if partial:
+                times["rollout"] += queue.complete()
             metrics["rollout/staleness"] = float(step - rollout.version)
+            metrics.update(token_staleness(rollout.samples, step - rollout.version, replica_group().rank() == 0))
             metrics["data/epoch"] = (step + 1) * cfg.rollout.prompts_per_step / len(spec.train_set)  # passes so far
             metrics["reward/skipped_groups"] = skipped_groups(rollout.samples, cfg.rollout.group_size)
         else:

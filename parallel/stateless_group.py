@@ -22,13 +22,24 @@ class StatelessGroup:
     """Ranks ``0 .. size - 1`` over ``store`` (prefixed with ``prefix``); ``rank`` is this
     process's rank in the group (not its default-group rank).
 
-    Every method is collective over the whole group except :meth:`start_exchange` (point to point).
+    Every method is collective over the whole group except :meth:`start_exchange` (point to point)
+    and the flags (:meth:`raise_flag`, :meth:`flag_raised`: keys in the store, polled).
     """
 
     def __init__(self, store, rank: int, size: int, prefix: str = "stateless", timeout_minutes: float = 60):
         self.rank, self.size = rank, size
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size,
                                         datetime.timedelta(minutes=timeout_minutes))
+        self.flags = dist.PrefixStore(f"{prefix}/flags", store)
+
+    def raise_flag(self, name: str) -> None:
+        """Set flag ``name`` for every rank to see (not collective: the ranks that look for it poll
+        :meth:`flag_raised` between their own steps)."""
+        self.flags.set(name, b"1")
+
+    def flag_raised(self, name: str) -> bool:
+        """Whether some rank raised flag ``name`` (does not wait)."""
+        return self.flags.check([name])
 
     def broadcast_object(self, obj, src: int):
         """``obj`` of rank ``src`` (pickled), returned on every rank (``obj`` is ignored elsewhere)."""

@@ -8,6 +8,7 @@ logprobs equal the trainer's at every step, before and after a sync)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from safetensors.torch import load_file
@@ -15,7 +16,7 @@ from safetensors.torch import load_file
 from alignment.config import validate
 from alignment.rollout.base import Sample, SamplingConfig
 from alignment.rollout.config import rollout_ranks
-from alignment.rollout.disaggregated import GENERATE, STOP, RemoteEngine, deal, serve
+from alignment.rollout.disaggregated import GENERATE, STOP, SYNC, RemoteEngine, deal, serve
 from alignment.schema import ConfigError
 from tests.conftest import run_torchrun
 from tests.dist.tiny_llama import save_tiny_hf_dir
@@ -29,6 +30,8 @@ def test_the_split_is_validated_before_start():
     assert rollout_ranks(c.rollout) == 2 and rollout_ranks(cfg().rollout) == 0
     validate(c, world_size=8, hf_config=SMOLLM2)  # 6 trainers at TP 3 (DP 2) + 2 engine ranks
     validate(cfg(*SPLIT, name="ppo"), world_size=4, hf_config=SMOLLM2)
+    validate(cfg(*SPLIT, "rollout.partial=true", "rollout.max_staleness=1", "algorithm.rollout_correction.is_level=token"),
+             world_size=4, hf_config=SMOLLM2)
     cases = [
         ((*SPLIT,), 2, r"rollout.rollout_ranks=2: of the 2 processes started, the last rollout_ranks generate and "
                        r"the others train, so it must be in \[1, 1\]"),
@@ -43,6 +46,16 @@ def test_the_split_is_validated_before_start():
                                                                 "world size 4"),
         ((*SPLIT, "rollout.prompts_per_step=4"), 5, r"rollout.prompts_per_step=4 must be a multiple of the "
                                                     r"data-parallel size 3 \(world 3 /"),
+        # partial rollouts: rollout ranks of their own, a batch sampled ahead, one rank per engine, single answers
+        (("rollout.partial=true", "rollout.max_staleness=1"), 2, "rollout.partial=true updates the engines' weights "
+                                                               "while they generate.* set rollout.placement=disaggr"),
+        ((*SPLIT, "rollout.partial=true"), 4, "rollout.max_staleness=0 samples nothing ahead; set "
+                                              "rollout.max_staleness=1"),
+        ((*SPLIT, "rollout.partial=true", "rollout.max_staleness=1", "rollout.tensor_parallel_size=2"), 4,
+         "not yet of rollout.tensor_parallel_size=2 ranks; set it to 1"),
+        ((*SPLIT, "rollout.partial=true", "rollout.max_staleness=1", "rollout.environment=tools"), 4,
+         "not rollout.environment=tools's episodes yet"),
+        ((*SPLIT, "rollout.partial_chunk_tokens=0"), 4, r"rollout.partial_chunk_tokens=0"),
     ]
     for overrides, world, message in cases:
         with pytest.raises((ConfigError, ValueError), match=message):
@@ -63,13 +76,22 @@ class ScriptedGroup:
     return the scripted values in turn (what the other ranks would have sent) and record what this
     rank sent."""
 
-    def __init__(self, rank: int, size: int, broadcasts=(), gathers=()):
+    def __init__(self, rank: int, size: int, broadcasts=(), gathers=(), flag_after: int | None = None):
         self.rank, self.size, self.sent = rank, size, []
         self.broadcasts, self.gathers = list(broadcasts), list(gathers)
+        self.flag_after, self.flag_checks = flag_after, 0  # a flag seen from the flag_after-th look on
 
     def broadcast_object(self, obj, src):
         self.sent.append(("broadcast", obj))
         return obj if self.rank == src else self.broadcasts.pop(0)
+
+    def raise_flag(self, name):
+        self.sent.append(("flag", name))
+
+    def flag_raised(self, name):
+        self.flag_checks += 1
+        self.sent.append(("look", name))
+        return self.flag_after is not None and self.flag_checks >= self.flag_after
 
     def all_gather_object(self, obj):
         self.sent.append(("all_gather", obj))
@@ -87,7 +109,7 @@ def test_a_reseed_reaches_the_engines_with_the_next_request():
     assert remote.generate([[5]], sampling) == [["s"]]
     remote.prefetch([[6]], sampling)
     commands = [obj for kind, obj in group.sent if kind == "broadcast"]
-    assert commands == [(GENERATE, sampling, 3), (GENERATE, sampling, None)]
+    assert commands == [(GENERATE, sampling, 3, 0), (GENERATE, sampling, None, 0)]
 
     # rollout side: the engine reseeds with the step before generating that request, not otherwise
     class Engine:
@@ -101,10 +123,109 @@ def test_a_reseed_reaches_the_engines_with_the_next_request():
             return [[Sample(p, [1], [0.0], "x", True)] * sampling.n for p in prompts]
 
     engine = Engine()
-    rank = ScriptedGroup(1, 2, broadcasts=[(GENERATE, sampling, 7), (GENERATE, sampling, None), (STOP,)],
+    rank = ScriptedGroup(1, 2, broadcasts=[(GENERATE, sampling, 7, 0), (GENERATE, sampling, None, 0), (STOP,)],
                          gathers=[[[[5], [6]], None], [None, None], [[[8]], None], [None, None]])
     serve(engine, resharder=None, group=rank, trainers=1, engine_tp=1)
     assert engine.calls == [("reseed", 7), ("generate", [[5], [6]]), ("generate", [[8]])]
+
+
+class ChunkEngine:
+    """A rollout engine whose k-th generated token of a call, for the row ``prompt + prefix``, is
+    ``100 * weights + len(prefix) + k`` with logprob ``-(that) / 1000``; ``eos`` ends a row at that
+    response length. Logs every call and weight load."""
+
+    tokenizer = None
+
+    def __init__(self, prompt_len: int, eos_at: dict[int, int]):
+        self.prompt_len, self.eos_at, self.weights, self.log = prompt_len, eos_at, 0, []
+
+    def generate(self, prompts, sampling):
+        assert sampling.n == 1
+        self.log.append(("generate", [len(p) - self.prompt_len for p in prompts], sampling.max_tokens))
+        out = []
+        for p in prompts:
+            row, done = p[0], len(p) - self.prompt_len
+            ids, finished = [], False
+            for k in range(sampling.max_tokens):
+                ids.append(100 * self.weights + done + k)
+                if done + k + 1 == self.eos_at.get(row):
+                    finished = True
+                    break
+            out.append([Sample(list(p), ids, [-t / 1000 for t in ids], "", finished)])
+        return out
+
+    def load_resharded(self, buckets):
+        self.weights += 1
+        self.log.append(("load", self.weights))
+
+    def reseed(self, step):
+        self.log.append(("reseed", step))
+
+
+class NoBuckets:
+    def buckets(self):
+        return []
+
+
+def test_partial_rollout_takes_the_update_between_chunks_event_by_event():
+    """rollout.partial: one trainer, one engine rank; 2 prompts x 1 sample, 6 tokens in chunks of 2. Row 1
+    ends at its 3rd token; the sync flag is seen at the 2nd look (after chunk 2): the engine loads the new
+    weights there, and row 0 goes on from its 4-token prefix under them, its tokens stamped 1 update."""
+    sampling = SamplingConfig(n=1, temperature=1.0, max_tokens=6)
+    # trainer side: the posted request is partial; the sync raises its flag before broadcasting
+    trainer = ScriptedGroup(0, 2, gathers=[[[[0, 9], [1, 9]], None], [None, [(0, 0, ["a"]), (0, 1, ["b"])]]])
+    remote = RemoteEngine(trainer, tokenizer=None, trainers=1, partial_chunk_tokens=2)
+    remote.prefetch([[0, 9], [1, 9]], sampling)
+    remote.load_resharded([])
+    assert remote.generate([[0, 9], [1, 9]], sampling) == [["a"], ["b"]]
+    assert [e for e in trainer.sent if e[0] != "all_gather"] == [
+        ("broadcast", (GENERATE, sampling, None, 2)), ("flag", "partial_sync/1"), ("broadcast", (SYNC,))]
+    # rollout side
+    engine = ChunkEngine(prompt_len=2, eos_at={1: 3})
+    rank = ScriptedGroup(1, 2, broadcasts=[(GENERATE, sampling, None, 2), (SYNC,), (STOP,)],
+                         gathers=[[[[0, 9], [1, 9]], None]], flag_after=2)
+    serve(engine, NoBuckets(), rank, trainers=1, engine_tp=1)
+    assert engine.log == [("generate", [0, 0], 2), ("generate", [2, 2], 2), ("load", 1), ("generate", [4], 2)]
+    assert [e for e in rank.sent if e[0] == "look"] == [("look", "partial_sync/1")] * 2
+    (_, handed), = [e for e in rank.sent if e[0] == "all_gather" and e[1] is not None]
+    (_, _, [row0]), (_, _, [row1]) = handed
+    assert row0.response_ids == [0, 1, 2, 3, 104, 105] and row0.weight_updates == [0, 0, 0, 0, 1, 1]
+    assert row0.logprobs == [-t / 1000 for t in row0.response_ids] and not row0.finished
+    assert row1.response_ids == [0, 1, 2] and row1.weight_updates is None and row1.finished
+
+
+def test_partial_rollout_waits_for_the_update_when_it_finishes_first():
+    """Every row done before the flag: the engine waits for the sync before handing the batch over
+    (all tokens of the posted policy); the trainers stopping instead ends the rank; a hold of 1 chunk
+    (MEGALIGN_PARTIAL_HOLD_CHUNKS) takes the update after the first chunk without looking for a flag."""
+    sampling = SamplingConfig(n=2, temperature=1.0, max_tokens=2)
+    engine = ChunkEngine(prompt_len=1, eos_at={})
+    rank = ScriptedGroup(1, 2, broadcasts=[(GENERATE, sampling, 4, 2), (SYNC,), (STOP,)], gathers=[[[[0]], None]])
+    serve(engine, NoBuckets(), rank, trainers=1, engine_tp=1)
+    assert engine.log == [("reseed", 4), ("generate", [0, 0], 2), ("load", 1)]
+    (_, handed), = [e for e in rank.sent if e[0] == "all_gather" and e[1] is not None]
+    assert [s.weight_updates for s in handed[0][2]] == [None, None]
+    stopped = ScriptedGroup(1, 2, broadcasts=[(GENERATE, sampling, None, 2), (STOP,)], gathers=[[[[0]], None]])
+    serve(ChunkEngine(prompt_len=1, eos_at={}), NoBuckets(), stopped, trainers=1, engine_tp=1)  # returns
+    held = ChunkEngine(prompt_len=1, eos_at={})
+    rank = ScriptedGroup(1, 2, broadcasts=[(GENERATE, replace(sampling, max_tokens=4), None, 2), (SYNC,), (STOP,)],
+                         gathers=[[[[0]], None]])
+    serve(held, NoBuckets(), rank, trainers=1, engine_tp=1, hold_chunks=1)
+    assert held.log == [("generate", [0, 0], 2), ("load", 1), ("generate", [2, 2], 2)]
+
+
+def test_token_staleness_counts_each_token(monkeypatch):
+    from alignment.trainers import rl_phases
+    from alignment.trainers.rl_phases import token_staleness
+
+    monkeypatch.setattr(rl_phases, "all_reduce_sum", lambda values: values)  # one rank: the sums are its own
+    monkeypatch.setattr(rl_phases, "all_reduce_max", lambda values: values)
+
+    a = Sample([1], [5, 6, 7, 8], [0.0] * 4, "", True, weight_updates=[0, 0, 1, 1])
+    b = Sample([1], [5, 6], [0.0] * 2, "", True, loss_mask=[1, 0])  # the environment's token does not count
+    m = token_staleness([a, b], staleness=1, count=True)
+    assert m == {"rollout/token_staleness": 3 / 5, "rollout/token_staleness_max": 1.0}
+    assert token_staleness([a], staleness=1, count=False)["rollout/token_staleness"] == 0.0
 
 
 @pytest.mark.heavy  # 4 processes on 2 cores; the disaggregated GRPO job below syncs its weights in CI

@@ -145,8 +145,20 @@ def records(path) -> list[dict]:
     return out
 
 
+# partial rollouts: 1 trainer + 1 vLLM rank; the engine takes each update after its first chunk of 4 tokens
+PARTIAL = ["rollout.placement=disaggregated", "rollout.rollout_ranks=1", "rollout.partial=true",
+           "rollout.partial_chunk_tokens=4"]
+
+
 @pytest.mark.heavy
-def test_one_step_off_policy_grpo_killed_and_resumed(tmp_path):
+@pytest.mark.parametrize("mode", ["colocated", "partial"])
+def test_one_step_off_policy_grpo_killed_and_resumed(tmp_path, monkeypatch, mode):
+    """One-step off-policy GRPO (colocated), and with partial rollouts (the batch posted ahead is continued
+    under the new weights after its first chunk, so every longer answer spans an update): SIGKILLed as a
+    step is about to train and resumed, no prompt lost or repeated, the TIS weights per token equal the
+    hand-computed ones from the engine's per-token logprobs (of either policy)."""
+    extra = PARTIAL if mode == "partial" else []
+    monkeypatch.setenv("MEGALIGN_PARTIAL_HOLD_CHUNKS", "1" if mode == "partial" else "0")
     model_dir = save_tiny_hf_dir(tmp_path / "tiny")
     out, killed_rec, resumed_rec, result = (tmp_path / d for d in ("run", "rec_killed", "rec_resumed", "r.json"))
     killed_rec.mkdir()
@@ -155,14 +167,14 @@ def test_one_step_off_policy_grpo_killed_and_resumed(tmp_path):
     #    step 3 already sampled ahead and lost with the process)
     log = tmp_path / "killed.log"
     code = run_torchrun_killed("staleness_worker.py", str(model_dir), str(out), str(killed_rec), "2", *COMMON,
-                               str(result), log=log)
+                               *extra, str(result), log=log)
     assert code != 0 and (killed_rec / "rank0.killed").read_text() == "2", log.read_text()[-4000:]
     assert not result.exists()
     steps = lambda: sorted(d.name for d in (out / "checkpoints").iterdir())  # noqa: E731
     assert steps() == ["step_1", "step_2"]  # trainer.keep_last=2: both still kept
     # 2. the same command, no kill: resumes from step_2
-    run_torchrun("staleness_worker.py", str(model_dir), str(out), str(resumed_rec), "-1", *COMMON, str(result),
-                 timeout=900)
+    run_torchrun("staleness_worker.py", str(model_dir), str(out), str(resumed_rec), "-1", *COMMON, *extra,
+                 str(result), timeout=900)
     s = json.loads(result.read_text())
     assert s["start_step"] == 2 and [m["rollout/staleness"] for m in s["history"]] == [0.0, 1.0]
     assert steps() == ["step_3", "step_4"]  # the two newest: older ones went once newer ones were complete
@@ -178,8 +190,14 @@ def test_one_step_off_policy_grpo_killed_and_resumed(tmp_path):
         assert r["rollout_correction/is_weight_mean"] == pytest.approx(r["hand_is_weight_mean"], rel=1e-5), r
         if r["step"] == r["version"]:  # on-policy: fp32 engine = trainer
             assert r["token_mult_prob_error"] < 1.0 + 1e-4 and r["hand_is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+            assert r["token_staleness"] == [0, 0], r
         else:  # sampled one update ago: the weights correct a real gap
-            assert r["token_mult_prob_error"] > 1.0 + 1e-3 and r["rollout_correction/kl"] > 1e-6, r
+            assert r["token_mult_prob_error"] > 1.0 + 1e-4 and r["rollout_correction/kl"] > 1e-6, r
+            if mode == "partial":  # the first chunk by the posted policy, the rest by the trained one
+                assert r["token_staleness"] == [0, 1] and r["spanning_answers"] > 0, r
+                assert r["token_mult_prob_error"] < r["stale_prob_error"], r  # the fresh tokens agree
+            else:
+                assert r["token_staleness"] == [1, 1] and r["token_mult_prob_error"] > 1.0 + 1e-3, r
 
     # no prompt skipped or repeated: the lineage of the resumed run (steps 0-1 before the kill,
     # 2-3 after) trained exactly the train set's items 0..15, step s on items 4s..4s+3

@@ -50,6 +50,9 @@ class Sample:
     routed to in every layer of a mixture-of-experts policy as the engine generated it (-1 where
     unknown: dense layers, the last token), for routing replay R3
     (:mod:`alignment.training.routing_replay`); None when the engine did not record it.
+    ``weight_updates`` ``[R]``: per response token, how many weight updates the engine had taken since
+    the batch began when it sampled the token (partial rollouts, :mod:`alignment.rollout.partial`: 0
+    before an update that came during the generation, 1 after); None: all 0.
     """
 
     prompt_ids: list[int]
@@ -60,6 +63,7 @@ class Sample:
     loss_mask: list[int] | None = None
     info: dict = field(default_factory=dict)
     routed_experts: torch.Tensor | None = None
+    weight_updates: list[int] | None = None
 
     @property
     def generated_tokens(self) -> int:

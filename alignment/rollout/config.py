@@ -59,6 +59,12 @@ class RolloutConfig:
     placement: str = "colocated"
     # placement=disaggregated: the last rollout_ranks processes serve vLLM, the rest train
     rollout_ranks: int = ranged(0, 0)
+    # partial rollouts (placement=disaggregated, max_staleness >= 1): the engines generate the batch posted
+    # ahead in chunks of partial_chunk_tokens tokens and take the trainers' new weights between two chunks,
+    # while they generate; unfinished answers go on from their prefix under the new weights, every token
+    # keeping the version that sampled it (alignment/rollout/partial.py)
+    partial: bool = False
+    partial_chunk_tokens: int = ranged(8, 1, note=' (tokens per decode chunk between two weight-update checks)')
     # single_turn: the task's prompt, one answer | tools: the model may call rollout.tools before it
     # answers (alignment/envs/tool_env.py) | package.module:factory: factory(cfg) returns your environment
     environment: str = "single_turn"
@@ -103,6 +109,31 @@ def check_placement(r: RolloutConfig, world_size: int) -> None:
     if r.check_weight_sync:
         raise ConfigError("rollout.check_weight_sync=true compares the trainers' weights with each engine's in its "
                           "own process, which a disaggregated job's engines are not; set it to false")
+
+
+def check_partial(r: RolloutConfig) -> None:
+    """``rollout.partial``: the engines update their weights while they generate a batch posted ahead,
+    so they need rollout ranks of their own, a batch sampled ahead, and (for now) one rank per engine
+    and single-turn answers.
+
+    Raises:
+        ConfigError: naming the field and the fix.
+    """
+    if not r.partial:
+        return
+    if r.placement != "disaggregated":
+        raise ConfigError("rollout.partial=true updates the engines' weights while they generate, which needs rollout "
+                          f"ranks of their own, but rollout.placement={r.placement}; set rollout.placement=disaggregated "
+                          "(and rollout.rollout_ranks)")
+    if r.max_staleness < 1:
+        raise ConfigError("rollout.partial=true continues the batch sampled ahead under the new weights, but "
+                          "rollout.max_staleness=0 samples nothing ahead; set rollout.max_staleness=1")
+    if r.tensor_parallel_size > 1:
+        raise ConfigError(f"rollout.partial=true takes new weights between two chunks of one engine rank, not yet of "
+                          f"rollout.tensor_parallel_size={r.tensor_parallel_size} ranks; set it to 1")
+    if r.environment != "single_turn":
+        raise ConfigError(f"rollout.partial=true continues single answers, not rollout.environment={r.environment}'s "
+                          "episodes yet; set rollout.partial=false")
 
 
 def check_engine_tp(r: RolloutConfig, world_size: int, parallel, hf_config) -> None:

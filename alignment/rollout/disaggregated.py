@@ -15,6 +15,13 @@ in it.
 - ``sync``: the resharder moves the trainers' shards into the engines' layout
   (:class:`parallel.reshard.Resharder` with ``group``), bucket by bucket, straight into the
   running engines.
+- partial rollouts (``rollout.partial``): a posted request is generated in chunks
+  (:class:`alignment.rollout.partial.PartialGeneration`), and the sync that follows it reaches the
+  engines while they generate: trainer rank 0 raises the request's flag in the group's store
+  (:meth:`parallel.stateless_group.StatelessGroup.raise_flag`) before it broadcasts ``sync``; each
+  engine looks for the flag between two chunks, takes the new weights, and continues its unfinished
+  rows under them (an engine that finished first waits for the sync). Every posted request is followed
+  by exactly one sync before its samples are collected (:mod:`launchers.loop`).
 - ``stop``: the rollout ranks close their engines and exit.
 
 The trainers see an ordinary :class:`alignment.rollout.base.RolloutEngine`
@@ -31,6 +38,7 @@ from typing import Iterable
 import torch
 
 from alignment.rollout.base import OnDone, Sample, SamplingConfig, report_each
+from alignment.rollout.partial import PartialGeneration
 
 GENERATE, SYNC, STOP = "generate", "sync", "stop"
 
@@ -48,30 +56,36 @@ class RemoteEngine:
 
     Every trainer calls every method at the same point (each is collective over the group).
     ``tokenizer``: the policy's HF tokenizer; ``trainers``: the number of trainer ranks (the
-    group's first ranks).
+    group's first ranks); ``partial_chunk_tokens`` > 0: posted requests are partial rollouts in
+    chunks of that many tokens (``rollout.partial``; see the module docstring).
     """
 
     shares_trainer_weights = False
     generates_per_replica = False
 
-    def __init__(self, group, tokenizer, trainers: int):
+    def __init__(self, group, tokenizer, trainers: int, partial_chunk_tokens: int = 0):
         self.group, self.tokenizer, self.trainers = group, tokenizer, trainers
+        self.partial_chunk_tokens, self.partial_requests = partial_chunk_tokens, 0
         self.posted = None  # (prompts, sampling) the engines are working on
         self.reseeded = None  # the step of a reseed not yet sent: it goes with the next request
 
-    def prefetch(self, prompts: list[list[int]], sampling: SamplingConfig) -> None:
+    def prefetch(self, prompts: list[list[int]], sampling: SamplingConfig, partial: bool = True) -> None:
         """Send the request and return at once: the engines generate while the trainers go on, and
         the next :meth:`generate` with the same arguments receives the samples. Nothing else may
-        go to the rollout ranks in between (they wait to hand the samples over).
+        go to the rollout ranks in between (they wait to hand the samples over), except, for a
+        partial rollout (``partial`` and ``partial_chunk_tokens``), one weight sync.
 
         Raises:
             RuntimeError: a request is already posted.
         """
         if self.posted is not None:
             raise RuntimeError("RemoteEngine.prefetch: a request is already posted; generate() receives it first")
-        self.group.broadcast_object((GENERATE, sampling, self.reseeded), 0)
+        chunk = self.partial_chunk_tokens if partial else 0
+        if chunk:
+            self.partial_requests += 1
+        self.group.broadcast_object((GENERATE, sampling, self.reseeded, chunk), 0)
         self.group.all_gather_object(prompts)
-        self.posted, self.reseeded = (prompts, sampling), None
+        self.posted, self.reseeded = (prompts, sampling, chunk), None
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, on_done: OnDone | None = None
                  ) -> list[list[Sample]]:
@@ -82,9 +96,9 @@ class RemoteEngine:
             RuntimeError: a different request was posted (the trainers' schedule is broken).
         """
         if self.posted is None:
-            self.prefetch(prompts, sampling)
+            self.prefetch(prompts, sampling, partial=False)
         posted, self.posted = self.posted, None
-        if posted != (prompts, sampling):
+        if posted[:2] != (prompts, sampling):
             raise RuntimeError("RemoteEngine.generate: asked for other prompts or sampling than the posted request")
         out: list = [None] * len(prompts)
         for part in self.group.all_gather_object(None)[self.trainers:]:
@@ -103,6 +117,8 @@ class RemoteEngine:
         """Send this trainer's shards to the engines (the buckets of a trainer hold no tensors of
         its own: it only sends). Returns ``{"load_s": seconds, "names": []}``."""
         t0 = time.perf_counter()
+        if self.posted is not None and self.posted[2] and self.group.rank == 0:  # engines generating: interrupt
+            self.group.raise_flag(partial_flag(self.partial_requests))
         self.group.broadcast_object((SYNC,), 0)
         for _ in buckets:
             pass
@@ -124,21 +140,71 @@ class RemoteEngine:
         self.group.broadcast_object((STOP,), 0)
 
 
-def serve(engine, resharder, group, trainers: int, engine_tp: int) -> None:
+def partial_flag(request: int) -> str:
+    """The store flag that interrupts partial request number ``request`` (1-based) for a weight sync."""
+    return f"partial_sync/{request}"
+
+
+def generate_partial(engine, prompts: list[list[int]], sampling: SamplingConfig, chunk_tokens: int,
+                     sync_requested, take_sync, hold_chunks: int = 0) -> list[list[Sample]]:
+    """``prompts``' samples generated in chunks of ``chunk_tokens`` by ``engine``
+    (:class:`alignment.rollout.partial.PartialGeneration`): after each chunk, if ``sync_requested()``,
+    ``take_sync()`` loads the trainers' new weights and the unfinished rows go on under them; with no
+    sync before the last chunk, ``take_sync()`` waits for it after. ``hold_chunks`` > 0 (tests:
+    ``MEGALIGN_PARTIAL_HOLD_CHUNKS``): take the sync after that many chunks, waiting for it, so that an
+    update surely falls inside the generation. Returns ``[prompts][n]`` samples; raises what
+    ``take_sync`` raises (the trainers stopped instead)."""
+    gen, updates = PartialGeneration(prompts, sampling, chunk_tokens), 0
+    while gen.live():
+        gen.step(engine, updates)
+        if not updates and (sync_requested() or gen.chunks == hold_chunks):
+            take_sync()
+            updates = 1
+    if not updates:
+        take_sync()
+    return gen.samples(engine.tokenizer)
+
+
+class TrainersStopped(Exception):
+    """The trainers sent ``stop`` where a rollout rank waited for a weight sync."""
+
+
+def serve(engine, resharder, group, trainers: int, engine_tp: int, hold_chunks: int = 0) -> None:
     """A rollout rank's loop: run the trainers' commands (see the module docstring) on this rank's
     ``engine`` (a :class:`alignment.rollout.vllm_engine.VLLMEngine`, one per ``engine_tp``
     consecutive rollout ranks) until ``stop``. ``resharder``: the receiving side of the trainers'
-    :class:`parallel.reshard.Resharder` (``model=None``)."""
+    :class:`parallel.reshard.Resharder` (``model=None``); ``hold_chunks``: see :func:`generate_partial`."""
     me = group.rank - trainers
     engines = (group.size - trainers) // engine_tp
+    partial_requests = 0
+
+    def take_sync() -> None:
+        command, *_ = group.broadcast_object(None, 0)
+        if command == STOP:
+            raise TrainersStopped
+        if command != SYNC:
+            raise RuntimeError(f"rollout rank {group.rank}: {command!r} from the trainers during a partial rollout, "
+                               "which only a weight sync may interrupt")
+        engine.load_resharded(resharder.buckets())
+
     while True:
         command, *args = group.broadcast_object(None, 0)
         if command == GENERATE:
-            sampling, step = args
+            sampling, step, chunk = args
             if step is not None:
                 engine.reseed(step)
             share = deal(group.all_gather_object(None)[:trainers], engines)[me // engine_tp]
-            samples = engine.generate([p for _, _, p in share], sampling)  # collective over the engine's ranks
+            prompts = [p for _, _, p in share]
+            if chunk:
+                partial_requests += 1
+                flag = partial_flag(partial_requests)
+                try:
+                    samples = generate_partial(engine, prompts, sampling, chunk, lambda: group.flag_raised(flag),
+                                               take_sync, hold_chunks)
+                except TrainersStopped:
+                    return
+            else:
+                samples = engine.generate(prompts, sampling)  # collective over the engine's ranks
             first = me % engine_tp == 0
             group.all_gather_object([(r, k, s) for (r, k, _), s in zip(share, samples)] if first else None)
         elif command == SYNC:

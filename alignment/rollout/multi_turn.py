@@ -73,6 +73,7 @@ class _Episode:
     last_turn: list[int] = field(default_factory=list)
     finished: bool = False
     routed: torch.Tensor | None = None  # [positions, layers, k]: each turn's routing, the earliest kept
+    updates: list[int] = field(default_factory=list)  # per response token: Sample.weight_updates
 
     def add_turn(self, s: Sample) -> None:
         if s.routed_experts is not None:  # the turn's prompt is the episode so far: it covers every position
@@ -83,6 +84,7 @@ class _Episode:
             self.routed = table
         self.ids += s.response_ids
         self.logprobs += s.logprobs
+        self.updates += s.weight_updates or [0] * len(s.response_ids)
         self.mask += [1] * len(s.response_ids)
         self.text, self.finished, self.last_turn = s.text, s.finished, list(s.response_ids)
         self.messages.append({"role": "assistant", "content": s.text})
@@ -91,6 +93,7 @@ class _Episode:
     def add_observation(self, messages: list[dict], ids: list[int]) -> None:
         self.ids += ids
         self.logprobs += [0.0] * len(ids)
+        self.updates += [self.updates[-1] if self.updates else 0] * len(ids)
         self.mask += [0] * len(ids)
         self.messages += messages
         self.counts["env_tokens"] += len(ids)
@@ -102,7 +105,8 @@ class _Episode:
         if self.routed is not None:  # -1 on environment tokens no turn has seen yet
             routed = torch.full((len(self.prompt_ids) + len(self.ids), *self.routed.shape[1:]), -1, dtype=torch.int16)
             routed[: self.routed.shape[0]] = self.routed[: routed.shape[0]]
-        return Sample(self.prompt_ids, self.ids, self.logprobs, self.text, self.finished, mask, info, routed)
+        return Sample(self.prompt_ids, self.ids, self.logprobs, self.text, self.finished, mask, info, routed,
+                      list(self.updates) if any(self.updates) else None)
 
 
 def _fit(s: Sample, budget: int, tokenizer) -> Sample:
@@ -112,7 +116,8 @@ def _fit(s: Sample, budget: int, tokenizer) -> Sample:
     ids = s.response_ids[:budget]
     routed = None if s.routed_experts is None else s.routed_experts[: len(s.prompt_ids) + budget]
     return replace(s, response_ids=ids, logprobs=s.logprobs[:budget], finished=False,
-                   text=tokenizer.decode(ids, skip_special_tokens=True), routed_experts=routed)
+                   text=tokenizer.decode(ids, skip_special_tokens=True), routed_experts=routed,
+                   weight_updates=None if s.weight_updates is None else s.weight_updates[:budget])
 
 
 def _answer(env: Environment, live: list[_Episode], turns: TurnTokens, budget: int, max_turns: int) -> list[_Episode]:

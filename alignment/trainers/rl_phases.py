@@ -171,6 +171,25 @@ def episode_metrics(samples: list[Sample], count: bool) -> dict[str, float]:
             "episode/generated_tokens": generated / n, "episode/env_reward": reward / n}
 
 
+def token_staleness(samples: list[Sample], staleness: int, count: bool) -> dict[str, float]:
+    """``rollout/token_staleness`` (mean over the global batch's generated tokens) and
+    ``rollout/token_staleness_max``: how many optimizer steps older than the trained policy the policy
+    that sampled each token was, ``staleness`` (the batch's, ``step - Rollout.version``) minus the weight
+    updates its engine took during the batch (``Sample.weight_updates``, partial rollouts). ``count``:
+    whether this rank's samples count (one rank per data-parallel replica); collective."""
+    tokens = total = 0.0
+    worst = -1.0
+    for s in samples if count else ():
+        mask = s.loss_mask or [1] * len(s.response_ids)
+        updates = s.weight_updates or [0] * len(s.response_ids)
+        ages = [staleness - u for u, m in zip(updates, mask) if m]
+        tokens, total = tokens + len(ages), total + sum(ages)
+        worst = max([worst, *ages])
+    tokens, total = all_reduce_sum([tokens, total])
+    [worst] = all_reduce_max([worst])
+    return {"rollout/token_staleness": total / max(tokens, 1.0), "rollout/token_staleness_max": max(worst, 0.0)}
+
+
 def post_for_group(engine, prompts: list[list[int]], sampling: SamplingConfig) -> None:
     """Start, without waiting, the generation that :func:`generate_for_group` with the same
     arguments will then return (an engine with ``prefetch``: rollout ranks of its own); each rank

@@ -7,7 +7,9 @@ watched, and optionally SIGKILLed.
 Reward: 1 if the response text has an even number of characters (a tiny random model never
 solves arithmetic; see e2e_worker.py). Before every trainer step this worker records, in
 ``RECORD_DIR/rank<r>.jsonl``: the step, the policy version that sampled its batch, the problems
-it holds (questions), and the token-level TIS weight computed by hand from the trainer's current
+it holds (questions), the per-token staleness range, the answers whose tokens span a weight update
+(partial rollouts) and the token_mult_prob_error of the batch's own policy's tokens, and the token-level
+TIS weight computed by hand from the trainer's current
 (proximal) logprobs and the logprobs the rollout engine returned with each sample
 (``min(exp(old - behaviour), is_threshold)``, mean over the global batch's tokens), next to the
 metrics the real step returned. With ``KILL_AT`` = s >= 0 every rank SIGKILLs itself when step s
@@ -61,9 +63,20 @@ def main() -> None:
         threshold = cfg.algorithm.rollout_correction.is_threshold
         weights = torch.exp(old - behaviour).clamp(max=threshold) * mask
         weight_sum, tokens = all_reduce_sum([weights.sum().item(), mask.sum().item()])
+        # per token: the policy's age when it sampled the token (partial rollouts: younger after an update)
+        ages = [rollout.step - rollout.version - u for s in rollout.samples
+                for u in (s.weight_updates or [0] * len(s.response_ids))]
+        stale = torch.zeros_like(mask)  # the tokens of the batch's own (older) policy
+        for i, s in enumerate(rollout.samples):
+            start = len(s.prompt_ids) - 1
+            stale[i, start : start + len(s.response_ids)] = torch.tensor(
+                [float(u == 0) for u in (s.weight_updates or [0] * len(s.response_ids))])
+        stale_error = (torch.exp((old - behaviour).abs()) * stale).sum().item() / max(stale.sum().item(), 1.0)
         metrics, times = real_train(models, rollout, cfg)
         record = {"step": rollout.step, "version": rollout.version, "questions": rollout.questions,
-                  "hand_is_weight_mean": weight_sum / tokens, **metrics}
+                  "hand_is_weight_mean": weight_sum / tokens, "token_staleness": [min(ages), max(ages)],
+                  "spanning_answers": sum(len(set(s.weight_updates or [0])) > 1 for s in rollout.samples),
+                  "stale_prob_error": stale_error, **metrics}
         with open(Path(record_dir, f"rank{rank}.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
         return metrics, times
