@@ -365,6 +365,18 @@ def _validate_distill(cfg) -> None:
     if process_reward_weight(cfg):
         raise ConfigError("reward.functions has process_reward, but algorithm.name=distill trains on the teacher's "
                           "per-token signal already; drop process_reward (or use algorithm.name=grpo)")
+    if cfg.algorithm.distill_samples == "teacher":
+        split = {name: v for name in ("pipeline_model_parallel_size", "context_parallel_size")
+                 if (v := getattr(cfg.parallel, name)) > 1}
+        if cfg.parallel.sequence_parallel:
+            split["sequence_parallel"] = True
+        if split or cfg.rollout.placement != "colocated":
+            given = ", ".join([f"parallel.{k}={v}" for k, v in split.items()]
+                              + ([f"rollout.placement={cfg.rollout.placement}"] if cfg.rollout.placement != "colocated"
+                                 else []))
+            raise ConfigError(f"algorithm.distill_samples=teacher generates with Megatron's engine on the teacher's "
+                              f"shards on the trainer ranks (whole, tensor- or expert-parallel replicas), but {given}: "
+                              "set those to 1 / false / colocated")
 
 
 def _validate_prm(a: AlgorithmConfig) -> None:

@@ -3,7 +3,11 @@
 time, samples/s, phase times and held-out accuracy, and a pipeline model of what the same phases
 would give on a cluster with rollout ranks of their own.
 
-    python bench/async_rl.py [--steps 12] [--nproc 2]
+    python bench/async_rl.py [--steps 12] [--nproc 2] [--workload main|long-tail] [--modes ...]
+
+Workloads: ``main`` (answers up to 48 tokens), ``long-tail`` (the same task with answers up to 256
+tokens, GSM8K's length: most answers stay short and a few ramble to the cap, holding the batch up;
+fp32, a KV cache for the longer rows).
 
 Modes (``rollout.max_staleness``, :mod:`launchers.loop`):
   sync            0: each step samples its own batch, then trains on it (on-policy)
@@ -45,6 +49,8 @@ MODES = {"sync": [], "one-step-off": OFF_POLICY, "disaggregated sync": SPLIT,
          "disaggregated one-step-off": SPLIT + OFF_POLICY,
          "disaggregated partial": SPLIT + OFF_POLICY + ["rollout.partial=true"]}
 PHASES = ("rollout", "logprobs", "train", "weight_sync")
+WORKLOADS = {"main": [], "long-tail": ["rollout.max_tokens=256", "rollout.eval_max_tokens=256", "rollout.kv_cache_gib=1",
+                                      "model.dtype=float32"]}
 
 
 def run_mode(overrides: list[str], steps: int, nproc: int, out: Path) -> dict:
@@ -58,9 +64,14 @@ def run_mode(overrides: list[str], steps: int, nproc: int, out: Path) -> dict:
 
 
 def medians(summary: dict) -> dict[str, float]:
-    """Median step and phase seconds over the steps after the first."""
+    """Median step and phase seconds over the steps after the first, and (rollout ranks of their
+    own) the engine's idle seconds per step, the response length and the token staleness."""
     hist = summary["history"][1:] or summary["history"]
-    return {k: statistics.median(m[f"time/{k}"] for m in hist) for k in ("step", *PHASES)}
+    out = {k: statistics.median(m[f"time/{k}"] for m in hist) for k in ("step", *PHASES)}
+    for key in ("rollout/engine_idle_s", "response_length", "rollout/token_staleness"):
+        values = [m[key] for m in hist if key in m]
+        out[key] = statistics.median(values) if values else float("nan")
+    return out
 
 
 def pipeline_model(t: dict[str, float], rollout_share: float) -> dict[str, float]:
@@ -94,25 +105,34 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--rollout-share", type=float, default=0.5, help="pipeline model: share of devices generating")
-    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES)
+                    + "; the first is the baseline")
+    ap.add_argument("--workload", default="main", choices=sorted(WORKLOADS))
+    ap.add_argument("--heldout", type=int, default=0, help="data.heldout_size (0: the config's 200)")
     args = ap.parse_args()
     modes = args.modes.split(",")
-    if "sync" not in modes or not set(modes) <= set(MODES):
-        ap.error(f"--modes={args.modes}: give 'sync' (the baseline) and any of {', '.join(MODES)}")
+    if not set(modes) <= set(MODES):
+        ap.error(f"--modes={args.modes}: any of {', '.join(MODES)}")
+    extra = WORKLOADS[args.workload] + ([f"data.heldout_size={args.heldout}"] if args.heldout else [])
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in modes:
-            results[name] = run_mode(MODES[name], args.steps, args.nproc, Path(tmp) / name.replace(" ", "_"))
+            results[name] = run_mode(MODES[name] + extra, args.steps, args.nproc, Path(tmp) / name.replace(" ", "_"))
     samples = 8 * 8  # configs/grpo.yaml: prompts_per_step x group_size
-    base = medians(results["sync"])["step"]
-    print(f"\nGRPO, SmolLM2-135M, {args.nproc} processes, {args.steps} steps, medians after the first step")
-    print("| mode | step s | samples/s | vs sync | rollout s | logprobs s | train s | sync s | held-out before | after |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    base = medians(results[modes[0]])["step"]
+    print(f"\nGRPO, SmolLM2-135M, {args.workload} workload, {args.nproc} processes, {args.steps} steps, medians "
+          "after the first step")
+    print(f"| mode | step s | samples/s | vs {modes[0]} | rollout s | logprobs s | train s | sync s | engine idle s "
+          "| response tokens | token staleness | held-out before | after |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, summary in results.items():
         m = medians(summary)
         print(f"| {name} | {m['step']:.1f} | {samples / m['step']:.2f} | {base / m['step']:.2f}x | "
-              + " | ".join(f"{m[k]:.2f}" for k in PHASES)
+              + " | ".join(f"{m[k]:.2f}" for k in (*PHASES, "rollout/engine_idle_s", "response_length",
+                                                     "rollout/token_staleness"))
               + f" | {summary['heldout_accuracy_before']:.1%} | {summary['heldout_accuracy_after']:.1%} |")
+    if "sync" not in results:
+        return
     print(f"\nPipeline model from the sync run's phases (pipeline_model; rollout share {args.rollout_share};"
           " the disaggregated rows above are this model's 'f=0.50' rows measured):")
     model = pipeline_model(medians(results["sync"]), args.rollout_share)

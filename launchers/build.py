@@ -19,7 +19,8 @@ from alignment.models.hf_assets import prepare_hf_dir
 from alignment.models.value_head import build_value_model
 from alignment.models.weights import lazy_safetensors, load_hf_weights
 from alignment.rollout.disaggregated import RemoteEngine
-from alignment.rollout.factory import build_engine
+from alignment.rollout.factory import build_engine, eos_token_ids
+from alignment.rollout.megatron_engine import MegatronEngine
 from alignment.rollout.multi_turn import episode_setup
 from alignment.trainers.models import Models
 from alignment.training.megatron_step import OptimConfig, main_param_writer, setup_training
@@ -86,8 +87,26 @@ def build_models(cfg, job, roles: Collection[str], value_policy: bool = False):
                              ("reward_model", reward_model, None),
                              ("process_reward_model", prm, None)):
         placement.add_model(name, model, opt)  # None: skipped
+    teacher_engine = None
+    if teacher is not None and cfg.algorithm.distill_samples == "teacher":  # the teacher answers (off-policy KD)
+        teacher_engine = teacher_rollout_engine(cfg, teacher, tokenizer, hf_dir, job.hf_config.vocab_size)
     return Models(policy, optimizer, reference, engine, bridge, tokenizer, job.hf_config.vocab_size, placement,
-                  resharder, reward_model, prm, critic, critic_optimizer, episodes, teacher=teacher)
+                  resharder, reward_model, prm, critic, critic_optimizer, episodes, teacher=teacher,
+                  teacher_engine=teacher_engine)
+
+
+def teacher_rollout_engine(cfg, teacher, tokenizer, hf_dir: Path, vocab_size: int) -> MegatronEngine:
+    """Megatron's engine on the teacher's own shards (``algorithm.distill_samples=teacher``): the policy's
+    tokenizer and end-of-sequence ids (the two share a tokenizer, checked before start), a KV cache for one
+    step's rows per data-parallel rank, its own sampling stream per replica."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import unwrap_model
+
+    r = cfg.rollout
+    rows = max(1, r.prompts_per_step * r.group_size // ps.get_data_parallel_world_size())
+    return MegatronEngine(unwrap_model(teacher), tokenizer, eos_token_id=eos_token_ids(hf_dir, tokenizer),
+                          vocab_size=vocab_size, max_model_len=r.max_model_len, max_batch_size=rows,
+                          seed=cfg.seed + 7919 + ps.get_data_parallel_rank())
 
 
 def job_transformer_config(cfg, hf_config):

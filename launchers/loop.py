@@ -303,10 +303,15 @@ def run(job, models, spec: JobSpec) -> dict:
     def post(s: int) -> None:  # engines of their own sample step s while this step trains
         post_for_group(models.engine, *spec.request(items(s)))
 
+    def reseed(s: int) -> None:  # every engine that samples this step's answers: the student's and a teacher's
+        for engine in (models.engine, models.teacher_engine):
+            if engine is not None:
+                engine.reseed(s)
+
     prefetches = spec.request is not None and getattr(models.engine, "prefetch", None) is not None
     queue = RolloutQueue(lambda s, version: spec.collect(items(s), s, version),
                          cfg.rollout.max_staleness if online else 0, start_step, steps_total,
-                         post if prefetches else None, reseed=models.engine.reseed if online else None)
+                         post if prefetches else None, reseed=reseed if online else None)
     health = HealthMonitor(t, job.rank)  # NaN/inf updates, trainer.warn_on / stop_on
     steps = job.progress(start_step, steps_total, spec.name)
     for step in steps:  # the policy has had `step` updates
@@ -338,6 +343,7 @@ def run(job, models, spec: JobSpec) -> dict:
             times = {"rollout": rollout_s, **times, "weight_sync": time.perf_counter() - t1}
             if partial:
                 times["rollout"] += queue.complete()
+            metrics.update(getattr(models.engine, "pop_stats", dict)())  # rollout ranks: engine busy / idle s
             metrics["rollout/staleness"] = float(step - rollout.version)
             metrics.update(token_staleness(rollout.samples, step - rollout.version, replica_group().rank() == 0))
             metrics["data/epoch"] = (step + 1) * cfg.rollout.prompts_per_step / len(spec.train_set)  # passes so far

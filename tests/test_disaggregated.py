@@ -102,11 +102,14 @@ def test_a_reseed_reaches_the_engines_with_the_next_request():
     # trainer side: the step goes with the first request after reseed (a posted request may be
     # generating when the loop reseeds for the next step), and only with it
     sampling = SamplingConfig(n=2, temperature=1.0, max_tokens=4)
-    group = ScriptedGroup(0, 2, gathers=[[[[5]], None], [None, [(0, 0, ["s"])]]])
+    group = ScriptedGroup(0, 2, gathers=[[[[5]], None], [None, ([(0, 0, ["s"])], (2.0, 0.5))]])
     remote = RemoteEngine(group, tokenizer=None, trainers=1)
     remote.reseed(3)
     remote.prefetch([[5]], sampling)
     assert remote.generate([[5]], sampling) == [["s"]]
+    # the engine's busy and idle seconds came with its samples
+    assert remote.pop_stats() == {"rollout/engine_busy_s": 2.0, "rollout/engine_idle_s": 0.5}
+    assert remote.pop_stats() == {}
     remote.prefetch([[6]], sampling)
     commands = [obj for kind, obj in group.sent if kind == "broadcast"]
     assert commands == [(GENERATE, sampling, 3, 0), (GENERATE, sampling, None, 0)]
@@ -173,7 +176,7 @@ def test_partial_rollout_takes_the_update_between_chunks_event_by_event():
     weights there, and row 0 goes on from its 4-token prefix under them, its tokens stamped 1 update."""
     sampling = SamplingConfig(n=1, temperature=1.0, max_tokens=6)
     # trainer side: the posted request is partial; the sync raises its flag before broadcasting
-    trainer = ScriptedGroup(0, 2, gathers=[[[[0, 9], [1, 9]], None], [None, [(0, 0, ["a"]), (0, 1, ["b"])]]])
+    trainer = ScriptedGroup(0, 2, gathers=[[[[0, 9], [1, 9]], None], [None, ([(0, 0, ["a"]), (0, 1, ["b"])], (1, 0))]])
     remote = RemoteEngine(trainer, tokenizer=None, trainers=1, partial_chunk_tokens=2)
     remote.prefetch([[0, 9], [1, 9]], sampling)
     remote.load_resharded([])
@@ -187,7 +190,8 @@ def test_partial_rollout_takes_the_update_between_chunks_event_by_event():
     serve(engine, NoBuckets(), rank, trainers=1, engine_tp=1)
     assert engine.log == [("generate", [0, 0], 2), ("generate", [2, 2], 2), ("load", 1), ("generate", [4], 2)]
     assert [e for e in rank.sent if e[0] == "look"] == [("look", "partial_sync/1")] * 2
-    (_, handed), = [e for e in rank.sent if e[0] == "all_gather" and e[1] is not None]
+    (_, (handed, (busy, idle))), = [e for e in rank.sent if e[0] == "all_gather" and e[1] is not None]
+    assert busy >= 0 and idle >= 0
     (_, _, [row0]), (_, _, [row1]) = handed
     assert row0.response_ids == [0, 1, 2, 3, 104, 105] and row0.weight_updates == [0, 0, 0, 0, 1, 1]
     assert row0.logprobs == [-t / 1000 for t in row0.response_ids] and not row0.finished
@@ -203,7 +207,7 @@ def test_partial_rollout_waits_for_the_update_when_it_finishes_first():
     rank = ScriptedGroup(1, 2, broadcasts=[(GENERATE, sampling, 4, 2), (SYNC,), (STOP,)], gathers=[[[[0]], None]])
     serve(engine, NoBuckets(), rank, trainers=1, engine_tp=1)
     assert engine.log == [("reseed", 4), ("generate", [0, 0], 2), ("load", 1)]
-    (_, handed), = [e for e in rank.sent if e[0] == "all_gather" and e[1] is not None]
+    (_, (handed, _)), = [e for e in rank.sent if e[0] == "all_gather" and e[1] is not None]
     assert [s.weight_updates for s in handed[0][2]] == [None, None]
     stopped = ScriptedGroup(1, 2, broadcasts=[(GENERATE, sampling, None, 2), (STOP,)], gathers=[[[[0]], None]])
     serve(ChunkEngine(prompt_len=1, eos_at={}), NoBuckets(), stopped, trainers=1, engine_tp=1)  # returns
@@ -212,6 +216,18 @@ def test_partial_rollout_waits_for_the_update_when_it_finishes_first():
                          gathers=[[[[0]], None]])
     serve(held, NoBuckets(), rank, trainers=1, engine_tp=1, hold_chunks=1)
     assert held.log == [("generate", [0, 0], 2), ("load", 1), ("generate", [2, 2], 2)]
+
+
+def test_an_engine_reports_its_busy_and_idle_seconds(monkeypatch):
+    from alignment.rollout import disaggregated
+
+    ticks = iter([0.0, 1.0, 3.0, 4.0, 4.5, 10.0, 11.0])  # start; generate 1-3; load 4-4.5; split 10; split 11
+    monkeypatch.setattr(disaggregated.time, "perf_counter", lambda: next(ticks))
+    engine = disaggregated.TimedEngine(ChunkEngine(prompt_len=1, eos_at={}))
+    engine.generate([[0]], SamplingConfig(n=1, max_tokens=1))
+    engine.load_resharded([])
+    assert engine.split() == (2.5, 7.5) and engine.split() == (0.0, 1.0)
+    assert engine.weights == 1  # everything else reaches the engine
 
 
 def test_token_staleness_counts_each_token(monkeypatch):

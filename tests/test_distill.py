@@ -149,6 +149,22 @@ def test_distill_config_checks():
         validate(cfg("model.teacher_path=''", name="distill"), world_size=2, hf_config=SMOLLM2)
     with pytest.raises(ConfigError, match=r"algorithm.distill_beta=1.5: must be in \[0, 1\]"):
         validate(cfg("algorithm.distill_beta=1.5", name="distill"), world_size=2, hf_config=SMOLLM2)
+    # off-policy KD on the teacher's answers: a whole-distribution loss, no task gradient, its engine's layouts
+    teacher = ("algorithm.distill_samples=teacher", "algorithm.distill_loss=forward_kl")
+    validate(cfg(*teacher, name="distill"), world_size=2, hf_config=SMOLLM2)
+    for overrides, message in [
+        (("algorithm.distill_samples=teacher",), r"algorithm.distill_samples=teacher trains on the teacher's answers, "
+                                                r"but algorithm.distill_loss=reverse_kl is an on-policy loss .* set "
+                                                r"algorithm.distill_loss=forward_kl"),
+        ((*teacher, "algorithm.task_reward_weight=0.5"), r"algorithm.task_reward_weight=0.5 would train the student by "
+                                                         r"policy gradient on the teacher's answers"),
+        (("algorithm.distill_samples=both",), r"algorithm.distill_samples='both': valid values are student, teacher"),
+        ((*teacher, "parallel.pipeline_model_parallel_size=2"), r"algorithm.distill_samples=teacher generates with "
+                                                                r"Megatron's engine .* but parallel.pipeline_model_"
+                                                                r"parallel_size=2: set those"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            validate(cfg(*overrides, name="distill"), world_size=2, hf_config=SMOLLM2)
 
 
 def _word_tokenizer(path, words: list[str]):

@@ -9,7 +9,7 @@ from typing import Optional
 
 from alignment.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from alignment.algorithms.aggregation import AGGREGATION_MODES
-from alignment.algorithms.distill_loss import DISTILL_LOSSES
+from alignment.algorithms.distill_loss import DISTILL_LOSSES, FULL_DISTRIBUTION
 from alignment.algorithms.kl import KL_ESTIMATORS
 from alignment.algorithms.policy_loss import POLICY_LOSSES
 from alignment.algorithms.preference_loss import LOSS_TYPES
@@ -17,6 +17,8 @@ from alignment.algorithms.rollout_correction import RolloutCorrection
 from alignment.schema import ConfigError, plain, ranged, unbounded
 
 WHITEN_LEVELS = ("sequence", "token")
+#: ``algorithm.distill_samples`` values
+DISTILL_SAMPLES = ("student", "teacher")
 #: ``algorithm.routing_replay`` values (alignment/training/routing_replay.py)
 ROUTING_REPLAY = ("none", "r2", "r3")
 
@@ -108,6 +110,9 @@ class AlgorithmConfig:
     # distill: weight of the task's group-normalised reward advantages (reward.functions) beside the
     # distillation term; 0: distillation only (the rewards are still computed and logged)
     task_reward_weight: float = ranged(0.0, 0)
+    # distill: who samples the responses the student trains on: student (on-policy) | teacher (the
+    # teacher generates with Megatron's engine on its own shards; off-policy KD, jsd or forward_kl only)
+    distill_samples: str = "student"
     # mixture-of-experts policies (the GRPO step): none | r2 (the experts each token took in the
     # old-logprob pass are forced in every update of the batch, so the PPO ratio compares one sub-network;
     # needs ppo_epochs or num_mini_batches > 1) | r3 (the experts the rollout engine routed each token to
@@ -163,6 +168,16 @@ def check_distill(a: AlgorithmConfig) -> None:
     """
     if a.distill_loss not in DISTILL_LOSSES:
         raise ConfigError(f"algorithm.distill_loss={a.distill_loss!r}: valid values are {', '.join(DISTILL_LOSSES)}")
+    if a.distill_samples not in DISTILL_SAMPLES:
+        raise ConfigError(f"algorithm.distill_samples={a.distill_samples!r}: valid values are "
+                          f"{', '.join(DISTILL_SAMPLES)}")
+    if a.distill_samples == "teacher" and a.distill_loss not in FULL_DISTRIBUTION:
+        raise ConfigError(f"algorithm.distill_samples=teacher trains on the teacher's answers, but "
+                          f"algorithm.distill_loss={a.distill_loss} is an on-policy loss (the student's own samples); "
+                          "set algorithm.distill_loss=forward_kl (or jsd)")
+    if a.distill_samples == "teacher" and a.task_reward_weight:
+        raise ConfigError(f"algorithm.task_reward_weight={a.task_reward_weight} would train the student by policy "
+                          "gradient on the teacher's answers; set it to 0 with algorithm.distill_samples=teacher")
 
 
 def check_loss_type(a: AlgorithmConfig) -> None:

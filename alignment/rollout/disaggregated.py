@@ -22,6 +22,10 @@ in it.
   engine looks for the flag between two chunks, takes the new weights, and continues its unfinished
   rows under them (an engine that finished first waits for the sync). Every posted request is followed
   by exactly one sync before its samples are collected (:mod:`launchers.loop`).
+
+Each hand-over also carries the engine's busy seconds (generating, loading weights) and idle seconds
+(waiting for the trainers) since its previous one: ``rollout/engine_busy_s`` / ``rollout/engine_idle_s``
+(:meth:`RemoteEngine.pop_stats`).
 - ``stop``: the rollout ranks close their engines and exit.
 
 The trainers see an ordinary :class:`alignment.rollout.base.RolloutEngine`
@@ -66,7 +70,8 @@ class RemoteEngine:
     def __init__(self, group, tokenizer, trainers: int, partial_chunk_tokens: int = 0):
         self.group, self.tokenizer, self.trainers = group, tokenizer, trainers
         self.partial_chunk_tokens, self.partial_requests = partial_chunk_tokens, 0
-        self.posted = None  # (prompts, sampling) the engines are working on
+        self.posted = None  # (prompts, sampling, chunk tokens) the engines are working on
+        self.engine_seconds: list[list[tuple[float, float]]] = []  # per hand-over: each engine's (busy, idle)
         self.reseeded = None  # the step of a reseed not yet sent: it goes with the next request
 
     def prefetch(self, prompts: list[list[int]], sampling: SamplingConfig, partial: bool = True) -> None:
@@ -101,11 +106,24 @@ class RemoteEngine:
         if posted[:2] != (prompts, sampling):
             raise RuntimeError("RemoteEngine.generate: asked for other prompts or sampling than the posted request")
         out: list = [None] * len(prompts)
-        for part in self.group.all_gather_object(None)[self.trainers:]:
-            for rank, k, samples in part or ():
+        handed = [part for part in self.group.all_gather_object(None)[self.trainers:] if part is not None]
+        for items, _ in handed:
+            for rank, k, samples in items:
                 if rank == self.group.rank:
                     out[k] = samples
+        self.engine_seconds.append([seconds for _, seconds in handed])
         return report_each(out, on_done)
+
+    def pop_stats(self) -> dict[str, float]:
+        """``rollout/engine_busy_s`` and ``rollout/engine_idle_s``: the seconds an engine spent generating
+        or loading weights, and waiting for the trainers, summed over the requests collected since the
+        last call (each request's mean over the engines); ``{}`` when none was."""
+        handovers, self.engine_seconds = self.engine_seconds, []
+        if not handovers:
+            return {}
+        busy = sum(sum(b for b, _ in h) / len(h) for h in handovers if h)
+        idle = sum(sum(i for _, i in h) / len(h) for h in handovers if h)
+        return {"rollout/engine_busy_s": busy, "rollout/engine_idle_s": idle}
 
     def reseed(self, step: int) -> None:
         """Every engine reseeds with ``step`` (its own seed's stream,
@@ -165,6 +183,37 @@ def generate_partial(engine, prompts: list[list[int]], sampling: SamplingConfig,
     return gen.samples(engine.tokenizer)
 
 
+class TimedEngine:
+    """An engine whose ``generate`` and ``load_resharded`` calls are timed: :meth:`split` returns the
+    seconds spent in them (busy) and the rest of the wall time (idle: waiting for the trainers) since
+    the previous split. Everything else goes to the engine."""
+
+    def __init__(self, engine):
+        self.engine, self.busy, self.since = engine, 0.0, time.perf_counter()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def _timed(self, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.busy += time.perf_counter() - t0
+
+    def generate(self, prompts, sampling):
+        return self._timed(self.engine.generate, prompts, sampling)
+
+    def load_resharded(self, buckets):
+        return self._timed(self.engine.load_resharded, buckets)
+
+    def split(self) -> tuple[float, float]:
+        now = time.perf_counter()
+        busy, idle = self.busy, now - self.since - self.busy
+        self.busy, self.since = 0.0, now
+        return busy, idle
+
+
 class TrainersStopped(Exception):
     """The trainers sent ``stop`` where a rollout rank waited for a weight sync."""
 
@@ -177,6 +226,7 @@ def serve(engine, resharder, group, trainers: int, engine_tp: int, hold_chunks: 
     me = group.rank - trainers
     engines = (group.size - trainers) // engine_tp
     partial_requests = 0
+    engine = TimedEngine(engine)  # each hand-over reports the engine's busy and idle seconds
 
     def take_sync() -> None:
         command, *_ = group.broadcast_object(None, 0)
@@ -206,7 +256,8 @@ def serve(engine, resharder, group, trainers: int, engine_tp: int, hold_chunks: 
             else:
                 samples = engine.generate(prompts, sampling)  # collective over the engine's ranks
             first = me % engine_tp == 0
-            group.all_gather_object([(r, k, s) for (r, k, _), s in zip(share, samples)] if first else None)
+            items = [(r, k, s) for (r, k, _), s in zip(share, samples)]
+            group.all_gather_object((items, engine.split()) if first else None)
         elif command == SYNC:
             engine.load_resharded(resharder.buckets())
         elif command == STOP:

@@ -245,7 +245,8 @@ def sample_groups(models: Models, problems: list[Problem], cfg, refill: Callable
     while True:
         rounds += 1 if todo else 0
         with early_grading(functions, todo) as (pool, on_done):  # code runs start as answers are generated
-            groups = generate_episodes(models, todo, sampling_config(cfg.rollout), on_done)
+            groups = generate_episodes(models, todo, sampling_config(cfg.rollout), on_done,
+                                       teacher=models.teacher_engine is not None)
             samples = [s for g in groups for s in g]
             # model terms are collective over the replica, whose ranks all hold these samples (or none)
             scores = score_terms(models, [p for p in todo for _ in range(g_size)], samples, terms, cfg,
@@ -273,7 +274,7 @@ def collect(models: Models, problems: list[Problem], cfg, refill: Callable[[int]
     rank's ``problems`` (``refill`` supplies more for dynamic sampling), by the policy of
     ``version`` optimizer steps. See :func:`sample_groups`."""
     t = time.perf_counter()
-    with rollout_phase(models):
+    with rollout_phase(models, teacher=models.teacher_engine is not None):  # distill_samples=teacher: it answers
         samples, scores, info = sample_groups(models, problems, cfg,
                                               refill if cfg.algorithm.dynamic_sampling else None)
     rewards = combine(scores, job_terms(cfg), len(samples))  # whitened terms: over the global batch (collective)

@@ -38,6 +38,8 @@ class Models:
     critic_optimizer: object = None
     episodes: object = None  # alignment.rollout.multi_turn.EpisodeSetup (rollout.environment)
     teacher: torch.nn.Module | None = None  # on-policy distillation's frozen teacher (model.teacher_path)
+    #: algorithm.distill_samples=teacher: Megatron's engine on the teacher's own shards (it samples the answers)
+    teacher_engine: RolloutEngine | None = None
     #: a dict on steps that measure the policy's gradient norms per layer group (trainer.grad_stats_every):
     #: guarded_step fills it, the loop logs it; None: not this step
     grad_norms: dict | None = None
