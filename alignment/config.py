@@ -353,6 +353,9 @@ def _validate_rollout_routing(cfg) -> None:
         raise ConfigError(f"algorithm.routing_replay=r3 replays the experts the rollout engine routed each token to, "
                           f"which rollout.backend={r.backend} does not report (vLLM 0.32 only with Model Runner V2, "
                           "on GPUs); set rollout.backend=megatron, or algorithm.routing_replay=r2")
+    if cfg.algorithm.name == "distill" and cfg.algorithm.distill_samples == "teacher":
+        raise ConfigError("algorithm.routing_replay=r3 replays the student's own sampling routing, but with "
+                          "algorithm.distill_samples=teacher the teacher samples; set algorithm.routing_replay=none")
 
 
 def _validate_distill(cfg) -> None:
@@ -610,6 +613,10 @@ def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int 
         raise ConfigError(f"algorithm.routing_replay={a.routing_replay} replays experts in the GRPO step (grpo and its "
                           f"variants, distill), not in algorithm.name={a.name}; set algorithm.routing_replay=none")
     _validate_staleness(cfg.rollout, a)
+    if r.partial and a.dynamic_sampling:
+        raise ConfigError("algorithm.dynamic_sampling refills a batch after it was collected, which with "
+                          "rollout.partial=true is after the weights changed, not counted per token yet; set one of "
+                          "them to false")
     if a.overlong_buffer_len and not 0 < a.overlong_buffer_len <= r.max_tokens:  # a reward term of every RL job
         raise ConfigError(f"algorithm.overlong_buffer_len={a.overlong_buffer_len} must be in (0, rollout.max_tokens="
                           f"{r.max_tokens}], or 0 to disable")

@@ -192,7 +192,8 @@ def rollout_engine(cfg, hf_dir: Path, policy, bridge, vocab_size: int, rank: int
                                  bucket_bytes=cfg.rollout.sync_bucket_mb << 20, group=group)
 
     engine = build_engine(cfg.rollout, seed=cfg.seed, dtype=cfg.model.dtype, hf_dir=hf_dir, policy=policy,
-                          vocab_size=vocab_size, rank=rank, data_parallel_size=ps.get_data_parallel_world_size())
+                          vocab_size=vocab_size, rank=rank, data_parallel_size=ps.get_data_parallel_world_size(),
+                          record_routing=cfg.algorithm.routing_replay == "r3")
     if engine.shares_trainer_weights:
         return engine, None
     resharder = Resharder(policy, rollout_layout(bridge, cfg), vllm_tp=cfg.rollout.tensor_parallel_size,

@@ -186,6 +186,13 @@ class RolloutQueue:
         return self._collect(step, version, posted=True)
 
 
+def engine_stats(models) -> dict[str, float]:
+    """The rollout engines' busy and idle seconds since the last call (rollout ranks of their own:
+    :meth:`alignment.rollout.disaggregated.RemoteEngine.pop_stats`); ``{}`` for other engines."""
+    pop = getattr(models.engine, "pop_stats", None)
+    return pop() if pop is not None else {}
+
+
 def prompts_of_step(train_set: Sequence, step: int, prompts_per_step: int, dp_rank: int, dp: int) -> list:
     """This DP rank's share of step ``step``'s ``prompts_per_step`` consecutive items of
     ``train_set``: an :class:`alignment.data.prompt_data.EpochOrder` (epoch after epoch, each in its own
@@ -291,6 +298,7 @@ def run(job, models, spec: JobSpec) -> dict:
     if t.eval_before:
         record("evaluation", start_step)
         job.log(spec.evaluation.before(start_step), start_step)
+        engine_stats(models)  # the evaluation's generation: not a step's
     startup_s = job.seconds_since_launch()
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -343,7 +351,7 @@ def run(job, models, spec: JobSpec) -> dict:
             times = {"rollout": rollout_s, **times, "weight_sync": time.perf_counter() - t1}
             if partial:
                 times["rollout"] += queue.complete()
-            metrics.update(getattr(models.engine, "pop_stats", dict)())  # rollout ranks: engine busy / idle s
+            metrics.update(engine_stats(models))  # rollout ranks of their own: the engines' busy / idle seconds
             metrics["rollout/staleness"] = float(step - rollout.version)
             metrics.update(token_staleness(rollout.samples, step - rollout.version, replica_group().rank() == 0))
             metrics["data/epoch"] = (step + 1) * cfg.rollout.prompts_per_step / len(spec.train_set)  # passes so far
@@ -360,6 +368,7 @@ def run(job, models, spec: JobSpec) -> dict:
         if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < steps_total:
             record("evaluation", step + 1)
             held_out = spec.evaluation.measure(step + 1)
+            engine_stats(models)  # the evaluation's generation: not the next step's
             metrics.update(held_out)
             logged.update(held_out)
         stop = health.check(step + 1, metrics)

@@ -56,6 +56,8 @@ def test_the_split_is_validated_before_start():
         ((*SPLIT, "rollout.partial=true", "rollout.max_staleness=1", "rollout.environment=tools"), 4,
          "not rollout.environment=tools's episodes yet"),
         ((*SPLIT, "rollout.partial_chunk_tokens=0"), 4, r"rollout.partial_chunk_tokens=0"),
+        ((*SPLIT, "rollout.partial=true", "rollout.max_staleness=1", "algorithm.rollout_correction.is_level=token",
+          "algorithm.dynamic_sampling=true"), 4, "algorithm.dynamic_sampling refills a batch after it was collected"),
     ]
     for overrides, world, message in cases:
         with pytest.raises((ConfigError, ValueError), match=message):

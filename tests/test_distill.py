@@ -16,6 +16,7 @@ from alignment.config import validate
 from alignment.schema import ConfigError
 from alignment.trainers.distill import distill_terms
 from parallel.vocab_logprobs import vocab_parallel_log_softmax
+from tests.dist.tiny_models import tiny_qwen3_moe_config
 from tests.test_config import SMOLLM2, cfg
 
 
@@ -165,6 +166,10 @@ def test_distill_config_checks():
     ]:
         with pytest.raises(ConfigError, match=message):
             validate(cfg(*overrides, name="distill"), world_size=2, hf_config=SMOLLM2)
+    with pytest.raises(ConfigError, match=r"algorithm.routing_replay=r3 replays the student's own sampling routing, "
+                                          r"but with algorithm.distill_samples=teacher the teacher samples"):
+        validate(cfg(*teacher, "algorithm.routing_replay=r3", "rollout.backend=megatron", name="distill"), world_size=2,
+                 hf_config=tiny_qwen3_moe_config())
 
 
 def _word_tokenizer(path, words: list[str]):

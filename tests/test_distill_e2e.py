@@ -9,7 +9,8 @@ launch (2 processes, fp32):
 - ``forward_kl`` at PP=2 with the task's reward mixed in (``algorithm.task_reward_weight``): the roles
   swapped (a random Llama student, the early-ending teacher), the divergence of the whole distributions
   falls;
-- ``forward_kl`` on the teacher's answers (``algorithm.distill_samples=teacher``, off-policy KD) at DP=2.
+- and (heavy) ``forward_kl`` on the teacher's answers (``algorithm.distill_samples=teacher``, off-policy KD)
+  at DP=2.
 """
 
 from __future__ import annotations
@@ -32,21 +33,11 @@ def test_the_student_moves_towards_the_teacher(tmp_path):
     early = save_eos_prone_hf_dir(tmp_path / "eos_prone")
     qwen3 = save_tiny_dir(tmp_path / "qwen3", "qwen3", seed=1)
     llama = save_tiny_hf_dir(tmp_path / "llama", seed=2)
-    reverse, forward, off_policy = run_jobs(
+    reverse, forward = run_jobs(
         Job("distill", early, tmp_path / "reverse_kl", [*COMMON, f"model.teacher_path={qwen3}", "trainer.lr=1e-4"]),
         Job("distill", llama, tmp_path / "forward_kl",
             [*COMMON, f"model.teacher_path={early}", "algorithm.distill_loss=forward_kl", "trainer.lr=1e-3",
-             "algorithm.task_reward_weight=0.5", "parallel.pipeline_model_parallel_size=2"], reward="even_length"),
-        Job("distill", llama, tmp_path / "teacher_samples",
-            [*COMMON, f"model.teacher_path={early}", "algorithm.distill_loss=forward_kl", "trainer.lr=1e-3",
-             "algorithm.distill_samples=teacher"]))
-    # off-policy KD: the early-ending teacher answers (with Megatron's engine on its own shards, DP=2) and the
-    # student learns KL(teacher || student) on those answers: they are the teacher's (short, and the student's
-    # own logprobs of them far from the sampler's), and the divergence falls
-    h = off_policy["history"]
-    assert all(m["response_length"] < 10 and m["token_mult_prob_error"] > 1.05 for m in h), h
-    div = [m["distill/divergence"] for m in h]
-    assert div[0] > 2.0 and div[-1] < 0.85 * div[0], div
+             "algorithm.task_reward_weight=0.5", "parallel.pipeline_model_parallel_size=2"], reward="even_length"))
     for s in (reverse, forward):  # on-policy: the student's own samples
         h = s["history"]
         assert len(h) == 4
@@ -63,3 +54,19 @@ def test_the_student_moves_towards_the_teacher(tmp_path):
     assert div[0] > 2.0 and div[-1] < 0.85 * div[0], div
     # the task's reward (even lengths) is computed and mixed in: it varies within the batch
     assert any(m["reward/std"] > 0 for m in h)
+
+
+@pytest.mark.heavy
+def test_the_student_learns_from_the_teachers_own_answers(tmp_path):
+    """Off-policy KD (``algorithm.distill_samples=teacher``): the early-ending teacher answers with Megatron's
+    engine on its own shards (DP=2) and the student learns KL(teacher || student) on those answers: they are the
+    teacher's (short, and the student's own logprobs of them far from the sampler's), and the divergence falls."""
+    early = save_eos_prone_hf_dir(tmp_path / "eos_prone")
+    llama = save_tiny_hf_dir(tmp_path / "llama", seed=2)
+    [off_policy] = run_jobs(Job("distill", llama, tmp_path / "teacher_samples",
+                                [*COMMON, f"model.teacher_path={early}", "algorithm.distill_loss=forward_kl",
+                                 "trainer.lr=1e-3", "algorithm.distill_samples=teacher"]))
+    h = off_policy["history"]
+    assert all(m["response_length"] < 10 and m["token_mult_prob_error"] > 1.05 for m in h), h
+    div = [m["distill/divergence"] for m in h]
+    assert div[0] > 2.0 and div[-1] < 0.85 * div[0], div

@@ -117,9 +117,9 @@ class AlgorithmConfig:
     # old-logprob pass are forced in every update of the batch, so the PPO ratio compares one sub-network;
     # needs ppo_epochs or num_mini_batches > 1) | r3 (the experts the rollout engine routed each token to
     # are forced in every training pass, so the trainer runs the sub-network that sampled; needs
-    # rollout.backend=megatron). moe/routing_agreement: the share of (token, layer) pairs whose own experts
-    # in training equal the rollout's (rollout.backend=megatron, none and r3) or the old pass's (r2; none
-    # with vLLM and several updates)
+    # rollout.backend=megatron, which then records them). moe/routing_agreement: the share of (token, layer)
+    # pairs whose own experts in training equal the rollout's (r3) or the old pass's (r2; none with several
+    # updates)
     routing_replay: str = "none"
 
 

@@ -8,9 +8,9 @@
   no sync; it also runs where vLLM cannot be installed. Whole-model replicas or tensor parallel
   ones (every rank of a TP group generates the same prompts together, with the same sampling
   stream), and expert-parallel MoE policies at TP = 1; PP = CP = 1 and no sequence parallelism for
-  now (:func:`alignment.config.validate` says so before any process group starts). A MoE policy's
-  samples carry the experts each token was routed to (``Sample.routed_experts``): the trainer
-  replays them (``algorithm.routing_replay=r3``) or compares its own routing with them.
+  now (:func:`alignment.config.validate` says so before any process group starts). With
+  ``algorithm.routing_replay=r3`` a MoE policy's samples carry the experts each token was routed to
+  (``Sample.routed_experts``), which the trainer replays.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def eos_token_ids(hf_dir: Path, tokenizer) -> list[int]:
 
 
 def build_engine(r: RolloutConfig, *, seed: int, dtype: str, hf_dir: Path, policy, vocab_size: int, rank: int,
-                 data_parallel_size: int):
+                 data_parallel_size: int, record_routing: bool = False):
     """This rank's rollout engine for ``rollout.backend`` (``r``: the job's ``rollout`` section).
 
     Args:
@@ -49,6 +49,8 @@ def build_engine(r: RolloutConfig, *, seed: int, dtype: str, hf_dir: Path, polic
         rank: global rank (seeds each vLLM engine differently; the ``megatron`` backend seeds
             by data-parallel rank, so the ranks of one TP group sample alike).
         data_parallel_size: sizes the ``megatron`` backend's KV cache for one step's rows per rank.
+        record_routing: the ``megatron`` backend records a MoE policy's routing
+            (``algorithm.routing_replay=r3``).
     Raises:
         ValueError: an unknown ``rollout.backend``.
     """
@@ -67,5 +69,5 @@ def build_engine(r: RolloutConfig, *, seed: int, dtype: str, hf_dir: Path, polic
         rows = max(1, r.prompts_per_step * r.group_size // data_parallel_size)
         return MegatronEngine(unwrap_model(policy), tokenizer, eos_token_id=eos_token_ids(hf_dir, tokenizer),
                               vocab_size=vocab_size, max_model_len=r.max_model_len, max_batch_size=rows,
-                              seed=seed + ps.get_data_parallel_rank(), record_routing=True)
+                              seed=seed + ps.get_data_parallel_rank(), record_routing=record_routing)
     raise ValueError(f"rollout.backend={r.backend!r}: valid values are {', '.join(BACKENDS)}")

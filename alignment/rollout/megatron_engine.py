@@ -137,6 +137,12 @@ class ExpertLockstep:
         torch.distributed.all_reduce(flag, group=self.group)
         return flag.item() > mine
 
+    def any_refused(self, mine: bool) -> bool:
+        """Whether any rank of the group refuses its request (``mine``: this one does), so that all raise."""
+        flag = torch.tensor([float(mine)], device=self.device)
+        torch.distributed.all_reduce(flag, group=self.group)
+        return flag.item() > 0
+
     def before_forward(self) -> None:
         """This rank runs a forward now (its peers run theirs, or a dummy one)."""
         self._others_busy(1)
@@ -164,7 +170,7 @@ def _temperature_wrapper(model, config, context, vocab_size: int):
         def _forward(self, inference_input):
             if self.lockstep is not None:
                 self.lockstep.before_forward()
-            recording = self.routing.forward(inference_input["position_ids"]) if self.routing else nullcontext()
+            recording = self.routing.forward(inference_input["tokens"]) if self.routing else nullcontext()
             with recording:
                 out = super()._forward(inference_input)
             if not getattr(self.model, "post_process", True):
@@ -265,16 +271,21 @@ class MegatronEngine:
         """
         from megatron.core.inference.sampling_params import SamplingParams
 
-        if sampling.stop:
-            raise ValueError(f"stop strings {sampling.stop} are not supported by rollout.backend=megatron; "
-                             "use rollout.backend=vllm (or an environment that ends turns at EOS)")
-
-        if not 0 < sampling.top_p <= 1:
-            raise ValueError(f"top_p={sampling.top_p}: must be in (0, 1]")
+        problem = None
         longest = max((len(p) for p in prompts), default=0) + sampling.max_tokens
-        if longest > self.max_model_len:
-            raise ValueError(f"a prompt of {longest - sampling.max_tokens} tokens + max_tokens={sampling.max_tokens} "
-                             f"exceeds max_model_len={self.max_model_len}")
+        if sampling.stop:
+            problem = (f"stop strings {sampling.stop} are not supported by rollout.backend=megatron; "
+                       "use rollout.backend=vllm (or an environment that ends turns at EOS)")
+        elif not 0 < sampling.top_p <= 1:
+            problem = f"top_p={sampling.top_p}: must be in (0, 1]"
+        elif longest > self.max_model_len:
+            problem = (f"a prompt of {longest - sampling.max_tokens} tokens + max_tokens={sampling.max_tokens} "
+                       f"exceeds max_model_len={self.max_model_len}")
+        if self.wrapper.lockstep is not None and self.wrapper.lockstep.any_refused(problem is not None):
+            # every rank of the expert group raises, none waits for a peer's forwards
+            problem = problem or "another rank of the expert-parallel group refused its prompts (see its error)"
+        if problem is not None:
+            raise ValueError(problem)
         if not prompts and self.wrapper.lockstep is None:
             return []
         greedy = sampling.temperature == 0
@@ -306,8 +317,7 @@ class MegatronEngine:
                     batch = self.engine.generate(prompts=chunk, sampling_params=params)
                     requests += batch
                     logprobs += _row_logprobs(self.controller.step_logprobs, len(batch))
-                    routed += ([self.routing.row(j, self.max_model_len) for j in range(len(batch))]
-                               if self.routing is not None else [None] * len(batch))
+                    routed += self.routing.rows_recorded() if self.routing is not None else [None] * len(batch)
                     while len(requests) >= (len(out) + 1) * sampling.n:  # prompts whose rows are all done
                         i = len(out)
                         mine = slice(i * sampling.n, (i + 1) * sampling.n)

@@ -16,7 +16,7 @@ class GenerationRouting:
     """The routing of a generating model (R3: ``algorithm.routing_replay=r3``), recorded per row and
     position: an inference engine calls :meth:`start` before a batch of ``rows`` sequences, wraps each
     forward over a window of positions in :meth:`forward` and reads each row's ``[length, layers, k]``
-    table with :meth:`row` (-1 at positions no forward processed: the last token, which generation
+    table with :meth:`rows_recorded` (-1 at positions no forward processed: the last token, which generation
     samples but never feeds back, and every dense layer).
 
     The routers see a window's hidden states ``[window, batch, hidden]`` flattened sequence-major
@@ -28,6 +28,7 @@ class GenerationRouting:
         config = unwrap(model).config
         self.layers, self.topk = config.num_layers, config.moe_router_topk
         self.slots = {n: r.router_replay for n, r in routers(model).items()}
+        self.rows = self.length = self.position = 0
         self.table: torch.Tensor | None = None
 
     @classmethod
@@ -36,28 +37,34 @@ class GenerationRouting:
         return cls(model) if getattr(unwrap(model).config, "num_moe_experts", None) else None
 
     def start(self, rows: int, length: int) -> None:
-        """A new batch of ``rows`` sequences of at most ``length`` positions (prompt + response)."""
-        self.table = torch.full((rows, length, self.layers, self.topk), -1, dtype=torch.int16)
+        """A new batch of ``rows`` sequences of at most ``length`` positions (prompt + response): its
+        forwards cover consecutive windows of positions from 0 (the prefill, then one decode step each)."""
+        self.rows, self.length, self.position, self.table = rows, length, 0, None
 
     @contextmanager
-    def forward(self, position_ids: torch.Tensor):
-        """Around one forward over ``position_ids`` ``[batch, window]`` (rows past :meth:`start`'s
-        ``rows`` are the engine's padding and are dropped): every router's choice lands at
-        ``table[row, position, layer]``."""
+    def forward(self, tokens: torch.Tensor):
+        """Around one forward over the next window of positions, ``tokens`` ``[batch, window]`` (rows past
+        :meth:`start`'s ``rows`` are the engine's padding and are dropped): every router's choice lands at
+        ``table[row, position, layer]``, on the device the routers run on (no host sync per step)."""
         for slot in self.slots.values():
             slot.action = RECORD
         try:
             yield
         finally:
-            batch, window = position_ids.shape
-            first = int(position_ids[0, 0])
-            rows = min(batch, self.table.shape[0])
+            batch, window = tokens.shape
+            first, rows = self.position, min(batch, self.rows)
+            self.position += window
             for n, slot in self.slots.items():
                 if slot.recorded is not None:
+                    if self.table is None:
+                        self.table = torch.full((self.rows, self.length, self.layers, self.topk), -1,
+                                                dtype=torch.int16, device=slot.recorded.device)
                     chosen = slot.recorded.view(window, batch, self.topk).transpose(0, 1)[:rows]
-                    self.table[:rows, first:first + window, n - 1] = chosen.cpu().to(torch.int16)
+                    self.table[:rows, first:first + window, n - 1] = chosen.to(torch.int16)
                 slot.action, slot.recorded = None, None
 
-    def row(self, i: int, length: int) -> torch.Tensor:
-        """Row ``i``'s first ``length`` positions, ``[length, layers, k]`` int16."""
-        return self.table[i, :length].clone()
+    def rows_recorded(self) -> list[torch.Tensor]:
+        """Every row's ``[length, layers, k]`` int16 table on the host (one copy for the batch)."""
+        table = (self.table.cpu() if self.table is not None
+                 else torch.full((self.rows, self.length, self.layers, self.topk), -1, dtype=torch.int16))
+        return list(table.unbind(0))

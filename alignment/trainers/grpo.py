@@ -335,12 +335,10 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
         batch["ref_logprobs"] = ref if ref is not None else zeros
     if a.ppo_epochs > 1 or a.num_mini_batches > 1:  # several updates: freeze the sampling policy's logprobs
         models.placement.keep("policy")
-        # MoE (alignment/training/routing_replay.py): this pass replays the rollout's experts (R3) or compares
-        # its own with them; without them (or with R2) it records its own, which every update replays (R2)
-        # or compares with (moe/routing_agreement)
-        rollout_routes = "routed_experts" in batch and a.routing_replay != "r2"
-        routes = RoutingPass.of(models.policy, (REPLAY if a.routing_replay == "r3" else COMPARE) if rollout_routes
-                                else RECORD)
+        # MoE (alignment/training/routing_replay.py): this pass replays the rollout's experts (R3, recorded by
+        # the engine); otherwise it records its own, which every update replays (R2) or compares with
+        # (moe/routing_agreement)
+        routes = RoutingPass.of(models.policy, REPLAY if "routed_experts" in batch else RECORD)
         old = policy_logprobs(models.policy, microbatches(batch, cfg.trainer), models.vocab_size, r.temperature,
                               routing=routes, **packing)
         batch["old_logprobs"] = old if old is not None else zeros

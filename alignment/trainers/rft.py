@@ -85,7 +85,8 @@ def collect(models: Models, problems: list[Problem], cfg, version: int = 0) -> R
                 rationalized += bool(k)
                 for i in k:  # trained as an answer to the question without the hint
                     s = h_samples[i]
-                    chosen.append(Sample(prompts[j], s.response_ids, s.logprobs, s.text, s.finished))
+                    chosen.append(Sample(prompts[j], s.response_ids, s.logprobs, s.text, s.finished,
+                                          weight_updates=s.weight_updates))
                     chosen_rewards.append(float(h_rewards[i]))
     info = {"sampled": float(len(samples)), "reward_sum": float(rewards.sum()), "accepted": float(accepted),
             "kept": float(len(chosen)), "solved": float(sum(bool(k) for k in kept) + rationalized),
