@@ -109,11 +109,13 @@ def main() -> None:
                     + "; the first is the baseline")
     ap.add_argument("--workload", default="main", choices=sorted(WORKLOADS))
     ap.add_argument("--heldout", type=int, default=0, help="data.heldout_size (0: the config's 200)")
+    ap.add_argument("--fp32", action="store_true", help="model.dtype=float32 (CPUs without AVX-512-BF16)")
     args = ap.parse_args()
     modes = args.modes.split(",")
     if not set(modes) <= set(MODES):
         ap.error(f"--modes={args.modes}: any of {', '.join(MODES)}")
-    extra = WORKLOADS[args.workload] + ([f"data.heldout_size={args.heldout}"] if args.heldout else [])
+    extra = (WORKLOADS[args.workload] + ([f"data.heldout_size={args.heldout}"] if args.heldout else [])
+             + (["model.dtype=float32"] if args.fp32 else []))
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in modes:
