@@ -353,9 +353,10 @@ def _validate_rollout_routing(cfg) -> None:
         raise ConfigError(f"algorithm.routing_replay=r3 replays the experts the rollout engine routed each token to, "
                           f"which rollout.backend={r.backend} does not report (vLLM 0.32 only with Model Runner V2, "
                           "on GPUs); set rollout.backend=megatron, or algorithm.routing_replay=r2")
-    if cfg.algorithm.name == "distill" and cfg.algorithm.distill_samples == "teacher":
-        raise ConfigError("algorithm.routing_replay=r3 replays the student's own sampling routing, but with "
-                          "algorithm.distill_samples=teacher the teacher samples; set algorithm.routing_replay=none")
+    if cfg.algorithm.name == "distill" and cfg.algorithm.distill_samples != "student":
+        raise ConfigError(f"algorithm.routing_replay=r3 replays the student's own sampling routing, but with "
+                          f"algorithm.distill_samples={cfg.algorithm.distill_samples} the student does not sample; "
+                          "set algorithm.routing_replay=none")
 
 
 def _validate_distill(cfg) -> None:
@@ -380,6 +381,25 @@ def _validate_distill(cfg) -> None:
             raise ConfigError(f"algorithm.distill_samples=teacher generates with Megatron's engine on the teacher's "
                               f"shards on the trainer ranks (whole, tensor- or expert-parallel replicas), but {given}: "
                               "set those to 1 / false / colocated")
+    if cfg.algorithm.distill_samples == "dataset":
+        _validate_dataset_samples(cfg)
+
+
+def _validate_dataset_samples(cfg) -> None:
+    """``algorithm.distill_samples=dataset``: one answer per prompt from a column of the prompt files,
+    read on the trainer ranks (no engine samples it), one turn."""
+    r, d = cfg.rollout, cfg.data
+    if not d.train_files or not d.response_key:
+        raise ConfigError("algorithm.distill_samples=dataset trains on each prompt's answer in a file: set "
+                          "data.train_files and data.response_key (the column holding the answers, e.g. completion)")
+    wrong = {name: v for name, v, ok in (("rollout.group_size", r.group_size, 1), ("rollout.max_turns", r.max_turns, 1),
+                                         ("rollout.max_staleness", r.max_staleness, 0),
+                                         ("rollout.placement", r.placement, "colocated")) if v != ok}
+    if wrong:
+        given = ", ".join(f"{k}={v}" for k, v in wrong.items())
+        raise ConfigError(f"algorithm.distill_samples=dataset takes each prompt's one answer from the file, on the "
+                          f"trainer ranks, but {given}: set rollout.group_size=1, max_turns=1, max_staleness=0, "
+                          "placement=colocated")
 
 
 def _validate_prm(a: AlgorithmConfig) -> None:

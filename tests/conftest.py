@@ -166,6 +166,28 @@ def slurm_cluster(tmp_path_factory):
     cluster.stop()
 
 
+#: SmolLM2's <|im_end|>: the end of a ChatML turn
+SMOLLM2_EOS = 2
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2's tokenizer and chat template (from the package that ships it)."""
+    from transformers import AutoTokenizer
+
+    from alignment.models.hf_assets import prepare_hf_dir
+
+    return AutoTokenizer.from_pretrained(prepare_hf_dir("smollm2"))
+
+
+@pytest.fixture(scope="session")
+def chatml_turns(smollm2_tokenizer):
+    """:class:`alignment.rollout.turn_tokens.TurnTokens` of SmolLM2's template, ending turns at <|im_end|>."""
+    from alignment.rollout.turn_tokens import TurnTokens
+
+    return TurnTokens(smollm2_tokenizer, [SMOLLM2_EOS])
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """An HF directory with a tiny random Llama and SmolLM2's tokenizer (:mod:`tests.dist.tiny_llama`)."""

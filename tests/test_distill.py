@@ -159,7 +159,7 @@ def test_distill_config_checks():
                                                 r"algorithm.distill_loss=forward_kl"),
         ((*teacher, "algorithm.task_reward_weight=0.5"), r"algorithm.task_reward_weight=0.5 would train the student by "
                                                          r"policy gradient on the teacher's answers"),
-        (("algorithm.distill_samples=both",), r"algorithm.distill_samples='both': valid values are student, teacher"),
+        (("algorithm.distill_samples=both",), r"algorithm.distill_samples='both': valid values are student, teacher, dataset"),
         ((*teacher, "parallel.pipeline_model_parallel_size=2"), r"algorithm.distill_samples=teacher generates with "
                                                                 r"Megatron's engine .* but parallel.pipeline_model_"
                                                                 r"parallel_size=2: set those"),
@@ -167,9 +167,33 @@ def test_distill_config_checks():
         with pytest.raises(ConfigError, match=message):
             validate(cfg(*overrides, name="distill"), world_size=2, hf_config=SMOLLM2)
     with pytest.raises(ConfigError, match=r"algorithm.routing_replay=r3 replays the student's own sampling routing, "
-                                          r"but with algorithm.distill_samples=teacher the teacher samples"):
+                                          r"but with algorithm.distill_samples=teacher the student does not sample"):
         validate(cfg(*teacher, "algorithm.routing_replay=r3", "rollout.backend=megatron", name="distill"), world_size=2,
                  hf_config=tiny_qwen3_moe_config())
+    # off-policy KD on a dataset's answers: a file with a response column, one answer per prompt, one turn
+    dataset = ("algorithm.distill_samples=dataset", "algorithm.distill_loss=jsd", "data.train_files=/data/kd.jsonl",
+               "reward.functions=[{name: math_verify}]", "data.response_key=completion", "rollout.group_size=1",
+               "trainer.micro_batch_size=4")
+    validate(cfg(*dataset, name="distill"), world_size=2, hf_config=SMOLLM2)
+    for overrides, message in [
+        (dataset[:4], r"algorithm.distill_samples=dataset trains on each prompt's answer in a file: set "
+                      r"data.train_files and data.response_key"),
+        ((*dataset, "rollout.group_size=2"), r"algorithm.distill_samples=dataset takes each prompt's one answer from "
+                                             r"the file, on the trainer ranks, but rollout.group_size=2: set "
+                                             r"rollout.group_size=1"),
+        ((*dataset, "rollout.placement=disaggregated", "rollout.rollout_ranks=1"),
+         r"but rollout.placement=disaggregated: set rollout.group_size=1, max_turns=1, max_staleness=0, "
+         r"placement=colocated"),
+        ((*dataset, "algorithm.distill_loss=reverse_kl"), r"algorithm.distill_samples=dataset trains on the dataset's "
+                                                          r"answers, but algorithm.distill_loss=reverse_kl is an "
+                                                          r"on-policy loss"),
+        ((*dataset, "algorithm.rollout_correction.is_level=token"),
+         r"algorithm.rollout_correction weighs tokens by the student's own sampling policy, but with "
+         r"algorithm.distill_samples=dataset the student did not sample them \(the dataset's answers\); set "
+         r"algorithm.rollout_correction.is_level and mask_level to null"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            validate(cfg(*overrides, name="distill"), world_size=2, hf_config=SMOLLM2)
 
 
 def _word_tokenizer(path, words: list[str]):

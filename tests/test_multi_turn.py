@@ -15,24 +15,20 @@ from alignment.envs.tool_env import ToolEnvironment, tools_system_prompt
 from alignment.envs.tools import TOOLS
 from alignment.rollout.base import Sample, SamplingConfig, report_each
 from alignment.rollout.multi_turn import run_episodes
-from alignment.rollout.turn_tokens import TurnTokens
 from alignment.training.batching import make_batch
+from tests.conftest import SMOLLM2_EOS
 
-EOS = 2  # SmolLM2's <|im_end|>
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from alignment.models.hf_assets import prepare_hf_dir
-
-    return AutoTokenizer.from_pretrained(prepare_hf_dir("smollm2"))
+EOS = SMOLLM2_EOS  # <|im_end|>
 
 
-@pytest.fixture(scope="module")
-def turns(tokenizer):
-    return TurnTokens(tokenizer, [EOS])
+@pytest.fixture
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
+
+
+@pytest.fixture
+def turns(chatml_turns):
+    return chatml_turns
 
 
 class ScriptedEngine:

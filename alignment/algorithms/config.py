@@ -18,7 +18,7 @@ from alignment.schema import ConfigError, plain, ranged, unbounded
 
 WHITEN_LEVELS = ("sequence", "token")
 #: ``algorithm.distill_samples`` values
-DISTILL_SAMPLES = ("student", "teacher")
+DISTILL_SAMPLES = ("student", "teacher", "dataset")
 #: ``algorithm.routing_replay`` values (alignment/training/routing_replay.py)
 ROUTING_REPLAY = ("none", "r2", "r3")
 
@@ -111,7 +111,9 @@ class AlgorithmConfig:
     # distillation term; 0: distillation only (the rewards are still computed and logged)
     task_reward_weight: float = ranged(0.0, 0)
     # distill: who samples the responses the student trains on: student (on-policy) | teacher (the
-    # teacher generates with Megatron's engine on its own shards; off-policy KD, jsd or forward_kl only)
+    # teacher generates with Megatron's engine on its own shards; off-policy KD, jsd or forward_kl only) |
+    # dataset (each prompt's answer in the data.response_key column of data.train_files; off-policy KD on a
+    # dataset, jsd or forward_kl only, rollout.group_size=1)
     distill_samples: str = "student"
     # mixture-of-experts policies (the GRPO step): none | r2 (the experts each token took in the
     # old-logprob pass are forced in every update of the batch, so the PPO ratio compares one sub-network;
@@ -171,13 +173,21 @@ def check_distill(a: AlgorithmConfig) -> None:
     if a.distill_samples not in DISTILL_SAMPLES:
         raise ConfigError(f"algorithm.distill_samples={a.distill_samples!r}: valid values are "
                           f"{', '.join(DISTILL_SAMPLES)}")
-    if a.distill_samples == "teacher" and a.distill_loss not in FULL_DISTRIBUTION:
-        raise ConfigError(f"algorithm.distill_samples=teacher trains on the teacher's answers, but "
+    if a.distill_samples == "student":
+        return
+    whose = {"teacher": "the teacher's answers", "dataset": "the dataset's answers"}[a.distill_samples]
+    if a.distill_loss not in FULL_DISTRIBUTION:
+        raise ConfigError(f"algorithm.distill_samples={a.distill_samples} trains on {whose}, but "
                           f"algorithm.distill_loss={a.distill_loss} is an on-policy loss (the student's own samples); "
                           "set algorithm.distill_loss=forward_kl (or jsd)")
-    if a.distill_samples == "teacher" and a.task_reward_weight:
+    if a.task_reward_weight:
         raise ConfigError(f"algorithm.task_reward_weight={a.task_reward_weight} would train the student by policy "
-                          "gradient on the teacher's answers; set it to 0 with algorithm.distill_samples=teacher")
+                          f"gradient on {whose}; set it to 0 with algorithm.distill_samples={a.distill_samples}")
+    correction = a.rollout_correction
+    if correction.is_level or correction.mask_level:
+        raise ConfigError(f"algorithm.rollout_correction weighs tokens by the student's own sampling policy, but with "
+                          f"algorithm.distill_samples={a.distill_samples} the student did not sample them ({whose}); "
+                          "set algorithm.rollout_correction.is_level and mask_level to null")
 
 
 def check_loss_type(a: AlgorithmConfig) -> None:

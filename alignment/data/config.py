@@ -59,6 +59,9 @@ class DataConfig:
     heldout_fraction: float = ranged(0.0, 0, 1, note=' (0: no held-out split by hash)')
     prompt_key: str = "prompt"  # the prompt column: a string, or chat messages [{role, content}, ...]
     answer_key: Optional[str] = None  # the reference-answer column; null: "answer" when the files have one
+    # algorithm.distill_samples=dataset: the column of data.train_files holding each prompt's answer, the text the
+    # student learns the teacher's distributions on (off-policy KD; TRL's prompt-completion "completion")
+    response_key: Optional[str] = None
     shuffle: bool = True  # a fresh order of the training prompts every epoch, from the seed and the epoch
     # a prompt longer than rollout.max_model_len - rollout.max_tokens: error (refused at start) | drop (counted)
     overlong_prompts: str = "error"

@@ -213,6 +213,20 @@ def _resolve_keys(table, where: str, prompt_key: str, answer_key: str | None) ->
     return answer_key
 
 
+def _check_responses(table, rows: np.ndarray, where: str, key: str) -> None:
+    """``data.response_key`` (``algorithm.distill_samples=dataset``): a column of the training files
+    whose every kept row is a non-empty string."""
+    columns = list(table.column_names)
+    if key not in columns:
+        raise ValueError(f"data.response_key={key!r}: {where} has no such column; its columns are {', '.join(columns)}")
+    answers = table.select_columns([key])
+    for row in rows.tolist():
+        text = answers[int(row)][key]
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{where} row {row} ({key}): the answer to distill on is {text!r}; give every training "
+                             "record a non-empty string (algorithm.distill_samples=dataset)")
+
+
 def _files(value) -> list[str]:
     if value is None:
         return []
@@ -257,7 +271,8 @@ def load_prompt_files(data) -> PromptSets:
 
     Raises:
         FileNotFoundError, ValueError: as :func:`read_table`; a missing ``prompt_key`` /
-            ``answer_key`` column (naming the columns there are); an empty or malformed prompt
+            ``answer_key`` / ``response_key`` column (naming the columns there are); an empty or malformed prompt
+            or response
             (naming the file and row); no training prompt left.
     """
     train_paths, heldout_paths = _files(data.train_files), _files(data.heldout_files)
@@ -282,6 +297,8 @@ def load_prompt_files(data) -> PromptSets:
     rows, dropped = _distinct_rows(table, data.prompt_key, where, seen,
                                    keep=lambda text: not (fraction and not heldout_paths and is_heldout(text, fraction)))
     # a training prompt that is also a held-out file's prompt counts as a duplicate and is dropped
+    if getattr(data, "response_key", None):
+        _check_responses(table, rows, where, data.response_key)
     if not len(rows):
         raise ValueError(f"data.train_files={where}: no training prompt left ({records} records, {duplicates + dropped} "
                          f"duplicates{', the rest held out' if fraction else ''})")

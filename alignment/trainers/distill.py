@@ -38,7 +38,10 @@ def teacher_scores(models: Models, batch: dict, cfg, packing: bool, share_prompt
     ``[N, seq]`` (its log-probability of each sampled token, at the rollout's temperature) for
     ``reverse_kl``, or ``teacher_vocab_logprobs`` ``[N, seq, V]`` (fp32, zeros off the response) for the
     whole-distribution losses, on the last pipeline stage (zeros, or nothing, elsewhere: only that stage
-    computes losses). Collective over the model-parallel groups."""
+    computes losses). With ``algorithm.distill_samples=dataset`` (no engine sampled the tokens) the
+    teacher's logprobs also replace ``rollout_logprobs``, as its engine's do with ``teacher`` samples, so
+    ``token_mult_prob_error`` is the student's distance to the teacher in both. Collective over the
+    model-parallel groups."""
     models.placement.keep("teacher")
     mbs = microbatches(batch, cfg.trainer)
     full = full_distribution(cfg)
@@ -47,8 +50,17 @@ def teacher_scores(models: Models, batch: dict, cfg, packing: bool, share_prompt
     if full:
         if out is not None:
             batch["teacher_vocab_logprobs"] = out
+            if cfg.algorithm.distill_samples == "dataset":  # no engine sampled: the teacher's logprobs stand in
+                batch["rollout_logprobs"] = sampled_logprobs(out, batch["input_ids"]) * batch["response_mask"]
     else:
         batch["teacher_logprobs"] = out if out is not None else torch.zeros_like(batch["response_mask"])
+
+
+def sampled_logprobs(vocab_logprobs: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """``[N, seq]``: at each position ``t`` the log-probability ``vocab_logprobs [N, seq, V]`` gives the
+    next token ``input_ids[:, t + 1]`` (the last column wraps around: off every response)."""
+    targets = torch.roll(input_ids, -1, dims=1).unsqueeze(-1)
+    return vocab_logprobs.gather(-1, targets.clamp(0, vocab_logprobs.shape[-1] - 1)).squeeze(-1)
 
 
 def distill_terms(mb: dict, out: dict, old_logprobs: torch.Tensor, normalizer: float, algorithm
@@ -77,8 +89,7 @@ def distill_terms(mb: dict, out: dict, old_logprobs: torch.Tensor, normalizer: f
     teacher = mb["teacher_vocab_logprobs"]
     div = generalized_jsd(out["vocab_logprobs"], teacher, jsd_beta(algorithm.distill_loss, algorithm.distill_beta))
     with torch.no_grad():  # position t scores token t + 1
-        targets = torch.roll(mb["input_ids"], -1, dims=1).unsqueeze(-1)
-        teacher_lp = teacher.gather(-1, targets.clamp(0, teacher.shape[-1] - 1)).squeeze(-1)
+        teacher_lp = sampled_logprobs(teacher, mb["input_ids"])
         metrics = {"distill_kl_sum": ((old_logprobs.detach() - teacher_lp) * mask).sum(),
                    "distill_divergence_sum": (div.detach() * mask).sum()}
     return adv, aggregate(div, mask, algorithm.loss_agg_mode, normalizer), metrics

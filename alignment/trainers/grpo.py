@@ -26,6 +26,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -246,7 +247,7 @@ def sample_groups(models: Models, problems: list[Problem], cfg, refill: Callable
         rounds += 1 if todo else 0
         with early_grading(functions, todo) as (pool, on_done):  # code runs start as answers are generated
             groups = generate_episodes(models, todo, sampling_config(cfg.rollout), on_done,
-                                       teacher=models.teacher_engine is not None)
+                                       teacher=models.teacher_engine is not None, answers=dataset_answers(todo, cfg))
             samples = [s for g in groups for s in g]
             # model terms are collective over the replica, whose ranks all hold these samples (or none)
             scores = score_terms(models, [p for p in todo for _ in range(g_size)], samples, terms, cfg,
@@ -268,13 +269,24 @@ def sample_groups(models: Models, problems: list[Problem], cfg, refill: Callable
     return samples, scores, {"rounds": float(rounds), "filled_groups": float(max(len(problems) - len(kept), 0))}
 
 
+def dataset_answers(problems: list[Problem], cfg) -> list[str] | None:
+    """``algorithm.distill_samples=dataset``: each problem's answer, its record's ``data.response_key``
+    column (checked non-empty when the files were read); None otherwise (an engine samples)."""
+    if cfg.algorithm.name != "distill" or cfg.algorithm.distill_samples != "dataset":
+        return None
+    return [str(p.columns[cfg.data.response_key]) for p in problems]
+
+
 def collect(models: Models, problems: list[Problem], cfg, refill: Callable[[int], list[Problem]] | None = None,
             version: int = 0) -> Rollout:
     """The rollout collector: ``group_size`` sampled and rewarded responses for each of this DP
     rank's ``problems`` (``refill`` supplies more for dynamic sampling), by the policy of
     ``version`` optimizer steps. See :func:`sample_groups`."""
     t = time.perf_counter()
-    with rollout_phase(models, teacher=models.teacher_engine is not None):  # distill_samples=teacher: it answers
+    # distill_samples=teacher: the teacher's engine answers; dataset: the files' answers, no engine
+    phase = (nullcontext() if dataset_answers(problems, cfg) is not None
+             else rollout_phase(models, teacher=models.teacher_engine is not None))
+    with phase:
         samples, scores, info = sample_groups(models, problems, cfg,
                                               refill if cfg.algorithm.dynamic_sampling else None)
     rewards = combine(scores, job_terms(cfg), len(samples))  # whitened terms: over the global batch (collective)
