@@ -51,9 +51,10 @@ class TurnTokens:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The episode's opening messages with the assistant generation prefix."""
-        return encode_prompt(self.tokenizer, messages, **self.template_kwargs)
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The episode's opening messages with the assistant generation prefix (``tools``: OpenAI
+        function schemas the template lists, as ``apply_chat_template(tools=...)`` does)."""
+        return encode_prompt(self.tokenizer, messages, **self.template_kwargs, **({"tools": tools} if tools else {}))
 
     def observation_text(self, observation: list[dict]) -> str:
         """The template's text for ``observation`` after an assistant turn, up to and including the
