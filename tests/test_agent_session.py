@@ -9,7 +9,7 @@ import json
 import pytest
 
 from alignment.data.tasks import Problem
-from alignment.envs.tool_env import ToolEnvironment
+from alignment.envs.tool_env import ToolEnvironment, tools_system_prompt
 from alignment.rollout.agent_session import (AgentSession, EpisodeTooLong, HistoryRewritten, assistant_message,
                                              same_message)
 from alignment.rollout.base import SamplingConfig
@@ -102,7 +102,11 @@ def test_the_budget_and_the_first_request(smollm2_tokenizer, chatml_turns):
     tools = [{"type": "function", "function": {"name": "calculator", "description": "Evaluates arithmetic.",
                                                "parameters": {"type": "object", "properties": {}}}}]
     ids = session.request_ids([{"role": "user", "content": "Hi"}], tools=tools)
-    assert ids == chatml_turns.prompt_ids([{"role": "user", "content": "Hi"}], tools)
+    # SmolLM2's template ignores tools=: the list goes in as the tool environment writes it
+    assert not chatml_turns.renders_tools()
+    assert ids == chatml_turns.prompt_ids([{"role": "system", "content": tools_system_prompt(tools)},
+                                           {"role": "user", "content": "Hi"}])
+    assert "megalign" not in smollm2_tokenizer.decode(ids) and '"name": "calculator"' in smollm2_tokenizer.decode(ids)
     engine = ScriptedEngine(smollm2_tokenizer, lambda prompt, k: "Let me compute. " + CALL)
     [[turn]] = engine.generate([ids], SamplingConfig(n=1, max_tokens=30, stop=["</tool_call>"]))
     message, _ = session.record_turn(turn)

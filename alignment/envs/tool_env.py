@@ -27,14 +27,25 @@ TOOL_INSTRUCTION = ('Use the calculator: write <tool_call>{"name": "calculator",
                     '"..."}}</tool_call>, read its result, then answer with a single number.')
 
 
-def tools_system_prompt(tools: Sequence[Tool]) -> str:
-    """The system message that lists ``tools`` and the call format (Qwen2.5's ``tools=`` text)."""
-    listed = "\n".join(json.dumps(t.schema()) for t in tools)
+def tools_system_prompt(tools: Sequence[Tool | dict]) -> str:
+    """The system message that lists ``tools`` (tools, or OpenAI function schemas) and the call format
+    (Qwen2.5's ``tools=`` text)."""
+    listed = "\n".join(json.dumps(t if isinstance(t, dict) else t.schema()) for t in tools)
     return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
             "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
             f"{listed}\n</tools>\n\nFor each function call, return a json object with function name and "
             "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
             '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def with_tool_list(messages: Sequence[dict], tools: Sequence[Tool | dict]) -> list[dict]:
+    """``messages`` with :func:`tools_system_prompt` as the system message, after the system prompt when
+    there is one (for chat templates that do not render ``tools=`` themselves)."""
+    listed = tools_system_prompt(tools)
+    messages = [dict(m) for m in messages]
+    own = bool(messages) and messages[0]["role"] == "system"
+    head = messages[0]["content"] + "\n\n" if own else ""
+    return [{"role": "system", "content": head + listed}, *messages[own:]]
 
 
 class ToolEnvironment:
@@ -73,14 +84,8 @@ class ToolEnvironment:
     def reset(self, problems: Sequence[Problem]) -> list[list[dict]]:
         """The tool list as a system message (after the system prompt, when there is one), then the
         question with the instruction."""
-        listed = tools_system_prompt(list(self.tools.values()))
-        out = []
-        for p in problems:
-            messages = prompt_messages(p, self.style)
-            own = messages[0]["role"] == "system"
-            head = messages[0]["content"] + "\n\n" if own else ""
-            out.append([{"role": "system", "content": head + listed}, *messages[own:]])
-        return out
+        return [with_tool_list(prompt_messages(p, self.style), list(self.tools.values())) for p in problems]
+
 
     def _answer(self, parsed, k: int) -> tuple[str, bool]:
         """The text for call ``k`` of a message, and whether it is an error."""

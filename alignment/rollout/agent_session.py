@@ -4,7 +4,8 @@ tokens the engine sampled, never on a re-rendering of them (re-tokenised histori
 sampled tokens: TRL #5224; verl's agent loop and AReaL's proxy keep token ids for this reason).
 
 :class:`AgentSession` keeps the episode's token ids. The first request's messages are rendered by
-the chat template (with the request's ``tools``) as the prompt. Each later request must repeat the
+the chat template (with the request's ``tools``; a template that does not render ``tools=`` gets them as
+the tool environment writes them, a system message in the Hermes format) as the prompt. Each later request must repeat the
 session's messages so far, the assistant turns as the server answered them, and add new messages
 (tool results, the user's next turn) at the end. Only those new messages are tokenised
 (:meth:`alignment.rollout.turn_tokens.TurnTokens.continuation_ids`), the model's own tokens are kept
@@ -22,6 +23,7 @@ import json
 from collections.abc import Sequence
 
 from alignment.envs.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_tool_calls
+from alignment.envs.tool_env import with_tool_list
 from alignment.rollout.base import Sample
 from alignment.rollout.turn_tokens import TurnTokens
 
@@ -127,7 +129,10 @@ class AgentSession:
             if not messages:
                 raise HistoryRewritten(f"episode {self.episode_id}: a request without messages")
             self.tools = tools
-            self.prompt_ids = self.turns.prompt_ids(messages, tools)
+            if tools and not self.turns.renders_tools():  # the tool list as the tool environment writes it
+                self.prompt_ids = self.turns.prompt_ids(with_tool_list(messages, tools))
+            else:
+                self.prompt_ids = self.turns.prompt_ids(messages, tools)
             self.messages = messages
             return list(self.prompt_ids)
         known = len(self.messages)
@@ -148,12 +153,42 @@ class AgentSession:
         if len(self.ids) + len(ids) >= self.max_tokens:
             raise EpisodeTooLong(f"episode {self.episode_id}: {len(ids)} tokens of new messages leave no room in the "
                                  f"episode's {self.max_tokens} tokens (rollout.max_tokens)")
+        self._insert(ids, new)
+        return self.prompt_ids + self.ids
+
+    def request_token_ids(self, prompt: Sequence[int]) -> list[int]:
+        """As :meth:`request_ids` for ``/v1/completions``: ``prompt`` (token ids) is the first request's
+        prompt; a later one must begin with the episode's ids so far, and the ids after them are recorded
+        (loss mask 0).
+
+        Raises:
+            HistoryRewritten: ``prompt`` does not begin with the episode's ids (e.g. a text prompt whose
+                re-tokenisation differs from the sampled tokens: send token ids).
+            EpisodeTooLong: the new ids leave no token of the budget.
+        """
+        prompt = [int(i) for i in prompt]
+        if not self.prompt_ids:
+            self.prompt_ids = prompt
+            return list(prompt)
+        so_far = self.prompt_ids + self.ids
+        if prompt[: len(so_far)] != so_far:
+            k = next((k for k, (a, b) in enumerate(zip(prompt, so_far)) if a != b), min(len(prompt), len(so_far)))
+            raise HistoryRewritten(f"episode {self.episode_id}: the prompt differs from the episode's tokens at "
+                                   f"token {k} of {len(so_far)}; send the episode's token ids (prompt as a list of "
+                                   "ints, the model's tokens as sampled) followed by the new ones")
+        new = prompt[len(so_far):]
+        if len(self.ids) + len(new) >= self.max_tokens:
+            raise EpisodeTooLong(f"episode {self.episode_id}: {len(new)} new tokens leave no room in the episode's "
+                                 f"{self.max_tokens} tokens (rollout.max_tokens)")
+        self._insert(new, [])
+        return prompt
+
+    def _insert(self, ids: list[int], messages: list[dict]) -> None:
         self.ids += ids
         self.logprobs += [0.0] * len(ids)
         self.mask += [0] * len(ids)
-        self.messages += new
+        self.messages += messages
         self.env_tokens += len(ids)
-        return self.prompt_ids + self.ids
 
     def record_turn(self, turn: Sample) -> tuple[dict, str]:
         """Record the model's turn (``turn.response_ids`` after :meth:`request_ids`' ids, with their

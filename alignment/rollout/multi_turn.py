@@ -32,7 +32,7 @@ from alignment.rollout.base import OnDone, Sample, SamplingConfig
 from alignment.rollout.factory import eos_token_ids
 from alignment.rollout.turn_tokens import TurnTokens
 
-__all__ = ["run_episodes", "EpisodeSetup", "episode_setup", "EPISODE_COUNTS"]
+__all__ = ["run_episodes", "EpisodeSetup", "episode_setup", "EPISODE_COUNTS", "cut_sample"]
 
 #: the per-episode counts in ``Sample.info`` (summed over turns)
 EPISODE_COUNTS = ("turns", "tool_calls", "tool_errors", "env_tokens")
@@ -109,7 +109,7 @@ class _Episode:
                       list(self.updates) if any(self.updates) else None)
 
 
-def _fit(s: Sample, budget: int, tokenizer) -> Sample:
+def cut_sample(s: Sample, budget: int, tokenizer) -> Sample:
     """``s`` cut to ``budget`` tokens (a prefix of a sample is a sample: its logprobs stay right)."""
     if len(s.response_ids) <= budget:
         return s
@@ -204,5 +204,5 @@ def run_episodes(generate: Callable[..., list[list[Sample]]], env: Environment,
         outs = generate([e.prompt_ids + e.ids for e in live],
                         replace(sampling, n=1, stop=stop, max_tokens=max(left, default=1)))
         for e, out, budget in zip(live, outs, left):
-            e.add_turn(_fit(out[0], budget, turns.tokenizer))
+            e.add_turn(cut_sample(out[0], budget, turns.tokenizer))
     return [[e.sample() for e in group] for group in episodes]

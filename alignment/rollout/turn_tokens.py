@@ -36,6 +36,7 @@ class TurnTokens:
     def __init__(self, tokenizer, eos_token_ids: Sequence[int], template_kwargs: dict | None = None):
         self.tokenizer, self.eos = tokenizer, set(int(i) for i in eos_token_ids)
         self.template_kwargs = dict(template_kwargs or {})
+        self._renders_tools: bool | None = None
         self._base = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": _MARK}]
         rendered = self._render(self._base, generation_prompt=False)
         if rendered.count(_MARK) != 1:
@@ -55,6 +56,16 @@ class TurnTokens:
         """The episode's opening messages with the assistant generation prefix (``tools``: OpenAI
         function schemas the template lists, as ``apply_chat_template(tools=...)`` does)."""
         return encode_prompt(self.tokenizer, messages, **self.template_kwargs, **({"tools": tools} if tools else {}))
+
+    def renders_tools(self) -> bool:
+        """Whether the chat template lists a ``tools=`` argument in the prompt (SmolLM2's does not;
+        Qwen2.5's and Qwen3's do)."""
+        if self._renders_tools is None:
+            probe = [{"type": "function", "function": {"name": "megalign_probe_tool", "parameters": {}}}]
+            messages = [{"role": "user", "content": "Q"}]
+            self._renders_tools = "megalign_probe_tool" in self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, tools=probe, **self.template_kwargs)
+        return self._renders_tools
 
     def observation_text(self, observation: list[dict]) -> str:
         """The template's text for ``observation`` after an assistant turn, up to and including the
