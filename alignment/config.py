@@ -41,6 +41,7 @@ from alignment.models.config import ModelConfig, check_lora, check_model
 from alignment.models.families import model_dims
 from alignment.rewards.config import PROCESS_REWARD, RewardConfig, check_functions, is_pairwise, terms_of
 from alignment.rewards.text import FORMAT_TASKS
+from alignment.rollout.agents import AgentError, load_agent
 from alignment.rollout.config import (RolloutConfig, check_backend, check_engine_tp, check_episodes, check_lengths,
                                       check_partial, check_placement, rollout_ranks)
 from alignment.schema import ConfigError, Range, dotted, field_ranges, ranged, unbounded
@@ -525,6 +526,8 @@ def _validate_episodes(cfg: JobConfig) -> None:
 
     r, a = cfg.rollout, cfg.algorithm
     check_episodes(r)
+    if r.agent or r.agent_command:
+        _validate_agents(cfg)
     if r.environment == "single_turn":
         return
     if a.name not in ("grpo", "distill") and not ppo_on_task(cfg):
@@ -535,6 +538,33 @@ def _validate_episodes(cfg: JobConfig) -> None:
         raise ConfigError(f"reward.functions has process_reward, which scores the steps of one answer; with "
                           f"rollout.environment={r.environment} a response holds several turns and tool outputs; "
                           "drop process_reward or set rollout.environment=single_turn")
+
+
+def _validate_agents(cfg: JobConfig) -> None:
+    """``rollout.agent`` / ``agent_command``: one of them, importable, in a job whose episodes can be played by
+    it (GRPO, or PPO on a task), on colocated engines sampling on-policy; the agent is the environment."""
+    r, a = cfg.rollout, cfg.algorithm
+    if r.agent and r.agent_command:
+        raise ConfigError(f"rollout.agent={r.agent} and rollout.agent_command are both set: give one")
+    given = f"rollout.agent={r.agent}" if r.agent else "rollout.agent_command"
+    if a.name != "grpo" and not ppo_on_task(cfg):
+        raise ConfigError(f"{given} plays GRPO-family episodes (and PPO's on data.task); algorithm.name={a.name} "
+                          "samples otherwise; unset it")
+    if r.environment != "single_turn":
+        raise ConfigError(f"{given} is the episode's environment (it runs the tools); rollout.environment="
+                          f"{r.environment} would be a second one: set rollout.environment=single_turn")
+    if r.placement != "colocated" or r.max_staleness:
+        raise ConfigError(f"{given} serves the agents from the trainers' engines while they wait; rollout.placement="
+                          f"{r.placement}, max_staleness={r.max_staleness} are not supported with it yet: set "
+                          "placement=colocated, max_staleness=0")
+    if process_reward_weight(cfg):
+        raise ConfigError("reward.functions has process_reward, which scores the steps of one answer; an agent's "
+                          "episode holds several turns: drop process_reward")
+    if r.agent:
+        try:
+            load_agent(r.agent)
+        except AgentError as e:
+            raise ConfigError(str(e)) from e
 
 
 def _validate_lengths(cfg, layout, hf_config, tokenizer_size: int | None) -> None:

@@ -22,6 +22,7 @@ from alignment.rollout.disaggregated import RemoteEngine
 from alignment.rollout.factory import build_engine, eos_token_ids
 from alignment.rollout.megatron_engine import MegatronEngine
 from alignment.rollout.multi_turn import episode_setup
+from alignment.trainers.agent_rollout import setup_agents, uses_agents
 from alignment.trainers.models import Models
 from alignment.training.megatron_step import OptimConfig, main_param_writer, setup_training
 from alignment.training.offload import DevicePlacement, offload_enabled
@@ -90,9 +91,12 @@ def build_models(cfg, job, roles: Collection[str], value_policy: bool = False):
     teacher_engine = None
     if teacher is not None and cfg.algorithm.distill_samples == "teacher":  # the teacher answers (off-policy KD)
         teacher_engine = teacher_rollout_engine(cfg, teacher, tokenizer, hf_dir, job.hf_config.vocab_size)
-    return Models(policy, optimizer, reference, engine, bridge, tokenizer, job.hf_config.vocab_size, placement,
-                  resharder, reward_model, prm, critic, critic_optimizer, episodes, teacher=teacher,
-                  teacher_engine=teacher_engine)
+    models = Models(policy, optimizer, reference, engine, bridge, tokenizer, job.hf_config.vocab_size, placement,
+                    resharder, reward_model, prm, critic, critic_optimizer, episodes, teacher=teacher,
+                    teacher_engine=teacher_engine)
+    if engine is not None and uses_agents(cfg):  # the rollout server is up before any agent starts
+        models.agents = setup_agents(models, cfg)
+    return models
 
 
 def teacher_rollout_engine(cfg, teacher, tokenizer, hf_dir: Path, vocab_size: int) -> MegatronEngine:

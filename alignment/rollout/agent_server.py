@@ -98,6 +98,9 @@ class RolloutServer:
         self.turns, self.generate, self.max_tokens = turns, generate, max_tokens
         self.defaults = defaults or SamplingConfig()
         self.tool_stop, self.model = list(tool_stop), model
+        #: sampling settings that replace the requests' own temperature and top-p (None: the requests'),
+        #: e.g. greedy for a held-out evaluation; ``max_tokens`` (above) is the budget of sessions started from now
+        self.force: SamplingConfig | None = None
         self.sessions: dict[str, AgentSession] = {}
         self._busy: set[str] = set()
         self._lock = threading.Lock()
@@ -157,13 +160,16 @@ class RolloutServer:
 
     # ------------------------------------------------------------------ generation (the engine's thread)
 
-    def serve(self, until: Callable[[], bool], poll_s: float = 0.002) -> int:
+    def serve(self, until: Callable[[], bool], poll_s: float = 0.002, on_idle: Callable[[], None] | None = None) -> int:
         """Generate for queued requests, batch after batch, until ``until()`` is true (checked between
-        batches); returns the number of requests answered. Call it on the thread that owns the engine."""
+        batches); returns the number of requests answered. Call it on the thread that owns the engine.
+        ``on_idle``: called whenever ``poll_s`` passed without a request."""
         answered = 0
         while not until():
             batch = self._take(poll_s)
             if not batch:
+                if on_idle is not None:
+                    on_idle()
                 continue
             answered += len(batch)
             groups: dict[tuple, list[_Pending]] = {}
@@ -255,6 +261,8 @@ class RolloutServer:
                     raise _BadRequest("prompt: a string or a list of token ids is required")
                 ids = session.request_token_ids(prompt)
             sampling = _sampling(body, self.defaults, session.budget, stop)
+            if self.force is not None:
+                sampling = replace(sampling, temperature=self.force.temperature, top_p=self.force.top_p)
             self._busy.add(episode)
             self.requests += 1
         pending = _Pending(ids, sampling, Future())

@@ -73,6 +73,15 @@ class RolloutConfig:
     # the most tokens of one model turn; null: what is left of max_tokens
     max_tokens_per_turn: Optional[int] = ranged(None, 1, note=' (null: what is left of rollout.max_tokens)')
     tools: list[str] = field(default_factory=lambda: ["calculator"])  # calculator | python (the sandbox)
+    # agent programs (alignment/rollout/agents.py): package.module:function, an async def run(base_url, task_row)
+    # returning the episode's reward or None, played against the job's OpenAI-compatible rollout server
+    # (alignment/rollout/agent_server.py) with base_url naming the episode; or agent_command, a program run per
+    # episode with OPENAI_BASE_URL and MEGALIGN_TASK (the task row as JSON) in its environment
+    agent: Optional[str] = None
+    agent_command: Optional[str] = None
+    agent_concurrency: int = ranged(16, 1, note=' (episodes at once per data-parallel rank)')
+    # an episode still running after this long is dropped and counted (episode/timeout)
+    agent_timeout_s: float = ranged(300.0, 0, low_in=False, note=' (seconds)')
 
 
 def rollout_ranks(r: RolloutConfig) -> int:

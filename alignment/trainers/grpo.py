@@ -42,6 +42,7 @@ from alignment.rewards import grading
 from alignment.rewards.code_runs import early_grading
 from alignment.rollout.base import SamplingConfig
 from alignment.trainers import distill
+from alignment.trainers.agent_rollout import AGENT_COUNTS, agent_episodes, uses_agents
 from alignment.trainers.models import Models
 from alignment.trainers.process_rewarding import score_steps, step_metrics
 from alignment.trainers.rewarding import combine, job_terms, score_terms, term_metrics
@@ -197,7 +198,8 @@ def _heldout(models: Models, problems: list[Problem], sampling: SamplingConfig, 
     grader = grader or grading.CORRECTNESS
     with early_grading([grader.runs], mine) as (pool, on_done):  # code runs start as answers are generated
         with rollout_phase(models):
-            groups = generate_episodes(models, mine, sampling, on_done)
+            groups = (agent_episodes(models, mine, sampling.n, sampling.max_tokens, force=sampling)[0]
+                      if models.agents is not None else generate_episodes(models, mine, sampling, on_done))
         correct = grading.grade(mine, groups, sampling.max_tokens, grader, pool)
     counts = grading.counts(mine, groups, correct, sampling.n)
     lead = replica_group().rank() == 0
@@ -237,17 +239,24 @@ def sample_groups(models: Models, problems: list[Problem], cfg, refill: Callable
 
     Returns:
         ``(samples, scores, info)``: ``scores`` name -> ``[N]`` raw scores of each term,
-        ``info`` = {"rounds", "filled_groups"}.
+        ``info`` = {"rounds", "filled_groups"}, and with agent programs their
+        :data:`alignment.trainers.agent_rollout.AGENT_COUNTS` (global sums).
     """
     a, g_size = cfg.algorithm, cfg.rollout.group_size
     terms = job_terms(cfg)
-    kept, dropped, rounds, todo = [], [], 0, problems
+    kept, dropped, rounds, todo, agents = [], [], 0, problems, {}
     functions = [t.runs for t in terms]
     while True:
         rounds += 1 if todo else 0
         with early_grading(functions, todo) as (pool, on_done):  # code runs start as answers are generated
-            groups = generate_episodes(models, todo, sampling_config(cfg.rollout), on_done,
-                                       teacher=models.teacher_engine is not None, answers=dataset_answers(todo, cfg))
+            if uses_agents(cfg):  # agent programs play the episodes against the rollout server
+                groups, counts = agent_episodes(models, todo, g_size, cfg.rollout.max_tokens)
+                for k, v in counts.items():
+                    agents[k] = agents.get(k, 0.0) + v
+            else:
+                groups = generate_episodes(models, todo, sampling_config(cfg.rollout), on_done,
+                                           teacher=models.teacher_engine is not None,
+                                           answers=dataset_answers(todo, cfg))
             samples = [s for g in groups for s in g]
             # model terms are collective over the replica, whose ranks all hold these samples (or none)
             scores = score_terms(models, [p for p in todo for _ in range(g_size)], samples, terms, cfg,
@@ -266,7 +275,8 @@ def sample_groups(models: Models, problems: list[Problem], cfg, refill: Callable
     chosen = (kept + dropped)[: len(problems)]
     samples = [s for g, _ in chosen for s in g]
     scores = {t.name: torch.cat([part[t.name] for _, part in chosen]) for t in terms}
-    return samples, scores, {"rounds": float(rounds), "filled_groups": float(max(len(problems) - len(kept), 0))}
+    return samples, scores, {"rounds": float(rounds), "filled_groups": float(max(len(problems) - len(kept), 0)),
+                             **agents}
 
 
 def dataset_answers(problems: list[Problem], cfg) -> list[str] | None:
@@ -379,8 +389,9 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
                     "response_length": length / n, "tokens": tokens, "seq_length": tokens / n,
                     "model_tokens": model_tokens}, **term_metrics(rollout.reward_terms, dp_leader),
                    **step_metrics(rollout.steps, dp_leader))
-    if cfg.rollout.environment != "single_turn":
+    if cfg.rollout.environment != "single_turn" or uses_agents(cfg):
         metrics.update(episode_metrics(samples, dp_leader))
+    metrics.update({k: info[k] for k in AGENT_COUNTS if k in info})
     if a.dynamic_sampling:
         dp = ps.get_data_parallel_world_size()
         metrics.update({"dynamic_sampling/rounds": rounds / dp, "dynamic_sampling/filled_groups": filled})

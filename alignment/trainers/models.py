@@ -40,6 +40,8 @@ class Models:
     teacher: torch.nn.Module | None = None  # on-policy distillation's frozen teacher (model.teacher_path)
     #: algorithm.distill_samples=teacher: Megatron's engine on the teacher's own shards (it samples the answers)
     teacher_engine: RolloutEngine | None = None
+    #: rollout.agent / agent_command: alignment.trainers.agent_rollout.AgentRollout (set up on first use)
+    agents: object = None
     #: a dict on steps that measure the policy's gradient norms per layer group (trainer.grad_stats_every):
     #: guarded_step fills it, the loop logs it; None: not this step
     grad_norms: dict | None = None

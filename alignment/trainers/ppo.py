@@ -36,6 +36,7 @@ from alignment.rollout.base import SamplingConfig
 from alignment.trainers.models import Models
 from alignment.trainers.process_rewarding import score_steps, step_metrics
 from alignment.trainers.rewarding import combine, job_terms, padded_batch, score_terms, term_metrics
+from alignment.trainers.agent_rollout import agent_episodes, uses_agents
 from alignment.trainers.rl_phases import (Rollout, correction_metrics, episode_metrics, generate_episodes,
                                           generate_for_group, head_outputs, microbatches, policy_logprobs,
                                           rollout_phase, sampling_config)
@@ -124,7 +125,9 @@ def collect(models: Models, items: list, cfg, version: int = 0) -> Rollout:
     if ppo_on_task(cfg):  # text terms only: scored where the problems are, then the rewards travel with the samples
         with early_grading([t.runs for t in terms], items) as (pool, on_done):  # code runs as answers come
             with rollout_phase(models):
-                groups = generate_episodes(models, items, sampling_config(cfg.rollout), on_done)
+                groups = (agent_episodes(models, items, cfg.rollout.group_size, cfg.rollout.max_tokens)[0]
+                          if uses_agents(cfg) else
+                          generate_episodes(models, items, sampling_config(cfg.rollout), on_done))
             samples = [s for g in groups for s in g]
             problems = [p for p in items for _ in range(cfg.rollout.group_size)]
             scores = score_terms(models, problems, samples, terms, cfg, pool=pool)
@@ -248,6 +251,6 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
         **term_metrics(rollout.reward_terms, replica_group().rank() == 0),
         **step_metrics(rollout.steps, replica_group().rank() == 0),
     }
-    if cfg.rollout.environment != "single_turn":
+    if cfg.rollout.environment != "single_turn" or uses_agents(cfg):
         metrics.update(episode_metrics(rollout.samples, replica_group().rank() == 0))
     return metrics, times

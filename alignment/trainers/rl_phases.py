@@ -173,11 +173,16 @@ def episode_metrics(samples: list[Sample], count: bool) -> dict[str, float]:
         float(len(samples)) if count else 0.0, total(lambda x: x.info.get("turns", 1)),
         total(lambda x: x.info.get("tool_calls", 0) > 0), total(lambda x: x.info.get("tool_calls", 0)),
         total(lambda x: x.info.get("tool_errors", 0)), total(lambda x: x.info.get("env_tokens", 0)),
-        total(lambda x: x.generated_tokens), total(lambda x: x.info.get("env_reward", 0.0))])
+        total(lambda x: x.generated_tokens), total(lambda x: _known(x.info.get("env_reward", 0.0)))])
     n = max(n, 1.0)
     return {"episode/turns": turns / n, "episode/tool_call_rate": calling / n, "episode/tool_calls": calls / n,
             "episode/tool_error_rate": errors / max(calls, 1.0), "episode/env_tokens": env_tokens / n,
             "episode/generated_tokens": generated / n, "episode/env_reward": reward / n}
+
+
+def _known(value: float) -> float:
+    """An environment reward, 0 when unscored (an agent that returned None: NaN)."""
+    return 0.0 if value != value else float(value)
 
 
 def token_staleness(samples: list[Sample], staleness: int, count: bool) -> dict[str, float]:

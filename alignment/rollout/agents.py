@@ -1,0 +1,190 @@
+"""Agent programs as rollouts: ``rollout.agent=pkg.module:run`` (``async def run(base_url, task_row) ->
+reward | None``) or ``rollout.agent_command='python my_agent.py'`` (a program run with ``OPENAI_BASE_URL``
+and the task in its environment) plays each episode against the rollout server
+(:mod:`alignment.rollout.agent_server`), which records its tokens. ``rollout.agent_concurrency``
+episodes run at once (asyncio); one that raises, exits non-zero or passes ``rollout.agent_timeout_s``
+is dropped and counted (``failed`` / ``timeout``), never trained on half-recorded: its whole group is
+masked out of the loss (:func:`episode_samples`), since the others' group-relative advantages would
+be measured against a missing sample.
+
+An agent's return value is the episode's environment reward (``Sample.info["env_reward"]``, trained on
+with ``reward.functions: [{name: environment}]``); None leaves it unscored (NaN), and ``reward.functions``
+grade the episode's last assistant message as they grade any answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import json
+import math
+import os
+import shlex
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from alignment.data.tasks import Problem
+from alignment.rollout.agent_session import AgentSession
+from alignment.rollout.base import Sample
+
+__all__ = ["Agent", "AgentError", "load_agent", "command_agent", "task_row", "EpisodeOutcome", "play_episodes",
+           "episode_samples", "AGENT_ENV"]
+
+#: an agent: ``await agent(base_url, task_row)`` -> the episode's reward, or None
+Agent = Callable[[str, dict], Awaitable[float | None]]
+#: the environment variables an agent command gets (besides its parent's)
+AGENT_ENV = ("OPENAI_BASE_URL", "OPENAI_API_KEY", "MEGALIGN_TASK", "MEGALIGN_EPISODE")
+
+
+class AgentError(ValueError):
+    """An agent that cannot be loaded or run (the message names ``rollout.agent`` / ``agent_command``)."""
+
+
+def load_agent(path: str) -> Agent:
+    """``package.module:function``, an ``async def run(base_url, task_row)``.
+
+    Raises:
+        AgentError: the module does not import, has no such function, or it is not ``async def``
+            with two parameters.
+    """
+    module, _, attr = path.partition(":")
+    if not module or not attr:
+        raise AgentError(f"rollout.agent={path!r}: give package.module:function (an async def run(base_url, "
+                         "task_row))")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except ImportError as e:
+        raise AgentError(f"rollout.agent={path}: module {module!r} does not import ({type(e).__name__}: {e}); is "
+                         "it on PYTHONPATH (or installed)?") from e
+    except AttributeError as e:
+        raise AgentError(f"rollout.agent={path}: module {module!r} has no {attr!r}") from e
+    if not inspect.iscoroutinefunction(fn):
+        raise AgentError(f"rollout.agent={path} is not an async function; define it as async def "
+                         f"{attr}(base_url, task_row)")
+    if len(inspect.signature(fn).parameters) < 2:
+        raise AgentError(f"rollout.agent={path} takes {len(inspect.signature(fn).parameters)} parameters; it is "
+                         f"called as {attr}(base_url, task_row)")
+    return fn
+
+
+def command_agent(command: str) -> Agent:
+    """``rollout.agent_command``: an agent that runs ``command`` (through the shell) per episode with
+    ``OPENAI_BASE_URL`` (the episode's ``base_url``), ``OPENAI_API_KEY``, ``MEGALIGN_TASK`` (the task row
+    as JSON) and ``MEGALIGN_EPISODE`` set. Its reward is the last line of its standard output when that is
+    a number or ``{"reward": x}``, else None. A timeout kills the program (and its process group)."""
+
+    async def run(base_url: str, row: dict) -> float | None:
+        env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": "megalign",
+               "MEGALIGN_TASK": json.dumps(row, default=str), "MEGALIGN_EPISODE": base_url.rstrip("/").split("/")[-2]}
+        proc = await asyncio.create_subprocess_exec("/bin/sh", "-c", command, env=env, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        try:
+            out, err = await proc.communicate()
+        except asyncio.CancelledError:  # the episode timed out: the program goes with it
+            _kill_group(proc.pid)
+            await proc.wait()
+            raise
+        if proc.returncode != 0:
+            tail = err.decode(errors="replace").strip().splitlines()[-1:] or [""]
+            raise AgentError(f"rollout.agent_command={shlex.quote(command)} exited with status {proc.returncode}: "
+                             f"{tail[0][-300:]}")
+        return _reward(out.decode(errors="replace"))
+
+    return run
+
+
+def _kill_group(pid: int) -> None:
+    import signal
+
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _reward(stdout: str) -> float | None:
+    lines = stdout.strip().splitlines()
+    if not lines:
+        return None
+    last = lines[-1].strip()
+    try:
+        value = json.loads(last)
+    except json.JSONDecodeError:
+        return None
+    if isinstance(value, dict):
+        value = value.get("reward")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def task_row(problem: Problem) -> dict:
+    """What an agent is given about its task: a file's record (every column, the prompt under ``prompt``),
+    or a built-in task's ``question``, ``answer`` and ``task``; ``messages`` when the prompt is a chat."""
+    row = {"question": problem.question, "answer": problem.answer, "task": problem.task, **problem.columns}
+    if problem.messages is not None:
+        row["messages"] = [dict(m) for m in problem.messages]
+    return row
+
+
+@dataclass
+class EpisodeOutcome:
+    """One episode: its session (None if the agent never called the server), its reward, and how it ended
+    (``ok``, ``failed``, ``timeout``; ``error`` the reason)."""
+
+    session: AgentSession | None
+    reward: float | None
+    status: str = "ok"
+    error: str = ""
+
+
+async def play_episodes(agent: Agent, rows: Sequence[dict], n: int, session_url: Callable[[str], str],
+                        pop_session: Callable[[str], AgentSession | None], concurrency: int, timeout_s: float,
+                        prefix: str) -> list[list[EpisodeOutcome]]:
+    """``n`` episodes of ``agent`` per task row, at most ``concurrency`` at once, each cut at ``timeout_s``
+    seconds; episode ``{prefix}-{i}-{k}`` talks to ``session_url(episode)``. Returns ``[len(rows)][n]``
+    outcomes (no exception escapes: a failing episode is an outcome)."""
+    gate = asyncio.Semaphore(max(1, concurrency))
+
+    async def one(i: int, k: int) -> EpisodeOutcome:
+        episode = f"{prefix}-{i}-{k}"
+        async with gate:
+            try:
+                reward = await asyncio.wait_for(agent(session_url(episode), dict(rows[i])), timeout_s)
+                status, error = "ok", ""
+            except asyncio.TimeoutError:
+                reward, status, error = None, "timeout", f"episode {episode}: past rollout.agent_timeout_s={timeout_s}"
+            except Exception as e:  # noqa: BLE001 - the agent's own error: the episode is dropped and counted
+                reward, status, error = None, "failed", f"episode {episode}: {type(e).__name__}: {e}"
+        session = pop_session(episode)
+        if status == "ok" and session is None:
+            status, error = "failed", f"episode {episode}: the agent never called the model"
+        if status == "ok" and reward is not None and not isinstance(reward, (int, float)):
+            status, error = "failed", f"episode {episode}: the agent returned {type(reward).__name__}, not a number"
+        return EpisodeOutcome(session, None if reward is None else float(reward), status, error)
+
+    outcomes = await asyncio.gather(*(one(i, k) for i in range(len(rows)) for k in range(n)))
+    return [list(outcomes[i * n:(i + 1) * n]) for i in range(len(rows))]
+
+
+def episode_samples(groups: list[list[EpisodeOutcome]], filler_id: int) -> list[list[Sample]]:
+    """The episodes as samples, ``[len(groups)][n]``: a finished episode's record
+    (:meth:`AgentSession.sample`, its reward in ``info["env_reward"]``, NaN when the agent returned None);
+    in a group with a failed or timed-out episode, every sample's loss mask is 0 (nothing of the group is
+    trained on) and the failed ones are one ``filler_id`` token. ``info["agent_status"]``: how each ended."""
+    out = []
+    for group in groups:
+        dropped = any(o.status != "ok" for o in group)
+        samples = []
+        for o in group:
+            if o.status == "ok":
+                s = o.session.sample()
+            else:  # nothing of a half-recorded episode is kept
+                prompt = list(o.session.prompt_ids) if o.session is not None and o.session.prompt_ids else [filler_id]
+                s = Sample(prompt, [filler_id], [0.0], "", False, [0], {"turns": 0})
+            s.info["env_reward"] = math.nan if o.reward is None else o.reward
+            s.info["agent_status"] = o.status
+            if dropped:
+                s.loss_mask = [0] * len(s.response_ids)
+            samples.append(s)
+        out.append(samples)
+    return out

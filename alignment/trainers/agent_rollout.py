@@ -1,0 +1,133 @@
+"""The rollout phase with agent programs (``rollout.agent`` / ``rollout.agent_command``): each data-parallel
+rank plays its problems' episodes (``group_size`` per problem) with the agent against its own rollout
+server (:mod:`alignment.rollout.agent_server`), which the first rank of its model replica serves; the
+other ranks of the replica generate in lockstep with it (every engine call is sent to them first, an
+empty message keeps them waiting between calls, a last one ends the phase), and all of them end with
+the same samples. The episodes then train as multi-turn episodes do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from alignment.data.tasks import Problem
+from alignment.rollout.agent_server import RolloutServer
+from alignment.rollout.agents import Agent, command_agent, episode_samples, load_agent, play_episodes, task_row
+from alignment.rollout.base import Sample, SamplingConfig
+from alignment.trainers.models import Models
+from alignment.trainers.rl_phases import generate_for_group
+from alignment.training.megatron_step import all_reduce_sum
+from parallel.state import replica_group
+
+__all__ = ["AgentRollout", "setup_agents", "agent_episodes", "uses_agents", "AGENT_COUNTS"]
+
+#: the per-step counts of agent episodes (summed over the data-parallel ranks)
+AGENT_COUNTS = ("episode/failed", "episode/timeout", "episode/dropped_groups")
+_IDLE_S = 1.0  # the lead's message to its replica while no request waits
+
+
+def uses_agents(cfg) -> bool:
+    """Whether the job's episodes are played by an agent program."""
+    return bool(cfg.rollout.agent or cfg.rollout.agent_command)
+
+
+@dataclass
+class AgentRollout:
+    """This rank's agent machinery: the agent, its server (the replica's first rank only) and settings."""
+
+    agent: Agent
+    server: RolloutServer | None
+    concurrency: int
+    timeout_s: float
+    episodes: int = 0  # episodes played so far (their names stay unique over the run)
+
+
+def setup_agents(models: Models, cfg) -> AgentRollout:
+    """The job's agent and, on the first rank of each model replica, its rollout server, started (before any
+    agent runs). Collective-free; called once when the models are built."""
+    r = cfg.rollout
+    agent = load_agent(r.agent) if r.agent else command_agent(r.agent_command)
+    group = replica_group()
+    server = None
+    if dist.get_rank(group) == 0:
+        engine = models.engine
+        lead = dist.get_global_rank(group, 0)
+
+        def generate(prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
+            if dist.get_world_size(group) > 1:
+                dist.broadcast_object_list([("generate", prompts, sampling)], src=lead, group=group)
+            return generate_for_group(engine, prompts, sampling)
+
+        server = RolloutServer(models.episodes.turns, generate, r.max_tokens,
+                               SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens))
+        server.start()
+    return AgentRollout(agent, server, r.agent_concurrency, r.agent_timeout_s)
+
+
+def agent_episodes(models: Models, problems: list[Problem], n: int, max_tokens: int,
+                   force: SamplingConfig | None = None) -> tuple[list[list[Sample]], dict]:
+    """``n`` agent episodes for each of this DP rank's ``problems``, each with a budget of ``max_tokens``
+    tokens after its prompt (collective over the model replica). ``force``: sampling settings that replace
+    the requests' own (the held-out evaluation's temperature and top-p). Returns ``([len(problems)][n]
+    samples, counts)``: :data:`AGENT_COUNTS`, summed over the data-parallel ranks (one rank per replica
+    counts)."""
+    a, group = models.agents, replica_group()
+    size, lead = dist.get_world_size(group), dist.get_global_rank(group, 0)
+    groups = None
+    if a.server is not None:
+        a.server.max_tokens, a.server.force = max_tokens, force
+        rows = [task_row(p) for p in problems]
+        prefix = f"r{dist.get_rank()}-{a.episodes}"  # the rank and the call: unique over the run
+        a.episodes += 1
+        result, done = {}, threading.Event()
+
+        def play():
+            try:
+                result["groups"] = asyncio.run(play_episodes(a.agent, rows, n, a.server.session_url, a.server.pop_session,
+                                                             a.concurrency, a.timeout_s, prefix))
+            except BaseException as e:  # noqa: BLE001 - raised on the serving thread below
+                result["error"] = e
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=play, name="megalign-agents", daemon=True)
+        thread.start()
+        last = [time.monotonic()]
+
+        def idle():  # the replica's other ranks wait in a broadcast: keep it short of any timeout
+            if size > 1 and time.monotonic() - last[0] > _IDLE_S:
+                dist.broadcast_object_list([("idle",)], src=lead, group=group)
+                last[0] = time.monotonic()
+
+        try:
+            a.server.serve(until=done.is_set, on_idle=idle)
+        finally:
+            if size > 1:
+                dist.broadcast_object_list([("done",)], src=lead, group=group)
+        thread.join()
+        if "error" in result:
+            raise result["error"]
+        groups = episode_samples(result["groups"], models.tokenizer.eos_token_id or 0)
+    else:  # the replica's other ranks: generate what the lead's server asks for, until it is done
+        while True:
+            msg = [None]
+            dist.broadcast_object_list(msg, src=lead, group=group)
+            if msg[0][0] == "done":
+                break
+            if msg[0][0] == "generate":
+                generate_for_group(models.engine, msg[0][1], msg[0][2])
+    if size > 1:  # every rank of the replica trains on the same samples
+        box = [groups]
+        dist.broadcast_object_list(box, src=lead, group=group)
+        groups = box[0]
+    count = dist.get_rank(group) == 0
+    statuses = [s.info.get("agent_status") for g in groups for s in g] if count else []
+    dropped = sum(any(s.info.get("agent_status") != "ok" for s in g) for g in groups) if count else 0
+    failed, timeout, dropped = all_reduce_sum([float(statuses.count("failed")), float(statuses.count("timeout")),
+                                               float(dropped)])
+    return groups, dict(zip(AGENT_COUNTS, (failed, timeout, dropped)))
