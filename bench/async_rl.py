@@ -19,7 +19,9 @@ Modes (``rollout.max_staleness``, :mod:`launchers.loop`):
                   is generated on the engine's core while step s trains on the trainer's)
   disaggregated partial   one-step-off with ``rollout.partial=true``: the engine takes step s's
                   new weights between two decode chunks of step s+1's batch and continues the
-                  unfinished answers under them (``alignment/rollout/partial.py``)
+                  unfinished answers under them (``alignment/rollout/partial.py``), in the default
+                  chunks of 8 tokens; ``disaggregated partial chunk32``: chunks of 32 (fewer engine
+                  calls, the update taken later)
 
 What 2 cores can show: whether training on one-step-old samples learns as well (accuracy), what
 each phase costs, and a disaggregated split of the cores (1 training, 1 generating) against
@@ -47,7 +49,8 @@ OFF_POLICY = ["rollout.max_staleness=1", "algorithm.rollout_correction.is_level=
 SPLIT = ["rollout.placement=disaggregated", "rollout.rollout_ranks=1"]
 MODES = {"sync": [], "one-step-off": OFF_POLICY, "disaggregated sync": SPLIT,
          "disaggregated one-step-off": SPLIT + OFF_POLICY,
-         "disaggregated partial": SPLIT + OFF_POLICY + ["rollout.partial=true"]}
+         "disaggregated partial": SPLIT + OFF_POLICY + ["rollout.partial=true"],
+         "disaggregated partial chunk32": SPLIT + OFF_POLICY + ["rollout.partial=true", "rollout.partial_chunk_tokens=32"]}
 PHASES = ("rollout", "logprobs", "train", "weight_sync")
 WORKLOADS = {"main": [], "long-tail": ["rollout.max_tokens=256", "rollout.eval_max_tokens=256", "rollout.kv_cache_gib=1",
                                       "model.dtype=float32"]}

@@ -200,3 +200,38 @@ def test_completions_take_token_ids_and_refuse_a_drifted_prompt(server, smollm2_
     assert status == 400 and "the prompt differs from the episode's tokens at token 0" in body["error"]["message"]
     s = srv.pop_session("c").sample()
     assert s.prompt_ids == prompt and s.loss_mask.count(0) == 1 and s.info["turns"] == 2
+
+
+def test_an_engine_without_stop_strings_refuses_them(server, smollm2_tokenizer):
+    """Megatron's engine ends turns at EOS only: no tool stop is added, and a request's own is refused."""
+    import openai
+
+    engine = ScriptedEngine(smollm2_tokenizer, lambda prompt, k: "done")
+    srv = server(engine, tool_stop=(), stop_strings=False)
+
+    async def agent():
+        client = openai.AsyncOpenAI(base_url=srv.session_url("m"), api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stop=["\n"])
+        reply = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        return e.value.body["message"], reply.choices[0].message.content
+
+    [(error, text)] = run_agents(srv, [agent()])
+    assert error.startswith("stop=['\\n']: this job's engine (rollout.backend=megatron) ends turns at EOS only")
+    assert text == "done" and engine.calls[0][1].stop is None
+
+
+def test_a_reply_is_cut_at_the_turn_cap_and_the_budget(server, smollm2_tokenizer):
+    engine = ScriptedEngine(smollm2_tokenizer, lambda prompt, k: "abcdefghij")  # 10 characters + EOS
+    srv = server(engine, max_tokens_per_turn=4)
+
+    async def agent():
+        import openai
+
+        client = openai.AsyncOpenAI(base_url=srv.session_url("cap"), api_key="unused", max_retries=0)
+        capped = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "go"}])
+        return capped.choices[0]
+
+    [choice] = run_agents(srv, [agent()])
+    assert choice.finish_reason == "length" and choice.message.content == "abcd"
+    assert engine.calls[0][1].max_tokens == 4 and len(srv.pop_session("cap").ids) == 4

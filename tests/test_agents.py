@@ -165,3 +165,25 @@ def test_the_react_math_example_runs_its_calculator_against_the_server(chatml_tu
     assert [m["content"] for m in s.messages if m["role"] == "tool"] == ["84", "89"]
     assert react_math.SYSTEM in smollm2_tokenizer.decode(s.prompt_ids) and '"calculator"' in smollm2_tokenizer.decode(
         s.prompt_ids)  # the tools of the request, in the prompt
+
+
+def test_the_humaneval_example_tests_its_code_in_the_sandbox(chatml_turns, smollm2_tokenizer):
+    """A scripted model that runs a test program through the python tool, reads its output and submits."""
+    from alignment.rollout.agent_server import RolloutServer
+    from examples.agents import humaneval_coder
+
+    code = "def add(a, b):\n    return a + b\nprint(add(2, 3))"
+    call = "<tool_call>" + json.dumps({"name": "python", "arguments": {"code": code}}) + "</tool_call>"
+
+    def model(prompt: str, k: int) -> str:
+        return "```python\ndef add(a, b):\n    return a + b\n```" if "<|im_start|>tool\n5\n" in prompt else call
+
+    srv = RolloutServer(chatml_turns, ScriptedEngine(smollm2_tokenizer, model).generate, max_tokens=400)
+    srv.start()
+    try:
+        [reward] = run_agents(srv, [humaneval_coder.run(srv.session_url("h"), {"question": "def add(a, b):"})])
+    finally:
+        srv.close()
+    s = srv.pop_session("h")
+    assert reward is None and s.turn_count == 2 and s.text.startswith("```python\ndef add")
+    assert [m["content"] for m in s.messages if m["role"] == "tool"] == ["5\n"]  # what the sandboxed program printed

@@ -57,11 +57,13 @@ class _Pending:
     future: Future
 
 
-def _sampling(body: dict, defaults: SamplingConfig, budget: int, stop: Sequence[str]) -> SamplingConfig:
+def _sampling(body: dict, defaults: SamplingConfig, budget: int, stop: Sequence[str], stop_strings: bool = True
+              ) -> SamplingConfig:
     """The request's sampling settings over ``defaults``, its ``max_tokens`` capped at the episode's ``budget``.
 
     Raises:
-        _BadRequest: ``n`` other than 1, or a setting out of range.
+        _BadRequest: ``n`` other than 1, a setting out of range, or ``stop`` strings for an engine
+            without them (``stop_strings`` False).
     """
     if int(body.get("n") or 1) != 1:
         raise _BadRequest(f"n={body.get('n')}: the rollout server records one answer per request; send n=1 "
@@ -75,6 +77,9 @@ def _sampling(body: dict, defaults: SamplingConfig, budget: int, stop: Sequence[
                           "0 < top_p <= 1 and max_tokens >= 1")
     asked_stop = body.get("stop")
     words = [asked_stop] if isinstance(asked_stop, str) else list(asked_stop or [])
+    if words and not stop_strings:
+        raise _BadRequest(f"stop={words}: this job's engine (rollout.backend=megatron) ends turns at EOS only; "
+                          "drop stop, or train with rollout.backend=vllm")
     words = list(dict.fromkeys(words + list(stop))) or None
     return SamplingConfig(n=1, temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=words)
 
@@ -89,15 +94,20 @@ class RolloutServer:
         defaults: sampling settings a request does not give (the rollout's temperature and top-p).
         tool_stop: stop strings added to every chat request: a turn ends at its tool call, as the
             multi-turn tool environment's turns do (the end of the turn is then the template's, mask 0).
+        max_tokens_per_turn: the most tokens of one reply (``rollout.max_tokens_per_turn``; None: what is
+            left of the episode's budget); a request's own ``max_tokens`` may ask for fewer.
+        stop_strings: whether the engine takes stop strings (Megatron's does not: requests with ``stop``
+            are refused, and ``tool_stop`` should be empty).
         model: the model name ``/v1/models`` lists and replies carry.
     """
 
     def __init__(self, turns: TurnTokens, generate: Generate, max_tokens: int,
                  defaults: SamplingConfig | None = None, tool_stop: Sequence[str] = ("</tool_call>",),
-                 model: str = "megalign-policy"):
+                 model: str = "megalign-policy", stop_strings: bool = True, max_tokens_per_turn: int | None = None):
         self.turns, self.generate, self.max_tokens = turns, generate, max_tokens
         self.defaults = defaults or SamplingConfig()
-        self.tool_stop, self.model = list(tool_stop), model
+        self.tool_stop, self.model, self.stop_strings = list(tool_stop), model, stop_strings
+        self.max_tokens_per_turn = max_tokens_per_turn
         #: sampling settings that replace the requests' own temperature and top-p (None: the requests'),
         #: e.g. greedy for a held-out evaluation; ``max_tokens`` (above) is the budget of sessions started from now
         self.force: SamplingConfig | None = None
@@ -248,7 +258,7 @@ class RolloutServer:
             if session is None:
                 session = self.sessions[episode] = AgentSession(self.turns, episode, self.max_tokens)
             stop = self.tool_stop if kind == "chat" else []
-            _sampling(body, self.defaults, self.max_tokens, stop)  # bad settings refused before the session changes
+            _sampling(body, self.defaults, self.max_tokens, stop, self.stop_strings)  # refused before the session changes
             if kind == "chat":
                 if not isinstance(body.get("messages"), list):
                     raise _BadRequest("messages: a list of chat messages is required")
@@ -260,7 +270,8 @@ class RolloutServer:
                 if not isinstance(prompt, list) or not prompt or not all(isinstance(i, int) for i in prompt):
                     raise _BadRequest("prompt: a string or a list of token ids is required")
                 ids = session.request_token_ids(prompt)
-            sampling = _sampling(body, self.defaults, session.budget, stop)
+            turn_cap = min(session.budget, self.max_tokens_per_turn or session.budget)
+            sampling = _sampling(body, self.defaults, turn_cap, stop, self.stop_strings)
             if self.force is not None:
                 sampling = replace(sampling, temperature=self.force.temperature, top_p=self.force.top_p)
             self._busy.add(episode)

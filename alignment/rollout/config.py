@@ -64,7 +64,8 @@ class RolloutConfig:
     # while they generate; unfinished answers go on from their prefix under the new weights, every token
     # keeping the version that sampled it (alignment/rollout/partial.py)
     partial: bool = False
-    partial_chunk_tokens: int = ranged(8, 1, note=' (tokens per decode chunk between two weight-update checks)')
+    # 32: on vLLM-CPU each chunk is an engine call; chunks of 8 made the long-tail step 1.6x slower (docs/results.md)
+    partial_chunk_tokens: int = ranged(32, 1, note=' (tokens per decode chunk between two weight-update checks)')
     # single_turn: the task's prompt, one answer | tools: the model may call rollout.tools before it
     # answers (alignment/envs/tool_env.py) | package.module:factory: factory(cfg) returns your environment
     environment: str = "single_turn"

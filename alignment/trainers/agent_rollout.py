@@ -63,8 +63,11 @@ def setup_agents(models: Models, cfg) -> AgentRollout:
                 dist.broadcast_object_list([("generate", prompts, sampling)], src=lead, group=group)
             return generate_for_group(engine, prompts, sampling)
 
+        stops = r.backend == "vllm"  # Megatron's engine ends turns at EOS only
         server = RolloutServer(models.episodes.turns, generate, r.max_tokens,
-                               SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens))
+                               SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens),
+                               tool_stop=("</tool_call>",) if stops else (), stop_strings=stops,
+                               max_tokens_per_turn=r.max_tokens_per_turn)
         server.start()
     return AgentRollout(agent, server, r.agent_concurrency, r.agent_timeout_s)
 
