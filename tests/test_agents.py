@@ -187,3 +187,20 @@ def test_the_humaneval_example_tests_its_code_in_the_sandbox(chatml_turns, smoll
     s = srv.pop_session("h")
     assert reward is None and s.turn_count == 2 and s.text.startswith("```python\ndef add")
     assert [m["content"] for m in s.messages if m["role"] == "tool"] == ["5\n"]  # what the sandboxed program printed
+
+
+def test_the_react_math_example_runs_as_a_command(chatml_turns, smollm2_tokenizer):
+    from alignment.rollout.agent_server import RolloutServer
+    from tests.test_agent_session import PROBLEM, script
+
+    srv = RolloutServer(chatml_turns, ScriptedEngine(smollm2_tokenizer, script).generate, max_tokens=400)
+    srv.start()
+    try:
+        agent = command_agent(f"{sys.executable} -m examples.agents.react_math")
+        [groups] = run_agents(srv, [play_episodes(agent, [{"question": PROBLEM.question}], 1, srv.session_url,
+                                                  srv.pop_session, 1, 60.0, "cmd")])
+    finally:
+        srv.close()
+    [[outcome]] = groups
+    assert outcome.status == "ok", outcome.error
+    assert outcome.reward is None and outcome.session.turn_count == 3 and outcome.session.text == "The answer is 89."

@@ -7,13 +7,8 @@ whole function in a ```python block, is what HumanEval's unit tests grade (megal
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
-
-import openai
-
 from alignment.envs.tools import python_tool
+from examples.agents.react_loop import react
 
 MAX_TURNS = 4
 SYSTEM = ("Complete the Python function. You may test it first: call the python tool with a program that defines "
@@ -26,19 +21,6 @@ PYTHON = {"type": "function", "function": {
 async def run(base_url: str, task: dict) -> float | None:
     """One episode on ``task`` (HumanEval's ``question``: the function's signature and docstring); returns
     None (the task's unit tests grade the last message)."""
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "unused"))
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["question"]}]
-    for _ in range(MAX_TURNS):
-        reply = await client.chat.completions.create(model="policy", messages=messages, tools=[PYTHON])
-        message = reply.choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls:
-            break
-        for call in message.tool_calls:
-            try:
-                code = json.loads(call.function.arguments).get("code", "")
-            except json.JSONDecodeError:
-                code = ""
-            output = await asyncio.to_thread(python_tool, code)  # a sandboxed process: the other episodes go on
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
+    await react(base_url, messages, [PYTHON], lambda name, args: python_tool(args.get("code", "")), MAX_TURNS)
     return None

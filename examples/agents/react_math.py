@@ -1,6 +1,6 @@
 """A ReAct math agent with a calculator tool, written against the ``openai`` client only: the same file is
 trained by megalign as ``rollout.agent=examples.agents.react_math:run`` or as
-``rollout.agent_command='python examples/agents/react_math.py'`` (then the task comes in ``MEGALIGN_TASK`` and
+``rollout.agent_command='python -m examples.agents.react_math'`` (then the task comes in ``MEGALIGN_TASK`` and
 the client reads ``OPENAI_BASE_URL``), and runs unchanged against any OpenAI-compatible server.
 
 The model sees the question and a ``calculator`` tool; each tool call is evaluated (numbers, + - * / and
@@ -16,7 +16,7 @@ import json
 import operator
 import os
 
-import openai
+from examples.agents.react_loop import react
 
 MAX_TURNS = 4
 SYSTEM = "Solve the problem. Use the calculator for arithmetic, then give the final answer as a number."
@@ -46,20 +46,8 @@ def calculate(expression: str) -> str:
 
 async def run(base_url: str, task: dict) -> float | None:
     """One episode on ``task`` (its ``question``) against the model at ``base_url``; returns None."""
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "unused"))
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["question"]}]
-    for _ in range(MAX_TURNS):
-        reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])
-        message = reply.choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls:
-            break
-        for call in message.tool_calls:
-            try:
-                expression = json.loads(call.function.arguments).get("expression", "")
-            except json.JSONDecodeError:
-                expression = ""
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(expression)})
+    await react(base_url, messages, [CALCULATOR], lambda name, args: calculate(args.get("expression", "")), MAX_TURNS)
     return None
 
 
