@@ -279,10 +279,15 @@ def sample_groups(models: Models, problems: list[Problem], cfg, refill: Callable
                              **agents}
 
 
+def from_dataset(cfg) -> bool:
+    """Whether the job trains on its files' answers (``algorithm.distill_samples=dataset``): no engine samples."""
+    return cfg.algorithm.name == "distill" and cfg.algorithm.distill_samples == "dataset"
+
+
 def dataset_answers(problems: list[Problem], cfg) -> list[str] | None:
     """``algorithm.distill_samples=dataset``: each problem's answer, its record's ``data.response_key``
     column (checked non-empty when the files were read); None otherwise (an engine samples)."""
-    if cfg.algorithm.name != "distill" or cfg.algorithm.distill_samples != "dataset":
+    if not from_dataset(cfg):
         return None
     return [str(p.columns[cfg.data.response_key]) for p in problems]
 
@@ -294,8 +299,7 @@ def collect(models: Models, problems: list[Problem], cfg, refill: Callable[[int]
     ``version`` optimizer steps. See :func:`sample_groups`."""
     t = time.perf_counter()
     # distill_samples=teacher: the teacher's engine answers; dataset: the files' answers, no engine
-    phase = (nullcontext() if dataset_answers(problems, cfg) is not None
-             else rollout_phase(models, teacher=models.teacher_engine is not None))
+    phase = nullcontext() if from_dataset(cfg) else rollout_phase(models, teacher=models.teacher_engine is not None)
     with phase:
         samples, scores, info = sample_groups(models, problems, cfg,
                                               refill if cfg.algorithm.dynamic_sampling else None)
