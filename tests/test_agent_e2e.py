@@ -1,9 +1,10 @@
 """GRPO on an agent program's episodes (``rollout.agent=tests.agent_examples:three_turns``, written against the
-``openai`` client only) end to end, two jobs in one launch (2 processes, fp32):
+``openai`` client only) end to end, three jobs in one launch (2 processes, fp32):
 
 - vLLM behind the job's rollout server, the two ranks holding one model replica (context parallelism 2,
   packed), so the first rank serves and the second generates in lockstep with it;
-- Megatron's inference engine behind it (``rollout.backend=megatron``, DP = 2: a server per rank).
+- Megatron's inference engine behind it (``rollout.backend=megatron``, DP = 2: a server per rank);
+- PPO with a critic and LoRA adapters (vLLM, DP = 2).
 
 In both the trainer's logprobs equal the engine's on every model token of the 3-turn episodes (fp32
 ``token_mult_prob_error`` 1: an inserted user turn counted as the model's would break it), the agent's
@@ -32,13 +33,16 @@ def test_grpo_trains_on_an_openai_client_agents_episodes(tmp_path):
               "trainer.micro_batch_size=2", "rollout.max_tokens=64", "rollout.eval_max_tokens=24",
               "reward.functions=[{name: environment}, {name: exact_match, weight: 0.0}]", "trainer.lr=1e-3", "trainer.progress_bar=false",
               "trainer.eval_before=false", "trainer.save_checkpoint=false", "trainer.export_hf=false"]
-    cp, megatron = run_jobs(
+    cp, megatron, ppo = run_jobs(
         Job("grpo", model_dir, tmp_path / "vllm_cp2", [*common, "rollout.prompts_per_step=2",
                                                        "parallel.context_parallel_size=2",
                                                        "trainer.sequence_packing=true"]),
         Job("grpo", model_dir, tmp_path / "megatron", [*common, "rollout.prompts_per_step=4",
-                                                       "rollout.backend=megatron"]))
-    for s in (cp, megatron):
+                                                       "rollout.backend=megatron"]),
+        Job("ppo", model_dir, tmp_path / "ppo_lora", [*common, "rollout.prompts_per_step=4",
+                                                      f"model.critic_path={model_dir}", "model.reward_model_path=''",
+                                                      "model.lora.rank=4", "trainer.critic_lr=1e-3"]))
+    for s in (cp, megatron, ppo):
         history = s["history"]
         assert len(history) == 2
         for m in history:  # every model token of every turn, as the engine sampled it
@@ -57,3 +61,9 @@ def test_grpo_trains_on_an_openai_client_agents_episodes(tmp_path):
     first, second = megatron["history"]
     assert (first["episode/failed"], first["episode/dropped_groups"]) == (4.0, 1.0)
     assert (second["episode/failed"], second["episode/dropped_groups"]) == (0.0, 0.0) and second["episode/turns"] == 3.0
+    # PPO with LoRA adapters (DP=2): the engine samples with the merged adapters after the first update
+    # (the prob error above), the policy moved off its reference (the adapters off), the counts as GRPO's
+    first, second = ppo["history"]
+    assert (first["episode/failed"], first["episode/timeout"], first["episode/dropped_groups"]) == (4.0, 0.0, 1.0)
+    assert (second["episode/failed"], second["episode/dropped_groups"]) == (0.0, 0.0) and second["episode/turns"] == 3.0
+    assert first["kl"] == 0.0 and second["kl"] != 0.0 and second["loss/value"] > 0.0

@@ -96,7 +96,8 @@ def test_an_openai_client_agents_episode_is_recorded_as_the_engine_path_records_
 
 def test_sixteen_concurrent_sessions_each_keep_their_own_record(server, smollm2_tokenizer):
     """Each agent asks about its own number; every session's record holds its own prompt and answers, and
-    the engine saw the sessions' turns in batches (one call per turn for all sixteen, not one per request)."""
+    the engine saw the sessions' turns in batches: one call per turn for all sixteen, as the server waits
+    until each episode being played has its request queued (here with no other limit on the wait)."""
     def echo(prompt: str, k: int) -> str:
         asked = prompt.split("Double ")[-1].split("?")[0]
         if "<|im_start|>tool\n" in prompt:
@@ -104,7 +105,8 @@ def test_sixteen_concurrent_sessions_each_keep_their_own_record(server, smollm2_
         return f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "2 * {asked}"}}}}</tool_call>'
 
     engine = ScriptedEngine(smollm2_tokenizer, echo)
-    srv = server(engine)
+    srv = server(engine, batch_window_s=60.0, batch_max_wait_s=60.0)
+    srv.playing(16)  # what the agent runner counts
     asks = [[{"role": "user", "content": f"Double {n}?"}] for n in range(100, 116)]
     answers = run_agents(srv, [calculator_agent(srv.session_url(f"s{n}"), m, TOOLS) for n, m in enumerate(asks)])
     assert answers == [f"It is {2 * n}." for n in range(100, 116)]
@@ -114,8 +116,7 @@ def test_sixteen_concurrent_sessions_each_keep_their_own_record(server, smollm2_
         assert f"Double {100 + n}?" in text and f"2 * {100 + n}" in text and f"It is {2 * (100 + n)}." in text
         assert s.info["turns"] == 2 and s.loss_mask.count(0) == s.info["env_tokens"] > 0
         assert "calculator" in smollm2_tokenizer.decode(s.prompt_ids)  # the request's tools, rendered
-    # 32 requests in far fewer engine calls: concurrent sessions share a batch
-    assert srv.requests == 32 and len(engine.calls) < 16, len(engine.calls)
+    assert srv.requests == 32 and [len(prompts) for prompts, _ in engine.calls] == [16, 16]
 
 
 def test_requests_wait_while_the_engine_syncs_weights_and_none_fails(server, smollm2_tokenizer):
@@ -222,16 +223,25 @@ def test_an_engine_without_stop_strings_refuses_them(server, smollm2_tokenizer):
 
 
 def test_a_reply_is_cut_at_the_turn_cap_and_the_budget(server, smollm2_tokenizer):
+    """A reply stops at ``max_tokens_per_turn``; new messages that leave no room in the episode's budget
+    end the episode: an empty reply (finish_reason ``length``), no engine call, nothing recorded."""
     engine = ScriptedEngine(smollm2_tokenizer, lambda prompt, k: "abcdefghij")  # 10 characters + EOS
     srv = server(engine, max_tokens_per_turn=4)
+    srv.max_tokens = 12  # the budget of each episode from now
 
     async def agent():
         import openai
 
         client = openai.AsyncOpenAI(base_url=srv.session_url("cap"), api_key="unused", max_retries=0)
-        capped = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "go"}])
-        return capped.choices[0]
+        messages = [{"role": "user", "content": "go"}]
+        capped = await client.chat.completions.create(model="m", messages=messages)
+        messages += [capped.choices[0].message.model_dump(), {"role": "user", "content": "one two three four five"}]
+        spent = await client.chat.completions.create(model="m", messages=messages)
+        return capped.choices[0], spent.choices[0]
 
-    [choice] = run_agents(srv, [agent()])
+    [(choice, spent)] = run_agents(srv, [agent()])
     assert choice.finish_reason == "length" and choice.message.content == "abcd"
-    assert engine.calls[0][1].max_tokens == 4 and len(srv.pop_session("cap").ids) == 4
+    assert (spent.finish_reason, spent.message.content, spent.message.tool_calls) == ("length", "", None)
+    assert len(engine.calls) == 1 and engine.calls[0][1].max_tokens == 4
+    s = srv.pop_session("cap").sample()
+    assert len(s.response_ids) == 4 and s.loss_mask is None and s.text == "abcd"  # the user turn was not recorded

@@ -5,6 +5,7 @@ loss; an external command's environment, reward and failures; the task row; the 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import sys
 import textwrap
@@ -46,8 +47,10 @@ def server(chatml_turns, smollm2_tokenizer):
 
 def test_hanging_and_crashing_agents_are_dropped_and_counted(server):
     rows = ROWS + [{"question": "Crash.", "n": 2}]
+    deltas = []  # what the server is told about the episodes being played
     [groups] = run_agents(server, [play_episodes(chatty, rows, 2, server.session_url, server.pop_session,
-                                                 concurrency=4, timeout_s=5.0, prefix="t")])
+                                                 concurrency=4, timeout_s=5.0, prefix="t", playing=deltas.append)])
+    assert len(deltas) == 12 and max(itertools.accumulate(deltas)) == 4 and sum(deltas) == 0  # the hung one too
     assert [[o.status for o in g] for g in groups] == [["ok", "ok"], ["ok", "timeout"], ["failed", "failed"]]
     assert groups[0][0].reward == 5.0 and groups[1][1].reward is None
     assert groups[1][1].error == "episode t-1-1: past rollout.agent_timeout_s=5.0"
@@ -153,18 +156,29 @@ def test_the_react_math_example_runs_its_calculator_against_the_server(chatml_tu
         "60", "3.5", "6")
     assert react_math.calculate("__import__('os')").startswith("Error: ")
     assert react_math.calculate("1/0") == "Error: division by zero"
-    srv = RolloutServer(chatml_turns, ScriptedEngine(smollm2_tokenizer, script).generate, max_tokens=400)
-    srv.start()
-    try:
-        [reward] = run_agents(srv, [react_math.run(srv.session_url("m"), {"question": PROBLEM.question})])
-    finally:
-        srv.close()
-    s = srv.pop_session("m")
-    assert reward is None and s.turn_count == 3 and s.text == "The answer is 89."
+    rewards, sessions = {}, {}
+    for name, model in (("m", script), ("no_call", lambda prompt, k: "It is 89."),
+                        ("bad_call", lambda prompt, k: "The answer is 89." if "<|im_start|>tool" in prompt else
+                         '<tool_call>{"name": "calculator", "arguments": {"expression": "89 apples"}}</tool_call>'),
+                        ("wrong_tool", lambda prompt, k: "The answer is 89." if "<|im_start|>tool" in prompt else
+                         '<tool_call>{"name": "search", "arguments": {"query": "89"}}</tool_call>')):
+        srv = RolloutServer(chatml_turns, ScriptedEngine(smollm2_tokenizer, model).generate, max_tokens=400)
+        srv.start()
+        try:
+            [rewards[name]] = run_agents(srv, [react_math.run(srv.session_url(name), {"question": PROBLEM.question})])
+        finally:
+            srv.close()
+        sessions[name] = srv.pop_session(name)
+    # the shaping reward: a call that returned a value; none, or only calls the calculator refused: 0
+    assert rewards == {"m": 1.0, "no_call": 0.0, "bad_call": 0.0, "wrong_tool": 0.0}
+    assert [m["content"] for m in sessions["wrong_tool"].messages if m["role"] == "tool"] == [
+        "Error: no tool named 'search'"]
+    s = sessions["m"]
+    assert s.turn_count == 3 and s.text == "The answer is 89."
     assert [m["role"] for m in s.messages] == ["system", "user", "assistant", "tool", "assistant", "tool", "assistant"]
     assert [m["content"] for m in s.messages if m["role"] == "tool"] == ["84", "89"]
-    assert react_math.SYSTEM in smollm2_tokenizer.decode(s.prompt_ids) and '"calculator"' in smollm2_tokenizer.decode(
-        s.prompt_ids)  # the tools of the request, in the prompt
+    prompt = smollm2_tokenizer.decode(s.prompt_ids)
+    assert react_math.SYSTEM in prompt and react_math.INSTRUCTION in prompt and '"calculator"' in prompt  # the tools too
 
 
 def test_the_humaneval_example_tests_its_code_in_the_sandbox(chatml_turns, smollm2_tokenizer):
@@ -185,8 +199,10 @@ def test_the_humaneval_example_tests_its_code_in_the_sandbox(chatml_turns, smoll
     finally:
         srv.close()
     s = srv.pop_session("h")
-    assert reward is None and s.turn_count == 2 and s.text.startswith("```python\ndef add")
+    assert reward == 1.0 and s.turn_count == 2 and s.text.startswith("```python\ndef add")
     assert [m["content"] for m in s.messages if m["role"] == "tool"] == ["5\n"]  # what the sandboxed program printed
+    assert humaneval_coder.ran("5\n") and humaneval_coder.ran("(no output: print the result)")
+    assert not humaneval_coder.ran("1\nError: NameError: name 'x' is not defined")
 
 
 def test_the_react_math_example_runs_as_a_command(chatml_turns, smollm2_tokenizer):
@@ -203,4 +219,4 @@ def test_the_react_math_example_runs_as_a_command(chatml_turns, smollm2_tokenize
         srv.close()
     [[outcome]] = groups
     assert outcome.status == "ok", outcome.error
-    assert outcome.reward is None and outcome.session.turn_count == 3 and outcome.session.text == "The answer is 89."
+    assert outcome.reward == 1.0 and outcome.session.turn_count == 3 and outcome.session.text == "The answer is 89."

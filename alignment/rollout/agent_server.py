@@ -98,13 +98,21 @@ class RolloutServer:
             left of the episode's budget); a request's own ``max_tokens`` may ask for fewer.
         stop_strings: whether the engine takes stop strings (Megatron's does not: requests with ``stop``
             are refused, and ``tool_stop`` should be empty).
+        batch_window_s: after a request arrives, the engine call waits for the others, which reach the
+            server one by one, so that they share a batch (the engine generates a static batch per call,
+            unlike vLLM's own server: without waiting, the first request of a turn went alone and the rest
+            waited for it): until every episode being played (:meth:`playing`) has a request queued, or no
+            request arrived for ``batch_window_s`` (an episode running a tool), or ``batch_max_wait_s`` passed.
         model: the model name ``/v1/models`` lists and replies carry.
     """
 
     def __init__(self, turns: TurnTokens, generate: Generate, max_tokens: int,
                  defaults: SamplingConfig | None = None, tool_stop: Sequence[str] = ("</tool_call>",),
-                 model: str = "megalign-policy", stop_strings: bool = True, max_tokens_per_turn: int | None = None):
+                 model: str = "megalign-policy", stop_strings: bool = True, max_tokens_per_turn: int | None = None,
+                 batch_window_s: float = 0.05, batch_max_wait_s: float = 1.0):
         self.turns, self.generate, self.max_tokens = turns, generate, max_tokens
+        self.batch_window_s, self.batch_max_wait_s = batch_window_s, batch_max_wait_s
+        self._playing = 0  # episodes being played (the agent runner's count)
         self.defaults = defaults or SamplingConfig()
         self.tool_stop, self.model, self.stop_strings = list(tool_stop), model, stop_strings
         self.max_tokens_per_turn = max_tokens_per_turn
@@ -163,6 +171,12 @@ class RolloutServer:
         """The ``base_url`` an agent of episode ``episode_id`` talks to (OpenAI clients append ``/chat/completions``)."""
         return f"{self.url}/sessions/{episode_id}/v1"
 
+    def playing(self, delta: int) -> None:
+        """The agent runner's count of episodes being played, changed by ``delta`` (+1 when one starts, -1
+        when it ends): an engine call goes as soon as each of them has a request queued."""
+        with self._lock:
+            self._playing += delta
+
     def pop_session(self, episode_id: str) -> AgentSession | None:
         """The episode's record, removed from the server (None if it never sent a request)."""
         with self._lock:
@@ -203,10 +217,13 @@ class RolloutServer:
             first = self._queue.get(timeout=poll_s)
         except queue.Empty:
             return []
-        batch = [first]
-        while True:
+        batch, deadline = [first], time.monotonic() + self.batch_max_wait_s
+        while True:  # until every episode played waits, the queue was quiet for batch_window_s, or the deadline
+            if 0 < self._playing <= len(batch):
+                return batch
+            wait = min(self.batch_window_s, deadline - time.monotonic())
             try:
-                batch.append(self._queue.get_nowait())
+                batch.append(self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait())
             except queue.Empty:
                 return batch
 
@@ -226,7 +243,9 @@ class RolloutServer:
                 return _error(400, "the request body is not JSON")
             try:
                 pending, session = self._admit(episode, body, kind)
-            except (_BadRequest, HistoryRewritten, EpisodeTooLong) as e:
+            except EpisodeTooLong:  # the budget is spent: the episode ends, as a multi-turn episode is cut there
+                return JSONResponse(self._spent(episode, kind))
+            except (_BadRequest, HistoryRewritten) as e:
                 return _error(400, str(e))
             try:
                 sample = await asyncio.wrap_future(pending.future)
@@ -279,6 +298,20 @@ class RolloutServer:
         pending = _Pending(ids, sampling, Future())
         self._queue.put(pending)
         return pending, session
+
+    def _spent(self, episode: str, kind: str) -> dict:
+        """The reply to a request whose new messages leave no room in the episode's budget: no tokens,
+        ``finish_reason`` ``length`` (an agent loop ends on a reply without tool calls); nothing is recorded,
+        so the episode's sample ends with the model's last turn."""
+        rid = f"{episode}-{next(self._ids)}"
+        usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        if kind == "chat":
+            return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
+                    "model": self.model, "usage": usage, "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "length",
+                         "logprobs": None}]}
+        return {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": self.model,
+                "usage": usage, "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}]}
 
     def _release(self, episode: str) -> None:
         with self._lock:

@@ -139,15 +139,18 @@ class EpisodeOutcome:
 
 async def play_episodes(agent: Agent, rows: Sequence[dict], n: int, session_url: Callable[[str], str],
                         pop_session: Callable[[str], AgentSession | None], concurrency: int, timeout_s: float,
-                        prefix: str) -> list[list[EpisodeOutcome]]:
+                        prefix: str, playing: Callable[[int], None] | None = None) -> list[list[EpisodeOutcome]]:
     """``n`` episodes of ``agent`` per task row, at most ``concurrency`` at once, each cut at ``timeout_s``
-    seconds; episode ``{prefix}-{i}-{k}`` talks to ``session_url(episode)``. Returns ``[len(rows)][n]``
-    outcomes (no exception escapes: a failing episode is an outcome)."""
+    seconds; episode ``{prefix}-{i}-{k}`` talks to ``session_url(episode)``; ``playing(+1)`` / ``playing(-1)``
+    as each starts and ends (:meth:`alignment.rollout.agent_server.RolloutServer.playing`). Returns ``[len(rows)][n]`` outcomes (no
+    exception escapes: a failing episode is an outcome)."""
     gate = asyncio.Semaphore(max(1, concurrency))
 
     async def one(i: int, k: int) -> EpisodeOutcome:
         episode = f"{prefix}-{i}-{k}"
         async with gate:
+            if playing is not None:
+                playing(1)
             try:
                 reward = await asyncio.wait_for(agent(session_url(episode), dict(rows[i])), timeout_s)
                 status, error = "ok", ""
@@ -155,6 +158,9 @@ async def play_episodes(agent: Agent, rows: Sequence[dict], n: int, session_url:
                 reward, status, error = None, "timeout", f"episode {episode}: past rollout.agent_timeout_s={timeout_s}"
             except Exception as e:  # noqa: BLE001 - the agent's own error: the episode is dropped and counted
                 reward, status, error = None, "failed", f"episode {episode}: {type(e).__name__}: {e}"
+            finally:
+                if playing is not None:
+                    playing(-1)
         session = pop_session(episode)
         if status == "ok" and session is None:
             status, error = "failed", f"episode {episode}: the agent never called the model"

@@ -80,7 +80,9 @@ class RolloutConfig:
     # episode with OPENAI_BASE_URL and MEGALIGN_TASK (the task row as JSON) in its environment
     agent: Optional[str] = None
     agent_command: Optional[str] = None
-    agent_concurrency: int = ranged(16, 1, note=' (episodes at once per data-parallel rank)')
+    # the engine generates the requests waiting at once in one call: fewer episodes at once than a rank's
+    # episodes per step (prompts x group_size / DP) split the batch
+    agent_concurrency: int = ranged(64, 1, note=' (episodes at once per data-parallel rank)')
     # an episode still running after this long is dropped and counted (episode/timeout)
     agent_timeout_s: float = ranged(300.0, 0, low_in=False, note=' (seconds)')
 

@@ -92,7 +92,7 @@ def agent_episodes(models: Models, problems: list[Problem], n: int, max_tokens: 
         def play():
             try:
                 result["groups"] = asyncio.run(play_episodes(a.agent, rows, n, a.server.session_url, a.server.pop_session,
-                                                             a.concurrency, a.timeout_s, prefix))
+                                                             a.concurrency, a.timeout_s, prefix, a.server.playing))
             except BaseException as e:  # noqa: BLE001 - raised on the serving thread below
                 result["error"] = e
             finally:
@@ -115,6 +115,10 @@ def agent_episodes(models: Models, problems: list[Problem], n: int, max_tokens: 
         thread.join()
         if "error" in result:
             raise result["error"]
+        bad = [o for g in result["groups"] for o in g if o.status != "ok"]
+        if bad:  # what the agent's author needs to mend it: the count and the first reason, in this rank's log
+            print(f"agent episodes dropped on rank {dist.get_rank()}: {len(bad)} of "
+                  f"{sum(len(g) for g in result['groups'])}; the first: {bad[0].error}", flush=True)
         groups = episode_samples(result["groups"], models.tokenizer.eos_token_id or 0)
     else:  # the replica's other ranks: generate what the lead's server asks for, until it is done
         while True:

@@ -36,7 +36,7 @@ from alignment.rollout.base import SamplingConfig
 from alignment.trainers.models import Models
 from alignment.trainers.process_rewarding import score_steps, step_metrics
 from alignment.trainers.rewarding import combine, job_terms, padded_batch, score_terms, term_metrics
-from alignment.trainers.agent_rollout import agent_episodes, uses_agents
+from alignment.trainers.agent_rollout import AGENT_COUNTS, agent_episodes, uses_agents
 from alignment.trainers.rl_phases import (Rollout, correction_metrics, episode_metrics, generate_episodes,
                                           generate_for_group, head_outputs, microbatches, policy_logprobs,
                                           rollout_phase, sampling_config)
@@ -121,13 +121,14 @@ def collect(models: Models, items: list, cfg, version: int = 0) -> Rollout:
     episodes of ``rollout.environment`` (:func:`alignment.trainers.rl_phases.generate_episodes`) and
     graded by the text terms. The padded batch rides along."""
     t0 = time.perf_counter()
-    terms = job_terms(cfg)
+    terms, info = job_terms(cfg), {}
     if ppo_on_task(cfg):  # text terms only: scored where the problems are, then the rewards travel with the samples
         with early_grading([t.runs for t in terms], items) as (pool, on_done):  # code runs as answers come
             with rollout_phase(models):
-                groups = (agent_episodes(models, items, cfg.rollout.group_size, cfg.rollout.max_tokens)[0]
-                          if uses_agents(cfg) else
-                          generate_episodes(models, items, sampling_config(cfg.rollout), on_done))
+                if uses_agents(cfg):  # agent programs play the episodes against the rollout server
+                    groups, info = agent_episodes(models, items, cfg.rollout.group_size, cfg.rollout.max_tokens)
+                else:
+                    groups = generate_episodes(models, items, sampling_config(cfg.rollout), on_done)
             samples = [s for g in groups for s in g]
             problems = [p for p in items for _ in range(cfg.rollout.group_size)]
             scores = score_terms(models, problems, samples, terms, cfg, pool=pool)
@@ -146,8 +147,8 @@ def collect(models: Models, items: list, cfg, version: int = 0) -> Rollout:
         scores = score_terms(models, [None] * len(samples), samples, terms, cfg, batch)
         rewards = combine(scores, terms, len(samples))
     steps = score_steps(models, samples, cfg) if process_reward_weight(cfg) else None  # the dense term
-    return Rollout(samples, rewards, version, batch=batch, seconds=time.perf_counter() - t0, reward_terms=scores,
-                   steps=steps)
+    return Rollout(samples, rewards, version, batch=batch, info=info, seconds=time.perf_counter() - t0,
+                   reward_terms=scores, steps=steps)
 
 
 def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict[str, float]]:
@@ -173,7 +174,9 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
     models.placement.keep("critic")
     values = head_outputs(models.critic, microbatches(batch, cfg.trainer), **packing)
     values = values * mask if values is not None else zeros
-    token_rewards = kl_in_reward(rewards, old, ref, mask, a.kl_coef, "k1")
+    live = mask.bool().any(dim=1)  # a dropped agent episode (its group failed) has no token to reward
+    token_rewards = torch.zeros_like(old)
+    token_rewards[live] = kl_in_reward(rewards[live], old[live], ref[live], mask[live], a.kl_coef, "k1")
     if rollout.steps is not None:  # the process reward: P(step correct) on each step's last token
         s = rollout.steps
         dense = place_step_rewards(s.rewards, s.positions, [len(x.response_ids) for x in rollout.samples])
@@ -253,4 +256,5 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
     }
     if cfg.rollout.environment != "single_turn" or uses_agents(cfg):
         metrics.update(episode_metrics(rollout.samples, replica_group().rank() == 0))
+    metrics.update({k: rollout.info[k] for k in AGENT_COUNTS if k in rollout.info})  # global sums already
     return metrics, times
