@@ -303,15 +303,20 @@ class RolloutServer:
         """The reply to a request whose new messages leave no room in the episode's budget: no tokens,
         ``finish_reason`` ``length`` (an agent loop ends on a reply without tool calls); nothing is recorded,
         so the episode's sample ends with the model's last turn."""
+        return self._envelope(episode, kind, {"role": "assistant", "content": ""}, "", "length", "length", 0, 0)
+
+    def _envelope(self, episode: str, kind: str, message: dict, text: str, finish: str, text_finish: str,
+                  prompt_tokens: int, completion_tokens: int) -> dict:
+        """An OpenAI reply: a ``chat.completion`` with ``message`` or a ``text_completion`` with ``text``."""
         rid = f"{episode}-{next(self._ids)}"
-        usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
         if kind == "chat":
             return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
-                    "model": self.model, "usage": usage, "choices": [
-                        {"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "length",
-                         "logprobs": None}]}
+                    "model": self.model, "usage": usage,
+                    "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}]}
         return {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": self.model,
-                "usage": usage, "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}]}
+                "usage": usage, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": text_finish}]}
 
     def _release(self, episode: str) -> None:
         with self._lock:
@@ -320,16 +325,8 @@ class RolloutServer:
     def _reply(self, session: AgentSession, sample: Sample, kind: str, prompt_tokens: int) -> dict:
         with self._lock:
             message, finish = session.record_turn(sample)
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(sample.response_ids),
-                 "total_tokens": prompt_tokens + len(sample.response_ids)}
-        rid = f"{session.episode_id}-{next(self._ids)}"
-        if kind == "chat":
-            return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
-                    "model": self.model, "usage": usage,
-                    "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}]}
-        return {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": self.model,
-                "usage": usage, "choices": [{"index": 0, "text": sample.text, "logprobs": None,
-                                             "finish_reason": "stop" if sample.finished else "length"}]}
+        return self._envelope(session.episode_id, kind, message, sample.text, finish,
+                              "stop" if sample.finished else "length", prompt_tokens, len(sample.response_ids))
 
 
 def _route(handle, kind: str):
