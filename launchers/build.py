@@ -197,7 +197,9 @@ def rollout_engine(cfg, hf_dir: Path, policy, bridge, vocab_size: int, rank: int
 
     engine = build_engine(cfg.rollout, seed=cfg.seed, dtype=cfg.model.dtype, hf_dir=hf_dir, policy=policy,
                           vocab_size=vocab_size, rank=rank, data_parallel_size=ps.get_data_parallel_world_size(),
-                          record_routing=cfg.algorithm.routing_replay == "r3")
+                          record_routing=cfg.algorithm.routing_replay == "r3", steps=cfg.trainer.steps)
+    if rank == 0 and getattr(engine, "compile_note", None):
+        print(engine.compile_note, flush=True)
     if engine.shares_trainer_weights:
         return engine, None
     resharder = Resharder(policy, rollout_layout(bridge, cfg), vllm_tp=cfg.rollout.tensor_parallel_size,

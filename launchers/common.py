@@ -115,7 +115,7 @@ def serve_as_rollout_rank(cfg, hf_dir: Path, hf_config) -> None:
     group, r = trainer_rollout_group(), cfg.rollout
     trainers = group.size - r.rollout_ranks
     engine = build_engine(r, seed=cfg.seed, dtype=cfg.model.dtype, hf_dir=hf_dir, policy=None, vocab_size=hf_config.vocab_size,
-                          rank=group.rank - trainers, data_parallel_size=1)
+                          rank=group.rank - trainers, data_parallel_size=1, steps=cfg.trainer.steps)
     resharder = Resharder(None, rollout_layout(get_bridge(hf_config), cfg), vllm_tp=r.tensor_parallel_size,
                           bucket_bytes=r.sync_bucket_mb << 20, group=group, dtype=getattr(torch, cfg.model.dtype),
                           device="cuda" if torch.cuda.is_available() else "cpu")

@@ -37,7 +37,7 @@ def eos_token_ids(hf_dir: Path, tokenizer) -> list[int]:
 
 
 def build_engine(r: RolloutConfig, *, seed: int, dtype: str, hf_dir: Path, policy, vocab_size: int, rank: int,
-                 data_parallel_size: int, record_routing: bool = False):
+                 data_parallel_size: int, record_routing: bool = False, steps: int | None = None):
     """This rank's rollout engine for ``rollout.backend`` (``r``: the job's ``rollout`` section).
 
     Args:
@@ -51,6 +51,8 @@ def build_engine(r: RolloutConfig, *, seed: int, dtype: str, hf_dir: Path, polic
         data_parallel_size: sizes the ``megatron`` backend's KV cache for one step's rows per rank.
         record_routing: the ``megatron`` backend records a MoE policy's routing
             (``algorithm.routing_replay=r3``).
+        steps: the RL steps the run will do (``rollout.enforce_eager=null`` compiles vLLM when they pay a
+            cold compile back: :func:`alignment.rollout.compile_cache.choose_enforce_eager`).
     Raises:
         ValueError: an unknown ``rollout.backend``.
     """
@@ -59,7 +61,7 @@ def build_engine(r: RolloutConfig, *, seed: int, dtype: str, hf_dir: Path, polic
                           gpu_memory_utilization=r.gpu_memory_utilization,
                           seed=seed + rank // r.tensor_parallel_size,
                           tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager,
-                          dtype=dtype)
+                          dtype=dtype, steps=steps)
     if r.backend == "megatron":
         from megatron.core import parallel_state as ps
         from megatron.core.utils import unwrap_model

