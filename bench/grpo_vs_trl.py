@@ -1,10 +1,14 @@
 """GRPO step time, start-up and memory: megalign against TRL's ``GRPOTrainer``, one after the
-other in one invocation, on the same model (SmolLM2-135M-Instruct), task (arithmetic), prompts
-(the same chat template and instruction), 8 prompts x 8 samples, 48 new tokens, learning
-rate, KL coefficient and clip ratio, both in bf16. Prints a table with the ratio.
+other in one invocation, on the same model (SmolLM2-135M-Instruct), task, prompts (the same chat
+template and instruction), prompts x samples per step, new tokens, micro-batch, learning rate, KL
+coefficient and clip ratio, both in one dtype (bf16 by default). Prints a table with the ratio.
 
     pip install -e ".[bench]"          # TRL (not a core dependency)
-    python bench/grpo_vs_trl.py [--steps 4] [--nproc 2]
+    python bench/grpo_vs_trl.py [--steps 4] [--nproc 2] [--task arithmetic|gsm8k|humaneval] [--dtype float32]
+
+``--task`` (:data:`TASKS`): ``arithmetic`` is the main job (8 prompts x 8 samples, 48 new tokens); ``gsm8k``
+(``configs/grpo_gsm8k.yaml``: 4 x 8, up to 256 new tokens) and ``humaneval`` (``configs/grpo_humaneval.yaml``:
+4 x 8, up to 384 new tokens, graded in the sandbox) are the long-answer workloads, where generation dominates.
 
 megalign runs its main job (``launchers/train.py``, ``--nproc`` processes, vLLM rollouts) for
 ``--steps`` steps without the before-training evaluation, checkpoint or export. TRL runs in one
@@ -41,23 +45,37 @@ from alignment.models.flops import flops_per_token, measured_matmul_peak  # noqa
 from alignment.models.hf_assets import prepare_hf_dir  # noqa: E402
 from launchers.profiling import peak_rss_bytes  # noqa: E402
 
-LR, KL_COEF, CLIP, TEMPERATURE, MAX_TOKENS, PROMPTS, GROUP = 5e-6, 0.04, 0.2, 0.7, 48, 8, 8
+LR, KL_COEF, CLIP, TEMPERATURE = 5e-6, 0.04, 0.2, 0.7
+
+#: --task: megalign's config, and the settings both sides share (prompts and samples a step, new tokens, the
+#: micro-batch in sequences, the training problems)
+TASKS = {
+    "arithmetic": dict(config="grpo", prompts=8, group=8, max_tokens=48, micro=8,
+                       problems=dict(task="arithmetic", size=2000, generator_kwargs={
+                           "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})),
+    "gsm8k": dict(config="grpo_gsm8k", prompts=4, group=8, max_tokens=256, micro=2,
+                  problems=dict(task="gsm8k", size=1119)),
+    "humaneval": dict(config="grpo_humaneval", prompts=4, group=8, max_tokens=384, micro=2,
+                      problems=dict(task="humaneval", size=123)),
+}
 
 
-def run_megalign(steps: int, nproc: int, out: Path) -> dict:
-    """The main job for ``steps`` steps; returns its summary.json."""
+def run_megalign(steps: int, nproc: int, out: Path, task: dict, dtype: str) -> dict:
+    """The task's job for ``steps`` steps; returns its summary.json."""
     cmd = ["torchrun", "--standalone", f"--nproc-per-node={nproc}", str(ROOT / "launchers/train.py"),
+           "--config-name", task["config"],
            f"trainer.steps={steps}", "trainer.eval_before=false", "trainer.save_checkpoint=false",
-           "trainer.export_hf=false", "trainer.progress_bar=false", "data.heldout_size=8",
+           "trainer.export_hf=false", "trainer.progress_bar=false", "data.heldout_size=8", "rollout.eval_pass_k=0",
            f"trainer.lr={LR}", f"algorithm.kl_coef={KL_COEF}", f"algorithm.clip_ratio={CLIP}",
-           f"rollout.temperature={TEMPERATURE}", f"rollout.max_tokens={MAX_TOKENS}",
-           f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={GROUP}", f"output_dir={out}"]
+           f"rollout.temperature={TEMPERATURE}", f"rollout.max_tokens={task['max_tokens']}",
+           f"rollout.prompts_per_step={task['prompts']}", f"rollout.group_size={task['group']}",
+           f"trainer.micro_batch_size={task['micro']}", f"model.dtype={dtype}", f"output_dir={out}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(cmd, check=True, env=env, cwd=ROOT)
     return json.loads((out / "summary.json").read_text())
 
 
-def trl_worker(steps: int, result: Path) -> None:
+def trl_worker(steps: int, result: Path, task: dict, dtype: str) -> None:
     """TRL's GRPOTrainer on the same problems; writes step times, start-up and peak RSS to ``result``."""
     import psutil
     import torch
@@ -68,20 +86,22 @@ def trl_worker(steps: int, result: Path) -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     hf_dir = prepare_hf_dir("smollm2")
     tok = AutoTokenizer.from_pretrained(hf_dir)
-    problems = load_problems("arithmetic", "train", 2000, seed=1234,
-                             generator_kwargs={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
+    spec = task["problems"]
+    problems = load_problems(spec["task"], "train", spec["size"], seed=1234,
+                             **({"generator_kwargs": spec["generator_kwargs"]} if "generator_kwargs" in spec else {}))
     texts = [tok.decode(build_prompt_ids(tok, p)) for p in problems]
     data = Dataset.from_dict({"prompt": texts, "idx": list(range(len(problems)))})
 
     def reward(prompts, completions, idx, **_):
         return [score_response(problems[i], c) for i, c in zip(idx, completions)]
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16)
-    args = GRPOConfig(output_dir=str(result.parent / "trl_out"), per_device_train_batch_size=GROUP,
-                      gradient_accumulation_steps=PROMPTS, num_generations=GROUP, max_completion_length=MAX_TOKENS,
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype))
+    args = GRPOConfig(output_dir=str(result.parent / "trl_out"), per_device_train_batch_size=task["micro"],
+                      gradient_accumulation_steps=task["prompts"] * task["group"] // task["micro"],
+                      num_generations=task["group"], max_completion_length=task["max_tokens"],
                       learning_rate=LR, beta=KL_COEF, epsilon=CLIP, temperature=TEMPERATURE, max_steps=steps,
-                      logging_steps=1, report_to="none", bf16=True, use_cpu=True, save_strategy="no", seed=1234,
-                      dataloader_num_workers=0, shuffle_dataset=False)
+                      logging_steps=1, report_to="none", bf16=dtype == "bfloat16", use_cpu=True, save_strategy="no",
+                      seed=1234, dataloader_num_workers=0, shuffle_dataset=False)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok)
     times = {"generate": [], "step": [], "tokens": [], "completion_tokens": []}
     state = {}
@@ -122,23 +142,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--task", default="arithmetic", choices=sorted(TASKS))
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    task = TASKS[a.task]
     if a.trl_worker:
-        return trl_worker(a.steps, a.trl_worker)
+        return trl_worker(a.steps, a.trl_worker, task, a.dtype)
     import torch
     from transformers import AutoConfig
 
     torch.set_num_threads(os.cpu_count() or 1)
-    peak = measured_matmul_peak(dtype=torch.bfloat16)
+    peak = measured_matmul_peak(dtype=getattr(torch, a.dtype))
     dims = model_dims(AutoConfig.from_pretrained(prepare_hf_dir("smollm2")))
     tmp = Path(tempfile.mkdtemp(prefix="grpo_vs_trl_"))
     t = time.perf_counter()
-    ours = run_megalign(a.steps, a.nproc, tmp / "megalign")
+    ours = run_megalign(a.steps, a.nproc, tmp / "megalign", task, a.dtype)
     ours_wall = time.perf_counter() - t
     t = time.perf_counter()
-    subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--trl-worker", str(tmp / "trl.json")],
-                   check=True, cwd=ROOT)
+    subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--task", a.task, "--dtype", a.dtype,
+                    "--trl-worker", str(tmp / "trl.json")], check=True, cwd=ROOT)
     trl_wall = time.perf_counter() - t
     trl = json.loads((tmp / "trl.json").read_text())
 
@@ -152,27 +175,31 @@ def main() -> None:
                         for s, t, mt in zip(h, tokens, model_tokens)])
     ours_mfu = _median(model_tokens) * flops_per_token(dims, seq, output_fraction=ours_out) / m["train"] / peak
     trl_train = [s - g for s, g in zip(trl["step"], trl["generate"])]
-    trl_seq = _median(trl["tokens"]) / (PROMPTS * GROUP)
+    trl_seq = _median(trl["tokens"]) / (task["prompts"] * task["group"])
     trl_out = _median([c / t for c, t in zip(trl["completion_tokens"], trl["tokens"])])
-    trl_mfu = _median(trl["tokens"]) * flops_per_token(dims, trl_seq, output_fraction=trl_out) / _median(trl_train) / peak
+    trl_flops = _median(trl["tokens"]) * flops_per_token(dims, trl_seq, output_fraction=trl_out)
+    trl_mfu = trl_flops / _median(trl_train) / peak
     rows = [
         ("median step (s)", f"{m['step']:.1f}", f"{_median(trl['step']):.1f}"),
         ("  rollout / generate+score (s)", f"{m['rollout']:.1f}", f"{_median(trl['generate']):.1f}"),
+        ("response tokens (mean)", f"{_median([s['response_length'] for s in h]):.0f}",
+         f"{_median(trl['completion_tokens']) / (task['prompts'] * task['group']):.0f}"),
         ("  reference logprobs (s)", f"{m['logprobs']:.1f}", "(in generate+score)"),
         ("  train (s)", f"{m['train']:.1f}", f"{_median(trl_train):.1f}"),
         ("  weight sync (s)", f"{m['weight_sync']:.2f}", "-"),
         ("tokens/s (prompt + response)", f"{_median(tokens) / m['step']:.0f}",
          f"{_median(trl['tokens']) / _median(trl['step']):.0f}"),
-        ("train-phase MFU (bf16 peak below)", f"{100 * ours_mfu:.0f} %", f"{100 * trl_mfu:.0f} %"),
+        (f"train-phase MFU ({a.dtype} peak below)", f"{100 * ours_mfu:.0f} %", f"{100 * trl_mfu:.0f} %"),
         ("peak RSS per process (GiB)", " / ".join(f"{r['peak_rss_gib']:.2f}" for r in ours["memory"]),
          f"{trl['peak_rss_gib']:.2f}"),
         ("processes", str(a.nproc), "1"),
         ("launch -> first step (s)", f"{ours['startup_s']:.1f}", f"{trl['startup_s']:.1f}"),
         ("whole command (s)", f"{ours_wall:.0f}", f"{trl_wall:.0f}"),
     ]
-    print(f"\nGRPO, SmolLM2-135M-Instruct, arithmetic, {PROMPTS} x {GROUP} samples, {MAX_TOKENS} new tokens, bf16, "
-          f"{a.steps} steps (medians skip step 1); {os.cpu_count()} cores, bf16 matmul peak {peak / 1e9:.0f} GFLOP/s")
-    print(f"| | megalign | TRL GRPOTrainer |\n|---|---|---|")
+    print(f"\nGRPO, SmolLM2-135M-Instruct, {a.task}, {task['prompts']} x {task['group']} samples, up to "
+          f"{task['max_tokens']} new tokens, {a.dtype}, {a.steps} steps (medians skip step 1); {os.cpu_count()} cores, "
+          f"{a.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s")
+    print("| | megalign | TRL GRPOTrainer |\n|---|---|---|")
     for name, x, y in rows:
         print(f"| {name} | {x} | {y} |")
     print(f"| **TRL step / megalign step** | **{_median(trl['step']) / m['step']:.2f}x** | |")

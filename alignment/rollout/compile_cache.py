@@ -11,10 +11,11 @@ minutes of start-up on every run, because nothing of it is kept where the next r
 
 Here the job's compile cache is a directory of its own, named by a key of everything a compiled graph depends on
 (:func:`compile_key`: the model's shape from its ``config.json``, the dtype, ``max_model_len``, vLLM's tensor
-parallel size, the vLLM and torch versions, the device and on a CPU the thread count): Inductor's cache (``TORCHINDUCTOR_CACHE_DIR``) and
-vLLM's (``VLLM_CACHE_ROOT``) go there, vLLM's AOT path is off, and a marker (``complete.json``) says that a
-compile finished there. A changed shape, dtype or version gives another key, so another directory: a cold start
-that compiles; the same ones find the warm directory, and Dynamo only retraces (measured in docs/results.md).
+parallel size, the vLLM and torch versions, the device and on a CPU the thread count): Inductor's cache
+(``TORCHINDUCTOR_CACHE_DIR``) and vLLM's (``VLLM_CACHE_ROOT``) go there, vLLM's AOT path is off, and a marker
+(``complete.json``) says that a compile finished there. A changed shape, dtype or version gives another key, so
+another directory: a cold start that compiles; the same ones find the warm directory, and Dynamo only retraces
+(measured in docs/results.md).
 
 ``rollout.enforce_eager=null`` (:func:`choose_enforce_eager`) compiles on a GPU (CUDA graphs), and on a CPU when
 the run has enough steps to pay the compile back, fewer with a warm cache than with a cold one

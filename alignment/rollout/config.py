@@ -41,8 +41,8 @@ class RolloutConfig:
     kv_cache_gib: float = ranged(0.25, 0, low_in=False, note=' (GiB)')
     # GPU: the fraction of GPU memory vLLM may take (weights + KV cache)
     gpu_memory_utilization: float = ranged(0.3, 0, 1, low_in=False, high_in=True, note=' (a fraction of GPU memory)')
-    # vLLM's enforce_eager; null = compiled on GPU (CUDA graphs), or on CPU when this machine's compile cache
-    # for the model is warm or trainer.steps pay a cold compile back; else eager
+    # vLLM's enforce_eager; null = compiled on GPU (CUDA graphs), or on CPU when trainer.steps pay the compile
+    # back (fewer with this machine's compile cache warm); else eager
     # (alignment/rollout/compile_cache.py; measured: docs/results.md)
     enforce_eager: Optional[bool] = None
     # vLLM TP size of each engine: 1 = one engine per rank; t > 1 = one engine per t consecutive
