@@ -46,21 +46,6 @@ PROMPT_TOKENS = 64
 LAYOUTS = {"1x1": (1, 1), "1x2": (1, 2), "2x1": (2, 1)}  # name -> (ranks, cores per rank)
 
 
-def copy_bandwidth(gib: float = 0.5, repeats: int = 5) -> float:
-    """Bytes moved per second (read + written) by the fastest of ``repeats`` copies of ``gib`` GiB."""
-    import torch
-
-    src = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # touch the pages first
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * src.numel() * 4 / best
-
-
 def worker(args) -> None:
     """One rank: its bandwidth, then each length's prefill-only and full generation, timed; JSON to stdout."""
     import torch
@@ -86,7 +71,7 @@ def worker(args) -> None:
     config = json.loads((Path(hf_dir) / "config.json").read_text())
     out = {"rank": args.rank, "config": config, "times": {}, "engine": engine.compile_note}
     together("bw")
-    out["bandwidth"] = copy_bandwidth()
+    out["bandwidth"] = device_copy_bandwidth(torch.device("cpu"), gib=0.5, repeats=5)
     together("peak")
     out["peak"] = measured_matmul_peak("cpu", getattr(torch, args.dtype), n=1024)
     vocab = config["vocab_size"]
