@@ -3,10 +3,11 @@ rejection-sampling fine-tuning and online DPO) and the offline ones (SFT, reward
 process reward model), for which ``collect`` takes the step's slice of the dataset:
 
     baseline -> resume (with trainer.reshard_checkpoint: rewrite the checkpoint for any layout, stop)
-    -> evaluate -> for each step:
+    -> evaluate (or defer it) -> for each step:
         collect the batches of steps up to max_staleness ahead (online: sample + reward; offline:
         the step's examples) -> train this step's batch (while rollout ranks of their own sample
-        the farthest one) -> online: sync weights -> log (and every trainer.rollout_table_every
+        the farthest one; the first step: while the engine runs the deferred evaluation) -> online:
+        sync weights -> log (and every trainer.rollout_table_every
         steps the rollout table) -> health check (trainer.max_bad_steps, warn_on, stop_on) ->
         preemption check -> checkpoint
     -> evaluate -> final checkpoint -> HF export -> summary
@@ -73,6 +74,12 @@ class Evaluation(Protocol):
 
     def before(self, step: int) -> dict[str, float]:
         """Before the first step of this run (``trainer.eval_before``): metrics to log at ``step``."""
+
+    def beside_first_step(self) -> Callable[[], dict[str, float]] | None:
+        """Once the first step's batch is collected: start what :meth:`before` deferred to run beside
+        the step's training, and return the function (collective) that waits for it, called after
+        the training and before the weight sync, giving the metrics to log at the start step; None:
+        nothing deferred."""
 
     def measure(self, step: int) -> dict[str, float]:
         """The current policy's held-out metrics after ``step`` optimizer steps (every ``trainer.eval_every``)."""
@@ -338,7 +345,10 @@ def run(job, models, spec: JobSpec) -> dict:
                                     "answers again, or set its on_error: skip)")
         models.grad_norms = {} if t.grad_stats_every and (step + 1) % t.grad_stats_every == 0 else None
         record("training", step + 1)
+        beside = spec.evaluation.beside_first_step() if step == start_step and t.eval_before else None
         metrics, times = spec.train(rollout)
+        if beside is not None:  # the base model's held-out accuracy, measured on the engine meanwhile
+            job.log(beside(), start_step)
         metrics.update(models.grad_norms or {})
         if online:
             partial = cfg.rollout.partial and queue.posted is not None  # the engines take the update mid-batch

@@ -92,6 +92,9 @@ class HeldoutLoss:
             print(f"held-out before ({self.examples} examples): {json.dumps(self.first)}", flush=True)
         return {f"heldout/{k}": v for k, v in self.first.items()}
 
+    def beside_first_step(self) -> None:  # nothing deferred
+        return None
+
     def measure(self, step: int) -> dict[str, float]:  # noqa: ARG002 - the metrics carry no step
         return {f"heldout/{k}": v for k, v in self.evaluate().items()}
 

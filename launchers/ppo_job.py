@@ -90,6 +90,9 @@ class WinRate:
     def before(self, step: int) -> dict[str, float]:  # noqa: ARG002 - the baseline is the "before"
         return {}
 
+    def beside_first_step(self) -> None:  # nothing deferred
+        return None
+
     def measure(self, step: int = 0) -> dict[str, float]:  # noqa: ARG002 - the comparison is with the start
         result = compare(self.initial, heldout_responses(self.models, self.prompts, self.cfg))
         return {f"heldout/{k}": v for k, v in result.items()}

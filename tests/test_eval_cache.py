@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from alignment.trainers.eval_cache import cache_key, cached_accuracy, weight_files_fingerprint
+from alignment.trainers.eval_cache import (cache_key, cached_accuracy, lookup_accuracy, store_accuracy,
+                                          weight_files_fingerprint)
 
 
 @pytest.fixture
@@ -32,6 +33,17 @@ def test_evaluated_once_then_read_back(cache):
     assert cached_accuracy("k2", lambda: 0.5) == (0.5, False)  # another key: evaluated
     assert cached_accuracy("k1", lambda: 0.9, enabled=False) == (0.9, False)  # disabled: never read
     assert not list(cache.glob("*.tmp*"))  # atomic writes leave no temporary file
+
+
+def test_looked_up_and_stored_apart(cache):
+    # the evaluation run beside the first step (alignment/trainers/heldout.py) looks the key up before
+    # training and stores the accuracy after the step
+    assert lookup_accuracy("k") is None
+    store_accuracy("k", 0.4, enabled=False)
+    assert lookup_accuracy("k") is None and not cache.exists()
+    store_accuracy("k", 0.4)
+    assert lookup_accuracy("k") == 0.4 and lookup_accuracy("k", enabled=False) is None
+    assert cached_accuracy("k", lambda: 0.9) == (0.4, True)
 
 
 def test_damaged_entry_is_recomputed(cache):

@@ -24,11 +24,11 @@ COMMON = ["rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_b
 def test_two_grpo_steps_tiny_model(tmp_path):
     model_dir = save_tiny_hf_dir(tmp_path / "tiny")
     out = tmp_path / "run"
-    # in one launch: two steps, then the resume of this test's second part
-    s, resumed = run_jobs(
-        Job("grpo", model_dir, out, ["trainer.steps=2", *COMMON, "rollout.check_weight_sync=true",
-                                     "algorithm.clip_ratio_c=3.0", "trainer.save_heldout_answers=true"],
-            reward="even_length"),
+    # in one launch: two steps, then the resume of this test's second part, then the first step again with the
+    # base model evaluated before it rather than beside it
+    first_run = ["rollout.check_weight_sync=true", "algorithm.clip_ratio_c=3.0", "trainer.save_heldout_answers=true"]
+    s, resumed, before = run_jobs(
+        Job("grpo", model_dir, out, ["trainer.steps=2", *COMMON, *first_run], reward="even_length"),
         # Same output dir, one more step: the run resumes from step 2 (model, Adam state, step), with
         # idle models offloaded between phases (forced on CPU: the same copies as on GPU), and ONE vLLM
         # engine with tensor_parallel_size=2 across both ranks (external_launcher): each rank gets its
@@ -39,7 +39,9 @@ def test_two_grpo_steps_tiny_model(tmp_path):
                                      "rollout.check_weight_sync=true", "algorithm.dynamic_sampling=true",
                                      "trainer.sequence_packing=true", "trainer.balance_batch=true",
                                      "algorithm.policy_loss=gspo"],
-            reward="even_length", env={"MEGALIGN_OFFLOAD_ON_CPU": "1"}, result=tmp_path / "resumed.json"))
+            reward="even_length", env={"MEGALIGN_OFFLOAD_ON_CPU": "1"}, result=tmp_path / "resumed.json"),
+        Job("grpo", model_dir, tmp_path / "before", ["trainer.steps=1", *COMMON, *first_run, "trainer.export_hf=false",
+                                                      "trainer.eval_before_overlap=false"], reward="even_length"))
     first, second = s["history"]
     for m in (first, second):  # DP=2, TP=1: every rank rewrites its own full shard, nothing moves;
         # the check probed all 26 engine parameters (embedding, final norm, 6 per layer; LM head tied)
@@ -81,6 +83,12 @@ def test_two_grpo_steps_tiny_model(tmp_path):
         assert all(a["right"] == (len(a["response"]) % 2 == 0) for a in answers), when
         assert sum(a["right"] for a in answers) / 8 == logged, (when, logged)
 
+    # the base model's accuracy measured on the engine while step 1 trained (trainer.eval_before_overlap) is
+    # the one measured before step 1, and step 1 trained on the same samples (sampled before the evaluation)
+    assert s["heldout_before_overlapped"] and not before["heldout_before_overlapped"]
+    assert s["heldout_accuracy_before"] == before["heldout_accuracy_before"]
+    for key in ("reward/mean", "reward/std", "loss/policy", "grad_norm", "entropy", "response_length", "token_mult_prob_error"):
+        assert first[key] == before["history"][0][key], (key, first[key], before["history"][0][key])
     assert resumed["start_step"] == 2 and len(resumed["history"]) == 1
     assert (out / "checkpoints" / "step_3" / "metadata.json").exists()
     m = resumed["history"][0]

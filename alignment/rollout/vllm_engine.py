@@ -195,7 +195,10 @@ class VLLMEngine:
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig, on_done: OnDone | None
                   ) -> list[list[Sample]]:
         cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        if self._rng is None:  # never reseeded: torch's default generators, as vLLM seeded them at start
+        # never reseeded: torch's default generators, as vLLM seeded them at start; greedy: vLLM's sampler
+        # takes the argmax of an all-greedy batch and draws nothing, so no generator is touched (the
+        # held-out evaluation may run on another thread beside training: alignment/trainers/heldout.py)
+        if self._rng is None or sampling.temperature == 0:
             return self._run(prompts, sampling, on_done)
         with torch.random.fork_rng(devices=cuda):  # the stream of the last reseed, swapped in around the run
             if isinstance(self._rng, int):

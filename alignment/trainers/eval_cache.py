@@ -6,7 +6,8 @@ before training: the checkpoint's files, the dtype, the prompts, the generation 
 the engine layout. So the first run stores it under ``$MEGALIGN_CACHE`` (default
 ``~/.cache/megalign``) ``/heldout/<sha256 of those>.json`` and the next run with the same
 inputs reads it back instead of generating (a resumed run evaluates its resumed policy and
-never reads it).
+never reads it). A first run measures it beside its first step where the engine can
+(``trainer.eval_before_overlap``, :mod:`alignment.trainers.heldout`), so it starts training at once.
 
 The key holds, for every weight file of the checkpoint directory, its name, size and
 modification time (not its bytes: hashing 0.27 GB would cost a second), the prompts' token
@@ -51,34 +52,54 @@ def cache_key(parts: dict) -> str:
 
 
 def cached_accuracy(key: str, evaluate: Callable[[], float], enabled: bool = True) -> tuple[float, bool]:
-    """``(accuracy, from_cache)``: the stored value for ``key``, else ``evaluate()`` (then stored).
-
-    Collective over the default process group when one is initialised: rank 0 looks the key up
-    and every rank follows its answer (``evaluate`` is collective); rank 0 writes the file
-    atomically (temporary file + rename). ``enabled=False``: always ``evaluate()``, nothing stored.
+    """``(accuracy, from_cache)``: the stored value for ``key`` (:func:`lookup_accuracy`), else
+    ``evaluate()``, then stored (:func:`store_accuracy`). Collective over the default process group
+    when one is initialised (``evaluate`` is collective). ``enabled=False``: always ``evaluate()``,
+    nothing stored.
     """
+    found = lookup_accuracy(key, enabled)
+    if found is not None:
+        return found, True
+    accuracy = evaluate()
+    store_accuracy(key, accuracy, enabled)
+    return accuracy, False
+
+
+def lookup_accuracy(key: str, enabled: bool = True) -> float | None:
+    """The accuracy stored for ``key``, or None (none stored, a damaged entry, or ``enabled=False``).
+    Collective over the default process group when one is initialised: rank 0 looks the key up and
+    every rank gets its answer."""
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if distributed else 0
-    path = cache_root() / "heldout" / f"{key}.json"
     found = [None]
-    if enabled and rank == 0 and path.exists():
+    path = _entry(key)
+    if enabled and (dist.get_rank() if distributed else 0) == 0 and path.exists():
         try:
             found = [float(json.loads(path.read_text())["accuracy"])]
         except (ValueError, KeyError, OSError):  # a damaged entry is recomputed
             found = [None]
     if distributed:
         dist.broadcast_object_list(found, src=0)
-    if found[0] is not None:
-        return found[0], True
-    accuracy = evaluate()
-    if enabled and rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"accuracy": accuracy}))
-        tmp.replace(path)
-    return accuracy, False
+    return found[0]
+
+
+def store_accuracy(key: str, accuracy: float, enabled: bool = True) -> None:
+    """Store ``accuracy`` for ``key`` (rank 0 writes, atomically: temporary file + rename); nothing
+    with ``enabled=False``."""
+    import torch.distributed as dist
+
+    if not enabled or (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
+        return
+    path = _entry(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"accuracy": accuracy}))
+    tmp.replace(path)
+
+
+def _entry(key: str) -> Path:
+    return cache_root() / "heldout" / f"{key}.json"
 
 
 def package_version(*names: str) -> str:

@@ -192,6 +192,17 @@ def _heldout(models: Models, problems: list[Problem], sampling: SamplingConfig, 
              answers: Path | None = None) -> dict[str, float]:
     """:func:`alignment.rewards.grading.rates` of ``sampling.n`` episodes per problem, this DP
     rank's share generated and graded, the counts summed over replicas (one rank each)."""
+    return heldout_rates(heldout_counts(models, problems, sampling, grader, answers), sampling.n)
+
+
+def heldout_counts(models: Models, problems: list[Problem], sampling: SamplingConfig, grader=None,
+                   answers: Path | None = None) -> dict[str, float]:
+    """This DP rank's share of ``problems`` (every DP-size-th) generated (``sampling.n`` episodes each)
+    and graded: :func:`alignment.rewards.grading.counts`, zeros but on the replica's first rank, which
+    also appends the graded answers to ``answers``. Collective only where the generation is: over the
+    model replica and a TP>1 engine's group, and between turns of multi-turn episodes; with none of
+    those it touches no process group (the held-out evaluation run beside the first step,
+    :class:`alignment.trainers.heldout.HeldoutAccuracy`)."""
     from megatron.core import parallel_state as ps
 
     mine = list(problems[ps.get_data_parallel_rank()::ps.get_data_parallel_world_size()])
@@ -212,8 +223,14 @@ def _heldout(models: Models, problems: list[Problem], sampling: SamplingConfig, 
             os.write(fd, text.encode())
         finally:
             os.close(fd)
-    summed = all_reduce_sum([v if lead else 0.0 for v in counts.values()])
-    return grading.rates(dict(zip(counts, summed)), sampling.n)
+    return {k: v if lead else 0.0 for k, v in counts.items()}
+
+
+def heldout_rates(counts: dict[str, float], n: int) -> dict[str, float]:
+    """:func:`alignment.rewards.grading.rates` of every rank's :func:`heldout_counts` summed (collective
+    over the default group) for ``n`` episodes per problem."""
+    summed = all_reduce_sum(list(counts.values()))
+    return grading.rates(dict(zip(counts, summed)), n)
 
 
 def _informative(part: dict[str, torch.Tensor], terms, group_size: int) -> bool:

@@ -1,13 +1,31 @@
 """The held-out evaluation of an RL job (GRPO family, RFT, online DPO, PPO on a task): greedy
-accuracy before, during and after training, and pass@k / maj@k when ``rollout.eval_pass_k`` > 0."""
+accuracy before, during and after training, and pass@k / maj@k when ``rollout.eval_pass_k`` > 0.
+
+The base model's accuracy (before training) is read from the cache when an earlier run measured it
+(``trainer.eval_cache``). Otherwise, with ``trainer.eval_before_overlap`` (default), it is measured
+beside the first step: the first rollout is sampled first (as without an evaluation, so the run's
+samples do not depend on the cache), then the rollout engine, idle until the weight sync, answers
+the held-out problems on a thread of its own while the trainer computes the first update, and the
+loop logs the accuracy at step 0 once both are done (:meth:`HeldoutAccuracy.beside_first_step`). The
+first step starts as soon as the models are built. The engine must hold weights of its own and
+generate without any collective: a vLLM engine with ``rollout.tensor_parallel_size=1`` on colocated
+ranks, one rank per model replica, single-turn answers, no sampled evaluation; otherwise (and with
+``trainer.eval_before_overlap=false``) it is measured before the first step, as peers do (verl's
+``val_before_train``, NeMo-RL's ``val_at_start``).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch.distributed as dist
 
 from alignment.config import heldout_grader
+from alignment.rollout.base import SamplingConfig
 from alignment.trainers import grpo
-from alignment.trainers.eval_cache import cached_accuracy, heldout_key
+from alignment.trainers.eval_cache import cached_accuracy, heldout_key, lookup_accuracy, store_accuracy
+from parallel.state import replica_group
 
 
 class HeldoutAccuracy:
@@ -20,6 +38,8 @@ class HeldoutAccuracy:
         self.grader = heldout_grader(job.cfg)
         self.acc_before, self.cached, self.sampled_before = None, False, {}
         self.off = not self.heldout or self.grader is None
+        self.deferred: str | None = None  # the cache key of a before-training accuracy measured beside step 1
+        self.overlapped = False  # whether it was
 
     def baseline(self) -> None:
         if self.off and self.job.rank == 0:
@@ -55,18 +75,79 @@ class HeldoutAccuracy:
             key = heldout_key(job.hf_dir, self.models.tokenizer, self.heldout, job.cfg, job.world,
                               compiled=getattr(self.models.engine, "compiled", None))
             cache = job.cfg.trainer.eval_cache and not job.cfg.trainer.save_heldout_answers  # answers: evaluate
+            blocker = self.overlap_blocker()
+            if blocker is None and lookup_accuracy(key, cache) is None:
+                self.deferred = key
+                if job.rank == 0:
+                    print(f"held-out accuracy before training: measured beside step 1 ({len(self.heldout)} problems; "
+                          "trainer.eval_before_overlap)", flush=True)
+                return {}
             self.acc_before, self.cached = cached_accuracy(key, lambda: self._accuracy("step_0"), cache)
         else:
             self.acc_before = self._accuracy(f"step_{step}")
-        if job.rank == 0:
-            what = f"at step {step} (resumed)" if step else "before training"
-            note = " (cached from an earlier run: trainer.eval_cache)" if self.cached else ""
-            print(f"held-out accuracy {what}: {self.acc_before:.3f} ({len(self.heldout)} problems){note}", flush=True)
+        self._report(step)
         self.sampled_before = self._sampled()
         if job.rank == 0 and self.sampled_before:
             print("held-out, sampled: " + ", ".join(f"{k[8:]} {v:.3f}" for k, v in self.sampled_before.items()),
                   flush=True)
         return {"heldout/accuracy": self.acc_before, **self.sampled_before}
+
+    def _report(self, step: int) -> None:
+        if self.job.rank == 0:
+            what = f"at step {step} (resumed)" if step else "before training"
+            note = " (cached from an earlier run: trainer.eval_cache)" if self.cached else \
+                " (measured beside step 1)" if self.overlapped else ""
+            print(f"held-out accuracy {what}: {self.acc_before:.3f} ({len(self.heldout)} problems){note}", flush=True)
+
+    def overlap_blocker(self) -> str | None:
+        """Why the base model's evaluation cannot run beside the first step (see the module
+        docstring), or None when it can."""
+        cfg, engine = self.job.cfg, self.models.engine
+        r = cfg.rollout
+        if not cfg.trainer.eval_before_overlap:
+            return "trainer.eval_before_overlap=false"
+        if engine is None or engine.shares_trainer_weights or engine.generates_per_replica:
+            return "the engine runs the trainer's own weights (rollout.backend=megatron)"
+        if r.placement != "colocated":
+            return "rollout ranks of their own (rollout.placement=disaggregated)"
+        if r.tensor_parallel_size != 1:
+            return "a TP>1 engine generates collectively (rollout.tensor_parallel_size)"
+        if replica_group().size() != 1:
+            return "the ranks of a model replica generate together (model parallelism)"
+        if self.models.agents is not None or r.environment != "single_turn":
+            return "multi-turn episodes take turns together (rollout.environment)"
+        if r.eval_pass_k:
+            return "the sampled evaluation draws from the engine's stream (rollout.eval_pass_k)"
+        return None
+
+    def beside_first_step(self) -> Callable[[], dict[str, float]] | None:
+        """With the before-training evaluation deferred (:meth:`before`): start it on a thread of its
+        own, on the rollout engine (call it once the first rollout is sampled and before the weight
+        sync), and return the function that waits for it (collective: every rank calls it, before the
+        weight sync) and returns the metrics to log at step 0; None when nothing was deferred."""
+        if self.deferred is None:
+            return None
+        cfg = self.job.cfg
+        answers = self.job.out / "heldout" / "step_0.jsonl" if cfg.trainer.save_heldout_answers else None
+        if answers is not None and self.job.rank == 0:
+            answers.unlink(missing_ok=True)  # the thread touches no process group: no barrier after
+        sampling = SamplingConfig(n=1, temperature=0.0, max_tokens=cfg.rollout.eval_max_tokens)
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heldout")
+        counts = pool.submit(grpo.heldout_counts, self.models, self.heldout, sampling, self.grader, answers)
+        key, self.deferred = self.deferred, None
+
+        def finish() -> dict[str, float]:
+            try:
+                mine = counts.result()  # re-raises what the thread raised
+            finally:
+                pool.shutdown()
+            self.acc_before = grpo.heldout_rates(mine, 1)["pass@1"]
+            store_accuracy(key, self.acc_before, cfg.trainer.eval_cache and not cfg.trainer.save_heldout_answers)
+            self.overlapped = True
+            self._report(0)
+            return {"heldout/accuracy": self.acc_before}
+
+        return finish
 
     def measure(self, step: int) -> dict[str, float]:
         return {} if self.off else {"heldout/accuracy": self._accuracy(f"step_{step}")}
@@ -77,6 +158,7 @@ class HeldoutAccuracy:
         after = self._accuracy("final")
         before = f" (before: {self.acc_before:.3f})" if self.acc_before is not None else ""
         summary = {"heldout_accuracy_before": self.acc_before, "heldout_before_cached": self.cached,
+                   "heldout_before_overlapped": self.overlapped,
                    "heldout_accuracy_after": after, "heldout_size": len(self.heldout)}
         sampled = self._sampled()
         summary.update({f"{k[8:]}_before": v for k, v in self.sampled_before.items()})

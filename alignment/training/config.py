@@ -54,6 +54,10 @@ class TrainerConfig:
     # RL jobs: reuse the base checkpoint's before-training accuracy from an earlier run with the same
     # weights, prompts and generation settings (~/.cache/megalign/heldout; alignment/trainers/eval_cache.py)
     eval_cache: bool = True
+    # RL jobs: a base-model accuracy not in the cache is measured on the rollout engine while the first step
+    # trains (the first step starts at once), where the engine can (alignment/trainers/heldout.py); false:
+    # before the first step
+    eval_before_overlap: bool = True
     # RL jobs: write each greedy held-out evaluation's graded answers (question, reference answer, response,
     # right) to <output_dir>/heldout/step_<N>.jsonl (final.jsonl after training); the accuracy is then not cached
     save_heldout_answers: bool = False
