@@ -16,8 +16,8 @@ ranks, one rank per model replica, single-turn answers, no sampled evaluation; o
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch.distributed as dist
 
@@ -132,16 +132,24 @@ class HeldoutAccuracy:
         if answers is not None and self.job.rank == 0:
             answers.unlink(missing_ok=True)  # the thread touches no process group: no barrier after
         sampling = SamplingConfig(n=1, temperature=0.0, max_tokens=cfg.rollout.eval_max_tokens)
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heldout")
-        counts = pool.submit(grpo.heldout_counts, self.models, self.heldout, sampling, self.grader, answers)
+        result: dict = {}
+
+        def evaluate() -> None:
+            try:
+                result["counts"] = grpo.heldout_counts(self.models, self.heldout, sampling, self.grader, answers)
+            except BaseException as e:  # raised again on the loop's thread
+                result["error"] = e
+
+        # a daemon: a step that fails does not wait for the evaluation before the process exits
+        thread = threading.Thread(target=evaluate, name="heldout-before", daemon=True)
+        thread.start()
         key, self.deferred = self.deferred, None
 
         def finish() -> dict[str, float]:
-            try:
-                mine = counts.result()  # re-raises what the thread raised
-            finally:
-                pool.shutdown()
-            self.acc_before = grpo.heldout_rates(mine, 1)["pass@1"]
+            thread.join()
+            if "error" in result:
+                raise result["error"]
+            self.acc_before = grpo.heldout_rates(result["counts"], 1)["pass@1"]
             store_accuracy(key, self.acc_before, cfg.trainer.eval_cache and not cfg.trainer.save_heldout_answers)
             self.overlapped = True
             self._report(0)
