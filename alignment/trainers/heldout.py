@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 from alignment.config import heldout_grader
@@ -133,9 +134,12 @@ class HeldoutAccuracy:
             answers.unlink(missing_ok=True)  # the thread touches no process group: no barrier after
         sampling = SamplingConfig(n=1, temperature=0.0, max_tokens=cfg.rollout.eval_max_tokens)
         result: dict = {}
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
         def evaluate() -> None:
             try:
+                if device is not None:  # a new thread starts on GPU 0: this rank's GPU, as the engine's
+                    torch.cuda.set_device(device)
                 result["counts"] = grpo.heldout_counts(self.models, self.heldout, sampling, self.grader, answers)
             except BaseException as e:  # raised again on the loop's thread
                 result["error"] = e
