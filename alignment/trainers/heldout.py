@@ -76,14 +76,16 @@ class HeldoutAccuracy:
             key = heldout_key(job.hf_dir, self.models.tokenizer, self.heldout, job.cfg, job.world,
                               compiled=getattr(self.models.engine, "compiled", None))
             cache = job.cfg.trainer.eval_cache and not job.cfg.trainer.save_heldout_answers  # answers: evaluate
-            blocker = self.overlap_blocker()
-            if blocker is None and lookup_accuracy(key, cache) is None:
+            if self.overlap_blocker() is not None:
+                self.acc_before, self.cached = cached_accuracy(key, lambda: self._accuracy("step_0"), cache)
+            elif (found := lookup_accuracy(key, cache)) is not None:
+                self.acc_before, self.cached = found, True
+            else:
                 self.deferred = key
                 if job.rank == 0:
                     print(f"held-out accuracy before training: measured beside step 1 ({len(self.heldout)} problems; "
                           "trainer.eval_before_overlap)", flush=True)
                 return {}
-            self.acc_before, self.cached = cached_accuracy(key, lambda: self._accuracy("step_0"), cache)
         else:
             self.acc_before = self._accuracy(f"step_{step}")
         self._report(step)
