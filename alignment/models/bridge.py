@@ -73,6 +73,11 @@ class Bridge:
         self._vllm_index: dict[str, tuple[str, list[list[str]]]] | None = None
         # Megatron global name -> (row, name fields); in model order (vLLM order within a layer).
         self._rows: dict[str, tuple[Mapping, dict]] = {}
+        if head == "score" and not family.causal_lm:
+            raise ValueError(f"head='score': the {family.name} family has no sequence-classification (reward / "
+                             "value head) form; reward models and critics need a causal LM family")
+        for row in family.extra(dims):  # e.g. a vision tower, ahead of the language model as in vLLM
+            self._add(row, {})
         self._add(EMBEDDING, {})
         for layer in range(dims.num_layers):
             for row in family.layer(dims, layer):

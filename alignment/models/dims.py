@@ -35,6 +35,11 @@ class ModelDims:
     moe_router_topk: int = 0
     moe_norm_topk_prob: bool = True
     moe_layer_pattern: tuple[int, ...] = ()
+    # vision-language models: the family's vision tower dims (e.g. :class:`alignment.models.qwen2_5_vl.VisionDims`),
+    # the placeholder token id images fill, and M-RoPE's split of the rotary channels over (time, height, width)
+    vision: object = None
+    image_token_id: int = -1
+    mrope_section: tuple[int, ...] = ()
 
     def padded_vocab_size(self, tp_size: int) -> int:
         """Vocabulary rounded up to a multiple of ``make_vocab_size_divisible_by * tp_size``
@@ -45,6 +50,11 @@ class ModelDims:
     def is_moe_layer(self, layer: int) -> bool:
         """True when layer ``layer`` (0-based, global) is a mixture-of-experts layer."""
         return bool(self.num_experts) and bool(self.moe_layer_pattern[layer])
+
+    @property
+    def is_vision_language(self) -> bool:
+        """True for a vision-language model (a vision tower feeds image features into the language model)."""
+        return self.vision is not None
 
     @property
     def num_moe_layers(self) -> int:

@@ -4,12 +4,13 @@ and one line here."""
 
 from __future__ import annotations
 
-from alignment.models import llama, qwen3, qwen3_moe
+from alignment.models import llama, qwen2_5_vl, qwen3, qwen3_moe
 from alignment.models.bridge import HEAD_SUFFIX, Bridge
 from alignment.models.dims import ModelDims
 from alignment.models.mapping import Family
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, qwen2_5_vl.FAMILY)
+
 
 def architecture(hf_config) -> str:
     """The model's HF architecture (``architectures[0]``; ``LlamaForCausalLM`` when absent)."""
@@ -17,9 +18,10 @@ def architecture(hf_config) -> str:
 
 
 def supported_architectures() -> list[str]:
-    """Every HF architecture megalign can train: each family's causal LMs and their sequence classifiers."""
-    return sorted(a.replace(HEAD_SUFFIX["lm"], s) for f in FAMILIES for a in f.architectures
-                  for s in HEAD_SUFFIX.values())
+    """Every HF architecture megalign can train: each family's causal LMs and their sequence classifiers,
+    and the vision-language models."""
+    return sorted({a.replace(HEAD_SUFFIX["lm"], s) if f.causal_lm else a for f in FAMILIES for a in f.architectures
+                   for s in HEAD_SUFFIX.values()})
 
 
 def family_of(hf_config) -> Family:
@@ -30,6 +32,11 @@ def family_of(hf_config) -> Family:
         if causal in family.architectures:
             return family
     raise ValueError(f"model architecture {arch!r} is not supported; supported: {', '.join(supported_architectures())}")
+
+
+def text_config(hf_config):
+    """The language model's part of an HF config: ``text_config`` of a vision-language model, else the config."""
+    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
 
 
 def model_dims(hf_config) -> ModelDims:

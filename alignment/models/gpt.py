@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from alignment.models.families import model_dims
+from alignment.models.families import family_of, model_dims, text_config
 
 
 def _have_transformer_engine() -> bool:
@@ -73,7 +73,7 @@ def transformer_config(hf_config, *, tensor_model_parallel_size: int = 1, pipeli
         kv_channels=d.head_dim,
         ffn_hidden_size=d.ffn_hidden_size,
         normalization="RMSNorm",
-        layernorm_epsilon=hf_config.rms_norm_eps,
+        layernorm_epsilon=text_config(hf_config).rms_norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
@@ -101,12 +101,15 @@ def transformer_config(hf_config, *, tensor_model_parallel_size: int = 1, pipeli
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
+        mrope_section=list(d.mrope_section) or None,
         **moe_config(d, moe_aux_loss_coeff),
     )
 
 
 def rope_theta(hf_config) -> float:
-    """RoPE base from an HF config (``rope_theta`` or transformers 5's ``rope_parameters``)."""
+    """RoPE base from an HF config (``rope_theta`` or transformers 5's ``rope_parameters``; a
+    vision-language model's from its ``text_config``)."""
+    hf_config = text_config(hf_config)
     params = getattr(hf_config, "rope_parameters", None) or {}
     return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
 
@@ -154,22 +157,29 @@ def build_gpt_model(hf_config, config, *, vp_stage: int | None = None, share_emb
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    scaling = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_type", "default")
+    text = text_config(hf_config)
+    scaling = (getattr(text, "rope_parameters", None) or {}).get("rope_type", "default")
     if scaling not in (None, "default"):
         raise ValueError(f"model.rope_scaling type {scaling!r} is not supported yet (only default RoPE)")
     d = model_dims(hf_config)
-    model = GPTModel(
+    kwargs = dict(
         config=config,
         transformer_layer_spec=layer_spec(config, core_attention, vp_stage),
         vocab_size=d.padded_vocab_size(config.tensor_model_parallel_size),
-        max_sequence_length=hf_config.max_position_embeddings,
+        max_sequence_length=text.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         share_embeddings_and_output_weights=d.tie_word_embeddings if share_embeddings is None else share_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="mrope" if d.is_vision_language else "rope",
         rotary_base=rope_theta(hf_config),
         vp_stage=vp_stage,
     )
+    if d.is_vision_language:  # a vision tower on the first stage, M-RoPE (alignment/models/vlm_model.py)
+        from alignment.models.vlm_model import VisionLanguageModel
+
+        model = VisionLanguageModel(family_of(hf_config).vision, hf_config, d, **kwargs)
+    else:
+        model = GPTModel(**kwargs)
     if config.num_moe_experts:
         from megatron.core.transformer.moe.router import Router
 

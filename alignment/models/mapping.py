@@ -251,9 +251,16 @@ class Family:
     ``*ForSequenceClassification`` twin for reward models and critics), how to read its
     :class:`ModelDims` from an HF config (raising ValueError, naming the HF field, for what it
     cannot run), and its table: the rows of layer ``i`` (Megatron names relative to the layer).
+    ``extra``: the rows outside the language model (a vision tower's; global Megatron names).
+    ``causal_lm``: the architectures are causal LMs with a ``*ForSequenceClassification`` twin
+    (False for vision-language models: ``*ForConditionalGeneration``, no reward-model form);
+    ``vision``: a vision-language family's :class:`alignment.models.vlm.VisionSpec`.
     One folder per family under ``alignment/models/`` holds one of these."""
 
     name: str
     architectures: tuple[str, ...]
     dims: Callable[[object], ModelDims]
     layer: Callable[[ModelDims, int], tuple[Mapping, ...]]
+    extra: Callable[[ModelDims], tuple[Mapping, ...]] = lambda d: ()  # noqa: E731
+    causal_lm: bool = True
+    vision: object = None

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from alignment.models.vlm import multimodal_inputs
 from alignment.training.output_positions import OutputPositions, output_on
 from alignment.training.router_stats import track_routing
 from parallel.lora import FrozenBase, adapters_disabled
@@ -295,6 +296,8 @@ def _selected_positions(mb: dict, inp, key: str | None, sequence_parallel: bool)
 
 def _forward_backward(schedule, model, microbatches, loss_fn, *, outputs, forward_only, packing, pad_id,
                       positions=None, share_prompts=False, routing=None):
+    from megatron.core import parallel_state as ps
+
     from parallel.prompt_tree import tree_rotary  # imports Megatron
 
     device = next(model.parameters()).device
@@ -320,8 +323,10 @@ def _forward_backward(schedule, model, microbatches, loss_fn, *, outputs, forwar
             sel = _selected_positions(mb, inp, positions, sequence_parallel)
             rotary = nullcontext()
         routed = routing.micro_batch(mb, inp, sequence_parallel) if routing is not None else nullcontext()
+        extra = multimodal_inputs(m, mb, inp.index[ps.get_context_parallel_rank()])  # {} for a text model
+        position_ids = extra.pop("position_ids", inp.position_ids)
         with output_on(m, sel), rotary, routed:
-            out = m(inp.input_ids, inp.position_ids, attention_mask=None, packed_seq_params=inp.packed_seq_params)
+            out = m(inp.input_ids, position_ids, attention_mask=None, packed_seq_params=inp.packed_seq_params, **extra)
         return out, partial(loss_func, mb, inp, sel)
 
     return schedule(

@@ -15,7 +15,14 @@ from __future__ import annotations
 import tempfile
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 COMMON = dict(vocab_size=250, hidden_size=64, intermediate_size=80, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
@@ -33,6 +40,29 @@ def tiny_qwen3_moe_config(tie_word_embeddings: bool = False, vocab_size: int = 2
                           moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
                           mlp_only_layers=list(mlp_only_layers), decoder_sparse_step=1, router_aux_loss_coef=0.0,
                           architectures=["Qwen3MoeForCausalLM"])
+
+
+IMAGE_TOKEN = 240  # Qwen2.5-VL's <|image_pad|> in the tiny vocabulary
+
+
+def tiny_qwen2_5_vl_config(tie_word_embeddings: bool = False) -> Qwen2_5_VLConfig:
+    """Qwen2.5-VL: the Qwen2 language model of :data:`COMMON` (QKV bias, head_dim 16, M-RoPE section
+    2+3+3) and a 2-block vision tower (width 32, 4x4-pixel patches, 2x2 merge; block 0 window attention
+    over 2x2 merged patches, block 1 full attention)."""
+    text = {**COMMON, "head_dim": 16, "bos_token_id": None, "eos_token_id": None, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                          "mrope_section": [2, 3, 3]}}
+    text.pop("attention_bias"), text.pop("rope_theta")
+    return Qwen2_5_VLConfig(
+        text_config=text, tie_word_embeddings=tie_word_embeddings,
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, in_chans=3, out_hidden_size=64,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, window_size=16,
+                           fullatt_block_indexes=[1]),
+        image_token_id=IMAGE_TOKEN, video_token_id=241, vision_start_token_id=242, vision_end_token_id=243,
+        bos_token_id=None, eos_token_id=None, architectures=["Qwen2_5_VLForConditionalGeneration"])
+
+
+def tiny_qwen2_5_vl(seed: int = 0, **kwargs) -> Qwen2_5_VLForConditionalGeneration:
+    return randomize(lambda: Qwen2_5_VLForConditionalGeneration(tiny_qwen2_5_vl_config(**kwargs)), seed)
 
 
 def randomize(build, seed: int) -> torch.nn.Module:

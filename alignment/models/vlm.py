@@ -1,0 +1,61 @@
+"""What a vision-language family adds to the table (:class:`VisionSpec`), and the model inputs
+beyond token ids that its Megatron model takes per micro-batch (:func:`multimodal_inputs`).
+
+The model itself (a Megatron ``GPTModel`` with a vision tower) is
+:class:`alignment.models.vlm_model.VisionLanguageModel`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+# micro-batch keys of the image inputs: HF's processor outputs (``pixel_values`` ``[patches, C*T*p*p]``, the
+# patches of the micro-batch's images in order; ``image_grid_thw`` ``[images, 3]``)
+IMAGE_KEYS = ("pixel_values", "image_grid_thw")
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """A vision-language family's model parts.
+
+    Args:
+        tower: ``hf_config -> nn.Module``, the vision tower (``forward(pixel_values, grid_thw)`` whose
+            ``pooler_output`` ``[image tokens, hidden]`` fills the image placeholders in order).
+        positions: ``(input_ids [rows, seq], seq_lengths [rows] | None, image_grid_thw | None, dims)
+            -> [3, rows, seq]``, the multimodal RoPE positions.
+    """
+
+    tower: Callable[[object], torch.nn.Module]
+    positions: Callable[..., torch.Tensor]
+
+
+def has_images(mb: dict) -> bool:
+    """True when micro-batch ``mb`` carries images (a non-empty ``image_grid_thw``)."""
+    grid = mb.get("image_grid_thw")
+    return grid is not None and grid.numel() > 0
+
+
+def multimodal_inputs(model: torch.nn.Module, mb: dict, index: torch.Tensor) -> dict:
+    """The keyword inputs a vision-language model's shard takes for micro-batch ``mb`` beyond its
+    token ids: M-RoPE ``position_ids`` ``[3, b, s_local]`` for this rank's tokens (``index``
+    ``[b, s_local]``: the flat ``row * seq + col`` position of every local token in the padded
+    micro-batch, -1 for alignment padding, as :class:`parallel.packing.ModelInputs` keeps it) and
+    the images. ``{}`` for a text model."""
+    from alignment.models.vlm_model import VisionLanguageModel
+    from parallel.names import unwrap
+
+    vlm = unwrap(model)
+    if not isinstance(vlm, VisionLanguageModel):
+        return {}
+    grid = mb.get("image_grid_thw") if has_images(mb) else None
+    positions = vlm.spec.positions(mb["input_ids"].cpu(), mb.get("seq_lengths"), None if grid is None else grid.cpu(),
+                                   vlm.dims)  # [3, rows, seq]
+    flat = index.cpu().reshape(-1)
+    local = positions.reshape(3, -1)[:, flat.clamp(min=0)] * (flat >= 0)
+    out = {"position_ids": local.view(3, *index.shape).to(index.device)}
+    if grid is not None:
+        out.update(pixel_values=mb["pixel_values"], image_grid_thw=grid)
+    return out

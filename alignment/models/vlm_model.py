@@ -1,0 +1,59 @@
+"""A vision-language model on Megatron-Core: a ``GPTModel`` (the language model, multimodal RoPE)
+whose first pipeline stage also holds the family's vision tower.
+
+On the first stage the forward embeds the tokens, runs the vision tower over the micro-batch's
+images, writes its output into the image placeholder positions (row by row, as transformers'
+``masked_scatter``), then scatters the sequence over the tensor-parallel group when sequence
+parallelism is on, and continues as ``GPTModel`` with those embeddings. Every stage computes the
+rotary frequencies from the ``[3, b, s]`` M-RoPE positions (Megatron's ``mrope``).
+
+The tower is replicated on every tensor-parallel rank (each computes the same features from the
+same images; the gradients reaching it are the full ones on every rank), as Megatron-Bridge runs
+Qwen2.5-VL's. Megatron-Core 0.16.1's own ``LLaVAModel`` / ``CLIPViTModel`` have neither window
+attention nor 2-D RoPE over variable image sizes, so the HF tower is used as it is.
+"""
+
+from __future__ import annotations
+
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt import GPTModel
+
+
+
+class VisionLanguageModel(GPTModel):
+    """``GPTModel`` plus ``vision_model`` (first pipeline stage only).
+
+    Args:
+        spec: the family's :class:`alignment.models.vlm.VisionSpec`.
+        hf_config: the HF config (its vision part builds the tower).
+        dims: the model's :class:`alignment.models.dims.ModelDims` (``image_token_id``).
+        **kwargs: ``GPTModel``'s (``position_embedding_type="mrope"``).
+    """
+
+    def __init__(self, spec, hf_config, dims, **kwargs):
+        super().__init__(scatter_embedding_sequence_parallel=False, **kwargs)
+        self.spec, self.dims = spec, dims
+        if self.pre_process:
+            self.vision_model = spec.tower(hf_config).to(self.config.params_dtype)
+
+    def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, pixel_values=None,
+                image_grid_thw=None, **kwargs):
+        """``GPTModel.forward`` with ``position_ids`` ``[3, b, s]`` (M-RoPE) and, on the first stage,
+        the images: ``pixel_values`` ``[patches, C*T*p*p]`` and ``image_grid_thw`` ``[images, 3]`` of the
+        images whose placeholders ``input_ids`` ``[b, s]`` hold, in order (None: no images).
+        Raises ValueError when the placeholders and the images' token count differ."""
+        if self.pre_process and decoder_input is None:
+            embeddings = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h], whole sequence
+            if pixel_values is not None:
+                features = self.vision_model(pixel_values.to(self.config.params_dtype), grid_thw=image_grid_thw)
+                features = features.pooler_output.to(embeddings.dtype)  # [image tokens, h]
+                mask = (input_ids == self.dims.image_token_id).transpose(0, 1)  # [s, b]
+                if int(mask.sum()) != features.shape[0]:
+                    raise ValueError(f"{int(mask.sum())} image placeholder tokens in the micro-batch, "
+                                     f"{features.shape[0]} image features from image_grid_thw")
+                bsh = embeddings.transpose(0, 1).masked_scatter(mask.transpose(0, 1)[..., None], features)
+                embeddings = bsh.transpose(0, 1).contiguous()
+            if self.config.sequence_parallel:
+                embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
+            decoder_input = embeddings
+        return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, **kwargs)

@@ -1,0 +1,136 @@
+"""torchrun worker: Qwen2.5-VL on Megatron-Core equals transformers.
+
+    torchrun --nproc-per-node 2 tests/dist/vlm_worker.py OUT.json
+
+Logits (fp32, full vocabulary) of a tiny random Qwen2.5-VL loaded from its HF checkpoint form, at
+TP=1 (DP=2), TP=2 with sequence parallelism, PP=2, and packed (``thd``) at TP=1 and TP=2+SP, against
+transformers' logits of every row run on its own: a micro-batch of two text rows, then one with a
+16-token image (8x8 patches), a 24-token image (8x12) and a 4-token image (4x4) in two rows. The HF
+export must give every checkpoint tensor back exactly. Writes {case: {...}}.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from alignment.models.families import get_bridge, model_dims
+from alignment.models.gpt import build_gpt_model, transformer_config
+from alignment.models.weights import export_hf_weights, load_hf_weights
+from alignment.training.megatron_step import forward_backward
+from parallel.layout import ParallelLayout, validate_model_layout
+from parallel.state import env_world, init_distributed
+from tests.dist.parity_worker import max_diff_on_last_stage
+from tests.dist.report import worst_over_ranks, write_results_and_shutdown
+from tests.dist.tiny_models import IMAGE_TOKEN, checkpoint_state, tiny_qwen2_5_vl
+
+
+def L(tp=1, pp=1, packing=False):  # noqa: N802 - a layout
+    return dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=tp > 1), packing
+
+
+CASES = {"tp1": L(), "tp2_sp": L(tp=2), "pp2": L(pp=2), "tp1_packed": L(packing=True),
+         "tp2_sp_packed": L(tp=2, packing=True)}
+GRIDS = [(1, 8, 8), (1, 8, 12), (1, 4, 4)]  # patch grids: 16, 24 and 4 merged tokens
+
+
+def rows_and_images(seed: int = 2):
+    """Four rows (text only; one image; two images; text only) as token-id lists, and per row its images'
+    (pixel_values [patches, 96], grid [1, 3]) in order."""
+    g = torch.Generator().manual_seed(seed)
+
+    def text(n):
+        return torch.randint(0, 240, (n,), generator=g).tolist()
+
+    def image(grid):
+        t, h, w = grid
+        return [IMAGE_TOKEN] * (t * h * w // 4), (torch.randn(t * h * w, 96, generator=g), torch.tensor([grid]))
+
+    rows, images = [text(20)], [[]]
+    tok, img = image(GRIDS[0])
+    rows.append(text(3) + tok + text(6))
+    images.append([img])
+    tok1, img1 = image(GRIDS[1])
+    tok2, img2 = image(GRIDS[2])
+    rows.append(text(2) + tok1 + text(3) + tok2 + text(2))
+    images.append([img1, img2])
+    rows.append(text(15))
+    images.append([])
+    return rows, images
+
+
+def micro_batch(rows, images):
+    """Right-padded ``input_ids`` / ``seq_lengths`` and the rows' images concatenated in order."""
+    seq = max(map(len, rows))
+    ids = torch.zeros(len(rows), seq, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+    mb = {"input_ids": ids, "seq_lengths": torch.tensor([len(r) for r in rows])}
+    flat = [im for ims in images for im in ims]
+    if flat:
+        mb["pixel_values"] = torch.cat([p for p, _ in flat])
+        mb["image_grid_thw"] = torch.cat([gr for _, gr in flat])
+    return mb
+
+
+def hf_logits(hf, row, images) -> torch.Tensor:
+    """transformers' logits ``[len, vocab]`` of one row with its images."""
+    ids = torch.tensor([row])
+    kw = {}
+    if images:
+        kw = dict(pixel_values=torch.cat([p for p, _ in images]), image_grid_thw=torch.cat([g for _, g in images]),
+                  mm_token_type_ids=(ids == IMAGE_TOKEN).int())
+    with torch.no_grad():
+        return hf(input_ids=ids, **kw).logits[0]
+
+
+def megatron_case(hf, mbs, world, sizes, packing):
+    """Every micro-batch's full-vocabulary logits ``[rows, seq, vocab]`` (last stage; None elsewhere)
+    and the export's largest difference and missing names."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    cfg, state = hf.config, checkpoint_state(hf)
+    validate_model_layout(ParallelLayout(world_size=world, **sizes), model_dims(cfg))
+    init_distributed(ParallelLayout(world_size=world, **sizes))
+    bridge = get_bridge(cfg)
+    model = build_gpt_model(cfg, transformer_config(cfg, **sizes)).eval()
+    load_hf_weights(model, state, bridge)
+    vocab = cfg.get_text_config().vocab_size
+
+    def full_logits(logits, target_ids):
+        return {"logits": gather_from_tensor_model_parallel_region(logits)[..., :vocab]}
+
+    with torch.no_grad():
+        out = forward_backward(model, mbs, lambda mb, o: (o["logits"].sum() * 0, o), outputs=full_logits,
+                               forward_only=True, packing=packing)
+    exported = export_hf_weights(model, bridge)
+    export_diff = max((exported[k] - state[k]).abs().max().item() for k in exported)
+    logits = [o["logits"] for o in out] if ps.is_pipeline_last_stage() else None
+    return logits, export_diff, sorted(set(state) - set(exported))
+
+
+def main(path: str) -> None:
+    _, world, _ = env_world()
+    hf = tiny_qwen2_5_vl(seed=1)
+    rows, images = rows_and_images()
+    groups = [[0, 3], [1, 2]]  # a micro-batch without images, one with three (equal rows: PP's fixed shapes)
+    mbs = [micro_batch([rows[i] for i in grp], [images[i] for i in grp]) for grp in groups]
+    refs = [[hf_logits(hf, rows[i], images[i]) for i in grp] for grp in groups]
+    text_only = hf_logits(hf, rows[1], [])  # the image row with its placeholders left as tokens
+    results = {"reference": {"logit_std": torch.cat([r for grp in refs for r in grp]).std().item(),
+                             "image_effect": (refs[1][0] - text_only).abs().max().item()}}
+    for name, (sizes, packing) in CASES.items():
+        logits, export_diff, missing = megatron_case(hf, mbs, world, sizes, packing)
+        diff = 0.0
+        if logits is not None:
+            diff = max((logits[m][j, :len(rows[i])] - refs[m][j]).abs().max().item()
+                       for m, grp in enumerate(groups) for j, i in enumerate(grp))
+        results[name] = {"max_abs_diff": worst_over_ranks(diff), "export_max_abs_diff": worst_over_ranks(export_diff),
+                         "export_missing": missing}
+    write_results_and_shutdown(path, results)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,97 @@
+"""Qwen2.5-VL (alignment/models/qwen2_5_vl): M-RoPE positions equal transformers', the family table
+maps every checkpoint tensor once and round-trips through TP shards, bad image inputs get one clear
+error; and on 2 ranks (tests/dist/vlm_worker.py) logits equal transformers' at TP=1, TP=2+SP, PP=2 and
+packed, on text and on images of three sizes, with an exact HF export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist.tiny_models import IMAGE_TOKEN, checkpoint_state, tiny_qwen2_5_vl, tiny_qwen2_5_vl_config
+from tests.dist.vlm_worker import CASES, micro_batch, rows_and_images
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_qwen2_5_vl(seed=0)
+
+
+def test_mrope_positions_equal_transformers(hf):
+    """Our positions of a right-padded batch (text only, one image, two images of other sizes) equal
+    ``Qwen2_5_VLModel.get_rope_index`` at every real token; the image rows really are 3-D."""
+    from alignment.models.families import model_dims
+    from alignment.models.qwen2_5_vl.positions import mrope_position_ids
+
+    rows, images = rows_and_images()
+    mb = micro_batch(rows, images)
+    ids, lengths = mb["input_ids"], mb["seq_lengths"]
+    mask = (torch.arange(ids.shape[1]) < lengths[:, None]).long()
+    ref, _ = hf.model.get_rope_index(ids, mm_token_type_ids=(ids == IMAGE_TOKEN).int() * mask,
+                                     image_grid_thw=mb["image_grid_thw"], attention_mask=mask)
+    ours = mrope_position_ids(ids, lengths, mb["image_grid_thw"], model_dims(hf.config))
+    assert ours.shape == (3, 4, ids.shape[1])
+    real = mask.bool().expand(3, -1, -1)
+    assert torch.equal(ours[real], ref[real])
+    assert not torch.equal(ours[0, 2], ours[1, 2])  # height differs from time in the image row
+    # text only: plain 1-D positions in all three channels
+    assert torch.equal(ours[:, 0, :20], torch.arange(20).expand(3, -1))
+
+
+def test_mrope_positions_refuse_bad_images(hf):
+    from alignment.models.families import model_dims
+    from alignment.models.qwen2_5_vl.positions import mrope_position_ids
+
+    d = model_dims(hf.config)
+    ids = torch.tensor([[1, 2] + [IMAGE_TOKEN] * 4 + [3]])
+    with pytest.raises(ValueError, match="needs 16 placeholder tokens"):
+        mrope_position_ids(ids, None, torch.tensor([[1, 8, 8]]), d)
+    with pytest.raises(ValueError, match="only 0 image grids"):
+        mrope_position_ids(ids, None, None, d)
+    with pytest.raises(ValueError, match="2 image grids .* for 1 images"):
+        mrope_position_ids(ids, None, torch.tensor([[1, 4, 4], [1, 4, 4]]), d)
+    with pytest.raises(ValueError, match="does not divide by the merge size 2"):
+        mrope_position_ids(ids, None, torch.tensor([[1, 3, 4]]), d)
+
+
+def test_table_maps_every_tensor_once_and_round_trips(hf):
+    from alignment.models.families import get_bridge, supported_architectures
+
+    state, bridge = checkpoint_state(hf), get_bridge(hf.config)
+    made = [n for mg in bridge.megatron_names() for n in bridge.hf_names(mg)]
+    assert sorted(made) == sorted(state)  # every tensor of the checkpoint, once: vision tower included
+    assert any(n.startswith("visual.blocks.1.") for n in made) and "model.layers.3.self_attn.q_proj.bias" in made
+    for mg in bridge.megatron_names():
+        back = bridge.to_hf(mg, [bridge.to_megatron_shard(mg, state, j, 2) for j in range(2)])
+        assert all(torch.equal(back[k], state[k]) for k in back), mg
+    assert bridge.hf_architecture == "Qwen2_5_VLForConditionalGeneration"
+    assert "Qwen2_5_VLForConditionalGeneration" in supported_architectures()
+    assert "Qwen2_5_VLForSequenceClassification" not in supported_architectures()
+    with pytest.raises(ValueError, match="no sequence-classification"):
+        get_bridge(hf.config, head="score")
+
+
+def test_dims_refuse_what_the_model_cannot_run():
+    from alignment.models.families import model_dims
+
+    cfg = tiny_qwen2_5_vl_config()
+    d = model_dims(cfg)
+    assert d.qkv_bias and d.is_vision_language and d.mrope_section == (2, 3, 3) and d.image_token_id == IMAGE_TOKEN
+    cfg.text_config.rope_parameters["mrope_section"] = [4, 6, 6]
+    with pytest.raises(ValueError, match="mrope_section=\\[4, 6, 6\\] must sum to head_dim / 2 = 8"):
+        model_dims(cfg)
+    cfg = tiny_qwen2_5_vl_config()
+    cfg.vision_config.out_hidden_size = 32
+    with pytest.raises(ValueError, match="out_hidden_size=32 must equal the language model's hidden_size=64"):
+        model_dims(cfg)
+
+
+@pytest.mark.slow
+def test_logits_equal_transformers_at_every_layout(torchrun_json):
+    r = torchrun_json("vlm_worker.py", nproc=2)
+    ref = r["reference"]
+    assert ref["logit_std"] > 0.5 and ref["image_effect"] > 0.5  # the images move the logits far
+    for name in CASES:
+        c = r[name]
+        assert c["max_abs_diff"] <= 1e-4, (name, c)
+        assert c["export_max_abs_diff"] == 0.0 and c["export_missing"] == [], (name, c)
