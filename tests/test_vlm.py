@@ -1,7 +1,8 @@
 """Qwen2.5-VL (alignment/models/qwen2_5_vl): M-RoPE positions equal transformers', the family table
 maps every checkpoint tensor once and round-trips through TP shards, bad image inputs get one clear
-error; and on 2 ranks (tests/dist/vlm_worker.py) logits equal transformers' at TP=1, TP=2+SP, PP=2 and
-packed, on text and on images of three sizes, with an exact HF export."""
+error, rows of a batch keep their images; and on 2 ranks (tests/dist/vlm_worker.py) logits equal
+transformers' at TP=1, TP=2+SP, PP=2 and packed, on text and on images of three sizes, with an exact HF
+export, and GRPO-loss gradients (vision tower included) equal single-process autograd."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from tests.dist.tiny_models import IMAGE_TOKEN, checkpoint_state, tiny_qwen2_5_vl, tiny_qwen2_5_vl_config
-from tests.dist.vlm_worker import CASES, micro_batch, rows_and_images
+from tests.dist.vlm_worker import CASES, GRAD_CASES, micro_batch, rows_and_images
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +96,27 @@ def test_logits_equal_transformers_at_every_layout(torchrun_json):
         c = r[name]
         assert c["max_abs_diff"] <= 1e-4, (name, c)
         assert c["export_max_abs_diff"] == 0.0 and c["export_missing"] == [], (name, c)
+    ref = r["grad_reference"]
+    assert ref["max_grad"] > 1e-2 and ref["max_vision_grad"] > 1e-3  # the loss reaches the vision tower
+    for name in GRAD_CASES:
+        c = r[name]
+        assert abs(c["loss"] - ref["loss"]) <= 1e-5 * max(1.0, abs(ref["loss"])), (name, c, ref)
+        assert c["missing"] == [] and c["max_grad_diff"] <= 1e-5 * ref["max_grad"] + 1e-7, (name, c, ref)
+
+
+def test_select_rows_takes_each_rows_images():
+    """Rows picked in any order keep their own images: grids and patch rows follow the new row order."""
+    from alignment.data.images import select_rows
+
+    grid = torch.tensor([[1, 2, 2], [1, 2, 4], [1, 4, 2]])  # 4, 8 and 8 patches
+    pixels = torch.arange(20).float()[:, None].expand(20, 3)
+    batch = {"input_ids": torch.arange(4)[:, None].expand(4, 5), "image_counts": torch.tensor([0, 2, 0, 1]),
+             "image_grid_thw": grid, "pixel_values": pixels}
+    out = select_rows(batch, torch.tensor([3, 1]))
+    assert out["input_ids"][:, 0].tolist() == [3, 1] and out["image_counts"].tolist() == [1, 2]
+    assert out["image_grid_thw"].tolist() == [[1, 4, 2], [1, 2, 2], [1, 2, 4]]
+    assert out["pixel_values"][:, 0].tolist() == list(range(12, 20)) + list(range(0, 12))
+    none = select_rows(batch, torch.tensor([0, 2]))
+    assert none["image_grid_thw"].shape == (0, 3) and none["pixel_values"].shape == (0, 3)
+    with pytest.raises(ValueError, match="image_counts sum to 3 images, image_grid_thw has 2"):
+        select_rows({**batch, "image_grid_thw": grid[:2]}, torch.tensor([0]))

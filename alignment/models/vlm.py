@@ -12,10 +12,6 @@ from typing import Callable
 
 import torch
 
-# micro-batch keys of the image inputs: HF's processor outputs (``pixel_values`` ``[patches, C*T*p*p]``, the
-# patches of the micro-batch's images in order; ``image_grid_thw`` ``[images, 3]``)
-IMAGE_KEYS = ("pixel_values", "image_grid_thw")
-
 
 @dataclass(frozen=True)
 class VisionSpec:

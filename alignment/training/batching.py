@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from alignment.data.images import select_rows
 from alignment.rollout.base import Sample
 from parallel.balance import token_budget_partition
 
@@ -66,7 +67,8 @@ def split_microbatches(batch: dict[str, torch.Tensor], micro_batch_size: int, ma
     Karmarkar-Karp (:func:`parallel.balance.token_budget_partition`); ``rows_per_unit``
     consecutive rows stay together in order (2 for DPO's chosen/rejected pairs).
     Each micro-batch carries ``row_index`` ``[m]``: its rows' positions in ``batch``
-    (:func:`cat_rows` puts outputs back in batch order).
+    (:func:`cat_rows` puts outputs back in batch order), and its rows' images
+    (:func:`alignment.data.images.select_rows`).
     Raises ValueError for ``micro_batch_size < 1`` or a unit longer than ``max_tokens``.
     """
     if micro_batch_size < 1:
@@ -79,7 +81,7 @@ def split_microbatches(batch: dict[str, torch.Tensor], micro_batch_size: int, ma
                  for p in token_budget_partition(per_unit, max_tokens)]
     else:
         parts = [torch.arange(i, min(i + micro_batch_size, n)) for i in range(0, n, micro_batch_size)]
-    return [{**{k: v[idx] for k, v in batch.items()}, "row_index": idx} for idx in parts]
+    return [{**select_rows(batch, idx), "row_index": idx} for idx in parts]
 
 
 def cat_rows(outputs: list[dict[str, torch.Tensor]], key: str, microbatches: list[dict]) -> torch.Tensor:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from alignment.algorithms.grpo_loss import GRPOLossConfig, grpo_loss
+from alignment.data.images import select_rows
 from alignment.models.families import get_bridge
 from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.weights import export_hf_weights, load_hf_weights
@@ -172,7 +173,7 @@ def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, rou
     ddp, _ = setup_training(model, OptimConfig())  # (MoE: tracks routing, alignment.training.router_stats)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rows = batch["input_ids"].shape[0] // dp
-    local = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in batch.items()}
+    local = select_rows(batch, torch.arange(dp_rank * rows, (dp_rank + 1) * rows))  # with its rows' images
     total = (local if local_normaliser else batch)["response_mask"].sum()  # the global normaliser, passed in
 
     def loss_fn(mb, out):
@@ -185,7 +186,8 @@ def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, rou
         return (loss, m) if extra is None else (loss + extra, m)
 
     ddp.zero_grad_buffer()
-    outputs = VocabOutputs(cfg.vocab_size) if distill else LogprobOutputs(cfg.vocab_size)
+    vocab = cfg.get_text_config().vocab_size
+    outputs = VocabOutputs(vocab) if distill else LogprobOutputs(vocab)
     routes = RoutingPass.of(ddp, routing) if routing else None
     out = forward_backward(ddp, split_microbatches(local, mbs), loss_fn, forward_only=False,
                            outputs=outputs, packing=packing, positions=positions, share_prompts=share_prompts,

@@ -6,7 +6,9 @@ Logits (fp32, full vocabulary) of a tiny random Qwen2.5-VL loaded from its HF ch
 TP=1 (DP=2), TP=2 with sequence parallelism, PP=2, and packed (``thd``) at TP=1 and TP=2+SP, against
 transformers' logits of every row run on its own: a micro-batch of two text rows, then one with a
 16-token image (8x8 patches), a 24-token image (8x12) and a 4-token image (4x4) in two rows. The HF
-export must give every checkpoint tensor back exactly. Writes {case: {...}}.
+export must give every checkpoint tensor back exactly. GRPO-loss gradients of every parameter (the
+vision tower's too) at DP=2, TP=2+SP, PP=2 and packed equal plain autograd on transformers' model.
+Writes {case: {...}}.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from alignment.models.weights import export_hf_weights, load_hf_weights
 from alignment.training.megatron_step import forward_backward
 from parallel.layout import ParallelLayout, validate_model_layout
 from parallel.state import env_world, init_distributed
-from tests.dist.parity_worker import max_diff_on_last_stage
+from tests.dist.grpo_invariance_worker import hf_reference
+from tests.dist.grpo_invariance_worker import megatron_case as grpo_case
 from tests.dist.report import worst_over_ranks, write_results_and_shutdown
 from tests.dist.tiny_models import IMAGE_TOKEN, checkpoint_state, tiny_qwen2_5_vl
 
@@ -111,6 +114,47 @@ def megatron_case(hf, mbs, world, sizes, packing):
     return logits, export_diff, sorted(set(state) - set(exported))
 
 
+GRAD_CASES = {"grad/dp2": (L()[0], 1, False), "grad/tp2_sp": (L(tp=2)[0], 2, False), "grad/pp2": (L(pp=2)[0], 2, False),
+              "grad/dp2_packed": (L()[0], 2, True)}  # name: (sizes, micro-batch rows, packing)
+
+
+def grpo_batch(rows, images) -> dict:
+    """The four rows as one GRPO batch: the last 5 tokens of each row the response (text), ``old_delta``
+    (old logprobs off the current ones, so ratios differ from 1), ``ref_logprobs`` and ``advantages``,
+    and the images with ``image_counts``."""
+    g = torch.Generator().manual_seed(9)
+    batch = micro_batch(rows, images)
+    n, seq = batch["input_ids"].shape
+    mask = torch.zeros(n, seq)
+    for i, r in enumerate(rows):
+        mask[i, len(r) - 6: len(r) - 1] = 1.0  # position t scores token t + 1
+    batch.update(response_mask=mask, old_delta=0.3 * torch.randn(n, seq, generator=g),
+                 ref_logprobs=-5.5 + 0.5 * torch.randn(n, seq, generator=g), advantages=torch.randn(n, generator=g),
+                 image_counts=torch.tensor([len(ims) for ims in images]))
+    return batch
+
+
+def grad_cases(world: int, hf, rows, images) -> dict:
+    """GRPO-loss gradients of every parameter (vision tower included) through Megatron against plain
+    autograd on transformers' model over the whole batch in one process."""
+    batch = grpo_batch(rows, images)
+    ids = batch["input_ids"]
+    ref_loss, ref_grads = hf_reference(hf, batch, pixel_values=batch["pixel_values"],
+                                       image_grid_thw=batch["image_grid_thw"],
+                                       mm_token_type_ids=(ids == IMAGE_TOKEN).int())
+    ref_grads = checkpoint_state(hf, ref_grads)
+    max_grad = max(g.abs().max().item() for g in ref_grads.values())
+    vision_grad = max(g.abs().max().item() for k, g in ref_grads.items() if k.startswith("visual."))
+    results = {"grad_reference": {"loss": ref_loss, "max_grad": max_grad, "max_vision_grad": vision_grad}}
+    state = checkpoint_state(hf)
+    for name, (sizes, mbs, packing) in GRAD_CASES.items():
+        loss, grads = grpo_case(hf, batch, world, mbs, state=state, packing=packing, **sizes)
+        results[name] = {"loss": loss, "missing": sorted(set(ref_grads) - set(grads)),
+                         "max_grad_diff": max((grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads
+                                              if k in grads)}
+    return results
+
+
 def main(path: str) -> None:
     _, world, _ = env_world()
     hf = tiny_qwen2_5_vl(seed=1)
@@ -129,6 +173,7 @@ def main(path: str) -> None:
                        for m, grp in enumerate(groups) for j, i in enumerate(grp))
         results[name] = {"max_abs_diff": worst_over_ranks(diff), "export_max_abs_diff": worst_over_ranks(export_diff),
                          "export_missing": missing}
+    results.update(grad_cases(world, hf, rows, images))
     write_results_and_shutdown(path, results)
 
 
