@@ -38,7 +38,7 @@ from alignment.algorithms.preference_loss import REFERENCE_FREE
 from alignment.data.config import DataConfig, check_dataset, check_prompt_source
 from alignment.data.step_data import SUPERVISIONS
 from alignment.models.config import ModelConfig, check_lora, check_model
-from alignment.models.families import model_dims
+from alignment.models.families import model_dims, text_config
 from alignment.rewards.config import PROCESS_REWARD, RewardConfig, check_functions, is_pairwise, terms_of
 from alignment.rewards.text import FORMAT_TASKS
 from alignment.rollout.agents import AgentError, load_agent
@@ -569,8 +569,9 @@ def _validate_agents(cfg: JobConfig) -> None:
 
 def _validate_lengths(cfg, layout, hf_config, tokenizer_size: int | None) -> None:
     """The tokenizer fits the embedding; the longest sequence, padded to the CP/SP alignment,
-    fits the model's positions."""
+    fits the model's positions (a vision-language model's language model: its ``text_config``)."""
 
+    hf_config = text_config(hf_config)
     if tokenizer_size is not None and tokenizer_size > hf_config.vocab_size:
         raise ConfigError(f"model.path={cfg.model.path}: its tokenizer has {tokenizer_size} tokens but the model's "
                           f"vocab_size is {hf_config.vocab_size}, so token ids >= {hf_config.vocab_size} would index "
@@ -584,6 +585,22 @@ def _validate_lengths(cfg, layout, hf_config, tokenizer_size: int | None) -> Non
                           f"{' x tensor_model_parallel_size with sequence_parallel' if layout.sequence_parallel else ''}"
                           f") is {padded} > the model's max_position_embeddings={hf_config.max_position_embeddings}; "
                           f"set {field}<={hf_config.max_position_embeddings // align * align}")
+
+
+VISION_LANGUAGE_ALGORITHMS = ("sft", "dpo")
+
+
+def _validate_vision_language(cfg, layout) -> None:
+    """A vision-language model (Qwen2.5-VL) trains with SFT and DPO (its variants) so far, on layouts
+    without context parallelism; its vision tower is frozen under LoRA."""
+    if cfg.algorithm.name not in VISION_LANGUAGE_ALGORITHMS:
+        raise ConfigError(f"model.path={cfg.model.path} is a vision-language model: algorithm.name="
+                          f"{cfg.algorithm.name} is not supported for it yet (rollouts with images are not built); "
+                          f"use one of {', '.join(VISION_LANGUAGE_ALGORITHMS)} (--config-name sft / dpo)")
+    if layout.context_parallel_size > 1:
+        raise ConfigError(f"parallel.context_parallel_size={layout.context_parallel_size}: a vision-language model's "
+                          "M-RoPE positions are not split over context-parallel ranks yet; set it to 1 (TP, SP, PP, "
+                          "DP and packing are supported)")
 
 
 def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int | None = None) -> None:
@@ -609,6 +626,8 @@ def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int 
     engines = rollout_ranks(cfg.rollout)  # ranks that only generate; the others train
     layout = ParallelLayout(world_size=world_size - engines, **parallel_sizes(cfg.parallel))
     validate_model_layout(layout, dims)
+    if dims.is_vision_language:
+        _validate_vision_language(cfg, layout)
     check_lora(cfg.model.lora, dims)
     dp = layout.data_parallel_size
     r, t = cfg.rollout, cfg.trainer

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from alignment.config import parallel_sizes
 from alignment.models.config import lora_spec
-from alignment.models.families import get_bridge
+from alignment.models.families import get_bridge, text_config
 from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.hf_assets import prepare_hf_dir
 from alignment.models.value_head import build_value_model
@@ -77,7 +77,7 @@ def build_models(cfg, job, roles: Collection[str], value_policy: bool = False):
     bridge = get_bridge(job.hf_config, head="score" if value_policy else "lm")
     engine = resharder = episodes = None
     if "engine" in roles:
-        engine, resharder = rollout_engine(cfg, hf_dir, policy, bridge, job.hf_config.vocab_size, job.rank)
+        engine, resharder = rollout_engine(cfg, hf_dir, policy, bridge, text_config(job.hf_config).vocab_size, job.rank)
         tokenizer = engine.tokenizer
         episodes = episode_setup(cfg, hf_dir, tokenizer)
     else:
@@ -90,8 +90,8 @@ def build_models(cfg, job, roles: Collection[str], value_policy: bool = False):
         placement.add_model(name, model, opt)  # None: skipped
     teacher_engine = None
     if teacher is not None and cfg.algorithm.distill_samples == "teacher":  # the teacher answers (off-policy KD)
-        teacher_engine = teacher_rollout_engine(cfg, teacher, tokenizer, hf_dir, job.hf_config.vocab_size)
-    models = Models(policy, optimizer, reference, engine, bridge, tokenizer, job.hf_config.vocab_size, placement,
+        teacher_engine = teacher_rollout_engine(cfg, teacher, tokenizer, hf_dir, text_config(job.hf_config).vocab_size)
+    models = Models(policy, optimizer, reference, engine, bridge, tokenizer, text_config(job.hf_config).vocab_size, placement,
                     resharder, reward_model, prm, critic, critic_optimizer, episodes, teacher=teacher,
                     teacher_engine=teacher_engine)
     if engine is not None and uses_agents(cfg):  # the rollout server is up before any agent starts

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from alignment.config import JobConfig, config_yaml, parallel_sizes, validate
 from alignment.models.config import lora_spec
-from alignment.models.families import get_bridge
+from alignment.models.families import get_bridge, text_config
 from alignment.models.hf_assets import prepare_hf_dir
 from alignment.models.hf_files import check_hf_dir
 from alignment.models.lora_export import save_peft_adapter
@@ -114,7 +114,7 @@ def serve_as_rollout_rank(cfg, hf_dir: Path, hf_config) -> None:
 
     group, r = trainer_rollout_group(), cfg.rollout
     trainers = group.size - r.rollout_ranks
-    engine = build_engine(r, seed=cfg.seed, dtype=cfg.model.dtype, hf_dir=hf_dir, policy=None, vocab_size=hf_config.vocab_size,
+    engine = build_engine(r, seed=cfg.seed, dtype=cfg.model.dtype, hf_dir=hf_dir, policy=None, vocab_size=text_config(hf_config).vocab_size,
                           rank=group.rank - trainers, data_parallel_size=1, steps=cfg.trainer.steps)
     resharder = Resharder(None, rollout_layout(get_bridge(hf_config), cfg), vllm_tp=r.tensor_parallel_size,
                           bucket_bytes=r.sync_bucket_mb << 20, group=group, dtype=getattr(torch, cfg.model.dtype),

@@ -18,6 +18,8 @@ from alignment.config import OFFLINE_ALGORITHMS, ppo_on_task, reward_terms
 from alignment.data.examples import tokenize_split
 from alignment.data.prompts import job_prompts
 from alignment.data.step_data import load_records
+from alignment.data.images import ImageProcessor
+from alignment.models.families import model_dims, text_config
 from alignment.models.hf_assets import prepare_hf_dir
 from alignment.models.hf_files import check_hf_dir
 from alignment.rewards.judge import probe_judge
@@ -90,10 +92,10 @@ def check_model_files(cfg, hf_config, tokenizer=None) -> None:
         check_hf_dir(p, field)
         if field == "model.teacher_path" and tokenizer is not None:
             check_same_tokenizer(p, tokenizer, cfg.model.path)
-        vocab = AutoConfig.from_pretrained(p).vocab_size
-        if vocab != hf_config.vocab_size:
+        vocab, ours = text_config(AutoConfig.from_pretrained(p)).vocab_size, text_config(hf_config).vocab_size
+        if vocab != ours:
             raise ConfigError(f"{field}={path} has a vocabulary of {vocab} tokens, the policy ({cfg.model.path}) "
-                              f"{hf_config.vocab_size}: it would read the policy's token ids as other tokens; train "
+                              f"{ours}: it would read the policy's token ids as other tokens; train "
                               "it from the same base model")
 
 
@@ -159,13 +161,23 @@ def check_tokenizer(cfg, tokenizer) -> None:
                           "use an instruct model's tokenizer, or add a template to the directory")
 
 
-def check_data(cfg, tokenizer):
+def image_processor(hf_dir, hf_config) -> ImageProcessor | None:
+    """A vision-language model's :class:`alignment.data.images.ImageProcessor` (its own HF image
+    processor, its image placeholder), None for a text model."""
+    if not model_dims(hf_config).is_vision_language:
+        return None
+    return ImageProcessor(hf_dir, hf_config.image_token_id)
+
+
+def check_data(cfg, tokenizer, hf_config=None):
     """Read the job's data whole, as the job will: SFT / RM / DPO files and demo sets, the PRM's
     step-labelled files, and an RL job's prompts (:func:`alignment.data.prompts.job_prompts`:
     ``data.train_files`` or ``data.task``'s problems), each of which plus ``rollout.max_tokens``
     must fit ``rollout.max_model_len`` (``data.overlong_prompts``). Returns the RL job's
     :class:`alignment.data.prompt_data.PromptSets`, an SFT / RM / DPO job's :class:`ExampleCounts`
-    (None for the PRM and PPO on the demo prompts).
+    (None for the PRM and PPO on the demo prompts). With a vision-language model's ``hf_config``, every
+    image is decoded and processed (a missing or undecodable file, or a prompt whose image tokens do not
+    fit, is named here).
 
     Raises:
         FileNotFoundError / ValueError / ConfigError: naming the file and line or the fields.
@@ -178,7 +190,8 @@ def check_data(cfg, tokenizer):
         return None
     if a.name in OFFLINE_ALGORITHMS:
 
-        rows = {split: tokenize_split(d, a, tokenizer, split) for split in ("train", "heldout")}
+        images = image_processor(prepare_hf_dir(cfg.model.path), hf_config) if hf_config is not None else None
+        rows = {split: tokenize_split(d, a, tokenizer, split, images) for split in ("train", "heldout")}
         if not rows["train"] or not rows["heldout"]:
             empty = "training" if not rows["train"] else "held-out"
             raise ConfigError(f"data.dataset={d.dataset}: the {empty} split is empty; give data.heldout_files, a "
@@ -311,5 +324,5 @@ def check_inputs(cfg, hf_config, tokenizer):
     check_model_files(cfg, hf_config, tokenizer)
     check_reward_servers(cfg)
     check_tokenizer(cfg, tokenizer)
-    prompts = check_data(cfg, tokenizer)
+    prompts = check_data(cfg, tokenizer, hf_config)
     return check_resume(cfg, hf_config, prompts), prompts

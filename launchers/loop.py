@@ -406,7 +406,7 @@ def run(job, models, spec: JobSpec) -> dict:
         record("export", steps_total)
         models.placement.keep("policy")
         save_hf_checkpoint(models.policy, models.bridge, spec.hf_config or job.hf_config, models.tokenizer,
-                           job.out / "hf")
+                           job.out / "hf", assets_from=job.hf_dir)
         if spec.export_adapters:
             export_adapters(job, models.policy, models.bridge)
     summary.update(start_step=start_step, steps=steps_total, world_size=job.world, startup_s=startup_s,

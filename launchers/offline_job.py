@@ -17,6 +17,7 @@ import torch
 
 from alignment.config import JobConfig
 from alignment.data.examples import tokenize_split
+from alignment.models.families import text_config
 from alignment.trainers import offline
 from alignment.trainers.dpo import DPOObjective
 from alignment.trainers.process_reward import ProcessRewardObjective
@@ -27,6 +28,7 @@ from alignment.training.dp_balance import global_batch_share
 from launchers import loop
 from launchers.build import build_models
 from launchers.common import start
+from launchers.input_checks import image_processor
 from parallel.state import replica_group
 
 
@@ -116,19 +118,21 @@ def run(cfg: JobConfig) -> dict:
     from megatron.core import parallel_state as ps
 
     job = start(cfg)  # validates the config before any process group starts
-    objective = make_objective(cfg, job.hf_config.vocab_size)
+    objective = make_objective(cfg, text_config(job.hf_config).vocab_size)
     models = build_models(cfg, job, ["policy", *(["reference"] if objective.needs_reference else [])],
                           value_policy=objective.value_head)
     tok = models.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    train, heldout = (tokenize_split(cfg.data, cfg.algorithm, tok, split) for split in ("train", "heldout"))
+    images = image_processor(job.hf_dir, job.hf_config)  # None for a text model
+    train, heldout = (tokenize_split(cfg.data, cfg.algorithm, tok, split, images) for split in ("train", "heldout"))
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mbs = cfg.trainer.micro_batch_size
     rows_per_mb = MicroBatching.from_trainer(cfg.trainer, objective.rows_per_example)
 
     def batch_of(examples) -> dict:
         rows = [r for e in examples for r in e]
-        batch = offline.build_batch([r[:2] for r in rows], pad, models, objective, rows_per_mb)
+        batch = offline.build_batch([r[:2] for r in rows], pad, models, objective, rows_per_mb,
+                                    [r[2] if len(r) == 3 else None for r in rows])  # (ids, prompt_len[, images])
         if hasattr(objective, "add_targets"):  # the PRM's step labels
             objective.add_targets(batch, rows)
         return batch

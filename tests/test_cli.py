@@ -16,7 +16,7 @@ def test_unknown_command_is_one_line_and_status_2(capsys):
     assert cli.main(["trian"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err == ["megalign: error: unknown command 'trian': one of train, convert, evaluate, plan, profile, "
-                   "init-model, plot, rerank"]
+                   "init-model, plot, rerank, vision-task"]
 
 
 def test_help_lists_every_subcommand(capsys):

@@ -120,3 +120,21 @@ def test_select_rows_takes_each_rows_images():
     assert none["image_grid_thw"].shape == (0, 3) and none["pixel_values"].shape == (0, 3)
     with pytest.raises(ValueError, match="image_counts sum to 3 images, image_grid_thw has 2"):
         select_rows({**batch, "image_grid_thw": grid[:2]}, torch.tensor([0]))
+
+
+def test_jobs_a_vision_language_model_cannot_run_yet_are_refused():
+    """GRPO (no rollouts with images yet) and context parallelism are refused before start, naming the
+    field; SFT and DPO at TP=2 with sequence parallelism and PP=2 pass."""
+    from alignment.config import validate
+    from alignment.schema import ConfigError
+    from tests.test_config import cfg
+
+    hf = tiny_qwen2_5_vl_config()
+    with pytest.raises(ConfigError, match="is a vision-language model: algorithm.name=grpo is not supported for it "
+                                          "yet .* use one of sft, dpo"):
+        validate(cfg(), world_size=2, hf_config=hf)
+    with pytest.raises(ConfigError, match="parallel.context_parallel_size=2: a vision-language model's M-RoPE"):
+        validate(cfg("parallel.context_parallel_size=2", name="sft"), world_size=2, hf_config=hf)
+    validate(cfg("parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true", name="sft"),
+             world_size=2, hf_config=hf)
+    validate(cfg("parallel.pipeline_model_parallel_size=2", name="dpo"), world_size=2, hf_config=hf)

@@ -4,7 +4,7 @@
     megalign train --config-name sft --dry-run trainer.steps=4          # check only: "ok: ..." or one error line
     megalign train --config-name dpo --print-config                     # the resolved config a job would run
     megalign convert [--nproc N] import|export|reshape SRC OUT [--tp ...]
-    megalign evaluate | plan | profile | init-model | plot | rerank [their own arguments, --help]
+    megalign evaluate | plan | profile | init-model | plot | rerank | vision-task [their own arguments, --help]
 
 ``megalign train`` composes the job's config (``configs/<name>.yaml`` with the overrides) and checks
 it once in this process, with the checks every rank makes at start (the config against the world
@@ -59,6 +59,7 @@ TOOLS = {
     "init-model": ("tools.init_model", "a randomly initialised HF model from an architecture config"),
     "plot": ("tools.plot_metrics", "a run's TensorBoard curves as PNG files"),
     "rerank": ("tools.rerank", "best-of-N reranking with process / outcome reward models"),
+    "vision-task": ("tools.vision_task", "the shape-count image task, a VLM from a text model, its accuracy"),
 }
 
 

@@ -32,7 +32,8 @@ from alignment.models.families import get_bridge, model_dims  # noqa: E402
 from alignment.models.gpt import build_gpt_model, transformer_config  # noqa: E402
 from alignment.models.hf_assets import prepare_hf_dir  # noqa: E402
 from alignment.models.weights import lazy_safetensors, load_hf_weights  # noqa: E402
-from alignment.training.checkpoint import load_megatron_checkpoint, save_hf_checkpoint, save_megatron_checkpoint  # noqa: E402
+from alignment.training.checkpoint import (PROCESSOR_FILES, load_megatron_checkpoint, save_hf_checkpoint,  # noqa: E402
+                                          save_megatron_checkpoint)
 from parallel.layout import ParallelLayout, validate_model_layout  # noqa: E402
 from parallel.state import env_world, init_distributed, shutdown  # noqa: E402
 
@@ -103,13 +104,16 @@ def _load_converted(src: Path, tp: int, pp: int, ep: int = 1, etp: int | None = 
     return model, hf_config, AutoTokenizer.from_pretrained(hf_dir)
 
 
-def _save_converted(model, hf_config, tokenizer, out: Path) -> Path:
+def _save_converted(model, hf_config, tokenizer, out: Path, assets_from: Path | None = None) -> Path:
     import torch.distributed as dist
 
     if dist.get_rank() == 0:
         shutil.rmtree(out / "hf_config", ignore_errors=True)
         hf_config.save_pretrained(out / "hf_config")
         tokenizer.save_pretrained(out / "hf_config")
+        for name in PROCESSOR_FILES if assets_from is not None else ():  # a vision-language model's processor
+            if (Path(assets_from) / name).is_file():
+                shutil.copyfile(Path(assets_from) / name, out / "hf_config" / name)
     dist.barrier()
     return save_megatron_checkpoint(model, out / "megatron")
 
@@ -124,7 +128,7 @@ def hf_to_megatron(src: str, out: str | Path, tp: int = 1, pp: int = 1, ep: int 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     model = _model(hf_config, tp, pp, ep, etp)
     load_hf_weights(model, lazy_safetensors(hf_dir), get_bridge(hf_config))
-    return _save_converted(model, hf_config, AutoTokenizer.from_pretrained(hf_dir), Path(out))
+    return _save_converted(model, hf_config, AutoTokenizer.from_pretrained(hf_dir), Path(out), assets_from=hf_dir)
 
 
 def megatron_to_hf(src: str | Path, out: str | Path, tp: int = 1, pp: int = 1, ep: int = 1,
@@ -132,7 +136,8 @@ def megatron_to_hf(src: str | Path, out: str | Path, tp: int = 1, pp: int = 1, e
     """Export a converted checkpoint to an HF safetensors directory; collective (rank 0 writes)."""
 
     model, hf_config, tokenizer = _load_converted(Path(src), tp, pp, ep, etp)
-    return save_hf_checkpoint(model, get_bridge(hf_config), hf_config, tokenizer, Path(out))
+    return save_hf_checkpoint(model, get_bridge(hf_config), hf_config, tokenizer, Path(out),
+                              assets_from=Path(src) / "hf_config")
 
 
 def reshape(src: str | Path, out: str | Path, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None) -> Path:

@@ -20,11 +20,12 @@ import subprocess
 import sys
 import tarfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from filelock import FileLock
 
 from alignment.cache import cache_root
+from alignment.data.images import resolve
 from alignment.data.prompt_data import is_heldout, read_table, read_text
 
 LLAMAFACTORY_VERSION = "0.9.5"
@@ -69,10 +70,19 @@ def dataset_path(name: str) -> pathlib.Path:
 
 @dataclass(frozen=True)
 class SFTExample:
-    """One instruction-following example: ``messages`` (the prompt turns) and the target ``response``."""
+    """One instruction-following example: ``messages`` (the prompt turns) and the target ``response``;
+    ``images``: the image files of the prompt's image parts, in order, as the record gives them (relative
+    to the data file's folder ``base``); ``where``: the record, for errors."""
 
     messages: tuple[Mapping[str, str], ...]
     response: str
+    images: tuple[str, ...] = ()
+    where: str = field(default="", compare=False)
+    base: str = field(default="", compare=False)
+
+    def image_files(self) -> list[str]:
+        """The image files as paths to open."""
+        return [resolve(p, pathlib.Path(self.base)) for p in self.images]
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,13 @@ class PreferencePair:
     messages: tuple[Mapping[str, str], ...]
     chosen: str
     rejected: str
+    images: tuple[str, ...] = ()
+    where: str = field(default="", compare=False)
+    base: str = field(default="", compare=False)
+
+    def image_files(self) -> list[str]:
+        """The image files as paths to open (see :class:`SFTExample`)."""
+        return [resolve(p, pathlib.Path(self.base)) for p in self.images]
 
 
 _ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
@@ -172,6 +189,22 @@ def _text(where: str, r: dict, key: str) -> str:
     return value
 
 
+def _parts(where: str, content: list) -> list[dict]:
+    """A message's content parts (TRL's / OpenAI's ``[{"type": "text", "text": ...}, {"type": "image"}]``;
+    an image part may name its file: ``{"type": "image", "image": "a.png"}``)."""
+    out = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        elif kind == "image":
+            out.append({"type": "image", **({"image": part["image"]} if isinstance(part.get("image"), str) else {})})
+        else:
+            raise ValueError(f"{where}: a content part is {{'type': 'text', 'text': ...}} or {{'type': 'image'}}, "
+                             f"not {part!r}")
+    return out
+
+
 def _messages(where: str, turns) -> tuple[dict, ...]:
     if not isinstance(turns, list) or not turns:
         raise ValueError(f"{where}: the conversation must be a non-empty list of messages")
@@ -181,11 +214,41 @@ def _messages(where: str, turns) -> tuple[dict, ...]:
             raise ValueError(f"{where}: a message is an object with role/content (or from/value)")
         role, content = ((m.get("role"), m.get("content")) if "role" in m
                          else (_ROLES.get(m.get("from")), m.get("value")))
-        if role not in ("system", "user", "assistant") or not isinstance(content, str):
+        if isinstance(content, list):
+            content = _parts(where, content)
+        if role not in ("system", "user", "assistant") or not isinstance(content, (str, list)):
             raise ValueError(f"{where}: a message needs a role (system, user, assistant; or from: human, gpt, system) "
-                             "and a string content")
+                             "and a content (a string, or a list of text and image parts)")
         out.append({"role": role, "content": content})
     return tuple(out)
+
+
+def _plain(where: str, content) -> str:
+    """The text of a message that must be text only (a response): a string, or text parts joined."""
+    if isinstance(content, str):
+        return content
+    if any(p["type"] != "text" for p in content):
+        raise ValueError(f"{where}: a response has text parts only (images go in the prompt)")
+    return "".join(p["text"] for p in content)
+
+
+def _images(where: str, r: dict, msgs: tuple[dict, ...]) -> tuple[str, ...]:
+    """The image files of a record's prompt, in the order of its image parts: the parts' own
+    ``image`` names, else the record's ``images`` list (TRL's and verl's column), one per part.
+    Raises ValueError when the image parts and the files differ in number."""
+    parts = [p for m in msgs if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"]
+    listed = r.get("images") or []
+    if isinstance(listed, str):
+        listed = [listed]
+    named = [p["image"] for p in parts if "image" in p]
+    if named and len(named) == len(parts) and not listed:
+        return tuple(named)
+    if len(listed) != len(parts) or named:
+        raise ValueError(f"{where}: {len(parts)} image parts in the messages and {len(listed)} files in 'images'; give "
+                         "one file per {'type': 'image'} part, in order (or name each in its part)")
+    if not all(isinstance(x, str) for x in listed):
+        raise ValueError(f"{where}: 'images' is a list of file paths (relative to the data file's folder)")
+    return tuple(listed)
 
 
 #: ``data.columns``' names (LLaMA-Factory's ``dataset_info`` names) -> the record fields they fill, per kind
@@ -243,7 +306,8 @@ def _sft_example(where: str, r: dict) -> SFTExample:
         msgs = _messages(where, r["messages"])
         if msgs[-1]["role"] != "assistant" or len(msgs) < 2:
             raise ValueError(f"{where}: 'messages' must end with the assistant's response after a prompt")
-        return SFTExample(_with_system(where, r, msgs[:-1]), msgs[-1]["content"])
+        return SFTExample(_with_system(where, r, msgs[:-1]), _plain(where, msgs[-1]["content"]),
+                          _images(where, r, msgs[:-1]), where)
     missing = [k for k in ("instruction", "output") if k not in r]
     if missing:
         raise ValueError(f"{where}: missing {', '.join(missing)} (an SFT record is alpaca-style instruction, "
@@ -263,16 +327,27 @@ def _preference_pair(where: str, r: dict) -> PreferencePair:
                          "rejected; data.columns maps your column names)")
     prompt = r.get("conversations", r.get("prompt"))
     msgs = ({"role": "user", "content": prompt},) if isinstance(prompt, str) else _messages(where, prompt)
-    return PreferencePair(_with_system(where, r, msgs), _text(where, r, "chosen"), _text(where, r, "rejected"))
+    return PreferencePair(_with_system(where, r, msgs), _text(where, r, "chosen"), _text(where, r, "rejected"),
+                          _images(where, r, msgs), where)
 
 
 def _key(messages) -> str:
     return json.dumps([[m["role"], m["content"]] for m in messages])
 
 
+def _example_key(e) -> str:
+    """An example's prompt identity: its messages, and its image files when it has any (one question
+    asked of many images is many examples)."""
+    return _key(e.messages) + (json.dumps(list(e.images)) if e.images else "")
+
+
 def _records(name: str, columns: dict | None, kind: str, parse) -> list:
+    """The records of ``name`` parsed; image paths are relative to the data file's folder (``base``)."""
     columns = dict(columns or {})
-    return [parse(where, map_columns(where, r, columns, kind)) for where, r in read_records(name)]
+    base = pathlib.Path(name).expanduser()
+    base = base if base.is_dir() else base.parent
+    out = [parse(where, map_columns(where, r, columns, kind)) for where, r in read_records(name)]
+    return [replace(e, base=str(base)) if e.images else e for e in out]
 
 
 def split_examples(items: list, split: str, heldout_size: int, heldout: list | None = None,
@@ -287,13 +362,13 @@ def split_examples(items: list, split: str, heldout_size: int, heldout: list | N
     """
     if split not in ("train", "heldout"):
         raise ValueError(f"split={split!r}: valid values are train, heldout")
-    items = _dedup(items, lambda e: _key(e.messages))
+    items = _dedup(items, _example_key)
     if heldout is not None:
-        held = _dedup(heldout, lambda e: _key(e.messages))
-        keys = {_key(e.messages) for e in held}
-        return [e for e in items if _key(e.messages) not in keys] if split == "train" else held
+        held = _dedup(heldout, _example_key)
+        keys = {_example_key(e) for e in held}
+        return [e for e in items if _example_key(e) not in keys] if split == "train" else held
     if heldout_fraction > 0:
-        return [e for e in items if is_heldout(_key(e.messages), heldout_fraction) == (split == "heldout")]
+        return [e for e in items if is_heldout(_example_key(e), heldout_fraction) == (split == "heldout")]
     return _split(items, split, heldout_size)
 
 

@@ -7,11 +7,15 @@ from __future__ import annotations
 from alignment.algorithms.config import AlgorithmConfig
 from alignment.data.chat_data import encode_example, load_preference_pairs, load_sft_examples
 from alignment.data.config import DataConfig
+from alignment.data.images import ImageInputs, ImageProcessor, load_images
 from alignment.data.step_data import encode_steps, load_records, supervised_labels
 
 
-def tokenize_split(d: DataConfig, a: AlgorithmConfig, tokenizer, split: str) -> list[list[tuple]]:
+def tokenize_split(d: DataConfig, a: AlgorithmConfig, tokenizer, split: str,
+                   images: ImageProcessor | None = None) -> list[list[tuple]]:
     """Per example, its rows ``(ids, prompt_len)``: one for SFT, ``[chosen, rejected]`` for pairs;
+    an example with images (a vision-language model's ``images`` processor) has rows
+    ``(ids, prompt_len, ImageInputs)`` (:func:`encode_with_images`);
     for the PRM one ``(ids, prompt_len, step_ends, labels)`` per solution with a labelled step
     (:func:`tokenize_steps`). ``data.columns`` renames a file's columns; held out are
     ``data.heldout_files``, else ``data.heldout_fraction`` by prompt hash, else the last
@@ -30,11 +34,58 @@ def tokenize_split(d: DataConfig, a: AlgorithmConfig, tokenizer, split: str) -> 
           "columns": dict(d.columns or {})}
     if a.name == "sft":
         examples = load_sft_examples(split, d.heldout_size, d.dataset, **kw)
-        out = [[enc(e.messages, e.response)] for e in examples]
+        responses = [(e.response,) for e in examples]
     else:
-        pairs = load_preference_pairs(split, d.heldout_size, d.dataset, **kw)
-        out = [[enc(p.messages, p.chosen), enc(p.messages, p.rejected)] for p in pairs]
-    return out[: d.train_size] if split == "train" else out  # train_size null: every example
+        examples = load_preference_pairs(split, d.heldout_size, d.dataset, **kw)
+        responses = [(p.chosen, p.rejected) for p in examples]
+    if split == "train" and d.train_size is not None:  # train_size null: every example
+        examples, responses = examples[: d.train_size], responses[: d.train_size]
+    decoded = decode_images(examples, images)
+    return [[enc(e.messages, r) if pics is None else
+             encode_with_images(tokenizer, images, pics, e.messages, r, d.max_length, d.max_prompt_length, e.where)
+             for r in rs] for e, rs, pics in zip(examples, responses, decoded)]
+
+
+def decode_images(examples: list, images: ImageProcessor | None) -> list[ImageInputs | None]:
+    """Every example's images decoded (Pillow, a thread pool over all files at once) and processed by
+    the model's image processor; None for an example without images.
+
+    Raises:
+        ValueError: an example with images for a model that has no image processor (a text model).
+        FileNotFoundError, ValueError: a missing or undecodable image (:func:`load_images`).
+    """
+    with_images = [e for e in examples if e.images]
+    if not with_images:
+        return [None] * len(examples)
+    if images is None:
+        raise ValueError(f"{with_images[0].where}: the record has images, but model.path is a text model; give a "
+                         "vision-language model (e.g. Qwen2.5-VL) or drop the image parts")
+    files = [(f, e.where) for e in with_images for f in e.image_files()]
+    pics = iter(load_images([f for f, _ in files], [w for _, w in files]))
+    return [images.encode([next(pics) for _ in e.images]) if e.images else None for e in examples]
+
+
+def encode_with_images(tokenizer, images: ImageProcessor, inputs: ImageInputs, messages, response: str,
+                       max_length: int, max_prompt_length: int | None, where: str) -> tuple[list[int], int, ImageInputs]:
+    """:func:`alignment.data.chat_data.encode_example` for a prompt with images: each image's one
+    placeholder (as the chat template renders an image part) repeated to its token count
+    (:meth:`ImageProcessor.expand`); the prompt is never cut (an image cannot lose tokens), the
+    response is cut to fit ``max_length``.
+
+    Returns:
+        ``(ids, prompt_len, inputs)``.
+    Raises:
+        ValueError: naming the record, when the prompt with its image tokens does not fit
+            ``data.max_prompt_length`` (default ``max_length // 2``) or leaves no room for the response.
+    """
+    ids, p = encode_example(tokenizer, messages, response, 10 ** 9, 10 ** 9)
+    prompt = images.expand(ids[:p], inputs, where)
+    limit = max_prompt_length if max_prompt_length is not None else max_length // 2
+    if len(prompt) > limit or len(prompt) >= max_length:
+        raise ValueError(f"{where}: the prompt takes {len(prompt)} tokens ({sum(images.tokens(inputs))} for its "
+                         f"{inputs.count} images), more than data.max_prompt_length={limit} (data.max_length="
+                         f"{max_length}); raise them or make the images smaller (the image processor's max_pixels)")
+    return prompt + ids[p:][: max_length - len(prompt)], len(prompt), inputs
 
 
 def tokenize_steps(d: DataConfig, a: AlgorithmConfig, tokenizer, split: str) -> list[tuple[list[int], int, list[int], list[int]]]:

@@ -34,18 +34,23 @@ def has_images(mb: dict) -> bool:
     return grid is not None and grid.numel() > 0
 
 
-def multimodal_inputs(model: torch.nn.Module, mb: dict, index: torch.Tensor) -> dict:
+def multimodal_inputs(model: torch.nn.Module, mb: dict, inputs, cp_rank: int = 0) -> dict:
     """The keyword inputs a vision-language model's shard takes for micro-batch ``mb`` beyond its
-    token ids: M-RoPE ``position_ids`` ``[3, b, s_local]`` for this rank's tokens (``index``
-    ``[b, s_local]``: the flat ``row * seq + col`` position of every local token in the padded
-    micro-batch, -1 for alignment padding, as :class:`parallel.packing.ModelInputs` keeps it) and
-    the images. ``{}`` for a text model."""
+    token ids: M-RoPE ``position_ids`` ``[3, b, s_local]`` for this rank's tokens (``inputs``: the
+    micro-batch's :class:`parallel.packing.ModelInputs`, whose ``index[cp_rank]`` ``[b, s_local]`` is the
+    flat ``row * seq + col`` position of every local token in the padded micro-batch, -1 for alignment
+    padding) and the images. ``{}`` for a text model.
+    Raises ValueError for inputs without that index (shared-prompt trees)."""
     from alignment.models.vlm_model import VisionLanguageModel
     from parallel.names import unwrap
 
     vlm = unwrap(model)
     if not isinstance(vlm, VisionLanguageModel):
         return {}
+    if not hasattr(inputs, "index"):
+        raise ValueError("shared-prompt packing (trainer.shared_prompt_packing) has no M-RoPE positions for a "
+                         "vision-language model; set it to false")
+    index = inputs.index[cp_rank]
     grid = mb.get("image_grid_thw") if has_images(mb) else None
     positions = vlm.spec.positions(mb["input_ids"].cpu(), mb.get("seq_lengths"), None if grid is None else grid.cpu(),
                                    vlm.dims)  # [3, rows, seq]

@@ -10,7 +10,7 @@ from typing import Optional
 
 from alignment.envs.factory import ENVIRONMENTS
 from alignment.envs.tools import TOOLS
-from alignment.models.families import get_bridge
+from alignment.models.families import get_bridge, text_config
 from alignment.schema import ConfigError, ranged
 
 BACKENDS = ("vllm", "megatron")
@@ -230,6 +230,7 @@ def check_lengths(r: RolloutConfig, hf_config) -> None:
     Raises:
         ConfigError: naming the field and its largest valid value.
     """
+    hf_config = text_config(hf_config)
     if r.max_model_len > hf_config.max_position_embeddings:
         raise ConfigError(f"rollout.max_model_len={r.max_model_len} exceeds the model's max_position_embeddings="
                           f"{hf_config.max_position_embeddings}; set rollout.max_model_len<={hf_config.max_position_embeddings}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from alignment.data.images import attach_images
 from alignment.trainers.models import Models
 from alignment.training.batching import MicroBatching, cat_rows, make_sequence_batch
 from alignment.training.health import guarded_step
@@ -40,10 +41,12 @@ def sequence_logps(model, batch: dict, mb: MicroBatching, vocab_size: int) -> to
 
 
 def build_batch(rows: list[tuple[list[int], int]], pad_id: int, models: Models, objective,
-                mb: MicroBatching) -> dict[str, torch.Tensor]:
-    """Padded tensors for this rank's rows, with the reference's log-probs when the objective
-    needs them. ``mb.micro_batch_size`` counts ROWS here (examples x ``objective.rows_per_example``)."""
-    batch = make_sequence_batch(rows, pad_id)
+                mb: MicroBatching, images: list | None = None) -> dict[str, torch.Tensor]:
+    """Padded tensors for this rank's rows (with their images: ``images[i]`` row ``i``'s
+    :class:`alignment.data.images.ImageInputs` or None, :func:`alignment.data.images.attach_images`),
+    with the reference's log-probs when the objective needs them. ``mb.micro_batch_size`` counts ROWS
+    here (examples x ``objective.rows_per_example``)."""
+    batch = attach_images(make_sequence_batch(rows, pad_id), images or [None] * len(rows))
     if objective.needs_reference:
         vocab = models.bridge.dims.vocab_size
         batch["ref_logps"] = sequence_logps(models.reference, batch, mb, vocab)

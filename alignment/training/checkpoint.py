@@ -412,9 +412,17 @@ def prune_checkpoints(directory: str | os.PathLike, keep_last: int) -> list[Path
     return doomed
 
 
-def save_hf_checkpoint(model: torch.nn.Module, bridge, hf_config, tokenizer, path: str | os.PathLike) -> Path:
+#: a vision-language model's processor files, copied beside the weights of its export
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+                   "chat_template.json")
+
+
+def save_hf_checkpoint(model: torch.nn.Module, bridge, hf_config, tokenizer, path: str | os.PathLike,
+                       assets_from: str | os.PathLike | None = None) -> Path:
     """HF directory (``config.json``, ``model.safetensors``, tokenizer) that
-    ``transformers.AutoModelForCausalLM.from_pretrained`` loads; collective, rank 0 writes."""
+    ``transformers.AutoModelForCausalLM.from_pretrained`` (a vision-language model:
+    ``AutoModelForImageTextToText``) loads, with the :data:`PROCESSOR_FILES` that ``assets_from`` (the
+    base model's directory) has; collective, rank 0 writes."""
     from safetensors.torch import save_file
 
     final = Path(path)
@@ -425,5 +433,8 @@ def save_hf_checkpoint(model: torch.nn.Module, bridge, hf_config, tokenizer, pat
                   metadata={"format": "pt"})
         hf_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        for name in PROCESSOR_FILES if assets_from is not None else ():
+            if (Path(assets_from) / name).is_file():
+                shutil.copyfile(Path(assets_from) / name, tmp / name)
     publish(tmp, final)
     return final

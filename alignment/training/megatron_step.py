@@ -323,7 +323,7 @@ def _forward_backward(schedule, model, microbatches, loss_fn, *, outputs, forwar
             sel = _selected_positions(mb, inp, positions, sequence_parallel)
             rotary = nullcontext()
         routed = routing.micro_batch(mb, inp, sequence_parallel) if routing is not None else nullcontext()
-        extra = multimodal_inputs(m, mb, inp.index[ps.get_context_parallel_rank()])  # {} for a text model
+        extra = multimodal_inputs(m, mb, inp, ps.get_context_parallel_rank())  # {} for a text model
         position_ids = extra.pop("position_ids", inp.position_ids)
         with output_on(m, sel), rotary, routed:
             out = m(inp.input_ids, position_ids, attention_mask=None, packed_seq_params=inp.packed_seq_params, **extra)

@@ -65,6 +65,31 @@ def tiny_qwen2_5_vl(seed: int = 0, **kwargs) -> Qwen2_5_VLForConditionalGenerati
     return randomize(lambda: Qwen2_5_VLForConditionalGeneration(tiny_qwen2_5_vl_config(**kwargs)), seed)
 
 
+TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_chans=3, patch_size=14,
+                   spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+
+
+def save_tiny_vlm_dir(path, seed: int = 0):
+    """An HF directory with a tiny Qwen2.5-VL made by :func:`alignment.models.qwen2_5_vl.from_text.vision_language_from_text`
+    from a tiny random Llama (head_dim 16 = 64 / 4 heads) with SmolLM2's tokenizer and a 2-block tower
+    (:data:`TINY_VISION`); images of 56x56 to 112x112 pixels (4 to 16 tokens)."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from alignment.models.hf_assets import prepare_hf_dir
+    from alignment.models.qwen2_5_vl.from_text import vision_language_from_text
+
+    tok = AutoTokenizer.from_pretrained(prepare_hf_dir("smollm2"))
+    text = randomize(lambda: LlamaForCausalLM(LlamaConfig(**{**COMMON, "head_dim": 16, "vocab_size": len(tok)},
+                                                          tie_word_embeddings=True)), seed)
+    text_dir = Path(path).parent / (Path(path).name + "_text")
+    text.save_pretrained(text_dir)
+    tok.save_pretrained(text_dir)
+    return vision_language_from_text(text_dir, path, vision=TINY_VISION, min_pixels=56 * 56, max_pixels=112 * 112,
+                                     seed=seed)
+
+
 def randomize(build, seed: int) -> torch.nn.Module:
     """``build()``'s model (built after seeding) with weights of std 0.1 (matrices) and 0.5-1.5
     (norms), so logits are far from zero and the router's choices are clear-cut; the same on

@@ -75,10 +75,14 @@ def vision_rows(d: ModelDims) -> tuple[Mapping, ...]:
 def dims(cfg) -> ModelDims:
     """:class:`ModelDims` of an HF ``Qwen2_5_VLConfig``: the language model's (Qwen2: QKV bias) with
     the vision tower's :class:`VisionDims`, the image placeholder id and M-RoPE's section.
-    Raises ValueError for sliding-window attention, a vision output width other than the language
-    model's, or an M-RoPE section that does not cover half the head dimension."""
+    Raises ValueError for sliding-window attention, a head size other than ``hidden_size / heads``, a
+    vision output width other than the language model's, or an M-RoPE section that does not cover half
+    the head dimension."""
     text, vc = cfg.get_text_config(), cfg.vision_config
     lm = llama.dims(text)
+    if lm.head_dim * lm.num_attention_heads != lm.hidden_size:
+        raise ValueError(f"{cfg.model_type}: text_config.head_dim={lm.head_dim} must be hidden_size / num_attention_heads "
+                         f"= {lm.hidden_size // lm.num_attention_heads} (Qwen2.5-VL's attention has no other head size)")
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
     section = tuple(rope.get("mrope_section", (16, 24, 24)))
     if sum(section) * 2 != lm.head_dim:

@@ -1,0 +1,160 @@
+"""Vision-language data and jobs: a Qwen2.5-VL made from a text model keeps its logits on text; image
+records (TRL's messages with image parts + ``images``) tokenise with each image's placeholder repeated
+to its token count, and every bad image input is one clear error; the synthetic shape-count task's
+answers are what its images show; and real SFT and DPO jobs on a tiny VLM train, evaluate held-out
+images and export a directory transformers loads with its image processor."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.conftest import Job, run_jobs
+from tests.dist.tiny_models import save_tiny_vlm_dir
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    return save_tiny_vlm_dir(tmp_path_factory.mktemp("vlm") / "vlm")
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    from alignment.data.image_tasks import write_task
+
+    root = tmp_path_factory.mktemp("task")
+    write_task(root, train=24, heldout=8, seed=0)
+    return root
+
+
+def test_vlm_from_text_keeps_the_text_models_logits(vlm_dir):
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+    text = AutoModelForCausalLM.from_pretrained(f"{vlm_dir}_text", dtype=torch.float32).eval()
+    vlm = AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32).eval()
+    ids = torch.randint(0, 1000, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = text(ids).logits, vlm(input_ids=ids).logits
+    assert a.std() > 0.5 and torch.equal(a, b[..., : a.shape[-1]])
+    tok = AutoTokenizer.from_pretrained(vlm_dir)
+    rendered = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Q"}]}],
+                                       add_generation_prompt=True, tokenize=False)
+    assert rendered == "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Q<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _data(d, **kw):
+    return SimpleNamespace(dataset=str(d), heldout_size=2, heldout_files=None, heldout_fraction=0.0, columns={},
+                           train_size=None, max_length=64, max_prompt_length=48, **kw)
+
+
+def test_image_records_tokenise_with_their_placeholders(vlm_dir, task):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from alignment.data.examples import tokenize_split
+    from alignment.data.images import ImageProcessor
+
+    cfg, tok = AutoConfig.from_pretrained(vlm_dir), AutoTokenizer.from_pretrained(vlm_dir)
+    images = ImageProcessor(vlm_dir, cfg.image_token_id)
+    rows = tokenize_split(_data(task / "train.jsonl"), SimpleNamespace(name="sft"), tok, "train", images)
+    assert len(rows) == 22  # 24 records, the last 2 held out
+    ids, prompt_len, inputs = rows[0][0]
+    assert inputs.image_grid_thw.tolist() == [[1, 6, 6]] and inputs.pixel_values.shape == (36, 3 * 2 * 14 * 14)
+    assert ids.count(cfg.image_token_id) == 9  # 84x84 pixels: 6x6 patches, merged 2x2
+    first = ids.index(cfg.image_token_id)
+    assert ids[first - 1] == cfg.vision_start_token_id and ids[first + 9] == cfg.vision_end_token_id
+    record = json.loads((task / "train.jsonl").read_text().splitlines()[0])
+    assert tok.decode(ids[prompt_len:]) == record["answer"] + "<|im_end|>"
+    # DPO pairs keep the prompt's images on both rows
+    pairs = task / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": record["prompt"], "images": record["images"], "chosen": "1",
+                                 "rejected": "2"}) + "\n" + "".join(json.dumps({"prompt": f"no image {i}", "chosen": "a",
+                                                                                 "rejected": "b"}) + "\n" for i in range(2)))
+    (chosen, rejected), (text_chosen, _) = tokenize_split(SimpleNamespace(**{**vars(_data(pairs)), "heldout_size": 1}),
+                                                          SimpleNamespace(name="dpo"), tok, "train", images)
+    assert chosen[2] is rejected[2] and chosen[:2] != rejected[:2] and len(text_chosen) == 2  # a text row: no images
+
+
+def test_bad_image_inputs_are_one_clear_error(vlm_dir, task, tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from alignment.data.examples import tokenize_split
+    from alignment.data.images import ImageProcessor
+
+    cfg, tok = AutoConfig.from_pretrained(vlm_dir), AutoTokenizer.from_pretrained(vlm_dir)
+    images = ImageProcessor(vlm_dir, cfg.image_token_id)
+    record = json.loads((task / "train.jsonl").read_text().splitlines()[0])
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+
+    def error(changes: dict, data=None, processor=images):
+        path = tmp_path / "bad.jsonl"
+        lines = []
+        for i in range(3):  # three distinct records (their questions differ), the first one bad
+            user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"question {i}"}]}
+            lines.append(json.dumps({**record, "messages": [user, record["messages"][1]], **changes}))
+        path.write_text("\n".join(lines) + "\n")
+        with pytest.raises((ValueError, FileNotFoundError)) as e:
+            tokenize_split(data or _data(path), SimpleNamespace(name="sft"), tok, "train", processor)
+        return str(e.value)
+
+    assert error({"images": ["missing.png"]}) == f"{tmp_path}/bad.jsonl:1: image {tmp_path}/missing.png does not exist"
+    msg = error({"images": [str(tmp_path / "broken.png")]})
+    assert msg.startswith(f"{tmp_path}/bad.jsonl:1: image {tmp_path}/broken.png cannot be decoded (UnidentifiedImageError")
+    assert "1 image parts in the messages and 2 files in 'images'" in error({"images": ["a.png", "b.png"]})
+    assert "the record has images, but model.path is a text model" in error({}, processor=None)
+    big = {"images": [str(task / record["images"][0])]}
+    msg = error(big, data=SimpleNamespace(**{**vars(_data(tmp_path / "bad.jsonl")), "max_prompt_length": 12}))
+    assert "the prompt takes 23 tokens (9 for its 1 images), more than data.max_prompt_length=12" in msg
+
+
+def test_shape_count_answers_are_what_the_images_show(task):
+    """Count, in every image, the grid cells holding pixels of the asked colour: the record's answer."""
+    import numpy as np
+    from PIL import Image
+
+    from alignment.data.image_tasks import COLOURS, GRID
+
+    for split, n in (("train", 24), ("heldout", 8)):
+        records = [json.loads(line) for line in (task / f"{split}.jsonl").read_text().splitlines()]
+        assert len(records) == n
+        for r in records:
+            colour = next(c for c in COLOURS if f" {c} " in r["prompt"][0]["content"][1]["text"])
+            pixels = np.asarray(Image.open(task / r["images"][0]))
+            cell = pixels.shape[0] // GRID
+            hits = (np.abs(pixels.astype(int) - COLOURS[colour]).sum(-1) < 10)
+            count = sum(hits[i * cell:(i + 1) * cell, j * cell:(j + 1) * cell].any()
+                        for i in range(GRID) for j in range(GRID))
+            assert str(count) == r["answer"], r
+    train = {r["images"][0] for r in map(json.loads, (task / "train.jsonl").read_text().splitlines())}
+    assert all(name.startswith("images/train/") for name in train)
+
+
+@pytest.mark.slow
+def test_sft_and_dpo_jobs_on_a_vision_language_model(vlm_dir, task, tmp_path):
+    """One launch: SFT (TP=2 with sequence parallelism, packed) and DPO (DP=2) on the tiny VLM over the
+    shape-count images; both lower their held-out loss, and the SFT export loads in transformers with
+    its image processor and answers the held-out questions."""
+    from alignment.evaluation.image_answers import image_task_accuracy
+
+    pairs = tmp_path / "pairs.jsonl"
+    records = [json.loads(line) for line in (task / "train.jsonl").read_text().splitlines()]
+    pairs.write_text("".join(json.dumps({"prompt": r["prompt"], "images": [str(task / r["images"][0])],
+                                         "chosen": r["answer"], "rejected": str(int(r["answer"]) + 1)}) + "\n"
+                             for r in records))
+    common = [f"data.dataset={task / 'train.jsonl'}", "data=file", "data.heldout_fraction=0",
+              f"data.heldout_files={task / 'heldout.jsonl'}", "data.max_length=64", "data.max_prompt_length=48",
+              "trainer.progress_bar=false", "trainer.lr=1e-3", "trainer.global_batch_size=8",
+              "trainer.micro_batch_size=2", "trainer.steps=3", "trainer.save_checkpoint=false"]
+    sft = Job("sft", vlm_dir, tmp_path / "sft", [*common, "parallel.tensor_model_parallel_size=2",
+                                                 "parallel.sequence_parallel=true"])
+    dpo = Job("dpo", vlm_dir, tmp_path / "dpo", [*common, f"data.dataset={pairs}", "data.heldout_files=null",
+                                                 "data.heldout_fraction=0.25", "algorithm.beta=0.5"])
+    s, d = run_jobs(sft, dpo)
+    assert s["heldout_after"]["loss"] < s["heldout_before"]["loss"] - 0.5, s
+    assert d["heldout_after"]["loss"] < d["heldout_before"]["loss"], d
+    exported = tmp_path / "sft" / "hf"
+    assert (exported / "preprocessor_config.json").exists()
+    result = image_task_accuracy(exported, task / "heldout.jsonl", max_new_tokens=2)
+    assert result["questions"] == 8 and all(a["response"] for a in result["answers"])
