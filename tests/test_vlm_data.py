@@ -129,6 +129,15 @@ def test_shape_count_answers_are_what_the_images_show(task):
             assert str(count) == r["answer"], r
     train = {r["images"][0] for r in map(json.loads, (task / "train.jsonl").read_text().splitlines())}
     assert all(name.startswith("images/train/") for name in train)
+    # DPO pairs: the true count chosen, a count one off rejected, the same prompt and image
+    from alignment.data.image_tasks import write_pairs
+
+    records = [json.loads(line) for line in (task / "train.jsonl").read_text().splitlines()]
+    pairs = [json.loads(line) for line in write_pairs(task, "train").read_text().splitlines()]
+    assert len(pairs) == len(records)
+    for r, p in zip(records, pairs):
+        assert (p["prompt"], p["images"], p["chosen"]) == (r["prompt"], r["images"], r["answer"])
+        assert abs(int(p["rejected"]) - int(p["chosen"])) == 1 and int(p["rejected"]) >= 0
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ held-out accuracy of a model on the task (README "Vision-language models").
     python tools/vision_task.py accuracy outputs/smollm2_vl outputs/shapes/heldout.jsonl
 
 ``data``: :func:`alignment.data.image_tasks.write_task` (``--train``, ``--heldout``, ``--seed``, ``--size``
-pixels). ``model``: :func:`alignment.models.qwen2_5_vl.from_text.vision_language_from_text` of ``--text``
+pixels) and each split's DPO pairs (:func:`alignment.data.image_tasks.write_pairs`). ``model``: :func:`alignment.models.qwen2_5_vl.from_text.vision_language_from_text` of ``--text``
 (an HF directory of the Llama family, or ``smollm2``). ``accuracy``: greedy answers through transformers
 (:func:`alignment.evaluation.image_answers.image_task_accuracy`); prints ``{"accuracy": ..., "questions": ...}``.
 """
@@ -40,10 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--limit", type=int, default=None)
     args = p.parse_args(argv)
     if args.command == "data":
-        from alignment.data.image_tasks import write_task
+        from alignment.data.image_tasks import write_pairs, write_task
 
         train, heldout = write_task(args.out, args.train, args.heldout, args.seed, args.size)
-        print(f"wrote {train} and {heldout}")
+        pairs = [write_pairs(args.out, split) for split in ("train", "heldout")]
+        print(f"wrote {train}, {heldout} and their preference pairs {pairs[0].name}, {pairs[1].name}")
     elif args.command == "model":
         from alignment.models.hf_assets import prepare_hf_dir
         from alignment.models.qwen2_5_vl.from_text import vision_language_from_text

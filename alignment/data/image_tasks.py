@@ -61,6 +61,21 @@ def write_split(out_dir, split: str, n: int, seed: int, size: int = 84) -> Path:
     return out / f"{split}.jsonl"
 
 
+def write_pairs(out_dir, split: str) -> Path:
+    """Preference pairs of a written split (``<out_dir>/<split>_pairs.jsonl``, TRL's ``prompt`` / ``chosen``
+    / ``rejected`` + ``images``): chosen the true count, rejected a count one off (one more for a count of 0,
+    else one more or one less, alternating). Returns the path."""
+    out = Path(out_dir)
+    records = [json.loads(line) for line in (out / f"{split}.jsonl").read_text().splitlines()]
+    with open(out / f"{split}_pairs.jsonl", "w") as f:
+        for i, r in enumerate(records):
+            n = int(r["answer"])
+            wrong = n + 1 if n == 0 or i % 2 else n - 1
+            f.write(json.dumps({"prompt": r["prompt"], "images": r["images"], "chosen": r["answer"],
+                                "rejected": str(wrong)}) + "\n")
+    return out / f"{split}_pairs.jsonl"
+
+
 def write_task(out_dir, train: int = 2000, heldout: int = 200, seed: int = 0, size: int = 84) -> tuple[Path, Path]:
     """The task's ``train.jsonl`` and ``heldout.jsonl`` (``train`` and ``heldout`` examples) in ``out_dir``."""
     return write_split(out_dir, "train", train, seed, size), write_split(out_dir, "heldout", heldout, seed, size)
