@@ -167,3 +167,18 @@ def test_sft_and_dpo_jobs_on_a_vision_language_model(vlm_dir, task, tmp_path):
     assert (exported / "preprocessor_config.json").exists()
     result = image_task_accuracy(exported, task / "heldout.jsonl", max_new_tokens=2)
     assert result["questions"] == 8 and all(a["response"] for a in result["answers"])
+
+
+def test_processor_files_travel_with_an_export(vlm_dir, tmp_path):
+    """The image processor's config (and only the processor files) is copied beside an export's weights."""
+    from transformers import AutoImageProcessor
+
+    from alignment.training.checkpoint import copy_processor_files
+
+    export = tmp_path / "export"
+    export.mkdir()
+    copy_processor_files(vlm_dir, export)
+    assert sorted(p.name for p in export.iterdir()) == ["preprocessor_config.json"]
+    assert AutoImageProcessor.from_pretrained(str(export)).merge_size == 2
+    copy_processor_files(None, tmp_path / "none")  # a text model's export: nothing to copy
+    assert not (tmp_path / "none").exists()

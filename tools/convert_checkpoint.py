@@ -32,8 +32,8 @@ from alignment.models.families import get_bridge, model_dims  # noqa: E402
 from alignment.models.gpt import build_gpt_model, transformer_config  # noqa: E402
 from alignment.models.hf_assets import prepare_hf_dir  # noqa: E402
 from alignment.models.weights import lazy_safetensors, load_hf_weights  # noqa: E402
-from alignment.training.checkpoint import (PROCESSOR_FILES, load_megatron_checkpoint, save_hf_checkpoint,  # noqa: E402
-                                          save_megatron_checkpoint)
+from alignment.training.checkpoint import (copy_processor_files, load_megatron_checkpoint,  # noqa: E402
+                                          save_hf_checkpoint, save_megatron_checkpoint)
 from parallel.layout import ParallelLayout, validate_model_layout  # noqa: E402
 from parallel.state import env_world, init_distributed, shutdown  # noqa: E402
 
@@ -111,9 +111,7 @@ def _save_converted(model, hf_config, tokenizer, out: Path, assets_from: Path | 
         shutil.rmtree(out / "hf_config", ignore_errors=True)
         hf_config.save_pretrained(out / "hf_config")
         tokenizer.save_pretrained(out / "hf_config")
-        for name in PROCESSOR_FILES if assets_from is not None else ():  # a vision-language model's processor
-            if (Path(assets_from) / name).is_file():
-                shutil.copyfile(Path(assets_from) / name, out / "hf_config" / name)
+        copy_processor_files(assets_from, out / "hf_config")  # a vision-language model's processor
     dist.barrier()
     return save_megatron_checkpoint(model, out / "megatron")
 

@@ -417,6 +417,13 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_p
                    "chat_template.json")
 
 
+def copy_processor_files(src: str | os.PathLike | None, dst: str | os.PathLike) -> None:
+    """Copy the :data:`PROCESSOR_FILES` that directory ``src`` has (none when ``src`` is None) into ``dst``."""
+    for name in PROCESSOR_FILES if src is not None else ():
+        if (Path(src) / name).is_file():
+            shutil.copyfile(Path(src) / name, Path(dst) / name)
+
+
 def save_hf_checkpoint(model: torch.nn.Module, bridge, hf_config, tokenizer, path: str | os.PathLike,
                        assets_from: str | os.PathLike | None = None) -> Path:
     """HF directory (``config.json``, ``model.safetensors``, tokenizer) that
@@ -433,8 +440,6 @@ def save_hf_checkpoint(model: torch.nn.Module, bridge, hf_config, tokenizer, pat
                   metadata={"format": "pt"})
         hf_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        for name in PROCESSOR_FILES if assets_from is not None else ():
-            if (Path(assets_from) / name).is_file():
-                shutil.copyfile(Path(assets_from) / name, tmp / name)
+        copy_processor_files(assets_from, tmp)
     publish(tmp, final)
     return final
