@@ -80,10 +80,6 @@ class SFTExample:
     where: str = field(default="", compare=False)
     base: str = field(default="", compare=False)
 
-    def image_files(self) -> list[str]:
-        """The image files as paths to open."""
-        return [resolve(p, pathlib.Path(self.base)) for p in self.images]
-
 
 @dataclass(frozen=True)
 class PreferencePair:
@@ -92,13 +88,14 @@ class PreferencePair:
     messages: tuple[Mapping[str, str], ...]
     chosen: str
     rejected: str
-    images: tuple[str, ...] = ()
+    images: tuple[str, ...] = ()  # as SFTExample's
     where: str = field(default="", compare=False)
     base: str = field(default="", compare=False)
 
-    def image_files(self) -> list[str]:
-        """The image files as paths to open (see :class:`SFTExample`)."""
-        return [resolve(p, pathlib.Path(self.base)) for p in self.images]
+
+def image_files(example) -> list[str]:
+    """An :class:`SFTExample`'s or :class:`PreferencePair`'s image files as paths to open."""
+    return [resolve(p, pathlib.Path(example.base)) for p in example.images]
 
 
 _ROLES = {"human": "user", "gpt": "assistant", "system": "system"}

@@ -10,26 +10,20 @@ count by the model's own image processor, :class:`alignment.data.images.ImagePro
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from alignment.data.chat_data import encode_prompt
+from alignment.data.chat_data import encode_prompt, read_records
 from alignment.data.images import ImageProcessor, load_images, resolve
 from alignment.data.tasks import extract_final_number
 
 
 def read_questions(path) -> list[dict]:
-    """The records of a JSONL file with ``prompt`` (the user turn, image parts included) or ``messages``
-    (the last turn, the assistant's, dropped), ``images`` and ``answer``."""
-    out = []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            r["prompt"] = r.get("prompt") or r["messages"][:-1]
-            out.append(r)
-    return out
+    """The records of a data file (:func:`alignment.data.chat_data.read_records`: JSONL, JSON, Parquet, ...)
+    with ``prompt`` (the user turn, image parts included) or ``messages`` (the last turn, the assistant's,
+    dropped), ``images`` and ``answer``."""
+    return [{**r, "prompt": r.get("prompt") or r["messages"][:-1]} for _, r in read_records(str(path))]
 
 
 @torch.no_grad()
