@@ -587,20 +587,44 @@ def _validate_lengths(cfg, layout, hf_config, tokenizer_size: int | None) -> Non
                           f"set {field}<={hf_config.max_position_embeddings // align * align}")
 
 
-VISION_LANGUAGE_ALGORITHMS = ("sft", "dpo")
+VISION_LANGUAGE_ALGORITHMS = ("sft", "dpo", "grpo")
 
 
 def _validate_vision_language(cfg, layout) -> None:
-    """A vision-language model (Qwen2.5-VL) trains with SFT and DPO (its variants) so far, on layouts
-    without context parallelism; its vision tower is frozen under LoRA."""
-    if cfg.algorithm.name not in VISION_LANGUAGE_ALGORITHMS:
-        raise ConfigError(f"model.path={cfg.model.path} is a vision-language model: algorithm.name="
-                          f"{cfg.algorithm.name} is not supported for it yet (rollouts with images are not built); "
-                          f"use one of {', '.join(VISION_LANGUAGE_ALGORITHMS)} (--config-name sft / dpo)")
+    """A vision-language model (Qwen2.5-VL) trains with SFT, DPO (its variants) and the GRPO family so far,
+    on layouts without context parallelism; its rollouts run on Megatron's engine, one turn each, and
+    prompts are not shared in packed micro-batches (M-RoPE positions are per row)."""
+    a, r = cfg.algorithm, cfg.rollout
+    if a.name not in VISION_LANGUAGE_ALGORITHMS:
+        raise ConfigError(f"model.path={cfg.model.path} is a vision-language model: algorithm.name={a.name} is not "
+                          f"supported for it yet; use one of {', '.join(VISION_LANGUAGE_ALGORITHMS)} "
+                          "(--config-name sft / dpo / grpo)")
     if layout.context_parallel_size > 1:
         raise ConfigError(f"parallel.context_parallel_size={layout.context_parallel_size}: a vision-language model's "
                           "M-RoPE positions are not split over context-parallel ranks yet; set it to 1 (TP, SP, PP, "
                           "DP and packing are supported)")
+    if a.name not in RL_ALGORITHMS:
+        return
+    if r.backend != "megatron":
+        raise ConfigError(f"rollout.backend={r.backend}: rollouts with images run on Megatron's engine so far (vLLM's "
+                          "Qwen2.5-VL needs torchvision, and the vision tower's weight sync is not built); set "
+                          "rollout.backend=megatron")
+    if r.environment != "single_turn" or r.max_turns != 1 or r.agent or r.agent_command:
+        raise ConfigError(f"rollout.environment={r.environment}, rollout.max_turns={r.max_turns}: a vision-language "
+                          "model's rollouts are single-turn so far; set rollout.environment=single_turn, "
+                          "rollout.max_turns=1 and no rollout.agent / rollout.agent_command")
+    if cfg.trainer.shared_prompt_packing:
+        raise ConfigError("trainer.shared_prompt_packing=true: a vision-language model's M-RoPE positions are per "
+                          "row; set it to false (trainer.sequence_packing works)")
+
+
+def resolve_for_model(cfg: JobConfig, hf_config) -> JobConfig:
+    """Settings whose null default depends on the model, resolved in ``cfg`` (after :func:`validate`):
+    ``trainer.shared_prompt_packing`` is off for a vision-language model (its prompt trees would have no
+    M-RoPE positions). Returns ``cfg``."""
+    if cfg.trainer.shared_prompt_packing is None and model_dims(hf_config).is_vision_language:
+        cfg.trainer.shared_prompt_packing = False
+    return cfg
 
 
 def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int | None = None) -> None:

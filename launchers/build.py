@@ -26,6 +26,7 @@ from alignment.trainers.agent_rollout import setup_agents, uses_agents
 from alignment.trainers.models import Models
 from alignment.training.megatron_step import OptimConfig, main_param_writer, setup_training
 from alignment.training.offload import DevicePlacement, offload_enabled
+from launchers.input_checks import image_processor
 from parallel.lora import FrozenBase, apply_lora
 from parallel.reshard import Resharder
 from parallel.state import trainer_rollout_group
@@ -79,7 +80,7 @@ def build_models(cfg, job, roles: Collection[str], value_policy: bool = False):
     if "engine" in roles:
         engine, resharder = rollout_engine(cfg, hf_dir, policy, bridge, text_config(job.hf_config).vocab_size, job.rank)
         tokenizer = engine.tokenizer
-        episodes = episode_setup(cfg, hf_dir, tokenizer)
+        episodes = episode_setup(cfg, hf_dir, tokenizer, image_processor(hf_dir, job.hf_config))
     else:
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     placement = DevicePlacement(enabled=offload_enabled(t.offload))

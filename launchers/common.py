@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from alignment.config import JobConfig, config_yaml, parallel_sizes, validate
+from alignment.config import JobConfig, config_yaml, parallel_sizes, resolve_for_model, validate
 from alignment.models.config import lora_spec
 from alignment.models.families import get_bridge, text_config
 from alignment.models.hf_assets import prepare_hf_dir
@@ -145,6 +145,7 @@ def check_job(cfg: JobConfig, world_size: int):
     hf_config = AutoConfig.from_pretrained(hf_dir)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     validate(cfg, world_size=world_size, hf_config=hf_config, tokenizer_size=len(tokenizer))
+    resolve_for_model(cfg, hf_config)
     return hf_dir, hf_config, *check_inputs(cfg, hf_config, tokenizer)
 
 

@@ -201,9 +201,10 @@ def check_data(cfg, tokenizer, hf_config=None):
     if a.name == "ppo" and not ppo_on_task(cfg):
         return None  # prompts of dpo_en_demo, cut to data.max_prompt_length
 
+    images = image_processor(prepare_hf_dir(cfg.model.path), hf_config) if hf_config is not None else None
     try:
-        return job_prompts(d, cfg.seed, tokenizer, cfg.rollout)
-    except ValueError as e:  # a file of the user's, or prompts too long: named in the message
+        return job_prompts(d, cfg.seed, tokenizer, cfg.rollout, images)
+    except (ValueError, FileNotFoundError) as e:  # a file of the user's, or prompts too long: named in the message
         raise ConfigError(str(e)) from e
 
 

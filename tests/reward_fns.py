@@ -18,6 +18,12 @@ def even_length(completions, **kwargs):
     return [float(len(c) % 2 == 0) for c in completions]
 
 
+def reply_length(completions, **kwargs):
+    """Characters of the reply, for plain and chat completions (TRL gives a chat prompt's completion as
+    ``[{"role": "assistant", "content": ...}]``)."""
+    return [float(len(c[-1]["content"] if isinstance(c, list) else c)) for c in completions]
+
+
 def scaled_length(completions, scale=1.0):
     """No **kwargs: gets only ``completions`` and its own ``scale`` option."""
     return [scale * len(c) for c in completions]

@@ -2,7 +2,8 @@
 maps every checkpoint tensor once and round-trips through TP shards, bad image inputs get one clear
 error, rows of a batch keep their images; and on 2 ranks (tests/dist/vlm_worker.py) logits equal
 transformers' at TP=1, TP=2+SP, PP=2 and packed, on text and on images of three sizes, with an exact HF
-export, and GRPO-loss gradients (vision tower included) equal single-process autograd."""
+export, and GRPO-loss gradients (vision tower included) equal single-process autograd; the rollout
+engine's greedy tokens and sampled logprobs on prompts with images equal transformers' at TP=1 and TP=2."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from tests.dist.tiny_models import IMAGE_TOKEN, checkpoint_state, tiny_qwen2_5_vl, tiny_qwen2_5_vl_config
-from tests.dist.vlm_worker import CASES, GRAD_CASES, micro_batch, rows_and_images
+from tests.dist.vlm_worker import CASES, ENGINE_CASES, GRAD_CASES, micro_batch, rows_and_images
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +103,11 @@ def test_logits_equal_transformers_at_every_layout(torchrun_json):
         c = r[name]
         assert abs(c["loss"] - ref["loss"]) <= 1e-5 * max(1.0, abs(ref["loss"])), (name, c, ref)
         assert c["missing"] == [] and c["max_grad_diff"] <= 1e-5 * ref["max_grad"] + 1e-7, (name, c, ref)
+    for name in ENGINE_CASES:  # rollouts with images: greedy tokens and sampled logprobs == transformers
+        c = r[name]
+        assert c["greedy_equal"] == [True] * 4 and c["tokens"] == 48, (name, c)
+        assert c["images_kept"] == [False, False, True, True, True, True, False, False], (name, c)
+        assert c["max_logprob_diff"] <= 1e-4, (name, c)
 
 
 def test_select_rows_takes_each_rows_images():
@@ -123,18 +129,29 @@ def test_select_rows_takes_each_rows_images():
 
 
 def test_jobs_a_vision_language_model_cannot_run_yet_are_refused():
-    """GRPO (no rollouts with images yet) and context parallelism are refused before start, naming the
-    field; SFT and DPO at TP=2 with sequence parallelism and PP=2 pass."""
-    from alignment.config import validate
+    """PPO, vLLM rollouts, multi-turn episodes, prompt trees and context parallelism are refused before
+    start, naming the field; SFT and DPO at TP=2 with sequence parallelism and PP=2, and GRPO on Megatron's
+    engine pass, GRPO's prompt trees resolved off."""
+    from alignment.config import job_config, resolve_for_model, shares_prompts, validate
     from alignment.schema import ConfigError
     from tests.test_config import cfg
 
     hf = tiny_qwen2_5_vl_config()
-    with pytest.raises(ConfigError, match="is a vision-language model: algorithm.name=grpo is not supported for it "
-                                          "yet .* use one of sft, dpo"):
+    with pytest.raises(ConfigError, match="is a vision-language model: algorithm.name=ppo is not supported for it "
+                                          "yet; use one of sft, dpo, grpo"):
+        validate(cfg(name="ppo"), world_size=2, hf_config=hf)
+    with pytest.raises(ConfigError, match="rollout.backend=vllm: rollouts with images run on Megatron's engine"):
         validate(cfg(), world_size=2, hf_config=hf)
+    grpo = ("rollout.backend=megatron",)
+    with pytest.raises(ConfigError, match="rollout.environment=tools, rollout.max_turns=2: a vision-language"):
+        validate(cfg(*grpo, "rollout.environment=tools", "rollout.max_turns=2"), world_size=2, hf_config=hf)
+    with pytest.raises(ConfigError, match="trainer.shared_prompt_packing=true: a vision-language model's M-RoPE"):
+        validate(cfg(*grpo, "trainer.shared_prompt_packing=true"), world_size=2, hf_config=hf)
     with pytest.raises(ConfigError, match="parallel.context_parallel_size=2: a vision-language model's M-RoPE"):
         validate(cfg("parallel.context_parallel_size=2", name="sft"), world_size=2, hf_config=hf)
     validate(cfg("parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true", name="sft"),
              world_size=2, hf_config=hf)
     validate(cfg("parallel.pipeline_model_parallel_size=2", name="dpo"), world_size=2, hf_config=hf)
+    c = job_config(cfg(*grpo, "parallel.tensor_model_parallel_size=2"))
+    validate(c, world_size=2, hf_config=hf)
+    assert shares_prompts(c) and not shares_prompts(resolve_for_model(c, hf))

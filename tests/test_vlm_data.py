@@ -109,6 +109,47 @@ def test_bad_image_inputs_are_one_clear_error(vlm_dir, task, tmp_path):
     assert "the prompt takes 23 tokens (9 for its 1 images), more than data.max_prompt_length=12" in msg
 
 
+def test_prompt_files_with_images_for_rl(vlm_dir, task, tmp_path):
+    """An RL job's prompt files (TRL's ``prompt`` messages with image parts + ``images``): each problem knows
+    its image files (resolved against its file), the same question about another image is another prompt,
+    the instruction ends the last text part, a prompt's length counts its images' tokens, prompts become
+    ``ImagePrompt`` s with the placeholders expanded, and bad images are named before start."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from alignment.data.config import DataConfig
+    from alignment.data.image_tasks import QUESTION
+    from alignment.data.images import ImageProcessor
+    from alignment.data.prompts import PromptStyle, build_prompt_ids, job_prompts, prompt_length, prompt_messages
+    from alignment.rollout.config import RolloutConfig
+    from alignment.rollout.image_prompts import ImagePrompt, image_prompts
+
+    cfg, tok = AutoConfig.from_pretrained(vlm_dir), AutoTokenizer.from_pretrained(vlm_dir)
+    images = ImageProcessor(vlm_dir, cfg.image_token_id)
+    d = DataConfig(train_files=str(task / "train.jsonl"), heldout_files=str(task / "heldout.jsonl"))
+    sets = job_prompts(d, 0, tok, RolloutConfig(max_model_len=64, max_tokens=8), images)
+    assert len(sets.train) == 24 and len(sets.heldout) == 8  # 3 questions, 24 images: no prompt dropped as a repeat
+    p = sets.train[0]
+    record = json.loads((task / "train.jsonl").read_text().splitlines()[0])
+    assert p.images == (str(task / record["images"][0]),) and p.answer == record["answer"]
+    assert p.question in {QUESTION.format(colour=c) for c in ("red", "green", "blue")}
+    parts = prompt_messages(p, PromptStyle(instruction="Be brief."))[-1]["content"]
+    assert parts[0] == {"type": "image"} and parts[1]["text"] == p.question + "\nBe brief."
+    ids = build_prompt_ids(tok, p)
+    assert ids.count(cfg.image_token_id) == 1 and prompt_length(tok, p, PromptStyle(), images) == len(ids) + 8
+    text = sets.train[1].__class__("What is 2 + 2?", "4", "file")
+    [image_prompt, plain] = image_prompts(images, [p, text], [ids, [1, 2, 3]])
+    assert isinstance(image_prompt, ImagePrompt) and image_prompt.count(cfg.image_token_id) == 9
+    assert image_prompt.images.image_grid_thw.tolist() == [[1, 6, 6]] and plain == [1, 2, 3]
+    with pytest.raises(ValueError, match="shows images, but the model is a text model"):
+        image_prompts(None, [p], [ids])
+    with pytest.raises(ValueError, match=r"data.train_files: the longest prompt has \d+ tokens"):
+        job_prompts(d, 0, tok, RolloutConfig(max_model_len=len(ids) + 12, max_tokens=8), images)
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text(json.dumps({**record, "images": ["nowhere.png"]}) + "\n")
+    with pytest.raises(FileNotFoundError, match=f"prompt .*: image {tmp_path}/nowhere.png does not exist"):
+        job_prompts(DataConfig(train_files=str(missing)), 0, tok, RolloutConfig(max_model_len=64, max_tokens=8), images)
+
+
 def test_shape_count_answers_are_what_the_images_show(task):
     """Count, in every image, the grid cells holding pixels of the asked colour: the record's answer."""
     import numpy as np
@@ -167,6 +208,29 @@ def test_sft_and_dpo_jobs_on_a_vision_language_model(vlm_dir, task, tmp_path):
     assert (exported / "preprocessor_config.json").exists()
     result = image_task_accuracy(exported, task / "heldout.jsonl", max_new_tokens=2)
     assert result["questions"] == 8 and all(a["response"] for a in result["answers"])
+
+
+GRPO = ["rollout.backend=megatron", "rollout.group_size=4", "rollout.prompts_per_step=4", "rollout.max_tokens=6",
+        "rollout.eval_max_tokens=4", "rollout.temperature=1.0", "trainer.micro_batch_size=4", "trainer.steps=3",
+        "trainer.lr=1e-3", "trainer.progress_bar=false", "trainer.save_checkpoint=false", "trainer.export_hf=false",
+        "data.prompt_key=prompt",
+        "reward.functions=[{name: numeric}, {name: chars, function: 'tests.reward_fns:reply_length', weight: 0.1}]"]
+
+
+@pytest.mark.slow
+def test_grpo_job_on_a_vision_language_model(vlm_dir, task, tmp_path):
+    """GRPO on the shape-count images (Megatron's engine at TP=2, packed micro-batches): every step's
+    samples come from the trained weights with their images, so fp32 ``token_mult_prob_error`` is 1;
+    the held-out accuracy is measured before and after."""
+    [g] = run_jobs(Job("grpo", vlm_dir, tmp_path / "grpo", [
+        *GRPO, f"data.train_files={task / 'train.jsonl'}", f"data.heldout_files={task / 'heldout.jsonl'}",
+        "parallel.tensor_model_parallel_size=2", "trainer.sequence_packing=true"]))
+    h = g["history"]
+    assert len(h) == 3, g
+    for m in h:  # the fp32 engine samples with the trained weights and the same images, step after step
+        assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
+        assert m["reward/numeric/scored"] == 1.0 and m["reward/std"] > 0 and m["grad_norm"] > 1e-3, m
+    assert g["heldout_size"] == 8 and 0.0 <= g["heldout_accuracy_after"] <= 1.0, g
 
 
 def test_processor_files_travel_with_an_export(vlm_dir, tmp_path):

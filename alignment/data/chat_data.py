@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from filelock import FileLock
 
 from alignment.cache import cache_root
+from alignment.data.content import content_parts, record_images
 from alignment.data.images import resolve
 from alignment.data.prompt_data import is_heldout, read_table, read_text
 
@@ -186,22 +187,6 @@ def _text(where: str, r: dict, key: str) -> str:
     return value
 
 
-def _parts(where: str, content: list) -> list[dict]:
-    """A message's content parts (TRL's / OpenAI's ``[{"type": "text", "text": ...}, {"type": "image"}]``;
-    an image part may name its file: ``{"type": "image", "image": "a.png"}``)."""
-    out = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text" and isinstance(part.get("text"), str):
-            out.append({"type": "text", "text": part["text"]})
-        elif kind == "image":
-            out.append({"type": "image", **({"image": part["image"]} if isinstance(part.get("image"), str) else {})})
-        else:
-            raise ValueError(f"{where}: a content part is {{'type': 'text', 'text': ...}} or {{'type': 'image'}}, "
-                             f"not {part!r}")
-    return out
-
-
 def _messages(where: str, turns) -> tuple[dict, ...]:
     if not isinstance(turns, list) or not turns:
         raise ValueError(f"{where}: the conversation must be a non-empty list of messages")
@@ -212,7 +197,7 @@ def _messages(where: str, turns) -> tuple[dict, ...]:
         role, content = ((m.get("role"), m.get("content")) if "role" in m
                          else (_ROLES.get(m.get("from")), m.get("value")))
         if isinstance(content, list):
-            content = _parts(where, content)
+            content = content_parts(where, content)
         if role not in ("system", "user", "assistant") or not isinstance(content, (str, list)):
             raise ValueError(f"{where}: a message needs a role (system, user, assistant; or from: human, gpt, system) "
                              "and a content (a string, or a list of text and image parts)")
@@ -227,25 +212,6 @@ def _plain(where: str, content) -> str:
     if any(p["type"] != "text" for p in content):
         raise ValueError(f"{where}: a response has text parts only (images go in the prompt)")
     return "".join(p["text"] for p in content)
-
-
-def _images(where: str, r: dict, msgs: tuple[dict, ...]) -> tuple[str, ...]:
-    """The image files of a record's prompt, in the order of its image parts: the parts' own
-    ``image`` names, else the record's ``images`` list (TRL's and verl's column), one per part.
-    Raises ValueError when the image parts and the files differ in number."""
-    parts = [p for m in msgs if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"]
-    listed = r.get("images") or []
-    if isinstance(listed, str):
-        listed = [listed]
-    named = [p["image"] for p in parts if "image" in p]
-    if named and len(named) == len(parts) and not listed:
-        return tuple(named)
-    if len(listed) != len(parts) or named:
-        raise ValueError(f"{where}: {len(parts)} image parts in the messages and {len(listed)} files in 'images'; give "
-                         "one file per {'type': 'image'} part, in order (or name each in its part)")
-    if not all(isinstance(x, str) for x in listed):
-        raise ValueError(f"{where}: 'images' is a list of file paths (relative to the data file's folder)")
-    return tuple(listed)
 
 
 #: ``data.columns``' names (LLaMA-Factory's ``dataset_info`` names) -> the record fields they fill, per kind
@@ -304,7 +270,7 @@ def _sft_example(where: str, r: dict) -> SFTExample:
         if msgs[-1]["role"] != "assistant" or len(msgs) < 2:
             raise ValueError(f"{where}: 'messages' must end with the assistant's response after a prompt")
         return SFTExample(_with_system(where, r, msgs[:-1]), _plain(where, msgs[-1]["content"]),
-                          _images(where, r, msgs[:-1]), where)
+                          record_images(where, r, msgs[:-1]), where)
     missing = [k for k in ("instruction", "output") if k not in r]
     if missing:
         raise ValueError(f"{where}: missing {', '.join(missing)} (an SFT record is alpaca-style instruction, "
@@ -325,7 +291,7 @@ def _preference_pair(where: str, r: dict) -> PreferencePair:
     prompt = r.get("conversations", r.get("prompt"))
     msgs = ({"role": "user", "content": prompt},) if isinstance(prompt, str) else _messages(where, prompt)
     return PreferencePair(_with_system(where, r, msgs), _text(where, r, "chosen"), _text(where, r, "rejected"),
-                          _images(where, r, msgs), where)
+                          record_images(where, r, msgs), where)
 
 
 def _key(messages) -> str:

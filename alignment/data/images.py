@@ -93,6 +93,17 @@ class ImageProcessor:
         out = self.processor(images=images, return_tensors="pt")
         return ImageInputs(out["pixel_values"], out["image_grid_thw"].long())
 
+    def encode_files(self, files: list[tuple[str, ...]], where: list[str]) -> list[ImageInputs | None]:
+        """Each entry's image files (``files[i]``, paths to open; ``where[i]`` names its record for
+        errors) decoded in one thread pool (:func:`load_images`) and encoded; None for an entry without.
+
+        Raises:
+            FileNotFoundError, ValueError: as :func:`load_images`.
+        """
+        flat = [(f, w) for fs, w in zip(files, where) for f in fs]
+        pics = iter(load_images([f for f, _ in flat], [w for _, w in flat]))
+        return [self.encode([next(pics) for _ in fs]) if fs else None for fs in files]
+
     def tokens(self, inputs: ImageInputs) -> list[int]:
         """Placeholder tokens each image of ``inputs`` takes (``t*h*w / merge**2``)."""
         return [int(g.prod()) // self.merge ** 2 for g in inputs.image_grid_thw]

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from alignment.data.content import content_parts, content_text, has_image_parts, record_images
+from alignment.data.images import resolve
 from alignment.data.tasks import FILE_TASK, Problem
 
 __all__ = ["FORMATS", "check_utf8", "read_text", "read_table", "is_heldout", "FileProblems", "PromptSets", "load_prompt_files", "EpochOrder",
@@ -110,10 +112,12 @@ def read_table(path: str, field: str = "data.train_files"):
     return ds
 
 
-def prompt_text(prompt) -> str:
+def prompt_text(prompt, images=None) -> str:
     """The text a prompt is known by (for de-duplication and the held-out hash): the string itself,
-    or the messages as JSON."""
-    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, ensure_ascii=False)
+    or the messages as JSON, and the record's ``images`` files when it has any (the same question
+    about another image is another prompt)."""
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, ensure_ascii=False)
+    return text + ("\n" + json.dumps(list(images)) if images else "")
 
 
 def is_heldout(text: str, fraction: float) -> bool:
@@ -128,10 +132,14 @@ def _messages(where: str, prompt) -> tuple[dict, ...]:
         raise ValueError(f"{where}: the prompt must be a non-empty string or a list of chat messages")
     out = []
     for m in prompt:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and m.get("role") == "user":
+            content = content_parts(where, content)
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
-                or not isinstance(m.get("content"), str):
-            raise ValueError(f"{where}: a message is {{role: system|user|assistant, content: string}}, got {m!r:.120}")
-        out.append({"role": m["role"], "content": m["content"]})
+                or not isinstance(content, (str, list)):
+            raise ValueError(f"{where}: a message is {{role: system|user|assistant, content: string (a user's: or a "
+                             f"list of text and image parts)}}, got {m!r:.120}")
+        out.append({"role": m["role"], "content": content})
     if out[-1]["role"] != "user":
         raise ValueError(f"{where}: a chat prompt must end with a user message (the model answers it)")
     return tuple(out)
@@ -142,23 +150,35 @@ def _check_prompt(where: str, prompt) -> None:
         if not prompt.strip():
             raise ValueError(f"{where}: the prompt is empty")
         return
-    _messages(where, prompt)
-    if not any(m["content"].strip() for m in prompt if m["role"] == "user"):
+    msgs = [m for m in _messages(where, prompt) if m["role"] == "user"]
+    if not any(content_text(m["content"]).strip() for m in msgs) and not has_image_parts(msgs):
         raise ValueError(f"{where}: the prompt's user messages are empty")
 
 
 class FileProblems(Sequence):
     """The records ``rows`` of an Arrow table as :class:`alignment.data.tasks.Problem` s, built on
     access (``task`` :data:`alignment.data.tasks.FILE_TASK`; ``question`` the prompt string, or the
-    last user message of a chat prompt, whose messages are ``Problem.messages``; ``answer`` the
-    ``answer_key`` column as a string, "" without one; ``columns`` every column but the prompt).
-    ``source``: where the rows come from, for messages."""
+    last user message's text of a chat prompt, whose messages are ``Problem.messages`` and whose image
+    parts' files (TRL's ``images`` column, relative to the record's file) are ``Problem.images``;
+    ``answer`` the ``answer_key`` column as a string, "" without one; ``columns`` every column but the
+    prompt). ``source``: where the rows come from, for messages; ``files``: ``(path, records)`` of each
+    file the table was read from, in order (image paths resolve against their record's file)."""
 
-    def __init__(self, table, rows: np.ndarray, prompt_key: str, answer_key: str | None, source: str):
+    def __init__(self, table, rows: np.ndarray, prompt_key: str, answer_key: str | None, source: str,
+                 files: Sequence[tuple[str, int]] = ()):
         self.table, self.rows, self.prompt_key, self.answer_key, self.source = table, rows, prompt_key, answer_key, source
+        self.files = list(files)
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def _folder(self, row: int) -> Path:
+        start = 0
+        for path, n in self.files:
+            if row < start + n:
+                return Path(path).expanduser().parent
+            start += n
+        return Path(".")
 
     def __getitem__(self, i):
         if isinstance(i, slice):
@@ -170,9 +190,12 @@ class FileProblems(Sequence):
         answer = record.get(self.answer_key) if self.answer_key else None
         if isinstance(prompt, str):
             return Problem(prompt, "" if answer is None else str(answer), FILE_TASK, columns=columns)
-        msgs = _messages(f"{self.source} row {row}", prompt)
-        return Problem(msgs[-1]["content"], "" if answer is None else str(answer), FILE_TASK, messages=msgs,
-                       columns=columns)
+        where = f"{self.source} row {row}"
+        msgs = _messages(where, prompt)
+        images = tuple(resolve(f, self._folder(row)) for f in record_images(where, record, msgs)) \
+            if has_image_parts(msgs) else ()
+        return Problem(content_text(msgs[-1]["content"]), "" if answer is None else str(answer), FILE_TASK,
+                       messages=msgs, columns=columns, images=images)
 
 
 @dataclass
@@ -234,26 +257,29 @@ def _files(value) -> list[str]:
 
 
 def _read(paths: list[str], field: str):
+    """The files ``paths`` as one table, and ``(path, records)`` of each, in order."""
     import datasets
 
     tables = [read_table(p, field) for p in paths]
+    files = [(p, len(t)) for p, t in zip(paths, tables)]
     if len(tables) == 1:
-        return tables[0]
+        return tables[0], files
     try:
-        return datasets.concatenate_datasets(tables)
+        return datasets.concatenate_datasets(tables), files
     except ValueError as e:
         raise ValueError(f"{field}={paths}: the files' columns differ ({e})") from e
 
 
 def _distinct_rows(table, prompt_key: str, source: str, seen: set[bytes], keep=lambda text: True):
     """Rows whose prompt is valid, kept by ``keep``, and not in ``seen`` (16-byte digests of the prompts
-    seen so far; it grows); and the number of repeats dropped. The prompt column is read in batches,
-    so a rank never holds the whole column as Python objects."""
+    seen so far, with their ``images`` files; it grows); and the number of repeats dropped. The prompt
+    column is read in batches, so a rank never holds the whole column as Python objects."""
     rows, dropped, i = [], 0, 0
-    for batch in table.select_columns([prompt_key]).iter(batch_size=4096):
-        for prompt in batch[prompt_key]:
+    columns = [prompt_key] + (["images"] if "images" in table.column_names and prompt_key != "images" else [])
+    for batch in table.select_columns(columns).iter(batch_size=4096):
+        for prompt, images in zip(batch[prompt_key], batch.get("images") or [None] * len(batch[prompt_key])):
             _check_prompt(f"{source} row {i} ({prompt_key})", prompt)
-            text = prompt_text(prompt)
+            text = prompt_text(prompt, images)
             digest = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
             if keep(text):
                 if digest in seen:
@@ -277,23 +303,23 @@ def load_prompt_files(data) -> PromptSets:
     """
     train_paths, heldout_paths = _files(data.train_files), _files(data.heldout_files)
     fraction = float(data.heldout_fraction or 0.0)
-    table = _read(train_paths, "data.train_files")
+    table, files = _read(train_paths, "data.train_files")
     where = ", ".join(train_paths)
     answer_key = _resolve_keys(table, where, data.prompt_key, data.answer_key)
     seen: set[bytes] = set()
     heldout: Sequence = []
     duplicates, records = 0, len(table)
     if heldout_paths:
-        h_table = _read(heldout_paths, "data.heldout_files")
+        h_table, h_files = _read(heldout_paths, "data.heldout_files")
         h_where = ", ".join(heldout_paths)
         h_answer = _resolve_keys(h_table, h_where, data.prompt_key, data.answer_key)
         h_rows, duplicates = _distinct_rows(h_table, data.prompt_key, h_where, seen)
-        heldout = FileProblems(h_table, h_rows, data.prompt_key, h_answer, h_where)
+        heldout = FileProblems(h_table, h_rows, data.prompt_key, h_answer, h_where, h_files)
         records += len(h_table)
     elif fraction > 0:
         h_rows, duplicates = _distinct_rows(table, data.prompt_key, where, seen,
                                             keep=lambda text: is_heldout(text, fraction))
-        heldout = FileProblems(table, h_rows, data.prompt_key, answer_key, where)
+        heldout = FileProblems(table, h_rows, data.prompt_key, answer_key, where, files)
     rows, dropped = _distinct_rows(table, data.prompt_key, where, seen,
                                    keep=lambda text: not (fraction and not heldout_paths and is_heldout(text, fraction)))
     # a training prompt that is also a held-out file's prompt counts as a duplicate and is dropped
@@ -302,7 +328,7 @@ def load_prompt_files(data) -> PromptSets:
     if not len(rows):
         raise ValueError(f"data.train_files={where}: no training prompt left ({records} records, {duplicates + dropped} "
                          f"duplicates{', the rest held out' if fraction else ''})")
-    return PromptSets(FileProblems(table, rows, data.prompt_key, answer_key, where), heldout, records,
+    return PromptSets(FileProblems(table, rows, data.prompt_key, answer_key, where, files), heldout, records,
                       duplicates + dropped, tuple(train_paths + heldout_paths))
 
 
@@ -370,7 +396,8 @@ def fit_prompts(sets: PromptSets, length, max_model_len: int, max_tokens: int, p
             total += n
             keep.append(i)
             if items is sets.train:
-                digest.update(json.dumps([problem.messages or problem.question, problem.answer]).encode() + b"\n")
+                digest.update(json.dumps([problem.messages or problem.question, problem.answer,
+                                          *([list(problem.images)] if problem.images else [])]).encode() + b"\n")
         kept.append(_keep(items, keep) if len(keep) < len(items) else items)
     if dropped and policy == "error":
         raise ValueError(f"{field}: the longest prompt has {longest[0]} tokens ({longest[1][:60]!r}...), which with "

@@ -9,6 +9,7 @@ from typing import Any
 
 from alignment.data.chat_data import encode_prompt
 from alignment.data.config import DataConfig
+from alignment.data.images import ImageProcessor
 from alignment.data.prompt_data import PromptSets, fit_prompts, load_prompt_files
 from alignment.data.tasks import FILE_TASK, TASKS, Problem, load_problems
 
@@ -58,7 +59,17 @@ def prompt_messages(problem: Problem, style: PromptStyle = PromptStyle(), hint: 
     extra = (f"\nHint: the answer is {hint}." if hint is not None else "") + (f"\n{said}" if said else "")
     if problem.messages is not None:
         messages = [dict(m) for m in problem.messages]
-        messages[-1]["content"] = messages[-1]["content"] + extra
+        last = messages[-1]["content"]
+        if isinstance(last, str):
+            messages[-1]["content"] = last + extra
+        elif extra:  # content parts (an image's question): the extra text ends the last text part
+            parts = [dict(x) for x in last]
+            texts = [i for i, x in enumerate(parts) if x["type"] == "text"]
+            if texts:
+                parts[texts[-1]]["text"] += extra
+            else:
+                parts.append({"type": "text", "text": extra.lstrip("\n")})
+            messages[-1]["content"] = parts
     else:
         messages = [{"role": "user", "content": f"{problem.question.strip()}{extra}" if problem.task != FILE_TASK
                      else problem.question + extra}]
@@ -82,17 +93,39 @@ def build_prompt_ids(tokenizer: Any, problem: Problem, style: PromptStyle = Prom
     return encode_prompt(tokenizer, prompt_messages(problem, style, hint), **style.chat_template_kwargs)
 
 
-def job_prompts(d: DataConfig, seed: int, tokenizer=None, rollout=None) -> PromptSets:
+def prompt_length(tokenizer, problem: Problem, style: PromptStyle, images: ImageProcessor | None = None) -> int:
+    """Tokens of ``problem``'s prompt as the engine holds it (:func:`build_prompt_ids`), each image's
+    placeholder counted at its image's token count (its files decoded and processed by ``images``, a
+    vision-language model's :class:`alignment.data.images.ImageProcessor`).
+
+    Raises:
+        ValueError: a problem with images for a text model (``images`` None), or an image file that
+            cannot be decoded; FileNotFoundError: a missing image file (both naming the prompt).
+    """
+    ids = build_prompt_ids(tokenizer, problem, style)
+    if not problem.images:
+        return len(ids)
+    where = f"prompt {problem.question[:60]!r}"
+    if images is None:
+        raise ValueError(f"{where} shows images, but model.path is a text model; give a vision-language model or drop "
+                         "the image parts")
+    [inputs] = images.encode_files([tuple(problem.images)], [where])
+    return len(images.expand(ids, inputs, where))
+
+
+def job_prompts(d: DataConfig, seed: int, tokenizer=None, rollout=None, images: ImageProcessor | None = None
+                ) -> PromptSets:
     """An RL job's training and held-out problems as a :class:`alignment.data.prompt_data.PromptSets`:
     ``data.train_files`` (:func:`alignment.data.prompt_data.load_prompt_files`) or else the built-in
     ``data.task``'s (``data.train_size``, ``data.heldout_size``; arithmetic-style tasks from
     ``data.generator`` with ``data.generator_kwargs``). With a ``tokenizer`` each prompt, rendered as
-    the job renders it (:func:`build_prompt_ids`), is checked against the job's ``rollout`` section's budget
-    (``max_model_len`` - ``max_tokens``; ``data.overlong_prompts``, :func:`alignment.data.prompt_data.fit_prompts`).
-    ``seed``: the job's, which draws a built-in task's problems.
+    the job renders it (:func:`prompt_length`: with its images' tokens, processed by ``images``), is checked
+    against the job's ``rollout`` section's budget (``max_model_len`` - ``max_tokens``;
+    ``data.overlong_prompts``, :func:`alignment.data.prompt_data.fit_prompts`). ``seed``: the job's, which
+    draws a built-in task's problems.
 
     Raises:
-        FileNotFoundError, ValueError: as ``load_prompt_files``, ``fit_prompts`` and
+        FileNotFoundError, ValueError: as ``load_prompt_files``, ``fit_prompts``, :func:`prompt_length` and
             :func:`alignment.data.tasks.load_problems`.
     """
     if d.train_files:
@@ -109,5 +142,5 @@ def job_prompts(d: DataConfig, seed: int, tokenizer=None, rollout=None) -> Promp
     if rollout is None:
         raise ValueError("job_prompts: a tokenizer checks prompts against the rollout's budget; give rollout=")
     style = PromptStyle.of(d)
-    return fit_prompts(sets, lambda p: len(build_prompt_ids(tokenizer, p, style)), rollout.max_model_len,
+    return fit_prompts(sets, lambda p: prompt_length(tokenizer, p, style, images), rollout.max_model_len,
                        rollout.max_tokens, d.overlong_prompts, source)

@@ -59,7 +59,9 @@ class Problem:
     """One problem: the raw question, its reference answer ("" without one), the task name and, for
     reasoning-gym tasks, the generator's entry (needed by its scorer). A prompt from a file
     (``task`` :data:`FILE_TASK`, :mod:`alignment.data.prompt_data`) may be a chat: ``messages`` (then
-    ``question`` is its last user message); ``columns``: the record's columns for reward functions."""
+    ``question`` is its last user message's text), whose user messages may hold image parts
+    (``{"type": "image"}``): ``images`` are their files, in order (paths to open); ``columns``: the
+    record's columns for reward functions."""
 
     question: str
     answer: str
@@ -67,6 +69,7 @@ class Problem:
     entry: dict | None = None
     messages: tuple[dict, ...] | None = None
     columns: dict = field(default_factory=dict)
+    images: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------- loading

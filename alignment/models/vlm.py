@@ -34,12 +34,26 @@ def has_images(mb: dict) -> bool:
     return grid is not None and grid.numel() > 0
 
 
+def prompt_tokens(mb: dict) -> torch.Tensor:
+    """``[b, s]`` bool: the prompt positions of micro-batch ``mb``'s rows (before each row's
+    ``seq_lengths - response_lengths``; every real token when the rows have no ``response_lengths``)."""
+    ids = mb["input_ids"]
+    lengths = mb.get("seq_lengths")
+    if lengths is None:
+        return torch.ones_like(ids, dtype=torch.bool)
+    prompt = lengths - mb["response_lengths"] if "response_lengths" in mb else lengths
+    return torch.arange(ids.shape[1], device=ids.device)[None, :] < prompt.to(ids.device)[:, None]
+
+
 def multimodal_inputs(model: torch.nn.Module, mb: dict, inputs, cp_rank: int = 0) -> dict:
     """The keyword inputs a vision-language model's shard takes for micro-batch ``mb`` beyond its
     token ids: M-RoPE ``position_ids`` ``[3, b, s_local]`` for this rank's tokens (``inputs``: the
     micro-batch's :class:`parallel.packing.ModelInputs`, whose ``index[cp_rank]`` ``[b, s_local]`` is the
     flat ``row * seq + col`` position of every local token in the padded micro-batch, -1 for alignment
-    padding) and the images. ``{}`` for a text model.
+    padding), the images, and ``image_mask`` ``[b, s_local]``: the placeholders in each row's prompt,
+    which the images fill. A response's tokens count as text for both, whatever they are (a sampled
+    placeholder token shows no image: the rollout engine, as transformers' ``generate``, feeds images
+    at the prompt only). ``{}`` for a text model.
     Raises ValueError for inputs without that index (shared-prompt trees)."""
     from alignment.models.vlm_model import VisionLanguageModel
     from parallel.names import unwrap
@@ -52,11 +66,16 @@ def multimodal_inputs(model: torch.nn.Module, mb: dict, inputs, cp_rank: int = 0
                          "vision-language model; set it to false")
     index = inputs.index[cp_rank]
     grid = mb.get("image_grid_thw") if has_images(mb) else None
-    positions = vlm.spec.positions(mb["input_ids"].cpu(), mb.get("seq_lengths"), None if grid is None else grid.cpu(),
+    in_prompt = prompt_tokens({k: v.cpu() for k, v in mb.items() if k in ("input_ids", "seq_lengths",
+                                                                           "response_lengths")})
+    ids = torch.where(in_prompt, mb["input_ids"].cpu(), -1)  # responses as text
+    positions = vlm.spec.positions(ids, mb.get("seq_lengths"), None if grid is None else grid.cpu(),
                                    vlm.dims)  # [3, rows, seq]
     flat = index.cpu().reshape(-1)
-    local = positions.reshape(3, -1)[:, flat.clamp(min=0)] * (flat >= 0)
+    real = flat >= 0
+    local = positions.reshape(3, -1)[:, flat.clamp(min=0)] * real
     out = {"position_ids": local.view(3, *index.shape).to(index.device)}
     if grid is not None:
-        out.update(pixel_values=mb["pixel_values"], image_grid_thw=grid)
+        mask = (ids == vlm.dims.image_token_id).reshape(-1)[flat.clamp(min=0)] & real
+        out.update(pixel_values=mb["pixel_values"], image_grid_thw=grid, image_mask=mask.view(index.shape).to(index.device))
     return out

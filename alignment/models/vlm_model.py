@@ -36,22 +36,33 @@ class VisionLanguageModel(GPTModel):
         if self.pre_process:
             self.vision_model = spec.tower(hf_config).to(self.config.params_dtype)
 
+    def image_features(self, pixel_values, image_grid_thw):
+        """The vision tower's output for images ``pixel_values`` ``[patches, C*T*p*p]`` with grids
+        ``image_grid_thw`` ``[images, 3]``: ``[image tokens, hidden]``, image by image, in order."""
+        out = self.vision_model(pixel_values.to(self.config.params_dtype), grid_thw=image_grid_thw)
+        return out.pooler_output
+
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, pixel_values=None,
-                image_grid_thw=None, **kwargs):
+                image_grid_thw=None, image_mask=None, image_features=None, **kwargs):
         """``GPTModel.forward`` with ``position_ids`` ``[3, b, s]`` (M-RoPE) and, on the first stage,
         the images: ``pixel_values`` ``[patches, C*T*p*p]`` and ``image_grid_thw`` ``[images, 3]`` of the
-        images whose placeholders ``input_ids`` ``[b, s]`` hold, in order (None: no images).
-        Raises ValueError when the placeholders and the images' token count differ."""
+        images whose placeholders ``input_ids`` ``[b, s]`` hold, in order, or their tower output
+        ``image_features`` ``[image tokens, hidden]`` already computed (a rollout engine's decode step);
+        None: no images. ``image_mask`` ``[b, s]`` bool: the positions the features fill, in order
+        (default: every placeholder token; a sampled response's placeholder tokens are text, as in
+        transformers' ``generate``).
+        Raises ValueError when the positions and the images' token count differ."""
         if self.pre_process and decoder_input is None:
             embeddings = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h], whole sequence
             if pixel_values is not None:
-                features = self.vision_model(pixel_values.to(self.config.params_dtype), grid_thw=image_grid_thw)
-                features = features.pooler_output.to(embeddings.dtype)  # [image tokens, h]
-                mask = (input_ids == self.dims.image_token_id).transpose(0, 1)  # [s, b]
+                image_features = self.image_features(pixel_values, image_grid_thw)
+            if image_features is not None:
+                features = image_features.to(embeddings.dtype)  # [image tokens, h]
+                mask = image_mask if image_mask is not None else input_ids == self.dims.image_token_id  # [b, s]
                 if int(mask.sum()) != features.shape[0]:
                     raise ValueError(f"{int(mask.sum())} image placeholder tokens in the micro-batch, "
                                      f"{features.shape[0]} image features from image_grid_thw")
-                bsh = embeddings.transpose(0, 1).masked_scatter(mask.transpose(0, 1)[..., None], features)
+                bsh = embeddings.transpose(0, 1).masked_scatter(mask[..., None], features)
                 embeddings = bsh.transpose(0, 1).contiguous()
             if self.config.sequence_parallel:
                 embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)

@@ -12,6 +12,8 @@ from typing import Callable, Iterable, Protocol
 
 import torch
 
+from alignment.data.images import ImageInputs
+
 
 @dataclass
 class SamplingConfig:
@@ -53,6 +55,8 @@ class Sample:
     ``weight_updates`` ``[R]``: per response token, how many weight updates the engine had taken since
     the batch began when it sampled the token (partial rollouts, :mod:`alignment.rollout.partial`: 0
     before an update that came during the generation, 1 after); None: all 0.
+    ``images``: the images the prompt shows (:class:`alignment.rollout.image_prompts.ImagePrompt`), which
+    the trainer's forward sees again; None for a text prompt.
     """
 
     prompt_ids: list[int]
@@ -64,6 +68,7 @@ class Sample:
     info: dict = field(default_factory=dict)
     routed_experts: torch.Tensor | None = None
     weight_updates: list[int] | None = None
+    images: ImageInputs | None = None
 
     @property
     def generated_tokens(self) -> int:

@@ -43,6 +43,11 @@ MoE routing (``record_routing``): every forward's top-k experts per token are ke
 position (:class:`alignment.rollout.routed_experts.GenerationRouting`) and returned as
 ``Sample.routed_experts`` for routing replay R3.
 
+A vision-language model (:class:`alignment.models.vlm_model.VisionLanguageModel`) takes prompts with images
+(:class:`alignment.rollout.image_prompts.ImagePrompt`): every forward gets its M-RoPE positions and the image
+features of its context window (:class:`alignment.rollout.generation_images.GenerationImages`), and each sample keeps
+its prompt's images for the trainer.
+
 Not yet here: pipeline and context parallel generation, expert parallelism with TP > 1 (megatron-core
 0.16.1 then switches the model's sequence parallelism off outside the MoE layers), and sequence
 parallelism (refused outside MoE models); ``rollout.backend=megatron`` asks for PP = CP = 1, and
@@ -57,6 +62,8 @@ from collections.abc import Iterable
 import torch
 
 from alignment.rollout.base import OnDone, Sample, SamplingConfig, step_seed
+from alignment.rollout.generation_images import GenerationImages
+from alignment.rollout.image_prompts import ImagePrompt, images_of
 from alignment.rollout.routed_experts import GenerationRouting
 from parallel.cpu_compat import host_timing_events
 
@@ -157,7 +164,9 @@ def _temperature_wrapper(model, config, context, vocab_size: int):
     """A ``GPTInferenceWrapper`` whose last-stage logits are fp32, divided by ``.temperature``,
     and ``-inf`` on Megatron's padding columns (ids >= ``vocab_size``), so that neither sampling
     nor the logprobs' normaliser sees tokens the model does not have. ``.lockstep``
-    (:class:`ExpertLockstep`) and ``.routing`` (:class:`GenerationRouting`), when set, see every forward."""
+    (:class:`ExpertLockstep`) and ``.routing`` (:class:`GenerationRouting`), when set, see every forward;
+    ``.images`` (:class:`GenerationImages`, a vision-language model's batch) gives every forward its
+    M-RoPE positions and images."""
     from contextlib import nullcontext
 
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
@@ -166,13 +175,26 @@ def _temperature_wrapper(model, config, context, vocab_size: int):
         temperature = 1.0
         lockstep: ExpertLockstep | None = None
         routing: GenerationRouting | None = None
+        images: GenerationImages | None = None
+
+        def get_batch_for_context_window(self, inference_input, context_start_position, context_end_position):
+            out = super().get_batch_for_context_window(inference_input, context_start_position, context_end_position)
+            if self.images is not None:  # a vision-language model: M-RoPE positions and the window's images
+                out.update(self.images.window(context_start_position, context_end_position))
+            return out
 
         def _forward(self, inference_input):
             if self.lockstep is not None:
                 self.lockstep.before_forward()
             recording = self.routing.forward(inference_input["tokens"]) if self.routing else nullcontext()
             with recording:
-                out = super()._forward(inference_input)
+                if self.images is None:
+                    out = super()._forward(inference_input)
+                else:
+                    extra = {k: inference_input[k] for k in ("image_mask", "image_features") if k in inference_input}
+                    out = self.model(inference_input["tokens"], inference_input["position_ids"],
+                                     inference_input["attention_mask"], inference_context=self.inference_context,
+                                     runtime_gather_output=True, **extra)
             if not getattr(self.model, "post_process", True):
                 return out  # an earlier pipeline stage: hidden states
             logits = out.float() / self.temperature
@@ -235,6 +257,9 @@ class MegatronEngine:
         self.engine.random_seed = None  # see the module docstring: no global re-seed per call
         self.routing = self.wrapper.routing = GenerationRouting.of(model) if record_routing else None
         self.wrapper.lockstep = self._lockstep(model)
+        from alignment.models.vlm_model import VisionLanguageModel  # imports Megatron
+
+        self.vision = model if isinstance(model, VisionLanguageModel) else None  # feeds images, M-RoPE
         if static_engine.HAVE_TQDM:  # its "static requests" bar per call: the job's step bar is enough
             from functools import partial
 
@@ -294,7 +319,7 @@ class MegatronEngine:
                                 top_p=0.0 if greedy or sampling.top_p == 1 else sampling.top_p,
                                 num_tokens_to_generate=sampling.max_tokens, return_log_probs=False,
                                 termination_id=-1)  # unused: the controller stops at self.eos_token_ids
-        rows = [list(p) for p in prompts for _ in range(sampling.n)]
+        rows = [p for p in prompts for _ in range(sampling.n)]  # an ImagePrompt's rows: one object
         was_training = self.model.training
         self.model.eval()
         cuda = torch.cuda.is_available()
@@ -314,7 +339,9 @@ class MegatronEngine:
                     chunk = rows[start:start + self.max_batch_size]
                     if self.routing is not None:
                         self.routing.start(len(chunk), max(map(len, chunk)) + sampling.max_tokens)
-                    batch = self.engine.generate(prompts=chunk, sampling_params=params)
+                    if self.vision is not None:
+                        self.wrapper.images = GenerationImages(self.vision, chunk, sampling.max_tokens)
+                    batch = self.engine.generate(prompts=[list(p) for p in chunk], sampling_params=params)
                     requests += batch
                     logprobs += _row_logprobs(self.controller.step_logprobs, len(batch))
                     routed += self.routing.rows_recorded() if self.routing is not None else [None] * len(batch)
@@ -330,6 +357,7 @@ class MegatronEngine:
                 self._rng_state = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
         finally:
             self.model.train(was_training)
+            self.wrapper.images = None
         return out
 
     def _sample(self, prompt: list[int], request, lps: list[float], experts: torch.Tensor | None) -> Sample:
@@ -345,7 +373,8 @@ class MegatronEngine:
         routed = None if experts is None else experts[:len(prompt) + len(ids)].clone()
         if routed is not None and ids:
             routed[-1] = -1  # sampled, never fed back: no forward routed it
-        return Sample(list(prompt), ids, lps[:len(ids)], text, finished, routed_experts=routed)
+        return Sample(prompt if isinstance(prompt, ImagePrompt) else list(prompt), ids, lps[:len(ids)], text, finished,
+                      routed_experts=routed, images=images_of(prompt))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Nothing to load: the engine runs the trainer's parameters."""

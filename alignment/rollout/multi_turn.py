@@ -26,10 +26,12 @@ from pathlib import Path
 import torch
 
 from alignment.data.tasks import Problem
+from alignment.data.images import ImageProcessor
 from alignment.envs.base import Environment
 from alignment.envs.factory import build_environment
 from alignment.rollout.base import OnDone, Sample, SamplingConfig
 from alignment.rollout.factory import eos_token_ids
+from alignment.rollout.image_prompts import ImagePrompt, image_prompts, images_of
 from alignment.rollout.turn_tokens import TurnTokens
 
 __all__ = ["run_episodes", "EpisodeSetup", "episode_setup", "EPISODE_COUNTS", "cut_sample"]
@@ -41,22 +43,26 @@ EPISODE_COUNTS = ("turns", "tool_calls", "tool_errors", "env_tokens")
 @dataclass
 class EpisodeSetup:
     """What a job's episodes run with: the environment (``rollout.environment``), the chat template's
-    turn tokens, ``rollout.max_turns`` and ``rollout.max_tokens_per_turn``."""
+    turn tokens, ``rollout.max_turns``, ``rollout.max_tokens_per_turn`` and, for a vision-language
+    model, its image processor (prompts with images become
+    :class:`alignment.rollout.image_prompts.ImagePrompt` s)."""
 
     env: Environment
     turns: TurnTokens
     max_turns: int = 1
     max_tokens_per_turn: int | None = None
+    images: ImageProcessor | None = None
 
 
-def episode_setup(cfg, hf_dir: Path, tokenizer) -> EpisodeSetup:
+def episode_setup(cfg, hf_dir: Path, tokenizer, images: ImageProcessor | None = None) -> EpisodeSetup:
     """The job's :class:`EpisodeSetup` from its config: the environment ``rollout.environment``
     (:func:`alignment.envs.factory.build_environment`), the turn tokens of ``tokenizer``'s chat
     template (``data.chat_template_kwargs``; the end-of-turn ids from ``hf_dir``'s generation
-    config and the tokenizer), ``rollout.max_turns`` and ``rollout.max_tokens_per_turn``."""
+    config and the tokenizer), ``rollout.max_turns``, ``rollout.max_tokens_per_turn`` and the image
+    processor ``images`` of a vision-language model."""
     kwargs = dict(cfg.data.chat_template_kwargs or {})
     return EpisodeSetup(build_environment(cfg), TurnTokens(tokenizer, eos_token_ids(hf_dir, tokenizer), kwargs),
-                        cfg.rollout.max_turns, cfg.rollout.max_tokens_per_turn)
+                        cfg.rollout.max_turns, cfg.rollout.max_tokens_per_turn, images)
 
 
 @dataclass
@@ -106,7 +112,12 @@ class _Episode:
             routed = torch.full((len(self.prompt_ids) + len(self.ids), *self.routed.shape[1:]), -1, dtype=torch.int16)
             routed[: self.routed.shape[0]] = self.routed[: routed.shape[0]]
         return Sample(self.prompt_ids, self.ids, self.logprobs, self.text, self.finished, mask, info, routed,
-                      list(self.updates) if any(self.updates) else None)
+                      list(self.updates) if any(self.updates) else None, images_of(self.prompt_ids))
+
+
+def _continued(prompt: list[int], ids: list[int]) -> list[int]:
+    """The prompt of an episode's next turn: its prompt and every token since (its images kept)."""
+    return ImagePrompt(list(prompt) + ids, prompt.images) if isinstance(prompt, ImagePrompt) else prompt + ids
 
 
 def cut_sample(s: Sample, budget: int, tokenizer) -> Sample:
@@ -149,7 +160,8 @@ def _answer(env: Environment, live: list[_Episode], turns: TurnTokens, budget: i
 def run_episodes(generate: Callable[..., list[list[Sample]]], env: Environment,
                  problems: Sequence[Problem], turns: TurnTokens, sampling: SamplingConfig, max_turns: int,
                  keep_going: Callable[[bool], bool] | None = None,
-                 max_tokens_per_turn: int | None = None, on_done: OnDone | None = None) -> list[list[Sample]]:
+                 max_tokens_per_turn: int | None = None, on_done: OnDone | None = None,
+                 images: ImageProcessor | None = None) -> list[list[Sample]]:
     """``sampling.n`` episodes per problem, in problem order.
 
     Args:
@@ -172,10 +184,13 @@ def run_episodes(generate: Callable[..., list[list[Sample]]], env: Environment,
             problem's index and its ``n`` answers as soon as they are generated (the episodes' texts),
             e.g. to start running their code (:func:`alignment.rewards.code_runs.prefetcher`). Not
             called for multi-turn episodes, whose last answer is known only at the end.
+        images: a vision-language model's image processor: the prompts of problems with ``images``
+            become :class:`alignment.rollout.image_prompts.ImagePrompt` s (decoded and encoded here).
     Returns:
         ``[len(problems)][n]`` samples (see the module docstring).
     Raises:
-        ValueError: ``max_turns`` < 1 or ``max_tokens_per_turn`` < 1.
+        ValueError: ``max_turns`` < 1 or ``max_tokens_per_turn`` < 1; as
+            :func:`alignment.rollout.image_prompts.image_prompts`.
     """
     if max_turns < 1:
         raise ValueError(f"rollout.max_turns={max_turns}: must be >= 1")
@@ -184,7 +199,7 @@ def run_episodes(generate: Callable[..., list[list[Sample]]], env: Environment,
     keep_going = keep_going or (lambda any_live: any_live)
     stop = list(dict.fromkeys((sampling.stop or []) + list(env.stop or []))) or None
     opening = env.reset(problems)
-    prompts = [turns.prompt_ids(m) for m in opening]
+    prompts = image_prompts(images, problems, [turns.prompt_ids(m) for m in opening])
     cap = sampling.max_tokens if max_tokens_per_turn is None else min(max_tokens_per_turn, sampling.max_tokens)
     first_turn = replace(sampling, stop=stop, max_tokens=cap)
     first = generate(prompts, first_turn, on_done) if on_done is not None and max_turns == 1 else \
@@ -201,7 +216,7 @@ def run_episodes(generate: Callable[..., list[list[Sample]]], env: Environment,
         if max_turns == 1 or not keep_going(bool(live)):
             break
         left = [min(sampling.max_tokens - len(e.ids), cap) for e in live]
-        outs = generate([e.prompt_ids + e.ids for e in live],
+        outs = generate([_continued(e.prompt_ids, e.ids) for e in live],
                         replace(sampling, n=1, stop=stop, max_tokens=max(left, default=1)))
         for e, out, budget in zip(live, outs, left):
             e.add_turn(cut_sample(out[0], budget, turns.tokenizer))

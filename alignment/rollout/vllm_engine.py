@@ -18,6 +18,7 @@ import torch
 
 from alignment.rollout.base import OnDone, Sample, SamplingConfig, step_seed
 from alignment.rollout.compile_cache import choose_enforce_eager, compile_cache
+from alignment.rollout.image_prompts import images_of
 
 
 def _retie_embeddings(worker) -> None:
@@ -174,7 +175,14 @@ class VLLMEngine:
         union of the ranks' prompt lists (ranks with identical lists, e.g. one model-parallel
         group, count once) and each rank gets back the samples of its own prompts (``on_done``
         called for those only).
+
+        Raises:
+            ValueError: a prompt with images (:class:`alignment.rollout.image_prompts.ImagePrompt`): the
+                vision-language rollouts run on ``rollout.backend=megatron`` so far.
         """
+        if any(images_of(p) is not None for p in prompts):
+            raise ValueError("rollout.backend=vllm does not take prompts with images yet; use rollout.backend=megatron "
+                             "for a vision-language model")
         if self.group is None:
             return self._generate(prompts, sampling, on_done) if prompts else []
         import torch.distributed as dist

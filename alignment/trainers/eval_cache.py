@@ -11,7 +11,7 @@ never reads it). A first run measures it beside its first step where the engine 
 
 The key holds, for every weight file of the checkpoint directory, its name, size and
 modification time (not its bytes: hashing 0.27 GB would cost a second), the prompts' token
-ids with their reference answers, ``model.dtype``, ``rollout.eval_max_tokens``, the engine
+ids with their reference answers (and image files), ``model.dtype``, ``rollout.eval_max_tokens``, the engine
 settings that can change greedy output (vLLM compiled or eager, ``tensor_parallel_size``, the
 world size that splits the problems into batches) and the torch/vLLM versions.
 """
@@ -125,7 +125,7 @@ def heldout_key(hf_dir: str | os.PathLike, tokenizer, problems: list, cfg, world
     prompts, style, grader = hashlib.sha256(), PromptStyle.of(cfg.data), heldout_grader(cfg)
     for p in problems:
         ids = build_prompt_ids(tokenizer, p, style)
-        prompts.update(json.dumps([ids, p.answer]).encode())
+        prompts.update(json.dumps([ids, p.answer, *([list(p.images)] if p.images else [])]).encode())
     r = cfg.rollout
     return cache_key({
         "what": "greedy held-out accuracy", "weights": weight_files_fingerprint(hf_dir), "dtype": cfg.model.dtype,

@@ -37,6 +37,7 @@ from alignment.algorithms.grpo_loss import GRPOLossConfig, grpo_loss
 from alignment.algorithms.process_rewards import process_advantages, to_batch_columns
 from alignment.algorithms.reward_shaping import informative_groups
 from alignment.config import process_reward_weight, shares_prompts
+from alignment.data.images import select_rows
 from alignment.data.tasks import Problem
 from alignment.rewards import grading
 from alignment.rewards.code_runs import early_grading
@@ -97,7 +98,7 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
     local, grad_norms, outs, skipped = [0.0] * len(keys), [], [], 0
     for _ in range(a.ppo_epochs):
         for k in range(a.num_mini_batches):
-            mini = {key: v[k * size : (k + 1) * size] for key, v in batch.items()}
+            mini = select_rows(batch, torch.arange(k * size, (k + 1) * size))  # with the rows' images
             # The normaliser of the loss over the WHOLE global mini-batch (all micro-batches, all DP ranks).
             tokens, seqs = all_reduce_sum([mini["response_mask"].sum().item(), float(size)],
                                           ps.get_data_parallel_group())

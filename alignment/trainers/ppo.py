@@ -31,6 +31,7 @@ from alignment.algorithms.kl import kl_in_reward
 from alignment.algorithms.process_rewards import place_step_rewards, to_batch_columns
 from alignment.algorithms.value_loss import value_loss
 from alignment.config import ppo_on_task, process_reward_weight, shares_prompts
+from alignment.data.images import select_rows
 from alignment.rewards.code_runs import early_grading
 from alignment.rollout.base import SamplingConfig
 from alignment.trainers.models import Models
@@ -194,7 +195,7 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
     size = n // a.num_mini_batches
     minis = []
     for k in range(a.num_mini_batches):
-        mini = {key: v[k * size : (k + 1) * size] for key, v in batch.items()}
+        mini = select_rows(batch, torch.arange(k * size, (k + 1) * size))  # with the rows' images
         [tokens] = all_reduce_sum([mini["response_mask"].sum().item()], dp_group)
         minis.append((microbatches(mini, cfg.trainer), tokens))
     policy_out, critic_out, grad_norms, skipped = [], [], [], 0

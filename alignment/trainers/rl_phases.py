@@ -157,7 +157,7 @@ def generate_episodes(models: Models, problems: list, sampling: SamplingConfig, 
     return run_episodes(generate,
                         _ReplicaEnvironment(e.env), problems, e.turns, sampling, e.max_turns,
                         keep_going=lambda live: bool(all_reduce_sum([float(live)])[0]),
-                        max_tokens_per_turn=e.max_tokens_per_turn, on_done=on_done)
+                        max_tokens_per_turn=e.max_tokens_per_turn, on_done=on_done, images=e.images)
 
 
 def episode_metrics(samples: list[Sample], count: bool) -> dict[str, float]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from alignment.data.images import select_rows
+from alignment.data.images import attach_images, select_rows
 from alignment.rollout.base import Sample
 from parallel.balance import token_budget_partition
 
@@ -25,7 +25,8 @@ def make_batch(samples: list[Sample], pad_id: int, pad_to_multiple: int = 8) -> 
     all ``[N, S]`` with ``S`` the longest prompt+response rounded up to ``pad_to_multiple``;
     ``response_lengths`` and ``seq_lengths`` (prompt + response) ``[N]``; when every sample carries
     ``routed_experts`` (a MoE policy's rollout routing), ``routed_experts`` ``[N, S, layers, k]`` int16,
-    -1 on padding. Raises ValueError for an empty list.
+    -1 on padding; when samples show images (``Sample.images``), the rows' images
+    (:func:`alignment.data.images.attach_images`). Raises ValueError for an empty list.
     """
     if not samples:
         raise ValueError("make_batch needs at least one sample")
@@ -54,7 +55,7 @@ def make_batch(samples: list[Sample], pad_id: int, pad_to_multiple: int = 8) -> 
         for i, s in enumerate(samples):
             routed[i, : s.routed_experts.shape[0]] = s.routed_experts
         batch["routed_experts"] = routed
-    return batch
+    return attach_images(batch, [s.images for s in samples])
 
 
 def split_microbatches(batch: dict[str, torch.Tensor], micro_batch_size: int, max_tokens: int = 0,

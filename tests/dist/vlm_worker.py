@@ -8,7 +8,10 @@ transformers' logits of every row run on its own: a micro-batch of two text rows
 16-token image (8x8 patches), a 24-token image (8x12) and a 4-token image (4x4) in two rows. The HF
 export must give every checkpoint tensor back exactly. GRPO-loss gradients of every parameter (the
 vision tower's too) at DP=2, TP=2+SP, PP=2 and packed equal plain autograd on transformers' model.
-Writes {case: {...}}.
+The rollout engine (``rollout.backend=megatron``) at TP=1 and TP=2 on prompts with images and without,
+of different lengths (a longer prompt's images reach the model in the decode steps): its greedy tokens
+equal greedy decoding with transformers, and its sampled tokens' logprobs equal transformers' logprobs
+of prompt + response. Writes {case: {...}}.
 """
 
 from __future__ import annotations
@@ -155,6 +158,77 @@ def grad_cases(world: int, hf, rows, images) -> dict:
     return results
 
 
+ENGINE_CASES = {"engine/tp1": L()[0], "engine/tp2": dict(tensor_model_parallel_size=2)}
+EOS = 249  # never among the rows' tokens
+
+
+def engine_prompts(rows, images):
+    """The four rows as engine prompts: :class:`ImagePrompt` s for the rows with images."""
+    from alignment.data.images import ImageInputs
+    from alignment.rollout.image_prompts import ImagePrompt
+
+    return [ImagePrompt(r, ImageInputs(torch.cat([p for p, _ in ims]), torch.cat([g for _, g in ims]))) if ims
+            else list(r) for r, ims in zip(rows, images)]
+
+
+def hf_response_logprobs(hf, row, images, response) -> tuple[torch.Tensor, int]:
+    """transformers' logprobs of ``response`` after ``row`` (the images marked in the prompt only), and
+    its greedy next token after the whole sequence."""
+    ids = torch.tensor([row + response])
+    kw = {}
+    if images:
+        marks = torch.zeros_like(ids)
+        marks[0, :len(row)] = (ids[0, :len(row)] == IMAGE_TOKEN).int()
+        kw = dict(pixel_values=torch.cat([p for p, _ in images]), image_grid_thw=torch.cat([g for _, g in images]),
+                  mm_token_type_ids=marks)
+    with torch.no_grad():
+        logits = hf(input_ids=ids, **kw).logits[0].float()
+    logp = torch.log_softmax(logits[:, :250], dim=-1)
+    picked = logp[len(row) - 1: len(row) + len(response) - 1].gather(1, torch.tensor(response)[:, None])[:, 0]
+    return picked, int(logits[-1, :250].argmax())
+
+
+def hf_greedy(hf, row, images, steps: int) -> list[int]:
+    """Greedy decoding with transformers' full forward at every step."""
+    out = []
+    for _ in range(steps):
+        _, nxt = hf_response_logprobs(hf, row, images, out)
+        out.append(nxt)
+        if nxt == EOS:
+            break
+    return out
+
+
+def engine_cases(hf, world, rows, images) -> dict:
+    """Greedy tokens and sampled logprobs of the Megatron engine against transformers."""
+    from alignment.rollout.base import SamplingConfig
+    from alignment.rollout.megatron_engine import MegatronEngine
+
+    cfg, state = hf.config, checkpoint_state(hf)
+    prompts = engine_prompts(rows, images)
+    greedy_ref = [hf_greedy(hf, r, ims, 6) for r, ims in zip(rows, images)]
+    results = {}
+    for name, sizes in ENGINE_CASES.items():
+        init_distributed(ParallelLayout(world_size=world, **sizes))
+        model = build_gpt_model(cfg, transformer_config(cfg, **sizes)).eval()
+        load_hf_weights(model, state, get_bridge(cfg))
+        engine = MegatronEngine(model, None, eos_token_id=EOS, vocab_size=250, max_model_len=64, max_batch_size=8,
+                                seed=3)
+        greedy = engine.generate(prompts, SamplingConfig(n=1, temperature=0.0, max_tokens=6))
+        sampled = engine.generate(prompts, SamplingConfig(n=2, temperature=1.0, max_tokens=6))
+        diff, tokens = 0.0, 0
+        for r, ims, group in zip(rows, images, sampled):
+            for s in group:
+                ref, _ = hf_response_logprobs(hf, r, ims, s.response_ids)
+                diff = max(diff, (torch.tensor(s.logprobs) - ref).abs().max().item())
+                tokens += len(s.response_ids)
+        results[name] = {"greedy_equal": [g[0].response_ids == ref for g, ref in zip(greedy, greedy_ref)],
+                         "images_kept": [s.images is not None for g in sampled for s in g],
+                         "max_logprob_diff": worst_over_ranks(diff), "tokens": tokens}
+        engine.close()
+    return results
+
+
 def main(path: str) -> None:
     _, world, _ = env_world()
     hf = tiny_qwen2_5_vl(seed=1)
@@ -174,6 +248,7 @@ def main(path: str) -> None:
         results[name] = {"max_abs_diff": worst_over_ranks(diff), "export_max_abs_diff": worst_over_ranks(export_diff),
                          "export_missing": missing}
     results.update(grad_cases(world, hf, rows, images))
+    results.update(engine_cases(hf, world, rows, images))
     write_results_and_shutdown(path, results)
 
 
