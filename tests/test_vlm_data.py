@@ -218,19 +218,25 @@ GRPO = ["rollout.backend=megatron", "rollout.group_size=4", "rollout.prompts_per
 
 
 @pytest.mark.slow
-def test_grpo_job_on_a_vision_language_model(vlm_dir, task, tmp_path):
-    """GRPO on the shape-count images (Megatron's engine at TP=2, packed micro-batches): every step's
-    samples come from the trained weights with their images, so fp32 ``token_mult_prob_error`` is 1;
+def test_grpo_jobs_on_a_vision_language_model(vlm_dir, task, tmp_path):
+    """One launch: GRPO on the shape-count images with Megatron's engine, full fine-tuning at TP=2 with packed
+    micro-batches, and LoRA at DP=2 (the reference is the base under the adapters, no second model): every
+    step's samples come from the trained weights with their images, so fp32 ``token_mult_prob_error`` is 1;
     the held-out accuracy is measured before and after."""
-    [g] = run_jobs(Job("grpo", vlm_dir, tmp_path / "grpo", [
-        *GRPO, f"data.train_files={task / 'train.jsonl'}", f"data.heldout_files={task / 'heldout.jsonl'}",
-        "parallel.tensor_model_parallel_size=2", "trainer.sequence_packing=true"]))
-    h = g["history"]
-    assert len(h) == 3, g
-    for m in h:  # the fp32 engine samples with the trained weights and the same images, step after step
-        assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
-        assert m["reward/numeric/scored"] == 1.0 and m["reward/std"] > 0 and m["grad_norm"] > 1e-3, m
-    assert g["heldout_size"] == 8 and 0.0 <= g["heldout_accuracy_after"] <= 1.0, g
+    data = [*GRPO, f"data.train_files={task / 'train.jsonl'}", f"data.heldout_files={task / 'heldout.jsonl'}"]
+    full, lora = run_jobs(
+        Job("grpo", vlm_dir, tmp_path / "grpo", [*data, "parallel.tensor_model_parallel_size=2",
+                                                 "trainer.sequence_packing=true"]),
+        Job("grpo", vlm_dir, tmp_path / "grpo_lora", [*data, "model.lora.rank=4", "trainer.lr=1e-2"]))
+    for g in (full, lora):
+        h = g["history"]
+        assert len(h) == 3, g
+        for m in h:  # the fp32 engine samples with the trained weights and the same images, step after step
+            assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
+            assert m["reward/numeric/scored"] == 1.0 and m["reward/std"] > 0 and m["grad_norm"] > 1e-3, m
+        assert g["heldout_size"] == 8 and 0.0 <= g["heldout_accuracy_after"] <= 1.0, g
+    kl = [m["kl"] for m in lora["history"]]
+    assert kl[0] == 0.0 and kl[-1] > 1e-3, kl  # the adapters move the policy off the shared base
 
 
 def test_processor_files_travel_with_an_export(vlm_dir, tmp_path):
