@@ -214,3 +214,39 @@ def test_turn_cap_closes_the_turn_and_the_environment_answers(tokenizer, turns):
     assert s.response_ids == cut + obs + cut + obs + cut and s.info["env_reward"] == 3.0
     with pytest.raises(ValueError, match="max_tokens_per_turn"):
         run_episodes(engine.generate, Echo(), [PROBLEM], turns, SamplingConfig(), 2, max_tokens_per_turn=0)
+
+
+def test_episode_prompts_carry_their_images_across_turns(tokenizer, turns):
+    """A problem's images become its prompt's (an ``ImagePrompt``, placeholders expanded by the model's
+    processor), every later turn's prompt keeps them, and so does the episode's sample (the trainer's batch
+    takes them); a problem without images stays plain token ids."""
+    from alignment.data.images import ImageInputs
+    from alignment.rollout.image_prompts import ImagePrompt
+
+    image = ImageInputs(torch.arange(24.0).view(6, 4), torch.tensor([[1, 2, 3]]))
+
+    class Processor:  # ImageProcessor's interface: every image 3 placeholder tokens at the prompt's end
+        def encode_files(self, files, where):
+            return [image if fs else None for fs in files]
+
+        def expand(self, ids, inputs, where):
+            return ids + [7] * 3
+
+    seen = []
+    engine = ScriptedEngine(tokenizer, lambda prompt, k: "The answer is 89." if "<|im_start|>tool\n89" in prompt
+                            else "Let me compute. " + CALL)
+
+    def generate(prompts, sampling, on_done=None):
+        seen.append(list(prompts))
+        return engine.generate(prompts, sampling, on_done)
+
+    shown = Problem(PROBLEM.question, PROBLEM.answer, PROBLEM.task, images=("shapes.png",))
+    [[s], [plain]] = run_episodes(generate, ToolEnvironment(), [shown, PROBLEM], turns,
+                                  SamplingConfig(n=1, max_tokens=400), max_turns=4, images=Processor())
+    first, second = seen[0], seen[1]
+    assert isinstance(first[0], ImagePrompt) and first[0].images is image and first[0][-3:] == [7, 7, 7]
+    assert not isinstance(first[1], ImagePrompt) and list(first[0][:-3]) == first[1]
+    assert isinstance(second[0], ImagePrompt) and second[0].images is image and second[0][:len(first[0])] == first[0]
+    assert s.images is image and plain.images is None
+    batch = make_batch([s, plain], pad_id=0)
+    assert batch["image_counts"].tolist() == [1, 0] and torch.equal(batch["pixel_values"], image.pixel_values)
