@@ -7,7 +7,7 @@ from __future__ import annotations
 from alignment.algorithms.config import AlgorithmConfig
 from alignment.data.chat_data import encode_example, image_files, load_preference_pairs, load_sft_examples
 from alignment.data.config import DataConfig
-from alignment.data.images import ImageInputs, ImageProcessor, load_images
+from alignment.data.images import ImageInputs, ImageProcessor
 from alignment.data.step_data import encode_steps, load_records, supervised_labels
 
 
@@ -60,9 +60,8 @@ def decode_images(examples: list, images: ImageProcessor | None) -> list[ImageIn
     if images is None:
         raise ValueError(f"{with_images[0].where}: the record has images, but model.path is a text model; give a "
                          "vision-language model (e.g. Qwen2.5-VL) or drop the image parts")
-    files = [(f, e.where) for e in with_images for f in image_files(e)]
-    pics = iter(load_images([f for f, _ in files], [w for _, w in files]))
-    return [images.encode([next(pics) for _ in e.images]) if e.images else None for e in examples]
+    return images.encode_files([tuple(image_files(e)) if e.images else () for e in examples],
+                               [e.where for e in examples])
 
 
 def encode_with_images(tokenizer, images: ImageProcessor, inputs: ImageInputs, messages, response: str,
