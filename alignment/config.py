@@ -590,11 +590,18 @@ def _validate_lengths(cfg, layout, hf_config, tokenizer_size: int | None) -> Non
 VISION_LANGUAGE_ALGORITHMS = ("sft", "dpo", "grpo")
 
 
-def _validate_vision_language(cfg, layout) -> None:
-    """A vision-language model (Qwen2.5-VL) trains with SFT, DPO (its variants) and the GRPO family so far,
-    on layouts without context parallelism; its rollouts run on Megatron's engine, one turn each, and
-    prompts are not shared in packed micro-batches (M-RoPE positions are per row)."""
+def _validate_vision_language(cfg, layout, dims) -> None:
+    """A vision-language model (Qwen2.5-VL, Qwen3-VL) trains with SFT, DPO (its variants) and the GRPO family
+    so far, on layouts without context parallelism, with DeepStack's layers on the first pipeline stage; its
+    rollouts run on Megatron's engine, one turn each, and prompts are not shared in packed micro-batches
+    (M-RoPE positions are per row)."""
     a, r = cfg.algorithm, cfg.rollout
+    chunks = layout.pipeline_model_parallel_size * (layout.virtual_pipeline_model_parallel_size or 1)
+    if dims.deepstack_layers > dims.num_layers // chunks:
+        raise ConfigError(f"parallel.pipeline_model_parallel_size={layout.pipeline_model_parallel_size}: the first "
+                          f"pipeline stage would hold {dims.num_layers // chunks} decoder layers, and DeepStack adds "
+                          f"image features to the first {dims.deepstack_layers} (vision_config.deepstack_visual_indexes)"
+                          "; use a smaller pipeline (or virtual pipeline) size")
     if a.name not in VISION_LANGUAGE_ALGORITHMS:
         raise ConfigError(f"model.path={cfg.model.path} is a vision-language model: algorithm.name={a.name} is not "
                           f"supported for it yet; use one of {', '.join(VISION_LANGUAGE_ALGORITHMS)} "
@@ -651,7 +658,7 @@ def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int 
     layout = ParallelLayout(world_size=world_size - engines, **parallel_sizes(cfg.parallel))
     validate_model_layout(layout, dims)
     if dims.is_vision_language:
-        _validate_vision_language(cfg, layout)
+        _validate_vision_language(cfg, layout, dims)
     check_lora(cfg.model.lora, dims)
     dp = layout.data_parallel_size
     r, t = cfg.rollout, cfg.trainer

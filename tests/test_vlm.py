@@ -3,14 +3,23 @@ maps every checkpoint tensor once and round-trips through TP shards, bad image i
 error, rows of a batch keep their images; and on 2 ranks (tests/dist/vlm_worker.py) logits equal
 transformers' at TP=1, TP=2+SP, PP=2 and packed, on text and on images of three sizes, with an exact HF
 export, and GRPO-loss gradients (vision tower included) equal single-process autograd; the rollout
-engine's greedy tokens and sampled logprobs on prompts with images equal transformers' at TP=1 and TP=2."""
+engine's greedy tokens and sampled logprobs on prompts with images equal transformers' at TP=1 and TP=2.
+Qwen3-VL (alignment/models/qwen3_vl: interleaved M-RoPE, DeepStack) passes the same worker cases; its
+table, positions and refusals are checked here too."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.dist.tiny_models import IMAGE_TOKEN, checkpoint_state, tiny_qwen2_5_vl, tiny_qwen2_5_vl_config
+from tests.dist.tiny_models import (
+    IMAGE_TOKEN,
+    checkpoint_state,
+    tiny_qwen2_5_vl,
+    tiny_qwen2_5_vl_config,
+    tiny_qwen3_vl,
+    tiny_qwen3_vl_config,
+)
 from tests.dist.vlm_worker import CASES, ENGINE_CASES, GRAD_CASES, micro_batch, rows_and_images
 
 
@@ -19,9 +28,9 @@ def hf():
     return tiny_qwen2_5_vl(seed=0)
 
 
-def test_mrope_positions_equal_transformers(hf):
-    """Our positions of a right-padded batch (text only, one image, two images of other sizes) equal
-    ``Qwen2_5_VLModel.get_rope_index`` at every real token; the image rows really are 3-D."""
+def positions_and_transformers(hf):
+    """Our M-RoPE positions of the worker's four right-padded rows, transformers' ``get_rope_index``, and
+    the real tokens' mask ``[3, rows, seq]``."""
     from alignment.models.families import model_dims
     from alignment.models.qwen2_5_vl.positions import mrope_position_ids
 
@@ -32,8 +41,14 @@ def test_mrope_positions_equal_transformers(hf):
     ref, _ = hf.model.get_rope_index(ids, mm_token_type_ids=(ids == IMAGE_TOKEN).int() * mask,
                                      image_grid_thw=mb["image_grid_thw"], attention_mask=mask)
     ours = mrope_position_ids(ids, lengths, mb["image_grid_thw"], model_dims(hf.config))
-    assert ours.shape == (3, 4, ids.shape[1])
-    real = mask.bool().expand(3, -1, -1)
+    return ours, ref, mask.bool().expand(3, -1, -1)
+
+
+def test_mrope_positions_equal_transformers(hf):
+    """Our positions of a right-padded batch (text only, one image, two images of other sizes) equal
+    ``Qwen2_5_VLModel.get_rope_index`` at every real token; the image rows really are 3-D."""
+    ours, ref, real = positions_and_transformers(hf)
+    assert ours.shape == (3, 4, real.shape[2])
     assert torch.equal(ours[real], ref[real])
     assert not torch.equal(ours[0, 2], ours[1, 2])  # height differs from time in the image row
     # text only: plain 1-D positions in all three channels
@@ -90,24 +105,96 @@ def test_dims_refuse_what_the_model_cannot_run():
 
 @pytest.mark.slow
 def test_logits_equal_transformers_at_every_layout(torchrun_json):
-    r = torchrun_json("vlm_worker.py", nproc=2)
-    ref = r["reference"]
-    assert ref["logit_std"] > 0.5 and ref["image_effect"] > 0.5  # the images move the logits far
-    for name in CASES:
-        c = r[name]
-        assert c["max_abs_diff"] <= 1e-4, (name, c)
-        assert c["export_max_abs_diff"] == 0.0 and c["export_missing"] == [], (name, c)
-    ref = r["grad_reference"]
-    assert ref["max_grad"] > 1e-2 and ref["max_vision_grad"] > 1e-3  # the loss reaches the vision tower
-    for name in GRAD_CASES:
-        c = r[name]
-        assert abs(c["loss"] - ref["loss"]) <= 1e-5 * max(1.0, abs(ref["loss"])), (name, c, ref)
-        assert c["missing"] == [] and c["max_grad_diff"] <= 1e-5 * ref["max_grad"] + 1e-7, (name, c, ref)
-    for name in ENGINE_CASES:  # rollouts with images: greedy tokens and sampled logprobs == transformers
-        c = r[name]
-        assert c["greedy_equal"] == [True] * 4 and c["tokens"] == 48, (name, c)
-        assert c["images_kept"] == [False, False, True, True, True, True, False, False], (name, c)
-        assert c["max_logprob_diff"] <= 1e-4, (name, c)
+    out = torchrun_json("vlm_worker.py", nproc=2)
+    assert sorted(out) == ["qwen2_5_vl", "qwen3_vl"]
+    for family, r in out.items():
+        ref = r["reference"]
+        assert ref["logit_std"] > 0.5 and ref["image_effect"] > 0.5, family  # the images move the logits far
+        # Qwen3-VL's DeepStack features move them too (Qwen2.5-VL has none)
+        assert (ref["deepstack_effect"] > 0.5) if family == "qwen3_vl" else ref["deepstack_effect"] == 0.0, ref
+        for name in CASES:
+            c = r[name]
+            assert c["max_abs_diff"] <= 1e-4, (family, name, c)
+            assert c["export_max_abs_diff"] == 0.0 and c["export_missing"] == [], (family, name, c)
+        ref = r["grad_reference"]
+        assert ref["max_grad"] > 1e-2 and ref["max_vision_grad"] > 1e-3, family  # the loss reaches the vision tower
+        for name in GRAD_CASES:
+            c = r[name]
+            assert abs(c["loss"] - ref["loss"]) <= 1e-5 * max(1.0, abs(ref["loss"])), (family, name, c, ref)
+            assert c["missing"] == [] and c["max_grad_diff"] <= 1e-5 * ref["max_grad"] + 1e-7, (family, name, c, ref)
+        for name in ENGINE_CASES:  # rollouts with images: greedy tokens and sampled logprobs == transformers
+            c = r[name]
+            assert c["greedy_equal"] == [True] * 4 and c["tokens"] == 48, (family, name, c)
+            assert c["images_kept"] == [False, False, True, True, True, True, False, False], (family, name, c)
+            assert c["max_logprob_diff"] <= 1e-4, (family, name, c)
+
+
+def test_qwen3_vl_table_maps_every_tensor_once_and_positions_equal_transformers():
+    """Qwen3-VL's checkpoint names (``model.language_model.*``, ``model.visual.*``: the DeepStack mergers
+    included) each come from one Megatron parameter and round-trip through TP shards; its image positions
+    are Qwen2.5-VL's, equal to ``Qwen3VLModel.get_rope_index``."""
+    from alignment.models.families import get_bridge, supported_architectures
+
+    hf = tiny_qwen3_vl(seed=0)
+    state, bridge = checkpoint_state(hf), get_bridge(hf.config)
+    made = [n for mg in bridge.megatron_names() for n in bridge.hf_names(mg)]
+    assert sorted(made) == sorted(state)
+    assert "model.visual.deepstack_merger_list.1.linear_fc2.bias" in made
+    assert "model.language_model.layers.3.self_attn.k_norm.weight" in made and "lm_head.weight" in made
+    assert bridge.hf_names("vision_model.pos_embed.weight") == ["model.visual.pos_embed.weight"]
+    for mg in bridge.megatron_names():
+        back = bridge.to_hf(mg, [bridge.to_megatron_shard(mg, state, j, 2) for j in range(2)])
+        assert all(torch.equal(back[k], state[k]) for k in back), mg
+    assert "Qwen3VLForConditionalGeneration" in supported_architectures()
+    tied = get_bridge(tiny_qwen3_vl_config(tie_word_embeddings=True))
+    assert tied.hf_names("output_layer.weight") == ["model.language_model.embed_tokens.weight"]
+    ours, ref, real = positions_and_transformers(hf)
+    assert torch.equal(ours[real], ref[real])
+
+
+def test_qwen3_vl_interleaved_rope_equals_transformers():
+    """The rotary angles of 3-D positions equal transformers' ``Qwen3VLTextRotaryEmbedding`` (cos and sin),
+    and differ from Megatron's sectioned M-RoPE (so the interleaving is what is tested)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    from alignment.models.qwen3_vl.rope import interleaved_mrope
+    from parallel import cpu_compat
+
+    cpu_compat.apply()  # Megatron's rotary tables ask for torch.cuda.current_device()
+    cfg = tiny_qwen3_vl_config().text_config
+    pos = torch.stack([torch.arange(12), torch.arange(12) // 3 + 5, torch.arange(12) % 3 + 5])[:, None, :]  # [3, 1, 12]
+    ref_cos, ref_sin = Qwen3VLTextRotaryEmbedding(cfg)(torch.zeros(1), pos)  # [1, 12, 32]
+    emb = interleaved_mrope(32, 10000.0)(pos, [6, 5, 5])  # [12, 1, 1, 32]
+    assert emb.shape == (12, 1, 1, 32)
+    assert torch.allclose(emb[:, 0, 0].cos(), ref_cos[0], atol=1e-6)
+    assert torch.allclose(emb[:, 0, 0].sin(), ref_sin[0], atol=1e-6)
+    sectioned = MultimodalRotaryEmbedding(kv_channels=32, rotary_percent=1.0, rotary_base=10000.0)(pos, [6, 5, 5])
+    assert (sectioned - emb).abs().max() > 0.1
+
+
+def test_qwen3_vl_dims_and_layouts_refuse_what_the_model_cannot_run():
+    from alignment.config import validate
+    from alignment.models.families import model_dims
+    from alignment.schema import ConfigError
+    from tests.test_config import cfg as job
+
+    cfg = tiny_qwen3_vl_config()
+    d = model_dims(cfg)
+    assert d.qk_layernorm and not d.qkv_bias and d.head_dim == 32 and d.deepstack_layers == 2
+    assert d.mrope_section == (6, 5, 5) and d.vision.deepstack_visual_indexes == (0, 1)
+    cfg.text_config.rope_parameters["mrope_section"] = [4, 4, 4]
+    with pytest.raises(ValueError, match="mrope_section=\\[4, 4, 4\\] must sum to head_dim / 2 = 16"):
+        model_dims(cfg)
+    cfg = tiny_qwen3_vl_config()
+    cfg.vision_config.deepstack_visual_indexes = [0, 5]
+    with pytest.raises(ValueError, match="deepstack_visual_indexes=\\[0, 5\\] must name at most 4 .* 3 blocks"):
+        model_dims(cfg)
+    with pytest.raises(ConfigError, match="pipeline_model_parallel_size=4: the first pipeline stage would hold 1 "
+                                          "decoder layers, and DeepStack adds image features to the first 2"):
+        validate(job("parallel.pipeline_model_parallel_size=4", name="sft"), world_size=4,
+                 hf_config=tiny_qwen3_vl_config())
+    validate(job("parallel.pipeline_model_parallel_size=2", name="dpo"), world_size=2, hf_config=tiny_qwen3_vl_config())
 
 
 def test_select_rows_takes_each_rows_images():

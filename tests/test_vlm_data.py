@@ -22,6 +22,11 @@ def vlm_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def qwen3_vlm_dir(tmp_path_factory):
+    return save_tiny_vlm_dir(tmp_path_factory.mktemp("vlm3") / "vlm", family="qwen3_vl")
+
+
+@pytest.fixture(scope="module")
 def task(tmp_path_factory):
     from alignment.data.image_tasks import write_task
 
@@ -30,9 +35,14 @@ def task(tmp_path_factory):
     return root
 
 
-def test_vlm_from_text_keeps_the_text_models_logits(vlm_dir):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_vlm_from_text_keeps_the_text_models_logits(family, request):
+    """A Qwen2.5-VL made from a Llama and a Qwen3-VL made from a Qwen3 give the text model's logits on text
+    (their M-RoPE is plain RoPE there) and render image parts as Qwen2-VL's template does."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
+    vlm_dir = request.getfixturevalue({"qwen2_5_vl": "vlm_dir", "qwen3_vl": "qwen3_vlm_dir"}[family])
+    assert AutoModelForImageTextToText.from_pretrained(vlm_dir).config.model_type == family
     text = AutoModelForCausalLM.from_pretrained(f"{vlm_dir}_text", dtype=torch.float32).eval()
     vlm = AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32).eval()
     ids = torch.randint(0, 1000, (2, 17), generator=torch.Generator().manual_seed(0))
@@ -237,6 +247,35 @@ def test_grpo_jobs_on_a_vision_language_model(vlm_dir, task, tmp_path):
         assert g["heldout_size"] == 8 and 0.0 <= g["heldout_accuracy_after"] <= 1.0, g
     kl = [m["kl"] for m in lora["history"]]
     assert kl[0] == 0.0 and kl[-1] > 1e-3, kl  # the adapters move the policy off the shared base
+
+
+@pytest.mark.slow
+def test_sft_and_grpo_jobs_on_a_qwen3_vl(qwen3_vlm_dir, task, tmp_path):
+    """One launch on a tiny Qwen3-VL (interleaved M-RoPE, DeepStack into decoder layers 0 and 1): SFT at PP=2
+    (DeepStack's layers on the first stage) lowers the held-out loss and exports a ``Qwen3VLForConditionalGeneration``
+    that transformers loads and runs on the held-out images; GRPO at TP=2 samples on
+    Megatron's engine with fp32 ``token_mult_prob_error`` 1."""
+    from alignment.evaluation.image_answers import image_task_accuracy
+
+    common = ["data.max_length=64", "data.max_prompt_length=48", "trainer.progress_bar=false", "trainer.lr=1e-3",
+              "trainer.save_checkpoint=false"]
+    sft = Job("sft", qwen3_vlm_dir, tmp_path / "sft", [
+        *common, f"data.dataset={task / 'train.jsonl'}", "data=file", "data.heldout_fraction=0",
+        f"data.heldout_files={task / 'heldout.jsonl'}", "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
+        "trainer.steps=3", "parallel.pipeline_model_parallel_size=2"])
+    grpo = Job("grpo", qwen3_vlm_dir, tmp_path / "grpo", [
+        *GRPO, f"data.train_files={task / 'train.jsonl'}", f"data.heldout_files={task / 'heldout.jsonl'}",
+        "trainer.steps=2", "parallel.tensor_model_parallel_size=2"])
+    s, g = run_jobs(sft, grpo)
+    assert s["heldout_after"]["loss"] < s["heldout_before"]["loss"] - 0.5, s
+    exported = tmp_path / "sft" / "hf"
+    assert json.loads((exported / "config.json").read_text())["architectures"] == ["Qwen3VLForConditionalGeneration"]
+    result = image_task_accuracy(exported, task / "heldout.jsonl", max_new_tokens=2)
+    assert result["questions"] == 8 and all(a["response"] for a in result["answers"])
+    assert len(g["history"]) == 2, g
+    for m in g["history"]:
+        assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
+        assert m["reward/numeric/scored"] == 1.0 and m["reward/std"] > 0 and m["grad_norm"] > 1e-3, m
 
 
 def test_processor_files_travel_with_an_export(vlm_dir, tmp_path):

@@ -6,8 +6,8 @@ held-out accuracy of a model on the task (README "Vision-language models").
     python tools/vision_task.py accuracy outputs/smollm2_vl outputs/shapes/heldout.jsonl
 
 ``data``: :func:`alignment.data.image_tasks.write_task` (``--train``, ``--heldout``, ``--seed``, ``--size``
-pixels) and each split's DPO pairs (:func:`alignment.data.image_tasks.write_pairs`). ``model``: :func:`alignment.models.qwen2_5_vl.from_text.vision_language_from_text` of ``--text``
-(an HF directory of the Llama family, or ``smollm2``). ``accuracy``: greedy answers through transformers
+pixels) and each split's DPO pairs (:func:`alignment.data.image_tasks.write_pairs`). ``model``: :func:`alignment.models.vlm_from_text.vision_language_from_text` of ``--text``
+(an HF directory of the Llama family, or ``smollm2``: a Qwen2.5-VL; a Qwen3: a Qwen3-VL). ``accuracy``: greedy answers through transformers
 (:func:`alignment.evaluation.image_answers.image_task_accuracy`); prints ``{"accuracy": ..., "questions": ...}``.
 """
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {train}, {heldout} and their preference pairs {pairs[0].name}, {pairs[1].name}")
     elif args.command == "model":
         from alignment.models.hf_assets import prepare_hf_dir
-        from alignment.models.qwen2_5_vl.from_text import vision_language_from_text
+        from alignment.models.vlm_from_text import vision_language_from_text
 
         print(f"wrote {vision_language_from_text(prepare_hf_dir(args.text), args.out, seed=args.seed)}")
     else:

@@ -78,6 +78,7 @@ class Bridge:
                              "value head) form; reward models and critics need a causal LM family")
         for row in family.extra(dims):  # e.g. a vision tower, ahead of the language model as in vLLM
             self._add(row, {})
+        self._extra = set(self._rows)  # named as the family's table says (no language-model prefix)
         self._add(EMBEDDING, {})
         for layer in range(dims.num_layers):
             for row in family.layer(dims, layer):
@@ -121,9 +122,11 @@ class Bridge:
     def hf_names(self, mg_name: str) -> list[str]:
         """HF tensor names that one Megatron parameter is made of (a tied LM head: the embedding)."""
         row, fields = self._row(mg_name)
-        if row is LM_HEAD and self.output_layer_tied:
-            return list(EMBEDDING.hf)
-        return [n.format(**fields) for n in row.hf]
+        names = list(EMBEDDING.hf) if row is LM_HEAD and self.output_layer_tied else [n.format(**fields) for n in row.hf]
+        prefix = self.family.hf_language_model
+        if prefix == "model." or mg_name in self._extra:
+            return names
+        return [prefix + n[len("model."):] if n.startswith("model.") else n for n in names]
 
     def is_expert(self, mg_name: str) -> bool:
         """True for an expert parameter (split over the expert-tensor-parallel group)."""

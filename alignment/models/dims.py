@@ -36,10 +36,13 @@ class ModelDims:
     moe_norm_topk_prob: bool = True
     moe_layer_pattern: tuple[int, ...] = ()
     # vision-language models: the family's vision tower dims (e.g. :class:`alignment.models.qwen2_5_vl.VisionDims`),
-    # the placeholder token id images fill, and M-RoPE's split of the rotary channels over (time, height, width)
+    # the placeholder token id images fill, M-RoPE's split of the rotary channels over (time, height, width),
+    # and DeepStack's: the first ``deepstack_layers`` decoder layers add more of the tower's features at the
+    # image positions (Qwen3-VL)
     vision: object = None
     image_token_id: int = -1
     mrope_section: tuple[int, ...] = ()
+    deepstack_layers: int = 0
 
     def padded_vocab_size(self, tp_size: int) -> int:
         """Vocabulary rounded up to a multiple of ``make_vocab_size_divisible_by * tp_size``

@@ -4,12 +4,13 @@ and one line here."""
 
 from __future__ import annotations
 
-from alignment.models import llama, qwen2_5_vl, qwen3, qwen3_moe
+from alignment.models import llama, qwen2_5_vl, qwen3, qwen3_moe, qwen3_vl
 from alignment.models.bridge import HEAD_SUFFIX, Bridge
 from alignment.models.dims import ModelDims
 from alignment.models.mapping import Family
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, qwen2_5_vl.FAMILY)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, qwen2_5_vl.FAMILY,
+                                 qwen3_vl.FAMILY)
 
 
 def architecture(hf_config) -> str:

@@ -254,7 +254,9 @@ class Family:
     ``extra``: the rows outside the language model (a vision tower's; global Megatron names).
     ``causal_lm``: the architectures are causal LMs with a ``*ForSequenceClassification`` twin
     (False for vision-language models: ``*ForConditionalGeneration``, no reward-model form);
-    ``vision``: a vision-language family's :class:`alignment.models.vlm.VisionSpec`.
+    ``vision``: a vision-language family's :class:`alignment.models.vlm.VisionSpec`;
+    ``hf_language_model``: the prefix of the language model's tensors in the family's checkpoints
+    (the table's rows say ``model.``; Qwen3-VL's checkpoints say ``model.language_model.``).
     One folder per family under ``alignment/models/`` holds one of these."""
 
     name: str
@@ -264,3 +266,4 @@ class Family:
     extra: Callable[[ModelDims], tuple[Mapping, ...]] = lambda d: ()  # noqa: E731
     causal_lm: bool = True
     vision: object = None
+    hf_language_model: str = "model."

@@ -22,10 +22,31 @@ class VisionSpec:
             ``pooler_output`` ``[image tokens, hidden]`` fills the image placeholders in order).
         positions: ``(input_ids [rows, seq], seq_lengths [rows] | None, image_grid_thw | None, dims)
             -> [3, rows, seq]``, the multimodal RoPE positions.
+        rotary: ``(kv_channels, rotary_base) -> nn.Module``, the language model's rotary embedding when it is
+            not Megatron's sectioned M-RoPE (``forward(position_ids [3, b, s], mrope_section)`` ->
+            ``[s, b, 1, kv_channels]``, as Megatron's ``MultimodalRotaryEmbedding``); None: Megatron's.
     """
 
     tower: Callable[[object], torch.nn.Module]
     positions: Callable[..., torch.Tensor]
+    rotary: Callable[[int, float], torch.nn.Module] | None = None
+
+
+def checked_mrope_section(cfg, lm, default: tuple[int, ...]) -> tuple[int, ...]:
+    """M-RoPE's section of a vision-language HF config ``cfg`` (``text_config.rope_parameters.mrope_section``,
+    else ``default``), checked with the language model's dims ``lm`` (:class:`alignment.models.dims.ModelDims`).
+    Raises ValueError, naming the HF field, for a section that does not cover half the head dimension or a
+    vision output width other than the language model's."""
+    text = cfg.get_text_config()
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    section = tuple(rope.get("mrope_section", default))
+    if sum(section) * 2 != lm.head_dim:
+        raise ValueError(f"{cfg.model_type}: text_config.rope_parameters.mrope_section={list(section)} must sum to "
+                         f"head_dim / 2 = {lm.head_dim // 2}")
+    if cfg.vision_config.out_hidden_size != lm.hidden_size:
+        raise ValueError(f"{cfg.model_type}: vision_config.out_hidden_size={cfg.vision_config.out_hidden_size} must "
+                         f"equal the language model's hidden_size={lm.hidden_size}")
+    return section
 
 
 def has_images(mb: dict) -> bool:

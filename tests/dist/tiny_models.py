@@ -22,6 +22,8 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
 )
 
 COMMON = dict(vocab_size=250, hidden_size=64, intermediate_size=80, num_hidden_layers=4, num_attention_heads=4,
@@ -65,31 +67,64 @@ def tiny_qwen2_5_vl(seed: int = 0, **kwargs) -> Qwen2_5_VLForConditionalGenerati
     return randomize(lambda: Qwen2_5_VLForConditionalGeneration(tiny_qwen2_5_vl_config(**kwargs)), seed)
 
 
+def tiny_qwen3_vl_config(tie_word_embeddings: bool = False) -> Qwen3VLConfig:
+    """Qwen3-VL: the Qwen3 language model of :data:`COMMON` (QK-norm, head_dim 32: non-square attention,
+    interleaved M-RoPE section 6+5+5) and a 3-block vision tower (width 32, 4x4-pixel patches, 2x2 merge,
+    an 8x8 learned position table) whose blocks 0 and 1 feed DeepStack into decoder layers 0 and 1."""
+    text = {**COMMON, "bos_token_id": None, "eos_token_id": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5],
+                                "mrope_interleaved": True}}
+    text.pop("rope_theta")
+    return Qwen3VLConfig(
+        text_config=text, tie_word_embeddings=tie_word_embeddings,
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, in_channels=3, out_hidden_size=64,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                           deepstack_visual_indexes=[0, 1]),
+        image_token_id=IMAGE_TOKEN, video_token_id=241, vision_start_token_id=242, vision_end_token_id=243,
+        architectures=["Qwen3VLForConditionalGeneration"])
+
+
+def tiny_qwen3_vl(seed: int = 0, **kwargs) -> Qwen3VLForConditionalGeneration:
+    return randomize(lambda: Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config(**kwargs)), seed)
+
+
 TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_chans=3, patch_size=14,
                    spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
 
 
-def save_tiny_vlm_dir(path, seed: int = 0):
-    """An HF directory with a tiny Qwen2.5-VL made by :func:`alignment.models.qwen2_5_vl.from_text.vision_language_from_text`
-    from a tiny random Llama (head_dim 16 = 64 / 4 heads) with SmolLM2's tokenizer and a 2-block tower
-    (:data:`TINY_VISION`); images of 56x56 to 112x112 pixels (4 to 16 tokens)."""
+TINY_VISION_QWEN3 = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=14,
+                         spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                         deepstack_visual_indexes=[0, 1])
+
+
+def save_tiny_vlm_dir(path, seed: int = 0, family: str = "qwen2_5_vl"):
+    """An HF directory with a tiny vision-language model made by
+    :func:`alignment.models.vlm_from_text.vision_language_from_text` from a tiny random text model with
+    SmolLM2's tokenizer: a Qwen2.5-VL from a Llama (head_dim 16 = 64 / 4 heads) with a 2-block tower
+    (:data:`TINY_VISION`), or (``family="qwen3_vl"``) a Qwen3-VL from a Qwen3 (head_dim 32: non-square
+    attention) with a 2-block tower feeding DeepStack (:data:`TINY_VISION_QWEN3`); images of 56x56 to
+    112x112 pixels (4 to 16 tokens)."""
     from pathlib import Path
 
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from alignment.models.hf_assets import prepare_hf_dir
-    from alignment.models.qwen2_5_vl.from_text import vision_language_from_text
+    from alignment.models.vlm_from_text import vision_language_from_text
 
     tok = AutoTokenizer.from_pretrained(prepare_hf_dir("smollm2"))
-    text = randomize(lambda: LlamaForCausalLM(LlamaConfig(**{**COMMON, "head_dim": 16, "vocab_size": len(tok)},
-                                                          tie_word_embeddings=True)), seed)
+    if family == "qwen3_vl":
+        text = randomize(lambda: Qwen3ForCausalLM(tiny_qwen3_config(tie_word_embeddings=True, vocab_size=len(tok))),
+                         seed)
+        vision = TINY_VISION_QWEN3
+    else:
+        text = randomize(lambda: LlamaForCausalLM(LlamaConfig(**{**COMMON, "head_dim": 16, "vocab_size": len(tok)},
+                                                              tie_word_embeddings=True)), seed)
+        vision = TINY_VISION
     text_dir = Path(path).parent / (Path(path).name + "_text")
     text.save_pretrained(text_dir)
     tok.save_pretrained(text_dir)
-    return vision_language_from_text(text_dir, path, vision=TINY_VISION, min_pixels=56 * 56, max_pixels=112 * 112,
+    return vision_language_from_text(text_dir, path, vision=vision, min_pixels=56 * 56, max_pixels=112 * 112,
                                      seed=seed)
-
-
 def randomize(build, seed: int) -> torch.nn.Module:
     """``build()``'s model (built after seeding) with weights of std 0.1 (matrices) and 0.5-1.5
     (norms), so logits are far from zero and the router's choices are clear-cut; the same on

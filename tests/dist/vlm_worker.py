@@ -1,6 +1,6 @@
-"""torchrun worker: Qwen2.5-VL on Megatron-Core equals transformers.
+"""torchrun worker: Qwen2.5-VL and Qwen3-VL on Megatron-Core equal transformers.
 
-    torchrun --nproc-per-node 2 tests/dist/vlm_worker.py OUT.json
+    torchrun --nproc-per-node 2 tests/dist/vlm_worker.py [FAMILY ...] OUT.json
 
 Logits (fp32, full vocabulary) of a tiny random Qwen2.5-VL loaded from its HF checkpoint form, at
 TP=1 (DP=2), TP=2 with sequence parallelism, PP=2, and packed (``thd``) at TP=1 and TP=2+SP, against
@@ -11,7 +11,8 @@ vision tower's too) at DP=2, TP=2+SP, PP=2 and packed equal plain autograd on tr
 The rollout engine (``rollout.backend=megatron``) at TP=1 and TP=2 on prompts with images and without,
 of different lengths (a longer prompt's images reach the model in the decode steps): its greedy tokens
 equal greedy decoding with transformers, and its sampled tokens' logprobs equal transformers' logprobs
-of prompt + response. Writes {case: {...}}.
+of prompt + response. Qwen3-VL (interleaved M-RoPE, DeepStack into decoder layers 0 and 1, head_dim
+32 x 4 heads != hidden 64) runs every case as Qwen2.5-VL. Writes {family: {case: {...}}}.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from parallel.state import env_world, init_distributed
 from tests.dist.grpo_invariance_worker import hf_reference
 from tests.dist.grpo_invariance_worker import megatron_case as grpo_case
 from tests.dist.report import worst_over_ranks, write_results_and_shutdown
-from tests.dist.tiny_models import IMAGE_TOKEN, checkpoint_state, tiny_qwen2_5_vl
+from tests.dist.tiny_models import IMAGE_TOKEN, checkpoint_state, tiny_qwen2_5_vl, tiny_qwen3_vl
+
+MODELS = {"qwen2_5_vl": tiny_qwen2_5_vl, "qwen3_vl": tiny_qwen3_vl}  # family: tiny random model(seed)
 
 
 def L(tp=1, pp=1, packing=False):  # noqa: N802 - a layout
@@ -147,7 +150,7 @@ def grad_cases(world: int, hf, rows, images) -> dict:
                                        mm_token_type_ids=(ids == IMAGE_TOKEN).int())
     ref_grads = checkpoint_state(hf, ref_grads)
     max_grad = max(g.abs().max().item() for g in ref_grads.values())
-    vision_grad = max(g.abs().max().item() for k, g in ref_grads.items() if k.startswith("visual."))
+    vision_grad = max(g.abs().max().item() for k, g in ref_grads.items() if "visual." in k)
     results = {"grad_reference": {"loss": ref_loss, "max_grad": max_grad, "max_vision_grad": vision_grad}}
     state = checkpoint_state(hf)
     for name, (sizes, mbs, packing) in GRAD_CASES.items():
@@ -229,16 +232,29 @@ def engine_cases(hf, world, rows, images) -> dict:
     return results
 
 
-def main(path: str) -> None:
-    _, world, _ = env_world()
-    hf = tiny_qwen2_5_vl(seed=1)
+def deepstack_effect(hf, row, images) -> float:
+    """How far DeepStack moves transformers' logits of ``row`` (0.0 for a model without it)."""
+    lm = hf.model.language_model
+    if not hasattr(lm, "_deepstack_process"):
+        return 0.0
+    full = hf_logits(hf, row, images)
+    lm._deepstack_process = lambda hidden, mask, embeds: hidden
+    try:
+        return (hf_logits(hf, row, images) - full).abs().max().item()
+    finally:
+        del lm._deepstack_process
+
+
+def family_cases(hf, world: int) -> dict:
+    """Every case for one tiny model ``hf``."""
     rows, images = rows_and_images()
     groups = [[0, 3], [1, 2]]  # a micro-batch without images, one with three (equal rows: PP's fixed shapes)
     mbs = [micro_batch([rows[i] for i in grp], [images[i] for i in grp]) for grp in groups]
     refs = [[hf_logits(hf, rows[i], images[i]) for i in grp] for grp in groups]
     text_only = hf_logits(hf, rows[1], [])  # the image row with its placeholders left as tokens
     results = {"reference": {"logit_std": torch.cat([r for grp in refs for r in grp]).std().item(),
-                             "image_effect": (refs[1][0] - text_only).abs().max().item()}}
+                             "image_effect": (refs[1][0] - text_only).abs().max().item(),
+                             "deepstack_effect": deepstack_effect(hf, rows[1], images[1])}}
     for name, (sizes, packing) in CASES.items():
         logits, export_diff, missing = megatron_case(hf, mbs, world, sizes, packing)
         diff = 0.0
@@ -249,8 +265,13 @@ def main(path: str) -> None:
                          "export_missing": missing}
     results.update(grad_cases(world, hf, rows, images))
     results.update(engine_cases(hf, world, rows, images))
-    write_results_and_shutdown(path, results)
+    return results
+
+
+def main(path: str, families: list[str]) -> None:
+    _, world, _ = env_world()
+    write_results_and_shutdown(path, {f: family_cases(MODELS[f](seed=1), world) for f in families})
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[-1], sys.argv[1:-1] or list(MODELS))

@@ -23,7 +23,7 @@ from alignment.models import llama
 from alignment.models.dims import ModelDims
 from alignment.models.mapping import Family, Mapping, Replicated
 from alignment.models.qwen2_5_vl.positions import mrope_position_ids
-from alignment.models.vlm import VisionSpec
+from alignment.models.vlm import VisionSpec, checked_mrope_section
 
 ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
 
@@ -83,14 +83,7 @@ def dims(cfg) -> ModelDims:
     if lm.head_dim * lm.num_attention_heads != lm.hidden_size:
         raise ValueError(f"{cfg.model_type}: text_config.head_dim={lm.head_dim} must be hidden_size / num_attention_heads "
                          f"= {lm.hidden_size // lm.num_attention_heads} (Qwen2.5-VL's attention has no other head size)")
-    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
-    section = tuple(rope.get("mrope_section", (16, 24, 24)))
-    if sum(section) * 2 != lm.head_dim:
-        raise ValueError(f"{cfg.model_type}: text_config.rope_parameters.mrope_section={list(section)} must sum to "
-                         f"head_dim / 2 = {lm.head_dim // 2}")
-    if vc.out_hidden_size != lm.hidden_size:
-        raise ValueError(f"{cfg.model_type}: vision_config.out_hidden_size={vc.out_hidden_size} must equal the "
-                         f"language model's hidden_size={lm.hidden_size}")
+    section = checked_mrope_section(cfg, lm, (16, 24, 24))
     vision = VisionDims(depth=vc.depth, hidden_size=vc.hidden_size, intermediate_size=vc.intermediate_size,
                         num_heads=vc.num_heads, in_chans=vc.in_chans, patch_size=vc.patch_size,
                         temporal_patch_size=vc.temporal_patch_size, spatial_merge_size=vc.spatial_merge_size,
