@@ -34,6 +34,11 @@ partial ``dA`` (each rank's rows of ``B``) and the row adapter's replicated ``B`
 while the input gradient stays partial like the base linear's. Expert adapters carry the
 weight's ``allreduce`` attribute (Megatron's DDP reduces them over the expert-data-parallel group).
 
+A module that every TP rank runs whole (a vision-language model's vision tower, replicated, plain
+``torch.nn.Linear`` s; ``LoRASpec.replicated_modules``) gets replicated adapters: ``A`` and ``B`` whole on
+every rank, no communication (each rank computes the same output and receives the full gradient, as the
+module's own weights do).
+
 The adapter lives in the linear as a child module ``lora`` (parameters ``<linear>.lora.A`` and
 ``<linear>.lora.B``, with the ``tensor_model_parallel`` / ``partition_dim`` / ``partition_stride``
 attributes Megatron gives split weights), so the base weight keeps its name for every loader,
@@ -74,13 +79,16 @@ class LoRASpec:
     """``rank`` r (> 0), ``alpha`` (scale = alpha / r), ``dropout`` on the adapter's input,
     ``target_modules`` among :data:`TARGETS` (Megatron's names of the attention, dense MLP and
     expert linears, matched by :func:`is_target`), ``seed`` for ``A``'s initialisation (a function
-    of the seed and the linear's global name: the same on every parallel layout)."""
+    of the seed and the linear's global name: the same on every parallel layout);
+    ``replicated_modules``: names of modules every TP rank runs whole (e.g. ``vision_model``) whose
+    ``torch.nn.Linear`` s all get replicated adapters."""
 
     rank: int
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: tuple[str, ...] = DEFAULT_TARGETS
     seed: int = 0
+    replicated_modules: tuple[str, ...] = ()
 
     @property
     def scale(self) -> float:
@@ -90,7 +98,8 @@ class LoRASpec:
 class LoRAAdapter(nn.Module):
     """The low-rank branch of one TP linear; see the module docstring for the split.
 
-    ``kind``: ``"column"`` or ``"row"``; ``in_features`` / ``out_features``: the base linear's
+    ``kind``: ``"column"``, ``"row"`` or ``"replicated"`` (a plain linear every TP rank runs whole:
+    ``A`` and ``B`` whole, no communication); ``in_features`` / ``out_features``: the base linear's
     global sizes; ``tp_size`` / ``tp_rank``: its TP group; ``stride``: the base weight's partition
     stride (2 for a gated ``linear_fc1``); ``init_a``: the full ``A [r, in_features]`` to start
     from (this rank keeps its columns when ``kind == "row"``). ``B`` starts at zero. ``expert``:
@@ -101,13 +110,15 @@ class LoRAAdapter(nn.Module):
                  tp_rank: int, stride: int, init_a: torch.Tensor, dtype: torch.dtype, device, sequence_parallel: bool,
                  tp_group=None, expert: bool = False):
         super().__init__()
-        if kind not in ("column", "row"):
-            raise ValueError(f"kind={kind!r}: 'column' or 'row'")
+        if kind not in ("column", "row", "replicated"):
+            raise ValueError(f"kind={kind!r}: 'column', 'row' or 'replicated'")
         self.kind, self.scale, self.tp_group, self.enabled = kind, spec.scale, tp_group, True
         self.sequence_parallel, self.tp_size, self.expert = sequence_parallel and not expert, tp_size, expert
         self.dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else None
         r = spec.rank
-        if kind == "column":
+        if kind == "replicated":
+            tp_size = self.tp_size = 1
+        if kind != "row":
             a = init_a
             b = torch.zeros(out_features // tp_size, r)
         else:
@@ -115,6 +126,9 @@ class LoRAAdapter(nn.Module):
             b = torch.zeros(out_features, r)
         self.A = nn.Parameter(a.to(device=device, dtype=dtype).contiguous())
         self.B = nn.Parameter(b.to(device=device, dtype=dtype))
+        if kind == "replicated":
+            self.A.tensor_model_parallel = self.B.tensor_model_parallel = False
+            return
         split, replicated = (self.B, self.A) if kind == "column" else (self.A, self.B)
         split.tensor_model_parallel, split.partition_dim = True, 0 if kind == "column" else 1
         split.partition_stride = stride if kind == "column" else 1
@@ -132,6 +146,8 @@ class LoRAAdapter(nn.Module):
 
         if self.dropout is not None and self.training and torch.is_grad_enabled():
             x = self._dropout(x)  # not in no-grad passes (old / reference logprobs, values, evaluation)
+        if self.kind == "replicated":
+            return ((x @ self.A.t()) @ self.B.t()) * self.scale
         if self.expert:  # the dispatcher communicates; the replicated parameter's gradient is all-reduced
             a, b = self.A, self.B
             if self.tp_size > 1:
@@ -205,12 +221,22 @@ class _LoRALinear:
         return out
 
 
+class _LoRAPlainLinear:
+    """Mixed into a ``torch.nn.Linear``'s class (a replicated module's) by :func:`apply_lora`."""
+
+    def forward(self, input_):
+        out = super().forward(input_)
+        if self.lora.enabled:
+            out = out + self.lora(input_).to(out.dtype)
+        return out
+
+
 _CLASSES: dict[type, type] = {}
 
 
-def _lora_class(base: type) -> type:
+def _lora_class(base: type, mixin: type = _LoRALinear) -> type:
     if base not in _CLASSES:
-        _CLASSES[base] = type(f"LoRA{base.__name__}", (_LoRALinear, base), {})
+        _CLASSES[base] = type(f"LoRA{base.__name__}", (mixin, base), {})
     return _CLASSES[base]
 
 
@@ -228,8 +254,9 @@ def apply_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
     GPTModel shard or any module holding Megatron TP linears; not DDP-wrapped yet) and freeze
     every other parameter (``requires_grad=False``: Megatron's DDP gives them no gradient buffer
     and its optimizer no state). Call before wrapping the model in DDP. The experts of MoE layers
-    are adapted like dense linears (see the module docstring). Returns the global names of the
-    adapted linears.
+    are adapted like dense linears (see the module docstring); every ``torch.nn.Linear`` under
+    ``spec.replicated_modules`` gets a replicated adapter. Returns the global names of the adapted
+    linears.
 
     Raises:
         ValueError: ``spec.rank < 1``, an unknown target, no linear adapted, or a target that is not a Megatron
@@ -247,8 +274,8 @@ def apply_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
     weight_names = {id(p): g for _, g, p in global_param_names(model)}
     adapted = []
     for name, module in list(model.named_modules()):
-        if not is_target(name, spec.target_modules):
-            continue
+        if not is_target(name, spec.target_modules) or isinstance(module, nn.Linear):
+            continue  # (a plain linear of the same name, e.g. in a vision tower: replicated_modules adapts those)
         if isinstance(module, ColumnParallelLinear) and not module.gather_output:
             kind = "column"
         elif isinstance(module, RowParallelLinear) and module.input_is_parallel:
@@ -271,6 +298,15 @@ def apply_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
         module.weight.lora_adapter = module.lora  # for merged_narrow (the weight sync)
         module.__class__ = _lora_class(type(module))
         adapted.append(gname.removesuffix(".weight"))
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and name.startswith(tuple(m + "." for m in spec.replicated_modules)):
+            gname = weight_names[id(module.weight)].removesuffix(".weight")
+            module.lora = LoRAAdapter("replicated", module.in_features, module.out_features, spec, tp_size=1,
+                                      tp_rank=0, stride=1, init_a=kaiming_uniform_a(spec, gname, module.in_features),
+                                      dtype=module.weight.dtype, device=module.weight.device, sequence_parallel=False)
+            module.weight.lora_adapter = module.lora
+            module.__class__ = _lora_class(type(module), _LoRAPlainLinear)
+            adapted.append(gname)
     if not adapted:
         raise ValueError(f"model.lora.target_modules={list(spec.target_modules)} adapts no linear of this model shard "
                          f"(its stage has no such linears): choose among {list(TARGETS)}")

@@ -5,7 +5,8 @@ transformers' at TP=1, TP=2+SP, PP=2 and packed, on text and on images of three 
 export, and GRPO-loss gradients (vision tower included) equal single-process autograd; the rollout
 engine's greedy tokens and sampled logprobs on prompts with images equal transformers' at TP=1 and TP=2.
 Qwen3-VL (alignment/models/qwen3_vl: interleaved M-RoPE, DeepStack) passes the same worker cases; its
-table, positions and refusals are checked here too."""
+table, positions and refusals are checked here too, and its LoRA gradients (language model and vision tower)
+equal PEFT's at DP=2, TP=2+SP and PP=2."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ from tests.dist.tiny_models import (
     checkpoint_state,
     tiny_qwen2_5_vl,
     tiny_qwen2_5_vl_config,
+    tiny_qwen3_config,
     tiny_qwen3_vl,
     tiny_qwen3_vl_config,
 )
-from tests.dist.vlm_worker import CASES, ENGINE_CASES, GRAD_CASES, micro_batch, rows_and_images
+from tests.dist.vlm_worker import CASES, ENGINE_CASES, GRAD_CASES, LORA_CASES, micro_batch, rows_and_images
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +129,13 @@ def test_logits_equal_transformers_at_every_layout(torchrun_json):
             assert c["greedy_equal"] == [True] * 4 and c["tokens"] == 48, (family, name, c)
             assert c["images_kept"] == [False, False, True, True, True, True, False, False], (family, name, c)
             assert c["max_logprob_diff"] <= 1e-4, (family, name, c)
+    # LoRA on the language model and the vision tower (replicated adapters) == PEFT on transformers' Qwen3-VL
+    ref = out["qwen3_vl"]["lora_reference"]
+    assert ref["tower_tensors"] == 36 and ref["tensors"] == 92 and ref["max_tower_grad"] > 1e-2, ref
+    for name in LORA_CASES:
+        c = out["qwen3_vl"][name]
+        assert abs(c["loss"] - ref["loss"]) <= 1e-5 * max(1.0, abs(ref["loss"])) + 1e-7, (name, c, ref)
+        assert c["max_rel_diff"] <= 1e-4, (name, c)
 
 
 def test_qwen3_vl_table_maps_every_tensor_once_and_positions_equal_transformers():
@@ -195,6 +204,11 @@ def test_qwen3_vl_dims_and_layouts_refuse_what_the_model_cannot_run():
         validate(job("parallel.pipeline_model_parallel_size=4", name="sft"), world_size=4,
                  hf_config=tiny_qwen3_vl_config())
     validate(job("parallel.pipeline_model_parallel_size=2", name="dpo"), world_size=2, hf_config=tiny_qwen3_vl_config())
+    validate(job("model.lora.rank=4", "model.lora.vision_tower=true", name="sft"), world_size=2,
+             hf_config=tiny_qwen3_vl_config())
+    with pytest.raises(ConfigError, match="model.lora.vision_tower=true: this model has no vision tower"):
+        validate(job("model.lora.rank=4", "model.lora.vision_tower=true", name="sft"), world_size=2,
+                 hf_config=tiny_qwen3_config())
 
 
 def test_select_rows_takes_each_rows_images():
@@ -225,7 +239,7 @@ def test_jobs_a_vision_language_model_cannot_run_yet_are_refused():
 
     hf = tiny_qwen2_5_vl_config()
     with pytest.raises(ConfigError, match="is a vision-language model: algorithm.name=ppo is not supported for it "
-                                          "yet; use one of sft, dpo, grpo"):
+                                          "yet; use one of sft, dpo, grpo, rft, online_dpo"):
         validate(cfg(name="ppo"), world_size=2, hf_config=hf)
     with pytest.raises(ConfigError, match="rollout.backend=vllm: rollouts with images run on Megatron's engine"):
         validate(cfg(), world_size=2, hf_config=hf)

@@ -23,6 +23,9 @@ class LoRAConfig:
     # Megatron's names: attention (linear_qkv, linear_proj), MLP (linear_fc1, linear_fc2: dense MLPs and MoE
     # experts alike; mlp.linear_fc1 / experts.linear_fc1 for one kind only; parallel/lora.py is_target)
     target_modules: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    # a vision-language model's vision tower too: every linear of its blocks and mergers (replicated adapters);
+    # false: the tower is frozen
+    vision_tower: bool = False
 
 
 @dataclass
@@ -60,11 +63,14 @@ def check_lora(lora: LoRAConfig, dims) -> None:
     its expert and dense MLP layers).
 
     Raises:
-        ConfigError: unknown targets, or targets the model has no linear for.
+        ConfigError: unknown targets, targets the model has no linear for, or ``vision_tower`` on a text model.
     """
 
     if lora.rank == 0:
         return
+    if lora.vision_tower and not dims.is_vision_language:
+        raise ConfigError("model.lora.vision_tower=true: this model has no vision tower (a text model); set it to "
+                          "false")
     unknown = sorted(set(lora.target_modules) - set(TARGETS))
     if unknown or not lora.target_modules:
         raise ConfigError(f"model.lora.target_modules={list(lora.target_modules)}: give one or more of "
@@ -87,4 +93,5 @@ def lora_spec(lora: LoRAConfig, seed: int) -> LoRASpec | None:
     if lora.rank == 0:
         return None
     return LoRASpec(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-                    target_modules=tuple(lora.target_modules), seed=seed)
+                    target_modules=tuple(lora.target_modules), seed=seed,
+                    replicated_modules=("vision_model",) if lora.vision_tower else ())

@@ -6,7 +6,8 @@ exactly. ``linear_qkv = [q; k; v]`` (rows interleaved per query group) with ``A 
 and ``B [rows, r]`` gives ``q_proj``, ``k_proj``, ``v_proj`` each with the same ``A`` and its own
 rows of ``B``: ``x W_q^T + s x A^T B_q^T`` is the q rows of the fused output. ``linear_fc1``
 likewise gives ``gate_proj`` / ``up_proj``. A row-parallel linear maps to one HF projection
-(``o_proj``, ``down_proj``) with its ``A`` gathered over TP and ``B`` whole. The rows and columns
+(``o_proj``, ``down_proj``) with its ``A`` gathered over TP and ``B`` whole; a replicated linear (a
+vision tower's) to its one HF linear as it is. The rows and columns
 are de-interleaved by the family's own mapping (the bridge's ``to_hf`` of the weight, applied to
 ``B`` or ``A``, whose rows or columns are laid out as the weight's), so this module knows no family.
 """
@@ -49,14 +50,14 @@ def export_lora_adapters(model: torch.nn.Module, bridge,
         if lora is None:
             continue
         _, tp_size, tp_group = tensor_split(is_expert_param(gname))
-        split = read(lora.B if lora.kind == "column" else lora.A)
+        split = read(lora.B if lora.kind != "row" else lora.A)
         shards = [split]
         if tp_size > 1:
             shards = [torch.empty_like(split) for _ in range(tp_size)]
             dist.all_gather(shards, split.contiguous(), group=tp_group)
         for hf_name, t in bridge.to_hf(gname, shards).items():
             module = "base_model.model." + hf_name.removesuffix(".weight")
-            a, b = (read(lora.A), t) if lora.kind == "column" else (t, read(lora.B))
+            a, b = (read(lora.A), t) if lora.kind != "row" else (t, read(lora.B))
             local[f"{module}.lora_A.weight"] = a.clone()
             local[f"{module}.lora_B.weight"] = b.clone()
     return share_across_ranks(local)
@@ -79,7 +80,7 @@ def load_lora_adapters(model: torch.nn.Module, bridge, tensors: Mapping[str, tor
             continue
         tp_rank, tp_size, _ = tensor_split(is_expert_param(gname))
         pairs = _modules(bridge, gname)
-        if lora.kind == "column":
+        if lora.kind != "row":
             a = tensors[f"{pairs[0][1]}.lora_A.weight"]
             for _, module in pairs[1:]:
                 if not torch.equal(tensors[f"{module}.lora_A.weight"], a):

@@ -75,7 +75,8 @@ def multimodal_inputs(model: torch.nn.Module, mb: dict, inputs, cp_rank: int = 0
     which the images fill. A response's tokens count as text for both, whatever they are (a sampled
     placeholder token shows no image: the rollout engine, as transformers' ``generate``, feeds images
     at the prompt only). ``{}`` for a text model.
-    Raises ValueError for inputs without that index (shared-prompt trees)."""
+    Raises ValueError for inputs without that index (shared-prompt trees), or prompt placeholders in a
+    micro-batch that carries no images (a batch that lost its rows' images)."""
     from alignment.models.vlm_model import VisionLanguageModel
     from parallel.names import unwrap
 
@@ -90,6 +91,9 @@ def multimodal_inputs(model: torch.nn.Module, mb: dict, inputs, cp_rank: int = 0
     in_prompt = prompt_tokens({k: v.cpu() for k, v in mb.items() if k in ("input_ids", "seq_lengths",
                                                                            "response_lengths")})
     ids = torch.where(in_prompt, mb["input_ids"].cpu(), -1)  # responses as text
+    if grid is None and bool((ids == vlm.dims.image_token_id).any()):
+        raise ValueError(f"{int((ids == vlm.dims.image_token_id).sum())} image placeholder tokens in the prompts of a "
+                         "micro-batch that carries no images (pixel_values / image_grid_thw): the rows lost their images")
     positions = vlm.spec.positions(ids, mb.get("seq_lengths"), None if grid is None else grid.cpu(),
                                    vlm.dims)  # [3, rows, seq]
     flat = index.cpu().reshape(-1)

@@ -33,7 +33,7 @@ from alignment.trainers.dpo import DPOObjective
 from alignment.trainers.models import Models
 from alignment.trainers.offline import build_batch, train_step
 from alignment.trainers.rewarding import combine, job_terms, score_terms, term_metrics
-from alignment.trainers.rl_phases import Rollout, generate_for_group, request, rollout_phase
+from alignment.trainers.rl_phases import Rollout, generate_for_group, image_processor, request, rollout_phase
 from alignment.training.batching import MicroBatching
 from alignment.training.megatron_step import all_reduce_sum
 from alignment.training.offload import trainable
@@ -52,7 +52,8 @@ def collect(models: Models, problems: list[Problem], cfg, version: int = 0) -> R
     terms = job_terms(cfg)
     with early_grading([t.runs for t in terms], problems) as (pool, on_done):  # code runs start as answers come
         with rollout_phase(models):
-            groups = generate_for_group(models.engine, *request(models.tokenizer, problems, cfg), on_done)
+            groups = generate_for_group(models.engine, *request(models.tokenizer, problems, cfg,
+                                                                image_processor(models)), on_done)
         samples = [s for grp in groups for s in grp]
         scores = score_terms(models, [p for p in problems for _ in range(g)], samples, terms, cfg, pool=pool)
     rewards = combine(scores, terms, len(samples))
@@ -64,20 +65,21 @@ def collect(models: Models, problems: list[Problem], cfg, version: int = 0) -> R
                    seconds=time.perf_counter() - t0, reward_terms=scores)
 
 
-def _deal(rollout: Rollout) -> tuple[list[tuple[list[int], int]], int]:
+def _deal(rollout: Rollout) -> tuple[list[tuple[list[int], int]], list, int]:
     """Every data-parallel rank's pairs gathered, then this rank's share ``all[dp_rank::dp]`` as
-    DPO rows ``[(chosen ids, prompt len), (rejected ids, prompt len), ...]``; and the global count."""
+    DPO rows ``[(chosen ids, prompt len), (rejected ids, prompt len), ...]`` with each row's images
+    (the prompt's :class:`alignment.data.images.ImageInputs`, or None); and the global count."""
     from megatron.core import parallel_state as ps
 
     group = ps.get_data_parallel_group()
     s = rollout.samples
-    mine = [(s[i].prompt_ids, s[i].response_ids, s[i + 1].response_ids) for i in range(0, len(s), 2)]
+    mine = [(list(s[i].prompt_ids), s[i].response_ids, s[i + 1].response_ids, s[i].images) for i in range(0, len(s), 2)]
     gathered = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
     everyone = [pair for part in gathered for pair in part]
     share = everyone[dist.get_rank(group)::dist.get_world_size(group)]
-    rows = [row for prompt, c, r in share for row in ((prompt + c, len(prompt)), (prompt + r, len(prompt)))]
-    return rows, len(everyone)
+    rows = [row for prompt, c, r, _ in share for row in ((prompt + c, len(prompt)), (prompt + r, len(prompt)))]
+    return rows, [im for *_, im in share for _ in range(2)], len(everyone)
 
 
 def update_reference(models: Models, step: int, cfg) -> int:
@@ -109,7 +111,7 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
     a, times = cfg.algorithm, {}
     t0 = time.perf_counter()
     ref_version = update_reference(models, rollout.step, cfg)
-    rows, total = _deal(rollout)
+    rows, images, total = _deal(rollout)
     from megatron.core import parallel_state as ps
 
     dp = ps.get_data_parallel_world_size()
@@ -120,7 +122,7 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
     if updated:
         pad = models.tokenizer.pad_token_id if models.tokenizer.pad_token_id is not None else 0
         models.placement.keep("reference")
-        batch = build_batch(rows, pad, models, objective, mb)
+        batch = build_batch(rows, pad, models, objective, mb, images)
         times["logprobs"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         models.placement.keep(*trainable("policy"))

@@ -31,9 +31,11 @@ from alignment.data.prompts import PromptStyle, build_prompt_ids
 from alignment.data.tasks import Problem
 from alignment.rewards.code_runs import early_grading
 from alignment.rollout.base import Sample
+from alignment.rollout.image_prompts import image_prompts, images_of
 from alignment.trainers.models import Models
 from alignment.trainers.rewarding import combine, job_terms, score_terms, term_metrics
-from alignment.trainers.rl_phases import Rollout, generate_for_group, microbatches, rollout_phase, sampling_config
+from alignment.trainers.rl_phases import (Rollout, generate_for_group, image_processor, microbatches, rollout_phase,
+                                         sampling_config)
 from alignment.training.batching import make_batch
 from alignment.training.health import guarded_step
 from alignment.training.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
@@ -67,7 +69,8 @@ def collect(models: Models, problems: list[Problem], cfg, version: int = 0) -> R
     Collective over the model replica (and over every rank with ``algorithm.rationalize``)."""
     t0 = time.perf_counter()
     a, tok, style = cfg.algorithm, models.tokenizer, PromptStyle.of(cfg.data)
-    prompts = [build_prompt_ids(tok, p, style) for p in problems]
+    images = image_processor(models)
+    prompts = image_prompts(images, problems, [build_prompt_ids(tok, p, style) for p in problems])
     sampling = sampling_config(cfg.rollout)
     with rollout_phase(models):
         samples, scores, rewards, kept = _sample_and_accept(models, problems, prompts, sampling, cfg)
@@ -78,7 +81,8 @@ def collect(models: Models, problems: list[Problem], cfg, version: int = 0) -> R
         rationalized = 0
         if a.rationalize:  # every rank takes part, with no prompts when it solved everything
             failed = [j for j, k in enumerate(kept) if not k]
-            hinted = [build_prompt_ids(tok, problems[j], style, hint=problems[j].answer) for j in failed]
+            hinted = image_prompts(images, [problems[j] for j in failed],
+                                   [build_prompt_ids(tok, problems[j], style, hint=problems[j].answer) for j in failed])
             h_samples, _, h_rewards, h_kept = _sample_and_accept(models, [problems[j] for j in failed], hinted,
                                                                  sampling, cfg)
             for j, k in zip(failed, h_kept):
@@ -86,7 +90,7 @@ def collect(models: Models, problems: list[Problem], cfg, version: int = 0) -> R
                 for i in k:  # trained as an answer to the question without the hint
                     s = h_samples[i]
                     chosen.append(Sample(prompts[j], s.response_ids, s.logprobs, s.text, s.finished,
-                                          weight_updates=s.weight_updates))
+                                          weight_updates=s.weight_updates, images=images_of(prompts[j])))
                     chosen_rewards.append(float(h_rewards[i]))
     info = {"sampled": float(len(samples)), "reward_sum": float(rewards.sum()), "accepted": float(accepted),
             "kept": float(len(chosen)), "solved": float(sum(bool(k) for k in kept) + rationalized),

@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from alignment.data.images import ImageProcessor
 from alignment.data.prompts import PromptStyle, build_prompt_ids
 from alignment.data.tasks import Problem
 from alignment.models.weights import export_hf_weights
 from alignment.rollout.base import OnDone, Sample, SamplingConfig
 from alignment.rollout.config import RolloutConfig
 from alignment.rollout.dataset_answers import DatasetAnswers
+from alignment.rollout.image_prompts import image_prompts
 from alignment.rollout.multi_turn import run_episodes
 from alignment.rollout.weight_check import check_engine_weights
 from alignment.trainers.models import Models
@@ -77,12 +79,20 @@ def sampling_config(r: RolloutConfig) -> SamplingConfig:
     return SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
 
 
-def request(tokenizer, problems: list[Problem], cfg) -> tuple[list[list[int]], SamplingConfig]:
+def request(tokenizer, problems: list[Problem], cfg, images: ImageProcessor | None = None
+            ) -> tuple[list[list[int]], SamplingConfig]:
     """What an RL job asks its engine for ``problems``: their prompts (token ids, the task's chat
-    prompt) and ``group_size`` samples each at the rollout's sampling settings."""
+    prompt; :class:`alignment.rollout.image_prompts.ImagePrompt` s for problems with images, encoded by
+    ``images``, the model's image processor) and ``group_size`` samples each at the rollout's sampling
+    settings. Raises as :func:`alignment.rollout.image_prompts.image_prompts`."""
     style = PromptStyle.of(cfg.data)
-    prompts = [build_prompt_ids(tokenizer, p, style) for p in problems]
+    prompts = image_prompts(images, problems, [build_prompt_ids(tokenizer, p, style) for p in problems])
     return prompts, sampling_config(cfg.rollout)
+
+
+def image_processor(models: Models) -> ImageProcessor | None:
+    """The model's image processor (a vision-language model's; None for a text model or without an engine)."""
+    return models.episodes.images if models.episodes is not None else None
 
 
 def generate_for_group(engine, prompts: list[list[int]], sampling: SamplingConfig, on_done: OnDone | None = None

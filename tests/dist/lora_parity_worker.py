@@ -41,13 +41,14 @@ LAYOUTS = {"dp2": dict(), "tp2": dict(tensor_model_parallel_size=2),
            "pp2": dict(pipeline_model_parallel_size=2)}
 
 
-def adapter_values(hf) -> dict[str, torch.Tensor]:
-    """PEFT-named adapters for every target of ``hf`` (a causal LM), fused projections sharing A."""
+def adapter_values(hf, targets=TARGETS) -> dict[str, torch.Tensor]:
+    """PEFT-named adapters for every linear of ``hf`` named by ``targets`` (default: a causal LM's
+    projections), fused projections sharing A."""
     g = torch.Generator().manual_seed(21)
     out = {}
     for name, module in hf.named_modules():
         leaf = name.rsplit(".", 1)[-1]
-        if leaf not in TARGETS:
+        if leaf not in targets or not isinstance(module, torch.nn.Linear):
             continue
         prefix = f"base_model.model.{name}"
         a = out.get(f"{prefix.rsplit('.', 1)[0]}.{FUSED[leaf]}.lora_A.weight") if leaf in FUSED else None
@@ -57,11 +58,12 @@ def adapter_values(hf) -> dict[str, torch.Tensor]:
     return out
 
 
-def peft_wrapped(hf, values):
+def peft_wrapped(hf, values, targets=TARGETS):
+    """``hf`` with PEFT's adapters on ``targets`` (leaf names, or PEFT's regex over module names) set to ``values``."""
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 
     model = get_peft_model(hf, LoraConfig(r=SPEC.rank, lora_alpha=SPEC.alpha, lora_dropout=0.0,
-                                          target_modules=TARGETS))
+                                          target_modules=targets if isinstance(targets, str) else list(targets)))
     result = set_peft_model_state_dict(model, values)
     assert not [k for k in result.missing_keys if "lora_" in k], result.missing_keys
     return model

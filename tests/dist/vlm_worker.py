@@ -161,6 +161,39 @@ def grad_cases(world: int, hf, rows, images) -> dict:
     return results
 
 
+LORA_CASES = {"lora/dp2": (L()[0], 1), "lora/tp2_sp": (L(tp=2)[0], 2), "lora/pp2": (L(pp=2)[0], 2)}
+TOWER_TARGETS = ["qkv", "proj", "linear_fc1", "linear_fc2"]  # Qwen3-VL's tower: attention, MLPs, mergers
+
+
+def lora_cases(world: int, hf, rows, images) -> dict:
+    """GRPO-loss gradients of LoRA adapters on the language model's linears and every linear of the vision
+    tower (``model.lora.vision_tower``: replicated adapters) through Megatron against PEFT on transformers'
+    model with the same adapters (random A and B), PEFT-named both sides. Qwen3-VL only: its checkpoint
+    names are transformers' module names, which PEFT's adapters follow."""
+    import copy
+    import dataclasses
+
+    from tests.dist import lora_parity_worker as lp
+
+    spec = dataclasses.replace(lp.SPEC, replicated_modules=("vision_model",))
+    targets = lp.TARGETS + TOWER_TARGETS
+    values = lp.adapter_values(hf, targets)
+    batch = grpo_batch(rows, images)
+    linears = r".*\.(%s)$" % "|".join(lp.TARGETS + ["attn.qkv", "attn.proj", "linear_fc1", "linear_fc2"])  # no patch_embed
+    ref_loss, ref_grads = hf_reference(lp.peft_wrapped(copy.deepcopy(hf), values, linears), batch,
+                                       pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                                       mm_token_type_ids=(batch["input_ids"] == IMAGE_TOKEN).int())
+    want = lp.expected(ref_grads)
+    tower = [k for k in want if ".visual." in k]
+    results = {"lora_reference": {"loss": ref_loss, "tensors": len(want), "tower_tensors": len(tower),
+                                  "max_tower_grad": max(want[k].abs().max().item() for k in tower)}}
+    state = checkpoint_state(hf)
+    for name, (sizes, mbs) in LORA_CASES.items():
+        loss, grads = grpo_case(hf, batch, world, mbs, state=state, lora=spec, adapters=values, **sizes)
+        results[name] = {"loss": loss, **lp.compare(grads, want)}
+    return results
+
+
 ENGINE_CASES = {"engine/tp1": L()[0], "engine/tp2": dict(tensor_model_parallel_size=2)}
 EOS = 249  # never among the rows' tokens
 
@@ -265,6 +298,8 @@ def family_cases(hf, world: int) -> dict:
                          "export_missing": missing}
     results.update(grad_cases(world, hf, rows, images))
     results.update(engine_cases(hf, world, rows, images))
+    if hf.config.model_type == "qwen3_vl":
+        results.update(lora_cases(world, hf, rows, images))
     return results
 
 
