@@ -587,12 +587,12 @@ def _validate_lengths(cfg, layout, hf_config, tokenizer_size: int | None) -> Non
                           f"set {field}<={hf_config.max_position_embeddings // align * align}")
 
 
-VISION_LANGUAGE_ALGORITHMS = ("sft", "dpo", "grpo", "rft", "online_dpo")
+VISION_LANGUAGE_ALGORITHMS = ("sft", "dpo", "grpo", "rft", "online_dpo", "distill")
 
 
 def _validate_vision_language(cfg, layout, dims) -> None:
-    """A vision-language model (Qwen2.5-VL, Qwen3-VL) trains with SFT, DPO (its variants), the GRPO family, RFT
-    and online DPO so far, on layouts without context parallelism, with DeepStack's layers on the first pipeline stage; its
+    """A vision-language model (Qwen2.5-VL, Qwen3-VL) trains with SFT, DPO (its variants), the GRPO family, RFT,
+    online DPO and on-policy distillation (a vision-language teacher) so far, on layouts without context parallelism, with DeepStack's layers on the first pipeline stage; its
     rollouts run on Megatron's engine, one turn each, and prompts are not shared in packed micro-batches
     (M-RoPE positions are per row)."""
     a, r = cfg.algorithm, cfg.rollout
@@ -605,7 +605,7 @@ def _validate_vision_language(cfg, layout, dims) -> None:
     if a.name not in VISION_LANGUAGE_ALGORITHMS:
         raise ConfigError(f"model.path={cfg.model.path} is a vision-language model: algorithm.name={a.name} is not "
                           f"supported for it yet; use one of {', '.join(VISION_LANGUAGE_ALGORITHMS)} "
-                          "(--config-name sft / dpo / grpo / rft / online_dpo)")
+                          "(--config-name sft / dpo / grpo / rft / online_dpo / distill)")
     if layout.context_parallel_size > 1:
         raise ConfigError(f"parallel.context_parallel_size={layout.context_parallel_size}: a vision-language model's "
                           "M-RoPE positions are not split over context-parallel ranks yet; set it to 1 (TP, SP, PP, "

@@ -92,11 +92,42 @@ def check_model_files(cfg, hf_config, tokenizer=None) -> None:
         check_hf_dir(p, field)
         if field == "model.teacher_path" and tokenizer is not None:
             check_same_tokenizer(p, tokenizer, cfg.model.path)
+        if field == "model.teacher_path":
+            check_same_image_input(AutoConfig.from_pretrained(p), hf_config, path, cfg.model.path)
         vocab, ours = text_config(AutoConfig.from_pretrained(p)).vocab_size, text_config(hf_config).vocab_size
         if vocab != ours:
             raise ConfigError(f"{field}={path} has a vocabulary of {vocab} tokens, the policy ({cfg.model.path}) "
                               f"{ours}: it would read the policy's token ids as other tokens; train "
                               "it from the same base model")
+
+
+IMAGE_INPUT = ("patch_size", "temporal_patch_size", "spatial_merge_size")  # what a batch's pixel_values are cut to
+
+
+def check_same_image_input(teacher_config, student_config, teacher: str, student: str) -> None:
+    """A vision-language student's teacher sees the student's images: it must be a vision-language model
+    whose image placeholder and patches (``vision_config`` ``patch_size``, ``temporal_patch_size``,
+    ``spatial_merge_size``) are the student's, since the batch's ``pixel_values`` come from the student's
+    image processor. A text student's teacher may be anything.
+
+    Raises:
+        ConfigError: naming the teacher, the student and the first difference.
+    """
+    ours = getattr(student_config, "vision_config", None)
+    if ours is None:
+        return
+    theirs = getattr(teacher_config, "vision_config", None)
+    if theirs is None:
+        raise ConfigError(f"model.teacher_path={teacher} is a text model, but the student (model.path={student}) is a "
+                          "vision-language model: the teacher would read its image placeholders as text; give a "
+                          "vision-language teacher with the student's image processing")
+    pairs = [("image_token_id", getattr(teacher_config, "image_token_id", None), student_config.image_token_id)]
+    pairs += [(f"vision_config.{k}", getattr(theirs, k, None), getattr(ours, k, None)) for k in IMAGE_INPUT]
+    for name, t, s in pairs:
+        if t != s:
+            raise ConfigError(f"model.teacher_path={teacher}: its {name}={t}, the student's (model.path={student}) "
+                              f"{s}: the teacher scores the student's images as the student's image processor cuts "
+                              "them, so both must cut them alike")
 
 
 def check_same_tokenizer(teacher_dir: Path, tokenizer, student: str) -> None:

@@ -211,6 +211,24 @@ def test_qwen3_vl_dims_and_layouts_refuse_what_the_model_cannot_run():
                  hf_config=tiny_qwen3_config())
 
 
+def test_a_vision_language_students_teacher_must_see_its_images():
+    """Distillation: the teacher of a vision-language student is a vision-language model that cuts images as the
+    student's processor does (same placeholder, patch, frames and merge); a text student's teacher is free."""
+    from alignment.schema import ConfigError
+    from launchers.input_checks import check_same_image_input
+
+    student = tiny_qwen3_vl_config()
+    check_same_image_input(tiny_qwen3_vl_config(tie_word_embeddings=True), student, "t", "s")
+    check_same_image_input(tiny_qwen3_config(), tiny_qwen3_config(), "t", "s")
+    with pytest.raises(ConfigError, match="model.teacher_path=t is a text model, but the student .* is a vision"):
+        check_same_image_input(tiny_qwen3_config(), student, "t", "s")
+    teacher = tiny_qwen3_vl_config()
+    teacher.vision_config.patch_size = 8
+    with pytest.raises(ConfigError, match="its vision_config.patch_size=8, the student's .* 4"):
+        check_same_image_input(teacher, student, "t", "s")
+    check_same_image_input(tiny_qwen2_5_vl_config(), student, "t", "s")  # another family, the same image input
+
+
 def test_select_rows_takes_each_rows_images():
     """Rows picked in any order keep their own images: grids and patch rows follow the new row order."""
     from alignment.data.images import select_rows
@@ -239,7 +257,7 @@ def test_jobs_a_vision_language_model_cannot_run_yet_are_refused():
 
     hf = tiny_qwen2_5_vl_config()
     with pytest.raises(ConfigError, match="is a vision-language model: algorithm.name=ppo is not supported for it "
-                                          "yet; use one of sft, dpo, grpo, rft, online_dpo"):
+                                          "yet; use one of sft, dpo, grpo, rft, online_dpo, distill"):
         validate(cfg(name="ppo"), world_size=2, hf_config=hf)
     with pytest.raises(ConfigError, match="rollout.backend=vllm: rollouts with images run on Megatron's engine"):
         validate(cfg(), world_size=2, hf_config=hf)

@@ -27,6 +27,11 @@ def qwen3_vlm_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def qwen3_vlm_teacher(tmp_path_factory):
+    return save_tiny_vlm_dir(tmp_path_factory.mktemp("vlm3_teacher") / "vlm", seed=1, family="qwen3_vl")
+
+
+@pytest.fixture(scope="module")
 def task(tmp_path_factory):
     from alignment.data.image_tasks import write_task
 
@@ -254,12 +259,14 @@ def test_grpo_jobs_on_a_vision_language_model(vlm_dir, task, tmp_path):
 
 
 @pytest.mark.slow
-def test_jobs_on_a_qwen3_vl(qwen3_vlm_dir, task, tmp_path):
+def test_jobs_on_a_qwen3_vl(qwen3_vlm_dir, qwen3_vlm_teacher, task, tmp_path):
     """One launch on a tiny Qwen3-VL (interleaved M-RoPE, DeepStack into decoder layers 0 and 1): SFT at PP=2
     (DeepStack's layers on the first stage) lowers the held-out loss and exports a ``Qwen3VLForConditionalGeneration``
     that transformers loads and runs on the held-out images; GRPO at TP=2 samples on Megatron's engine with fp32
     ``token_mult_prob_error`` 1; RFT and online DPO sample answers to prompts with images and train on them with
-    their images (a micro-batch whose prompts lost their images is an error: ``multimodal_inputs``)."""
+    their images (a micro-batch whose prompts lost their images is an error: ``multimodal_inputs``); on-policy
+    distillation from another Qwen3-VL, which scores the student's answers with the same images, brings the
+    forward KL to it down."""
     from alignment.evaluation.image_answers import image_task_accuracy
 
     common = ["data.max_length=64", "data.max_prompt_length=48", "trainer.progress_bar=false", "trainer.lr=1e-3",
@@ -278,7 +285,10 @@ def test_jobs_on_a_qwen3_vl(qwen3_vlm_dir, task, tmp_path):
           "data.prompt_key=prompt", "reward.functions=[{name: chars, function: 'tests.reward_fns:reply_length'}]"]
     rft = Job("rft", qwen3_vlm_dir, tmp_path / "rft", [*rl, "algorithm.accept_threshold=0.5"])
     odpo = Job("online_dpo", qwen3_vlm_dir, tmp_path / "online_dpo", rl)
-    s, g, r, o = run_jobs(sft, grpo, rft, odpo)
+    kd = Job("distill", qwen3_vlm_dir, tmp_path / "distill", [
+        *rl, f"model.teacher_path={qwen3_vlm_teacher}", "trainer.steps=3", "trainer.eval_before=false",
+        "algorithm.distill_loss=forward_kl", "algorithm.task_reward_weight=0", "trainer.lr=1e-2"])
+    s, g, r, o, k = run_jobs(sft, grpo, rft, odpo, kd)
     assert s["heldout_after"]["loss"] < s["heldout_before"]["loss"] - 0.5, s
     exported = tmp_path / "sft" / "hf"
     assert json.loads((exported / "config.json").read_text())["architectures"] == ["Qwen3VLForConditionalGeneration"]
@@ -292,6 +302,9 @@ def test_jobs_on_a_qwen3_vl(qwen3_vlm_dir, task, tmp_path):
     assert [m["online_dpo/pairs"] > 0 and m["grad_norm"] > 0 for m in o["history"]] == [True, True], o
     for job in (r, o):
         assert job["heldout_size"] == 8 and 0.0 <= job["heldout_accuracy_after"] <= 1.0, job
+    div = [m["distill/divergence"] for m in k["history"]]  # KL(teacher || student) over the whole vocabulary
+    assert len(div) == 3 and div[0] > 0.1 and div[-1] < 0.9 * div[0], div  # measured 0.70, 0.68, 0.42
+    assert all(1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4 for m in k["history"]), k
 
 
 def test_processor_files_travel_with_an_export(vlm_dir, tmp_path):

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from alignment.rollout.base import OnDone, Sample, SamplingConfig, report_each
+from alignment.rollout.image_prompts import images_of
 from alignment.rollout.turn_tokens import TurnTokens
 
 __all__ = ["DatasetAnswers", "answer_ids"]
@@ -64,6 +65,6 @@ class DatasetAnswers:
         for prompt, text in zip(prompts, self.answers):
             ids, finished = answer_ids(self.turns, text, sampling.max_tokens)
             shown = self.turns.tokenizer.decode(ids, skip_special_tokens=True)
-            sample = Sample(list(prompt), ids, [0.0] * len(ids), shown, finished)
+            sample = Sample(list(prompt), ids, [0.0] * len(ids), shown, finished, images=images_of(prompt))
             out.append([sample] + [replace(sample) for _ in range(sampling.n - 1)])
         return report_each(out, on_done)

@@ -39,18 +39,13 @@ def mrope_position_ids(input_ids: torch.Tensor, seq_lengths: torch.Tensor | None
     grids = [tuple(int(x) for x in g) for g in (image_grid_thw if image_grid_thw is not None else [])]
     out = torch.empty(3, rows, seq, dtype=torch.long)
     next_image = 0
-    for r in range(rows):
+    for r in range(rows):  # a loop over images, not tokens: text positions are the index minus a running shift
         n = seq if seq_lengths is None else int(seq_lengths[r])
-        ids = input_ids[r, :n].tolist()
-        pos, i, cols = 0, 0, []
-        while i < n:
-            if ids[i] != dims.image_token_id:
-                j = i
-                while j < n and ids[j] != dims.image_token_id:
-                    j += 1
-                cols.append(torch.arange(pos, pos + j - i).expand(3, -1))
-                pos, i = pos + j - i, j
-                continue
+        spots = (input_ids[r, :n] == dims.image_token_id).nonzero().flatten().tolist()
+        shift = torch.zeros(seq + 1, dtype=torch.long)  # += (tokens - positions) of each image, at its end
+        images, used = [], 0
+        while used < len(spots):
+            i = spots[used]
             if next_image >= len(grids):
                 raise ValueError(f"row {r}: image placeholder at token {i} but only {len(grids)} image grids "
                                  "(image_grid_thw) for the batch")
@@ -59,14 +54,18 @@ def mrope_position_ids(input_ids: torch.Tensor, seq_lengths: torch.Tensor | None
                 raise ValueError(f"image {next_image}: grid {grids[next_image]} does not divide by the merge size {merge}")
             h, w = gh // merge, gw // merge
             count = t * h * w
-            if ids[i:i + count] != [dims.image_token_id] * count:
+            if used + count > len(spots) or spots[used + count - 1] != i + count - 1:
                 raise ValueError(f"row {r}: image {next_image} with grid {grids[next_image]} needs {count} "
                                  f"placeholder tokens from token {i}, the row has fewer (truncated?)")
+            images.append((i, t, h, w))
+            shift[i + count] += count - max(h, w)
+            used, next_image = used + count, next_image + 1
+        shift = shift.cumsum(0)[:seq]
+        pos = torch.arange(seq) - shift  # text (and padding: it continues the text count)
+        out[:, r] = pos.expand(3, -1)
+        for i, t, h, w in images:
             tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
-            cols.append(torch.stack([tt, hh, ww]).reshape(3, -1) + pos)
-            pos, i, next_image = pos + max(h, w), i + count, next_image + 1
-        cols.append(torch.arange(pos, pos + seq - n).expand(3, -1))  # padding
-        out[:, r] = torch.cat(cols, dim=1)
+            out[:, r, i:i + t * h * w] = torch.stack([tt, hh, ww]).reshape(3, -1) + pos[i]
     if next_image != len(grids):
         raise ValueError(f"{len(grids)} image grids (image_grid_thw) for {next_image} images in the batch")
     return out
