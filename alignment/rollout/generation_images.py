@@ -9,7 +9,8 @@ window. A row's prompt has the family's positions (its images' patches on a 2-D 
 prompt's largest position in all three sections (transformers' ``rope_deltas``).
 
 The vision tower runs once per distinct prompt of the batch, before the first forward; each window
-then gets the features of the placeholders it holds (``image_mask``, ``image_features``): the whole
+then gets the features of the placeholders it holds (``image_mask``, ``image_features``, DeepStack's
+included: :meth:`alignment.models.vlm_model.VisionLanguageModel.image_features`): the whole
 prefill takes those of the shortest prompt, and a longer prompt's later placeholders come with the
 decode steps that feed its remaining prompt tokens. Tokens the model samples are text, whatever they
 are (transformers' ``generate`` feeds images at the prompt only).
