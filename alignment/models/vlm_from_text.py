@@ -20,6 +20,10 @@ from pathlib import Path
 
 import torch
 
+from alignment.models import llama, qwen3
+from alignment.models.qwen2_5_vl import from_text as qwen2_5_vl
+from alignment.models.qwen3_vl import from_text as qwen3_vl
+
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 # ChatML, as SmolLM2's and Qwen's templates, with Qwen2-VL's rendering of image parts
@@ -33,10 +37,6 @@ CHAT_TEMPLATE = (
 
 def _recipe(text_cfg, text_dir):
     """The family module (``from_text``) that turns a text model of this architecture into a VLM."""
-    from alignment.models import llama, qwen3
-    from alignment.models.qwen2_5_vl import from_text as qwen2_5_vl
-    from alignment.models.qwen3_vl import from_text as qwen3_vl
-
     arch = (getattr(text_cfg, "architectures", None) or [""])[0]
     if arch in llama.FAMILY.architectures:
         return qwen2_5_vl

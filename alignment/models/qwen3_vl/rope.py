@@ -34,5 +34,7 @@ class InterleavedMultimodalRotaryEmbedding(MultimodalRotaryEmbedding):
 
 
 def interleaved_mrope(kv_channels: int, rotary_base: float) -> InterleavedMultimodalRotaryEmbedding:
-    """The language model's rotary embedding (:attr:`alignment.models.vlm.VisionSpec.rotary`)."""
+    """The language model's rotary embedding (:attr:`alignment.models.vlm.VisionSpec.rotary`) for heads of
+    ``kv_channels`` channels and RoPE base ``rotary_base`` (HF ``rope_theta``): ``forward(position_ids [3, b, s],
+    mrope_section)`` -> angles ``[s, b, 1, kv_channels]`` in radians (see the module docstring for the source)."""
     return InterleavedMultimodalRotaryEmbedding(kv_channels=kv_channels, rotary_percent=1.0, rotary_base=rotary_base)
