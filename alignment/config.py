@@ -592,9 +592,10 @@ VISION_LANGUAGE_ALGORITHMS = ("sft", "dpo", "grpo", "rft", "online_dpo", "distil
 
 def _validate_vision_language(cfg, layout, dims) -> None:
     """A vision-language model (Qwen2.5-VL, Qwen3-VL) trains with SFT, DPO (its variants), the GRPO family, RFT,
-    online DPO and on-policy distillation (a vision-language teacher) so far, on layouts without context parallelism, with DeepStack's layers on the first pipeline stage; its
-    rollouts run on Megatron's engine, one turn each, and prompts are not shared in packed micro-batches
-    (M-RoPE positions are per row)."""
+    online DPO and on-policy distillation (a vision-language teacher) so far, on layouts without context
+    parallelism, with DeepStack's layers on the first pipeline stage; its rollouts run on Megatron's engine
+    or a colocated vLLM, one turn each, and prompts are not shared in packed micro-batches (M-RoPE positions
+    are per row)."""
     a, r = cfg.algorithm, cfg.rollout
     chunks = layout.pipeline_model_parallel_size * (layout.virtual_pipeline_model_parallel_size or 1)
     if dims.deepstack_layers > dims.num_layers // chunks:
@@ -612,10 +613,10 @@ def _validate_vision_language(cfg, layout, dims) -> None:
                           "DP and packing are supported)")
     if a.name not in RL_ALGORITHMS:
         return
-    if r.backend != "megatron":
-        raise ConfigError(f"rollout.backend={r.backend}: rollouts with images run on Megatron's engine so far (vLLM's "
-                          "Qwen2.5-VL needs torchvision, and the vision tower's weight sync is not built); set "
-                          "rollout.backend=megatron")
+    if r.backend == "vllm" and r.placement != "colocated":
+        raise ConfigError(f"rollout.placement={r.placement}: a vision-language model's vLLM rollouts run colocated "
+                          "so far (images are not sent to engines on ranks of their own); set rollout.placement="
+                          "colocated or rollout.backend=megatron")
     if r.environment != "single_turn" or r.max_turns != 1 or r.agent or r.agent_command:
         raise ConfigError(f"rollout.environment={r.environment}, rollout.max_turns={r.max_turns}: a vision-language "
                           "model's rollouts are single-turn so far; set rollout.environment=single_turn, "

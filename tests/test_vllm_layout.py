@@ -6,7 +6,9 @@ must equal what vLLM's weight loaders (``QKVParallelLinear``, ``MergedColumnPara
 rank's parameter from the full HF checkpoint tensors.
 
 Matrix: MHA, GQA, MQA, KV heads < vLLM TP, Qwen2-style QKV bias, Qwen3 QK-norm, Qwen3-MoE
-(router, experts stacked into fused ``w13`` / ``w2``, a dense layer, expert TP 1 or = TP), tied
+(router, experts stacked into fused ``w13`` / ``w2``, a dense layer, expert TP 1 or = TP), Qwen2.5-VL
+and Qwen3-VL (the language model under vLLM's ``language_model.``, the vision tower replicated in
+Megatron and split by vLLM: checkpoint-fused QKV, merged gate / up, column / row pairs), tied
 and untied heads, non-square attention (heads x head_dim != hidden), vocabularies that are
 multiples of neither 64 nor 128; Megatron TP 1/2/4 x vLLM TP 1/2/4 wherever both can split the
 model. HF tensors come from real transformers models of each family (checkpoint form).
@@ -60,6 +62,18 @@ def _qwen3_moe():
                           architectures=["Qwen3MoeForCausalLM"])
 
 
+def _qwen2_5_vl():
+    from tests.dist.tiny_models import tiny_qwen2_5_vl_config
+
+    return tiny_qwen2_5_vl_config()
+
+
+def _qwen3_vl():
+    from tests.dist.tiny_models import tiny_qwen3_vl_config
+
+    return tiny_qwen3_vl_config(tie_word_embeddings=True)
+
+
 MODELS = {  # name: (HF config, vLLM tensors per rank: embed + final norm (+ lm_head) + per layer)
     "mha": (lambda: _llama(4, 4, 16, 48, 96, 250, False), 3 + 2 * 6),
     "gqa": (lambda: _llama(8, 2, 8, 40, 48, 300, True), 2 + 2 * 6),
@@ -67,19 +81,26 @@ MODELS = {  # name: (HF config, vLLM tensors per rank: embed + final norm (+ lm_
     "qwen2_bias": (_qwen2, 3 + 2 * 7),  # + qkv bias
     "qwen3_tied": (_qwen3, 2 + 2 * 8),  # + q_norm, k_norm
     "qwen3_moe": (_qwen3_moe, 3 + 9 + 8),  # MoE layer: attention 6 + router + w13 + w2; dense layer 8
+    # + the vision tower: patch embedding, per block 2 norms + qkv, proj, gate_up, down (weight and bias
+    # each: 8), the merger's norm + 2 linears (5); Qwen3-VL: patch bias, position table, LayerNorm
+    # biases (12 per block), the merger and 2 DeepStack mergers (6 each)
+    "qwen2_5_vl": (_qwen2_5_vl, 3 + 4 * 7 + 1 + 2 * 10 + 5),
+    "qwen3_vl": (_qwen3_vl, 2 + 4 * 8 + 3 + 3 * 12 + 3 * 6),
 }
+VISION = ("qwen2_5_vl", "qwen3_vl")
 CACHE: dict = {}
 
 
 def model(name: str):
     """``(bridge, HF checkpoint state)`` of a random HF model of that config (cached)."""
     if name not in CACHE:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         from tests.dist.tiny_models import checkpoint_state, randomize
 
         cfg = MODELS[name][0]()
-        hf = randomize(lambda: AutoModelForCausalLM.from_config(cfg), seed=0)
+        auto = AutoModelForImageTextToText if name in VISION else AutoModelForCausalLM
+        hf = randomize(lambda: auto.from_config(cfg), seed=0)
         CACHE[name] = (get_bridge(cfg), checkpoint_state(hf))
     return CACHE[name]
 
@@ -144,9 +165,11 @@ def test_the_matrix_covers_the_hard_cases():
     # the exact matrix: Megatron TP s and vLLM TP t in {1, 2, 4} wherever the heads split;
     # mha / qwen2_bias: every pair (9); gqa / qwen3_tied: 2 KV heads, s in {1, 2} (6); mqa: s = 1 (3);
     # qwen3_moe: expert TP 1 and s for s = 2, 4, only 1 for s = 1: (1 + 2 + 2) x 3 = 15
+    # qwen2_5_vl / qwen3_vl: 2 KV heads and 2 vision heads: s in {1, 2}, t in {1, 2} (4)
     per_model = {name: sum(i.startswith(name + "-") for i in ids) for name in MODELS}
-    assert per_model == {"mha": 9, "qwen2_bias": 9, "gqa": 6, "qwen3_tied": 6, "mqa": 3, "qwen3_moe": 15}, per_model
-    assert len(ids) == 48
+    assert per_model == {"mha": 9, "qwen2_bias": 9, "gqa": 6, "qwen3_tied": 6, "mqa": 3, "qwen3_moe": 15,
+                         "qwen2_5_vl": 4, "qwen3_vl": 4}, per_model
+    assert len(ids) == 56
 
 
 def test_fused_moe_tensors_stack_experts():

@@ -22,7 +22,7 @@ from tests.dist.tiny_models import (
     tiny_qwen3_vl,
     tiny_qwen3_vl_config,
 )
-from tests.dist.vlm_worker import CASES, ENGINE_CASES, GRAD_CASES, LORA_CASES, micro_batch, rows_and_images
+from tests.dist.vlm_worker import CASES, ENGINE_CASES, GRAD_CASES, LORA_CASES, RESHARD_CASES, micro_batch, rows_and_images
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +129,13 @@ def test_logits_equal_transformers_at_every_layout(torchrun_json):
             assert c["greedy_equal"] == [True] * 4 and c["tokens"] == 48, (family, name, c)
             assert c["images_kept"] == [False, False, True, True, True, True, False, False], (family, name, c)
             assert c["max_logprob_diff"] <= 1e-4, (family, name, c)
+        # weight sync: Megatron TP=2+SP / PP=2 -> vLLM TP 1 / 2, the vision tower's tensors (split by vLLM over
+        # its TP ranks: fused QKV, merged gate / up, row-parallel projections) == vLLM's own loaders'
+        tower = {"qwen2_5_vl": 26, "qwen3_vl": 57}[family]  # Qwen3-VL: biases, position table, 2 DeepStack mergers
+        for name in RESHARD_CASES:
+            for vtp in (1, 2):
+                c = r[f"{name}->vllm_tp{vtp}"]
+                assert c["wrong"] == [] and c["tensors"] == c["expected"] and c["tower_tensors"] == tower, (family, c)
     # LoRA on the language model and the vision tower (replicated adapters) == PEFT on transformers' Qwen3-VL
     ref = out["qwen3_vl"]["lora_reference"]
     assert ref["tower_tensors"] == 36 and ref["tensors"] == 92 and ref["max_tower_grad"] > 1e-2, ref
@@ -248,9 +255,10 @@ def test_select_rows_takes_each_rows_images():
 
 
 def test_jobs_a_vision_language_model_cannot_run_yet_are_refused():
-    """PPO, vLLM rollouts, multi-turn episodes, prompt trees and context parallelism are refused before
-    start, naming the field; SFT and DPO at TP=2 with sequence parallelism and PP=2, and GRPO on Megatron's
-    engine pass, GRPO's prompt trees resolved off."""
+    """PPO, disaggregated vLLM rollouts, multi-turn episodes, prompt trees, context parallelism and a vLLM TP
+    size the tower's heads cannot split are refused before start, naming the field; SFT and DPO at TP=2 with
+    sequence parallelism and PP=2, GRPO on Megatron's engine and on a colocated vLLM pass, GRPO's prompt
+    trees resolved off."""
     from alignment.config import job_config, resolve_for_model, shares_prompts, validate
     from alignment.schema import ConfigError
     from tests.test_config import cfg
@@ -259,8 +267,12 @@ def test_jobs_a_vision_language_model_cannot_run_yet_are_refused():
     with pytest.raises(ConfigError, match="is a vision-language model: algorithm.name=ppo is not supported for it "
                                           "yet; use one of sft, dpo, grpo, rft, online_dpo, distill"):
         validate(cfg(name="ppo"), world_size=2, hf_config=hf)
-    with pytest.raises(ConfigError, match="rollout.backend=vllm: rollouts with images run on Megatron's engine"):
-        validate(cfg(), world_size=2, hf_config=hf)
+    with pytest.raises(ConfigError, match="rollout.placement=disaggregated: a vision-language model's vLLM rollouts"):
+        validate(cfg("rollout.placement=disaggregated", "rollout.rollout_ranks=1"), world_size=2, hf_config=hf)
+    with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size=4 must divide the vision tower's attention "
+                                          r"heads \(2\)"):  # the language model's 4 heads would split
+        validate(cfg("rollout.tensor_parallel_size=4"), world_size=4, hf_config=hf)
+    validate(cfg("rollout.tensor_parallel_size=2"), world_size=2, hf_config=hf)  # vLLM rollouts with images
     grpo = ("rollout.backend=megatron",)
     with pytest.raises(ConfigError, match="rollout.environment=tools, rollout.max_turns=2: a vision-language"):
         validate(cfg(*grpo, "rollout.environment=tools", "rollout.max_turns=2"), world_size=2, hf_config=hf)
@@ -274,3 +286,21 @@ def test_jobs_a_vision_language_model_cannot_run_yet_are_refused():
     c = job_config(cfg(*grpo, "parallel.tensor_model_parallel_size=2"))
     validate(c, world_size=2, hf_config=hf)
     assert shares_prompts(c) and not shares_prompts(resolve_for_model(c, hf))
+
+
+def test_ranks_prompts_merge_only_with_the_same_images():
+    """A vLLM engine over several ranks generates each distinct prompt list once: two lists of one question
+    text showing different images of one size are different requests; the same ids and images are one."""
+    from alignment.data.images import ImageInputs
+    from alignment.rollout.image_prompts import ImagePrompt
+    from alignment.rollout.vllm_engine import same_prompts
+
+    grid = torch.tensor([[1, 4, 4]])
+    a, b = torch.zeros(16, 96), torch.ones(16, 96)
+    ids = [1, 2] + [IMAGE_TOKEN] * 4 + [3]
+    assert [ImagePrompt(ids, ImageInputs(a, grid))] == [ImagePrompt(ids, ImageInputs(b, grid))]  # equal as ids
+    assert not same_prompts([ImagePrompt(ids, ImageInputs(a, grid))], [ImagePrompt(ids, ImageInputs(b, grid))])
+    assert same_prompts([ImagePrompt(ids, ImageInputs(a, grid)), [5, 6]],
+                        [ImagePrompt(ids, ImageInputs(a.clone(), grid.clone())), [5, 6]])
+    assert not same_prompts([ImagePrompt(ids, ImageInputs(a, grid))], [list(ids)])  # images vs none
+    assert not same_prompts([[5, 6]], [[5, 7]]) and same_prompts([[5, 6]], [[5, 6]])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,10 +24,13 @@ IMAGE_KEYS = ("pixel_values", "image_grid_thw")
 @dataclass(frozen=True)
 class ImageInputs:
     """The images of one row, processed: ``pixel_values`` ``[patches, C*T*p*p]`` and
-    ``image_grid_thw`` ``[images, 3]``, in the order their placeholders appear."""
+    ``image_grid_thw`` ``[images, 3]``, in the order their placeholders appear; ``decoded_images``: the
+    decoded images (``PIL.Image``) they were made from, for an engine that processes images itself
+    (vLLM's ``multi_modal_data``), empty when not kept."""
 
     pixel_values: torch.Tensor
     image_grid_thw: torch.Tensor
+    decoded_images: tuple = field(default=(), compare=False, repr=False)
 
     @property
     def count(self) -> int:
@@ -89,9 +92,9 @@ class ImageProcessor:
         self.merge = int(getattr(self.processor, "merge_size", 1))
 
     def encode(self, images: list) -> ImageInputs:
-        """The patches of ``images`` (PIL images) for the model."""
+        """The patches of ``images`` (PIL images) for the model (the images kept beside them)."""
         out = self.processor(images=images, return_tensors="pt")
-        return ImageInputs(out["pixel_values"], out["image_grid_thw"].long())
+        return ImageInputs(out["pixel_values"], out["image_grid_thw"].long(), tuple(images))
 
     def encode_files(self, files: list[tuple[str, ...]], where: list[str]) -> list[ImageInputs | None]:
         """Each entry's image files (``files[i]``, paths to open; ``where[i]`` names its record for

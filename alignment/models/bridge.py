@@ -27,6 +27,7 @@ from alignment.models.mapping import (
     SCORE_HEAD,
     Family,
     Mapping,
+    VllmSplit,
     vllm_padded_vocab,
 )
 from parallel.pieces import TargetLayout, TargetTensor
@@ -177,6 +178,11 @@ class Bridge:
             raise ValueError(f"rollout.tensor_parallel_size={vllm_tp} must divide the attention heads ({nq}), the MLP "
                              f"sizes ({f}{f', experts {fe}' if d.num_experts else ''}) and the padded vocabulary, "
                              f"and divide or be a multiple of the KV heads ({nkv})")
+        tower = sorted({row.split_size(d) for row, _ in self._rows.values() if isinstance(row, VllmSplit)})
+        heads = getattr(d.vision, "num_heads", 0)
+        if any(n % vllm_tp for n in tower) or (heads and heads % vllm_tp):
+            raise ValueError(f"rollout.tensor_parallel_size={vllm_tp} must divide the vision tower's attention heads "
+                             f"({heads}) and split sizes {tower} (vLLM splits the tower over its TP ranks)")
 
     def vllm_tensors(self, megatron_tp: int, vllm_tp: int, vllm_rank: int,
                      megatron_etp: int | None = None) -> list[TargetTensor]:
@@ -193,17 +199,27 @@ class Bridge:
         for mg_name, (row, fields) in self._rows.items():
             if row.vllm is None:
                 continue
-            name = row.vllm.format(**fields)
+            name = self.vllm_name(mg_name)
             shape, pieces = row.vllm_pieces(mg_name, self.dims, etp if row.expert else megatron_tp, vllm_tp,
                                             vllm_rank)
             if row.expert:
                 e = fields["expert"]
                 shape = (self.dims.num_experts, *shape)
                 pieces = [dataclasses.replace(p, dest_index=(e,)) for p in pieces]
-                if name in out:
-                    pieces = list(out[name].pieces) + pieces
+            if name in out:  # several rows fill one vLLM tensor: experts, or a merged gate / up pair
+                pieces = list(out[name].pieces) + list(pieces)
             out[name] = TargetTensor(name, tuple(shape), tuple(pieces))
         return list(out.values())
+
+    def vllm_name(self, mg_name: str) -> str:
+        """The vLLM parameter that Megatron parameter ``mg_name`` feeds (the family's
+        ``vllm_language_model`` prefix on the language model's). Raises KeyError for an unknown name or
+        one with no vLLM parameter."""
+        row, fields = self._row(mg_name)
+        if row.vllm is None:
+            raise KeyError(f"Megatron parameter {mg_name!r} has no vLLM parameter in the {self.family.name} family")
+        name = row.vllm.format(**fields)
+        return name if mg_name in self._extra else self.family.vllm_language_model + name
 
     def vllm_layout(self, megatron_tp: int, vllm_tp: int, megatron_etp: int | None = None) -> TargetLayout:
         """The resharder's target layout: vLLM TP rank -> :meth:`vllm_tensors`.
@@ -213,14 +229,15 @@ class Bridge:
 
     def vllm_reference(self, vllm_name: str) -> tuple[str, list[list[str]]]:
         """How vLLM itself fills parameter ``vllm_name`` from an HF checkpoint: the loader kind
-        (``replicated``, ``qkv``, ``merged``, ``row``, ``vocab``, ``moe_w13``, ``moe_w2``) and the
-        HF source names (one list per expert for fused MoE tensors, else one list).
+        (``replicated``, ``qkv``, ``qkv_fused``, ``column``, ``merged``, ``row``, ``vocab``, ``moe_w13``,
+        ``moe_w2``) and the HF source names (one list per expert for fused MoE tensors, one per row for
+        a merged pair filled by two rows, else one list).
         Raises KeyError for a name that is not a vLLM parameter of this model."""
         if self._vllm_index is None:
             self._vllm_index = {}
             for mg_name, (row, fields) in self._rows.items():
                 if row.vllm is not None:
-                    kind, sources = self._vllm_index.setdefault(row.vllm.format(**fields), (row.vllm_loader, []))
+                    kind, sources = self._vllm_index.setdefault(self.vllm_name(mg_name), (row.vllm_loader, []))
                     sources.append(self.hf_names(mg_name))
         if vllm_name not in self._vllm_index:
             raise KeyError(f"{vllm_name!r} is not a vLLM parameter of this {self.family.name} model")

@@ -111,6 +111,47 @@ class Replicated(Mapping):
 
 
 @dataclass(frozen=True)
+class VllmSplit(Replicated):
+    """A tensor replicated on every Megatron TP rank (a vision tower's: transformers' own module) that
+    vLLM splits over its TP ranks, as its vision towers' layers do (``vllm/model_executor/models/
+    qwen2_5_vl.py``, ``qwen3_vl.py``): ``dim=0`` a ``ColumnParallelLinear`` (weight ``[out, in]`` or
+    bias ``[out]``; ``parts=3``: a ``QKVParallelLinear`` of a checkpoint-fused ``[q; k; v]``, each
+    third split, rank ``r`` holding ``[q_r; k_r; v_r]``); ``dim=1`` a ``RowParallelLinear`` weight
+    (its bias is whole on every rank: :class:`Replicated`); ``half=0 / 1``: the gate / up part of a
+    ``MergedColumnParallelLinear`` that two rows fill (rank ``r`` holds ``[gate_r; up_r]``).
+    ``shape``: the full tensor's shape from the dims."""
+
+    dim: int = 0
+    parts: int = 1
+    half: int | None = None
+
+    @property
+    def vllm_loader(self) -> str:
+        if self.dim == 1:
+            return "row"
+        if self.half is not None:
+            return "merged"
+        return "qkv_fused" if self.parts == 3 else "column"
+
+    def split_size(self, d: ModelDims) -> int:
+        """The length vLLM's TP size must divide (one part's rows, or the columns)."""
+        shape = self.shape(d)
+        return shape[1] if self.dim == 1 else shape[0] // self.parts
+
+    def vllm_pieces(self, source, d, s, t, r):
+        shape = self.shape(d)
+        if self.dim == 1:
+            per = shape[1] // t
+            return (shape[0], per, *shape[2:]), [Piece(source, ANY_TP_RANK, 1, r * per, 0, per)]
+        per = self.split_size(d) // t
+        if self.half is not None:
+            return (2 * per, *shape[1:]), [Piece(source, ANY_TP_RANK, 0, r * per, self.half * per, per)]
+        part = shape[0] // self.parts
+        return (self.parts * per, *shape[1:]), [Piece(source, ANY_TP_RANK, 0, p * part + r * per, p * per, per)
+                                                for p in range(self.parts)]
+
+
+@dataclass(frozen=True)
 class RowParallel(Mapping):
     """Split along the input dimension (dim 1): ``linear_proj`` / ``o_proj``, ``linear_fc2`` /
     ``down_proj`` (vLLM ``RowParallelLinear``; for experts, fused MoE ``w2``).
@@ -257,6 +298,8 @@ class Family:
     ``vision``: a vision-language family's :class:`alignment.models.vlm.VisionSpec`;
     ``hf_language_model``: the prefix of the language model's tensors in the family's checkpoints
     (the table's rows say ``model.``; Qwen3-VL's checkpoints say ``model.language_model.``).
+    ``vllm_language_model``: the prefix of the language model's parameters in the family's vLLM model
+    (vLLM's vision-language models hold it as ``language_model``: ``language_model.model.layers.*``).
     One folder per family under ``alignment/models/`` holds one of these."""
 
     name: str
@@ -267,3 +310,4 @@ class Family:
     causal_lm: bool = True
     vision: object = None
     hf_language_model: str = "model."
+    vllm_language_model: str = ""

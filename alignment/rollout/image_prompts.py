@@ -4,8 +4,10 @@ placeholders stand for (vLLM's ``TokensPrompt`` with ``multi_modal_data``).
 An :class:`ImagePrompt` is a ``list[int]`` (so every step that deals, measures or extends prompts
 treats it as one) carrying :class:`alignment.data.images.ImageInputs`. Its image placeholders are
 already expanded to each image's token count, so its length is what the engine's context holds.
-The rollout engine that can see images (``rollout.backend=megatron``) runs the vision tower on them;
-the samples keep them (``Sample.images``), so the trainer's forward sees the same images.
+Megatron's engine (``rollout.backend=megatron``) runs the vision tower on the processed images; vLLM
+(``rollout.backend=vllm``) takes the decoded images (``ImageInputs.decoded_images``) and processes them with
+the same HF image processor. The samples keep them (``Sample.images``), so the trainer's forward sees the
+same images.
 """
 
 from __future__ import annotations

@@ -21,6 +21,19 @@ from alignment.rollout.compile_cache import choose_enforce_eager, compile_cache
 from alignment.rollout.image_prompts import images_of
 
 
+def same_prompts(a: list, b: list) -> bool:
+    """Two ranks' prompt lists are the same requests: equal token ids and, for prompts with images, equal
+    images (two prompts of one question text can show different images of one size: equal ids)."""
+    if a != b:
+        return False
+    for x, y in zip(a, b):
+        ix, iy = images_of(x), images_of(y)
+        if (ix is None) != (iy is None) or (ix is not None and not (
+                torch.equal(ix.image_grid_thw, iy.image_grid_thw) and torch.equal(ix.pixel_values, iy.pixel_values))):
+            return False
+    return True
+
+
 def _retie_embeddings(worker) -> None:
     """Refresh a tied ``lm_head`` after an in-place reload (runs on the worker).
 
@@ -31,6 +44,7 @@ def _retie_embeddings(worker) -> None:
     after one update on a tied tiny Llama; 1e-6 untied). We re-tie and re-pack it.
     """
     model = worker.model_runner.model
+    model = getattr(model, "language_model", model)  # a vision-language model's language model
     cfg = getattr(model, "config", None)
     lm_head, inner = getattr(model, "lm_head", None), getattr(model, "model", None)
     if cfg is not None and getattr(cfg, "tie_word_embeddings", False) and lm_head is not None \
@@ -172,17 +186,19 @@ class VLLMEngine:
         on with the others (:data:`alignment.rollout.base.OnDone`).
 
         Collective for a TP>1 engine: every rank of its group calls it; the group generates the
-        union of the ranks' prompt lists (ranks with identical lists, e.g. one model-parallel
-        group, count once) and each rank gets back the samples of its own prompts (``on_done``
+        union of the ranks' prompt lists (ranks with identical lists, images included
+        (:func:`same_prompts`), e.g. one model-parallel group, count once) and each rank gets back the samples of its own prompts (``on_done``
         called for those only).
 
+        A prompt with images (:class:`alignment.rollout.image_prompts.ImagePrompt`) goes to vLLM as its
+        decoded images (``multi_modal_data``) and its token ids with one placeholder per image, which
+        vLLM's processor (the model's own HF image processor, as the trainer's) expands again; its
+        samples keep the images.
+
         Raises:
-            ValueError: a prompt with images (:class:`alignment.rollout.image_prompts.ImagePrompt`): the
-                vision-language rollouts run on ``rollout.backend=megatron`` so far.
+            ValueError: a prompt with images that kept no decoded images.
+            RuntimeError: vLLM expanded a prompt's images into other tokens than the trainer's processor.
         """
-        if any(images_of(p) is not None for p in prompts):
-            raise ValueError("rollout.backend=vllm does not take prompts with images yet; use rollout.backend=megatron "
-                             "for a vision-language model")
         if self.group is None:
             return self._generate(prompts, sampling, on_done) if prompts else []
         import torch.distributed as dist
@@ -191,13 +207,14 @@ class VLLMEngine:
         dist.all_gather_object(lists, prompts, group=self.group)
         distinct = []
         for p in lists:
-            if p not in distinct:
+            if not any(same_prompts(p, q) for q in distinct):
                 distinct.append(p)
         union = [q for p in distinct for q in p]
-        start = sum(len(p) for p in distinct[: distinct.index(prompts)])
-        mine = None if on_done is None else (
+        mine = next(k for k, q in enumerate(distinct) if same_prompts(prompts, q))
+        start = sum(len(p) for p in distinct[:mine])
+        on_mine = None if on_done is None else (
             lambda i, samples: on_done(i - start, samples) if start <= i < start + len(prompts) else None)
-        out = self._generate(union, sampling, mine) if union else []
+        out = self._generate(union, sampling, on_mine) if union else []
         return out[start : start + len(prompts)]
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig, on_done: OnDone | None
@@ -231,7 +248,7 @@ class VLLMEngine:
         engine = self.llm.llm_engine
         if engine.has_unfinished_requests():
             raise RuntimeError("VLLMEngine.generate: the engine still has requests of an earlier call")
-        ids = self.llm.enqueue([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        ids = self.llm.enqueue([self._request(p) for p in prompts], params, use_tqdm=False)
         # enqueue returns vLLM's internal ids, "<request id>-<8 random characters>"; outputs carry the request id
         index = {rid.rsplit("-", 1)[0]: i for i, rid in enumerate(ids)}
         out: list[list[Sample] | None] = [None] * len(prompts)
@@ -244,6 +261,10 @@ class VLLMEngine:
                     if i is None:
                         raise RuntimeError(f"VLLMEngine.generate: vLLM finished request {done.request_id!r}, not one "
                                            f"of this call's {sorted(index)[:4]}...: its request ids changed form")
+                    if images_of(prompts[i]) is not None and list(done.prompt_token_ids) != list(prompts[i]):
+                        raise RuntimeError(f"VLLMEngine.generate: vLLM expanded prompt {i}'s images into "
+                                           f"{len(done.prompt_token_ids)} prompt tokens, the trainer's image "
+                                           f"processor into {len(prompts[i])}: their image processors differ")
                     out[i] = [self._sample(prompts[i], c) for c in done.outputs]
                     if on_done is not None:
                         on_done(i, out[i])
@@ -255,12 +276,28 @@ class VLLMEngine:
             raise RuntimeError(f"VLLMEngine.generate: vLLM returned nothing for prompts {missing[:8]}")
         return out
 
+    def _request(self, prompt: list[int]) -> dict:
+        """vLLM's prompt for ``prompt``: its token ids, or for an :class:`ImagePrompt` its ids with each
+        image's run of placeholders cut back to one (as a chat template renders an image part) and the
+        decoded images as ``multi_modal_data``.
+        Raises ValueError for an image prompt whose images were not kept decoded."""
+        images = images_of(prompt)
+        if images is None:
+            return {"prompt_token_ids": list(prompt)}
+        if len(images.decoded_images) != images.count:
+            raise ValueError("rollout.backend=vllm: a prompt's images were not kept decoded (ImageInputs."
+                             "decoded_images), and vLLM processes images itself; use rollout.backend=megatron")
+        token = self.llm.llm_engine.model_config.hf_config.image_token_id
+        ids = [t for k, t in enumerate(prompt) if t != token or k == 0 or prompt[k - 1] != token]
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": list(images.decoded_images)}}
+
     @staticmethod
     def _sample(prompt: list[int], c) -> Sample:
-        """One of vLLM's ``CompletionOutput`` as a :class:`Sample` (the sampled tokens' logprobs)."""
+        """One of vLLM's ``CompletionOutput`` as a :class:`Sample` (the sampled tokens' logprobs; an
+        image prompt's images kept)."""
         ids = list(c.token_ids)
         lps = [step[t].logprob for t, step in zip(ids, c.logprobs)] if c.logprobs else [0.0] * len(ids)
-        return Sample(list(prompt), ids, lps, c.text, c.finish_reason == "stop")
+        return Sample(list(prompt), ids, lps, c.text, c.finish_reason == "stop", images=images_of(prompt))
 
     def reseed(self, step: int) -> None:
         """Sample from now on with a stream of its own, drawn from the engine's seed and ``step``
@@ -273,13 +310,20 @@ class VLLMEngine:
         set by the constructor unless the environment says otherwise)."""
         self._rng = step_seed(self.seed, step)
 
+    def _drop_caches(self) -> None:
+        """After a weight update: drop the prefix cache (KV computed with the old weights) and the encoder
+        cache (a vision-language model's image embeddings from the old tower, which vLLM reuses for the same
+        image across requests: measured, logprobs 2.3 off transformers' on the new weights without it)."""
+        self.llm.reset_prefix_cache()
+        self.llm.llm_engine.reset_encoder_cache()
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named full tensors into the running engine and drop cached KV (the naive
         path: every rank holds the whole model; kept as the baseline of ``bench/reshard.py``)."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named_tensors),
                                                           "is_checkpoint_format": True})
         self.llm.collective_rpc(_retie_embeddings)
-        self.llm.reset_prefix_cache()
+        self._drop_caches()
 
     def load_resharded(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> dict:
         """Load this rank's vLLM-layout tensors (:meth:`parallel.reshard.Resharder.buckets`), streamed
@@ -305,7 +349,7 @@ class VLLMEngine:
                                                               "is_checkpoint_format": False})
         else:
             self.llm.collective_rpc(_load_shards, args=(stream(),))
-        self.llm.reset_prefix_cache()
+        self._drop_caches()
         return {"load_s": time.perf_counter() - t0, "names": names}
 
     def sleep(self) -> None:

