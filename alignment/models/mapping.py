@@ -24,6 +24,8 @@ Megatron layouts (``H`` hidden, ``hd`` head dim, ``nq``/``nkv`` query/KV heads, 
   ``make_vocab_size_divisible_by * tp`` with zero rows.
 * :class:`RowParallel` (``linear_proj``, ``linear_fc2``): split along dim 1.
 * :class:`Replicated`: the same tensor on every TP rank (norms, router, score head).
+* :class:`VllmSplit`: replicated on the Megatron side (a vision tower, transformers' own module) but split
+  over vLLM's TP ranks as vLLM's tower splits it.
 
 vLLM's rules (``vllm/model_executor/layers/linear.py``, ``vocab_parallel_embedding.py``,
 ``fused_moe``), TP size ``t``, rank ``r``: ``QKVParallelLinear`` holds ``[q_r; k_r; v_r]`` with
