@@ -263,8 +263,8 @@ def test_jobs_on_a_qwen3_vl(qwen3_vlm_dir, qwen3_vlm_teacher, task, tmp_path):
     """One launch on a tiny Qwen3-VL (interleaved M-RoPE, DeepStack into decoder layers 0 and 1): SFT at PP=2
     (DeepStack's layers on the first stage) lowers the held-out loss and exports a ``Qwen3VLForConditionalGeneration``
     that transformers loads and runs on the held-out images; GRPO at TP=2 samples on Megatron's engine, and at
-    TP=1 on a vLLM engine of TP=2 over both ranks (images through ``multi_modal_data``, the tower synced and
-    checked), with fp32 ``token_mult_prob_error`` 1; RFT and online DPO sample answers to prompts with images and train on them with
+    TP=1 with LoRA (the tower's too) on a vLLM engine of TP=2 over both ranks (images through
+    ``multi_modal_data``, the merged tower synced and checked), with fp32 ``token_mult_prob_error`` 1; RFT and online DPO sample answers to prompts with images and train on them with
     their images (a micro-batch whose prompts lost their images is an error: ``multimodal_inputs``); on-policy
     distillation from another Qwen3-VL, which scores the student's answers with the same images, brings the
     forward KL to it down."""
@@ -287,7 +287,8 @@ def test_jobs_on_a_qwen3_vl(qwen3_vlm_dir, qwen3_vlm_teacher, task, tmp_path):
     vllm = Job("grpo", qwen3_vlm_dir, tmp_path / "grpo_vllm", [
         *[o for o in GRPO if o != "rollout.backend=megatron"], f"data.train_files={task / 'train.jsonl'}",
         f"data.heldout_files={task / 'heldout.jsonl'}", "trainer.steps=2", "rollout.backend=vllm",
-        "rollout.tensor_parallel_size=2", "rollout.check_weight_sync=true"])
+        "rollout.tensor_parallel_size=2", "rollout.check_weight_sync=true", "model.lora.rank=4",
+        "model.lora.vision_tower=true", "trainer.lr=1e-2"])
     rft = Job("rft", qwen3_vlm_dir, tmp_path / "rft", [*rl, "algorithm.accept_threshold=0.5"])
     odpo = Job("online_dpo", qwen3_vlm_dir, tmp_path / "online_dpo", rl)
     kd = Job("distill", qwen3_vlm_dir, tmp_path / "distill", [
@@ -303,12 +304,14 @@ def test_jobs_on_a_qwen3_vl(qwen3_vlm_dir, qwen3_vlm_teacher, task, tmp_path):
     for m in g["history"]:
         assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
         assert m["reward/numeric/scored"] == 1.0 and m["reward/std"] > 0 and m["grad_norm"] > 1e-3, m
-    # vLLM TP=2 over both ranks: the tower's split tensors pass the weight check after every sync (all 79
-    # parameters), and the samples come from each rank's own images (the ranks' prompts of one question
-    # text differ only in their images: merged by token ids alone, the error was 1.017)
+    # vLLM TP=2 over both ranks, LoRA on the language model and the tower: the merged weights (W + B A, the
+    # tower's split as vLLM splits it) pass the weight check after every sync (all 79 parameters), and the
+    # samples come from each rank's own images (the ranks' prompts of one question text differ only in their
+    # images: merged by token ids alone, the error was 1.017)
     assert len(v["history"]) == 2 and v["heldout_size"] == 8, v
     for m in v["history"]:
         assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4 and m["weight_sync/checked"] == 79, m
+    assert v["history"][-1]["kl"] > 1e-4, v  # the adapters moved the policy, and the engine followed
     assert [m["rft/kept"] > 0 and m["grad_norm"] > 0 for m in r["history"]] == [True, True], r
     assert [m["online_dpo/pairs"] > 0 and m["grad_norm"] > 0 for m in o["history"]] == [True, True], o
     for job in (r, o):
