@@ -186,9 +186,9 @@ class VLLMEngine:
         on with the others (:data:`alignment.rollout.base.OnDone`).
 
         Collective for a TP>1 engine: every rank of its group calls it; the group generates the
-        union of the ranks' prompt lists (ranks with identical lists, images included
-        (:func:`same_prompts`), e.g. one model-parallel group, count once) and each rank gets back the samples of its own prompts (``on_done``
-        called for those only).
+        union of the ranks' prompt lists (ranks with identical lists, images included:
+        :func:`same_prompts`, e.g. one model-parallel group, count once) and each rank gets back
+        the samples of its own prompts (``on_done`` called for those only).
 
         A prompt with images (:class:`alignment.rollout.image_prompts.ImagePrompt`) goes to vLLM as its
         decoded images (``multi_modal_data``) and its token ids with one placeholder per image, which
