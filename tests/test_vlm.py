@@ -255,10 +255,10 @@ def test_select_rows_takes_each_rows_images():
 
 
 def test_jobs_a_vision_language_model_cannot_run_yet_are_refused():
-    """PPO, disaggregated vLLM rollouts, multi-turn episodes, prompt trees, context parallelism and a vLLM TP
-    size the tower's heads cannot split are refused before start, naming the field; SFT and DPO at TP=2 with
-    sequence parallelism and PP=2, GRPO on Megatron's engine and on a colocated vLLM pass, GRPO's prompt
-    trees resolved off."""
+    """PPO, disaggregated vLLM rollouts, multi-turn episodes, prompt trees, context parallelism over packed
+    micro-batches and a vLLM TP size the tower's heads cannot split are refused before start, naming the field;
+    SFT at CP=2 on padded rows, SFT and DPO at TP=2 with sequence parallelism and PP=2, GRPO on Megatron's
+    engine and on a colocated vLLM pass, GRPO's prompt trees resolved off."""
     from alignment.config import job_config, resolve_for_model, shares_prompts, validate
     from alignment.schema import ConfigError
     from tests.test_config import cfg
@@ -278,8 +278,12 @@ def test_jobs_a_vision_language_model_cannot_run_yet_are_refused():
         validate(cfg(*grpo, "rollout.environment=tools", "rollout.max_turns=2"), world_size=2, hf_config=hf)
     with pytest.raises(ConfigError, match="trainer.shared_prompt_packing=true: a vision-language model's M-RoPE"):
         validate(cfg(*grpo, "trainer.shared_prompt_packing=true"), world_size=2, hf_config=hf)
-    with pytest.raises(ConfigError, match="parallel.context_parallel_size=2: a vision-language model's M-RoPE"):
-        validate(cfg("parallel.context_parallel_size=2", name="sft"), world_size=2, hf_config=hf)
+    with pytest.raises(ConfigError, match="parallel.context_parallel_size=2 with trainer.sequence_packing=true: a "
+                                          "vision-language model's M-RoPE"):
+        validate(cfg("parallel.context_parallel_size=2", "trainer.sequence_packing=true", name="sft"), world_size=2,
+                 hf_config=hf)
+    validate(cfg("parallel.context_parallel_size=2", "trainer.sequence_packing=false", name="sft"), world_size=2,
+             hf_config=hf)
     validate(cfg("parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true", name="sft"),
              world_size=2, hf_config=hf)
     validate(cfg("parallel.pipeline_model_parallel_size=2", name="dpo"), world_size=2, hf_config=hf)

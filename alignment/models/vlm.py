@@ -71,8 +71,9 @@ def multimodal_inputs(model: torch.nn.Module, mb: dict, inputs, cp_rank: int = 0
     token ids: M-RoPE ``position_ids`` ``[3, b, s_local]`` for this rank's tokens (``inputs``: the
     micro-batch's :class:`parallel.packing.ModelInputs`, whose ``index[cp_rank]`` ``[b, s_local]`` is the
     flat ``row * seq + col`` position of every local token in the padded micro-batch, -1 for alignment
-    padding), the images, and ``image_mask`` ``[b, s_local]``: the placeholders in each row's prompt,
-    which the images fill. A response's tokens count as text for both, whatever they are (a sampled
+    padding), the images, ``image_mask`` ``[b, s_local]``: the placeholders in each row's prompt, which the
+    images fill, and ``image_index`` ``[b, s_local]``: each of them's rank among the micro-batch's placeholders
+    (the feature row it takes; -1 elsewhere), so a context-parallel rank fills its own share. A response's tokens count as text for both, whatever they are (a sampled
     placeholder token shows no image: the rollout engine, as transformers' ``generate``, feeds images
     at the prompt only). ``{}`` for a text model.
     Raises ValueError for inputs without that index (shared-prompt trees), or prompt placeholders in a
@@ -101,6 +102,9 @@ def multimodal_inputs(model: torch.nn.Module, mb: dict, inputs, cp_rank: int = 0
     local = positions.reshape(3, -1)[:, flat.clamp(min=0)] * real
     out = {"position_ids": local.view(3, *index.shape).to(index.device)}
     if grid is not None:
-        mask = (ids == vlm.dims.image_token_id).reshape(-1)[flat.clamp(min=0)] & real
-        out.update(pixel_values=mb["pixel_values"], image_grid_thw=grid, image_mask=mask.view(index.shape).to(index.device))
+        placeholders = (ids == vlm.dims.image_token_id).reshape(-1)  # [rows * seq], the whole micro-batch's
+        mask = placeholders[flat.clamp(min=0)] & real
+        rank = (placeholders.cumsum(0) - 1)[flat.clamp(min=0)]  # each local token's placeholder rank
+        out.update(pixel_values=mb["pixel_values"], image_grid_thw=grid, image_mask=mask.view(index.shape).to(index.device),
+                   image_index=torch.where(mask, rank, -1).view(index.shape).to(index.device))
     return out

@@ -46,6 +46,9 @@ class VisionLanguageModel(GPTModel):
         self.spec, self.dims = spec, dims
         if spec.rotary is not None:
             self.rotary_pos_emb = spec.rotary(self.config.kv_channels, kwargs.get("rotary_base", 10000))
+        # the M-RoPE positions each rank gets are its own tokens' (alignment.models.vlm.multimodal_inputs), so the
+        # rotary must not take this rank's context-parallel share of them again
+        self.rotary_pos_emb.cp_group = None
         self._deepstack = None  # this forward's DeepStack tensors, [s, b, h] each
         if self.pre_process:
             self.vision_model = spec.tower(hf_config).to(self.config.params_dtype)
@@ -71,14 +74,16 @@ class VisionLanguageModel(GPTModel):
         return torch.cat([out.pooler_output, *(getattr(out, "deepstack_features", None) or [])], dim=-1)
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, pixel_values=None,
-                image_grid_thw=None, image_mask=None, image_features=None, **kwargs):
+                image_grid_thw=None, image_mask=None, image_features=None, image_index=None, **kwargs):
         """``GPTModel.forward`` with ``position_ids`` ``[3, b, s]`` (M-RoPE) and, on the first stage,
         the images: ``pixel_values`` ``[patches, C*T*p*p]`` and ``image_grid_thw`` ``[images, 3]`` of the
         images whose placeholders ``input_ids`` ``[b, s]`` hold, in order, or their tower output
         ``image_features`` (:meth:`image_features`) already computed (a rollout engine's decode step);
         None: no images. ``image_mask`` ``[b, s]`` bool: the positions the features fill, in order
         (default: every placeholder token; a sampled response's placeholder tokens are text, as in
-        transformers' ``generate``).
+        transformers' ``generate``). ``image_index`` ``[b, s]`` long: which feature row each position of
+        ``image_mask`` takes (its placeholder's rank among the micro-batch's, in ``[b, s]`` order of the whole
+        micro-batch: a context-parallel rank holds only some placeholders); None: the features in order.
         Raises ValueError when the positions and the images' token count differ."""
         self._deepstack = None
         if self.pre_process and decoder_input is None:
@@ -87,6 +92,12 @@ class VisionLanguageModel(GPTModel):
                 image_features = self.image_features(pixel_values, image_grid_thw)
             if image_features is not None:
                 mask = image_mask if image_mask is not None else input_ids == self.dims.image_token_id  # [b, s]
+                if image_index is not None:  # this rank's placeholders' rows of the micro-batch's features
+                    rows = image_index[mask]
+                    if rows.numel() and int(rows.max()) >= image_features.shape[0]:
+                        raise ValueError(f"image placeholder {int(rows.max())} of the micro-batch, but only "
+                                         f"{image_features.shape[0]} image features from image_grid_thw")
+                    image_features = image_features[rows]
                 if int(mask.sum()) != image_features.shape[0]:
                     raise ValueError(f"{int(mask.sum())} image placeholder tokens in the micro-batch, "
                                      f"{image_features.shape[0]} image features from image_grid_thw")

@@ -194,7 +194,8 @@ def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, rou
                            routing=routes)
     loss = torch.tensor(sum(o["policy_loss_sum"].item() + CFG.kl_coef * o["kl_sum"].item() + o["extra_sum"].item()
                             for o in out)
-                        if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 else 0.0,
+                        if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+                        and ps.get_context_parallel_rank() == 0 else 0.0,  # CP ranks each hold the whole loss
                         dtype=torch.float64)
     dist.all_reduce(loss)
     if lora is not None:
