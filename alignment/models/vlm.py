@@ -73,7 +73,8 @@ def multimodal_inputs(model: torch.nn.Module, mb: dict, inputs, cp_rank: int = 0
     flat ``row * seq + col`` position of every local token in the padded micro-batch, -1 for alignment
     padding), the images, ``image_mask`` ``[b, s_local]``: the placeholders in each row's prompt, which the
     images fill, and ``image_index`` ``[b, s_local]``: each of them's rank among the micro-batch's placeholders
-    (the feature row it takes; -1 elsewhere), so a context-parallel rank fills its own share. A response's tokens count as text for both, whatever they are (a sampled
+    (the feature row it takes; -1 elsewhere), so a context-parallel rank fills its own share. A response's
+    tokens count as text for both, whatever they are (a sampled
     placeholder token shows no image: the rollout engine, as transformers' ``generate``, feeds images
     at the prompt only). ``{}`` for a text model.
     Raises ValueError for inputs without that index (shared-prompt trees), or prompt placeholders in a
