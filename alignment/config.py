@@ -592,9 +592,8 @@ VISION_LANGUAGE_ALGORITHMS = ("sft", "dpo", "grpo", "rft", "online_dpo", "distil
 
 def _validate_vision_language(cfg, layout, dims) -> None:
     """A vision-language model (Qwen2.5-VL, Qwen3-VL) trains with SFT, DPO (its variants), the GRPO family, RFT,
-    online DPO and on-policy distillation (a vision-language teacher) so far, on any layout but context
-    parallelism with packed micro-batches, with DeepStack's layers on the first pipeline stage; its rollouts run on Megatron's engine
-    or a colocated vLLM, one turn each, and prompts are not shared in packed micro-batches (M-RoPE positions
+    online DPO and on-policy distillation (a vision-language teacher) so far, on any layout with DeepStack's layers
+    on the first pipeline stage; its rollouts run on Megatron's engine or a colocated vLLM, one turn each, and prompts are not shared in packed micro-batches (M-RoPE positions
     are per row)."""
     a, r = cfg.algorithm, cfg.rollout
     chunks = layout.pipeline_model_parallel_size * (layout.virtual_pipeline_model_parallel_size or 1)
@@ -607,11 +606,6 @@ def _validate_vision_language(cfg, layout, dims) -> None:
         raise ConfigError(f"model.path={cfg.model.path} is a vision-language model: algorithm.name={a.name} is not "
                           f"supported for it yet; use one of {', '.join(VISION_LANGUAGE_ALGORITHMS)} "
                           "(--config-name sft / dpo / grpo / rft / online_dpo / distill)")
-    if layout.context_parallel_size > 1 and cfg.trainer.sequence_packing:
-        raise ConfigError(f"parallel.context_parallel_size={layout.context_parallel_size} with trainer.sequence_packing="
-                          "true: a vision-language model's M-RoPE positions are not split over context-parallel ranks "
-                          "in packed (thd) micro-batches yet; set trainer.sequence_packing=false (context parallelism "
-                          "on padded rows works) or parallel.context_parallel_size=1")
     if a.name not in RL_ALGORITHMS:
         return
     if r.backend == "vllm" and r.placement != "colocated":

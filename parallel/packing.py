@@ -70,6 +70,22 @@ class ModelInputs:
         """Global (all CP ranks) tokens per row: what Megatron's schedule calls ``seq_length``."""
         return self.index.shape[0] * self.index.shape[2]
 
+    def stream_index(self) -> torch.Tensor:
+        """``[1, T]``: the flat ``row * seq + col`` position of every token of the whole packed stream
+        (all CP ranks' tokens in stream order, ``T = cu_seqlens_q_padded[-1]``; ``-1`` for alignment
+        padding), the order in which Megatron's ``thd`` rotary takes a table of one angle per token
+        (``_apply_rotary_pos_emb_thd`` cuts each CP rank's zig-zag share out of it itself).
+        Raises ValueError for unpacked inputs (their rows are ``index`` itself)."""
+        if self.packed_seq_params is None:
+            raise ValueError("stream_index: the inputs are not packed (thd); use index")
+        if self.index.shape[0] == 1:
+            return self.index[0]
+        cu = self.packed_seq_params.cu_seqlens_q_padded.cpu()
+        cols = zigzag_index((cu[1:] - cu[:-1]).tolist(), self.index.shape[0])  # [cp, T / cp]
+        stream = torch.full((int(cu[-1]),), -1, dtype=self.index.dtype, device=self.index.device)
+        stream[cols.reshape(-1).to(stream.device)] = self.index[:, 0, :].reshape(-1)
+        return stream.unsqueeze(0)
+
     def restore(self, local: torch.Tensor) -> torch.Tensor:
         """Per-token output ``[b, s_local, ...]`` of this rank -> ``[rows, seq, ...]`` of the
         padded micro-batch (all CP ranks' tokens; alignment padding dropped, unfilled slots 0).

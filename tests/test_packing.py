@@ -46,6 +46,9 @@ def test_packed_inputs_without_context_parallelism():
     assert p.qkv_format == "thd" and p.cu_seqlens_q.tolist() == [0, 3, 8] and p.max_seqlen_q == 5
     restored = inp.restore(inp.input_ids.float())
     assert restored.tolist() == (ids * (torch.arange(6) < lengths.unsqueeze(1))).float().tolist()
+    assert inp.stream_index().tolist() == [[0, 1, 2, 6, 7, 8, 9, 10]]
+    with pytest.raises(ValueError, match="not packed"):
+        model_inputs(ids, lengths, packed=False, pad_id=0).stream_index()
 
 
 def test_packed_inputs_padded_for_context_parallelism_and_pipeline():
@@ -64,6 +67,9 @@ def test_packed_inputs_padded_for_context_parallelism_and_pipeline():
     seen = torch.cat([r.index[k].flatten() for k, r in enumerate(ranks)])
     real = seen[seen >= 0].sort().values.tolist()
     assert real == [0, 1, 2, 6, 7, 8, 9, 10]
+    # the whole stream in its own order, the same on every rank (what a per-token thd rotary table is indexed by)
+    for r in ranks:
+        assert r.stream_index().tolist() == [[0, 1, 2, -1, 6, 7, 8, 9, 10, -1, -1, -1, -1, -1, -1, -1]]
 
 
 def test_unpacked_inputs_trim_to_the_longest_row_and_split():

@@ -278,12 +278,9 @@ def test_jobs_a_vision_language_model_cannot_run_yet_are_refused():
         validate(cfg(*grpo, "rollout.environment=tools", "rollout.max_turns=2"), world_size=2, hf_config=hf)
     with pytest.raises(ConfigError, match="trainer.shared_prompt_packing=true: a vision-language model's M-RoPE"):
         validate(cfg(*grpo, "trainer.shared_prompt_packing=true"), world_size=2, hf_config=hf)
-    with pytest.raises(ConfigError, match="parallel.context_parallel_size=2 with trainer.sequence_packing=true: a "
-                                          "vision-language model's M-RoPE"):
-        validate(cfg("parallel.context_parallel_size=2", "trainer.sequence_packing=true", name="sft"), world_size=2,
-                 hf_config=hf)
-    validate(cfg("parallel.context_parallel_size=2", "trainer.sequence_packing=false", name="sft"), world_size=2,
-             hf_config=hf)
+    for packing in ("true", "false"):  # context parallelism, packed or on padded rows
+        validate(cfg("parallel.context_parallel_size=2", f"trainer.sequence_packing={packing}", name="sft"),
+                 world_size=2, hf_config=hf)
     validate(cfg("parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true", name="sft"),
              world_size=2, hf_config=hf)
     validate(cfg("parallel.pipeline_model_parallel_size=2", name="dpo"), world_size=2, hf_config=hf)

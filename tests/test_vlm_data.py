@@ -198,7 +198,7 @@ def test_shape_count_answers_are_what_the_images_show(task):
 
 @pytest.mark.slow
 def test_sft_and_dpo_jobs_on_a_vision_language_model(vlm_dir, task, tmp_path):
-    """One launch: SFT (TP=2 with sequence parallelism, packed), DPO (DP=2) and SFT at CP=2 (padded rows) on the
+    """One launch: SFT (TP=2 with sequence parallelism, packed), DPO (DP=2) and SFT at CP=2 (packed) on the
     tiny VLM over the shape-count images; all lower their held-out loss, and the SFT export loads in
     transformers with its image processor and answers the held-out questions."""
     from alignment.evaluation.image_answers import image_task_accuracy
@@ -219,10 +219,11 @@ def test_sft_and_dpo_jobs_on_a_vision_language_model(vlm_dir, task, tmp_path):
     dpo = Job("dpo", vlm_dir, tmp_path / "dpo", [*common, f"data.dataset={pairs}", "data.heldout_files=null",
                                                  "data.heldout_fraction=0.25", "algorithm.beta=0.5", "trainer.epochs=4"])
     sft_cp = Job("sft", vlm_dir, tmp_path / "sft_cp", [*common, "parallel.context_parallel_size=2",
-                                                       "trainer.sequence_packing=false", "trainer.export_hf=false"])
+                                                       "trainer.sequence_packing=true", "trainer.export_hf=false"])
     s, d, c = run_jobs(sft, dpo, sft_cp)
     assert s["heldout_after"]["loss"] < s["heldout_before"]["loss"] - 0.5, s
-    # context parallelism on padded rows: each CP rank fills its own placeholders with their image features
+    # context parallelism over packed micro-batches: each CP rank fills its own placeholders with their image
+    # features, and Megatron's thd rotary takes each rank's share of the whole stream's M-RoPE angles
     assert c["heldout_after"]["loss"] < c["heldout_before"]["loss"] - 0.5, c
     assert d["heldout_after"]["loss"] < d["heldout_before"]["loss"], d
     exported = tmp_path / "sft" / "hf"

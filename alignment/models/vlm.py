@@ -71,7 +71,9 @@ def multimodal_inputs(model: torch.nn.Module, mb: dict, inputs, cp_rank: int = 0
     token ids: M-RoPE ``position_ids`` ``[3, b, s_local]`` for this rank's tokens (``inputs``: the
     micro-batch's :class:`parallel.packing.ModelInputs`, whose ``index[cp_rank]`` ``[b, s_local]`` is the
     flat ``row * seq + col`` position of every local token in the padded micro-batch, -1 for alignment
-    padding), the images, ``image_mask`` ``[b, s_local]``: the placeholders in each row's prompt, which the
+    padding; packed inputs: ``[3, 1, T]`` for the whole packed stream of every CP rank, in the order of
+    :meth:`parallel.packing.ModelInputs.stream_index`, of which Megatron's ``thd`` rotary takes each rank's
+    share), the images, ``image_mask`` ``[b, s_local]``: the placeholders in each row's prompt, which the
     images fill, and ``image_index`` ``[b, s_local]``: each of them's rank among the micro-batch's placeholders
     (the feature row it takes; -1 elsewhere), so a context-parallel rank fills its own share. A response's
     tokens count as text for both, whatever they are (a sampled
@@ -98,10 +100,14 @@ def multimodal_inputs(model: torch.nn.Module, mb: dict, inputs, cp_rank: int = 0
                          "micro-batch that carries no images (pixel_values / image_grid_thw): the rows lost their images")
     positions = vlm.spec.positions(ids, mb.get("seq_lengths"), None if grid is None else grid.cpu(),
                                    vlm.dims)  # [3, rows, seq]
+    # packed (thd): the whole stream's positions, whose zig-zag share Megatron's thd rotary takes per CP rank itself;
+    # padded rows: this rank's own
+    where = (inputs.stream_index() if inputs.packed_seq_params is not None else index).cpu()
+    at = where.reshape(-1)
+    taken = positions.reshape(3, -1)[:, at.clamp(min=0)] * (at >= 0)
+    out = {"position_ids": taken.view(3, *where.shape).to(index.device)}
     flat = index.cpu().reshape(-1)
     real = flat >= 0
-    local = positions.reshape(3, -1)[:, flat.clamp(min=0)] * real
-    out = {"position_ids": local.view(3, *index.shape).to(index.device)}
     if grid is not None:
         placeholders = (ids == vlm.dims.image_token_id).reshape(-1)  # [rows * seq], the whole micro-batch's
         mask = placeholders[flat.clamp(min=0)] & real

@@ -46,8 +46,9 @@ class VisionLanguageModel(GPTModel):
         self.spec, self.dims = spec, dims
         if spec.rotary is not None:
             self.rotary_pos_emb = spec.rotary(self.config.kv_channels, kwargs.get("rotary_base", 10000))
-        # the M-RoPE positions each rank gets are its own tokens' (alignment.models.vlm.multimodal_inputs), so the
-        # rotary must not take this rank's context-parallel share of them again
+        # the M-RoPE positions each rank gets are its own tokens' (padded rows) or the whole packed stream's, of which
+        # Megatron's thd rotary takes the rank's share itself (alignment.models.vlm.multimodal_inputs): the rotary must
+        # not take a context-parallel share of them
         self.rotary_pos_emb.cp_group = None
         self._deepstack = None  # this forward's DeepStack tensors, [s, b, h] each
         if self.pre_process:

@@ -36,13 +36,14 @@ from tests.dist.tiny_models import IMAGE_TOKEN, checkpoint_state, tiny_qwen2_5_v
 MODELS = {"qwen2_5_vl": tiny_qwen2_5_vl, "qwen3_vl": tiny_qwen3_vl}  # family: tiny random model(seed)
 
 
-def L(tp=1, pp=1, packing=False, cp=1):  # noqa: N802 - a layout
+def L(tp=1, pp=1, packing=False, cp=1, comm="p2p"):  # noqa: N802 - a layout
     return dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=tp > 1,
-                context_parallel_size=cp), packing
+                context_parallel_size=cp, cp_comm_type=comm), packing
 
 
 CASES = {"tp1": L(), "tp2_sp": L(tp=2), "pp2": L(pp=2), "tp1_packed": L(packing=True),
-         "tp2_sp_packed": L(tp=2, packing=True), "cp2": L(cp=2)}
+         "tp2_sp_packed": L(tp=2, packing=True), "cp2": L(cp=2), "cp2_packed": L(cp=2, packing=True),
+         "ulysses2_packed": L(cp=2, packing=True, comm="a2a")}
 GRIDS = [(1, 8, 8), (1, 8, 12), (1, 4, 4)]  # patch grids: 16, 24 and 4 merged tokens
 
 
@@ -123,7 +124,8 @@ def megatron_case(hf, mbs, world, sizes, packing):
 
 
 GRAD_CASES = {"grad/dp2": (L()[0], 1, False), "grad/tp2_sp": (L(tp=2)[0], 2, False), "grad/pp2": (L(pp=2)[0], 2, False),
-              "grad/dp2_packed": (L()[0], 2, True), "grad/cp2": (L(cp=2)[0], 2, False)}  # (sizes, rows, packing)
+              "grad/dp2_packed": (L()[0], 2, True), "grad/cp2": (L(cp=2)[0], 2, False),
+              "grad/cp2_packed": (L(cp=2)[0], 2, True)}  # (sizes, rows, packing)
 
 
 def grpo_batch(rows, images) -> dict:

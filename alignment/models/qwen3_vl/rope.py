@@ -18,8 +18,8 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import Multimod
 
 class InterleavedMultimodalRotaryEmbedding(MultimodalRotaryEmbedding):
     """Megatron's ``MultimodalRotaryEmbedding`` with Qwen3-VL's interleaved channel assignment. It never
-    takes a context-parallel share: each CP rank's positions are already its own tokens'
-    (:func:`alignment.models.vlm.multimodal_inputs`)."""
+    takes a context-parallel share: each CP rank's positions are already its own tokens' or, packed, the whole
+    stream's (:func:`alignment.models.vlm.multimodal_inputs`)."""
 
     def forward(self, position_ids: torch.Tensor, mrope_section: list[int], cp_group=None) -> torch.Tensor:
         """Rotary angles ``[s, b, 1, head_dim]`` (radians; the two halves equal, Megatron's
