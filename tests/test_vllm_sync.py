@@ -38,7 +38,7 @@ def test_update_weights_reaches_the_engine(tmp_path):
     # == transformers on the new weights (vLLM's encoder cache dropped: it kept the old tower's embeddings
     # of the same image, 2.3 off), before it 2.2-2.3 off
     for family, c in r["images"].items():
-        tower, every = {"qwen2_5_vl": (26, 56), "qwen3_vl": (45, 79)}[family]
+        tower, every = {"qwen2_5_vl": (26, 56), "qwen3_vl": (45, 79), "qwen3_vl_moe": (45, 83)}[family]
         assert c["prompt_tokens"] == 39 and c["images_kept"] == [True, True, False, False], (family, c)
         assert c["caught"] and c["checked"] == every and c["tower_tensors"] == tower, (family, c)
         assert c["start"] <= 1e-4 and c["after"] <= 1e-4 and c["before"] > 1e-2, (family, c)

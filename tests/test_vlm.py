@@ -21,8 +21,21 @@ from tests.dist.tiny_models import (
     tiny_qwen3_config,
     tiny_qwen3_vl,
     tiny_qwen3_vl_config,
+    tiny_qwen3_vl_moe,
 )
-from tests.dist.vlm_worker import CASES, ENGINE_CASES, GRAD_CASES, LORA_CASES, RESHARD_CASES, micro_batch, rows_and_images
+from tests.dist.vlm_worker import (
+    CASES,
+    ENGINE_CASES,
+    GRAD_CASES,
+    LORA_CASES,
+    MOE_CASES,
+    MOE_ENGINE_CASES,
+    MOE_GRAD_CASES,
+    MOE_RESHARD_CASES,
+    RESHARD_CASES,
+    micro_batch,
+    rows_and_images,
+)
 
 
 @pytest.fixture(scope="module")
@@ -108,31 +121,34 @@ def test_dims_refuse_what_the_model_cannot_run():
 @pytest.mark.slow
 def test_logits_equal_transformers_at_every_layout(torchrun_json):
     out = torchrun_json("vlm_worker.py", nproc=2)
-    assert sorted(out) == ["qwen2_5_vl", "qwen3_vl"]
+    assert sorted(out) == ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
     for family, r in out.items():
+        moe = family == "qwen3_vl_moe"  # also at EP=2 (its experts over two expert-parallel ranks)
         ref = r["reference"]
         assert ref["logit_std"] > 0.5 and ref["image_effect"] > 0.5, family  # the images move the logits far
         # Qwen3-VL's DeepStack features move them too (Qwen2.5-VL has none)
-        assert (ref["deepstack_effect"] > 0.5) if family == "qwen3_vl" else ref["deepstack_effect"] == 0.0, ref
-        for name in CASES:
+        assert (ref["deepstack_effect"] > 0.5) if family != "qwen2_5_vl" else ref["deepstack_effect"] == 0.0, ref
+        for name in {**CASES, **(MOE_CASES if moe else {})}:
             c = r[name]
             assert c["max_abs_diff"] <= 1e-4, (family, name, c)
             assert c["export_max_abs_diff"] == 0.0 and c["export_missing"] == [], (family, name, c)
         ref = r["grad_reference"]
         assert ref["max_grad"] > 1e-2 and ref["max_vision_grad"] > 1e-3, family  # the loss reaches the vision tower
-        for name in GRAD_CASES:
+        for name in {**GRAD_CASES, **(MOE_GRAD_CASES if moe else {})}:
             c = r[name]
             assert abs(c["loss"] - ref["loss"]) <= 1e-5 * max(1.0, abs(ref["loss"])), (family, name, c, ref)
             assert c["missing"] == [] and c["max_grad_diff"] <= 1e-5 * ref["max_grad"] + 1e-7, (family, name, c, ref)
-        for name in ENGINE_CASES:  # rollouts with images: greedy tokens and sampled logprobs == transformers
+        for name in {**ENGINE_CASES, **(MOE_ENGINE_CASES if moe else {})}:  # rollouts with images: greedy
+            # tokens and sampled logprobs == transformers
             c = r[name]
             assert c["greedy_equal"] == [True] * 4 and c["tokens"] == 48, (family, name, c)
             assert c["images_kept"] == [False, False, True, True, True, True, False, False], (family, name, c)
             assert c["max_logprob_diff"] <= 1e-4, (family, name, c)
         # weight sync: Megatron TP=2+SP / PP=2 -> vLLM TP 1 / 2, the vision tower's tensors (split by vLLM over
         # its TP ranks: fused QKV, merged gate / up, row-parallel projections) == vLLM's own loaders'
-        tower = {"qwen2_5_vl": 26, "qwen3_vl": 57}[family]  # Qwen3-VL: biases, position table, 2 DeepStack mergers
-        for name in RESHARD_CASES:
+        tower = {"qwen2_5_vl": 26, "qwen3_vl": 57, "qwen3_vl_moe": 57}[family]  # Qwen3-VL: biases, position table,
+        # 2 DeepStack mergers
+        for name in {**RESHARD_CASES, **(MOE_RESHARD_CASES if moe else {})}:
             for vtp in (1, 2):
                 c = r[f"{name}->vllm_tp{vtp}"]
                 assert c["wrong"] == [] and c["tensors"] == c["expected"] and c["tower_tensors"] == tower, (family, c)
@@ -166,6 +182,54 @@ def test_qwen3_vl_table_maps_every_tensor_once_and_positions_equal_transformers(
     assert tied.hf_names("output_layer.weight") == ["model.language_model.embed_tokens.weight"]
     ours, ref, real = positions_and_transformers(hf)
     assert torch.equal(ours[real], ref[real])
+
+
+def test_qwen3_vl_moe_reads_and_writes_its_fused_experts():
+    """Qwen3-VL-MoE's checkpoints fuse each layer's experts (``experts.gate_up_proj`` ``[E, H, 2F]``,
+    ``experts.down_proj`` ``[E, F, H]``); the table names them per expert, as Qwen3-MoE's. Loading reads them from
+    either layout about (the released one and transformers 5's in-memory one, which its ``save_pretrained`` writes);
+    the export writes the released one (vLLM's), which transformers loads back to the same model; every other
+    tensor round-trips exactly."""
+    import tempfile
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForImageTextToText
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from alignment.models.families import get_bridge, model_dims, supported_architectures
+    from alignment.models.fused_experts import FusedExperts
+
+    hf = tiny_qwen3_vl_moe(seed=0)
+    bridge, d = get_bridge(hf.config), model_dims(hf.config)
+    assert (d.num_experts, d.moe_ffn_hidden_size, d.moe_router_topk, d.moe_norm_topk_prob) == (4, 48, 2, True)
+    assert d.moe_layer_pattern == (1, 1, 1, 0) and d.deepstack_layers == 2
+    saved = dict(revert_weight_conversion(hf, dict(hf.state_dict())))  # transformers 5.19: in-memory layout
+    stem = "model.language_model.layers.1.mlp.experts."
+    assert saved[stem + "gate_up_proj"].shape == (4, 96, 64)
+    released = bridge.released_checkpoint(saved)
+    assert released[stem + "gate_up_proj"].shape == (4, 64, 96) and released[stem + "down_proj"].shape == (4, 48, 64)
+    gate_up, down = hf.model.language_model.layers[1].mlp.experts.gate_up_proj, hf.model.language_model.layers[1].mlp.experts.down_proj
+    for form in (saved, released):
+        view = bridge.checkpoint_view(form)
+        assert torch.equal(view[stem + "2.gate_proj.weight"], gate_up[2, :48]) and torch.equal(
+            view[stem + "2.up_proj.weight"], gate_up[2, 48:]) and torch.equal(view[stem + "3.down_proj.weight"], down[3])
+    per_expert = {}
+    view = bridge.checkpoint_view(saved)
+    for mg in bridge.megatron_names():
+        per_expert.update(bridge.to_hf(mg, [bridge.to_megatron_shard(mg, view, j, 2) for j in range(2)]))
+    assert stem + "3.up_proj.weight" in per_expert and stem + "gate_up_proj" not in per_expert
+    written = bridge.to_checkpoint(per_expert)
+    assert sorted(written) == sorted(released) and all(torch.equal(written[k], released[k]) for k in released)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.config.save_pretrained(tmp)
+        save_file({k: v.contiguous() for k, v in written.items()}, f"{tmp}/model.safetensors", metadata={"format": "pt"})
+        back = AutoModelForImageTextToText.from_pretrained(tmp, dtype=torch.float32).state_dict()
+    assert all(torch.equal(back[k], v) for k, v in hf.state_dict().items())
+    with pytest.raises(ValueError, match=r"experts \[1\] missing"):
+        bridge.to_checkpoint({k: v for k, v in per_expert.items() if ".experts.1." not in k})
+    with pytest.raises(ValueError, match="shape \(4, 96, 32\), expected"):
+        FusedExperts().view({stem + "gate_up_proj": torch.zeros(4, 96, 32)}, 64)[stem + "0.gate_proj.weight"]
+    assert "Qwen3VLMoeForConditionalGeneration" in supported_architectures()
 
 
 def test_qwen3_vl_interleaved_rope_equals_transformers():

@@ -27,6 +27,11 @@ def qwen3_vlm_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def qwen3_moe_vlm_dir(tmp_path_factory):
+    return save_tiny_vlm_dir(tmp_path_factory.mktemp("vlm3moe") / "vlm", family="qwen3_vl_moe")
+
+
+@pytest.fixture(scope="module")
 def qwen3_vlm_teacher(tmp_path_factory):
     return save_tiny_vlm_dir(tmp_path_factory.mktemp("vlm3_teacher") / "vlm", seed=1, family="qwen3_vl")
 
@@ -40,13 +45,21 @@ def task(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def test_vlm_from_text_keeps_the_text_models_logits(family, request):
-    """A Qwen2.5-VL made from a Llama and a Qwen3-VL made from a Qwen3 give the text model's logits on text
-    (their M-RoPE is plain RoPE there) and render image parts as Qwen2-VL's template does."""
+    """A Qwen2.5-VL made from a Llama, a Qwen3-VL made from a Qwen3 and a Qwen3-VL-MoE made from a Qwen3-MoE
+    (its experts written fused, in the released layout) give the text model's logits on text (their M-RoPE is
+    plain RoPE there) and render image parts as Qwen2-VL's template does."""
+    from safetensors import safe_open
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-    vlm_dir = request.getfixturevalue({"qwen2_5_vl": "vlm_dir", "qwen3_vl": "qwen3_vlm_dir"}[family])
+    vlm_dir = request.getfixturevalue({"qwen2_5_vl": "vlm_dir", "qwen3_vl": "qwen3_vlm_dir",
+                                       "qwen3_vl_moe": "qwen3_moe_vlm_dir"}[family])
+    if family == "qwen3_vl_moe":  # [experts, H, 2F] and [experts, F, H] (H 64, F 48), as vLLM reads them
+        with safe_open(str(vlm_dir / "model.safetensors"), "pt") as f:
+            stem = "model.language_model.layers.0.mlp.experts."
+            assert f.get_slice(stem + "gate_up_proj").get_shape() == [4, 64, 96]
+            assert f.get_slice(stem + "down_proj").get_shape() == [4, 48, 64]
     assert AutoModelForImageTextToText.from_pretrained(vlm_dir).config.model_type == family
     text = AutoModelForCausalLM.from_pretrained(f"{vlm_dir}_text", dtype=torch.float32).eval()
     vlm = AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32).eval()
@@ -264,7 +277,7 @@ def test_grpo_jobs_on_a_vision_language_model(vlm_dir, task, tmp_path):
 
 
 @pytest.mark.slow
-def test_jobs_on_a_qwen3_vl(qwen3_vlm_dir, qwen3_vlm_teacher, task, tmp_path):
+def test_jobs_on_a_qwen3_vl(qwen3_vlm_dir, qwen3_vlm_teacher, qwen3_moe_vlm_dir, task, tmp_path):
     """One launch on a tiny Qwen3-VL (interleaved M-RoPE, DeepStack into decoder layers 0 and 1): SFT at PP=2
     (DeepStack's layers on the first stage) lowers the held-out loss and exports a ``Qwen3VLForConditionalGeneration``
     that transformers loads and runs on the held-out images; GRPO at TP=2 samples on Megatron's engine, and at
@@ -272,7 +285,8 @@ def test_jobs_on_a_qwen3_vl(qwen3_vlm_dir, qwen3_vlm_teacher, task, tmp_path):
     ``multi_modal_data``, the merged tower synced and checked), with fp32 ``token_mult_prob_error`` 1; RFT and online DPO sample answers to prompts with images and train on them with
     their images (a micro-batch whose prompts lost their images is an error: ``multimodal_inputs``); on-policy
     distillation from another Qwen3-VL, which scores the student's answers with the same images, brings the
-    forward KL to it down."""
+    forward KL to it down; and GRPO on a tiny Qwen3-VL-MoE at EP=2 with its rollouts on vLLM keeps
+    ``token_mult_prob_error`` at 1 with every engine parameter (the fused experts too) checked."""
     from alignment.evaluation.image_answers import image_task_accuracy
 
     common = ["data.max_length=64", "data.max_prompt_length=48", "trainer.progress_bar=false", "trainer.lr=1e-3",
@@ -299,7 +313,12 @@ def test_jobs_on_a_qwen3_vl(qwen3_vlm_dir, qwen3_vlm_teacher, task, tmp_path):
     kd = Job("distill", qwen3_vlm_dir, tmp_path / "distill", [
         *rl, f"model.teacher_path={qwen3_vlm_teacher}", "trainer.steps=3", "trainer.eval_before=false",
         "algorithm.distill_loss=forward_kl", "algorithm.task_reward_weight=0", "trainer.lr=1e-2"])
-    s, g, v, r, o, k = run_jobs(sft, grpo, vllm, rft, odpo, kd)
+    moe = Job("grpo", qwen3_moe_vlm_dir, tmp_path / "grpo_moe", [
+        *[o for o in GRPO if o not in ("rollout.backend=megatron", "trainer.export_hf=false")],
+        f"data.train_files={task / 'train.jsonl'}", f"data.heldout_files={task / 'heldout.jsonl'}", "trainer.steps=2",
+        "rollout.backend=vllm", "parallel.expert_model_parallel_size=2", "rollout.check_weight_sync=true",
+        "model.lora.rank=4", "trainer.lr=1e-2"])
+    s, g, v, r, o, k, e = run_jobs(sft, grpo, vllm, rft, odpo, kd, moe)
     assert s["heldout_after"]["loss"] < s["heldout_before"]["loss"] - 0.5, s
     exported = tmp_path / "sft" / "hf"
     assert json.loads((exported / "config.json").read_text())["architectures"] == ["Qwen3VLForConditionalGeneration"]
@@ -324,6 +343,22 @@ def test_jobs_on_a_qwen3_vl(qwen3_vlm_dir, qwen3_vlm_teacher, task, tmp_path):
     div = [m["distill/divergence"] for m in k["history"]]  # KL(teacher || student) over the whole vocabulary
     assert len(div) == 3 and div[0] > 0.1 and div[-1] < 0.9 * div[0], div  # measured 0.70, 0.68, 0.42
     assert all(1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4 for m in k["history"]), k
+    # Qwen3-VL-MoE at EP=2 (two experts per rank) with LoRA on every linear, the experts' too, rollouts with images
+    # on vLLM: the merged experts resharded from both ranks into vLLM's fused MoE pass the weight check (all 83
+    # parameters), the trainer's logprobs == vLLM's; the export writes the experts fused (the adapters merged in),
+    # and no PEFT directory (PEFT would drop the experts' adapters)
+    assert len(e["history"]) == 2, e
+    for m in e["history"]:
+        assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4 and m["weight_sync/checked"] == 83, m
+        assert m["moe/load_imbalance"] >= 1.0 and m["grad_norm"] > 1e-3, m
+    assert e["history"][-1]["kl"] > 1e-4, e
+    from safetensors.torch import load_file
+
+    base, trained = load_file(qwen3_moe_vlm_dir / "model.safetensors"), load_file(tmp_path / "grpo_moe" / "hf" / "model.safetensors")
+    fused = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+    assert trained[fused].shape == base[fused].shape == (4, 64, 96) and sorted(trained) == sorted(base)
+    assert (trained[fused] - base[fused]).abs().max() > 1e-4
+    assert not (tmp_path / "grpo_moe" / "hf_adapter").exists()
 
 
 def test_processor_files_travel_with_an_export(vlm_dir, tmp_path):

@@ -7,7 +7,7 @@ held-out accuracy of a model on the task (README "Vision-language models").
 
 ``data``: :func:`alignment.data.image_tasks.write_task` (``--train``, ``--heldout``, ``--seed``, ``--size``
 pixels) and each split's DPO pairs (:func:`alignment.data.image_tasks.write_pairs`). ``model``: :func:`alignment.models.vlm_from_text.vision_language_from_text` of ``--text``
-(an HF directory of the Llama family, or ``smollm2``: a Qwen2.5-VL; a Qwen3: a Qwen3-VL). ``accuracy``: greedy answers through transformers
+(an HF directory of the Llama family, or ``smollm2``: a Qwen2.5-VL; a Qwen3: a Qwen3-VL; a Qwen3-MoE: a Qwen3-VL-MoE). ``accuracy``: greedy answers through transformers
 (:func:`alignment.evaluation.image_answers.image_task_accuracy`); prints ``{"accuracy": ..., "questions": ...}``.
 """
 

@@ -133,6 +133,26 @@ class Bridge:
         """True for an expert parameter (split over the expert-tensor-parallel group)."""
         return self._row(mg_name)[0].expert
 
+    # ---- HF checkpoint form ------------------------------------------------------
+    def checkpoint_view(self, hf: MappingType[str, Tensor]) -> MappingType[str, Tensor]:
+        """An HF checkpoint state as the table names it: per-expert tensors read out of a family's fused
+        expert tensors (:attr:`Family.fused_experts`); ``hf`` itself for every other family."""
+        fused = self.family.fused_experts
+        return hf if fused is None else fused.view(hf, self.dims.hidden_size)
+
+    def released_checkpoint(self, checkpoint: dict[str, Tensor]) -> dict[str, Tensor]:
+        """An HF checkpoint state in the form megalign's export writes (fused experts in their released layout,
+        which vLLM reads, where transformers 5 saves its in-memory one); ``checkpoint`` itself for a family
+        without fused experts."""
+        fused = self.family.fused_experts
+        return checkpoint if fused is None else fused.released(checkpoint, self.dims.hidden_size)
+
+    def to_checkpoint(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """A full HF state as the table names it (:meth:`to_hf` of every parameter) in the family's checkpoint
+        form (experts fused where the family's checkpoints fuse them); ``state`` itself otherwise."""
+        fused = self.family.fused_experts
+        return state if fused is None else fused.fuse(state)
+
     # ---- HF <-> Megatron -----------------------------------------------------------
     def to_megatron_shard(self, mg_name: str, hf: MappingType[str, Tensor], tp_rank: int, tp_size: int) -> Tensor:
         """The ``tp_rank``-th of ``tp_size`` shards of Megatron parameter ``mg_name`` (for an

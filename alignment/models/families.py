@@ -4,13 +4,13 @@ and one line here."""
 
 from __future__ import annotations
 
-from alignment.models import llama, qwen2_5_vl, qwen3, qwen3_moe, qwen3_vl
+from alignment.models import llama, qwen2_5_vl, qwen3, qwen3_moe, qwen3_vl, qwen3_vl_moe
 from alignment.models.bridge import HEAD_SUFFIX, Bridge
 from alignment.models.dims import ModelDims
 from alignment.models.mapping import Family
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, qwen2_5_vl.FAMILY,
-                                 qwen3_vl.FAMILY)
+                                 qwen3_vl.FAMILY, qwen3_vl_moe.FAMILY)
 
 
 def architecture(hf_config) -> str:
@@ -38,6 +38,13 @@ def family_of(hf_config) -> Family:
 def text_config(hf_config):
     """The language model's part of an HF config: ``text_config`` of a vision-language model, else the config."""
     return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+
+
+def vllm_hf_overrides(hf_config) -> dict | None:
+    """vLLM's ``hf_overrides`` for a model of this HF config (:attr:`Family.vllm_hf_overrides`); None for a family
+    that needs none or an architecture no family covers (vLLM then runs it as it is)."""
+    causal = architecture(hf_config).replace(HEAD_SUFFIX["score"], HEAD_SUFFIX["lm"])
+    return next((f.vllm_hf_overrides for f in FAMILIES if causal in f.architectures), None)
 
 
 def model_dims(hf_config) -> ModelDims:

@@ -95,7 +95,8 @@ def load_lora_adapters(model: torch.nn.Module, bridge, tensors: Mapping[str, tor
         lora.B.copy_(b)
 
 
-def save_peft_adapter(model: torch.nn.Module, bridge, spec, base_model: str, path: str | os.PathLike) -> Path:
+def save_peft_adapter(model: torch.nn.Module, bridge, spec, base_model: str,
+                      path: str | os.PathLike) -> Path | None:
     """Write ``path`` as a PEFT LoRA adapter directory for the causal LM ``base_model`` (an HF
     directory or hub id: ``adapter_config.json`` names it); collective, rank 0 writes, published
     atomically. ``spec``: the :class:`parallel.lora.LoRASpec` the adapters were built with.
@@ -110,6 +111,10 @@ def save_peft_adapter(model: torch.nn.Module, bridge, spec, base_model: str, pat
     with dense MLP layers *and* adapted experts loses its dense MLP adapters in PEFT (logged);
     the merged export is exact either way.
 
+    A family whose checkpoints fuse the experts (Qwen3-VL-MoE) with adapted experts gets no directory (None,
+    logged): PEFT 0.21 maps per-expert adapters onto fused experts only for checkpoints that store them per
+    expert, and loaded such a directory with the experts' adapters silently dropped. The merged export holds them.
+
     Raises:
         ImportError: peft is not installed (``pip install peft``).
     """
@@ -117,6 +122,11 @@ def save_peft_adapter(model: torch.nn.Module, bridge, spec, base_model: str, pat
     from safetensors.torch import save_file
 
     tensors = export_lora_adapters(model, bridge)
+    if bridge.family.fused_experts is not None and any(".experts." in k for k in tensors):
+        if dist.get_rank() == 0:
+            log.warning("%s not written: PEFT cannot load per-expert LoRA adapters onto %s's fused experts (it drops "
+                        "them); the merged export (hf/) holds them", path, bridge.family.name)
+        return None
     final = Path(path)
     tmp = fresh_tmp(final)
     if dist.get_rank() == 0:

@@ -302,6 +302,10 @@ class Family:
     (the table's rows say ``model.``; Qwen3-VL's checkpoints say ``model.language_model.``).
     ``vllm_language_model``: the prefix of the language model's parameters in the family's vLLM model
     (vLLM's vision-language models hold it as ``language_model``: ``language_model.model.layers.*``).
+    ``fused_experts``: a :class:`alignment.models.fused_experts.FusedExperts` when the family's checkpoints store
+    each MoE layer's experts in one tensor (the table's rows name them per expert, as Qwen3-MoE's checkpoints do).
+    ``vllm_hf_overrides``: config fields the family's vLLM model needs that its HF config may lack (vLLM's
+    ``hf_overrides``, nested per sub-config).
     One folder per family under ``alignment/models/`` holds one of these."""
 
     name: str
@@ -313,3 +317,5 @@ class Family:
     vision: object = None
     hf_language_model: str = "model."
     vllm_language_model: str = ""
+    fused_experts: object = None
+    vllm_hf_overrides: object = None

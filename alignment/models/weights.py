@@ -47,6 +47,7 @@ def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor]
     Raises:
         ValueError: a shape mismatch, naming the parameter.
     """
+    hf_state = bridge.checkpoint_view(hf_state)  # per-expert tensors of a fused-expert checkpoint
     for _, gname, param in global_param_names(model):
         if gname in skip:
             continue
@@ -71,7 +72,7 @@ def export_hf_weights(model: torch.nn.Module, bridge: Bridge, dtype: torch.dtype
     TP shards are all-gathered inside each tensor-parallel group (expert-tensor-parallel group
     for experts); the HF tensors a rank lacks (other pipeline stages, other expert-parallel
     ranks' experts) are then broadcast by their lowest holder, after one exchange of names,
-    shapes and dtypes.
+    shapes and dtypes. Experts come in the family's checkpoint form (:meth:`Bridge.to_checkpoint`).
     """
     local: dict[str, torch.Tensor] = {}
     for _, gname, param in global_param_names(model):
@@ -86,7 +87,7 @@ def export_hf_weights(model: torch.nn.Module, bridge: Bridge, dtype: torch.dtype
             shards = [p]
         for name, t in bridge.to_hf(gname, shards).items():
             local[name] = t.to(dtype) if dtype is not None else t.clone()
-    return share_across_ranks(local)
+    return bridge.to_checkpoint(share_across_ranks(local))
 
 
 def share_across_ranks(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

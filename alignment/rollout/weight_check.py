@@ -79,6 +79,7 @@ def vllm_reference_shard(bridge: Bridge, hf: dict, name: str, vllm_tp: int, vllm
     d, t, r = bridge.dims, vllm_tp, vllm_rank
     nq, nkv, hd = d.num_attention_heads, d.num_query_groups, d.head_dim
     kind, sources = bridge.vllm_reference(name)
+    hf = bridge.checkpoint_view(hf)  # fused experts: read per expert, as vLLM's RoutedExperts cuts them
     src = [[hf[n] for n in names] for names in sources]
     if kind == "qkv":
         q = src[0][0]

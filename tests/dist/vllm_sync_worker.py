@@ -19,7 +19,8 @@ import torch
 
 CORRUPT = {"llama": "model.layers.1.self_attn.qkv_proj.weight",
            "qwen3_moe": "model.layers.0.mlp.experts.routed_experts.w13_weight",
-           "qwen2_5_vl": "visual.blocks.0.attn.qkv.weight", "qwen3_vl": "visual.blocks.1.attn.qkv.weight"}
+           "qwen2_5_vl": "visual.blocks.0.attn.qkv.weight", "qwen3_vl": "visual.blocks.1.attn.qkv.weight",
+           "qwen3_vl_moe": "visual.blocks.1.attn.qkv.weight"}
 
 
 def vllm_layout_buckets(new: dict, config, corrupt: bool = False):
@@ -30,7 +31,7 @@ def vllm_layout_buckets(new: dict, config, corrupt: bool = False):
     from parallel.pieces import ANY_TP_RANK, assemble
 
     bridge = get_bridge(config)
-    shards = {}
+    new, shards = bridge.checkpoint_view(new), {}  # fused experts read per expert
 
     def shard(name, j):
         j = 0 if j == ANY_TP_RANK else j
@@ -266,6 +267,6 @@ if __name__ == "__main__":
     res = {"tied": check(workdir, True), "untied": check(workdir, False),
            "resharded_tied": check(workdir, True, "resharded"), "resharded_untied": check(workdir, False, "resharded"),
            "resharded_qwen3_moe": check(workdir, False, "resharded", "qwen3_moe"), **sampling_checks(workdir),
-           "images": {f: image_check(workdir, f) for f in ("qwen2_5_vl", "qwen3_vl")}}
+           "images": {f: image_check(workdir, f) for f in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")}}
     with open(result, "w") as f:
         json.dump(res, f)

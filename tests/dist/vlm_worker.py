@@ -31,19 +31,25 @@ from parallel.state import env_world, init_distributed
 from tests.dist.grpo_invariance_worker import hf_reference
 from tests.dist.grpo_invariance_worker import megatron_case as grpo_case
 from tests.dist.report import worst_over_ranks, write_results_and_shutdown
-from tests.dist.tiny_models import IMAGE_TOKEN, checkpoint_state, tiny_qwen2_5_vl, tiny_qwen3_vl
+from tests.dist.tiny_models import IMAGE_TOKEN, checkpoint_state, tiny_qwen2_5_vl, tiny_qwen3_vl, tiny_qwen3_vl_moe
 
-MODELS = {"qwen2_5_vl": tiny_qwen2_5_vl, "qwen3_vl": tiny_qwen3_vl}  # family: tiny random model(seed)
+MODELS = {"qwen2_5_vl": tiny_qwen2_5_vl, "qwen3_vl": tiny_qwen3_vl,  # family: tiny random model(seed)
+          "qwen3_vl_moe": tiny_qwen3_vl_moe}
 
 
-def L(tp=1, pp=1, packing=False, cp=1, comm="p2p"):  # noqa: N802 - a layout
+def L(tp=1, pp=1, packing=False, cp=1, comm="p2p", ep=1):  # noqa: N802 - a layout
     return dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=tp > 1,
-                context_parallel_size=cp, cp_comm_type=comm), packing
+                context_parallel_size=cp, cp_comm_type=comm, expert_model_parallel_size=ep), packing
 
 
 CASES = {"tp1": L(), "tp2_sp": L(tp=2), "pp2": L(pp=2), "tp1_packed": L(packing=True),
          "tp2_sp_packed": L(tp=2, packing=True), "cp2": L(cp=2), "cp2_packed": L(cp=2, packing=True),
          "ulysses2_packed": L(cp=2, packing=True, comm="a2a")}
+# a vision-language MoE (Qwen3-VL-MoE) also runs these: experts over two expert-parallel ranks
+MOE_CASES = {"ep2": L(ep=2), "ep2_packed": L(ep=2, packing=True)}
+MOE_GRAD_CASES = {"grad/ep2": (L(ep=2)[0], 2, False)}
+MOE_ENGINE_CASES = {"engine/ep2": dict(expert_model_parallel_size=2)}
+MOE_RESHARD_CASES = {"reshard/ep2": L(ep=2)[0]}
 GRIDS = [(1, 8, 8), (1, 8, 12), (1, 4, 4)]  # patch grids: 16, 24 and 4 merged tokens
 
 
@@ -144,7 +150,7 @@ def grpo_batch(rows, images) -> dict:
     return batch
 
 
-def grad_cases(world: int, hf, rows, images) -> dict:
+def grad_cases(world: int, hf, rows, images, cases: dict = GRAD_CASES) -> dict:
     """GRPO-loss gradients of every parameter (vision tower included) through Megatron against plain
     autograd on transformers' model over the whole batch in one process."""
     batch = grpo_batch(rows, images)
@@ -157,7 +163,7 @@ def grad_cases(world: int, hf, rows, images) -> dict:
     vision_grad = max(g.abs().max().item() for k, g in ref_grads.items() if "visual." in k)
     results = {"grad_reference": {"loss": ref_loss, "max_grad": max_grad, "max_vision_grad": vision_grad}}
     state = checkpoint_state(hf)
-    for name, (sizes, mbs, packing) in GRAD_CASES.items():
+    for name, (sizes, mbs, packing) in cases.items():
         loss, grads = grpo_case(hf, batch, world, mbs, state=state, packing=packing, **sizes)
         results[name] = {"loss": loss, "missing": sorted(set(ref_grads) - set(grads)),
                          "max_grad_diff": max((grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads
@@ -239,7 +245,7 @@ def hf_greedy(hf, row, images, steps: int) -> list[int]:
     return out
 
 
-def engine_cases(hf, world, rows, images) -> dict:
+def engine_cases(hf, world, rows, images, cases: dict = ENGINE_CASES) -> dict:
     """Greedy tokens and sampled logprobs of the Megatron engine against transformers."""
     from alignment.rollout.base import SamplingConfig
     from alignment.rollout.megatron_engine import MegatronEngine
@@ -248,7 +254,7 @@ def engine_cases(hf, world, rows, images) -> dict:
     prompts = engine_prompts(rows, images)
     greedy_ref = [hf_greedy(hf, r, ims, 6) for r, ims in zip(rows, images)]
     results = {}
-    for name, sizes in ENGINE_CASES.items():
+    for name, sizes in cases.items():
         init_distributed(ParallelLayout(world_size=world, **sizes))
         model = build_gpt_model(cfg, transformer_config(cfg, **sizes)).eval()
         load_hf_weights(model, state, get_bridge(cfg))
@@ -272,7 +278,7 @@ def engine_cases(hf, world, rows, images) -> dict:
 RESHARD_CASES = {"reshard/tp2_sp": L(tp=2)[0], "reshard/pp2": L(pp=2)[0]}
 
 
-def reshard_cases(hf, world) -> dict:
+def reshard_cases(hf, world, cases: dict = RESHARD_CASES) -> dict:
     """The resharder (:class:`parallel.reshard.Resharder`) from Megatron TP=2+SP and PP=2 into vLLM TP 1 and 2:
     every vLLM tensor of this rank's vLLM TP rank, the vision tower's included, equals what vLLM's own
     weight loaders put there from the checkpoint (:func:`alignment.rollout.weight_check.vllm_reference_shard`)."""
@@ -282,12 +288,12 @@ def reshard_cases(hf, world) -> dict:
     cfg, state = hf.config, checkpoint_state(hf)
     bridge, rank = get_bridge(cfg), torch.distributed.get_rank()
     results = {}
-    for name, sizes in RESHARD_CASES.items():
+    for name, sizes in cases.items():
         init_distributed(ParallelLayout(world_size=world, **sizes))
         model = build_gpt_model(cfg, transformer_config(cfg, **sizes)).eval()
         load_hf_weights(model, state, bridge)
         for vtp in (1, 2):
-            resharder = Resharder(model, bridge.vllm_layout(sizes["tensor_model_parallel_size"], vtp), vllm_tp=vtp,
+            resharder = Resharder(model, bridge.vllm_layout(sizes.get("tensor_model_parallel_size", 1), vtp), vllm_tp=vtp,
                                   bucket_bytes=16 << 10)
             wrong, tensors, tower = [], 0, 0
             for bucket in resharder.buckets():
@@ -324,7 +330,8 @@ def family_cases(hf, world: int) -> dict:
     results = {"reference": {"logit_std": torch.cat([r for grp in refs for r in grp]).std().item(),
                              "image_effect": (refs[1][0] - text_only).abs().max().item(),
                              "deepstack_effect": deepstack_effect(hf, rows[1], images[1])}}
-    for name, (sizes, packing) in CASES.items():
+    moe = hf.config.model_type.endswith("_moe")
+    for name, (sizes, packing) in {**CASES, **(MOE_CASES if moe else {})}.items():
         logits, export_diff, missing = megatron_case(hf, mbs, world, sizes, packing)
         diff = 0.0
         if logits is not None:
@@ -332,9 +339,9 @@ def family_cases(hf, world: int) -> dict:
                        for m, grp in enumerate(groups) for j, i in enumerate(grp))
         results[name] = {"max_abs_diff": worst_over_ranks(diff), "export_max_abs_diff": worst_over_ranks(export_diff),
                          "export_missing": missing}
-    results.update(grad_cases(world, hf, rows, images))
-    results.update(engine_cases(hf, world, rows, images))
-    results.update(reshard_cases(hf, world))
+    results.update(grad_cases(world, hf, rows, images, {**GRAD_CASES, **(MOE_GRAD_CASES if moe else {})}))
+    results.update(engine_cases(hf, world, rows, images, {**ENGINE_CASES, **(MOE_ENGINE_CASES if moe else {})}))
+    results.update(reshard_cases(hf, world, {**RESHARD_CASES, **(MOE_RESHARD_CASES if moe else {})}))
     if hf.config.model_type == "qwen3_vl":
         results.update(lora_cases(world, hf, rows, images))
     return results

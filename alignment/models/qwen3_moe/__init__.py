@@ -35,7 +35,8 @@ def layer(d: ModelDims, i: int) -> tuple[Mapping, ...]:
 
 
 def dims(cfg) -> ModelDims:
-    """:class:`ModelDims` of an HF ``Qwen3MoeConfig``. Raises ValueError for sliding-window
+    """:class:`ModelDims` of an HF ``Qwen3MoeConfig`` (or a config without ``norm_topk_prob``, whose router
+    always renormalises its top-k weights: Qwen3-VL-MoE's text config). Raises ValueError for sliding-window
     attention or a shared expert (Qwen2-MoE style), which this table does not map."""
     if getattr(cfg, "shared_expert_intermediate_size", 0):
         raise ValueError("shared_expert_intermediate_size > 0: shared experts are not mapped by the qwen3_moe family")
@@ -43,7 +44,7 @@ def dims(cfg) -> ModelDims:
               for i in range(cfg.num_hidden_layers)]
     return dataclasses.replace(qwen3.dims(cfg), num_experts=cfg.num_experts,
                                moe_ffn_hidden_size=cfg.moe_intermediate_size, moe_router_topk=cfg.num_experts_per_tok,
-                               moe_norm_topk_prob=bool(cfg.norm_topk_prob), moe_layer_pattern=tuple(sparse))
+                               moe_norm_topk_prob=bool(getattr(cfg, "norm_topk_prob", True)), moe_layer_pattern=tuple(sparse))
 
 
 FAMILY = Family("qwen3_moe", ("Qwen3MoeForCausalLM",), dims, layer)

@@ -99,13 +99,14 @@ def vision_rows(d: ModelDims) -> tuple[Mapping, ...]:
     return tuple(rows)
 
 
-def dims(cfg) -> ModelDims:
-    """:class:`ModelDims` of an HF ``Qwen3VLConfig``: the language model's (Qwen3: QK-norm) with the
-    vision tower's :class:`VisionDims`, the image placeholder id, M-RoPE's section and DeepStack's layers.
-    Raises ValueError for a vision output width other than the language model's, an M-RoPE section that
-    does not cover half the head dimension, or more DeepStack features than decoder layers."""
+def dims(cfg, language_model=qwen3.dims) -> ModelDims:
+    """:class:`ModelDims` of an HF ``Qwen3VLConfig``: the language model's (``language_model(text_config)``;
+    Qwen3: QK-norm) with the vision tower's :class:`VisionDims`, the image placeholder id, M-RoPE's section
+    and DeepStack's layers. Raises ValueError for a vision output width other than the language model's, an
+    M-RoPE section that does not cover half the head dimension, or more DeepStack features than decoder
+    layers."""
     text, vc = cfg.get_text_config(), cfg.vision_config
-    lm = qwen3.dims(text)
+    lm = language_model(text)
     section = checked_mrope_section(cfg, lm, (24, 20, 20))
     deep = tuple(int(i) for i in vc.deepstack_visual_indexes)
     if len(deep) > lm.num_layers or any(not 0 <= i < vc.depth for i in deep):
