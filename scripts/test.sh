@@ -13,4 +13,4 @@ if [ $# -gt 0 ]; then
     exec python -m pytest -q "$@"
 fi
 python -m pytest -q -m "not slow" -n "${TEST_WORKERS:-2}" tests
-exec python -m pytest -q -m slow tests
+exec python -m pytest -q -m slow --durations=15 tests  # the 15 slowest: the CI budget (45 min)
