@@ -209,11 +209,21 @@ def test_shape_count_answers_are_what_the_images_show(task):
         assert abs(int(p["rejected"]) - int(p["chosen"])) == 1 and int(p["rejected"]) >= 0
 
 
+GRPO = ["rollout.backend=megatron", "rollout.group_size=4", "rollout.prompts_per_step=4", "rollout.max_tokens=6",
+        "rollout.eval_max_tokens=4", "rollout.temperature=1.0", "trainer.micro_batch_size=4", "trainer.steps=3",
+        "trainer.lr=1e-3", "trainer.progress_bar=false", "trainer.save_checkpoint=false", "trainer.export_hf=false",
+        "data.prompt_key=prompt",
+        "reward.functions=[{name: numeric}, {name: chars, function: 'tests.reward_fns:reply_length', weight: 0.1}]"]
+
+
 @pytest.mark.slow
-def test_sft_and_dpo_jobs_on_a_vision_language_model(vlm_dir, task, tmp_path):
-    """One launch: SFT (TP=2 with sequence parallelism, packed), DPO (DP=2) and SFT at CP=2 (packed) on the
-    tiny VLM over the shape-count images; all lower their held-out loss, and the SFT export loads in
-    transformers with its image processor and answers the held-out questions."""
+def test_sft_dpo_and_grpo_jobs_on_a_vision_language_model(vlm_dir, task, tmp_path):
+    """One launch on the tiny VLM over the shape-count images: SFT (TP=2 with sequence parallelism, packed), DPO
+    (DP=2) and SFT at CP=2 (packed) all lower their held-out loss, and the SFT export loads in transformers with
+    its image processor and answers the held-out questions. GRPO with Megatron's engine, full fine-tuning at TP=2
+    with packed micro-batches, and LoRA on the language model and the vision tower at DP=2 (the reference is the
+    base under the adapters, no second model): every step's samples come from the trained weights with their
+    images, so fp32 ``token_mult_prob_error`` is 1; the held-out accuracy is measured before and after."""
     from alignment.evaluation.image_answers import image_task_accuracy
 
     pairs = task / "sft_dpo_pairs.jsonl"
@@ -233,7 +243,12 @@ def test_sft_and_dpo_jobs_on_a_vision_language_model(vlm_dir, task, tmp_path):
                                                  "data.heldout_fraction=0.25", "algorithm.beta=0.5", "trainer.epochs=4"])
     sft_cp = Job("sft", vlm_dir, tmp_path / "sft_cp", [*common, "parallel.context_parallel_size=2",
                                                        "trainer.sequence_packing=true", "trainer.export_hf=false"])
-    s, d, c = run_jobs(sft, dpo, sft_cp)
+    data = [*GRPO, f"data.train_files={task / 'train.jsonl'}", f"data.heldout_files={task / 'heldout.jsonl'}"]
+    full = Job("grpo", vlm_dir, tmp_path / "grpo", [*data, "parallel.tensor_model_parallel_size=2",
+                                                    "trainer.sequence_packing=true"])
+    lora = Job("grpo", vlm_dir, tmp_path / "grpo_lora", [*data, "model.lora.rank=4", "model.lora.vision_tower=true",
+                                                         "trainer.lr=1e-2"])
+    s, d, c, full, lora = run_jobs(sft, dpo, sft_cp, full, lora)
     assert s["heldout_after"]["loss"] < s["heldout_before"]["loss"] - 0.5, s
     # context parallelism over packed micro-batches: each CP rank fills its own placeholders with their image
     # features, and Megatron's thd rotary takes each rank's share of the whole stream's M-RoPE angles
@@ -243,28 +258,6 @@ def test_sft_and_dpo_jobs_on_a_vision_language_model(vlm_dir, task, tmp_path):
     assert (exported / "preprocessor_config.json").exists()
     result = image_task_accuracy(exported, task / "heldout.jsonl", max_new_tokens=2)
     assert result["questions"] == 8 and all(a["response"] for a in result["answers"])
-
-
-GRPO = ["rollout.backend=megatron", "rollout.group_size=4", "rollout.prompts_per_step=4", "rollout.max_tokens=6",
-        "rollout.eval_max_tokens=4", "rollout.temperature=1.0", "trainer.micro_batch_size=4", "trainer.steps=3",
-        "trainer.lr=1e-3", "trainer.progress_bar=false", "trainer.save_checkpoint=false", "trainer.export_hf=false",
-        "data.prompt_key=prompt",
-        "reward.functions=[{name: numeric}, {name: chars, function: 'tests.reward_fns:reply_length', weight: 0.1}]"]
-
-
-@pytest.mark.slow
-def test_grpo_jobs_on_a_vision_language_model(vlm_dir, task, tmp_path):
-    """One launch: GRPO on the shape-count images with Megatron's engine, full fine-tuning at TP=2 with packed
-    micro-batches, and LoRA on the language model and the vision tower at DP=2 (the reference is the base under
-    the adapters, no second model): every
-    step's samples come from the trained weights with their images, so fp32 ``token_mult_prob_error`` is 1;
-    the held-out accuracy is measured before and after."""
-    data = [*GRPO, f"data.train_files={task / 'train.jsonl'}", f"data.heldout_files={task / 'heldout.jsonl'}"]
-    full, lora = run_jobs(
-        Job("grpo", vlm_dir, tmp_path / "grpo", [*data, "parallel.tensor_model_parallel_size=2",
-                                                 "trainer.sequence_packing=true"]),
-        Job("grpo", vlm_dir, tmp_path / "grpo_lora", [*data, "model.lora.rank=4", "model.lora.vision_tower=true",
-                                                      "trainer.lr=1e-2"]))
     for g in (full, lora):
         h = g["history"]
         assert len(h) == 3, g

@@ -4,7 +4,7 @@ full HF tensors (``update_weights``) and vLLM-layout tensors streamed in buckets
 (``load_resharded``, what :mod:`parallel.reshard` produces), the latter with the weight check on;
 a corrupted tensor must then be caught by the check. The same for a tiny Qwen3-MoE (fused-MoE
 experts, a dense layer), resharded from Megatron TP=2 with expert TP 1, and for tiny Qwen2.5-VL and
-Qwen3-VL models generating from prompts with images (their vision towers synced too).
+Qwen3-VL-MoE models generating from prompts with images (their vision towers and fused experts synced too).
 
     python tests/dist/vllm_sync_worker.py WORKDIR RESULT.json
 """
@@ -267,6 +267,8 @@ if __name__ == "__main__":
     res = {"tied": check(workdir, True), "untied": check(workdir, False),
            "resharded_tied": check(workdir, True, "resharded"), "resharded_untied": check(workdir, False, "resharded"),
            "resharded_qwen3_moe": check(workdir, False, "resharded", "qwen3_moe"), **sampling_checks(workdir),
-           "images": {f: image_check(workdir, f) for f in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")}}
+           # Qwen3-VL's tower and DeepStack in vLLM through the MoE one (the dense Qwen3-VL's vLLM rollouts and
+           # weight check: tests/test_vlm_data.py's Qwen3-VL launch)
+           "images": {f: image_check(workdir, f) for f in ("qwen2_5_vl", "qwen3_vl_moe")}}
     with open(result, "w") as f:
         json.dump(res, f)
