@@ -324,7 +324,7 @@ class MegatronEngine:
         self.model.eval()
         cuda = torch.cuda.is_available()
         if not cuda:
-            host_streams()  # vLLM's CPU worker, imported since, rebinds torch.cuda.Event
+            host_streams()  # vLLM's CPU worker, imported since, rebinds torch.cuda.Event and Stream
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
                 if self._rng_state is None:
