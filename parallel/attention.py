@@ -60,35 +60,39 @@ def tree_attention(query, key, value, cu_seqlens, tree_masks, scale: float, segm
     return torch.cat(outs, dim=2).squeeze(0).permute(1, 0, 2)
 
 
-def cached_causal_attention(q, k, v, scale: float):
+def cached_causal_attention(q, k, v, scale: float, mask=None):
     """Causal attention of the last ``sq`` positions of a sequence against all ``sk`` of its keys,
     as a KV cache gives them when decoding (megatron-core's inference engine): query ``i``
     (position ``sk - sq + i``) attends to keys ``0 .. sk - sq + i``. SDPA's ``is_causal``
     aligns the mask top-left, which would let a decoded token see only the first key.
 
-    On CPU it is two batched fp32 matmuls around an fp32 softmax, each group of query heads
-    against its shared key/value head (GQA): for a few queries per sequence torch's CPU
-    flash-attention kernel is slower (bf16, 32 rows x 9 heads x 1 query x 100 keys, one thread:
-    2.95 ms against 0.53 ms here) and rounds its probabilities to bf16 before multiplying by the
-    values. On GPU: SDPA with the bottom-right mask.
+    Two batched matmuls around an fp32 softmax, each group of query heads against its shared
+    key/value head (GQA) without copying the keys and values per query head:
+    - on CPU in fp32: for a few queries per sequence torch's CPU flash-attention kernel is slower
+      (bf16, 32 rows x 9 heads x 1 query x 100 keys, one thread: 2.95 ms against 0.53 ms here)
+      and rounds its probabilities to bf16 before multiplying by the values;
+    - on GPU in the inputs' dtype (cuBLAS accumulates in fp32): SDPA's grouped-query path copies
+      every key and value head once per query head (8B, 64 rows: ~100 us a layer and token on an
+      H200, a third of the decode step).
 
     Args:
         q: ``[B, heads, sq, d]``; ``k``, ``v``: ``[B, kv_heads, sk, d]`` with ``sk >= sq``.
+        mask: ``[sq, sk]`` bool, True where a query sees a key, instead of the bottom-right causal
+            mask (a KV cache read past the sequence's end: :mod:`alignment.rollout.static_decode`).
     Returns:
         ``[B, heads, sq, d]`` in ``q``'s dtype.
     """
     import torch
-    import torch.nn.functional as F
 
     (b, heads, sq, d), (kv_heads, sk) = q.shape, k.shape[1:3]
-    mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
-    if q.device.type != "cpu":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads)
+    if mask is None:
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
     group = heads // kv_heads  # query head h reads key/value head h // group (SDPA's enable_gqa)
-    scores = torch.matmul(q.reshape(b, kv_heads, group * sq, d).float(), k.float().transpose(-1, -2)) * scale
-    scores = scores.view(b, kv_heads, group, sq, sk).masked_fill(~mask, float("-inf"))
+    compute = torch.float32 if q.device.type == "cpu" else q.dtype
+    scores = torch.matmul(q.reshape(b, kv_heads, group * sq, d).to(compute), k.to(compute).transpose(-1, -2))
+    scores = (scores.float() * scale).view(b, kv_heads, group, sq, sk).masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(b, kv_heads, group * sq, sk)
-    return torch.matmul(probs, v.float()).view(b, heads, sq, d).to(q.dtype)
+    return torch.matmul(probs.to(compute), v.to(compute)).view(b, heads, sq, d).to(q.dtype)
 
 
 class ContextParallelAttention(MegatronModule):
@@ -114,7 +118,7 @@ class ContextParallelAttention(MegatronModule):
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise ValueError(f"parallel.cp_comm_type={self.cp_comm_type!r}: valid values are {CP_COMM_TYPES} "
                              "(ring attention, Ulysses all-to-all)")
-        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         self.cp_group = cp if cp is not None else ps.get_context_parallel_group()
 
@@ -133,12 +137,12 @@ class ContextParallelAttention(MegatronModule):
             if cp > 1:
                 raise ValueError("shared-prompt packing (parallel.prompt_tree) does not run with "
                                  "context_parallel_size > 1: a tree's attention mask spans the whole tree")
-            return tree_attention(query, key, value, packed_seq_params.cu_seqlens_q, tree_masks, self.scale,
+            return tree_attention(query, key, value, packed_seq_params.cu_seqlens_q, tree_masks, self.softmax_scale,
                                   getattr(packed_seq_params, "tree_segments", None))
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if not packed and cp == 1 and key.shape[0] != query.shape[0]:  # decoding against a KV cache
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
-            out = cached_causal_attention(q, k, v, self.scale)
+            out = cached_causal_attention(q, k, v, self.softmax_scale)
             return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
         if packed:
             cu = packed_seq_params.cu_seqlens_q_padded
@@ -149,11 +153,11 @@ class ContextParallelAttention(MegatronModule):
             global_lens = [query.shape[0] * cp]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
         if cp == 1:
-            out = causal_attention(q, k, v, global_lens, self.scale)
+            out = causal_attention(q, k, v, global_lens, self.softmax_scale)
         elif self.cp_comm_type == "p2p":
-            out = ring_attention(q, k, v, [n // cp for n in global_lens], self.scale, self.cp_group)
+            out = ring_attention(q, k, v, [n // cp for n in global_lens], self.softmax_scale, self.cp_group)
         else:
-            out = ulysses_attention(q, k, v, global_lens, self.scale, self.cp_group)
+            out = ulysses_attention(q, k, v, global_lens, self.softmax_scale, self.cp_group)
         if packed:
             return out.squeeze(0).permute(1, 0, 2)
         return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)

@@ -218,6 +218,56 @@ def test_prompt_tree_attention_on_gpu_equals_causal_attention_per_row(path):
         assert (a.float() - b).abs().max().item() <= 2e-2 * b.abs().max().item()
 
 
+def test_megatron_engine_decodes_with_cuda_graphs_as_it_does_eagerly():
+    """rollout.backend=megatron on a GPU captures its decode steps as CUDA graphs (alignment/rollout/static_decode.py,
+    one per batch and 64-position bucket): in fp32 the greedy and sampled tokens over 100 new tokens equal the
+    eager engine's with the logprobs to fp32 rounding; a second call replays the graphs (none captured anew), a
+    smaller batch captures its own, and after sleep (a new KV cache) they are captured again and still agree."""
+    from alignment.models.families import get_bridge
+    from alignment.models.gpt import build_gpt_model, transformer_config
+    from alignment.models.weights import load_hf_weights
+    from alignment.rollout.base import SamplingConfig
+    from alignment.rollout.megatron_engine import MegatronEngine
+    from parallel.layout import ParallelLayout
+    from parallel.state import init_distributed, shutdown
+    from tests.dist.tiny_llama import tiny_llama
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    init_distributed(ParallelLayout(world_size=1))
+    try:
+        hf = tiny_llama(seed=3)
+        cfg = hf.config
+        model = build_gpt_model(cfg, transformer_config(cfg, params_dtype=torch.float32)).eval()
+        load_hf_weights(model, hf.state_dict(), get_bridge(cfg))
+        prompts = [[5, 17, 33, 101, 7], [42, 9, 200], [3, 1, 4, 1, 5, 9, 2, 6, 5]]
+        greedy, sampled = SamplingConfig(n=2, temperature=0.0, max_tokens=100), SamplingConfig(n=2, temperature=0.8,
+                                                                                                max_tokens=100)
+        runs, captures = {}, []
+        for graphs in (True, False):
+            engine = MegatronEngine(model, None, eos_token_id=-1, vocab_size=cfg.vocab_size, max_model_len=128,
+                                    max_batch_size=6, seed=5, cuda_graphs=graphs)
+            assert (engine.static is not None) == graphs
+            calls = [engine.generate(prompts, greedy)]
+            captures.append(engine.static.captures if graphs else 0)
+            calls.append(engine.generate(prompts, sampled))
+            captures.append(engine.static.captures if graphs else 0)
+            calls.append(engine.generate(prompts[:2], sampled))  # 4 rows: a batch of its own
+            captures.append(engine.static.captures if graphs else 0)
+            engine.sleep()
+            calls.append(engine.generate(prompts, sampled))
+            captures.append(engine.static.captures if graphs else 0)
+            runs[graphs] = [s for call in calls for group in call for s in group]
+        # positions 3..108 span buckets [0, 64) and [64, 128): 2 graphs for 6 rows, 2 for 4, 2 after sleep
+        assert captures[:4] == [2, 2, 4, 6], captures
+        pairs = list(zip(runs[True], runs[False]))
+        assert len(pairs) == 6 + 6 + 4 + 6 and all(len(a.response_ids) == 100 for a, _ in pairs)
+        assert all(a.response_ids == b.response_ids for a, b in pairs)
+        diff = max(float((torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max()) for a, b in pairs)
+        assert diff < 1e-4, diff
+    finally:
+        shutdown()
+
+
 def test_offload_to_pinned_host_memory_frees_the_gpu_and_trains_identically():
     """trainer.offload's DevicePlacement on real CUDA tensors: keep() returns the weights' and
     Adam's GPU memory to the allocator, and 3 steps with offload between them are bitwise equal

@@ -57,3 +57,20 @@ def test_megatron_engine_matches_transformers(torchrun_json):
     # its sampler draws from softmax(logits / T): mean drawn logprob = -entropy within 4 standard errors
     assert abs(r["sampled_mean_logprob"] - r["neg_entropy"]) < 4 * r["sampled_logprob_sem"], r
     assert r["drawn_logprob_is_reported"] < 1e-4, r
+    # decode steps of fixed shape (the CUDA-graph path, uncaptured on CPU): eager engine's greedy and sampled
+    # tokens over 70 new tokens (two 64-position buckets), before and after sleep, logprobs to fp32 rounding
+    assert r["static_decoder_only_when_asked"] and r["static_rows"] == 2 + 4 + 4, r
+    assert r["static_tokens_equal"] and r["static_logprob_max_diff"] < 1e-5, r
+
+
+@pytest.mark.slow
+def test_fixed_shape_decode_equals_eager_decode_under_tensor_parallelism(torchrun_json):
+    """alignment/rollout/static_decode.py at TP=2 (tests/dist/static_decode_worker.py): the steps a GPU captures
+    as CUDA graphs, run uncaptured, against Megatron's eager decode of the same shards."""
+    r = torchrun_json("static_decode_worker.py", nproc=2)
+    for name in ("llama", "qwen3_tied"):  # untied; Q/K layernorms with tied embeddings
+        # 3 greedy rows + 6 sampled + 6 sampled after sleep (a new KV cache), 70 new tokens (2 buckets) each
+        assert r[name]["static"] and r[name]["rows"] == 15 and r[name]["lengths"] == [70], r
+        assert r[name]["tokens_equal"] and r[name]["logprob_max_diff"] < 1e-5, r
+    # a mixture-of-experts model decodes eagerly (its dispatcher syncs with the host)
+    assert r["moe"] == {"unsupported": "mixture-of-experts layers", "static": False}, r

@@ -43,7 +43,8 @@ class RolloutConfig:
     gpu_memory_utilization: float = ranged(0.3, 0, 1, low_in=False, high_in=True, note=' (a fraction of GPU memory)')
     # vLLM's enforce_eager; null = compiled on GPU (CUDA graphs), or on CPU when trainer.steps pay the compile
     # back (fewer with this machine's compile cache warm); else eager
-    # (alignment/rollout/compile_cache.py; measured: docs/results.md)
+    # (alignment/rollout/compile_cache.py; measured: docs/results.md). backend=megatron: null = decode steps
+    # captured as CUDA graphs on GPU, false = also fixed-shape decode steps on CPU (alignment/rollout/static_decode.py)
     enforce_eager: Optional[bool] = None
     # vLLM TP size of each engine: 1 = one engine per rank; t > 1 = one engine per t consecutive
     # ranks (vLLM external_launcher), fed its shards by the resharder

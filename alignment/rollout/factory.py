@@ -71,5 +71,6 @@ def build_engine(r: RolloutConfig, *, seed: int, dtype: str, hf_dir: Path, polic
         rows = max(1, r.prompts_per_step * r.group_size // data_parallel_size)
         return MegatronEngine(unwrap_model(policy), tokenizer, eos_token_id=eos_token_ids(hf_dir, tokenizer),
                               vocab_size=vocab_size, max_model_len=r.max_model_len, max_batch_size=rows,
-                              seed=seed + ps.get_data_parallel_rank(), record_routing=record_routing)
+                              seed=seed + ps.get_data_parallel_rank(), record_routing=record_routing,
+                              cuda_graphs=None if r.enforce_eager is None else not r.enforce_eager)
     raise ValueError(f"rollout.backend={r.backend!r}: valid values are {', '.join(BACKENDS)}")

@@ -65,6 +65,7 @@ from alignment.rollout.base import OnDone, Sample, SamplingConfig, step_seed
 from alignment.rollout.generation_images import GenerationImages
 from alignment.rollout.image_prompts import ImagePrompt, images_of
 from alignment.rollout.routed_experts import GenerationRouting
+from alignment.rollout.static_decode import StaticDecoder, unsupported
 from parallel.cpu_compat import host_streams
 
 
@@ -166,7 +167,8 @@ def _temperature_wrapper(model, config, context, vocab_size: int):
     nor the logprobs' normaliser sees tokens the model does not have. ``.lockstep``
     (:class:`ExpertLockstep`) and ``.routing`` (:class:`GenerationRouting`), when set, see every forward;
     ``.images`` (:class:`GenerationImages`, a vision-language model's batch) gives every forward its
-    M-RoPE positions and images."""
+    M-RoPE positions and images; ``.static`` (:class:`StaticDecoder`), when set, runs the one-token decode
+    steps (captured as CUDA graphs on a GPU) and Megatron's forward the prefills."""
     from contextlib import nullcontext
 
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
@@ -176,6 +178,7 @@ def _temperature_wrapper(model, config, context, vocab_size: int):
         lockstep: ExpertLockstep | None = None
         routing: GenerationRouting | None = None
         images: GenerationImages | None = None
+        static: StaticDecoder | None = None
 
         def get_batch_for_context_window(self, inference_input, context_start_position, context_end_position):
             out = super().get_batch_for_context_window(inference_input, context_start_position, context_end_position)
@@ -188,8 +191,13 @@ def _temperature_wrapper(model, config, context, vocab_size: int):
                 self.lockstep.before_forward()
             recording = self.routing.forward(inference_input["tokens"]) if self.routing else nullcontext()
             with recording:
-                if self.images is None:
+                tokens = inference_input["tokens"]
+                if self.static is not None and tokens.size(1) == 1 and self.inference_context.sequence_len_offset:
+                    out = self.static.decode(tokens, self.inference_context)
+                elif self.images is None:
                     out = super()._forward(inference_input)
+                    if self.static is not None:
+                        self.static.prefilled()
                 else:
                     extra = {k: inference_input[k] for k in ("image_mask", "image_features") if k in inference_input}
                     out = self.model(inference_input["tokens"], inference_input["position_ids"],
@@ -232,10 +240,15 @@ class MegatronEngine:
             must draw the same tokens): it samples from a saved torch RNG state, so the trainer's
             global RNG is left as it was.
         record_routing: a mixture-of-experts model's samples carry ``routed_experts`` (R3).
+        cuda_graphs: decode steps of fixed shape captured as CUDA graphs
+            (:class:`alignment.rollout.static_decode.StaticDecoder`); None: on a GPU. On a CPU, True runs the
+            same fixed-shape steps without capture. A model the step does not cover (mixture-of-experts,
+            vision-language, ...: :func:`alignment.rollout.static_decode.unsupported`) decodes eagerly.
     """
 
     def __init__(self, model, tokenizer, *, eos_token_id: int | list[int], vocab_size: int, max_model_len: int = 1024,
-                 max_batch_size: int = 64, seed: int = 0, record_routing: bool = False):
+                 max_batch_size: int = 64, seed: int = 0, record_routing: bool = False,
+                 cuda_graphs: bool | None = None):
         from megatron.core.inference.contexts import StaticInferenceContext
         from megatron.core.inference.engines import static_engine
         from megatron.core.inference.engines.static_engine import StaticInferenceEngine
@@ -260,6 +273,10 @@ class MegatronEngine:
         from alignment.models.vlm_model import VisionLanguageModel  # imports Megatron
 
         self.vision = model if isinstance(model, VisionLanguageModel) else None  # feeds images, M-RoPE
+        cuda = torch.cuda.is_available()
+        if (cuda if cuda_graphs is None else cuda_graphs) and not record_routing and unsupported(model) is None:
+            self.wrapper.static = StaticDecoder(model, graphs=cuda)
+        self.static = self.wrapper.static
         if static_engine.HAVE_TQDM:  # its "static requests" bar per call: the job's step bar is enough
             from functools import partial
 
@@ -390,8 +407,11 @@ class MegatronEngine:
         return sum(t.numel() * t.element_size() for kv in self.context.key_value_memory_dict.values() for t in kv)
 
     def sleep(self) -> None:
-        """Free the KV cache (megatron-core allocates it again at the next generation)."""
+        """Free the KV cache (megatron-core allocates it again at the next generation) and the decode
+        graphs that point into it."""
         self.context.key_value_memory_dict.clear()
+        if self.static is not None:
+            self.static.reset()
 
     def wake(self) -> None:
         """Nothing to restore: the weights are the trainer's, the KV cache comes back on use."""

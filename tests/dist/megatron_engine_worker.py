@@ -93,6 +93,20 @@ def main(out_path: str) -> None:
     fresh_at5 = fresh.generate(PROMPTS, sampling)
     fresh.reseed(6)
     fresh_at6 = fresh.generate(PROMPTS, sampling)
+    # decode steps of fixed shape (alignment.rollout.static_decode; CUDA graphs on a GPU, run uncaptured here):
+    # the same greedy tokens over 70 new tokens (past the first 64-position bucket), the same samples at T=0.7
+    # from the same seed and the same logprobs, and again after sleep freed the KV cache (a new cache)
+    static = MegatronEngine(model, None, eos_token_id=-1, vocab_size=cfg.vocab_size, max_model_len=96,
+                            max_batch_size=4, seed=7, cuda_graphs=True)
+    eager = MegatronEngine(model, None, eos_token_id=-1, vocab_size=cfg.vocab_size, max_model_len=96,
+                           max_batch_size=4, seed=7)
+    long_greedy, long_sampled = SamplingConfig(n=1, temperature=0.0, max_tokens=70), SamplingConfig(n=2, temperature=0.7, max_tokens=70)
+    runs = {}
+    for name, engine in (("static", static), ("eager", eager)):
+        runs[name] = [engine.generate(PROMPTS, long_greedy), engine.generate(PROMPTS, long_sampled)]
+        engine.sleep()
+        runs[name].append(engine.generate(PROMPTS, long_sampled))
+    flat = {name: [s for call in r for g in call for s in g] for name, r in runs.items()}
     diffs = [float((torch.tensor(s.logprobs) - hf_logprobs(hf, s.prompt_ids, s.response_ids, 0.7)).abs().max())
              for group in first for s in group]
     # the sampler draws from softmax(logits / T): over 2,048 one-token samples of one prompt the mean
@@ -104,6 +118,11 @@ def main(out_path: str) -> None:
         dist0 = torch.log_softmax(hf(torch.tensor([PROMPTS[0]])).logits[0, -1].float() / 0.7, -1)
     drawn = torch.tensor([dist0[s.response_ids[0]].item() for s in draws])
     result = {
+        "static_decoder_only_when_asked": static.static is not None and eager.static is None,
+        "static_tokens_equal": [s.response_ids for s in flat["static"]] == [s.response_ids for s in flat["eager"]],
+        "static_rows": len(flat["static"]),
+        "static_logprob_max_diff": max(float((torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max())
+                                       for a, b in zip(flat["static"], flat["eager"])),
         "sampled_mean_logprob": drawn.mean().item(),
         "neg_entropy": (dist0.exp() * dist0).sum().item(),
         "sampled_logprob_sem": (drawn.std() / len(drawn) ** 0.5).item(),
