@@ -21,11 +21,13 @@ memory bound once compiled).
 
 ``--engine megatron`` measures Megatron-Core's inference engine instead (``rollout.backend=megatron``, the engine
 of a machine without vLLM), in this process on one device (a GPU when there is one), random weights of each
-``--models`` shape, eager and with Megatron's CUDA graphs for decode (``cuda_graph_impl="local"``; GPU only), the
-greedy tokens of the two compared. Its batch is the main job's on one device (8 prompts x 8 samples) and the
-bandwidth is a device-to-device copy's:
+``--models`` shape, eager and (``--cuda-graphs``) with the engine's decode steps of fixed shape captured as CUDA graphs
+(:mod:`alignment.rollout.static_decode`; uncaptured on a CPU), the greedy tokens of the two compared. Its batch is
+the main job's on one device (8 prompts x 8 samples) and the bandwidth is a device-to-device copy's; ``--profile``
+adds the GPU's kernel time over wall time:
 
-    python bench/rollout.py --engine megatron [--models smollm2-135m,tinyllama-1.1b] [--batch 64] [--lengths 48,256]
+    python bench/rollout.py --engine megatron [--models smollm2-135m,tinyllama-1.1b,llama-8b] [--batch 64]
+        [--lengths 48,256] [--cuda-graphs] [--profile]
 """
 
 from __future__ import annotations
@@ -118,6 +120,10 @@ SHAPES = {
     # TinyLlama-1.1B (bench/train_mfu.py's model)
     "tinyllama-1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                            num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5),
+    # Llama-3.1-8B
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                     rope_theta=500000.0),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-5),
 }
@@ -182,83 +188,68 @@ def megatron_bench(args) -> None:
     bandwidth = device_copy_bandwidth(device)
     where = torch.cuda.get_device_name(0) if cuda else f"{platform.processor() or platform.machine()}, " \
         f"{torch.get_num_threads()} threads"
-    print(f"# bench/rollout.py --engine megatron, {time.strftime('%Y-%m-%d')}, {where}, {args.dtype}, random "
-          f"weights, {args.batch} sequences, {PROMPT_TOKENS}-token prompts, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    print("| model | new tokens | prefill s | decode s | decode ms / step | decode tokens/s | bound tokens/s | "
-          "of the bound | GPU kernels busy |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"# bench/rollout.py --engine megatron, {time.strftime('%Y-%m-%d')}, {where}, torch {torch.__version__}, "
+          f"{args.dtype}, random weights, {args.batch} sequences, {PROMPT_TOKENS}-token prompts, copy bandwidth "
+          f"{bandwidth / 1e9:.0f} GB/s")
+    print("| model | decode | new tokens | prefill s | decode s | decode ms / step | decode tokens/s | bound tokens/s "
+          "| of the bound | GPU kernels busy |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    fixed = "CUDA graphs" if cuda else "fixed shape"
+    modes = [("eager", False), (fixed, True)] if args.cuda_graphs else [("eager", False)]
     for name in args.models.split(","):
         shape = SHAPES[name]
         hf = LlamaConfig(**shape)
         torch.manual_seed(0)
         model = build_gpt_model(hf, transformer_config(hf, params_dtype=dtype)).eval()
-        engine = MegatronEngine(model, None, eos_token_id=-1, vocab_size=shape["vocab_size"],  # -1: never stops
-                                max_model_len=PROMPT_TOKENS + max(lengths) + 8, max_batch_size=args.batch)
         g = torch.Generator().manual_seed(1)
         prompts = torch.randint(50, shape["vocab_size"] - 50, (args.batch, PROMPT_TOKENS), generator=g).tolist()
-
-        def generate(n: int, temperature: float = 1.0):
-            return engine.generate(prompts, SamplingConfig(n=1, temperature=temperature, max_tokens=n))
-
-        generate(4)  # warm-up: the KV cache allocated, kernels chosen
         weights, kv_per_token = weight_bytes(shape, args.dtype)
-        for length in lengths:
-            times = {}
-            for n in (1, length):
-                sync()
-                t0 = time.perf_counter()
-                out = generate(n)
-                sync()
-                times[n] = time.perf_counter() - t0
-                assert all(len(s[0].response_ids) == n for s in out), "a sequence stopped early"
-            profiled = min(length, 32)
-            busy = kernel_busy_fraction(lambda: generate(profiled), device)
-            decode, steps = times[length] - times[1], length - 1
-            tokens = args.batch * steps
-            step_bytes = weights + args.batch * (PROMPT_TOKENS + length / 2) * kv_per_token
-            bound = args.batch / (step_bytes / bandwidth)
-            gpu = "-" if busy is None else f"{busy[0]:.0%} ({busy[1] / profiled:.0f} kernels / token)"
-            print(f"| {name} | {length} | {times[1]:.3f} | {decode:.3f} | {decode / steps * 1e3:.2f} | "
-                  f"{tokens / decode:.0f} | {bound:.0f} | {tokens / decode / bound:.1%} | {gpu} |", flush=True)
-        engine.close()
-        if cuda and args.cuda_graphs:
-            print(f"CUDA graphs ({name}): {cuda_graph_attempt(hf, dtype, args.batch, prompts)}", flush=True)
-        model = engine = None  # freed before the next model
+        greedy, notes = {}, []
+        for mode, graphs in modes:
+            engine = MegatronEngine(model, None, eos_token_id=-1, vocab_size=shape["vocab_size"],  # -1: never stops
+                                    max_model_len=PROMPT_TOKENS + max(lengths) + 8, max_batch_size=args.batch,
+                                    cuda_graphs=graphs)
+
+            def generate(n: int, temperature: float = 1.0):
+                return engine.generate(prompts, SamplingConfig(n=1, temperature=temperature, max_tokens=n))
+
+            sync()
+            t0 = time.perf_counter()
+            generate(max(lengths))  # warm-up: the KV cache allocated, kernels chosen, every bucket's graph captured
+            sync()
+            warm = time.perf_counter() - t0
+            if engine.static is not None:
+                notes.append(f"{mode}: warm-up ({max(lengths)} tokens, {engine.static.captures} graphs captured) "
+                             f"{warm:.1f} s")
+            for length in lengths:
+                times = {}
+                for n in (1, length):
+                    sync()
+                    t0 = time.perf_counter()
+                    out = generate(n)
+                    sync()
+                    times[n] = time.perf_counter() - t0
+                    assert all(len(s[0].response_ids) == n for s in out), "a sequence stopped early"
+                profiled = min(length, 32)
+                busy = kernel_busy_fraction(lambda: generate(profiled), device) if args.profile else None
+                decode, steps = times[length] - times[1], length - 1
+                tokens = args.batch * steps
+                step_bytes = weights + args.batch * (PROMPT_TOKENS + length / 2) * kv_per_token
+                bound = args.batch / (step_bytes / bandwidth)
+                gpu = "-" if busy is None else f"{busy[0]:.0%} ({busy[1] / profiled:.0f} kernels / token)"
+                print(f"| {name} | {mode} | {length} | {times[1]:.3f} | {decode:.3f} | {decode / steps * 1e3:.2f} | "
+                      f"{tokens / decode:.0f} | {bound:.0f} | {tokens / decode / bound:.1%} | {gpu} |", flush=True)
+            greedy[mode] = [s[0].response_ids for s in generate(32, temperature=0.0)]
+            engine.close()
+            engine = None
+        if len(greedy) == 2:
+            same = sum(a == b for a, b in zip(*greedy.values()))
+            notes.append(f"greedy: {same} of {args.batch} sequences of 32 tokens equal the eager engine's")
+        print(f"<!-- {name}: {'; '.join(notes)} -->", flush=True)
+        model = None  # freed before the next model
         if cuda:
             torch.cuda.empty_cache()
     shutdown()
-
-
-def cuda_graph_attempt(hf, dtype, batch: int, prompts) -> str:
-    """Megatron's local CUDA graphs for the static engine's decode: ``cuda_graph_impl="local"`` (with the
-    inference RNG tracker and ``flash_decode``, which megatron-core 0.16.1 asks for with static batching), the
-    greedy tokens against the eager model's, or the error that megatron-core raises."""
-    import torch
-    from megatron.core.tensor_parallel import random as mrandom
-
-    from alignment.models.gpt import build_gpt_model, transformer_config
-    from alignment.rollout.base import SamplingConfig
-    from alignment.rollout.megatron_engine import MegatronEngine
-
-    tokens = {}
-    for graphs in (False, True):
-        try:
-            config = transformer_config(hf, params_dtype=dtype)
-            if graphs:
-                mrandom.model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True, force_reset_rng=True)
-                config.cuda_graph_impl, config.flash_decode = "local", True
-            torch.manual_seed(0)
-            model = build_gpt_model(hf, config).eval()
-            engine = MegatronEngine(model, None, eos_token_id=-1, vocab_size=hf.vocab_size,
-                                    max_model_len=PROMPT_TOKENS + 64, max_batch_size=batch)
-            out = engine.generate(prompts, SamplingConfig(n=1, temperature=0.0, max_tokens=32))
-        except Exception as e:  # noqa: BLE001 - the finding is the message
-            return f"refused: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        finally:
-            mrandom.model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
-        tokens[graphs] = [s[0].response_ids for s in out]
-    same = sum(a == b for a, b in zip(tokens[False], tokens[True]))
-    return f"ran; {same} of {batch} greedy sequences equal the eager engine's"
 
 
 def run_layout(name: str, args) -> list[dict]:
@@ -296,7 +287,9 @@ def main() -> None:
     ap.add_argument("--engine", default="vllm", choices=["vllm", "megatron"])
     ap.add_argument("--models", default="smollm2-135m", help="--engine megatron: " + ",".join(SHAPES))
     ap.add_argument("--batch", type=int, default=64, help="--engine megatron: sequences at once")
-    ap.add_argument("--cuda-graphs", action="store_true", help="--engine megatron: also try Megatron's CUDA graphs")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="--engine megatron: also decode with fixed-shape steps (CUDA graphs on a GPU)")
+    ap.add_argument("--profile", action="store_true", help="--engine megatron: GPU kernel time / wall time")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--ranks", type=int, default=1, help=argparse.SUPPRESS)
