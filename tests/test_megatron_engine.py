@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallel.attention import cached_causal_attention
+from parallel.cached_attention import cached_causal_attention
 
 
 def test_cached_causal_attention_aligns_the_mask_to_the_last_queries():

@@ -13,7 +13,7 @@ every step of the span (vLLM captures its decode per batch size in the same way)
   own KV cache (``StaticInferenceContext.key_value_memory_dict``, ``[max_seq, max_batch, kv_heads, head_dim]``
   per layer) with ``index_copy_`` at that position;
 - attention reads the cache up to the end of the position's bucket (``bucket`` positions each), masking the
-  positions after the current one (:func:`parallel.attention.cached_causal_attention`, as the eager decode); a new
+  positions after the current one (:func:`parallel.cached_attention.cached_causal_attention`, as the eager decode); a new
   cache (megatron-core allocates it with ``torch.empty``) is zeroed past the prompt once, since a masked
   position still multiplies its value by 0, and ``inf * 0`` is NaN;
 - Megatron keeps keys *before* rotary in its cache and rotates the whole slice at every step; here the cache holds
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from parallel.attention import cached_causal_attention
+from parallel.cached_attention import cached_causal_attention
 
 BUCKET = 64  # positions per graph: attention reads the cache up to the bucket's end
 

@@ -25,7 +25,6 @@ from alignment.models import qwen3
 from alignment.models.dims import ModelDims
 from alignment.models.mapping import Family, Mapping, Replicated, VllmSplit
 from alignment.models.qwen2_5_vl.positions import mrope_position_ids
-from alignment.models.qwen3_vl.rope import interleaved_mrope
 from alignment.models.vlm import VisionSpec, checked_mrope_section
 
 ARCHITECTURE = "Qwen3VLForConditionalGeneration"
@@ -129,6 +128,15 @@ def vision_tower(cfg):
     return Qwen3VLVisionModel._from_config(cfg.vision_config)
 
 
-VISION = VisionSpec(tower=vision_tower, positions=mrope_position_ids, rotary=interleaved_mrope)
+def rotary(kv_channels: int, rotary_base: float):
+    """The language model's interleaved M-RoPE (:func:`alignment.models.qwen3_vl.rope.interleaved_mrope`),
+    imported when a model is built: it subclasses Megatron's rotary, and importing Megatron costs ~2 s that
+    ``megalign train``'s config checks do not need."""
+    from alignment.models.qwen3_vl.rope import interleaved_mrope
+
+    return interleaved_mrope(kv_channels, rotary_base)
+
+
+VISION = VisionSpec(tower=vision_tower, positions=mrope_position_ids, rotary=rotary)
 FAMILY = Family("qwen3_vl", (ARCHITECTURE,), dims, qwen3.layer, extra=vision_rows, causal_lm=False, vision=VISION,
                 hf_language_model="model.language_model.", vllm_language_model="language_model.")
