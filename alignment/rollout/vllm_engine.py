@@ -10,6 +10,7 @@ computed with old weights is reused.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from typing import Iterable
@@ -171,6 +172,10 @@ class VLLMEngine:
         enforce_eager, why = choose_enforce_eager(enforce_eager, warm=warm, steps=steps)
         if not enforce_eager:
             cache.activate()
+        # vLLM freezes its whole heap once it has started (vllm/utils/gc_utils.freeze_gc_heap). Freezing what is alive
+        # now (the job's modules, models and data, ~0.7 M objects that live for the run) first spares the full
+        # collections its model loader runs: 0.3-1 s each on a 2-core machine.
+        gc.freeze()
         started = time.perf_counter()
         self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=enforce_eager, max_model_len=max_model_len,
                        seed=seed, tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=True,
