@@ -6,7 +6,7 @@ parity workers run it at TP=2 against the single-process model.)"""
 import pytest
 import torch
 
-from parallel.vocab_logprobs import chunk_tokens, vocab_parallel_logprobs
+from parallel.vocab_logprobs import chunk_tokens, default_chunk, vocab_parallel_logprobs
 
 
 def _reference(logits, target, vocab, temperature):
@@ -65,3 +65,24 @@ def test_bad_input():
 def test_chunk_size():
     assert chunk_tokens(49152) == (64 << 20) // (4 * 49152)  # 341 tokens of SmolLM2's vocabulary
     assert chunk_tokens(10**9) == 1
+
+
+def test_cache_sized_chunks_on_cpu_give_the_same_bits():
+    """On a CPU the default chunk is 4 MiB of fp32 (21 tokens of SmolLM2's vocabulary) so that each pass stays in
+    cache; every token's statistics are computed alone, so logprobs, entropy and gradient equal those of one
+    64 MiB chunk bit for bit."""
+    torch.manual_seed(0)
+    vocab = 1000
+    logits = (torch.randn(3, 50, vocab) * 3).to(torch.bfloat16)
+    assert default_chunk(logits) == (4 << 20) // (4 * vocab) == 1048
+    assert default_chunk(torch.empty(2, 49152)) == 21
+    target = torch.randint(0, vocab, (3, 50))
+    out = []
+    for chunk in (7, None, 150):  # small chunks, the default, the whole batch in one
+        x = logits.clone().requires_grad_(True)
+        lp, ent = vocab_parallel_logprobs(x, target, vocab, temperature=0.7, chunk=chunk)
+        lp.sum().backward()
+        out.append((lp, ent, x.grad))
+    for other in out[1:]:
+        for a, b in zip(out[0], other):
+            assert torch.equal(a, b)
