@@ -64,6 +64,8 @@ def one_run(out: Path, steps: int, overrides: list[str]) -> dict:
     if proc.returncode:
         raise SystemExit(f"the run failed (exit status {proc.returncode}): see {out}.log")
     summary = json.loads((out / "summary.json").read_text())
+    if not seen:
+        raise SystemExit(f"no rank process ({TRAIN_SCRIPT}) was seen under the command: see {out}.log")
     cli_s = min(seen.values())
     return {"cli_s": cli_s, "rank_s": summary["startup_s"], "total_s": cli_s + summary["startup_s"],
             "before": summary.get("heldout_accuracy_before"), "after": summary.get("heldout_accuracy_after")}
