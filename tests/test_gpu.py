@@ -257,8 +257,9 @@ def test_megatron_engine_decodes_with_cuda_graphs_as_it_does_eagerly():
             calls.append(engine.generate(prompts, sampled))
             captures.append(engine.static.captures if graphs else 0)
             runs[graphs] = [s for call in calls for group in call for s in group]
-        # positions 3..108 span buckets [0, 64) and [64, 128): 2 graphs for 6 rows, 2 for 4, 2 after sleep
-        assert captures[:4] == [2, 2, 4, 6], captures
+        # positions 3..108 span buckets [0, 64) and [64, 128): 2 graphs for 6 greedy rows, 2 for 6 sampled (the
+        # decode loop's graphs hold the sampler: alignment/rollout/decode_loop.py), 2 for 4, 2 after sleep
+        assert captures[:4] == [2, 4, 6, 8], captures
         pairs = list(zip(runs[True], runs[False]))
         assert len(pairs) == 6 + 6 + 4 + 6 and all(len(a.response_ids) == 100 for a, _ in pairs)
         assert all(a.response_ids == b.response_ids for a, b in pairs)

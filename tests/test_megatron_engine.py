@@ -59,8 +59,13 @@ def test_megatron_engine_matches_transformers(torchrun_json):
     assert r["drawn_logprob_is_reported"] < 1e-4, r
     # decode steps of fixed shape (the CUDA-graph path, uncaptured on CPU): eager engine's greedy and sampled
     # tokens over 70 new tokens (two 64-position buckets), before and after sleep, logprobs to fp32 rounding
-    assert r["static_decoder_only_when_asked"] and r["static_rows"] == 2 + 4 + 4, r
+    # alignment/rollout/decode_loop.py generates those batches (sampling and stop checks in the step); a 4th call
+    # stops at an EOS id the rows draw part-way: the same responses, cut after the EOS, as Megatron's own loop
+    assert r["static_decoder_only_when_asked"] and r["static_loop_used"] and r["static_rows"] == 2 + 4 + 4 + 4, r
     assert r["static_tokens_equal"] and r["static_logprob_max_diff"] < 1e-5, r
+    ends = r["static_eos_rows"]
+    assert r["static_eos_equal"] and any(f and last for f, _, last in ends) and any(not f for f, _, _ in ends), ends
+    assert all(n == 70 for f, n, _ in ends if not f) and all(n < 70 for f, n, _ in ends if f), ends
 
 
 @pytest.mark.slow

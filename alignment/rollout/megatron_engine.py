@@ -62,6 +62,7 @@ from collections.abc import Iterable
 import torch
 
 from alignment.rollout.base import OnDone, Sample, SamplingConfig, step_seed
+from alignment.rollout.decode_loop import DecodeLoop
 from alignment.rollout.generation_images import GenerationImages
 from alignment.rollout.image_prompts import ImagePrompt, images_of
 from alignment.rollout.routed_experts import GenerationRouting
@@ -98,14 +99,45 @@ def _rollout_controller(wrapper, tokenizer, eos_token_ids: set[int]):
       for logprobs);
     - plain sampling (no top-k / top-p) draws ``argmax(p / e)`` with ``e ~ Exp(1)`` made from
       ``-log(uniform)`` (the exponential-race form of ``multinomial(p)``, as vLLM samples), since
-      torch's CPU ``multinomial`` spends ~30 ms per 32 x 49,152 draw here.
+      torch's CPU ``multinomial`` spends ~30 ms per 32 x 49,152 draw here;
+    - with ``.loop`` set (:class:`alignment.rollout.decode_loop.DecodeLoop`, the engine's fixed-shape decode
+      steps), greedy and plain sampling run in that loop, sampling and stop checks inside the step (the same
+      tokens and logprobs); top-p sampling keeps Megatron's loop. Either way :meth:`row_logprobs` gives each
+      row's sampled-token logprobs.
     """
+    from megatron.core.inference.inference_request import Status
     from megatron.core.inference.text_generation_controllers.text_generation_controller import (
         TextGenerationController,
     )
 
     class RolloutController(TextGenerationController):
         step_logprobs: list = []
+        loop: DecodeLoop | None = None
+        loop_logprobs: list | None = None  # the last batch's rows' logprobs, when the loop generated it
+
+        def generate_all_output_tokens_static_batch(self, active_requests, active_streams=None):
+            params = next(iter(active_requests.values())).sampling_params
+            greedy = params.top_k == 1
+            if self.loop is None or active_streams or not (greedy or (params.top_k == 0 and params.top_p == 0.0)):
+                self.loop_logprobs = None
+                return super().generate_all_output_tokens_static_batch(active_requests, active_streams)
+            with torch.inference_mode():
+                rows = self.loop.generate(self.inference_wrapped_model,
+                                          [list(r.prompt_tokens) for r in active_requests.values()],
+                                          params.num_tokens_to_generate, self.inference_wrapped_model.temperature,
+                                          greedy)
+            for request, (ids, _) in zip(active_requests.values(), rows):
+                request.generated_tokens = torch.tensor(ids, dtype=torch.long)
+                request.generated_length = len(ids)
+                request.status = Status.COMPLETED
+            self.loop_logprobs = [lps for _, lps in rows]
+            return active_requests
+
+        def row_logprobs(self, rows: int) -> list[list[float]]:
+            """Each row's sampled-token logprobs for the batch just generated (``rows`` rows)."""
+            if self.loop_logprobs is not None:
+                return self.loop_logprobs[:rows]
+            return _row_logprobs(self.step_logprobs, rows)
 
         def sample_from_logits(self, last_token_logits, sampling_params=None, vocab_size=None,
                                generation_started=None, **kwargs):
@@ -241,8 +273,10 @@ class MegatronEngine:
             global RNG is left as it was.
         record_routing: a mixture-of-experts model's samples carry ``routed_experts`` (R3).
         cuda_graphs: decode steps of fixed shape captured as CUDA graphs
-            (:class:`alignment.rollout.static_decode.StaticDecoder`); None: on a GPU. On a CPU, True runs the
-            same fixed-shape steps without capture. A model the step does not cover (mixture-of-experts,
+            (:class:`alignment.rollout.static_decode.StaticDecoder`), greedy and plain sampling in the engine's
+            own loop with the sampling and stop checks inside the graph
+            (:class:`alignment.rollout.decode_loop.DecodeLoop`); None: on a GPU. On a CPU, True runs the same
+            fixed-shape steps and loop without capture. A model the step does not cover (mixture-of-experts,
             vision-language, ...: :func:`alignment.rollout.static_decode.unsupported`) decodes eagerly.
     """
 
@@ -276,6 +310,7 @@ class MegatronEngine:
         cuda = torch.cuda.is_available()
         if (cuda if cuda_graphs is None else cuda_graphs) and not record_routing and unsupported(model) is None:
             self.wrapper.static = StaticDecoder(model, graphs=cuda)
+            self.controller.loop = DecodeLoop(self.wrapper.static, self.eos_token_ids, vocab_size)
         self.static = self.wrapper.static
         if static_engine.HAVE_TQDM:  # its "static requests" bar per call: the job's step bar is enough
             from functools import partial
@@ -360,7 +395,7 @@ class MegatronEngine:
                         self.wrapper.images = GenerationImages(self.vision, chunk, sampling.max_tokens)
                     batch = self.engine.generate(prompts=[list(p) for p in chunk], sampling_params=params)
                     requests += batch
-                    logprobs += _row_logprobs(self.controller.step_logprobs, len(batch))
+                    logprobs += self.controller.row_logprobs(len(batch))
                     routed += self.routing.rows_recorded() if self.routing is not None else [None] * len(batch)
                     while len(requests) >= (len(out) + 1) * sampling.n:  # prompts whose rows are all done
                         i = len(out)

@@ -30,16 +30,35 @@ and the engine then decodes eagerly.
 
 On a GPU each ``(batch, bucket)`` is captured once (``torch.cuda.CUDAGraph``, all graphs sharing one memory
 pool) and replayed for every later step in it; the graphs are dropped when the KV cache moves (the engine's
-``sleep`` frees it) or a parameter's memory does (``trainer.offload``). On a CPU the same step runs without capture (that is how the CPU tests check it).
+``sleep`` frees it) or a parameter's memory does (``trainer.offload``). On a CPU the same step runs without capture
+(that is how the CPU tests check it). :meth:`StaticDecoder.decode` is the step alone, as Megatron's loop calls it;
+:meth:`StaticDecoder.prepare`, :meth:`StaticDecoder.step` and :meth:`StaticDecoder.run` let a caller put more into
+the same graph (:mod:`alignment.rollout.decode_loop` adds the sampling and stop checks).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from parallel.cached_attention import cached_causal_attention
 
 BUCKET = 64  # positions per graph: attention reads the cache up to the bucket's end
+
+
+@dataclass
+class DecodeStep:
+    """The fixed-shape inputs of one decode step (:meth:`StaticDecoder.prepare`): each layer's ``(keys,
+    values)`` cache ``[max_seq, max_batch, kv_heads, head_dim]``, the tokens ``[batch, 1]`` and position
+    ``[1]`` (the same tensors for every step of a batch size), and ``end``, where attention stops reading the
+    cache (the end of the position's bucket)."""
+
+    caches: list
+    tokens: torch.Tensor
+    position: torch.Tensor
+    end: int
+    batch: int
 
 
 def unsupported(model) -> str | None:
@@ -103,7 +122,7 @@ class StaticDecoder:
         self.layers = list(model.decoder.layers)
         self._rope = None  # [max_seq, 1, 1, rot_dim], per max_seq
         self._rotated = True
-        self._captured: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
+        self._captured: dict[tuple, tuple[object, object]] = {}  # key -> (graph, its outputs)
         self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # batch -> (tokens [b, 1], position [1])
         self._cache_ptr = None
         self._pool = None
@@ -131,6 +150,14 @@ class StaticDecoder:
         the same position, as Megatron's static batching has them). Writes the step's keys and values into the
         context's cache and returns the logits ``[batch, 1, padded_vocab]`` (the model's dtype), as the model's
         forward returns them. The context's offset is left for the caller to advance."""
+        step = self.prepare(tokens, context)
+        return self.run((step.batch, step.end), lambda: self.step(step))
+
+    def prepare(self, tokens: torch.Tensor, context) -> "DecodeStep":
+        """Set up the step of ``tokens`` ``[batch, 1]`` at position ``context.sequence_len_offset`` and return its
+        fixed-shape inputs (:class:`DecodeStep`; the same tensors for every step of a batch size): a new KV cache
+        is zeroed past the prompt and drops the graphs of the old one, the prompt's keys are rotated after a
+        prefill, and the tokens and position are copied into the batch size's input tensors."""
         batch, position = tokens.size(0), int(context.sequence_len_offset)
         caches = [context.key_value_memory_dict[layer.layer_number] for layer in self.layers]
         max_seq = caches[0][0].size(0)
@@ -144,36 +171,52 @@ class StaticDecoder:
                 values[position:].zero_()
         if not self._rotated:
             self._rotate_prompt_keys(caches, batch, position)
-        end = min(max_seq, (position // self.bucket + 1) * self.bucket)
         if batch not in self._inputs:
             self._inputs[batch] = (torch.zeros(batch, 1, dtype=torch.long, device=tokens.device),
                                    torch.zeros(1, dtype=torch.long, device=tokens.device))
         tokens_in, position_in = self._inputs[batch]
         tokens_in.copy_(tokens)
         position_in.fill_(position)
-        if not self.graphs:
-            return self._step(caches, tokens_in, position_in, end)
-        key = (batch, end)
-        if key not in self._captured:
-            self._captured[key] = self._capture(caches, tokens_in, position_in, end)
-        graph, logits = self._captured[key]
-        graph.replay()
-        return logits
+        end = min(max_seq, (position // self.bucket + 1) * self.bucket)
+        return DecodeStep(caches, tokens_in, position_in, end, batch)
 
-    def _capture(self, caches, tokens_in, position_in, end):
-        """Warm the step up once on a side stream (it writes this step's keys and values, as the replay will),
-        then capture it into the shared pool."""
+    def step(self, step: "DecodeStep") -> torch.Tensor:
+        """The decode step on :meth:`prepare`'s fixed-shape inputs: logits ``[batch, 1, padded_vocab]``."""
+        return self._step(step.caches, step.tokens, step.position, step.end)
+
+    def run(self, key: tuple, fn, restore: tuple[torch.Tensor, ...] = ()):
+        """``fn()``: tensor work on fixed inputs (a step from :meth:`step`, and what a caller adds to it); with
+        ``graphs``, captured into a CUDA graph the first time ``key`` comes and replayed after (the returned
+        tensors are the graph's, overwritten by its next replay). The capture runs ``fn`` once eagerly first (on
+        a side stream), which does the step's work; ``restore``: tensors that ``fn`` updates in place and that
+        must not see that work twice (done flags), put back to their values before it, as is the RNG state."""
+        if not self.graphs:
+            return fn()
+        if key not in self._captured:
+            self._captured[key] = self._capture(fn, restore)
+        graph, out = self._captured[key]
+        graph.replay()
+        return out
+
+    def _capture(self, fn, restore):
+        """Warm ``fn`` up once on a side stream, put ``restore`` and the CUDA RNG state back (a sampler's draws are
+        then those the eager loop makes: the first replay draws what the warm-up drew), then capture ``fn`` into
+        the shared pool."""
+        saved, rng = [t.clone() for t in restore], torch.cuda.get_rng_state()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._step(caches, tokens_in, position_in, end)
+            fn()
         torch.cuda.current_stream().wait_stream(stream)
+        for t, before in zip(restore, saved):
+            t.copy_(before)
+        torch.cuda.set_rng_state(rng)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._step(caches, tokens_in, position_in, end)
+            out = fn()
         self._pool = graph.pool()
         self.captures += 1
-        return graph, logits
+        return graph, out
 
     def _rotate_prompt_keys(self, caches, batch: int, position: int) -> None:
         """Rotate the keys of positions ``[0, position)`` in place (Megatron's prefill stored them un-rotated)."""

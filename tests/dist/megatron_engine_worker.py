@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 
 import torch
 
@@ -106,6 +107,15 @@ def main(out_path: str) -> None:
         runs[name] = [engine.generate(PROMPTS, long_greedy), engine.generate(PROMPTS, long_sampled)]
         engine.sleep()
         runs[name].append(engine.generate(PROMPTS, long_sampled))
+    loop_used = static.controller.loop_logprobs is not None and eager.controller.loop is None
+    # stops at an EOS id: one the sampled rows draw part-way (some rows stop, others run on), the same in both
+    drawn = Counter(t for g in runs["eager"][1] for s in g for t in s.response_ids[5:40])
+    eos = drawn.most_common(1)[0][0]
+    for name, graphs in (("static", True), ("eager", None)):
+        stopping = MegatronEngine(model, None, eos_token_id=[eos, -1], vocab_size=cfg.vocab_size, max_model_len=96,
+                                  max_batch_size=4, seed=7, cuda_graphs=graphs)
+        runs[name].append(stopping.generate(PROMPTS, long_sampled))
+    stopped_rows = [s for g in runs["eager"][-1] for s in g]
     flat = {name: [s for call in r for g in call for s in g] for name, r in runs.items()}
     diffs = [float((torch.tensor(s.logprobs) - hf_logprobs(hf, s.prompt_ids, s.response_ids, 0.7)).abs().max())
              for group in first for s in group]
@@ -121,6 +131,10 @@ def main(out_path: str) -> None:
         "static_decoder_only_when_asked": static.static is not None and eager.static is None,
         "static_tokens_equal": [s.response_ids for s in flat["static"]] == [s.response_ids for s in flat["eager"]],
         "static_rows": len(flat["static"]),
+        "static_loop_used": loop_used,
+        "static_eos_rows": [(s.finished, len(s.response_ids), s.response_ids[-1] == eos) for s in stopped_rows],
+        "static_eos_equal": [(s.response_ids, s.finished) for g in runs["static"][-1] for s in g]
+        == [(s.response_ids, s.finished) for s in stopped_rows],
         "static_logprob_max_diff": max(float((torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max())
                                        for a, b in zip(flat["static"], flat["eager"])),
         "sampled_mean_logprob": drawn.mean().item(),
