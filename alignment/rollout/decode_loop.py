@@ -31,6 +31,16 @@ from alignment.rollout.static_decode import StaticDecoder
 CHECK_EVERY = 8  # decode steps between two reads of the done flags on a GPU (each read waits for the device)
 
 
+def race_sample(logits: torch.Tensor) -> torch.Tensor:
+    """One token per row from ``softmax(logits)``, ``logits`` ``[batch, vocab]`` (fp32, already divided by the
+    temperature; ``-inf`` columns never drawn): ``argmax(p / e)`` with ``e ~ Exp(1)`` made from ``-log(uniform)``,
+    the exponential-race form of ``multinomial(p)`` that vLLM samples with. Returns ``[batch]`` token ids. Both
+    Megatron's loop (the engine's controller) and :class:`DecodeLoop` draw with it, so on a CPU they draw alike."""
+    probs = torch.softmax(logits, dim=-1)
+    race = torch.rand_like(probs).clamp_(min=torch.finfo(probs.dtype).tiny).log_().neg_()
+    return (probs / race).argmax(dim=-1)
+
+
 class _Rows:
     """One batch size's device state: ``tokens`` ``[batch, max_seq]`` (prompts, then what is generated),
     ``logprobs`` ``[batch, max_seq]`` (fp32, at each generated token's position), ``lengths`` ``[batch]`` (prompt
@@ -128,13 +138,8 @@ class DecodeLoop:
         if temperature is not None:  # the wrapper's scaling (megatron_engine._temperature_wrapper), the same bits
             x = x.float() / temperature
             x[:, self.vocab_size:] = float("-inf")
-        if greedy:
-            drawn = x.argmax(dim=-1)
-        else:  # the engine controller's draw (megatron_engine._rollout_controller): the same random numbers
-            probs = torch.softmax(x.float(), dim=-1)
-            race = torch.rand_like(probs).clamp_(min=torch.finfo(probs.dtype).tiny).log_().neg_()
-            drawn = (probs / race).argmax(dim=-1)
-        logprob = torch.log_softmax(x.float(), dim=-1).gather(-1, drawn[:, None])
+        drawn = x.argmax(dim=-1) if greedy else race_sample(x)
+        logprob = torch.log_softmax(x, dim=-1).gather(-1, drawn[:, None])
         at = position + 1
         started = rows.lengths <= at  # [batch] rows past their prompt at the new position
         token = torch.where(started, drawn, rows.tokens.index_select(1, at)[:, 0])

@@ -62,7 +62,7 @@ from collections.abc import Iterable
 import torch
 
 from alignment.rollout.base import OnDone, Sample, SamplingConfig, step_seed
-from alignment.rollout.decode_loop import DecodeLoop
+from alignment.rollout.decode_loop import DecodeLoop, race_sample
 from alignment.rollout.generation_images import GenerationImages
 from alignment.rollout.image_prompts import ImagePrompt, images_of
 from alignment.rollout.routed_experts import GenerationRouting
@@ -143,9 +143,7 @@ def _rollout_controller(wrapper, tokenizer, eos_token_ids: set[int]):
                                generation_started=None, **kwargs):
             plain = sampling_params.top_k == 0 and sampling_params.top_p == 0.0
             if plain:  # the wrapper already divided by the temperature; the controller's is 1
-                probs = torch.softmax(last_token_logits.float(), dim=-1)
-                race = torch.rand_like(probs).clamp_(min=torch.finfo(probs.dtype).tiny).log_().neg_()
-                tokens = (probs / race).argmax(dim=-1)
+                tokens = race_sample(last_token_logits.float())
             else:
                 tokens = super().sample_from_logits(last_token_logits, sampling_params, vocab_size,
                                                     generation_started=generation_started, **kwargs)
