@@ -44,7 +44,7 @@ from alignment.rewards.text import FORMAT_TASKS
 from alignment.rollout.agents import AgentError, load_agent
 from alignment.rollout.config import (RolloutConfig, check_backend, check_engine_tp, check_episodes, check_lengths,
                                       check_partial, check_placement, rollout_ranks)
-from alignment.schema import ConfigError, Range, dotted, field_ranges, ranged, unbounded
+from alignment.schema import ConfigError, Range, dotted, field_ranges, per_task, ranged, unbounded
 from alignment.training.config import TrainerConfig, check_metric_bounds
 from parallel.layout import ParallelLayout, validate_model_layout
 from parallel.packing import alignment
@@ -81,6 +81,9 @@ class ClusterConfig:
     account: str = ""  # Slurm account (nemo-run's SlurmExecutor)
     time: str = "04:00:00"  # Slurm --time
     preempt_signal_seconds: int = ranged(300, 0)  # Slurm --signal=B:USR1@<seconds>: checkpoint this long before the end
+    # each GPU's memory: a job whose planned memory per GPU (launchers/memory_plan.py) is above 95 % of it is
+    # refused at start; null: not checked (a CPU machine)
+    gpu_memory_gib: Optional[float] = ranged(None, 0, low_in=False, note=' (GiB; null: not checked)')
 
 
 @dataclass
@@ -103,7 +106,9 @@ class ProfileConfig:
 class JobConfig:
     """A whole job (schema ``job_schema``, alias ``grpo_schema``; YAML defaults in ``configs/*.yaml``)."""
 
-    run_name: str = "grpo"  # the run's name (TensorBoard, the output directory)
+    # the run's name (TensorBoard, the output directory); null: <algorithm>_<data> (e.g. grpo_prompts), which a
+    # job on your own data takes unless you set it (alignment/compose.py)
+    run_name: Optional[str] = per_task(None)
     output_dir: str = "outputs/${run_name}"  # checkpoints, config.yaml, summary.json, tensorboard/, logs/
     seed: int = ranged(1234, 0)  # every random choice: sampling, data order, initialisation
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -147,6 +152,13 @@ TASK_ALGORITHMS = ("grpo", "rft", "online_dpo", "distill")  # the jobs that ask 
 REF_UPDATES = ("initial", "iteration")
 OFFLINE_ALGORITHMS = ("sft", "rm", "dpo", "prm")
 PROCESS_ESTIMATORS = ("grpo", "grpo_no_std")  # the GRPO-family estimators process_reward has advantages for
+
+
+def total_steps(cfg, train_size: int) -> int:
+    """An RL job's optimizer steps: ``trainer.steps``, or with 0 ``trainer.epochs`` passes over the
+    ``train_size`` training prompts (``rollout.prompts_per_step`` a step, the last partial step left out)."""
+    t = cfg.trainer
+    return t.steps if t.steps else max(1, t.epochs * train_size // cfg.rollout.prompts_per_step)
 
 
 def reward_terms(cfg: JobConfig) -> list:
@@ -622,12 +634,42 @@ def _validate_vision_language(cfg, layout, dims) -> None:
 
 
 def resolve_for_model(cfg: JobConfig, hf_config) -> JobConfig:
-    """Settings whose null default depends on the model, resolved in ``cfg`` (after :func:`validate`):
+    """Settings whose null default depends on the model, resolved in ``cfg`` (by :func:`validate`, first):
     ``trainer.shared_prompt_packing`` is off for a vision-language model (its prompt trees would have no
-    M-RoPE positions). Returns ``cfg``."""
+    M-RoPE positions); ``rollout.max_model_len`` is the model's ``max_position_embeddings`` (lowered to what
+    the prompts need once they are read: :func:`fit_context`). Returns ``cfg``."""
     if cfg.trainer.shared_prompt_packing is None and model_dims(hf_config).is_vision_language:
         cfg.trainer.shared_prompt_packing = False
+    if cfg.rollout.max_model_len is None:
+        cfg.rollout.max_model_len = text_config(hf_config).max_position_embeddings
     return cfg
+
+
+def fit_context(cfg: JobConfig, longest_prompt: int) -> int:
+    """``rollout.max_model_len`` left null: the longest prompt (``longest_prompt`` tokens) plus the longest
+    answer (``rollout.max_tokens`` or ``eval_max_tokens``), at most the model's positions (what
+    :func:`resolve_for_model` set); set in ``cfg`` and returned. Then the checks that depend on it.
+
+    Raises:
+        ConfigError: ``trainer.max_tokens_per_microbatch`` below it.
+    """
+    r = cfg.rollout
+    r.max_model_len = min(r.max_model_len, longest_prompt + max(r.max_tokens, r.eval_max_tokens))
+    check_microbatch_tokens(cfg)
+    return r.max_model_len
+
+
+def check_microbatch_tokens(cfg: JobConfig) -> None:
+    """``trainer.max_tokens_per_microbatch`` holds the longest sequence a rollout can make.
+
+    Raises:
+        ConfigError: naming both and the fix.
+    """
+    t, r = cfg.trainer, cfg.rollout
+    if 0 < t.max_tokens_per_microbatch < r.max_model_len:
+        raise ConfigError(f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch} is below "
+                          f"rollout.max_model_len={r.max_model_len}, the longest sequence a rollout can make; "
+                          f"raise it to at least {r.max_model_len} (or 0 for micro_batch_size rows)")
 
 
 def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int | None = None) -> None:
@@ -645,6 +687,8 @@ def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int 
         dims = model_dims(hf_config)  # the family: a clear error for an unsupported architecture
     except ValueError as e:
         raise ConfigError(f"model.path={cfg.model.path}: {e}") from e
+    context_given = cfg.rollout.max_model_len is not None  # null: fit to the prompts once read (fit_context)
+    resolve_for_model(cfg, hf_config)
     if cfg.rollout.placement == "disaggregated" and cfg.algorithm.name in OFFLINE_ALGORITHMS:
         raise ConfigError(f"rollout.placement=disaggregated: algorithm.name={cfg.algorithm.name} trains on fixed "
                           "data and generates nothing; use rollout.placement=colocated")
@@ -699,10 +743,8 @@ def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int 
                           "(a prompt tree's attention spans the whole tree, and its output positions are "
                           "picked before the output layer); set context_parallel_size=1 and sequence_parallel=false, "
                           "or trainer.shared_prompt_packing=null (on where it runs) or false")
-    if 0 < t.max_tokens_per_microbatch < r.max_model_len:
-        raise ConfigError(f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch} is below "
-                          f"rollout.max_model_len={r.max_model_len}, the longest sequence a rollout can make; "
-                          f"raise it to at least {r.max_model_len} (or 0 for micro_batch_size rows)")
+    if context_given:
+        check_microbatch_tokens(cfg)
     a = cfg.algorithm
     check_policy_loss(a)
     if a.routing_replay != "none" and a.name not in ("grpo", "distill"):

@@ -50,11 +50,23 @@ class Range:
         return below or above
 
 
-def ranged(default, low, high=None, *, low_in: bool = True, high_in: bool = False, note: str = ""):
+#: a field's metadata key marking a value a shipped job chose for its built-in task (:func:`per_task`)
+PER_TASK = "per_task"
+
+
+def ranged(default, low, high=None, *, low_in: bool = True, high_in: bool = False, note: str = "",
+           task: bool = False):
     """A numeric schema field with its :class:`Range` in the field's metadata (``"range"``): the one
     place a field's range lives (:func:`alignment.config.validate_ranges` checks it, ``tools/config_reference.py``
-    prints it)."""
-    return field(default=default, metadata={"range": Range(low, high, low_in, high_in, note)})
+    prints it). ``task``: the field is :func:`per_task`."""
+    return field(default=default, metadata={"range": Range(low, high, low_in, high_in, note), PER_TASK: task})
+
+
+def per_task(default):
+    """A non-numeric schema field whose shipped jobs' values fit their built-in task (``run_name``): a job on
+    the user's own data (``data.train_files``, or a data file of an SFT / RM / DPO job) takes the schema's
+    ``default`` instead, unless the user sets it (:mod:`alignment.compose`)."""
+    return field(default=default, metadata={PER_TASK: True})
 
 
 def unbounded(default=None, *, factory=None):
@@ -98,3 +110,48 @@ def field_ranges(cls) -> dict[str, Range]:
     that has one (:func:`ranged`)."""
     fields = numeric_fields(cls)
     return {name: f.metadata["range"] for name, f in fields.items() if f.metadata.get("range") is not None}
+
+
+@dataclass(frozen=True)
+class Key:
+    """One key of a dataclass schema (:func:`schema_keys`): its Python ``kind`` (``int``, ``float``,
+    ``bool``, ``str``, ``list``, ``dict``: free-form below, ``section``: a nested dataclass), whether it
+    may be null, the element dataclass of a list of sections (``reward.functions``) and its field (range,
+    metadata)."""
+
+    name: str
+    kind: str
+    nullable: bool
+    field: dataclasses.Field | None = None
+    item: type | None = None  # a list of dataclasses: the element's schema
+    schema: type | None = None  # a section: its dataclass
+
+
+def _kind(hint) -> tuple[str, bool, type | None, type | None]:
+    args = typing.get_args(hint)
+    nullable = type(None) in args
+    inner = [a for a in args if a is not type(None)]
+    if typing.get_origin(hint) is typing.Union and len(inner) == 1:
+        hint, args = inner[0], typing.get_args(inner[0])
+    if dataclasses.is_dataclass(hint):
+        return "section", nullable, None, hint
+    origin = typing.get_origin(hint) or hint
+    if origin in (list, tuple):
+        item = args[0] if args and dataclasses.is_dataclass(args[0]) else None
+        return "list", nullable, item, None
+    if origin in (int, float, bool, str):
+        return origin.__name__, nullable, None, None
+    return "dict", True, None, None  # dict[...] / Any: free-form
+
+
+def schema_keys(cls, prefix: str = "") -> dict[str, Key]:
+    """Every key of the dataclass schema ``cls`` (e.g. :class:`alignment.config.JobConfig`), dotted ->
+    :class:`Key`: sections and their fields, nested sections included."""
+    hints, out = typing.get_type_hints(cls), {}
+    for f in dataclasses.fields(cls):
+        kind, nullable, item, schema = _kind(hints[f.name])
+        name = prefix + f.name
+        out[name] = Key(name, kind, nullable, f, item, schema)
+        if schema is not None:
+            out.update(schema_keys(schema, name + "."))
+    return out

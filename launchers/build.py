@@ -154,7 +154,7 @@ def load_model(cfg, path, value_head: bool, lr: float | None = None):
     from transformers import AutoConfig
 
     t = cfg.trainer
-    path = prepare_hf_dir(path)
+    path = prepare_hf_dir(path, revision=cfg.model.revision if str(path) == str(cfg.model.path) else None)
     hcfg = AutoConfig.from_pretrained(path)
     tcfg = job_transformer_config(cfg, hcfg)
     model = build_value_model(hcfg, tcfg, seed=cfg.seed) if value_head else build_gpt_model(hcfg, tcfg)

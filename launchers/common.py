@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from alignment.config import JobConfig, config_yaml, parallel_sizes, resolve_for_model, validate
+from alignment.config import JobConfig, config_yaml, fit_context, job_config, parallel_sizes, validate
 from alignment.models.config import lora_spec
 from alignment.models.families import get_bridge, text_config
 from alignment.models.hf_assets import prepare_hf_dir
@@ -27,13 +28,21 @@ from launchers.build import rollout_layout
 from launchers.console import route_third_party_output
 from launchers.input_checks import check_inputs
 from launchers.job_guard import die_with_launcher, lock_run_dir
+from launchers.memory_plan import check_memory
 from launchers.phase_log import open_log
 from launchers.preemption import install
 from launchers.profiling import PhaseTimers, StepProfiler, memory_report
+from launchers.summary import job_summary
 from launchers.teardown import close_job
 from parallel.layout import ParallelLayout
 from parallel.reshard import Resharder
 from parallel.state import env_world, init_distributed, is_rollout_rank, shutdown, trainer_rollout_group
+
+
+#: the job's YAML file (set by ``launchers/train.py``), copied into the run directory as ``job.yaml``
+JOB_FILE_ENV = "MEGALIGN_JOB_FILE"
+#: set by ``megalign train``, which printed the start-up summary (launchers/summary.py) before the ranks started
+SUMMARY_ENV = "MEGALIGN_SUMMARY_PRINTED"
 
 
 @dataclass
@@ -131,7 +140,8 @@ def serve_as_rollout_rank(cfg, hf_dir: Path, hf_config) -> None:
 def check_job(cfg: JobConfig, world_size: int):
     """What :func:`start` checks before any process group: the config against the world size and
     the model (:func:`alignment.config.validate`), then the job's inputs
-    (:func:`launchers.input_checks.check_inputs`). Returns ``(hf_dir, hf_config, note, prompts)``:
+    (:func:`launchers.input_checks.check_inputs`), then its memory per GPU against the cluster's
+    (:func:`launchers.memory_plan.check_memory`). Returns ``(hf_dir, hf_config, note, prompts)``:
     ``prompts`` an RL job's :class:`alignment.data.prompt_data.PromptSets` (else None).
 
     Raises:
@@ -140,16 +150,21 @@ def check_job(cfg: JobConfig, world_size: int):
     """
     from transformers import AutoConfig, AutoTokenizer
 
-    hf_dir = prepare_hf_dir(cfg.model.path)
+    cfg = job_config(cfg)  # typed once: the checks below resolve defaults in it
+    hf_dir = prepare_hf_dir(cfg.model.path, revision=cfg.model.revision)  # a Hub id: downloaded once per node
     check_hf_dir(hf_dir, "model.path", tokenizer=True)  # a damaged file named before transformers reads it
     hf_config = AutoConfig.from_pretrained(hf_dir)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    validate(cfg, world_size=world_size, hf_config=hf_config, tokenizer_size=len(tokenizer))
-    resolve_for_model(cfg, hf_config)
-    return hf_dir, hf_config, *check_inputs(cfg, hf_config, tokenizer)
+    context_given = cfg.rollout.max_model_len is not None
+    validate(cfg, world_size=world_size, hf_config=hf_config, tokenizer_size=len(tokenizer))  # resolves the model's
+    note, prompts = check_inputs(cfg, hf_config, tokenizer)
+    if not context_given and getattr(prompts, "longest", 0):  # an RL job's prompts: the context they need
+        fit_context(cfg, prompts.longest)
+    check_memory(cfg, hf_config, world_size - rollout_ranks(cfg.rollout))  # cluster.gpu_memory_gib
+    return hf_dir, hf_config, note, prompts
 
 
-def start(cfg: JobConfig) -> Run:
+def start(cfg: JobConfig, composed=None) -> Run:
     """Validate ``cfg`` against the world size and the model and check its inputs
     (:mod:`launchers.input_checks`), both before any process group; set
     the CPU threads per process, initialise the parallel groups, create the output dir with
@@ -174,10 +189,8 @@ def start(cfg: JobConfig) -> Run:
         if rank == 0:
             print(f"third-party output (vLLM, torch, ...): {log}", flush=True)
     hf_dir, hf_config, note, prompts = check_job(cfg, world)
-    if note and rank == 0:
-        print(note, flush=True)
-    if prompts is not None and rank == 0:
-        print(prompts.summary(), flush=True)
+    if rank == 0 and not os.environ.get(SUMMARY_ENV):  # megalign train printed it before the ranks started
+        print("\n".join(job_summary(composed, cfg, hf_config, prompts, note, world)), flush=True)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world) if not torch.cuda.is_available() else 8)
     engines = rollout_ranks(cfg.rollout)
@@ -195,6 +208,9 @@ def start(cfg: JobConfig) -> Run:
     if rank == 0:
         run.out.mkdir(parents=True, exist_ok=True)
         (run.out / "config.yaml").write_text(run.resolved_config)
+        job_file = os.environ.get(JOB_FILE_ENV)
+        if job_file and Path(job_file).is_file():  # the job as written (config.yaml: as resolved)
+            shutil.copyfile(job_file, run.out / "job.yaml")
         from torch.utils.tensorboard import SummaryWriter
 
         run.writer = SummaryWriter(str(run.out / "tensorboard"))

@@ -20,7 +20,7 @@ from alignment.data.prompts import job_prompts
 from alignment.data.step_data import load_records
 from alignment.data.images import ImageProcessor
 from alignment.models.families import model_dims, text_config
-from alignment.models.hf_assets import prepare_hf_dir
+from alignment.models.hf_assets import is_hub_id, prepare_hf_dir
 from alignment.models.hf_files import check_hf_dir
 from alignment.rewards.judge import probe_judge
 from alignment.rewards.remote import RewardServerError, SETTINGS, probe
@@ -80,6 +80,8 @@ def check_model_files(cfg, hf_config, tokenizer=None) -> None:
         if not path or cfg.algorithm.name in OFFLINE_ALGORITHMS:
             continue
         p = Path(path).expanduser()
+        if is_hub_id(str(path)):  # downloaded once per node, as model.path is (an error names the field)
+            p = prepare_hf_dir(str(path), field=field)
         if not (p / "config.json").is_file():
             try:  # smollm2 or a .gguf: converted once, as model.path is
                 p = prepare_hf_dir(str(path)) if str(path) == "smollm2" or str(path).endswith(".gguf") else None
@@ -171,8 +173,9 @@ def check_reward_servers(cfg) -> None:
                 probe(settings["url"], float(settings["timeout_s"]))
             except RewardServerError as e:
                 raise ConfigError(f"reward.functions[{t.name}]: {e}; start the server, or fix its url") from e
+        if t.runs == "judge" and not t.kwargs.get("url") and is_hub_id(str(t.kwargs.get("model", ""))):
+            prepare_hf_dir(str(t.kwargs["model"]), field=f"reward.functions[{t.name}].model")  # fetched once, now
         if t.runs == "judge":
-
             try:
                 probe_judge(t.kwargs)
             except Exception as e:  # noqa: BLE001 - the openai client's errors
@@ -221,7 +224,8 @@ def check_data(cfg, tokenizer, hf_config=None):
         return None
     if a.name in OFFLINE_ALGORITHMS:
 
-        images = image_processor(prepare_hf_dir(cfg.model.path), hf_config) if hf_config is not None else None
+        images = image_processor(prepare_hf_dir(cfg.model.path, revision=cfg.model.revision), hf_config) \
+            if hf_config is not None else None
         rows = {split: tokenize_split(d, a, tokenizer, split, images) for split in ("train", "heldout")}
         if not rows["train"] or not rows["heldout"]:
             empty = "training" if not rows["train"] else "held-out"
@@ -232,7 +236,8 @@ def check_data(cfg, tokenizer, hf_config=None):
     if a.name == "ppo" and not ppo_on_task(cfg):
         return None  # prompts of dpo_en_demo, cut to data.max_prompt_length
 
-    images = image_processor(prepare_hf_dir(cfg.model.path), hf_config) if hf_config is not None else None
+    images = image_processor(prepare_hf_dir(cfg.model.path, revision=cfg.model.revision), hf_config) \
+        if hf_config is not None else None
     try:
         return job_prompts(d, cfg.seed, tokenizer, cfg.rollout, images)
     except (ValueError, FileNotFoundError) as e:  # a file of the user's, or prompts too long: named in the message

@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from alignment.config import total_steps
 from alignment.data.prompt_data import EpochOrder
 from alignment.rewards.remote import RewardServerError, take_failures
 from alignment.trainers.rl_phases import post_for_group, sync_weights, token_staleness
@@ -107,7 +108,7 @@ class JobSpec:
     ``evaluation``: see :class:`Evaluation`. ``request(items)``: the ``(prompts, SamplingConfig)``
     of the first generation ``collect(items, ...)`` asks for, so that an engine on rollout ranks of
     its own can start it early (:class:`RolloutQueue`'s ``post``). ``steps``: the run's optimizer
-    steps (default: :func:`total_steps`). ``log_prefix``: put before each step metric's TensorBoard
+    steps (default: :func:`alignment.config.total_steps`). ``log_prefix``: put before each step metric's TensorBoard
     name (offline jobs: ``train/``). ``postfix``: the progress bar's (name -> (metric, format)).
     ``hf_config``: the HF config written with the export (default: the job's); ``export_adapters``:
     with ``model.lora``, also write the PEFT adapters.
@@ -232,13 +233,6 @@ def skipped_groups(samples, group_size: int) -> float:
     lead = replica_group().rank() == 0
     [n] = all_reduce_sum([sum(bool(s.info.get("reward_skipped")) for s in samples) if lead else 0.0])
     return n / group_size
-
-
-def total_steps(cfg, train_size: int) -> int:
-    """The run's optimizer steps: ``trainer.steps``, or with 0 ``trainer.epochs`` passes over the
-    ``train_size`` training prompts (``rollout.prompts_per_step`` a step, the last partial step left out)."""
-    t = cfg.trainer
-    return t.steps if t.steps else max(1, t.epochs * train_size // cfg.rollout.prompts_per_step)
 
 
 def reshard_and_exit(job, models, spec: JobSpec, latest, step: int, files: dict | None) -> dict:

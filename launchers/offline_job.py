@@ -107,7 +107,7 @@ class HeldoutLoss:
         return {f"heldout/{k}": v for k, v in after.items()}, summary, f"held-out after: {json.dumps(after)}"
 
 
-def run(cfg: JobConfig) -> dict:
+def run(cfg: JobConfig, composed=None) -> dict:
     """Run an SFT / RM / DPO / PRM job through :mod:`launchers.loop`; returns the summary written
     to ``<output_dir>/summary.json``.
 
@@ -117,7 +117,7 @@ def run(cfg: JobConfig) -> dict:
     """
     from megatron.core import parallel_state as ps
 
-    job = start(cfg)  # validates the config before any process group starts
+    job = start(cfg, composed)  # validates the config before any process group starts
     objective = make_objective(cfg, text_config(job.hf_config).vocab_size)
     models = build_models(cfg, job, ["policy", *(["reference"] if objective.needs_reference else [])],
                           value_policy=objective.value_head)

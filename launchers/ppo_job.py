@@ -103,12 +103,12 @@ class WinRate:
         return metrics, {"heldout": result}, f"held-out (reward model judge): {json.dumps(result)}"
 
 
-def run(cfg: JobConfig) -> dict:
+def run(cfg: JobConfig, composed=None) -> dict:
     """Run a PPO job through :mod:`launchers.loop`; returns the summary written to
     ``<output_dir>/summary.json``."""
     from megatron.core import parallel_state as ps
 
-    job = start(cfg)  # validates the config before any process group starts
+    job = start(cfg, composed)  # validates the config before any process group starts
     models = build_models(cfg, job, roles(cfg))
     if ppo_on_task(cfg):  # data.task's problems, graded by reward.functions' text terms
 

@@ -26,7 +26,7 @@ from alignment.schema import ConfigError, plain  # noqa: E402
 from parallel.layout import LayoutError  # noqa: E402
 
 
-def model_config(path: str, resolve: bool):
+def model_config(path: str, resolve: bool, revision: str | None = None):
     """The HF config of ``model.path``, or None when it is not an HF directory and ``resolve`` is
     False (a GGUF or "smollm2" is converted once, ~30 s, by :func:`prepare_hf_dir`)."""
     from transformers import AutoConfig
@@ -37,7 +37,7 @@ def model_config(path: str, resolve: bool):
     if not resolve:
         return None
 
-    return AutoConfig.from_pretrained(prepare_hf_dir(path))
+    return AutoConfig.from_pretrained(prepare_hf_dir(path, revision=revision))
 
 
 def check(config_name: str, overrides: list[str], world_size: int, resolve_model: bool = True):
@@ -55,7 +55,7 @@ def check(config_name: str, overrides: list[str], world_size: int, resolve_model
     if world_size < 1:
         raise ValueError(f"world size {world_size}: must be >= 1 (nodes x processes per node)")
     cfg = job_config(compose(config_name, overrides))
-    hf_config = model_config(cfg.model.path, resolve_model)
+    hf_config = model_config(cfg.model.path, resolve_model, cfg.model.revision)
     if hf_config is not None:
         validate(cfg, world_size=world_size, hf_config=hf_config)
         return cfg

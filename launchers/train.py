@@ -1,28 +1,30 @@
-"""Entry point: ``torchrun --nproc-per-node 2 launchers/train.py [hydra overrides]``.
+"""Entry point: ``torchrun --nproc-per-node 2 launchers/train.py [--config-dir DIR] [--config-name NAME]
+[hydra overrides]`` (what ``megalign train`` launches, and ``srun`` / nemo-run run).
 
-config -> validate (before any process group) -> init groups -> build models -> the RL loop
-(:mod:`launchers.loop`) with GRPO's collect and train (:mod:`alignment.trainers.grpo`).
+config (composed as every entry composes it: :func:`alignment.compose.compose_job`) -> validate (before any
+process group) -> init groups -> build models -> the job's loop (:mod:`launchers.loop` for the RL jobs).
 Works the same under ``srun`` and as a single process.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+if os.getcwd() not in sys.path:  # as `python -m`: your own modules (rewards, agents) import from here
+    sys.path.insert(1, os.getcwd())
 
 from alignment.algorithms.preference_loss import REFERENCE_FREE  # noqa: E402
+from alignment.compose import compose_job, split_job_args  # noqa: E402
 from alignment.config import (  # noqa: E402
     OFFLINE_ALGORITHMS,
     JobConfig,
     job_config,
     process_reward_weight,
-    register,
     reward_terms,
 )
 from alignment.data.prompt_data import training_order  # noqa: E402
@@ -30,13 +32,11 @@ from alignment.trainers import grpo, online_dpo, rft, rl_phases  # noqa: E402
 from alignment.trainers.heldout import HeldoutAccuracy  # noqa: E402
 from launchers import loop, offline_job, ppo_job  # noqa: E402
 from launchers.build import build_models  # noqa: E402
-from launchers.common import start  # noqa: E402
+from launchers.common import JOB_FILE_ENV, start  # noqa: E402
 from launchers.console import BAD_INPUT_EXIT, report_bad_input, route_third_party_output  # noqa: E402
 from launchers.phase_log import record_error  # noqa: E402
 from launchers.preemption import install  # noqa: E402
 from parallel.state import env_world  # noqa: E402
-
-register()
 
 
 def needs_reference(cfg) -> bool:
@@ -56,7 +56,7 @@ def roles(cfg) -> list[str]:
             *(["process_reward_model"] if process_reward_weight(cfg) else [])]
 
 
-def run(cfg: DictConfig | JobConfig) -> dict:
+def run(cfg, composed=None) -> dict:
     """Run the job ``cfg.algorithm.name`` names; returns the summary written to ``<output_dir>/summary.json``.
 
     The composed config becomes the typed :class:`alignment.config.JobConfig` here, once
@@ -66,17 +66,17 @@ def run(cfg: DictConfig | JobConfig) -> dict:
     """
     cfg = job_config(cfg)
     if cfg.algorithm.name in OFFLINE_ALGORITHMS:
-        return offline_job.run(cfg)
+        return offline_job.run(cfg, composed)
     if cfg.algorithm.name == "ppo":
-        return ppo_job.run(cfg)
-    return run_rl(cfg)
+        return ppo_job.run(cfg, composed)
+    return run_rl(cfg, composed)
 
 
-def run_rl(cfg: JobConfig) -> dict:
+def run_rl(cfg: JobConfig, composed=None) -> dict:
     """Run a GRPO-family job, rejection-sampling fine-tuning (``rft``: :mod:`alignment.trainers.rft`)
     or online DPO (``online_dpo``: :mod:`alignment.trainers.online_dpo`) through
     :mod:`launchers.loop`; returns the summary written to ``<output_dir>/summary.json``."""
-    job = start(cfg)  # validates the config and reads the prompts before any process group starts
+    job = start(cfg, composed)  # validates the config and reads the prompts before any process group starts
     models = build_models(cfg, job, roles(cfg))
     train, heldout = training_order(cfg.data, cfg.seed, job.prompts), job.prompts.heldout
 
@@ -107,17 +107,24 @@ def run_rl(cfg: JobConfig) -> dict:
     return loop.run(job, models, spec)
 
 
-@hydra.main(version_base=None, config_path="../configs", config_name="grpo")
-def main(cfg: DictConfig) -> None:
-    """Hydra entry point: compose ``configs/grpo.yaml`` (or ``--config-name sft|rm|dpo|...``)
-    with command-line overrides and run. Exits with ``launchers.preemption.PREEMPTED_EXIT_CODE``
-    (75) when stopped by SIGUSR1/SIGTERM after saving a checkpoint, and with 2 after a bad input
-    under ``megalign train`` (reported in one line by the command: :mod:`launchers.console`)."""
+def main(argv: list[str] | None = None) -> None:
+    """Compose the job named on the command line (``--config-name NAME``, default ``grpo``; ``--config-dir
+    DIR`` for a job file of your own) with its overrides and run it. Exits with
+    ``launchers.preemption.PREEMPTED_EXIT_CODE`` (75) when stopped by SIGUSR1/SIGTERM after saving a
+    checkpoint, and with 2 after a bad input under ``megalign train`` (reported in one line by the command:
+    :mod:`launchers.console`)."""
     install()  # as early as possible: a signal before this would kill the process
-    if cfg.trainer.quiet:  # before Megatron and vLLM are imported (launchers/console.py)
-        route_third_party_output(Path(cfg.output_dir) / "logs" / f"rank{env_world()[0]}.log")
     try:
-        run(cfg)
+        name, config_dir, overrides = split_job_args(list(sys.argv[1:] if argv is None else argv))
+        composed = compose_job(name, overrides, config_dir)
+        os.environ[JOB_FILE_ENV] = str(composed.job_file)  # copied into the run directory (launchers/common.py)
+        cfg = composed.cfg
+        if cfg.trainer.quiet:  # before Megatron and vLLM are imported (launchers/console.py)
+            route_third_party_output(Path(cfg.output_dir) / "logs" / f"rank{env_world()[0]}.log")
+        else:
+            logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="[%(asctime)s][%(name)s][%(levelname)s] "
+                                "- %(message)s")
+        run(cfg, composed)
     except Exception as e:
         record_error(e)  # where this rank was and why it stopped, for megalign train's report
         if report_bad_input(e):  # under `megalign train`: one line, printed once by the command

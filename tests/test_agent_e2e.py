@@ -30,7 +30,7 @@ def test_grpo_trains_on_an_openai_client_agents_episodes(tmp_path):
     common = ["trainer.steps=2", f"data.train_files={tmp_path / 'train.jsonl'}",
               f"data.heldout_files=[{tmp_path / 'heldout.jsonl'}]", "data.shuffle=false",
               "rollout.agent=tests.agent_examples:three_turns", "rollout.agent_timeout_s=120", "rollout.group_size=4",
-              "trainer.micro_batch_size=2", "rollout.max_tokens=64", "rollout.eval_max_tokens=24",
+              "trainer.micro_batch_size=2", "rollout.agent_max_tokens=64",
               "reward.functions=[{name: environment}, {name: exact_match, weight: 0.0}]", "trainer.lr=1e-3", "trainer.progress_bar=false",
               "trainer.eval_before=false", "trainer.save_checkpoint=false", "trainer.export_hf=false"]
     cp, megatron, ppo = run_jobs(

@@ -55,7 +55,7 @@ def test_unknown_option_is_one_line(capfd):
     assert cli.main(["train", "--nprocs", "2"]) == 2
     out, err = capfd.readouterr()
     assert (out + err).splitlines() == ["megalign: error: unknown option '--nprocs': megalign train takes --nproc, "
-                                        "--nnodes, --dry-run, --print-config, --debug, --config-name and key=value "
+                                        "--nnodes, --dry-run, --print-config, --debug, --config-name, --config-dir and key=value "
                                         "overrides"]
 
 

@@ -13,7 +13,8 @@ from alignment.data.prompt_data import EpochOrder, fit_prompts, is_heldout, load
 from alignment.data.prompts import job_prompts
 from alignment.data.prompts import PromptStyle, prompt_messages
 from alignment.data.tasks import FILE_TASK, Problem
-from launchers.loop import prompts_of_step, total_steps
+from alignment.config import total_steps
+from launchers.loop import prompts_of_step
 
 ROWS = [{"question": f"What is {i} + {i}?", "solution": str(2 * i), "level": i % 3} for i in range(40)]
 

@@ -67,7 +67,11 @@ def test_recipe_dry_run_and_memory_plan(recipe, tokenizer_dir, tmp_path, monkeyp
         args += ["--nnodes", str(nodes), "--rdzv-endpoint", "head-node:29500"]
     status = cli.train(args)
     out, err = capfd.readouterr()
-    assert status == 0 and out.startswith(f"ok: recipes/{recipe}") and f"{nodes * gpus} process(es)" in out, out + err
+    lines = out.splitlines()
+    assert status == 0 and lines[-1].startswith(f"ok: recipes/{recipe}") and f"{nodes * gpus} process(es)" in out, \
+        out + err
+    [plan] = [line for line in lines if line.startswith("memory: ")]  # the dry run's memory plan, checked
+    assert "GiB per GPU of 80 GiB" in plan, plan
 
     cfg = compose(f"recipes/{recipe}", overrides)
     assert (cfg.cluster.nodes, cfg.cluster.gpus_per_node) == (nodes, gpus)
@@ -87,3 +91,38 @@ def test_a_recipe_too_big_for_the_gpu_is_caught():
                                                       "trainer.micro_batch_size=4"])
     memory = job_memory(cfg, load_model_config("qwen3-8b"), 8, H100_GIB)
     assert memory.total > (1 - HEADROOM) * H100_GIB * 2**30
+
+
+def test_the_dry_run_refuses_a_layout_the_planner_puts_above_the_gpu(tokenizer_dir, tmp_path, monkeypatch, capfd):
+    """``megalign train --dry-run`` compares the planner's estimate with ``cluster.gpu_memory_gib`` (80 for the
+    H100 clusters): the 8B DPO recipe without LoRA, 4 pairs per forward, is one line and exit status 2."""
+    import torch
+
+    path = stand_in(tokenizer_dir, "qwen3-8b", tmp_path / "qwen3-8b")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    status = cli.train(["--dry-run", "--nproc", "8", "--config-name", "recipes/dpo-qwen3-8b-lora-1n8g",
+                        f"model.path={path}", f"output_dir={tmp_path / 'out'}", "model.lora.rank=0",
+                        "trainer.micro_batch_size=4"])
+    out, err = capfd.readouterr()
+    assert status == 2 and (out + err).count("\n") == 1, out + err
+    assert "GiB per GPU of 80 GiB" in err and "more than 95% of cluster.gpu_memory_gib=80" in err, err
+
+
+def test_plan_reads_a_job(capsys):
+    """``megalign plan --config-name JOB [overrides]`` plans the job's own model, cluster, dtype, micro-batch,
+    sequence length, optimizer and colocated engine, the same table ``--model`` flags give."""
+    from tools import plan_layout
+
+    assert cli.main(["plan", "--config-name", "recipes/grpo-qwen3-1.7b-gsm8k-1n8g", "model.path=qwen3-1.7b"]) == 0
+    out = capsys.readouterr().out
+    first, table = out.split("\n", 1)
+    flags = ["--model", "qwen3-1.7b", "--nodes", "1", "--gpus-per-node", "8", "--dtype", "bfloat16", "--seq-length",
+             "1536", "--micro-batch-size", "4", "--lora-rank", "0", "--distributed-optimizer", "--gpu-memory-gib", "80.0",
+             "--rollout-tp", "1", "--kv-cache-tokens", str(1536 * 64 * 8 // 8)]
+    assert first == f"recipes/grpo-qwen3-1.7b-gsm8k-1n8g: grpo on qwen3-1.7b; planned with {' '.join(flags[2:])}"
+    plan_layout.main(flags)
+    assert capsys.readouterr().out == table and "recommended: TP=1 PP=1 CP=1 DP=8" in table
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--config-name", "grpo", "trainer.stpes=3"])
+    assert capsys.readouterr().err == ("megalign plan: error: trainer.stpes: no such key; did you mean trainer.steps? "
+                                       "(megalign's schema is closed: a new key is refused with or without +)\n")

@@ -349,8 +349,9 @@ def test_jobs_a_vision_language_model_cannot_run_yet_are_refused():
              world_size=2, hf_config=hf)
     validate(cfg("parallel.pipeline_model_parallel_size=2", name="dpo"), world_size=2, hf_config=hf)
     c = job_config(cfg(*grpo, "parallel.tensor_model_parallel_size=2"))
-    validate(c, world_size=2, hf_config=hf)
-    assert shares_prompts(c) and not shares_prompts(resolve_for_model(c, hf))
+    assert shares_prompts(c)
+    validate(c, world_size=2, hf_config=hf)  # resolves the model's defaults first (resolve_for_model)
+    assert not shares_prompts(c) and not shares_prompts(resolve_for_model(c, hf))
 
 
 def test_ranks_prompts_merge_only_with_the_same_images():

@@ -1,6 +1,7 @@
 """``megalign``: one command for every job and tool.
 
     megalign train [--nproc N] [--config-name NAME] [hydra overrides]   # compose, check, then torchrun
+    megalign train --config-dir my_configs --config-name my_job         # a job file of your own (my_configs/my_job.yaml)
     megalign train --config-name sft --dry-run trainer.steps=4          # check only: "ok: ..." or one error line
     megalign train --config-name dpo --print-config                     # the resolved config a job would run
     megalign convert [--nproc N] import|export|reshape SRC OUT [--tp ...]
@@ -29,6 +30,7 @@ import signal
 import sys
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -36,14 +38,15 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, get_args_parser
 
-from alignment.config import job_config
+from alignment.compose import compose_job, split_job_args
+from alignment.config import config_yaml, job_config
 from alignment.schema import ConfigError, plain
 from alignment.training.checkpoint import latest_checkpoint
-from launchers.common import check_job
+from launchers.common import SUMMARY_ENV, check_job
 from launchers.console import BAD_INPUT_EXIT, ERROR_FILE_ENV, error_line
 from launchers.job_guard import check_run_dir_free
 from launchers.phase_log import failure_report
-from launchers.preflight import compose
+from launchers.summary import job_summary, mark_unread, unread_settings
 from parallel.layout import LayoutError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,57 +87,48 @@ def quiet_libraries(debug: bool):
                 logging.getLogger(n).setLevel(level)
 
 
-def _split_config_name(args: list[str]) -> tuple[str, list[str]]:
-    """``--config-name NAME`` / ``--config-name=NAME`` / ``-cn NAME`` out of hydra-style ``args``
-    (default ``grpo``); returns ``(name, overrides)``.
-
-    Raises:
-        ConfigError: an option other than the config name (Hydra's others are not needed here).
-    """
-    name, overrides, rest = "grpo", [], list(args)
-    while rest:
-        a = rest.pop(0)
-        if a in ("--config-name", "-cn"):
-            if not rest:
-                raise ConfigError(f"{a} needs a value: a config in configs/ (grpo, sft, rm, dpo, ppo, ...)")
-            name = rest.pop(0)
-        elif a.startswith("--config-name="):
-            name = a.split("=", 1)[1]
-        elif a.startswith("-"):
-            raise ConfigError(f"unknown option {a!r}: megalign train takes --nproc, --nnodes, --dry-run, "
-                             "--print-config, --debug, --config-name and key=value overrides")
-        else:
-            overrides.append(a)
-    return name.removesuffix(".yaml"), overrides
-
-
 def _train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megalign train", description="Compose and check a job's config, then run it "
-                                "with --nproc processes (torchrun). Other arguments: --config-name NAME and "
-                                "key=value overrides.")
+                                "with --nproc processes (torchrun). Other arguments: --config-name NAME (a shipped "
+                                "job, or NAME.yaml in --config-dir DIR) and key=value overrides.")
     p.add_argument("--nproc", type=int, default=1, help="processes per node (torchrun --nproc-per-node)")
     p.add_argument("--nnodes", type=int, default=1, help="nodes (>1: also --rdzv-endpoint HOST:PORT)")
     p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous, with --nnodes > 1")
     p.add_argument("--dry-run", action="store_true", help="check the config and inputs, print 'ok: ...', start nothing")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config (YAML) and exit")
+    p.add_argument("--print-config", action="store_true", help="check, then print the resolved config (YAML), what "
+                   "the job does not read marked, and exit")
     p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     return p
 
 
-def check(name: str, overrides: list[str], world_size: int):
-    """Compose ``configs/<name>.yaml`` with ``overrides`` and make every rank's start-up checks for
+@dataclass
+class Checked:
+    """A job composed and checked (:func:`check`): its :class:`alignment.compose.Composition`, the typed
+    config, the model's directory and HF config, the resume note and the data read (an RL job's prompts,
+    an SFT / RM / DPO job's example counts)."""
+
+    composed: object
+    cfg: object
+    hf_dir: Path
+    hf_config: object
+    note: str | None
+    prompts: object
+
+
+def check(name: str, overrides: list[str], world_size: int, config_dir: str | None = None) -> Checked:
+    """Compose the job ``name`` (``configs/<name>.yaml``, or ``<config_dir>/<name>.yaml``) with
+    ``overrides`` (:func:`alignment.compose.compose_job`) and make every rank's start-up checks for
     ``world_size`` processes (:func:`launchers.common.check_job`), before any process starts.
-    Returns ``(cfg, hf_dir, note)``: the typed config (:class:`alignment.config.JobConfig`), the model
-    directory and a resume note.
 
     Raises:
         ConfigError, LayoutError, CheckpointError, FileNotFoundError, ValueError, Hydra's errors:
             naming the field or file and the fix (docs "Bad inputs").
     """
-    cfg = job_config(compose(name, overrides))
+    composed = compose_job(name, overrides, config_dir)
+    cfg = job_config(composed.cfg)
     check_run_dir_free(cfg.output_dir)  # no live job writes there
-    hf_dir, _, note, _ = check_job(cfg, world_size)
-    return cfg, hf_dir, note
+    hf_dir, hf_config, note, prompts = check_job(cfg, world_size)
+    return Checked(composed, cfg, hf_dir, hf_config, note, prompts)
 
 
 def launch(script: Path, script_args: list[str], nproc: int, nnodes: int = 1, rdzv_endpoint: str | None = None,
@@ -185,25 +179,30 @@ def _train(opts, rest: list[str]) -> int:
         if opts.nnodes > 1 and not opts.rdzv_endpoint:
             raise ConfigError(f"--nnodes {opts.nnodes} needs --rdzv-endpoint HOST:PORT (the first node's address), "
                              "or launch each node with srun (slurm/)")
-        name, overrides = _split_config_name(rest)
-        if opts.print_config:
-            print(OmegaConf.to_yaml(compose(name, overrides), resolve=True), end="")
+        name, config_dir, overrides = split_job_args(rest)
+        checked = check(name, overrides, world, config_dir)
+        if opts.print_config:  # validated, as the job would run, with what it does not read marked
+            print(mark_unread(config_yaml(checked.cfg), unread_settings(checked.cfg)), end="")
             return 0
-        cfg, hf_dir, note = check(name, overrides, world)
+        lines = job_summary(checked.composed, checked.cfg, checked.hf_config, checked.prompts, checked.note, world)
     except Exception as e:  # noqa: BLE001 - every bad input ends the same way: one line
         if opts.debug:
             raise
         print(error_line(e), file=sys.stderr, flush=True)
         return BAD_INPUT_EXIT
+    cfg = checked.cfg
+    print("\n".join(lines), flush=True)
     if opts.dry_run:
-        print(f"ok: {name} ({cfg.algorithm.name}), {world} process(es), model {hf_dir}, "
-              f"parallel {plain(cfg.parallel)}, output_dir {cfg.output_dir}" + (f"; {note}" if note else ""))
+        print(f"ok: {name} ({cfg.algorithm.name}), {world} process(es), model {checked.hf_dir}, "
+              f"parallel {plain(cfg.parallel)}, output_dir {cfg.output_dir}", flush=True)
         return 0
     with tempfile.TemporaryDirectory(prefix="megalign-") as tmp:
         errors = Path(tmp) / "error"
-        env = {} if opts.debug else {ERROR_FILE_ENV: str(errors)}
+        env = {SUMMARY_ENV: "1"} if opts.debug else {ERROR_FILE_ENV: str(errors), SUMMARY_ENV: "1"}
         failures: dict = {}
-        status = launch(TRAIN_SCRIPT, [f"--config-name={name}", *overrides], opts.nproc, opts.nnodes,
+        job = [f"--config-name={name}", *([f"--config-dir={Path(config_dir).expanduser().resolve()}"] if config_dir
+                                          else [])]
+        status = launch(TRAIN_SCRIPT, [*job, *overrides], opts.nproc, opts.nnodes,
                         opts.rdzv_endpoint, env, failures)
         if status and errors.exists():  # a rank's bad input (launchers/train.py): its first line
             print(errors.read_text().splitlines()[0], file=sys.stderr, flush=True)
@@ -243,6 +242,8 @@ def convert(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """The ``megalign`` entry point; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if os.getcwd() not in sys.path:  # as `python -m`: your own modules (rewards, agents) import from here
+        sys.path.insert(1, os.getcwd())
     commands = {"train": "compose, check and run a job (torchrun)",
                 "convert": "HF <-> Megatron checkpoints (tools/convert_checkpoint.py)",
                 **{k: v[1] for k, v in TOOLS.items()}}

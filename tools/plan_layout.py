@@ -1,5 +1,7 @@
 """Plan a parallel layout: every valid (TP, PP, CP, DP, and EP for mixture-of-experts models) for
-a model on a cluster, its memory per GPU, and the one to use.
+a model on a cluster, its memory per GPU, and the one to use; for a model's shape, or for a job.
+
+    megalign plan --config-name recipes/grpo-qwen3-1.7b-gsm8k-1n8g model.path=/models/Qwen3-1.7B
 
     python tools/plan_layout.py --model llama-3.1-8b --nodes 2 --gpus-per-node 8 --gpu-memory-gib 80
     python tools/plan_layout.py --model qwen3-30b-a3b --nodes 2 --gpus-per-node 8 --distributed-optimizer
@@ -27,12 +29,12 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-from alignment.config import OFFLINE_ALGORITHMS, parallel_sizes  # noqa: E402
-from alignment.models.config import lora_spec  # noqa: E402
+from alignment.config import OFFLINE_ALGORITHMS as OFFLINE  # noqa: E402
 from alignment.models.families import family_of, get_bridge, model_dims  # noqa: E402
 from alignment.models.hf_assets import smollm2_gguf_path  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
-from parallel.memory import DTYPE_BYTES, GiB, MemoryBreakdown, RolloutPlan, estimate_memory  # noqa: E402
+from launchers.memory_plan import JobMemory, job_memory  # noqa: E402,F401 - the job's plan, here too
+from parallel.memory import DTYPE_BYTES, GiB, RolloutPlan  # noqa: E402
 from parallel.plan import RULE, plan, recommend  # noqa: E402
 
 
@@ -80,9 +82,67 @@ def load_model_config(model: str):
     return cfg
 
 
+JOB_OPTIONS = ("--config-name", "-cn", "--config-dir", "-cd")
+
+
+def job_argv(argv: list[str]) -> list[str]:
+    """``megalign plan --config-name JOB [--config-dir DIR] [overrides] [plan flags]``: the plan flags a job
+    implies (its model, cluster, dtype, micro-batch, sequence length, distributed optimizer, LoRA rank and
+    colocated engine), then the flags given, which win. The job is composed as ``megalign train`` composes it
+    (:func:`alignment.compose.compose_job`); a null ``rollout.max_model_len`` plans for the model's positions.
+
+    Raises:
+        ConfigError, hydra's errors: as composing the job does.
+    """
+    from alignment.compose import compose_job, split_job_args
+    from alignment.models.hf_assets import is_hub_id, resolve_model
+
+    flags, rest, items = [], [], list(argv)
+    while items:
+        a = items.pop(0)
+        if a.startswith("--") and a.split("=", 1)[0] not in JOB_OPTIONS:
+            flags.append(a)
+            if "=" not in a and items and not items[0].startswith("-") and "=" not in items[0]:
+                flags.append(items.pop(0))
+        else:
+            rest.append(a)
+    name, config_dir, overrides = split_job_args(rest)
+    cfg = compose_job(name, overrides, config_dir).cfg
+    offline, r, t = cfg.algorithm.name in OFFLINE, cfg.rollout, cfg.trainer
+    model = str(cfg.model.path)
+    if is_hub_id(model):  # a shipped config name, an HF dir, a config.json, .gguf or smollm2 are read as they are
+        model = str(resolve_model(model, cfg.model.revision))
+    hf = load_model_config(model)
+    positions = getattr(getattr(hf, "text_config", hf), "max_position_embeddings", 4096)
+    seq = cfg.data.max_length if offline else (r.max_model_len or positions)
+    gpus = cfg.cluster.gpus_per_node or 1
+    out = ["--model", model, "--nodes", str(cfg.cluster.nodes), "--gpus-per-node", str(gpus),
+           "--dtype", cfg.model.dtype, "--seq-length", str(seq),
+           "--micro-batch-size", str(t.micro_batch_size * (2 if cfg.algorithm.name in ("dpo", "rm") else 1)),
+           "--lora-rank", str(cfg.model.lora.rank),
+           "--distributed-optimizer" if t.use_distributed_optimizer else "--no-distributed-optimizer"]
+    if cfg.cluster.gpu_memory_gib:
+        out += ["--gpu-memory-gib", str(cfg.cluster.gpu_memory_gib)]
+    if not offline and r.backend == "vllm" and r.placement == "colocated":
+        per_gpu = max(1, r.prompts_per_step * r.group_size // (cfg.cluster.nodes * gpus))
+        out += ["--rollout-tp", str(r.tensor_parallel_size), "--kv-cache-tokens", str(seq * per_gpu)]
+    print(f"{name}: {cfg.algorithm.name} on {cfg.model.path}; planned with {' '.join(out[2:])}"
+          + ("" if offline or r.max_model_len else f" (rollout.max_model_len=null: the model's {positions} positions, "
+             "an upper bound)"), flush=True)
+    return out + flags
+
+
 def parse_args(argv=None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a.split("=", 1)[0] in JOB_OPTIONS for a in argv):
+        try:
+            argv = job_argv(argv)
+        except Exception as e:  # noqa: BLE001 - the job's bad input: one line, as megalign train prints it
+            print(f"megalign plan: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
     ap = argparse.ArgumentParser(description="List the valid parallel layouts with their memory per GPU and "
-                                             "recommend one (no GPU needed)")
+                                             "recommend one (no GPU needed); or a job's: --config-name JOB "
+                                             "[--config-dir DIR] [overrides]")
     ap.add_argument("--model", required=True, help="shipped config name, HF dir, config.json, .gguf or smollm2")
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--gpus-per-node", type=int, default=8)
@@ -150,48 +210,6 @@ def _check(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             get_bridge(a.hf_config).check_tp_sizes(1, a.rollout_tp)
         except ValueError as e:
             ap.error(str(e).replace("rollout.tensor_parallel_size", "--rollout-tp"))
-
-
-@dataclass(frozen=True)
-class JobMemory:
-    """A job's memory per GPU (bytes): ``training`` (the policy's largest pipeline stage:
-    :func:`parallel.memory.estimate_memory`), ``reference`` (the frozen reference's weights while the
-    policy trains; 0 with ``trainer.offload``, with LoRA, or without a KL term) and ``rollout`` (a
-    colocated vLLM engine's share of the GPU: ``rollout.gpu_memory_utilization``)."""
-
-    training: MemoryBreakdown
-    reference: int
-    rollout: int
-
-    @property
-    def total(self) -> int:
-        return self.training.total + self.reference + self.rollout
-
-
-def job_memory(cfg, hf_config, world_size: int, gpu_memory_gib: float) -> JobMemory:
-    """The memory per GPU of the composed job ``cfg`` on ``world_size`` GPUs of ``gpu_memory_gib``
-    each: its layout (``parallel.*``), ``model.dtype``, ``trainer.micro_batch_size`` sequences
-    (pairs: two) of ``data.max_length`` (SFT / RM / DPO) or ``rollout.max_model_len`` (RL) tokens,
-    the distributed optimizer, ``model.lora.rank``, the reference and the colocated engine.
-
-    Raises:
-        ValueError / LayoutError: a layout the model cannot take.
-    """
-
-    t, offline = cfg.trainer, cfg.algorithm.name in OFFLINE_ALGORITHMS
-    pairs = cfg.algorithm.name in ("dpo", "rm")
-    layout = ParallelLayout(world_size=world_size, **parallel_sizes(cfg.parallel))
-    lora = lora_spec(cfg.model.lora, cfg.seed)
-    training = estimate_memory(model_dims(hf_config), layout, dtype=cfg.model.dtype,
-                               micro_batch_size=t.micro_batch_size * (2 if pairs else 1),
-                               seq_length=cfg.data.max_length if offline else cfg.rollout.max_model_len,
-                               distributed_optimizer=t.use_distributed_optimizer,
-                               lora_rank=lora.rank if lora else 0)
-    kl = not offline and cfg.algorithm.kl_coef > 0
-    reference = training.weights if kl and not lora and not t.offload else 0
-    colocated = not offline and cfg.rollout.backend == "vllm" and cfg.rollout.placement == "colocated"
-    rollout = int(cfg.rollout.gpu_memory_utilization * gpu_memory_gib * GiB) if colocated else 0
-    return JobMemory(training, reference, rollout)
 
 
 def _gib(n: int) -> str:

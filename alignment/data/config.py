@@ -55,8 +55,10 @@ class DataConfig:
     # held-out prompts: files like train_files, or else the records whose prompt hashes into
     # heldout_fraction of [0, 1) (the same split for every seed); neither: no held-out evaluation
     heldout_files: Optional[Any] = None
-    # the fraction of train_files' prompts held out by hash (without heldout_files)
-    heldout_fraction: float = ranged(0.0, 0, 1, note=' (0: no held-out split by hash)')
+    # the fraction of train_files' prompts (or an SFT / RM / DPO file's records) held out by hash; null: 0.05 of
+    # train_files without heldout_files, else 0 (alignment/compose.py)
+    heldout_fraction: Optional[float] = ranged(None, 0, 1, note=' (0: no held-out split by hash; null: 0.05 of '
+                                               'data.train_files, else 0)')
     prompt_key: str = "prompt"  # the prompt column: a string, or chat messages [{role, content}, ...]
     answer_key: Optional[str] = None  # the reference-answer column; null: "answer" when the files have one
     # algorithm.distill_samples=dataset: the column of data.train_files holding each prompt's answer, the text the

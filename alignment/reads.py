@@ -1,0 +1,219 @@
+"""Which job reads which setting: the settings a job's algorithm, trainer or rollout reads only in some jobs
+or under some condition, each with the jobs that read it and when (:data:`RULES`; a key in no rule is read
+by every job). :func:`unread_keys` lists what a composed job will not read; :mod:`alignment.compose` refuses
+those the user set (on the command line or in their own YAML), naming who reads them, while the values the
+shipped files set stay quiet; ``megalign train --print-config`` marks them.
+
+The table was made by following every read from ``launchers/train.py`` (2026-12-01); a new setting that
+only some jobs read adds its rule here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from alignment.config import OFFLINE_ALGORITHMS, RL_ALGORITHMS, ppo_on_task, reward_terms
+
+#: the policy-gradient jobs (the clipped surrogate, its KL term and rollout correction)
+POLICY_GRADIENT = ("grpo", "distill", "ppo")
+DPO_FAMILY = ("dpo", "online_dpo")
+#: the jobs that grade held-out answers (alignment/trainers/heldout.py); ppo only on data.task / prompt files
+HELDOUT = ("grpo", "rft", "online_dpo", "distill", "ppo")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``key`` (a field, or a section and everything below it) is read by the jobs ``jobs`` (``algorithm.name``
+    values), and only when ``when(cfg)`` holds; ``why``: the condition in words (for the error)."""
+
+    key: str
+    jobs: tuple[str, ...]
+    when: Callable | None = None
+    why: str = ""
+
+
+def _files(cfg) -> bool:
+    return bool(cfg.data.train_files)
+
+
+def _prompts_of_task(cfg) -> bool:
+    """An RL job's prompts come from data.task or data.train_files (not PPO's reward-model demo prompts)."""
+    return cfg.algorithm.name != "ppo" or ppo_on_task(cfg)
+
+
+def _vllm(cfg) -> bool:
+    return cfg.rollout.backend == "vllm"
+
+
+def _agent(cfg) -> bool:
+    return bool(cfg.rollout.agent or cfg.rollout.agent_command)
+
+
+_NO_AGENT = "without an agent (an agent's episodes: rollout.agent_max_tokens, agent_max_tokens_per_turn)"
+
+
+def _has_term(name: str):
+    return lambda cfg: any(t.name == name or t.runs == name for t in reward_terms(cfg))
+
+
+RULES = (
+    # ---- algorithm: each algorithm's own settings
+    Rule("algorithm.advantage_estimator", ("grpo", "distill")),
+    Rule("algorithm.whiten_level", ("grpo", "distill"),
+         lambda c: str(c.algorithm.advantage_estimator).startswith("reinforce_plus_plus"),
+         "with algorithm.advantage_estimator=reinforce_plus_plus[_baseline]"),
+    Rule("algorithm.clip_ratio", POLICY_GRADIENT),
+    Rule("algorithm.clip_ratio_high", POLICY_GRADIENT),
+    Rule("algorithm.policy_loss", POLICY_GRADIENT),
+    Rule("algorithm.clip_ratio_c", POLICY_GRADIENT),
+    Rule("algorithm.rollout_correction", POLICY_GRADIENT),
+    Rule("algorithm.rollout_correction.is_threshold", POLICY_GRADIENT,
+         lambda c: c.algorithm.rollout_correction.is_level is not None, "with algorithm.rollout_correction.is_level"),
+    Rule("algorithm.rollout_correction.mask_low", POLICY_GRADIENT,
+         lambda c: c.algorithm.rollout_correction.mask_level is not None,
+         "with algorithm.rollout_correction.mask_level"),
+    Rule("algorithm.rollout_correction.mask_high", POLICY_GRADIENT,
+         lambda c: c.algorithm.rollout_correction.mask_level is not None,
+         "with algorithm.rollout_correction.mask_level"),
+    Rule("algorithm.kl_coef", POLICY_GRADIENT),
+    Rule("algorithm.kl_estimator", ("grpo", "distill")),
+    Rule("algorithm.loss_agg_mode", ("grpo", "distill")),
+    Rule("algorithm.loss_type", DPO_FAMILY),
+    Rule("algorithm.beta", DPO_FAMILY, lambda c: c.algorithm.loss_type != "orpo", "with a loss_type other than orpo"),
+    Rule("algorithm.label_smoothing", DPO_FAMILY, lambda c: c.algorithm.loss_type == "sigmoid",
+         "with algorithm.loss_type=sigmoid (cDPO)"),
+    Rule("algorithm.simpo_gamma", DPO_FAMILY, lambda c: c.algorithm.loss_type == "simpo",
+         "with algorithm.loss_type=simpo"),
+    Rule("algorithm.orpo_lambda", DPO_FAMILY, lambda c: c.algorithm.loss_type == "orpo",
+         "with algorithm.loss_type=orpo"),
+    Rule("algorithm.center_coef", ("rm",)),
+    Rule("algorithm.gamma", ("ppo",)),
+    Rule("algorithm.gae_lambda", ("ppo",)),
+    Rule("algorithm.value_clip", ("ppo",)),
+    Rule("algorithm.target_kl", ("ppo",)),
+    Rule("algorithm.whiten_advantages", ("ppo",)),
+    Rule("algorithm.ppo_epochs", POLICY_GRADIENT),
+    Rule("algorithm.num_mini_batches", POLICY_GRADIENT),
+    Rule("algorithm.dynamic_sampling", ("grpo", "distill")),
+    Rule("algorithm.max_sampling_rounds", ("grpo", "distill"), lambda c: c.algorithm.dynamic_sampling,
+         "with algorithm.dynamic_sampling=true"),
+    Rule("algorithm.overlong_buffer_len", RL_ALGORITHMS),
+    Rule("algorithm.overlong_penalty_factor", RL_ALGORITHMS, lambda c: c.algorithm.overlong_buffer_len > 0,
+         "with algorithm.overlong_buffer_len > 0"),
+    Rule("algorithm.accept_threshold", ("rft",)),
+    Rule("algorithm.dedup_responses", ("rft",)),
+    Rule("algorithm.rationalize", ("rft",)),
+    Rule("algorithm.ref_update", ("online_dpo",)),
+    Rule("algorithm.iteration_steps", ("online_dpo",), lambda c: c.algorithm.ref_update == "iteration",
+         "with algorithm.ref_update=iteration"),
+    Rule("algorithm.step_separator", ("prm", "grpo", "ppo"),
+         lambda c: c.algorithm.name == "prm" or _has_term("process_reward")(c), "with a process_reward term"),
+    Rule("algorithm.supervision", ("prm",)),
+    Rule("algorithm.distill_loss", ("distill",)),
+    Rule("algorithm.distill_beta", ("distill",), lambda c: c.algorithm.distill_loss == "jsd",
+         "with algorithm.distill_loss=jsd"),
+    Rule("algorithm.task_reward_weight", ("distill",)),
+    Rule("algorithm.distill_samples", ("distill",)),
+    Rule("algorithm.routing_replay", ("grpo", "distill")),
+    # ---- rollout: the RL jobs' sampling
+    Rule("rollout", RL_ALGORITHMS),
+    Rule("rollout.eval_max_tokens", HELDOUT, _prompts_of_task, "on data.task or data.train_files"),
+    Rule("rollout.eval_pass_k", HELDOUT, _prompts_of_task, "on data.task or data.train_files"),
+    Rule("rollout.kv_cache_gib", RL_ALGORITHMS, _vllm, "with rollout.backend=vllm"),
+    Rule("rollout.gpu_memory_utilization", RL_ALGORITHMS, _vllm, "with rollout.backend=vllm"),
+    Rule("rollout.sync_bucket_mb", RL_ALGORITHMS, _vllm, "with rollout.backend=vllm"),
+    Rule("rollout.partial_chunk_tokens", RL_ALGORITHMS, lambda c: c.rollout.partial, "with rollout.partial=true"),
+    Rule("rollout.tools", RL_ALGORITHMS, lambda c: c.rollout.environment == "tools", "with rollout.environment=tools"),
+    Rule("rollout.max_turns", RL_ALGORITHMS, lambda c: c.rollout.environment != "single_turn",
+         "in a multi-turn rollout.environment"),
+    Rule("rollout.max_tokens", RL_ALGORITHMS, lambda c: not _agent(c), _NO_AGENT),
+    Rule("rollout.eval_max_tokens", RL_ALGORITHMS, lambda c: not _agent(c), _NO_AGENT),
+    Rule("rollout.max_tokens_per_turn", RL_ALGORITHMS, lambda c: not _agent(c), _NO_AGENT),
+    Rule("rollout.agent_max_tokens", ("grpo", "ppo"), _agent, "with rollout.agent or rollout.agent_command"),
+    Rule("rollout.agent_max_tokens_per_turn", ("grpo", "ppo"), _agent, "with rollout.agent or rollout.agent_command"),
+    Rule("rollout.agent_concurrency", ("grpo", "ppo"), lambda c: bool(c.rollout.agent or c.rollout.agent_command),
+         "with rollout.agent or rollout.agent_command"),
+    Rule("rollout.agent_timeout_s", ("grpo", "ppo"), lambda c: bool(c.rollout.agent or c.rollout.agent_command),
+         "with rollout.agent or rollout.agent_command"),
+    # ---- trainer
+    Rule("trainer.global_batch_size", OFFLINE_ALGORITHMS),
+    Rule("trainer.critic_lr", ("ppo",)),
+    Rule("trainer.rollout_table_every", RL_ALGORITHMS),
+    Rule("trainer.offload", RL_ALGORITHMS),
+    Rule("trainer.shared_prompt_packing", ("grpo", "distill", "ppo", "rft", "online_dpo")),
+    Rule("trainer.balance_batch", ("grpo", "distill", "ppo", *OFFLINE_ALGORITHMS)),
+    Rule("trainer.eval_cache", HELDOUT, _prompts_of_task, "on data.task or data.train_files"),
+    Rule("trainer.eval_before_overlap", HELDOUT, _prompts_of_task, "on data.task or data.train_files"),
+    Rule("trainer.save_heldout_answers", HELDOUT, _prompts_of_task, "on data.task or data.train_files"),
+    # ---- data: a built-in task, prompt files (RL) or a dataset of examples (SFT / RM / DPO / PRM)
+    Rule("data.task", HELDOUT, lambda c: _prompts_of_task(c) and not _files(c), "without data.train_files"),
+    Rule("data.generator", HELDOUT, lambda c: _prompts_of_task(c) and not _files(c), "without data.train_files"),
+    Rule("data.generator_kwargs", HELDOUT, lambda c: _prompts_of_task(c) and not _files(c),
+         "without data.train_files"),
+    Rule("data.train_size", (*HELDOUT, *OFFLINE_ALGORITHMS), lambda c: not _files(c), "without data.train_files"),
+    Rule("data.heldout_size", (*HELDOUT, *OFFLINE_ALGORITHMS), lambda c: not _files(c), "without data.train_files"),
+    Rule("data.train_files", RL_ALGORITHMS),
+    Rule("data.prompt_key", HELDOUT, _files, "with data.train_files"),
+    Rule("data.answer_key", HELDOUT, _files, "with data.train_files"),
+    Rule("data.response_key", ("distill",), _files, "with data.train_files"),
+    Rule("data.overlong_prompts", HELDOUT, _prompts_of_task, "on data.task or data.train_files"),
+    Rule("data.shuffle", HELDOUT, _prompts_of_task, "on data.task or data.train_files"),
+    Rule("data.instruction", HELDOUT, _prompts_of_task, "on data.task or data.train_files"),
+    Rule("data.system_prompt", HELDOUT, _prompts_of_task, "on data.task or data.train_files"),
+    Rule("data.chat_template_kwargs", HELDOUT, _prompts_of_task, "on data.task or data.train_files"),
+    Rule("data.dataset", OFFLINE_ALGORITHMS),
+    Rule("data.columns", ("sft", "rm", "dpo")),
+    Rule("data.max_length", OFFLINE_ALGORITHMS),
+    Rule("data.max_prompt_length", ("sft", "rm", "dpo", "ppo"), lambda c: c.algorithm.name != "ppo" or not ppo_on_task(c),
+         "(ppo: on its reward model's demo prompts)"),
+    # ---- model
+    Rule("model.critic_path", ("ppo",)),
+    Rule("model.reward_model_path", RL_ALGORITHMS,
+         lambda c: c.algorithm.name == "ppo" or _has_term("reward_model")(c), "with a reward_model reward term"),
+    Rule("model.teacher_path", ("distill",)),
+    Rule("model.lora.alpha", (*RL_ALGORITHMS, *OFFLINE_ALGORITHMS), lambda c: c.model.lora.rank > 0,
+         "with model.lora.rank > 0"),
+    Rule("model.lora.dropout", (*RL_ALGORITHMS, *OFFLINE_ALGORITHMS), lambda c: c.model.lora.rank > 0,
+         "with model.lora.rank > 0"),
+    Rule("model.lora.target_modules", (*RL_ALGORITHMS, *OFFLINE_ALGORITHMS), lambda c: c.model.lora.rank > 0,
+         "with model.lora.rank > 0"),
+    Rule("model.lora.vision_tower", (*RL_ALGORITHMS, *OFFLINE_ALGORITHMS), lambda c: c.model.lora.rank > 0,
+         "with model.lora.rank > 0"),
+    # ---- reward: what the RL jobs score samples with
+    Rule("reward", RL_ALGORITHMS),
+    Rule("reward.process_reward_model", ("grpo", "ppo"), _has_term("process_reward"), "with a process_reward term"),
+    # ---- profile, parallel
+    Rule("profile.steps", (*RL_ALGORITHMS, *OFFLINE_ALGORITHMS), lambda c: c.profile.enabled, "with profile.enabled=true"),
+    Rule("profile.ranks", (*RL_ALGORITHMS, *OFFLINE_ALGORITHMS), lambda c: c.profile.enabled,
+         "with profile.enabled=true"),
+    Rule("parallel.cp_comm_type", (*RL_ALGORITHMS, *OFFLINE_ALGORITHMS),
+         lambda c: c.parallel.context_parallel_size > 1, "with parallel.context_parallel_size > 1"),
+)
+
+
+def _rules(key: str) -> list[Rule]:
+    """The rules of ``key`` and of the sections above it, outermost first."""
+    return [r for r in RULES if key == r.key or key.startswith(r.key + ".")]
+
+
+def unread_reason(cfg, key: str) -> str | None:
+    """Why the composed job ``cfg`` does not read ``key`` (a dotted field), or None when it does."""
+    name = cfg.algorithm.name
+    for rule in _rules(key):
+        if name not in rule.jobs:
+            return f"algorithm.name={name} does not read it (it is read by {', '.join(rule.jobs)})"
+        if rule.when is not None and not rule.when(cfg):
+            return f"algorithm.name={name} reads it only {rule.why}"
+    return None
+
+
+def unread_keys(cfg, keys) -> dict[str, str]:
+    """Of the dotted ``keys``, those the composed job ``cfg`` does not read, each with why
+    (:func:`unread_reason`)."""
+    out = {}
+    for key in keys:
+        reason = unread_reason(cfg, key)
+        if reason is not None:
+            out[key] = reason
+    return out
