@@ -20,6 +20,7 @@ from alignment.models.hf_assets import prepare_hf_dir
 from alignment.models.hf_files import check_hf_dir
 from alignment.models.lora_export import save_peft_adapter
 from alignment.rollout.config import rollout_ranks
+from alignment.schema import ConfigError
 from alignment.rollout.disaggregated import serve
 from alignment.rollout.factory import build_engine
 from alignment.training.host_memory import bound_onednn_primitive_cache, return_freed_memory_to_os
@@ -137,6 +138,25 @@ def serve_as_rollout_rank(cfg, hf_dir: Path, hf_config) -> None:
         shutdown()
 
 
+def check_output_dir(output_dir: str) -> None:
+    """``output_dir`` is a folder this process can write, or can be created (its nearest existing parent is a
+    writable folder); nothing is created here.
+
+    Raises:
+        ConfigError: naming ``output_dir``, what is in the way and the fix.
+    """
+    path = Path(output_dir).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    why = None
+    if not existing.is_dir():
+        why = f"{existing} is a file"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        why = f"{existing} is not writable by this user"
+    if why:
+        raise ConfigError(f"output_dir={output_dir}: cannot be {'written' if existing == path else 'created'} ({why}); "
+                          "give a folder you can write, e.g. output_dir=outputs/<run>")
+
+
 def check_job(cfg: JobConfig, world_size: int):
     """What :func:`start` checks before any process group: the config against the world size and
     the model (:func:`alignment.config.validate`), then the job's inputs
@@ -151,6 +171,7 @@ def check_job(cfg: JobConfig, world_size: int):
     from transformers import AutoConfig, AutoTokenizer
 
     cfg = job_config(cfg)  # typed once: the checks below resolve defaults in it
+    check_output_dir(cfg.output_dir)
     hf_dir = prepare_hf_dir(cfg.model.path, revision=cfg.model.revision)  # a Hub id: downloaded once per node
     check_hf_dir(hf_dir, "model.path", tokenizer=True)  # a damaged file named before transformers reads it
     hf_config = AutoConfig.from_pretrained(hf_dir)

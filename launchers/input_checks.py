@@ -14,16 +14,19 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from alignment.config import OFFLINE_ALGORITHMS, ppo_on_task, reward_terms
+from alignment.config import OFFLINE_ALGORITHMS, heldout_grader, ppo_on_task, reward_terms
+from alignment.data.chat_data import is_data_file, unused_columns
 from alignment.data.examples import tokenize_split
+from alignment.data.prompt_data import FileProblems, columns_of
 from alignment.data.prompts import job_prompts
 from alignment.data.step_data import load_records
 from alignment.data.images import ImageProcessor
 from alignment.models.families import model_dims, text_config
 from alignment.models.hf_assets import is_hub_id, prepare_hf_dir
 from alignment.models.hf_files import check_hf_dir
+from alignment.rewards.functions import MODEL_FUNCTIONS, REFERENCE_GRADERS, reads_of, required_columns
 from alignment.rewards.judge import probe_judge
-from alignment.rewards.remote import RewardServerError, SETTINGS, probe
+from alignment.rewards.remote import RewardServerError, SETTINGS, probe, request_headers
 from alignment.schema import ConfigError, dotted, plain
 from alignment.training.checkpoint import (FULLY_RESHARDABLE, checkpoint_step, latest_checkpoint, optimizer_sharding,
                                            verify_checkpoint)
@@ -170,7 +173,7 @@ def check_reward_servers(cfg) -> None:
         if t.runs == "http":
             settings = {**SETTINGS, **t.kwargs}
             try:
-                probe(settings["url"], float(settings["timeout_s"]))
+                probe(settings["url"], float(settings["timeout_s"]), request_headers(settings))
             except RewardServerError as e:
                 raise ConfigError(f"reward.functions[{t.name}]: {e}; start the server, or fix its url") from e
         if t.runs == "judge" and not t.kwargs.get("url") and is_hub_id(str(t.kwargs.get("model", ""))):
@@ -231,7 +234,10 @@ def check_data(cfg, tokenizer, hf_config=None):
             empty = "training" if not rows["train"] else "held-out"
             raise ConfigError(f"data.dataset={d.dataset}: the {empty} split is empty; give data.heldout_files, a "
                               "data.heldout_fraction in (0, 1) or a data.heldout_size the data can spare")
-        return ExampleCounts.of(d, rows)
+        counts = ExampleCounts.of(d, rows)
+        if is_data_file(str(d.dataset)):
+            counts.unused_columns = unused_columns(str(d.dataset), d.columns, "sft" if a.name == "sft" else "preference")
+        return counts
 
     if a.name == "ppo" and not ppo_on_task(cfg):
         return None  # prompts of dpo_en_demo, cut to data.max_prompt_length
@@ -239,9 +245,62 @@ def check_data(cfg, tokenizer, hf_config=None):
     images = image_processor(prepare_hf_dir(cfg.model.path, revision=cfg.model.revision), hf_config) \
         if hf_config is not None else None
     try:
-        return job_prompts(d, cfg.seed, tokenizer, cfg.rollout, images)
+        prompts = job_prompts(d, cfg.seed, tokenizer, cfg.rollout, images)
     except (ValueError, FileNotFoundError) as e:  # a file of the user's, or prompts too long: named in the message
         raise ConfigError(str(e)) from e
+    prompts.unused_columns = check_file_columns(cfg, prompts)
+    return prompts
+
+
+def check_file_columns(cfg, prompts) -> tuple[str, ...]:
+    """What the reward functions read of prompt files (``data.train_files``; :func:`alignment.rewards.functions.reads_of`)
+    is there: a reference answer that is not empty for every training record (and held-out record, for the
+    held-out grader), each column a TRL function of the user's takes by name, not empty everywhere. Returns the
+    columns nothing reads (the start-up summary names them; none when a function takes every column).
+
+    Raises:
+        ConfigError: naming the function, the column and the fix.
+    """
+    train = prompts.train
+    if not isinstance(train, FileProblems):
+        return ()
+    columns, answer = set(train.table.column_names), train.answer_key
+    where = ", ".join(prompts.sources)
+    shown = ", ".join(columns_of(train.table))
+    used = {train.prompt_key.split(".")[0], *([answer.split(".")[0]] if answer else []), "images", "image",
+            *([cfg.data.response_key.split(".")[0]] if cfg.data.response_key else [])}
+    every = bool(cfg.rollout.agent or cfg.rollout.agent_command or cfg.rollout.environment != "single_turn")
+    grader = heldout_grader(cfg)
+    for t in reward_terms(cfg):
+        if t.runs in MODEL_FUNCTIONS:
+            continue
+        reference, reads = reads_of(t)
+        what = f"reward.functions[{t.name}] ({t.runs})"
+        if reference and answer is None:
+            raise ConfigError(f"{what} compares each answer with a reference answer, but {where} has no answer "
+                              f"column (answer, reward_model.ground_truth; its columns: {shown}): set data.answer_key")
+        if reference and train.empty(answer):
+            raise ConfigError(f"{what} compares each answer with the reference answer, but data.answer_key's column "
+                              f"{answer} is empty in every training record of {where}: set data.answer_key to the "
+                              f"column that holds it (columns: {shown})")
+        held = prompts.heldout
+        if reference and grader is not None and t.name == grader.name \
+                and isinstance(held, FileProblems) and len(held) and held.empty(held.answer_key or ""):
+            raise ConfigError(f"{what} grades the held-out answers against the reference answer, but it is empty in "
+                              f"every held-out record ({held.source}): give the held-out records their answers")
+        for name in required_columns(t):
+            if name not in columns:
+                raise ConfigError(f"{what} takes {name!r}, which is no column of {where} (columns: {shown}): add the "
+                                  "column, give the parameter a default, or take **kwargs")
+        if reads is None:
+            every = True
+            continue
+        for name in sorted(reads & columns):
+            if t.runs not in REFERENCE_GRADERS and name not in ("data_source", "extra_info") and train.empty(name):
+                raise ConfigError(f"{what} takes {name!r}, but that column is empty in every training record of "
+                                  f"{where}")
+        used |= reads & columns
+    return () if every else tuple(sorted(columns - used))
 
 
 @dataclass
@@ -254,6 +313,7 @@ class ExampleCounts:
     tokens: int
     at_limit: int
     max_length: int
+    unused_columns: tuple[str, ...] = ()  # a data file's columns its records' layout does not read
 
     @classmethod
     def of(cls, data, rows: dict) -> "ExampleCounts":

@@ -16,10 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from alignment.config import JobConfig
-from alignment.data.examples import tokenize_split
+from alignment.data.examples import is_unpaired, tokenize_split
+from alignment.data.images import ImageInputs
 from alignment.models.families import text_config
 from alignment.trainers import offline
 from alignment.trainers.dpo import DPOObjective
+from alignment.trainers.kto import KTOObjective
 from alignment.trainers.process_reward import ProcessRewardObjective
 from alignment.trainers.reward_model import RewardModelObjective
 from alignment.trainers.sft import SFTObjective
@@ -34,7 +36,7 @@ from parallel.state import replica_group
 
 def make_objective(cfg, vocab_size: int):
     """The loss function object for ``cfg.algorithm`` (:mod:`alignment.trainers.sft` / ``reward_model`` /
-    ``dpo`` / ``process_reward``)."""
+    ``dpo`` / ``process_reward``; ``kto`` on unpaired data: :mod:`alignment.trainers.kto`)."""
 
     a = cfg.algorithm
     if a.name == "sft":
@@ -43,6 +45,8 @@ def make_objective(cfg, vocab_size: int):
         return RewardModelObjective(center_coef=a.center_coef)
     if a.name == "prm":
         return ProcessRewardObjective()
+    if a.loss_type == "kto" and is_unpaired(cfg.data, a):  # TRL's unpaired preference records: each with its label
+        return KTOObjective(vocab_size, beta=a.beta)
     return DPOObjective(vocab_size, beta=a.beta, loss_type=a.loss_type, label_smoothing=a.label_smoothing,
                         simpo_gamma=a.simpo_gamma, orpo_lambda=a.orpo_lambda)
 
@@ -132,8 +136,8 @@ def run(cfg: JobConfig, composed=None) -> dict:
     def batch_of(examples) -> dict:
         rows = [r for e in examples for r in e]
         batch = offline.build_batch([r[:2] for r in rows], pad, models, objective, rows_per_mb,
-                                    [r[2] if len(r) == 3 else None for r in rows])  # (ids, prompt_len[, images])
-        if hasattr(objective, "add_targets"):  # the PRM's step labels
+                                    [r[2] if len(r) > 2 and isinstance(r[2], ImageInputs) else None for r in rows])
+        if hasattr(objective, "add_targets"):  # the PRM's step labels, KTO's desirability
             objective.add_targets(batch, rows)
         return batch
 

@@ -72,7 +72,7 @@ def composition_lines(comp: Composition, unread=()) -> list[str]:
         lines.append("derived: " + ", ".join(f"{k}={_show(v)} ({why.get(k, 'derived')})" for k, v in comp.derived.items()))
     shipped = shipped_values(comp, unread)
     if shipped:
-        lines.append(f"from {_source(comp)} and the groups it names: "
+        lines.append(f"from the job's files ({_source(comp)} and the shipped files it builds on): "
                      + ", ".join(f"{k}={_show(v)}" for k, v in shipped.items()))
     return lines
 
@@ -114,7 +114,7 @@ def data_lines(cfg: JobConfig, prompts) -> list[str]:
     lines = [prompts.summary()]
     unused = getattr(prompts, "unused_columns", ())
     if unused:
-        lines.append(f"columns no reward function or setting reads: {', '.join(unused)}")
+        lines.append(f"columns the job does not read: {', '.join(unused)}")
     if cfg.algorithm.name not in OFFLINE_ALGORITHMS and hasattr(prompts, "train"):
         t = cfg.trainer
         steps = total_steps(cfg, len(prompts.train))

@@ -35,8 +35,11 @@ class _Local:
 
 
 class RewardServer(_Local):
-    def __init__(self, script: list[str], delay: float = 2.0):
-        self.script, self.delay, self.requests = list(script), delay, []
+    """A reward server (alignment/rewards/remote.py's protocol) following ``script`` request by request; with
+    ``key``, a request without ``Authorization: Bearer <key>`` is answered 401 (``headers``: every request's)."""
+
+    def __init__(self, script: list[str], delay: float = 2.0, key: str | None = None):
+        self.script, self.delay, self.requests, self.key, self.headers = list(script), delay, [], key, []
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -45,6 +48,10 @@ class RewardServer(_Local):
 
             def do_POST(self):  # noqa: N802 - http.server's name
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.headers.append(dict(self.headers))
+                if server.key is not None and self.headers.get("Authorization") != f"Bearer {server.key}":
+                    self.send_error(401)
+                    return
                 server.requests.append(body)
                 what = server.script[min(len(server.requests), len(server.script)) - 1]
                 if what == "hang":

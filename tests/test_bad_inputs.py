@@ -356,6 +356,28 @@ CASES: list[Case] = [
     Case("data", "a prompt file with a byte that is not UTF-8", prompt_file(
         [{"prompt": "1+1?", "answer": "2"}], tail=b'{"prompt": "2+2\xff?", "answer": "4"}\n'), ConfigError,
          "prompts.jsonl:2: not UTF-8 text (byte 0xff at column 16"),
+    Case("data", "an empty prompt file", prompt_file([]), ConfigError, "prompts.jsonl: the file holds no records"),
+    Case("reward", "a TRL reward function taking a column the prompt file does not have", prompt_file(
+        [{"prompt": "1+1?", "answer": "2"}], "[{name: 'tests.reward_fns:contains_answer'}]"), ConfigError,
+         "reward.functions[tests.reward_fns:contains_answer] (tests.reward_fns:contains_answer) takes 'solution', which "
+         "is no column of"),
+    Case("data", "TRL's unpaired preference records (a `label` each) for DPO's sigmoid loss", data_file(
+        "kto.jsonl", "".join(json.dumps({"prompt": f"Hi {i}", "completion": "Hello", "label": i % 2 == 0}) + "\n"
+                             for i in range(6)), "dpo", "data.heldout_size=2"),
+         ValueError, "unpaired preference records (prompt, completion, label) train with KTO (algorithm.loss_type=kto"),
+    Case("data", "verl's parquet with a reference empty in every record", prompt_file(
+        [{"prompt": [{"role": "user", "content": f"{i}+1?"}], "reward_model": {"style": "rule", "ground_truth": ""}}
+         for i in range(4)]), ConfigError, "reward.functions[math_verify] (math_verify) compares each answer with the "
+         "reference answer, but data.answer_key's column reward_model.ground_truth is empty in every training record"),
+    Case("data", "`images` whose count differs from the `<image>` placeholders", prompt_file(
+        [{"prompt": [{"role": "user", "content": "<image><image>How many?"}], "images": ["a.png"], "answer": "2"}]),
+         ConfigError, "prompts.jsonl row 0: 2 <image> placeholders in the prompt and 1 images"),
+    Case("data", "a prompt with images for a text model", prompt_file(
+        [{"prompt": "How many?", "images": ["a.png"], "answer": "2"}]), ConfigError,
+         "shows images, but model.path is a text model"),
+    Case("config", "an `output_dir` that cannot be created (a file in the way)", lambda tmp: (
+        "grpo", [f"output_dir={_write(tmp, 'a_file', 'x')}/run"], 2), ConfigError,
+         "/a_file/run: cannot be created (", ),
     Case("data", "prompt files and no `reward.functions` to score the answers", prompt_file(
         [{"prompt": "1+1?"}], functions="[]"), ConfigError, "data.train_files: prompts of your own need reward.functions"),
     Case("reward", "a reward module that does not import", conf(

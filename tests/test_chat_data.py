@@ -99,7 +99,8 @@ def test_column_mappings_and_held_out_files_or_fraction(tmp_path):
     the prompts hashing into ``data.heldout_fraction`` (the same split at any call, disjoint)."""
     import json
 
-    from alignment.data.chat_data import PreferencePair, SFTExample, check_columns
+    from alignment.data.chat_data import PreferencePair, SFTExample
+    from alignment.data.records import check_columns
 
     qa = tmp_path / "qa.jsonl"
     rows = [{"question": f"Q{i}", "reply": f"A{i}", "persona": "Be brief.", "id": i} for i in range(40)]

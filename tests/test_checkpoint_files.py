@@ -47,3 +47,25 @@ def test_prune_without_checkpoints_does_nothing(tmp_path):
     root = tmp_path / "checkpoints"
     _step(root, "step_3.tmp", complete=False)
     assert prune_checkpoints(root, 1) == [] and (root / "step_3.tmp").is_dir()
+
+
+def test_an_export_says_its_tensors_dtype_and_keeps_the_models_own_tokenizer(tmp_path, tiny_model_dir):
+    """The pieces of ``save_hf_checkpoint`` on bf16 tensors of a model whose base config says float32, with a
+    tokenizer wrapped as vLLM wraps it: ``config.json`` says bfloat16, the tokenizer files are the base's, and
+    transformers and vLLM's loaders read the directory (tests/export_check.py)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from alignment.training.checkpoint import config_with_dtype, copy_tokenizer_files
+    from tests.export_check import check_export
+
+    assert AutoConfig.from_pretrained(tiny_model_dir).dtype == torch.float32
+    state = {k: v.to(torch.bfloat16) for k, v in load_file(tiny_model_dir / "model.safetensors").items()}
+    out = tmp_path / "hf"
+    out.mkdir()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config_with_dtype(AutoConfig.from_pretrained(tiny_model_dir), state).save_pretrained(out)
+    assert copy_tokenizer_files(tiny_model_dir, out)
+    check_export(out, tiny_model_dir)
+    assert not copy_tokenizer_files(tmp_path / "nothing", tmp_path)  # no tokenizer there: the caller saves one

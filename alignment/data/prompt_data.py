@@ -5,8 +5,12 @@ the :class:`alignment.data.tasks.Problem` s of the prompts it is dealt (:class:`
 
 A record's prompt is the ``data.prompt_key`` column: a string, or a chat ``messages`` list (with an
 optional system message first). Its reference answer, when the task has one, is ``data.answer_key``
-(null: the ``answer`` column if there is one); every column is handed to the reward functions
-(TRL's ``**kwargs``). Records whose prompt repeats an earlier one are dropped and counted. Without
+(null: the ``answer`` column if there is one, else verl's ``reward_model.ground_truth``); every column
+is handed to the reward functions (TRL's ``**kwargs``). A key may be dotted into a struct column
+(``reward_model.ground_truth``), as verl's parquet files nest them. A record's images (TRL's and verl's
+``images`` column, TRL's ``image``: paths, or the bytes a ``datasets`` Image column keeps) go where its
+image parts or verl's ``<image>`` placeholders are, else before its text
+(:func:`alignment.data.content.place_images`). Records whose prompt repeats an earlier one are dropped and counted. Without
 a held-out file, ``data.heldout_fraction`` holds out the records whose prompt hashes into that
 fraction (:func:`is_heldout`), so train and held-out are disjoint for every seed.
 
@@ -26,12 +30,13 @@ from pathlib import Path
 
 import numpy as np
 
-from alignment.data.content import content_parts, content_text, has_image_parts, record_images
+from alignment.data.content import (content_parts, content_text, has_image_parts, image_key, place_images,
+                                    record_image_list, record_images)
 from alignment.data.images import resolve
 from alignment.data.tasks import FILE_TASK, Problem
 
-__all__ = ["FORMATS", "check_utf8", "read_text", "read_table", "is_heldout", "FileProblems", "PromptSets", "load_prompt_files", "EpochOrder",
-           "fit_prompts", "training_order"]
+__all__ = ["FORMATS", "ANSWER_COLUMNS", "check_utf8", "read_text", "read_table", "value_at", "columns_of", "has_key",
+           "is_heldout", "FileProblems", "PromptSets", "load_prompt_files", "EpochOrder", "fit_prompts", "training_order"]
 
 #: file suffix -> the ``datasets`` builder that reads it
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -100,6 +105,8 @@ def read_table(path: str, field: str = "data.train_files"):
     else:
         if p.suffix != ".parquet":
             check_utf8(p, field)  # a text format: a byte that is not UTF-8 named by its line, not by datasets
+            if p.read_text(encoding="utf-8").strip() in ("", "[]"):  # datasets' own error here: an IndexError
+                raise ValueError(f"{field}={path}: the file holds no records")
         datasets.disable_progress_bars()
         try:
             ds = datasets.load_dataset(FORMATS[p.suffix], data_files=str(p), split="train")
@@ -109,7 +116,52 @@ def read_table(path: str, field: str = "data.train_files"):
                              ) from e
     if len(ds) == 0:
         raise ValueError(f"{field}={path}: no records")
+    return _undecoded_images(ds)
+
+
+def _undecoded_images(ds):
+    """``ds`` with its image columns (a ``datasets`` ``Image`` feature, or a list of them: verl's and TRL's
+    ``images``) left as ``{bytes, path}`` structs, not decoded: a rank decodes only the images of the prompts it
+    is dealt (:func:`alignment.data.content.image_path` writes their bytes to files once)."""
+    import datasets
+
+    for name, feature in ds.features.items():
+        inner = feature.feature if isinstance(feature, (datasets.Sequence, datasets.LargeList)) else \
+            feature[0] if isinstance(feature, list) and feature else feature
+        if isinstance(inner, datasets.Image) and inner.decode:
+            undecoded = datasets.Image(decode=False)
+            ds = ds.cast_column(name, datasets.Sequence(undecoded) if inner is not feature else undecoded)
     return ds
+
+
+def value_at(record: dict, key: str):
+    """The value of the dotted ``key`` in ``record`` (``reward_model.ground_truth``: the ``ground_truth`` field of
+    the ``reward_model`` column); None where a part is missing."""
+    value = record
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def _fields(feature, prefix: str) -> list[str]:
+    if isinstance(feature, dict):
+        return [f for k, v in feature.items() for f in _fields(v, f"{prefix}.{k}")]
+    return [prefix]
+
+
+def columns_of(table) -> list[str]:
+    """The table's columns, nested fields of struct columns dotted (``reward_model.ground_truth``)."""
+    return [f for name, feature in table.features.items() for f in _fields(feature, name)]
+
+
+def has_key(table, key: str) -> bool:
+    """Whether the dotted ``key`` names a column, or a field of a struct column, of ``table``."""
+    feature = table.features
+    for part in key.split("."):
+        if not isinstance(feature, dict) or part not in feature:
+            return False
+        feature = feature[part]
+    return True
 
 
 def prompt_text(prompt, images=None) -> str:
@@ -172,6 +224,25 @@ class FileProblems(Sequence):
     def __len__(self) -> int:
         return len(self.rows)
 
+    def empty(self, key: str) -> bool:
+        """Whether the dotted ``key`` is missing, null or empty (``""``, ``[]``, ``{}``) in every one of these
+        records (read a column at a time, in batches)."""
+        rows = set(self.rows.tolist())
+        column = key.split(".")[0]
+        if column not in self.table.column_names:
+            return True
+        start = 0
+        for batch in self.table.select_columns([column]).iter(batch_size=4096):
+            values = batch[column]
+            for j, value in enumerate(values):
+                if start + j in rows:
+                    value = value_at({column: value}, key)
+                    if value is not None and (not hasattr(value, "__len__") or len(value)) \
+                            and not (isinstance(value, str) and not value.strip()):
+                        return False
+            start += len(values)
+        return True
+
     def _folder(self, row: int) -> Path:
         start = 0
         for path, n in self.files:
@@ -185,13 +256,15 @@ class FileProblems(Sequence):
             return [self[j] for j in range(*i.indices(len(self)))]
         row = int(self.rows[i])
         record = self.table[row]
-        prompt = record[self.prompt_key]
+        prompt = value_at(record, self.prompt_key)
         columns = {k: v for k, v in record.items() if k != self.prompt_key}
-        answer = record.get(self.answer_key) if self.answer_key else None
-        if isinstance(prompt, str):
+        answer = value_at(record, self.answer_key) if self.answer_key else None
+        pictures = record_image_list(record)
+        if isinstance(prompt, str) and not pictures:
             return Problem(prompt, "" if answer is None else str(answer), FILE_TASK, columns=columns)
         where = f"{self.source} row {row}"
-        msgs = _messages(where, prompt)
+        msgs = _messages(where, [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt)
+        msgs = place_images(where, msgs, len(pictures))  # verl's <image> placeholders, or TRL's place
         images = tuple(resolve(f, self._folder(row)) for f in record_images(where, record, msgs)) \
             if has_image_parts(msgs) else ()
         return Problem(content_text(msgs[-1]["content"]), "" if answer is None else str(answer), FILE_TASK,
@@ -215,6 +288,7 @@ class PromptSets:
     tokens: int = 0
     fingerprint: str = ""  # sha256 of the training prompts and answers in order ("": not computed)
     longest: int = 0  # tokens of the longest kept prompt, both splits (0: not counted)
+    unused_columns: tuple[str, ...] = ()  # the files' columns the job does not read (start-up summary)
 
     def summary(self) -> str:
         """One line for the start of a run: records read, what was dropped, the split sizes and tokens."""
@@ -224,28 +298,36 @@ class PromptSets:
                 f"out{tokens}")
 
 
+#: the reference answer's column when ``data.answer_key`` is null, the first the files have: TRL's and the
+#: demo sets' ``answer``, then verl's ``reward_model.ground_truth`` (what verl's reward manager hands
+#: ``compute_score`` as ``ground_truth``)
+ANSWER_COLUMNS = ("answer", "reward_model.ground_truth")
+
+
 def _resolve_keys(table, where: str, prompt_key: str, answer_key: str | None) -> str | None:
-    columns = list(table.column_names)
-    if prompt_key not in columns:
+    """``data.prompt_key`` and ``data.answer_key`` (dotted into struct columns) checked against the table; returns
+    the answer's key (null: the first of :data:`ANSWER_COLUMNS` the table has, or None)."""
+    if not has_key(table, prompt_key):
         raise ValueError(f"data.prompt_key={prompt_key!r}: {where} has no such column; its columns are "
-                         f"{', '.join(columns)}")
+                         f"{', '.join(columns_of(table))}")
     if answer_key is None:
-        return "answer" if "answer" in columns else None
-    if answer_key not in columns:
+        return next((k for k in ANSWER_COLUMNS if has_key(table, k)), None)
+    if not has_key(table, answer_key):
         raise ValueError(f"data.answer_key={answer_key!r}: {where} has no such column; its columns are "
-                         f"{', '.join(columns)} (null: no reference answer)")
+                         f"{', '.join(columns_of(table))} (a dotted key names a field of a struct column; null: "
+                         "answer, else reward_model.ground_truth, else no reference answer)")
     return answer_key
 
 
 def _check_responses(table, rows: np.ndarray, where: str, key: str) -> None:
     """``data.response_key`` (``algorithm.distill_samples=dataset``): a column of the training files
     whose every kept row is a non-empty string."""
-    columns = list(table.column_names)
-    if key not in columns:
-        raise ValueError(f"data.response_key={key!r}: {where} has no such column; its columns are {', '.join(columns)}")
-    answers = table.select_columns([key])
+    if not has_key(table, key):
+        raise ValueError(f"data.response_key={key!r}: {where} has no such column; its columns are "
+                         f"{', '.join(columns_of(table))}")
+    answers = table.select_columns([key.split(".")[0]])
     for row in rows.tolist():
-        text = answers[int(row)][key]
+        text = value_at(answers[int(row)], key)
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"{where} row {row} ({key}): the answer to distill on is {text!r}; give every training "
                              "record a non-empty string (algorithm.distill_samples=dataset)")
@@ -276,11 +358,15 @@ def _distinct_rows(table, prompt_key: str, source: str, seen: set[bytes], keep=l
     seen so far, with their ``images`` files; it grows); and the number of repeats dropped. The prompt
     column is read in batches, so a rank never holds the whole column as Python objects."""
     rows, dropped, i = [], 0, 0
-    columns = [prompt_key] + (["images"] if "images" in table.column_names and prompt_key != "images" else [])
-    for batch in table.select_columns(columns).iter(batch_size=4096):
-        for prompt, images in zip(batch[prompt_key], batch.get("images") or [None] * len(batch[prompt_key])):
+    column = prompt_key.split(".")[0]
+    pictures = [c for c in ("images", "image") if c in table.column_names and c != column]
+    for batch in table.select_columns([column, *pictures]).iter(batch_size=4096):
+        n = len(batch[column])
+        for j in range(n):
+            record = {k: batch[k][j] for k in batch}
+            prompt = value_at(record, prompt_key)
             _check_prompt(f"{source} row {i} ({prompt_key})", prompt)
-            text = prompt_text(prompt, images)
+            text = prompt_text(prompt, [image_key(x) for x in record_image_list(record)])
             digest = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
             if keep(text):
                 if digest in seen:
@@ -368,7 +454,7 @@ class EpochOrder(Sequence):
 def _keep(items: Sequence, keep: list[int]) -> Sequence:
     if isinstance(items, FileProblems):
         return FileProblems(items.table, items.rows[np.asarray(keep, dtype=np.int64)], items.prompt_key,
-                            items.answer_key, items.source)
+                            items.answer_key, items.source, items.files)
     return [items[i] for i in keep]
 
 

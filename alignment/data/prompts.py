@@ -102,13 +102,13 @@ def prompt_length(tokenizer, problem: Problem, style: PromptStyle, images: Image
         ValueError: a problem with images for a text model (``images`` None), or an image file that
             cannot be decoded; FileNotFoundError: a missing image file (both naming the prompt).
     """
+    where = f"prompt {problem.question[:60]!r}"
+    if problem.images and images is None:  # before its template renders image parts it does not know
+        raise ValueError(f"{where} shows images, but model.path is a text model; give a vision-language model or drop "
+                         "the images")
     ids = build_prompt_ids(tokenizer, problem, style)
     if not problem.images:
         return len(ids)
-    where = f"prompt {problem.question[:60]!r}"
-    if images is None:
-        raise ValueError(f"{where} shows images, but model.path is a text model; give a vision-language model or drop "
-                         "the image parts")
     [inputs] = images.encode_files([tuple(problem.images)], [where])
     return len(images.expand(ids, inputs, where))
 

@@ -48,8 +48,8 @@ from alignment.rewards.text import TEXT_FUNCTIONS, text_scores
 from alignment.rollout.base import Sample
 from alignment.sandbox.runner import SandboxPool
 
-__all__ = ["RewardFunctionError", "MODEL_FUNCTIONS", "BUILTINS", "is_user_function", "load_user_function",
-           "check_function", "function_scores", "problem_columns"]
+__all__ = ["RewardFunctionError", "MODEL_FUNCTIONS", "BUILTINS", "REFERENCE_GRADERS", "is_user_function",
+           "load_user_function", "check_function", "reads_of", "required_columns", "function_scores", "problem_columns"]
 
 #: functions that run a model (the trainers compute them)
 MODEL_FUNCTIONS = ("reward_model", "process_reward")
@@ -137,6 +137,48 @@ def check_function(term: RewardTerm) -> None:
         if missing:
             raise RewardFunctionError(f"reward.functions[{term.name}].kwargs has {missing}, which {f} takes no "
                                       "parameter for (add them, or **kwargs)")
+
+
+#: graders that compare a response with the problem's reference answer (a sample without one scores None)
+REFERENCE_GRADERS = ("math_verify", "exact_match", "numeric")
+#: what a TRL reward function gets that is not a data column
+TRL_ARGUMENTS = ("prompts", "completions", "completion_ids")
+
+
+def reads_of(term: RewardTerm) -> tuple[bool, set[str] | None]:
+    """What ``term``'s function reads of a prompt file's records: ``(reference, columns)``: whether it reads
+    the reference answer (``data.answer_key``'s column: the reference graders, verl's ``ground_truth``, a judge's
+    ``{reference}``), and the columns it takes by name (None: every column: a TRL function with ``**kwargs``, a
+    reward server)."""
+    f = term.runs
+    if f in REFERENCE_GRADERS or f == JUDGE:
+        return True, set()
+    if f == "code_tests":
+        return False, {"test", "entry_point", "prompt"}
+    if f == HTTP:
+        return True, None
+    if not is_user_function(f):
+        return False, set()
+    fn, convention = load_user_function(f)
+    if convention == VERL:
+        return True, {"data_source", "extra_info"}
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return False, None
+    return False, {n for n in params if n not in TRL_ARGUMENTS}
+
+
+def required_columns(term: RewardTerm) -> list[str]:
+    """The parameters of a TRL function of the user's that have no default, are no TRL argument and are not
+    in the entry's ``kwargs``: each must be a data column (else the call fails, or worse, gets nothing)."""
+    if not is_user_function(term.runs):
+        return []
+    fn, convention = load_user_function(term.runs)
+    if convention != TRL:
+        return []
+    return [n for n, p in inspect.signature(fn).parameters.items()
+            if n not in TRL_ARGUMENTS and n not in term.kwargs and p.default is inspect.Parameter.empty
+            and p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)]
 
 
 def problem_columns(problem: Problem) -> dict:

@@ -10,6 +10,10 @@ Request (``POST url``, ``Content-Type: application/json``)::
 Answer: ``{"scores": [float | null, ...]}`` (``"rewards"`` is read too, or a bare list), one per
 completion; null: the server does not score that sample (TRL's None).
 
+Authentication: ``kwargs: {api_key_env: MY_KEY}`` sends ``Authorization: Bearer <$MY_KEY>``;
+``kwargs: {headers: {X-Api-Key: ..., ...}}`` sends any headers (a value may be read from the environment in
+YAML: ``${oc.env:MY_KEY}``). Both are checked at start: the variable set, the headers strings.
+
 A request that fails (no connection, no answer within ``timeout_s``, a 5xx status, an answer that is
 not JSON or has the wrong number of scores) is retried ``max_retries`` times with exponential backoff
 (0.5 s, 1 s, 2 s, ...). A 4xx status is not retried: the request itself is wrong. A sample never
@@ -24,6 +28,7 @@ counted.
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -37,7 +42,8 @@ __all__ = ["RewardServerError", "FAILURES", "take_failures", "SETTINGS", "ON_ERR
            "probe", "http_scores"]
 
 #: an ``http`` entry's settings and their defaults
-SETTINGS = {"url": "", "batch_size": 64, "timeout_s": 30.0, "max_retries": 3, "on_error": "stop"}
+SETTINGS = {"url": "", "batch_size": 64, "timeout_s": 30.0, "max_retries": 3, "on_error": "stop", "headers": {},
+            "api_key_env": ""}
 ON_ERROR = ("stop", "skip")
 BACKOFF_S = 0.5
 CONCURRENT_REQUESTS = 8
@@ -77,11 +83,27 @@ def check_settings(name: str, settings: dict) -> None:
     if s["on_error"] not in ON_ERROR:
         raise ValueError(f"reward.functions[{name}].on_error={s['on_error']!r}: valid values are {', '.join(ON_ERROR)}"
                          " (stop: checkpoint and stop the run; skip: leave the failed groups out of the update)")
+    headers = s["headers"]
+    if not isinstance(headers, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
+        raise ValueError(f"reward.functions[{name}].kwargs.headers={headers!r}: give a mapping of header names to "
+                         "strings, e.g. {X-Api-Key: ${oc.env:MY_KEY}}")
+    if s["api_key_env"] and not os.environ.get(str(s["api_key_env"])):
+        raise ValueError(f"reward.functions[{name}].kwargs.api_key_env={s['api_key_env']}: that environment variable "
+                         "is not set (its value is sent as Authorization: Bearer <key>); export it before the run")
 
 
-def _post(url: str, payload: dict, timeout: float):
+def request_headers(settings: dict) -> dict[str, str]:
+    """The headers a request carries: JSON, the entry's ``headers``, and ``Authorization: Bearer`` the value of
+    ``api_key_env`` when it names a variable."""
+    headers = {"Content-Type": "application/json", **dict(settings.get("headers") or {})}
+    if settings.get("api_key_env"):
+        headers["Authorization"] = f"Bearer {os.environ.get(str(settings['api_key_env']), '')}"
+    return headers
+
+
+def _post(url: str, payload: dict, timeout: float, headers: dict | None = None):
     request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+                                     headers=headers or {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 - the user's own server
         return json.loads(response.read().decode("utf-8"))
 
@@ -94,7 +116,7 @@ def _scores(answer, n: int) -> list:
     return values
 
 
-def post_scores(url: str, payload: dict, n: int, timeout: float, max_retries: int) -> list:
+def post_scores(url: str, payload: dict, n: int, timeout: float, max_retries: int, headers: dict | None = None) -> list:
     """The ``n`` scores the server at ``url`` gives ``payload``, with up to ``max_retries`` retries
     (exponential backoff from :data:`BACKOFF_S`).
 
@@ -106,7 +128,7 @@ def post_scores(url: str, payload: dict, n: int, timeout: float, max_retries: in
         if attempt:
             time.sleep(BACKOFF_S * 2 ** (attempt - 1))
         try:
-            return _scores(_post(url, payload, timeout), n)
+            return _scores(_post(url, payload, timeout, headers), n)
         except urllib.error.HTTPError as e:
             error = f"HTTP {e.code} {e.reason}"
             if 400 <= e.code < 500:
@@ -123,13 +145,14 @@ def post_scores(url: str, payload: dict, n: int, timeout: float, max_retries: in
     raise RewardServerError(f"reward server {url} failed after {tries} tr{'y' if tries == 1 else 'ies'}: {error}")
 
 
-def probe(url: str, timeout: float) -> None:
-    """One empty batch to the server (checked once before training starts).
+def probe(url: str, timeout: float, headers: dict | None = None) -> None:
+    """One empty batch to the server (checked once before training starts), with the entry's ``headers``.
 
     Raises:
-        RewardServerError: the server cannot be reached or does not answer ``{"scores": []}``.
+        RewardServerError: the server cannot be reached, refuses the request (a 401 without the right key) or
+            does not answer ``{"scores": []}``.
     """
-    post_scores(url, {"prompts": [], "completions": [], "completion_ids": [], "columns": {}}, 0, timeout, 0)
+    post_scores(url, {"prompts": [], "completions": [], "completion_ids": [], "columns": {}}, 0, timeout, 0, headers)
 
 
 def http_scores(name: str, problems: Sequence[Problem], samples: Sequence[Sample], columns: Sequence[dict],
@@ -152,7 +175,8 @@ def http_scores(name: str, problems: Sequence[Problem], samples: Sequence[Sample
     def one(lo: int):
         hi = min(lo + size, len(samples))
         try:
-            return post_scores(s["url"], payload(lo, hi), hi - lo, float(s["timeout_s"]), int(s["max_retries"]))
+            return post_scores(s["url"], payload(lo, hi), hi - lo, float(s["timeout_s"]), int(s["max_retries"]),
+                               request_headers(s))
         except RewardServerError as e:
             if s["on_error"] == "stop":
                 FAILURES.append(f"reward.functions[{name}]: {e}")

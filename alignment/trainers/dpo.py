@@ -61,23 +61,8 @@ class DPOObjective:
         rows (each prompt with another example's response, :func:`mismatched_rows`), averaged
         over the data-parallel ranks, clamped at 0, no gradient. Other losses: nothing.
         Collective over the data-parallel group (every rank calls it)."""
-        if self.loss_type != "kto":
-            return
-        from megatron.core import parallel_state as ps
-
-        rows = []
-        for b in batches:
-            for i in range(b["input_ids"].shape[0]):
-                n, r = int(b["seq_lengths"][i]), int(b["response_lengths"][i])
-                rows.append((b["input_ids"][i, :n].tolist(), n - r))
-        tok = models.tokenizer
-        kl = make_sequence_batch(mismatched_rows(rows, self.rows_per_example),
-                                 tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-        delta = sequence_logps(models.policy, kl, mb, self.vocab_size) - sequence_logps(models.reference, kl, mb,
-                                                                                       self.vocab_size)
-        group = ps.get_data_parallel_group()
-        [total] = all_reduce_sum([float(delta.mean())], group)
-        self.kl_ref_point = max(total / group.size(), 0.0)
+        if self.loss_type == "kto":
+            self.kl_ref_point = kto_reference_point(models, batches, mb, self.vocab_size, self.rows_per_example)
 
     def loss(self, mb, out, normalizer: tuple[float, float]):
         """``(loss, metric sums)`` for one micro-batch; ``out["logprobs"]`` ``[mbs, seq]``;
@@ -138,6 +123,27 @@ class DPOObjective:
         if "kl_sum" in sums:
             out["kl"] = sums["kl_sum"] / n
         return out
+
+
+def kto_reference_point(models, batches: list[dict], mb, vocab_size: int, rows_per_example: int) -> float:
+    """KTO's ``z0`` for ``batches`` (this rank's) under the current policy: the mean of ``log pi(y'|x) -
+    log pi_ref(y'|x)`` over their mismatched rows (:func:`mismatched_rows`, ``rows_per_example`` rows an example),
+    averaged over the data-parallel ranks, clamped at 0 (Ethayarajh et al. 2024, sec. 4.1; TRL's
+    ``KTOTrainer``). No gradient; collective over the data-parallel group."""
+    from megatron.core import parallel_state as ps
+
+    rows = []
+    for b in batches:
+        for i in range(b["input_ids"].shape[0]):
+            n, r = int(b["seq_lengths"][i]), int(b["response_lengths"][i])
+            rows.append((b["input_ids"][i, :n].tolist(), n - r))
+    tok = models.tokenizer
+    kl = make_sequence_batch(mismatched_rows(rows, rows_per_example),
+                             tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    delta = sequence_logps(models.policy, kl, mb, vocab_size) - sequence_logps(models.reference, kl, mb, vocab_size)
+    group = ps.get_data_parallel_group()
+    [total] = all_reduce_sum([float(delta.mean())], group)
+    return max(total / group.size(), 0.0)
 
 
 def mismatched_rows(rows: list[tuple[list[int], int]], rows_per_example: int = 2,

@@ -424,12 +424,38 @@ def copy_processor_files(src: str | os.PathLike | None, dst: str | os.PathLike) 
             shutil.copyfile(Path(src) / name, Path(dst) / name)
 
 
+#: the files of a model's own tokenizer, copied as they are into an export (never a wrapper's re-save: vLLM's
+#: cached tokenizer would write its own class name, which transformers cannot load)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "chat_template.jinja")
+
+
+def copy_tokenizer_files(src: str | os.PathLike | None, dst: str | os.PathLike) -> bool:
+    """Copy the :data:`TOKENIZER_FILES` directory ``src`` has into ``dst``; whether it had a tokenizer."""
+    found = [Path(src) / n for n in TOKENIZER_FILES if (Path(src) / n).is_file()] if src is not None else []
+    for f in found:
+        shutil.copyfile(f, Path(dst) / f.name)
+    return any(f.name in ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt") for f in found)
+
+
+def config_with_dtype(hf_config, state: dict[str, torch.Tensor]):
+    """A copy of ``hf_config`` whose ``dtype`` is the floating dtype of the exported tensors ``state`` (the
+    base model's config may say float32 for bf16 weights, or the other way round)."""
+    dtypes = {v.dtype for v in state.values() if v.is_floating_point()}
+    out = type(hf_config).from_dict(hf_config.to_dict())
+    if len(dtypes) == 1:
+        out.dtype = next(iter(dtypes))
+    return out
+
+
 def save_hf_checkpoint(model: torch.nn.Module, bridge, hf_config, tokenizer, path: str | os.PathLike,
                        assets_from: str | os.PathLike | None = None) -> Path:
     """HF directory (``config.json``, ``model.safetensors``, tokenizer) that
     ``transformers.AutoModelForCausalLM.from_pretrained`` (a vision-language model:
     ``AutoModelForImageTextToText``) loads, with the :data:`PROCESSOR_FILES` that ``assets_from`` (the
-    base model's directory) has; collective, rank 0 writes."""
+    base model's directory) has; ``config.json``'s ``dtype`` is the tensors' (:func:`config_with_dtype`), the
+    tokenizer the base model's own files (:func:`copy_tokenizer_files`; ``tokenizer`` is saved only without
+    them); collective, rank 0 writes."""
     from safetensors.torch import save_file
 
     final = Path(path)
@@ -438,8 +464,9 @@ def save_hf_checkpoint(model: torch.nn.Module, bridge, hf_config, tokenizer, pat
     if dist.get_rank() == 0:
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
-        hf_config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        config_with_dtype(hf_config, state).save_pretrained(tmp)
+        if not copy_tokenizer_files(assets_from, tmp):
+            tokenizer.save_pretrained(tmp)
         copy_processor_files(assets_from, tmp)
     publish(tmp, final)
     return final

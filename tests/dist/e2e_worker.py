@@ -18,9 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-
-from alignment.config import register
+from alignment.compose import compose_job
 from alignment.data import tasks
 from alignment.trainers import rft
 from launchers.train import run
@@ -29,13 +27,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_job(model_dir: str, out_dir: str, overrides: list[str], result_path: str, config: str = "grpo") -> None:
-    """Compose ``configs/<config>.yaml`` (fp32, ``model_dir``, ``out_dir``) with ``overrides``, run
-    the job and, on rank 0, write its summary to ``result_path``."""
-    register()
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-        cfg = compose(config, overrides=[f"model.path={model_dir}", f"output_dir={out_dir}", "model.dtype=float32",
-                                         *overrides])
-    summary = run(cfg)
+    """Compose ``configs/<config>.yaml`` (fp32, ``model_dir``, ``out_dir``) with ``overrides`` as every entry
+    composes a job (:func:`alignment.compose.compose_job`: strict keys, the data's defaults), run the job and,
+    on rank 0, write its summary to ``result_path``."""
+    composed = compose_job(config, [f"model.path={model_dir}", f"output_dir={out_dir}", "model.dtype=float32",
+                                    *overrides])
+    summary = run(composed.cfg, composed)
     if os.environ.get("RANK", "0") == "0":
         Path(result_path).write_text(json.dumps(summary, default=float))
 

@@ -1,0 +1,80 @@
+"""KTO on unpaired preference data (TRL's ``KTOTrainer``): each row is one completion to a prompt, labelled
+desirable or undesirable, and its loss is :func:`alignment.algorithms.preference_loss.kto_loss`
+(Ethayarajh et al. 2024, "KTO: Model Alignment as Prospect Theoretic Optimization", eq. 8) against the
+frozen reference's log-probs, with the reference point ``z0`` estimated from mismatched rows (each prompt
+with the previous row's completion), as TRL's ``KTOTrainer`` and the paper (sec. 4.1) estimate it. The loss
+is the mean over the rows of the global batch (TRL: the mean over its examples).
+
+Paired data with ``loss_type=kto`` trains in :mod:`alignment.trainers.dpo` (chosen desirable, rejected not).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from alignment.algorithms.preference_loss import kto_loss
+from alignment.trainers.dpo import kto_reference_point
+from alignment.training.megatron_step import LogprobOutputs
+
+
+class KTOObjective:
+    """Loss function for :mod:`alignment.trainers.offline` (one row per example; ``batch["desirable"]`` ``[N]``
+    bool from the rows' labels, :meth:`add_targets`).
+
+    Args:
+        vocab_size: the model's vocabulary (the log-probs' last dimension before the gather).
+        beta: KTO's beta (> 0).
+        desirable_weight, undesirable_weight: TRL's ``desirable_weight`` / ``undesirable_weight`` (>= 0).
+    """
+
+    rows_per_example = 1
+    value_head = False
+    needs_reference = True
+    positions = "loss_mask"  # the output layer runs on the response positions only
+
+    def __init__(self, vocab_size: int, beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0):
+        self.vocab_size, self.beta = vocab_size, beta
+        self.weights = (desirable_weight, undesirable_weight)
+        self.outputs = LogprobOutputs(vocab_size)
+        self.kl_ref_point = 0.0  # z0 for the batches prepare() saw last
+
+    @staticmethod
+    def add_targets(batch: dict, rows: list[tuple]) -> None:
+        """``batch["desirable"]`` ``[N]`` from the rows' labels (``(ids, prompt_len, images, label)``)."""
+        batch["desirable"] = torch.tensor([bool(r[3]) for r in rows], dtype=torch.bool)
+
+    @staticmethod
+    def normalizer(batch: dict[str, torch.Tensor]) -> tuple[float]:
+        """This rank's share of the global normaliser: its rows."""
+        return (float(batch["input_ids"].shape[0]),)
+
+    def prepare(self, models, batches: list[dict], mb) -> None:
+        """``z0`` of these batches (:func:`alignment.trainers.dpo.kto_reference_point`: each prompt with the
+        previous row's completion). Collective over the data-parallel group."""
+        self.kl_ref_point = kto_reference_point(models, batches, mb, self.vocab_size, 1)
+
+    def loss(self, mb, out, normalizer: tuple[float]):
+        """``(loss, metric sums)`` for one micro-batch; ``out["logprobs"]`` ``[mbs, seq]``; ``normalizer``: the
+        global rows."""
+        [rows] = normalizer
+        logps = (out["logprobs"] * mb["loss_mask"]).sum(1)  # [rows], summed over the completion
+        desirable = mb["desirable"].to(logps.device)
+        losses, rewards = kto_loss(logps, mb["ref_logps"].to(logps.device), desirable, self.kl_ref_point, self.beta,
+                                   *self.weights)
+        good = desirable.float()
+        sums = {"loss_sum": losses.detach().sum(), "count": torch.tensor(float(losses.numel())),
+                "desirable": good.sum(), "reward_desirable_sum": (rewards * good).sum(),
+                "reward_undesirable_sum": (rewards * (1 - good)).sum(),
+                "kl_sum": torch.tensor(self.kl_ref_point * losses.numel())}
+        return losses.sum() / rows, sums
+
+    @staticmethod
+    def metrics(sums: dict[str, float]) -> dict[str, float]:
+        """The mean loss, ``z0`` (``kl``), the mean implicit reward ``beta * (log pi - log pi_ref)`` of the
+        desirable and the undesirable completions, and their difference (``margin``)."""
+        n = max(sums["count"], 1.0)
+        good, bad = sums["desirable"], sums["count"] - sums["desirable"]
+        chosen = sums["reward_desirable_sum"] / max(good, 1.0)
+        rejected = sums["reward_undesirable_sum"] / max(bad, 1.0)
+        return {"loss": sums["loss_sum"] / n, "kl": sums["kl_sum"] / n, "reward/desirable": chosen,
+                "reward/undesirable": rejected, "margin": chosen - rejected}
