@@ -40,7 +40,8 @@ def model_config(path: str, resolve: bool, revision: str | None = None):
     return AutoConfig.from_pretrained(prepare_hf_dir(path, revision=revision))
 
 
-def check(config_name: str, overrides: list[str], world_size: int, resolve_model: bool = True):
+def check(config_name: str, overrides: list[str], world_size: int, resolve_model: bool = True,
+          config_dir: str | None = None):
     """Compose ``configs/<config_name>.yaml`` with ``overrides`` and validate it for ``world_size``
     processes; returns the typed config (:class:`alignment.config.JobConfig`).
 
@@ -54,7 +55,7 @@ def check(config_name: str, overrides: list[str], world_size: int, resolve_model
 
     if world_size < 1:
         raise ValueError(f"world size {world_size}: must be >= 1 (nodes x processes per node)")
-    cfg = job_config(compose(config_name, overrides))
+    cfg = job_config(compose(config_name, overrides, config_dir))
     hf_config = model_config(cfg.model.path, resolve_model, cfg.model.revision)
     if hf_config is not None:
         validate(cfg, world_size=world_size, hf_config=hf_config)
@@ -78,12 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world-size", type=int, required=True, help="nodes x processes per node")
     ap.add_argument("--config-name", required=True, help="a config in configs/ (grpo, sft, rm, dpo, ppo, ...)")
+    ap.add_argument("--config-dir", default=None, help="a folder of your own job files, searched before configs/")
     ap.add_argument("--no-resolve-model", action="store_true", help="skip model checks unless model.path is an HF dir")
     ap.add_argument("overrides", nargs="*", help="hydra overrides, key=value")
     args = ap.parse_args(argv)
 
     try:
-        cfg = check(args.config_name, args.overrides, args.world_size, resolve_model=not args.no_resolve_model)
+        cfg = check(args.config_name, args.overrides, args.world_size, resolve_model=not args.no_resolve_model,
+                    config_dir=args.config_dir)
     except Exception as e:  # noqa: BLE001 - every config error is reported the same way
         print(f"preflight: config error for --config-name {args.config_name} at world size {args.world_size}: "
               f"{type(e).__name__}: {e}", flush=True)

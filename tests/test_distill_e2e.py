@@ -44,7 +44,9 @@ def test_the_student_moves_towards_the_teacher(tmp_path):
     llama = save_tiny_hf_dir(tmp_path / "llama", seed=2)
     kd = tmp_path / "kd.jsonl"
     kd.write_text("".join(json.dumps({"prompt": f"Is {2 * i} even?", "completion": ANSWER}) + "\n" for i in range(40)))
-    one_answer = [o for o in COMMON if not o.startswith(("rollout.group_size", "trainer.micro_batch_size"))]
+    # prompt files: data.task's sizes are not read
+    one_answer = [o for o in COMMON if not o.startswith(("rollout.group_size", "trainer.micro_batch_size",
+                                                         "data.heldout_size", "data.train_size"))]
     reverse, forward, dataset = run_jobs(
         Job("distill", early, tmp_path / "reverse_kl", [*COMMON, f"model.teacher_path={qwen3}", "trainer.lr=1e-4"]),
         Job("distill", llama, tmp_path / "forward_kl",

@@ -18,14 +18,15 @@ pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRI
 COMMON = ["data.max_length=64", "data.max_prompt_length=32", "trainer.progress_bar=false", "trainer.lr=1e-3"]
 
 
-def job(tmp_path, config, *overrides, out=None, model_dir=None):
+def job(tmp_path, config, *overrides, out=None, model_dir=None, common_overrides=None):
     if model_dir is None:
         model_dir = tmp_path / "tiny"
         if not model_dir.exists():
             save_tiny_hf_dir(model_dir)
     out = out or tmp_path / config
     result = tmp_path / f"{config}.json"
-    run_torchrun("offline_e2e_worker.py", config, str(model_dir), str(out), *COMMON, *overrides, str(result),
+    common = COMMON if common_overrides is None else common_overrides
+    run_torchrun("offline_e2e_worker.py", config, str(model_dir), str(out), *common, *overrides, str(result),
                  timeout=900)
     return json.loads(result.read_text()), out
 

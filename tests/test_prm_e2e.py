@@ -27,6 +27,9 @@ from tests.conftest import ROOT, Job, run_jobs, run_torchrun
 from tests.dist.tiny_llama import save_tiny_hf_dir
 from tests.test_offline_e2e import COMMON, job
 
+#: the offline jobs' settings a PRM reads (its prompt is never cut: data.max_prompt_length is not its)
+PRM_COMMON = [o for o in COMMON if not o.startswith("data.max_prompt_length")]
+
 pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
 
 
@@ -60,7 +63,7 @@ def test_prm_trains_and_its_export_scores_the_steps_as_the_job_did(tmp_path):
     _, heldout = write_data(data)
     common = [f"data.dataset={data}", "data.max_length=160", "data.train_size=8", "data.heldout_size=8",
               "trainer.global_batch_size=8", "trainer.micro_batch_size=2", "trainer.epochs=3", "trainer.lr=1e-4"]
-    s, out = job(tmp_path, "prm", *common)
+    s, out = job(tmp_path, "prm", *common, common_overrides=PRM_COMMON)
     losses = [h["loss"] for h in s["history"]]
     assert losses[0] > losses[1] > losses[2], losses  # the same 8 solutions each step
     steps = [y for r in heldout for y in r.labels if y is not None]
@@ -85,7 +88,7 @@ def test_prm_trains_and_its_export_scores_the_steps_as_the_job_did(tmp_path):
     # answer's), and GRPO and PPO with the process reward of the export
     orm, grpo, ppo = run_jobs(
         Job("prm", tmp_path / "tiny", tmp_path / "orm",
-            [*COMMON, *common, "algorithm.supervision=outcome", "trainer.epochs=1", "trainer.save_checkpoint=false",
+            [*PRM_COMMON, *common, "algorithm.supervision=outcome", "trainer.epochs=1", "trainer.save_checkpoint=false",
              "trainer.export_hf=false"]),
         *rl_jobs(tmp_path, out / "hf"))
     assert abs(orm["heldout_before"]["positive_fraction"] - sum(r.outcome for r in heldout) / 8) < 1e-9
@@ -129,8 +132,8 @@ def rl_jobs(tmp_path, prm_dir) -> list[Job]:
     return [Job("grpo", model, tmp_path / "grpo",
                 [*rl, "reward.functions=[{name: correctness}, {name: process_reward, weight: 0.5}]",
                  f'data.instruction="{STEP_INSTRUCTION}"', "trainer.balance_batch=true"]),
-            Job("ppo", model, tmp_path / "ppo",
-                [*rl, f"model.reward_model_path={model}", "trainer.micro_batch_size=2", "trainer.steps=1",
+            Job("ppo", model, tmp_path / "ppo",  # on the reward model's prompts: evaluated at rollout.max_tokens
+                [*[o for o in rl if not o.startswith("rollout.eval_max_tokens")], f"model.reward_model_path={model}", "trainer.micro_batch_size=2", "trainer.steps=1",
                  "reward.functions=[{name: reward_model}, {name: process_reward}]"])]
 
 
