@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from alignment.config import OFFLINE_ALGORITHMS, RL_ALGORITHMS, ppo_on_task, reward_terms
+from alignment.models.hf_assets import is_hub_id
 
 #: the policy-gradient jobs (the clipped surrogate, its KL term and rollout correction)
 POLICY_GRADIENT = ("grpo", "distill", "ppo")
@@ -172,6 +173,8 @@ RULES = (
     Rule("model.reward_model_path", RL_ALGORITHMS,
          lambda c: c.algorithm.name == "ppo" or _has_term("reward_model")(c), "with a reward_model reward term"),
     Rule("model.teacher_path", ("distill",)),
+    Rule("model.revision", (*RL_ALGORITHMS, *OFFLINE_ALGORITHMS), lambda c: is_hub_id(str(c.model.path)),
+         "with model.path a Hub id (org/name)"),
     Rule("model.lora.alpha", (*RL_ALGORITHMS, *OFFLINE_ALGORITHMS), lambda c: c.model.lora.rank > 0,
          "with model.lora.rank > 0"),
     Rule("model.lora.dropout", (*RL_ALGORITHMS, *OFFLINE_ALGORITHMS), lambda c: c.model.lora.rank > 0,

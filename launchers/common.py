@@ -20,9 +20,9 @@ from alignment.models.hf_assets import prepare_hf_dir
 from alignment.models.hf_files import check_hf_dir
 from alignment.models.lora_export import save_peft_adapter
 from alignment.rollout.config import rollout_ranks
-from alignment.schema import ConfigError
 from alignment.rollout.disaggregated import serve
 from alignment.rollout.factory import build_engine
+from alignment.schema import ConfigError
 from alignment.training.host_memory import bound_onednn_primitive_cache, return_freed_memory_to_os
 from alignment.training.offload import offload_enabled
 from launchers.build import rollout_layout

@@ -37,25 +37,33 @@ class JobMemory:
         return self.training.total + self.reference + self.rollout
 
 
+def step_shape(cfg, hf_config) -> tuple[int, int]:
+    """``(sequences, tokens)`` of the composed job ``cfg``'s training micro-batch: ``trainer.micro_batch_size``
+    sequences (pairs: two each, DPO and the reward model) of ``data.max_length`` (SFT / RM / DPO / PRM) or
+    ``rollout.max_model_len`` tokens (RL; null: the model's ``max_position_embeddings``, an upper bound)."""
+    offline = cfg.algorithm.name in OFFLINE_ALGORITHMS
+    rows = cfg.trainer.micro_batch_size * (2 if cfg.algorithm.name in ("dpo", "rm") else 1)
+    tokens = cfg.data.max_length if offline else (cfg.rollout.max_model_len
+                                                  or text_config(hf_config).max_position_embeddings)
+    return rows, tokens
+
+
 def job_memory(cfg, hf_config, world_size: int, gpu_memory_gib: float | None) -> JobMemory:
     """The memory per GPU of the composed job ``cfg`` on ``world_size`` GPUs of ``gpu_memory_gib``
     each: its layout (``parallel.*``), ``model.dtype``, ``trainer.micro_batch_size`` sequences
     (pairs: two) of ``data.max_length`` (SFT / RM / DPO) or ``rollout.max_model_len`` (RL) tokens,
-    the distributed optimizer, ``model.lora.rank``, the reference and the colocated engine.
+    (:func:`step_shape`), the distributed optimizer, ``model.lora.rank``, the reference and the colocated engine.
 
     Raises:
         ValueError / LayoutError: a layout the model cannot take.
     """
 
     t, offline = cfg.trainer, cfg.algorithm.name in OFFLINE_ALGORITHMS
-    pairs = cfg.algorithm.name in ("dpo", "rm")
     layout = ParallelLayout(world_size=world_size, **parallel_sizes(cfg.parallel))
     lora = lora_spec(cfg.model.lora, cfg.seed)
-    training = estimate_memory(model_dims(hf_config), layout, dtype=cfg.model.dtype,
-                               micro_batch_size=t.micro_batch_size * (2 if pairs else 1),
-                               seq_length=cfg.data.max_length if offline else (
-                                   cfg.rollout.max_model_len or text_config(hf_config).max_position_embeddings),
-                               distributed_optimizer=t.use_distributed_optimizer,
+    rows, tokens = step_shape(cfg, hf_config)
+    training = estimate_memory(model_dims(hf_config), layout, dtype=cfg.model.dtype, micro_batch_size=rows,
+                               seq_length=tokens, distributed_optimizer=t.use_distributed_optimizer,
                                lora_rank=lora.rank if lora else 0)
     kl = not offline and cfg.algorithm.kl_coef > 0
     reference = training.weights if kl and not lora and not t.offload else 0

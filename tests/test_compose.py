@@ -264,3 +264,10 @@ def test_dry_run_prints_what_the_job_takes_and_from_where(tmp_path, capsys, monk
     assert f"fresh start (no checkpoint in {out_dir / 'checkpoints'})" in lines
     assert any(line.startswith("memory: ") and "GiB per process" in line for line in lines), text
     assert lines[-1].startswith("ok: grpo (grpo), 2 process(es)") and not out_dir.exists()
+
+
+def test_a_revision_applies_to_a_hub_id_only():
+    with pytest.raises(ConfigError, match=r"model.revision=v2 is set, but algorithm.name=grpo reads it only with "
+                                          r"model.path a Hub id \(org/name\)"):
+        compose_job("grpo", ["model.revision=v2"])
+    assert compose_job("grpo", ["model.path=Acme/Tiny", "model.revision=v2"]).cfg.model.revision == "v2"

@@ -33,7 +33,7 @@ from alignment.config import OFFLINE_ALGORITHMS as OFFLINE  # noqa: E402
 from alignment.models.families import family_of, get_bridge, model_dims  # noqa: E402
 from alignment.models.hf_assets import smollm2_gguf_path  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
-from launchers.memory_plan import JobMemory, job_memory  # noqa: E402,F401 - the job's plan, here too
+from launchers.memory_plan import JobMemory, job_memory, step_shape  # noqa: E402,F401 - the job's plan, here too
 from parallel.memory import DTYPE_BYTES, GiB, RolloutPlan  # noqa: E402
 from parallel.plan import RULE, plan, recommend  # noqa: E402
 
@@ -113,12 +113,10 @@ def job_argv(argv: list[str]) -> list[str]:
     if is_hub_id(model):  # a shipped config name, an HF dir, a config.json, .gguf or smollm2 are read as they are
         model = str(resolve_model(model, cfg.model.revision))
     hf = load_model_config(model)
-    positions = getattr(getattr(hf, "text_config", hf), "max_position_embeddings", 4096)
-    seq = cfg.data.max_length if offline else (r.max_model_len or positions)
+    rows, seq = step_shape(cfg, hf)
     gpus = cfg.cluster.gpus_per_node or 1
     out = ["--model", model, "--nodes", str(cfg.cluster.nodes), "--gpus-per-node", str(gpus),
-           "--dtype", cfg.model.dtype, "--seq-length", str(seq),
-           "--micro-batch-size", str(t.micro_batch_size * (2 if cfg.algorithm.name in ("dpo", "rm") else 1)),
+           "--dtype", cfg.model.dtype, "--seq-length", str(seq), "--micro-batch-size", str(rows),
            "--lora-rank", str(cfg.model.lora.rank),
            "--distributed-optimizer" if t.use_distributed_optimizer else "--no-distributed-optimizer"]
     if cfg.cluster.gpu_memory_gib:
@@ -127,8 +125,8 @@ def job_argv(argv: list[str]) -> list[str]:
         per_gpu = max(1, r.prompts_per_step * r.group_size // (cfg.cluster.nodes * gpus))
         out += ["--rollout-tp", str(r.tensor_parallel_size), "--kv-cache-tokens", str(seq * per_gpu)]
     print(f"{name}: {cfg.algorithm.name} on {cfg.model.path}; planned with {' '.join(out[2:])}"
-          + ("" if offline or r.max_model_len else f" (rollout.max_model_len=null: the model's {positions} positions, "
-             "an upper bound)"), flush=True)
+          + ("" if offline or r.max_model_len else f" (rollout.max_model_len=null: the model's {seq} positions, an "
+             "upper bound)"), flush=True)
     return out + flags
 
 

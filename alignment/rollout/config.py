@@ -94,8 +94,9 @@ class RolloutConfig:
     # an episode still running after this long is dropped and counted (episode/timeout)
     agent_timeout_s: float = ranged(300.0, 0, low_in=False, note=' (seconds)')
     # an agent's episode has budgets of its own (rollout.max_tokens is one answer's): the most tokens after its
-    # prompt, the model's and the tools', in training and held-out episodes; and the most of one model reply
+    # prompt, the model's and the tools', in training and held-out episodes
     agent_max_tokens: int = ranged(4096, 1, note=' (tokens of an agent episode after its prompt)')
+    # the most tokens of one model reply in an agent's episode (rollout.max_tokens_per_turn is one answer's)
     agent_max_tokens_per_turn: int = ranged(1024, 1, note=' (tokens of one model reply in an agent episode)')
 
 
