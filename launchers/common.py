@@ -108,6 +108,21 @@ class Run:
         return summary
 
 
+def cpu_threads(world: int) -> int:
+    """Intra-op threads of this process: 8 with a GPU; on a CPU-only run ``MEGALIGN_CPU_THREADS``
+    when set, else the host's CPUs shared among its ``LOCAL_WORLD_SIZE`` processes (default: all
+    ``world`` ranks on this host). Raises a ConfigError naming the variable when it is not a
+    positive integer. (Several "nodes" on one host, as the Slurm tests run them, set it: torchrun's
+    workers see ``LOCAL_WORLD_SIZE=1`` per node.)"""
+    if torch.cuda.is_available():
+        return 8
+    if value := os.environ.get("MEGALIGN_CPU_THREADS"):
+        if not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"MEGALIGN_CPU_THREADS={value!r}: give a positive number of threads per process")
+        return int(value)
+    return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+
+
 def export_adapters(job: Run, model, bridge) -> None:
     """With ``model.lora``: the adapters as a PEFT directory ``<output_dir>/hf_adapter`` for the
     base in ``job.hf_dir`` (beside the merged ``hf/`` export); nothing otherwise. Collective."""
@@ -212,8 +227,7 @@ def start(cfg: JobConfig, composed=None) -> Run:
     hf_dir, hf_config, note, prompts = check_job(cfg, world)
     if rank == 0 and not os.environ.get(SUMMARY_ENV):  # megalign train printed it before the ranks started
         print("\n".join(job_summary(composed, cfg, hf_config, prompts, note, world)), flush=True)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world) if not torch.cuda.is_available() else 8)
+    torch.set_num_threads(cpu_threads(world))
     engines = rollout_ranks(cfg.rollout)
     init_distributed(ParallelLayout(world_size=world - engines, **parallel_sizes(cfg.parallel)), seed=cfg.seed,
                      timeout_minutes=cfg.trainer.collective_timeout_s / 60, rollout_ranks=engines)

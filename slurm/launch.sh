@@ -13,6 +13,7 @@
 #   NPROC_PER_NODE      torchrun mode: processes per node (default: GPUs per node, else 1)
 #   MASTER_PORT         rendezvous port (default: 20000 + job id % 20000, the same after a requeue)
 #   MEGALIGN_PREFLIGHT  0 skips the config check before the processes start
+#   MEGALIGN_CPU_THREADS  CPU-only runs: threads per process (default: the node's CPUs / processes per node)
 set -uo pipefail
 
 log() { echo "[megalign $(date +%T)] $*"; }

@@ -31,11 +31,12 @@ def job_args(model_dir: Path, out: Path, *extra: str) -> list[str]:
 
 
 def job_env(**extra: str) -> dict[str, str]:
-    """The submitter's environment: this venv's python, one CPU thread per process (the two
-    "nodes" share this host's 2 cores)."""
+    """The submitter's environment: this venv's python, one CPU thread per process whichever the
+    launcher (the two "nodes" share this host's 2 cores; torchrun's workers see one process per
+    node, so the thread count is set, not derived)."""
     bin_dir = str(Path(sys.executable).parent)
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "MEGALIGN_PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
-            "LOCAL_WORLD_SIZE": "2", **extra}
+            "LOCAL_WORLD_SIZE": "2", "MEGALIGN_CPU_THREADS": "1", **extra}
 
 
 def wait_for_line(path: Path, pattern: str, timeout: float) -> float:
