@@ -18,6 +18,12 @@ def even_length(completions, **kwargs):
     return [float(len(c) % 2 == 0) for c in completions]
 
 
+def short_reply(completion_ids, **kwargs):
+    """1.0 for a reply of at most 2 tokens (its end-of-text token counted): the held-out grader of
+    tests/test_generalises.py, a skill the EOS-prone tiny model can learn in a few steps."""
+    return [float(len(ids) <= 2) for ids in completion_ids]
+
+
 def reply_length(completions, **kwargs):
     """Characters of the reply, for plain and chat completions (TRL gives a chat prompt's completion as
     ``[{"role": "assistant", "content": ...}]``)."""
@@ -71,3 +77,4 @@ def slow(completions, **kwargs):
 
 def no_convention(a, b):
     return []
+

@@ -7,6 +7,7 @@ file and the fix; nothing is written to the output directory. The docs page's ta
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -465,17 +466,22 @@ def _id(case: Case) -> str:
 def test_bad_input_gets_one_clear_error(case, tmp_path, monkeypatch, capfd):
     """``megalign train --dry-run`` on the case: exactly one line, ``megalign: error: ...`` with the
     message, exit status 2 (the run starting instead where nothing is wrong), the error of the
-    catalogued type, nothing unpickled run and nothing written to the output directory."""
+    catalogued type, nothing unpickled run and nothing written: the case runs in its own working
+    directory with its own ``output_dir`` (the case's, else ``out`` there), and every byte under
+    that directory is the same after the check as before (:func:`snapshot`)."""
     from launchers import console
     from tools import cli
 
     if case.patch is not None:
         case.patch(monkeypatch)
+    monkeypatch.chdir(tmp_path)  # a default relative output_dir, or anything else relative, lands here
     monkeypatch.setenv("MEGALIGN_PAYLOAD", str(tmp_path / "payload_ran"))
     raised = []
     monkeypatch.setattr(cli, "error_line", lambda e: raised.append(e) or console.error_line(e))
     name, overrides, world = case.make(tmp_path)
-    before = sorted(p.name for p in (tmp_path / "out").rglob("*")) if (tmp_path / "out").exists() else None
+    if not any(o.startswith(("output_dir=", "+output_dir=")) for o in overrides):
+        overrides = [*overrides, f"output_dir={tmp_path / 'out'}"]
+    before = snapshot(tmp_path)
     capfd.readouterr()
     status = cli.train(["--dry-run", "--nproc", str(world), f"--config-name={name}", *overrides])
     out, err = capfd.readouterr()
@@ -488,8 +494,15 @@ def test_bad_input_gets_one_clear_error(case, tmp_path, monkeypatch, capfd):
         assert case.says in lines[0], lines[0]
         assert len(raised) == 1 and isinstance(raised[0], case.error), raised
     assert not (tmp_path / "payload_ran").exists()  # nothing unpickled ran
-    after = sorted(p.name for p in (tmp_path / "out").rglob("*")) if (tmp_path / "out").exists() else None
-    assert after == before  # nothing written into the output directory, nor the directory made
+    after = snapshot(tmp_path)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, changed  # nothing written, changed or removed, nor a directory made
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every path under ``root`` -> the sha256 of its bytes (``dir`` for a directory)."""
+    return {str(p.relative_to(root)): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in root.rglob("*") if not p.is_symlink()}
 
 
 def table() -> str:

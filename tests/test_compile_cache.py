@@ -124,7 +124,8 @@ def _greedy(mode: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.heavy
+@pytest.mark.heavy(
+    cheap="tests/test_compile_cache.py::test_a_compile_is_cold_then_warm_and_cold_again_for_a_changed_shape")
 def test_compiled_and_eager_vllm_give_the_same_greedy_tokens_on_the_main_jobs_prompts():
     """SmolLM2-135M-Instruct in fp32, 16 held-out arithmetic prompts of the main job, 32 greedy tokens each: the
     compiled engine (its compile cache in this test's private ``$MEGALIGN_CACHE``) answers token for token as the

@@ -150,7 +150,9 @@ def test_rollout_backend_is_checked():
 
 @pytest.mark.parametrize("name", ["sft", "rm", "dpo"])
 def test_offline_configs_validate(name):
-    validate(cfg(name=name), world_size=2, hf_config=SMOLLM2)
+    validate(cfg(name=name), world_size=2, hf_config=SMOLLM2)  # the shipped job as it is
+    with pytest.raises(ConfigError, match="must be a multiple of the data-parallel size 2"):  # and the check is live
+        validate(cfg("trainer.global_batch_size=3", name=name), world_size=2, hf_config=SMOLLM2)
 
 
 def test_offline_config_errors_name_the_field():

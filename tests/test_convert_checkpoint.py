@@ -28,7 +28,7 @@ def _hf_logits(path) -> torch.Tensor:
         return AutoModelForCausalLM.from_pretrained(path).float().eval()(INPUT_IDS).logits
 
 
-@pytest.mark.heavy
+@pytest.mark.heavy(cheap="tests/test_convert_checkpoint.py::test_round_trips_and_reshapes_are_exact_for_each_family")
 def test_import_gives_transformers_logits_at_another_layout(hf_dir, tmp_path):
     ckpt = tmp_path / "ckpt"
     run_torchrun("convert_worker.py", "import", str(hf_dir), str(ckpt), "2", "1")  # saved at TP=2
@@ -39,7 +39,7 @@ def test_import_gives_transformers_logits_at_another_layout(hf_dir, tmp_path):
     assert (torch.load(tmp_path / "l.pt") - ref).abs().max() <= 1e-4
 
 
-@pytest.mark.heavy
+@pytest.mark.heavy(cheap="tests/test_convert_checkpoint.py::test_round_trips_and_reshapes_are_exact_for_each_family")
 def test_export_of_megatron_own_weights_gives_the_same_logits_in_transformers(hf_dir, tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
     run_torchrun("convert_worker.py", "random", str(hf_dir), str(ckpt), "2", "1", str(tmp_path / "m.pt"))

@@ -246,7 +246,8 @@ def test_token_staleness_counts_each_token(monkeypatch):
     assert token_staleness([a], staleness=1, count=False)["rollout/token_staleness"] == 0.0
 
 
-@pytest.mark.heavy  # 4 processes on 2 cores; the disaggregated GRPO job below syncs its weights in CI
+# heavy: 4 processes on 2 cores; the disaggregated GRPO job below syncs its weights in CI
+@pytest.mark.heavy(cheap="tests/test_disaggregated.py::test_grpo_with_a_trainer_rank_and_a_rollout_rank")
 @pytest.mark.slow
 def test_weight_sync_from_trainers_to_engine_ranks(tmp_path):
     """gqa test model: 4 layers, hidden 96, untied; 27 vLLM tensors per engine rank. The replicated

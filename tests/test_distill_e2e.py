@@ -83,7 +83,7 @@ def test_the_student_moves_towards_the_teacher(tmp_path):
     assert div[0] > 0.25 and div[-1] < 0.9 * div[0] and div[-1] == min(div), div
 
 
-@pytest.mark.heavy
+@pytest.mark.heavy(cheap="tests/test_distill_e2e.py::test_the_student_moves_towards_the_teacher")
 def test_the_student_learns_from_the_teachers_own_answers(tmp_path):
     """Off-policy KD (``algorithm.distill_samples=teacher``): the early-ending teacher answers with Megatron's
     engine on its own shards (DP=2) and the student learns KL(teacher || student) on those answers: they are the

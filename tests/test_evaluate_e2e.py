@@ -21,7 +21,7 @@ def _regression_file(path, answers: list[str]) -> str:
     return str(path)
 
 
-@pytest.mark.heavy
+@pytest.mark.heavy(cheap="tests/test_evaluation.py::test_compare_finds_regressions_and_win_rates")
 def test_checkpoints_side_by_side(tmp_path, tiny_model_dir, capsys):
     from tests.dist.tiny_llama import save_tiny_hf_dir
     from tools.evaluate import main

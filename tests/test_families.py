@@ -78,7 +78,8 @@ def check_routing_replay(r: dict) -> None:
     assert c["agreement"] == pytest.approx(1.0 - ref["forced_share"], abs=1e-9), c
 
 
-@pytest.mark.heavy  # 4 processes on 2 cores; the 2-rank layouts run in CI
+# heavy: 4 processes on 2 cores; the 2-rank layouts run in CI
+@pytest.mark.heavy(cheap="tests/test_families.py::test_two_rank_layouts_and_gradients")
 @pytest.mark.slow
 def test_expert_and_tensor_parallel_layouts_on_four_ranks(torchrun_json):
     check_logits(torchrun_json("family_worker.py", nproc=4), LOGIT_CASES[4])

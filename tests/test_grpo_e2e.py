@@ -123,7 +123,7 @@ def test_the_mean_reward_of_a_learnable_task_rises(tmp_path):
     assert history[0]["kl"] == 0.0 and min(h["kl"] for h in history[-3:]) > 0.5, [h["kl"] for h in history]
 
 
-@pytest.mark.heavy
+@pytest.mark.heavy(cheap="tests/test_agent_e2e.py::test_grpo_trains_on_an_openai_client_agents_episodes")
 def test_megatron_backend_samples_with_the_trained_policy(tmp_path):
     """``rollout.backend=megatron``: Megatron-Core's inference engine generates on the policy's own
     model (DP=2, then TP=2; no vLLM engine, no resharder, nothing synced), with idle models offloaded between
@@ -168,7 +168,7 @@ def test_megatron_backend_samples_with_the_trained_policy(tmp_path):
     assert 0.0 <= t["heldout_accuracy_before"] <= 1.0
 
 
-@pytest.mark.heavy
+@pytest.mark.heavy(cheap="tests/test_grpo_e2e.py::test_two_grpo_steps_tiny_model")
 def test_variant_rloo_dr_grpo_aggregation_clip_higher_without_reference(tmp_path):
     """The critic-free variants run through the same pipeline: RLOO advantages, Dr.GRPO's
     constant-length normalisation, CISPO's loss with a clip-higher bound, dynamic sampling and
@@ -209,7 +209,7 @@ def test_variant_rloo_dr_grpo_aggregation_clip_higher_without_reference(tmp_path
         assert 1 <= m["dynamic_sampling/rounds"] <= 3 and m["dynamic_sampling/filled_groups"] >= 0
 
 
-@pytest.mark.heavy
+@pytest.mark.heavy(cheap="tests/test_context_parallel.py::test_layout_equals_single_process_unpacked_model")
 def test_context_parallel_ring_and_ulysses_with_packing(tmp_path):
     """The GRPO job with every sequence split over 2 ranks: ring attention (CP=2) with packed
     token-budget micro-batches, then Ulysses (CP=2, all-to-all) with packing. The trainer's
@@ -241,7 +241,7 @@ def test_context_parallel_ring_and_ulysses_with_packing(tmp_path):
     assert before["ulysses"] == before["ring"]
 
 
-@pytest.mark.heavy
+@pytest.mark.heavy(cheap="tests/test_families.py::test_two_rank_layouts_and_gradients")
 def test_qwen3_moe_with_expert_parallelism(tmp_path):
     """GRPO on a tiny random Qwen3-MoE (4 experts, top-2, one dense layer) with its experts over both
     ranks (EP=2), on the ``length`` smoke-test task (6-token answers of 20-40 characters: rewards
@@ -298,7 +298,7 @@ def test_qwen3_moe_with_expert_parallelism(tmp_path):
         assert 0.5 < m["moe/routing_agreement"] < 1.0 and m["grad_norm"] > 0.0, m
 
 
-@pytest.mark.heavy
+@pytest.mark.heavy(cheap="tests/test_agent_e2e.py::test_grpo_trains_on_an_openai_client_agents_episodes")
 def test_multi_turn_episodes_train_on_the_model_tokens(tmp_path):
     """GRPO on 3-turn episodes (tests/dist/echo_env.py answers every turn) sampled by vLLM, trained
     with context parallelism 2 and packing: the trainer's logprobs equal vLLM's on every generated

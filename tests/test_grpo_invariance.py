@@ -34,6 +34,29 @@ def test_grpo_gradients_equal_single_process_autograd(torchrun_json):
         assert abs(r[case]["loss"] - ref["loss"]) <= 1e-5 * max(1.0, abs(ref["loss"])), (case, r[case], ref)
         assert r[case]["max_grad_diff"] <= 1e-5 * ref["max_grad"] + 1e-7, (case, r[case], ref)
     check_distillation(r)
+    check_bf16(r)
+
+
+#: bf16's machine epsilon (8 bits of mantissa): one rounding moves a value by at most EPS / 2 of it
+BF16_EPS = 2.0 ** -8
+
+
+def check_bf16(r: dict) -> None:
+    """bf16 training on any CPU (AVX2 included: bf16 matmuls on PyTorch's reference GEMM there, oneDNN on
+    AVX-512): the GRPO loss and gradients of the 4-layer tiny Llama in bf16 (Megatron's mixed precision, fp32
+    gradient buffers) at DP 2 and TP 2, against fp32 autograd on the same (bf16-rounded) weights.
+    The bounds, from EPS = 2^-8: each bf16 rounding moves a value by at most EPS / 2 of it, and the forward
+    rounds n ~ 54 outputs in a chain (13 per layer: norms, QKV, RoPE, scores, softmax, context, projection,
+    residual adds, the MLP's three; then the final norm and the head). Independent roundings add like a
+    random walk, ~sqrt(n) EPS / 2 ~ 3.7 EPS: the loss is held to 8 EPS. The backward rounds as many again,
+    ~sqrt(2n) EPS / 2 ~ 5 EPS per entry, and the worst of a tensor's entries (relative to its largest) a
+    few times that: 32 EPS. Measured 2026-12-02 (Intel Xeon, AMX): loss 0.5 EPS at both layouts, gradients
+    6.0 EPS (DP 2) and 10.0 EPS (TP 2). And bf16 really ran: fp32 at these layouts differs by ~1e-7 (above),
+    bf16 by more than 0.1 EPS."""
+    for case in ("bf16_dp2_mbs2", "bf16_tp2_mbs2"):
+        c = r[case]
+        assert c["tensors"] == 39 and c["loss_rel_diff"] <= 8 * BF16_EPS, (case, c)
+        assert 0.1 * BF16_EPS < c["max_rel_grad_diff"] <= 32 * BF16_EPS, (case, c)
 
 
 def check_distillation(r: dict) -> None:

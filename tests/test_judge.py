@@ -174,4 +174,6 @@ def test_a_judge_model_run_in_the_job_replies_as_transformers_generates(tmp_path
                    check=True, cwd=ROOT, timeout=600)
     got = json.loads(out.read_text())
     assert got["vllm"] == got["transformers"] and len(got["vllm"]) == 3 and all(got["vllm"]), got
-    assert got["scores"] == got["expected_scores"], got
+    # the job's parse of its own replies: the hand-set score of the one verdict word each reply holds
+    assert got["scores"] == got["expected_scores"] == [0.25, 0.5, 1.0], got
+    assert got["default_verdicts"] == [None] * 3, got  # a random model says neither "correct" nor "incorrect"

@@ -50,7 +50,8 @@ def _untimed(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if not any(u in k for u in UNTIMED)}
 
 
-@pytest.mark.heavy
+@pytest.mark.heavy(
+    cheap="tests/test_rank_failure.py::test_a_rank_killed_while_checkpointing_and_the_same_command_resumes")
 def test_sigkill_anywhere_then_resume_equals_the_uninterrupted_run(tmp_path):
     model_dir = save_tiny_hf_dir(tmp_path / "tiny")
     base = tmp_path / "base"

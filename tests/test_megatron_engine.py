@@ -72,10 +72,12 @@ def test_megatron_engine_matches_transformers(torchrun_json):
 def test_fixed_shape_decode_equals_eager_decode_under_tensor_parallelism(torchrun_json):
     """alignment/rollout/static_decode.py at TP=2 (tests/dist/static_decode_worker.py): the steps a GPU captures
     as CUDA graphs, run uncaptured, against Megatron's eager decode of the same shards."""
-    r = torchrun_json("static_decode_worker.py", nproc=2)
-    for name in ("llama", "qwen3_tied"):  # untied; Q/K layernorms with tied embeddings
-        # 3 greedy rows + 6 sampled + 6 sampled after sleep (a new KV cache), 70 new tokens (2 buckets) each
-        assert r[name]["static"] and r[name]["rows"] == 15 and r[name]["lengths"] == [70], r
-        assert r[name]["tokens_equal"] and r[name]["logprob_max_diff"] < 1e-5, r
-    # a mixture-of-experts model decodes eagerly (its dispatcher syncs with the host)
-    assert r["moe"] == {"unsupported": "mixture-of-experts layers", "static": False}, r
+    ranks = torchrun_json("static_decode_worker.py", nproc=2)["ranks"]
+    assert len(ranks) == 2
+    for r in ranks:  # each rank's engines
+        for name in ("llama", "qwen3_tied"):  # untied; Q/K layernorms with tied embeddings
+            # 3 greedy rows + 6 sampled + 6 sampled after sleep (a new KV cache), 70 new tokens (2 buckets) each
+            assert r[name]["static"] and r[name]["rows"] == 15 and r[name]["lengths"] == [70], r
+            assert r[name]["tokens_equal"] and r[name]["logprob_max_diff"] < 1e-5, r
+        # a mixture-of-experts model decodes eagerly (its dispatcher syncs with the host)
+        assert r["moe"] == {"unsupported": "mixture-of-experts layers", "static": False}, r

@@ -98,7 +98,7 @@ def test_local_executor_runs_a_tiny_job(local_run):
     assert "held-out after:" in log and re.search(r"nemo-run: \w+ job .*experiment dir .*megalign-sft", log)
 
 
-@pytest.mark.heavy
+@pytest.mark.heavy(cheap="tests/test_nemo_launch.py::test_slurm_executor_dryrun_writes_the_expected_sbatch_script")
 def test_slurm_executor_submits_to_the_local_cluster(slurm_cluster, tiny_model_dir, local_run, tmp_path):
     out = tmp_path / "out"
     log = cli(tmp_path, "--config-name", "sft", "--executor", "slurm", "--account", "acct", "--partition", "debug",

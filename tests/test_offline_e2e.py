@@ -109,7 +109,7 @@ def test_dpo_starts_at_log2_and_learns(first_runs):
     assert s["history"][2]["accuracy"] == 1.0  # the 8 training pairs are separated
 
 
-@pytest.mark.heavy
+@pytest.mark.heavy(cheap="tests/test_offline_e2e.py::test_dpo_starts_at_log2_and_learns")
 def test_reference_free_variants_run(tmp_path):
     """SimPO, ORPO, IPO and KTO learn (2 processes, DP=2); ORPO reports its token-level NLL, and
     KTO's reference point from mismatched pairs is 0 while the policy equals the reference
@@ -130,7 +130,7 @@ def test_reference_free_variants_run(tmp_path):
             assert s["history"][1]["kl"] >= 0.0 and s["heldout_after"]["kl"] >= 0.0
 
 
-@pytest.mark.heavy
+@pytest.mark.heavy(cheap="tests/test_offline_e2e.py::test_sft_learns_checkpoints_resumes_and_exports")
 def test_balanced_global_batch_trains_the_same_model(tmp_path):
     """trainer.balance_batch deals each global batch over the 2 DP ranks by token count: the
     token-mean loss over the global batch does not depend on who holds which example, so the
@@ -150,7 +150,7 @@ def test_balanced_global_batch_trains_the_same_model(tmp_path):
     assert max(balanced) < max(plain)  # measured: 1.248, 1.116 contiguous -> 1.008, 1.097 balanced
 
 
-@pytest.mark.heavy
+@pytest.mark.heavy(cheap="tests/test_families.py::test_two_rank_layouts_and_gradients")
 def test_qwen3_moe_reward_model_and_dpo_with_expert_parallelism(tmp_path):
     """The offline jobs on a tiny random Qwen3-MoE, experts over both ranks (EP=2): the reward
     model learns and exports a ``Qwen3MoeForSequenceClassification`` whose own pooling reproduces
@@ -172,7 +172,7 @@ def test_qwen3_moe_reward_model_and_dpo_with_expert_parallelism(tmp_path):
     assert abs(losses[0] - math.log(2)) < 1e-6 and losses[0] > losses[1] > losses[2], losses
 
 
-@pytest.mark.heavy
+@pytest.mark.heavy(cheap="tests/test_resume.py::test_resumed_training_equals_uninterrupted_and_nan_updates_are_skipped")
 def test_diverging_run_skips_nan_updates_then_stops_with_a_checkpoint(tmp_path):
     """lr 1e30: the first update sends the weights to ~1e30, every later forward overflows, every later
     gradient is NaN; those updates are skipped (Adam untouched) and after trainer.max_bad_steps=2
@@ -208,7 +208,8 @@ def test_diverging_run_skips_nan_updates_then_stops_with_a_checkpoint(tmp_path):
     assert (out / "checkpoints" / "step_1" / "metadata.json").exists() and not (out / "checkpoints" / "step_2").exists()
 
 
-@pytest.mark.heavy  # one more launch pair; resume at another layout runs in tests/test_resume.py
+# heavy: one more launch pair; resume at another layout runs in tests/test_resume.py
+@pytest.mark.heavy(cheap="tests/test_resume.py::test_resumed_training_equals_uninterrupted_and_nan_updates_are_skipped")
 def test_a_checkpoint_rewritten_for_any_layout_resumes_at_tp2(tmp_path):
     """The distributed optimizer's checkpoint of an SFT run at DP 2, rewritten once at that layout
     (``trainer.reshard_checkpoint=true``: Megatron's fully_reshardable format, nothing trained),

@@ -73,7 +73,8 @@ def test_a_reward_server_that_fails_stops_the_run_with_a_checkpoint(tmp_path):
     assert len(position["sha256"]) == 64 and position["prompts_per_step"] == 4
 
 
-@pytest.mark.heavy  # CI runs GRPO on your own files here and the judge model in tests/test_judge.py
+# heavy: CI runs GRPO on your own files here and the judge model in tests/test_judge.py
+@pytest.mark.heavy(cheap="tests/test_judge.py::test_a_judge_model_run_in_the_job_replies_as_transformers_generates")
 def test_online_dpo_on_a_file_with_a_pairwise_judge_and_a_judge_model_in_the_job(tmp_path):
     """algorithm=online_dpo on a prompt file, judged by two judges: a pairwise one behind an OpenAI-compatible
     endpoint (the shorter answer wins, both orders asked), which makes the pairs, and a pointwise judge run by

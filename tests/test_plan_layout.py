@@ -271,7 +271,7 @@ def test_smollm2_from_its_gguf():
     assert len(valid) == 3 and [(r.tp, r.pp, r.cp) for r in refused] == [(2, 1, 1)]  # 9 heads: no TP=2
 
 
-@pytest.mark.heavy
+@pytest.mark.heavy(cheap="tests/test_plan_layout.py::test_weights_grads_adam_bytes_by_hand")
 def test_estimate_matches_measured_peak_rss(torchrun_json):
     """Real CPU training steps (2 processes, fp32, ~32M parameters; ``tests/dist/memory_worker.py``) at DP=2
     (each rank holds what a single process would: measured 773.6-773.9 vs 774.5 MiB), DP=2 with the distributed

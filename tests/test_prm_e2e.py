@@ -152,7 +152,8 @@ def check_rl_jobs_with_the_process_reward(grpo: dict, ppo: dict) -> None:
     assert 0.0 < m["reward/process_reward"] < 1.0 and m["loss/value"] > 0.0, m
 
 
-@pytest.mark.heavy  # the data tool; the PRM job itself runs in CI
+# heavy: the data tool; the PRM job itself runs in CI
+@pytest.mark.heavy(cheap="tests/test_prm_e2e.py::test_prm_trains_and_its_export_scores_the_steps_as_the_job_did")
 def test_make_prm_data_samples_and_labels_with_vllm(tmp_path):
     from alignment.data.tasks import load_problems, score_response
 

@@ -28,7 +28,7 @@ def test_flops_per_token_by_hand():
         flops_per_token(d, 10, output_fraction=1.5)
 
 
-@pytest.mark.heavy
+@pytest.mark.heavy(cheap="tests/test_profile_step.py::test_flops_per_token_by_hand")
 def test_profile_step_traces_and_reports_a_real_run(tmp_path):
     from tools.profile_step import main, report
 

@@ -34,7 +34,9 @@ def test_the_comparison_sees_any_difference(tmp_path):
     assert compare(*base, *run("bytes", steps, weights=b"w" * 7 + b"x")) == ["the final weights' bytes differ"]
 
 
-@pytest.mark.heavy  # 5 launches, ~3 min here: skipped on a CPU without AVX-512 (tests/conftest.py)
+# heavy: 5 launches, ~3 min here: skipped on a CPU without AVX-512 (tests/conftest.py)
+@pytest.mark.heavy(
+    cheap="tests/test_rank_failure.py::test_a_rank_killed_while_checkpointing_and_the_same_command_resumes")
 def test_random_kills_then_resume_equal_the_uninterrupted_run(tmp_path):
     records, problems = kill_trials(tmp_path / "kills", trials=2, steps=5, window=8.0, seed=1)
     kills = [r for r in records if r["killed"]]

@@ -68,7 +68,8 @@ def _launch(model, out: Path, point: str, step: int, tmp: Path) -> tuple[int, di
 
 # heavy (CI time): the kills inside the rollout and inside a collective of the training phase, and the hung
 # rank; the kill during a checkpoint (its report and the resume, below) runs everywhere
-@pytest.mark.heavy
+@pytest.mark.heavy(
+    cheap="tests/test_rank_failure.py::test_a_rank_killed_while_checkpointing_and_the_same_command_resumes")
 @pytest.mark.parametrize("point,phase", [("rollout", "rollout"), ("collective", "training")])
 def test_a_rank_killed_ends_the_job_within_a_minute_named_with_its_phase(tmp_path, point, phase):
     model, out = save_tiny_hf_dir(tmp_path / "tiny"), tmp_path / "run"
@@ -95,7 +96,7 @@ def test_a_rank_killed_while_checkpointing_and_the_same_command_resumes(tmp_path
     assert summary["start_step"] == 1 and len(summary["history"]) == 2
 
 
-@pytest.mark.heavy
+@pytest.mark.heavy(cheap="tests/test_job_guard.py::test_failure_report_names_the_rank_and_its_phase")
 def test_a_hung_rank_ends_the_job_at_the_collective_timeout_named(tmp_path):
     model, out = save_tiny_hf_dir(tmp_path / "tiny"), tmp_path / "run"
     status, failures, waited, tag = _launch(model, out, "hang", 1, tmp_path)

@@ -80,6 +80,14 @@ def test_a_slow_function_times_out_whatever_the_process_does_with_sigint(disposi
         signal.signal(signal.SIGINT, previous)
 
 
+def test_a_trl_function_may_take_any_of_trls_arguments_alone():
+    """TRL passes prompts, completions and completion_ids by name: a function of ``completion_ids``
+    alone is TRL's convention too (tests/test_generalises.py's grader)."""
+    got = scores("tests.reward_fns:short_reply", problems(3), [sample("a", (7,)), sample("bb", (7, 2)),
+                                                               sample("ccc", (7, 8, 2))])
+    assert got == [1.0, 1.0, 0.0]
+
+
 def test_loading_errors_are_one_clear_line():
     with pytest.raises(RewardFunctionError, match="module 'no_such_pkg.rewards' does not import"):
         check_function(RewardTerm("no_such_pkg.rewards:score"))

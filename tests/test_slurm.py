@@ -83,7 +83,8 @@ def test_two_node_sft_job_through_sbatch(reference):
     assert "lr: 0.001" in cfg and "train_size: 32" in cfg and "global_batch_size: 4" in cfg and str(out) in cfg
 
 
-@pytest.mark.heavy  # CI time: preemption's stop and resume also run in tests/test_preemption.py and test_resume.py
+# heavy: CI time: preemption's stop and resume also run in tests/test_preemption.py and test_resume.py
+@pytest.mark.heavy(cheap="tests/test_preemption.py::test_all_ranks_stop_at_the_same_step_and_exit_75")
 def test_preempted_job_requeues_and_resumes_where_it_stopped(slurm_cluster, tiny_model_dir, reference, tmp_path):
     """USR1 to the batch shell (what #SBATCH --signal=B:USR1@N delivers before the time limit):
     the trap tells the training processes to stop, they checkpoint the step they are at and

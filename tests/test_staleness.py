@@ -150,7 +150,8 @@ PARTIAL = ["rollout.placement=disaggregated", "rollout.rollout_ranks=1", "rollou
            "rollout.partial_chunk_tokens=4"]
 
 
-@pytest.mark.heavy
+@pytest.mark.heavy(
+    cheap="tests/test_staleness.py::test_max_staleness_2_from_a_resume_refills_the_queue_with_the_resumed_policy")
 @pytest.mark.parametrize("mode", ["colocated", "partial"])
 def test_one_step_off_policy_grpo_killed_and_resumed(tmp_path, monkeypatch, mode):
     """One-step off-policy GRPO (colocated), and with partial rollouts (the batch posted ahead is continued

@@ -96,7 +96,7 @@ def _convention(path: str, fn: Callable) -> str:
     params = inspect.signature(fn).parameters
     if "solution_str" in params and "ground_truth" in params:
         return VERL
-    if "completions" in params:
+    if params.keys() & {"prompts", "completions", "completion_ids"}:  # TRL passes them by name
         return TRL
     shown = ", ".join(str(p) for p in params.values())
     raise RewardFunctionError(

@@ -21,6 +21,7 @@ Writes {case: {"loss": float, "max_grad_diff": float, "max_grad": float}} + the 
 
 from __future__ import annotations
 
+import copy
 import sys
 from types import SimpleNamespace
 
@@ -140,7 +141,7 @@ def hf_reference(hf, batch, extra_loss=None, distill=None, **forward_kwargs):
 
 def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, router_stats=False, packing=False,
                   positions=None, share_prompts=False, lora=None, adapters=None, peft_dir=None, local_normaliser=False,
-                  distill=None, routing=None, **sizes):
+                  distill=None, routing=None, params_dtype=torch.float32, **sizes):
     """Loss and HF-named (checkpoint form) gradients of the GRPO loss through Megatron, laid out
     with ``sizes`` (ParallelLayout fields), micro-batches of ``mbs`` rows; weights from ``state``
     (HF checkpoint form, default the model's state dict). ``router_stats``: also return the
@@ -154,14 +155,16 @@ def megatron_case(hf, batch, world, mbs, state=None, moe_aux_loss_coeff=0.0, rou
     distillation terms join the loss (:func:`alignment.trainers.distill.distill_terms`). ``routing``: the MoE
     routers ``record`` their experts, or ``replay`` / ``compare`` the batch's ``routed_experts``
     (:class:`alignment.training.routing_replay.RoutingPass`); then also returns ``{"recorded": this rank's
-    rows' table or None, "moe/routing_agreement": ...}``."""
+    rows' table or None, "moe/routing_agreement": ...}``. ``params_dtype``: the model's weights and
+    compute (bf16: Megatron's mixed precision, fp32 gradient buffers)."""
     from megatron.core import parallel_state as ps
 
     from alignment.training.router_stats import routing_metrics
 
     init_distributed(ParallelLayout(world_size=world, **sizes))
     cfg = hf.config
-    model = build_gpt_model(cfg, transformer_config(cfg, moe_aux_loss_coeff=moe_aux_loss_coeff, **sizes))
+    model = build_gpt_model(cfg, transformer_config(cfg, moe_aux_loss_coeff=moe_aux_loss_coeff,
+                                                    params_dtype=params_dtype, **sizes))
     bridge = get_bridge(cfg)
     load_hf_weights(model, hf.state_dict() if state is None else state, bridge)
     if lora is not None:
@@ -267,7 +270,30 @@ def main(path: str) -> None:
                                     pipeline_model_parallel_size=pp, positions=positions, share_prompts=True)
         results[name] = {"loss": loss, "max_grad_diff": worst_over_ranks(
             max((grads[k] - group_grads[k]).abs().max().item() for k in grads))}
+    results.update(bf16_cases(hf, batch, world))
     write_results_and_shutdown(path, results)
+
+
+def bf16_cases(hf, batch, world: int) -> dict:
+    """bf16 weights and compute (Megatron's mixed precision) against fp32 autograd on the same
+    weights (the fp32 reference loads the bf16-rounded weights, so only the arithmetic differs), at
+    DP 2 and TP 2: the loss's relative error and, per tensor, ``max|g_bf16 - g_fp32| / max|g_fp32|``
+    (the worst tensor, over all ranks)."""
+    rounded = copy.deepcopy(hf)
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.bfloat16().float())
+    ref_loss, ref_grads = hf_reference(rounded, batch)
+    state = {k: v.clone() for k, v in rounded.state_dict().items()}
+    results = {}
+    for name, tp in (("bf16_dp2_mbs2", 1), ("bf16_tp2_mbs2", 2)):
+        loss, grads = megatron_case(rounded, batch, world, 2, state=state, params_dtype=torch.bfloat16,
+                                    tensor_model_parallel_size=tp)
+        rel = max((grads[k].float() - ref_grads[k]).abs().max().item() / max(ref_grads[k].abs().max().item(), 1e-12)
+                  for k in ref_grads)
+        results[name] = {"loss_rel_diff": abs(loss - ref_loss) / abs(ref_loss), "max_rel_grad_diff": worst_over_ranks(rel),
+                         "tensors": len(grads)}
+    return results
 
 
 if __name__ == "__main__":

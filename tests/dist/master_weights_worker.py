@@ -8,13 +8,13 @@ the weights (~2.4e-4 at 0.1), on the same batch. With seeded masters the bf16 we
 fp32 update on average: the regression slope of the bf16 change on the fp32 change is ~1. Without,
 almost no bf16 weight moves (slope ~0). Also checks, per parameter, that the seeded master is
 bitwise the checkpoint's fp32 value (this rank's data-parallel slice under the distributed optimizer).
-Writes {case: {"slope_seeded", "slope_unseeded", "moved_seeded", "moved_unseeded", "masters_exact"}},
-plus the gloo collectives' and the fused CPU Adam's checks.
+Writes {"ranks": [per rank: {case: {"slope_seeded", "slope_unseeded", "moved_seeded", "moved_unseeded",
+"masters_exact"}, plus the gloo collectives' and the fused CPU Adam's checks}]}: every rank's, the test
+checks each (rank 1's reduce-scatter shard as well as rank 0's).
 """
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -28,6 +28,7 @@ from alignment.training.megatron_step import (LogprobOutputs, OptimConfig, forwa
                                               use_fused_cpu_adam)
 from parallel.layout import ParallelLayout
 from parallel.state import env_world, init_distributed
+from tests.dist.report import every_rank, write_results_and_shutdown
 from tests.dist.tiny_llama import tiny_llama
 
 # name: (tensor_model_parallel_size, use_distributed_optimizer)
@@ -160,9 +161,7 @@ def main(out_path: str) -> None:
     results["gloo_buffer_collectives"] = gloo_buffer_collectives(rank, world)
     init_distributed(ParallelLayout(world_size=world))
     results["fused_adam"] = fused_adam(hf)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
+    write_results_and_shutdown(out_path, {"ranks": every_rank(results)})  # rank 1's shard and collectives too
 
 
 if __name__ == "__main__":

@@ -7,12 +7,12 @@ Models: a tiny Llama (untied) and a tiny Qwen3 (Q/K layernorms, tied embeddings)
 tokens over 70 new tokens (past the first 64-position bucket), then again after ``sleep`` (a new KV cache).
 Also: which models the step refuses (a Qwen3-MoE: the engine decodes it eagerly).
 
-Writes {name: {"tokens_equal", "rows", "logprob_max_diff", "static"}, "moe": {...}}.
+Writes {"ranks": [per rank: {name: {"tokens_equal", "rows", "logprob_max_diff", "static"}, "moe": {...}}]}:
+each rank's own engines' tokens and logprobs, so the test checks rank 1's as well as rank 0's.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -24,7 +24,8 @@ from alignment.rollout.base import SamplingConfig
 from alignment.rollout.megatron_engine import MegatronEngine
 from alignment.rollout.static_decode import unsupported
 from parallel.layout import ParallelLayout
-from parallel.state import init_distributed, shutdown
+from parallel.state import init_distributed
+from tests.dist.report import every_rank, write_results_and_shutdown
 from tests.dist.tiny_llama import tiny_llama
 from tests.dist.tiny_models import checkpoint_state, tiny_qwen3, tiny_qwen3_moe_config
 
@@ -61,10 +62,7 @@ def main(out_path: str) -> None:
     engine = MegatronEngine(moe, None, eos_token_id=-1, vocab_size=moe_cfg.vocab_size, max_model_len=32,
                             max_batch_size=2, cuda_graphs=True)
     result["moe"] = {"unsupported": unsupported(moe), "static": engine.static is not None}
-    if torch.distributed.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(result, f)
-    shutdown()
+    write_results_and_shutdown(out_path, {"ranks": every_rank(result)})  # each rank's engines, compared
 
 
 if __name__ == "__main__":

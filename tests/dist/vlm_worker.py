@@ -30,7 +30,7 @@ from parallel.layout import ParallelLayout, validate_model_layout
 from parallel.state import env_world, init_distributed
 from tests.dist.grpo_invariance_worker import hf_reference
 from tests.dist.grpo_invariance_worker import megatron_case as grpo_case
-from tests.dist.report import worst_over_ranks, write_results_and_shutdown
+from tests.dist.report import every_rank, worst_over_ranks, write_results_and_shutdown
 from tests.dist.tiny_models import IMAGE_TOKEN, checkpoint_state, tiny_qwen2_5_vl, tiny_qwen3_vl, tiny_qwen3_vl_moe
 
 MODELS = {"qwen2_5_vl": tiny_qwen2_5_vl, "qwen3_vl": tiny_qwen3_vl,  # family: tiny random model(seed)
@@ -165,9 +165,10 @@ def grad_cases(world: int, hf, rows, images, cases: dict = GRAD_CASES) -> dict:
     state = checkpoint_state(hf)
     for name, (sizes, mbs, packing) in cases.items():
         loss, grads = grpo_case(hf, batch, world, mbs, state=state, packing=packing, **sizes)
-        results[name] = {"loss": loss, "missing": sorted(set(ref_grads) - set(grads)),
-                         "max_grad_diff": max((grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads
-                                              if k in grads)}
+        results[name] = {"loss": loss, "missing": sorted({k for r in every_rank(sorted(set(ref_grads) - set(grads)))
+                                                          for k in r}),
+                         "max_grad_diff": worst_over_ranks(max((grads[k] - ref_grads[k]).abs().max().item()
+                                                               for k in ref_grads if k in grads))}
     return results
 
 
@@ -268,9 +269,10 @@ def engine_cases(hf, world, rows, images, cases: dict = ENGINE_CASES) -> dict:
                 ref, _ = hf_response_logprobs(hf, r, ims, s.response_ids)
                 diff = max(diff, (torch.tensor(s.logprobs) - ref).abs().max().item())
                 tokens += len(s.response_ids)
-        results[name] = {"greedy_equal": [g[0].response_ids == ref for g, ref in zip(greedy, greedy_ref)],
-                         "images_kept": [s.images is not None for g in sampled for s in g],
-                         "max_logprob_diff": worst_over_ranks(diff), "tokens": tokens}
+        ranks = every_rank({"greedy_equal": [g[0].response_ids == ref for g, ref in zip(greedy, greedy_ref)],
+                            "images_kept": [s.images is not None for g in sampled for s in g], "tokens": tokens})
+        results[name] = {**{k: [r[k] for r in ranks] for k in ranks[0]},  # each rank's engine, in rank order
+                         "max_logprob_diff": worst_over_ranks(diff)}
         engine.close()
     return results
 
@@ -302,8 +304,9 @@ def reshard_cases(hf, world, cases: dict = RESHARD_CASES) -> dict:
                     tensors, tower = tensors + 1, tower + vname.startswith("visual.")
                     if tensor.shape != want.shape or not torch.equal(tensor, want):
                         wrong.append(vname)
-            results[f"{name}->vllm_tp{vtp}"] = {"wrong": wrong[:4], "tensors": tensors, "tower_tensors": tower,
-                                                 "expected": len(bridge.vllm_tensors(1, vtp, rank % vtp))}
+            results[f"{name}->vllm_tp{vtp}"] = every_rank({  # rank 1's vLLM TP rank as well as rank 0's
+                "wrong": wrong[:4], "tensors": tensors, "tower_tensors": tower,
+                "expected": len(bridge.vllm_tensors(1, vtp, rank % vtp))})
     return results
 
 
@@ -338,7 +341,7 @@ def family_cases(hf, world: int) -> dict:
             diff = max((logits[m][j, :len(rows[i])] - refs[m][j]).abs().max().item()
                        for m, grp in enumerate(groups) for j, i in enumerate(grp))
         results[name] = {"max_abs_diff": worst_over_ranks(diff), "export_max_abs_diff": worst_over_ranks(export_diff),
-                         "export_missing": missing}
+                         "export_missing": sorted({k for r in every_rank(missing) for k in r})}
     results.update(grad_cases(world, hf, rows, images, {**GRAD_CASES, **(MOE_GRAD_CASES if moe else {})}))
     results.update(engine_cases(hf, world, rows, images, {**ENGINE_CASES, **(MOE_ENGINE_CASES if moe else {})}))
     results.update(reshard_cases(hf, world, {**RESHARD_CASES, **(MOE_RESHARD_CASES if moe else {})}))
