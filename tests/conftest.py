@@ -125,7 +125,8 @@ def pytest_collection_modifyitems(config, items):
 #: run (issue 70 removes the ``heavy`` tier's skip once those tests fit CI's time there). Any other skip (no
 #: bubblewrap, no tmpfs, no Slurm, no nemo-run, no vLLM) fails the run: CI never passes a test it did not run.
 ALLOWED_CI_SKIPS = ("needs a CUDA GPU", "heavy end-to-end run, skipped on a CPU without AVX-512",
-                    "bf16 training needs AVX-512 here", "bf16 matmuls go through oneDNN (and its caches) only on AVX-512")
+                    "bf16 training needs AVX-512 here",
+                    "bf16 matmuls go through oneDNN (and its caches) only on AVX-512")
 
 
 def skip_reason(report) -> str:

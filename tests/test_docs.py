@@ -5,6 +5,7 @@ passes the config check for its world size (``megalign train``'s checks before a
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -15,6 +16,8 @@ import pytest
 from typing import Any
 
 from omegaconf import OmegaConf
+
+from tests.count_tests import counts, sentence
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md", ROOT / "CONTRIBUTING.md"]
@@ -251,3 +254,51 @@ def test_other_commands_exist():
             for w in words:
                 if w.endswith((".py", ".sh", ".sbatch")) and "/" in w and not w.startswith(("/", "$", "<")):
                     assert (ROOT / w).exists(), f"{_rel(page)}: {line}: no {w}"
+
+
+# ---------------------------------------------------------------------------------- figures' commands
+
+def script_commands() -> dict[str, dict[str, set[str]]]:
+    """``script -> {flag -> pages}`` for every ``python bench/...py`` / ``python tools/...py`` /
+    ``python -m tools....`` a page shows (in a ``bash`` block or inline), with the ``--flags`` it gives."""
+    found: dict[str, dict[str, set[str]]] = {}
+    for page in PAGES:
+        text = page.read_text()
+        inline = re.findall(r"`([^`]*?python (?:-m [\w.]+|[\w/]+\.py)[^`]*)`", _text_outside_code(text))
+        lines = commands(text) + [" ".join(i.split()) for i in inline]
+        for line in lines:
+            m = re.search(r"python (-m (?:tools|bench)\.[\w.]+|(?:bench|tools)/[\w/]+\.py)", line)
+            if not m:
+                continue
+            script = m.group(1)
+            flags = found.setdefault(script, {})
+            for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", line[m.end():]):
+                flags.setdefault(flag, set()).add(_rel(page))
+    return found
+
+
+@pytest.mark.slow  # one --help per script: a process each
+def test_every_script_command_takes_the_flags_the_pages_give(tmp_path):
+    """The commands that produced the docs' figures can be run as written: each script a page shows
+    answers ``--help``, and lists every ``--flag`` the page gives it."""
+    found = script_commands()
+    assert "bench/random_kills.py" in found and "--window" in found["bench/random_kills.py"], sorted(found)
+    wrong = []
+    for script, flags in sorted(found.items()):
+        cmd = [sys.executable, *script.split()] if script.startswith("-m") else [sys.executable, script]
+        done = subprocess.run([*cmd, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        if done.returncode != 0:
+            wrong.append(f"{script} --help: exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
+            continue
+        wrong += [f"{script} {flag} (in {', '.join(sorted(pages))}): not in its --help"
+                  for flag, pages in sorted(flags.items()) if flag != "--help" and
+                  not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", done.stdout)]
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.slow  # collects the whole suite in a subprocess (~15 s)
+def test_the_pages_one_figure_of_the_suite_is_its_size():
+    """docs/getting-started.md gives the suite's size once, as ``python -m tests.count_tests`` prints it."""
+    got = sentence(counts())
+    assert got in (ROOT / "docs" / "getting-started.md").read_text(), f"docs/getting-started.md: write {got!r}"

@@ -1,5 +1,5 @@
 """SIGKILL at random points of a GRPO run (tests/dist/kill_worker.py: in the rollout, the training
-step, the weight sync and the checkpoint writing), 8 times over: each run resumes the previous
+step, the weight sync and the checkpoint writing), each point once in a chain: each run resumes the previous
 one's output directory from its newest complete checkpoint (an unpublished ``step_N.tmp`` skipped,
 never half-read) and is killed in turn, and a last run finishes. Every metric of every step any of
 these runs logged, the held-out accuracy and the final weights equal the uninterrupted run's bit
@@ -27,9 +27,10 @@ POINTS = ("rollout", "training", "sync", "checkpoint")
 UNTIMED = ("time/", "tokens_per_s", "memory/", "weight_sync/", "seconds")
 
 
-def trials(n: int = 8, seed: int = 0) -> list[tuple[str, int]]:
+def trials(n: int = 4, seed: int = 0) -> list[tuple[str, int]]:
     """``n`` (point, step) kills in the order a chain of resumed runs meets them (by step): every
-    point once, the rest drawn at random (fixed seed)."""
+    point once at a step drawn at random (fixed seed), any beyond the four drawn at random too.
+    (8 kills until 2026-12-02: the chain visits each point once for CI's time, issue 70.)"""
     rng = random.Random(seed)
     picked = [(p, rng.randrange(STEPS)) for p in POINTS]
     picked += [(rng.choice(POINTS), rng.randrange(STEPS)) for _ in range(n - len(picked))]
@@ -62,7 +63,7 @@ def test_sigkill_anywhere_then_resume_equals_the_uninterrupted_run(tmp_path):
     assert len({json.dumps(m, sort_keys=True) for m in steps.values()}) == STEPS  # the steps differ
     out, result, previous = tmp_path / "run", tmp_path / "run.json", None
     kills = trials()
-    assert {p for p, _ in kills} == set(POINTS) and len(kills) == 8
+    assert {p for p, _ in kills} == set(POINTS) and len(kills) == len(POINTS)
     for i, (point, step) in enumerate(kills):
         log = tmp_path / f"kill{i}.log"
         code = run_torchrun_killed("kill_worker.py", str(model_dir), str(out), point, str(step), *COMMON, str(result),

@@ -291,7 +291,8 @@ def bf16_cases(hf, batch, world: int) -> dict:
                                     tensor_model_parallel_size=tp)
         rel = max((grads[k].float() - ref_grads[k]).abs().max().item() / max(ref_grads[k].abs().max().item(), 1e-12)
                   for k in ref_grads)
-        results[name] = {"loss_rel_diff": abs(loss - ref_loss) / abs(ref_loss), "max_rel_grad_diff": worst_over_ranks(rel),
+        results[name] = {"loss_rel_diff": abs(loss - ref_loss) / abs(ref_loss),
+                         "max_rel_grad_diff": worst_over_ranks(rel),
                          "tensors": len(grads)}
     return results
 

@@ -24,7 +24,7 @@ from alignment.training.megatron_step import LogprobOutputs, OptimConfig, forwar
 from parallel.layout import ParallelLayout
 from parallel.state import env_world, init_distributed
 from tests.dist.grpo_invariance_worker import CFG, make_batch
-from tests.dist.report import write_results_and_shutdown
+from tests.dist.report import worst_over_ranks, write_results_and_shutdown
 from tests.dist.tiny_llama import tiny_llama
 from tests.dist.tiny_models import checkpoint_state, tiny_qwen3_moe
 
@@ -73,7 +73,9 @@ def train(ddp, optimizer, hf, steps: range, poison: bool = False, stats: list | 
 
 
 def max_diff(a: dict, b: dict) -> float:
-    return max((a[k] - b[k]).abs().max().item() for k in a)
+    """The largest difference of ``a``'s tensors from ``b``'s on any rank (collective: every rank
+    compares the weights it exported)."""
+    return worst_over_ranks(max((a[k] - b[k]).abs().max().item() for k in a))
 
 
 def moe_resharded(ckpt_root: str, world: int, saved_ep: int, resumed_ep: int) -> dict:
