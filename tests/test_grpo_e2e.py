@@ -221,13 +221,13 @@ def test_context_parallel_ring_and_ulysses_with_packing(tmp_path):
               "trainer.lr=1e-3", "trainer.progress_bar=false", "parallel.context_parallel_size=2",
               "trainer.sequence_packing=true", "trainer.export_hf=false"]
     before = {}
-    for name, extra in (("ring", ["parallel.cp_comm_type=p2p", "trainer.max_tokens_per_microbatch=512",
-                                  "rollout.max_model_len=512"]),
-                        ("ulysses", ["parallel.cp_comm_type=a2a"])):
-        out, result = tmp_path / name, tmp_path / f"{name}.json"
-        run_torchrun("e2e_worker.py", str(model_dir), str(out), "even_length", *common, *extra, str(result),
-                     timeout=900)
-        summary = json.loads(result.read_text())
+    variants = (("ring", ["parallel.cp_comm_type=p2p", "trainer.max_tokens_per_microbatch=512",
+                          "rollout.max_model_len=512"]),
+                ("ulysses", ["parallel.cp_comm_type=a2a"]))
+    summaries = run_jobs(*(Job("grpo", model_dir, tmp_path / name, [*common, *extra], reward="even_length")
+                           for name, extra in variants))  # one launch, the jobs in turn
+    for (name, _), summary in zip(variants, summaries):
+        out = tmp_path / name
         first, second = summary["history"]
         # the same base model, prompts and engine settings: the second run reads the first's
         # before-training accuracy back (trainer.eval_cache) instead of generating
@@ -257,12 +257,17 @@ def test_qwen3_moe_with_expert_parallelism(tmp_path):
               "data.task=length", "data.heldout_size=8", "data.train_size=50", "rollout.max_tokens=6",
               "rollout.eval_max_tokens=8", "trainer.lr=1e-3", "trainer.progress_bar=false",
               "model.moe_aux_loss_coeff=0.01", "rollout.check_weight_sync=true"]
-    runs = {}
-    for ep, steps in ((2, 2), (1, 1)):
-        out, result = tmp_path / f"ep{ep}", tmp_path / f"ep{ep}.json"
-        run_torchrun("e2e_worker.py", str(model_dir), str(out), "task", f"trainer.steps={steps}",
-                     f"parallel.expert_model_parallel_size={ep}", *common, str(result), timeout=900)
-        runs[ep] = json.loads(result.read_text())["history"]
+    # R3 (the third job): the Megatron engine generates at EP=2 (both ranks' forwards in lockstep) and records
+    # each token's experts; the old-logprob pass and both mini-batch updates replay them
+    r3_common = [c for c in common if c != "rollout.check_weight_sync=true"]
+    ep2, ep1, r3 = run_jobs(  # one launch, the jobs in turn
+        Job("grpo", model_dir, tmp_path / "ep2", ["trainer.steps=2", "parallel.expert_model_parallel_size=2", *common]),
+        Job("grpo", model_dir, tmp_path / "ep1", ["trainer.steps=1", "parallel.expert_model_parallel_size=1", *common]),
+        Job("grpo", model_dir, tmp_path / "r3", ["trainer.steps=2", "parallel.expert_model_parallel_size=2",
+                                                 "rollout.backend=megatron", "algorithm.routing_replay=r3",
+                                                 "algorithm.num_mini_batches=2", "trainer.export_hf=false",
+                                                 *r3_common]))
+    runs = {2: ep2["history"], 1: ep1["history"]}
     first, second = runs[2]
     for m in (first, second):
         assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
@@ -283,17 +288,10 @@ def test_qwen3_moe_with_expert_parallelism(tmp_path):
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "ep2" / "hf")  # per-expert checkpoint, loads
     assert exported.config.num_experts == 4
-    # R3: the Megatron engine generates at EP=2 (both ranks' forwards in lockstep) and records each token's
-    # experts; the old-logprob pass and both mini-batch updates replay them: the old pass's logprobs of the
-    # sampled tokens are the engine's (fp32). The routers' own choices agree with the rollout's in the old pass
-    # and first update (tests/test_families.py: exactly) but not all after the first update moved the weights
-    out, result = tmp_path / "r3", tmp_path / "r3.json"
-    r3_common = [c for c in common if c != "rollout.check_weight_sync=true"]
-    run_torchrun("e2e_worker.py", str(model_dir), str(out), "task", "trainer.steps=2",
-                 "parallel.expert_model_parallel_size=2", "rollout.backend=megatron", "algorithm.routing_replay=r3",
-                 "algorithm.num_mini_batches=2", "trainer.export_hf=false",
-                 *r3_common, str(result), timeout=900)
-    for m in json.loads(result.read_text())["history"]:
+    # R3: the old pass's logprobs of the sampled tokens are the engine's (fp32). The routers' own choices agree
+    # with the rollout's in the old pass and first update (tests/test_families.py: exactly) but not all after the
+    # first update moved the weights
+    for m in r3["history"]:
         assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
         assert 0.5 < m["moe/routing_agreement"] < 1.0 and m["grad_norm"] > 0.0, m
 

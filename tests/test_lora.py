@@ -16,7 +16,7 @@ from alignment.config import validate
 from alignment.models.config import lora_spec
 from alignment.schema import ConfigError
 from parallel.lora import FrozenBase, LoRAAdapter, LoRASpec, kaiming_uniform_a, merged_narrow
-from tests.conftest import run_torchrun
+from tests.conftest import Job, run_jobs, run_torchrun
 from tests.dist.tiny_llama import save_tiny_hf_dir
 from tests.test_config import SMOLLM2, cfg
 
@@ -213,19 +213,21 @@ def test_dpo_and_reward_model_with_lora(tmp_path):
     """DPO with rank-4 adapters: the reference is the policy with its adapters off, so the loss
     starts at exactly log 2 and falls; the reward model trains its adapters and scalar head, and
     its merged HF export, scored by transformers, reproduces the held-out accuracy and margin."""
-    from tests.test_offline_e2e import check_export_scores, job
+    from tests.test_offline_e2e import COMMON, check_export_scores
 
     lora = ["model.lora.rank=4", "model.lora.alpha=8", "trainer.lr=1e-2", "data.train_size=8", "data.heldout_size=8",
             "trainer.global_batch_size=8", "trainer.micro_batch_size=2", "trainer.epochs=3"]
-    s, _ = job(tmp_path, "dpo", *lora, "algorithm.beta=0.5", "trainer.save_checkpoint=false",
-               "trainer.export_hf=false")
+    model_dir, out = save_tiny_hf_dir(tmp_path / "tiny"), tmp_path / "rm"
+    s, rm = run_jobs(  # one launch
+        Job("dpo", model_dir, tmp_path / "dpo", [*COMMON, *lora, "algorithm.beta=0.5", "trainer.save_checkpoint=false",
+                                                 "trainer.export_hf=false"]),
+        Job("rm", model_dir, out, [*COMMON, *lora, "trainer.save_checkpoint=false"]))
     losses = [h["loss"] for h in s["history"]]
     assert abs(s["heldout_before"]["loss"] - math.log(2)) < 1e-6 and abs(losses[0] - math.log(2)) < 1e-6
     assert losses[0] > losses[1] > losses[2], losses
-    s, out = job(tmp_path, "rm", *lora, "trainer.save_checkpoint=false")
-    losses = [h["loss"] for h in s["history"]]
+    losses = [h["loss"] for h in rm["history"]]
     assert losses[0] > losses[2], losses
-    check_export_scores(out, s["heldout_after"])
+    check_export_scores(out, rm["heldout_after"])
 
 
 @pytest.mark.slow

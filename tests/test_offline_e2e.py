@@ -135,13 +135,14 @@ def test_balanced_global_batch_trains_the_same_model(tmp_path):
     """trainer.balance_batch deals each global batch over the 2 DP ranks by token count: the
     token-mean loss over the global batch does not depend on who holds which example, so the
     losses equal the contiguous split's, while the ranks' token counts even out."""
-    runs = {}
-    for balance in ("false", "true"):
-        s, _ = job(tmp_path, "sft", "data.train_size=16", "data.heldout_size=8", "trainer.global_batch_size=8",
-                   "trainer.micro_batch_size=2", "trainer.steps=2", "trainer.save_checkpoint=false",
-                   "trainer.export_hf=false", "data.max_length=256", "data.max_prompt_length=128",
-                   f"trainer.balance_batch={balance}", out=tmp_path / f"b_{balance}")
-        runs[balance] = s["history"]
+    model_dir = save_tiny_hf_dir(tmp_path / "tiny")
+    balances = ("false", "true")
+    summaries = run_jobs(*(Job("sft", model_dir, tmp_path / f"b_{balance}", [
+        *COMMON, "data.train_size=16", "data.heldout_size=8", "trainer.global_batch_size=8",
+        "trainer.micro_batch_size=2", "trainer.steps=2", "trainer.save_checkpoint=false", "trainer.export_hf=false",
+        "data.max_length=256", "data.max_prompt_length=128", f"trainer.balance_batch={balance}"])
+        for balance in balances))  # one launch
+    runs = {balance: s["history"] for balance, s in zip(balances, summaries)}
     for plain, balanced in zip(runs["false"], runs["true"]):
         assert abs(plain["loss"] - balanced["loss"]) <= 1e-5 * abs(plain["loss"])
         assert balanced["dp_token_imbalance"] <= plain["dp_token_imbalance"]
@@ -160,15 +161,17 @@ def test_qwen3_moe_reward_model_and_dpo_with_expert_parallelism(tmp_path):
     model_dir = save_tiny_dir(tmp_path / "moe", "qwen3_moe")
     common = ["data.train_size=8", "data.heldout_size=8", "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
               "trainer.epochs=3", "parallel.expert_model_parallel_size=2"]
-    s, out = job(tmp_path, "rm", *common, model_dir=model_dir)
+    out = tmp_path / "rm"
+    s, dpo = run_jobs(Job("rm", model_dir, out, [*COMMON, *common]),  # one launch
+                      Job("dpo", model_dir, tmp_path / "dpo", [*COMMON, *common, "algorithm.beta=0.5",
+                                                               "trainer.export_hf=false"]))
     losses = [h["loss"] for h in s["history"]]
     assert losses[0] > losses[1] > losses[2], losses
     assert all(h["moe/load_imbalance"] >= 1.0 for h in s["history"])  # routing statistics logged per step
     exported = json.loads((out / "hf" / "config.json").read_text())
     assert exported["architectures"] == ["Qwen3MoeForSequenceClassification"]
     check_export_scores(out, s["heldout_after"])
-    s, _ = job(tmp_path, "dpo", *common, "algorithm.beta=0.5", "trainer.export_hf=false", model_dir=model_dir)
-    losses = [h["loss"] for h in s["history"]]
+    losses = [h["loss"] for h in dpo["history"]]
     assert abs(losses[0] - math.log(2)) < 1e-6 and losses[0] > losses[1] > losses[2], losses
 
 
