@@ -238,7 +238,9 @@ def test_every_job_command_composes_and_passes_the_config_check(name, overrides,
     for split in ("train", "heldout"):
         (tmp_path / "outputs" / "prm_data" / f"{split}.jsonl").write_text("")
     path = compose(name, overrides).model.path
-    check(name, overrides, world, resolve_model=path == "smollm2" or Path(path).exists())
+    cfg = check(name, overrides, world, resolve_model=path == "smollm2" or Path(path).exists())
+    p = cfg.parallel  # the layout the command asks for fits the processes it starts
+    assert world % (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size) == 0
 
 
 def test_other_commands_exist():

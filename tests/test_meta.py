@@ -1,7 +1,9 @@
 """The suite's own check (issue 70): a test function that cannot fail is a defect. An AST scan of
 every ``tests/test_*.py``: each test function asserts, expects an exception (``pytest.raises``,
-``pytest.fail``, ``pytest.warns``), or calls a helper defined under ``tests/`` that does (the helper's
-own calls followed to a fixed point, e.g. ``run_torchrun``, which fails the test on a non-zero exit)."""
+``pytest.fail``, ``pytest.warns``), or calls a helper defined in a module of ``tests/`` that does (the
+helper's own calls followed to a fixed point, e.g. ``run_torchrun``, which fails the test on a non-zero
+exit). The workers under ``tests/dist/`` do not count: they run in processes of their own, and a call a
+test makes by one of their names (``main``, ``check``) is another function's."""
 
 from __future__ import annotations
 
@@ -39,14 +41,14 @@ def _checks_itself(fn: ast.AST) -> bool:
 
 def _functions() -> dict[Path, list[ast.FunctionDef]]:
     found = {}
-    for path in sorted(TESTS.rglob("*.py")):
+    for path in sorted(TESTS.glob("*.py")):
         tree = ast.parse(path.read_text(), filename=str(path))
         found[path] = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     return found
 
 
 def checking_helpers(functions: dict[Path, list[ast.FunctionDef]]) -> set[str]:
-    """Names of the functions under ``tests/`` that check (assert, ``pytest.fail``...) or call one
+    """Names of the functions in ``tests/*.py`` that check (assert, ``pytest.fail``...) or call one
     that does, to a fixed point. A name defined twice counts when any definition checks."""
     defs = [fn for fns in functions.values() for fn in fns]
     checking = {fn.name for fn in defs if _checks_itself(fn)}
