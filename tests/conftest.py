@@ -96,36 +96,48 @@ def run_torchrun_killed(worker: str, *args: str, log: Path, nproc: int = 2, time
                 os.killpg(p.pid, signal.SIGKILL)
 
 
-def slow_cpu() -> bool:
-    """A CPU-only machine without AVX-512 (e.g. an AMD EPYC with AVX2): there the suite runs about twice
-    as long as on the AVX-512 machines (fp32 kernels at half the width, bf16 on PyTorch's reference GEMM)."""
-    import torch
-
-    return not torch.cuda.is_available() and not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+#: tests that share one machine-wide resource run in one xdist group, one at a time: the local Slurm cluster
+#: (:func:`slurm_cluster`, a session fixture: one per worker would start two controllers on the same ports)
+SHARED_RESOURCES = {"slurm_cluster": "slurm"}
 
 
+def xdist_group(item) -> str:
+    """The group of ``item`` when the slow tier runs on two xdist workers (``--dist loadgroup``, as
+    scripts/test.sh runs it): its file, so module fixtures are built once, or the shared resource its
+    fixtures use (:data:`SHARED_RESOURCES`)."""
+    for fixture, group in SHARED_RESOURCES.items():
+        if fixture in getattr(item, "fixturenames", ()):
+            return group
+    return item.nodeid.split("::")[0]
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """The tiers (CONTRIBUTING.md): a ``heavy`` test is also ``slow``, so ``-m "not slow"`` (the
-    developer's loop) runs no torchrun, vLLM, Slurm or nemo-run job. On a :func:`slow_cpu` the tests marked ``heavy``
-    (end-to-end variants of minutes whose paths other tests also run) skip, so the whole suite stays
-    inside CI's limit there; ``MEGALIGN_FULL_TESTS=1`` runs them anyway. Everywhere else every test runs."""
+    developer's loop) runs no torchrun, vLLM, Slurm or nemo-run job; every machine runs every test
+    (none is skipped for the CPU's speed). Under ``--dist loadgroup`` each test is put in its
+    :func:`xdist_group`, and the groups that hold ``heavy`` tests come first (most first), so that the
+    two workers do not end with one long file on one of them while the other idles."""
     for item in items:
         if "heavy" in item.keywords and "slow" not in item.keywords:
             item.add_marker(pytest.mark.slow)
-    if os.environ.get("MEGALIGN_FULL_TESTS") == "1" or not slow_cpu():
+    if getattr(config.option, "dist", "no") != "loadgroup":
         return
-    skip = pytest.mark.skip(reason="heavy end-to-end run, skipped on a CPU without AVX-512 where the suite runs about "
-                                   "twice as long (CI's 90-minute limit); MEGALIGN_FULL_TESTS=1 runs it")
+    groups = {id(item): xdist_group(item) for item in items}
+    heavy: dict[str, int] = {}
     for item in items:
-        if "heavy" in item.keywords:
-            item.add_marker(skip)
+        heavy[groups[id(item)]] = heavy.get(groups[id(item)], 0) + ("heavy" in item.keywords)
+    first = {group: i for i, group in enumerate(dict.fromkeys(groups.values()))}
+    items.sort(key=lambda item: (-heavy[groups[id(item)]], first[groups[id(item)]]))  # stable within a group
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
 
 
-#: The skips CI accepts (``CI=true``, which ``.ci/run`` sets): no GPU, and what a CPU without AVX-512 cannot
-#: run (issue 70 removes the ``heavy`` tier's skip once those tests fit CI's time there). Any other skip (no
-#: bubblewrap, no tmpfs, no Slurm, no nemo-run, no vLLM) fails the run: CI never passes a test it did not run.
-ALLOWED_CI_SKIPS = ("needs a CUDA GPU", "heavy end-to-end run, skipped on a CPU without AVX-512",
-                    "bf16 training needs AVX-512 here",
+#: The skips CI accepts (``CI=true``, which ``.ci/run`` sets): no GPU, and two checks of hardware the CPU lacks
+#: (bf16 through oneDNN on AVX-512: SmolLM2's bf16 step takes PyTorch's reference GEMM elsewhere, minutes a
+#: matmul; the oneDNN cache exists only there). Any other skip (no bubblewrap, no tmpfs, no Slurm, no nemo-run,
+#: no vLLM) fails the run: CI never passes a test it did not run.
+ALLOWED_CI_SKIPS = ("needs a CUDA GPU", "bf16 training needs AVX-512 here",
                     "bf16 matmuls go through oneDNN (and its caches) only on AVX-512")
 
 

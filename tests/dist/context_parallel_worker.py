@@ -34,7 +34,7 @@ from alignment.training.megatron_step import (
 )
 from parallel.layout import ParallelLayout
 from parallel.state import env_world, init_distributed
-from tests.dist.report import write_results_and_shutdown
+from tests.dist.report import write_results_and_shutdown, exit_now
 from tests.dist.tiny_llama import tiny_llama
 
 CFG = GRPOLossConfig(clip_ratio=0.2, kl_coef=0.1, kl_estimator="k3", loss_agg_mode="token-mean")
@@ -187,3 +187,4 @@ def main(path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_now()

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tools import convert_checkpoint as cc
+from tests.dist.report import exit_now
 
 INPUT_IDS = torch.tensor([[5, 17, 301, 4000, 77, 9, 2048, 11, 600, 42, 42, 3]])
 
@@ -97,3 +98,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()

@@ -29,6 +29,7 @@ from parallel.reshard import Resharder
 from parallel.state import init_distributed, is_rollout_rank, trainer_rollout_group
 from tests.dist.reshard_worker import BUCKET, hf_model
 from tests.dist.tiny_models import checkpoint_state
+from tests.dist.report import exit_now
 
 
 def main(dtype_name: str, path: str) -> None:
@@ -72,3 +73,4 @@ def main(dtype_name: str, path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    exit_now()

@@ -26,6 +26,7 @@ from parallel.reshard import Resharder
 from parallel.state import init_distributed, is_rollout_rank, trainer_rollout_group
 from tests.dist.reshard_worker import BUCKET, hf_model
 from tests.dist.tiny_models import checkpoint_state
+from tests.dist.report import exit_now
 
 TRAINERS, ENGINE_RANKS = 2, 2
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (TP, PP) over the 2 trainers
@@ -73,3 +74,4 @@ def main(path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_now()

@@ -22,6 +22,7 @@ from alignment.compose import compose_job
 from alignment.data import tasks
 from alignment.trainers import rft
 from launchers.train import run
+from tests.dist.report import exit_now
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,3 +69,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()

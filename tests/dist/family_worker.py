@@ -36,7 +36,7 @@ from parallel.names import unwrap
 from parallel.state import env_world, init_distributed
 from tests.dist.grpo_invariance_worker import hf_reference, make_batch, megatron_case
 from tests.dist.parity_worker import max_diff_on_last_stage, megatron_logits
-from tests.dist.report import write_results_and_shutdown
+from tests.dist.report import write_results_and_shutdown, exit_now
 from tests.dist.tiny_models import checkpoint_state, tiny_qwen3, tiny_qwen3_moe
 
 
@@ -274,3 +274,4 @@ def main(path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_now()

@@ -40,7 +40,7 @@ from alignment.training.megatron_step import (LogprobOutputs, OptimConfig, Vocab
                                               setup_training)
 from parallel.layout import ParallelLayout
 from parallel.state import env_world, init_distributed
-from tests.dist.report import worst_over_ranks, write_results_and_shutdown
+from tests.dist.report import worst_over_ranks, write_results_and_shutdown, exit_now
 from tests.dist.tiny_llama import tiny_llama
 
 CFG = GRPOLossConfig(clip_ratio=0.2, kl_coef=0.1, kl_estimator="k3")
@@ -299,3 +299,4 @@ def bf16_cases(hf, batch, world: int) -> dict:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_now()

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist.e2e_worker import reward_patch, run_job
+from tests.dist.report import exit_now
 
 
 def default_group(index: int) -> None:
@@ -69,3 +70,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()

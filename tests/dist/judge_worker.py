@@ -12,6 +12,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from tests.dist.report import exit_now
 
 ROOT = Path(__file__).resolve().parents[2]
 HAND = [0.25, 0.5, 1.0]  # the scores the three replies' own verdict words are given
@@ -70,3 +71,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()

@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from tests.dist.report import exit_now
 
 
 def _kill(point: str, step: int) -> None:
@@ -95,3 +96,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()

@@ -31,7 +31,7 @@ from parallel.lora import LoRASpec
 from parallel.state import env_world
 from tests.dist import grpo_invariance_worker as grpo
 from tests.dist import offline_invariance_worker as offline
-from tests.dist.report import every_rank, worst_over_ranks, write_results_and_shutdown
+from tests.dist.report import every_rank, worst_over_ranks, write_results_and_shutdown, exit_now
 
 SPEC = LoRASpec(rank=4, alpha=8.0)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -297,3 +297,4 @@ def main(path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_now()

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from parallel.layout import ParallelLayout
 from parallel.lora import LoRASpec, adapters, adapters_disabled, apply_lora, merged_narrow
 from parallel.state import init_distributed
-from tests.dist.report import every_rank
+from tests.dist.report import every_rank, exit_now
 
 LAYOUTS = {"tp1": (1, False), "tp2": (2, False), "tp2_sp": (2, True)}
 S, B_, IN, OUT, R = 6, 2, 16, 12, 4  # sequence, batch, features, rank
@@ -194,3 +194,4 @@ def main(path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_now()

@@ -28,7 +28,7 @@ from alignment.training.megatron_step import (LogprobOutputs, OptimConfig, forwa
                                               use_fused_cpu_adam)
 from parallel.layout import ParallelLayout
 from parallel.state import env_world, init_distributed
-from tests.dist.report import every_rank, write_results_and_shutdown
+from tests.dist.report import every_rank, write_results_and_shutdown, exit_now
 from tests.dist.tiny_llama import tiny_llama
 
 # name: (tensor_model_parallel_size, use_distributed_optimizer)
@@ -166,3 +166,4 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_now()

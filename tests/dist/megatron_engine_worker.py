@@ -21,6 +21,7 @@ from alignment.rollout.megatron_engine import MegatronEngine
 from parallel.layout import ParallelLayout
 from parallel.state import init_distributed, shutdown
 from tests.dist.tiny_llama import tiny_llama
+from tests.dist.report import exit_now
 
 PROMPTS = [[5, 17, 33, 101, 7], [42, 9, 200]]
 
@@ -169,3 +170,4 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_now()

@@ -21,7 +21,7 @@ import gc
 import sys
 import time
 
-from tests.dist.report import write_results_and_shutdown
+from tests.dist.report import write_results_and_shutdown, exit_now
 
 CONFIG = dict(vocab_size=8000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
               num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, rms_norm_eps=1e-5,
@@ -146,3 +146,4 @@ def main(layouts: str, path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    exit_now()

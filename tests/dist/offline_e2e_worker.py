@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 
 from tests.dist.e2e_worker import run_job
+from tests.dist.report import exit_now
 
 
 def main() -> None:
@@ -17,3 +18,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()

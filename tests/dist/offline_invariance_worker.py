@@ -28,7 +28,7 @@ from alignment.training.batching import make_sequence_batch, split_microbatches
 from alignment.training.megatron_step import OptimConfig, global_sums, setup_training, value_outputs
 from parallel.layout import ParallelLayout
 from parallel.state import env_world, init_distributed
-from tests.dist.report import write_results_and_shutdown
+from tests.dist.report import write_results_and_shutdown, exit_now
 from tests.dist.tiny_llama import tiny_llama, tiny_llama_config
 
 PAD = 0
@@ -193,3 +193,4 @@ def main(path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_now()

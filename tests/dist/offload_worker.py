@@ -30,6 +30,7 @@ from parallel.layout import ParallelLayout
 from parallel.state import env_world, init_distributed
 from tests.dist.grpo_invariance_worker import CFG, make_batch
 from tests.dist.tiny_llama import tiny_llama
+from tests.dist.report import exit_now
 
 # name: (tensor_model_parallel_size, use_distributed_optimizer)
 CASES = {"dp2": (1, False), "dp2_distributed_optimizer": (1, True), "tp2": (2, False)}
@@ -124,3 +125,4 @@ def main(path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_now()

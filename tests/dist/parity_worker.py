@@ -17,7 +17,7 @@ from alignment.models.weights import export_hf_weights, load_hf_weights
 from alignment.training.megatron_step import forward_backward
 from parallel.layout import ParallelLayout
 from parallel.state import env_world, init_distributed
-from tests.dist.report import every_rank, worst_over_ranks, write_results_and_shutdown
+from tests.dist.report import every_rank, worst_over_ranks, write_results_and_shutdown, exit_now
 from tests.dist.tiny_llama import tiny_llama
 
 LAYOUTS = {"tp1": (1, 1, False), "tp2": (2, 1, False), "tp2_sp": (2, 1, True), "pp2": (1, 2, False)}
@@ -135,3 +135,4 @@ def main(path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_now()

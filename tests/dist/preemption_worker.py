@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import torch.distributed as dist
 
 from launchers import preemption
+from tests.dist.report import exit_now
 
 
 def main() -> None:
@@ -42,3 +43,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()

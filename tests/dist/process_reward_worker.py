@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir
 
 from parallel.layout import ParallelLayout
 from parallel.state import env_world, init_distributed
-from tests.dist.report import write_results_and_shutdown
+from tests.dist.report import write_results_and_shutdown, exit_now
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = {"dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
@@ -67,3 +67,4 @@ def main(prm_dir: str, responses_path: str, result_path: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    exit_now()

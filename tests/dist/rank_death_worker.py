@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from tests.dist.report import exit_now
 
 
 def main() -> None:
@@ -80,3 +81,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()

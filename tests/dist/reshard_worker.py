@@ -30,6 +30,7 @@ from parallel.reshard import Resharder
 from parallel.state import env_world, init_distributed
 from alignment.rollout.weight_check import vllm_reference_shard
 from tests.dist.tiny_models import checkpoint_state
+from tests.dist.report import exit_now
 
 MODELS = {  # heads, KV heads, head_dim, hidden, ffn, vocab, tied; "qwen3_moe": tests.dist.tiny_models
     "gqa": (8, 4, 16, 96, 64, 512, False),
@@ -117,3 +118,4 @@ if __name__ == "__main__":
         main(sys.argv[3], [(int(tp), int(pp), *([int(vpp)] if vpp else []))], [sys.argv[2]], explicit=True)
     else:
         main(sys.argv[1], LAYOUTS, list(MODELS))
+    exit_now()

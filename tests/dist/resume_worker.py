@@ -24,7 +24,7 @@ from alignment.training.megatron_step import LogprobOutputs, OptimConfig, forwar
 from parallel.layout import ParallelLayout
 from parallel.state import env_world, init_distributed
 from tests.dist.grpo_invariance_worker import CFG, make_batch
-from tests.dist.report import worst_over_ranks, write_results_and_shutdown
+from tests.dist.report import worst_over_ranks, write_results_and_shutdown, exit_now
 from tests.dist.tiny_llama import tiny_llama
 from tests.dist.tiny_models import checkpoint_state, tiny_qwen3_moe
 
@@ -207,3 +207,4 @@ def main(ckpt_root: str, path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    exit_now()

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from alignment.models.hf_assets import prepare_hf_dir
 from parallel.state import shutdown
 from tests.dist.parity_worker import megatron_logits
+from tests.dist.report import exit_now
 
 if __name__ == "__main__":
     d = prepare_hf_dir("smollm2")
@@ -30,3 +31,4 @@ if __name__ == "__main__":
                    "export_max_abs_diff": export_diff, "export_missing": missing, "seq": ids.shape[1],
                    "argmax_equal": bool((logits.argmax(-1) == ref.argmax(-1)).all())}, f)
     shutdown()
+    exit_now()

@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from tests.dist.report import exit_now
 
 
 def main() -> None:
@@ -87,3 +88,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()

@@ -25,7 +25,7 @@ from alignment.rollout.megatron_engine import MegatronEngine
 from alignment.rollout.static_decode import unsupported
 from parallel.layout import ParallelLayout
 from parallel.state import init_distributed
-from tests.dist.report import every_rank, write_results_and_shutdown
+from tests.dist.report import every_rank, write_results_and_shutdown, exit_now
 from tests.dist.tiny_llama import tiny_llama
 from tests.dist.tiny_models import checkpoint_state, tiny_qwen3, tiny_qwen3_moe_config
 
@@ -67,3 +67,4 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_now()

@@ -15,6 +15,7 @@ import json
 import sys
 
 import torch
+from tests.dist.report import exit_now
 
 
 CORRUPT = {"llama": "model.layers.1.self_attn.qkv_proj.weight",
@@ -272,3 +273,4 @@ if __name__ == "__main__":
            "images": {f: image_check(workdir, f) for f in ("qwen2_5_vl", "qwen3_vl_moe")}}
     with open(result, "w") as f:
         json.dump(res, f)
+    exit_now()

@@ -30,7 +30,7 @@ from parallel.layout import ParallelLayout, validate_model_layout
 from parallel.state import env_world, init_distributed
 from tests.dist.grpo_invariance_worker import hf_reference
 from tests.dist.grpo_invariance_worker import megatron_case as grpo_case
-from tests.dist.report import every_rank, worst_over_ranks, write_results_and_shutdown
+from tests.dist.report import every_rank, worst_over_ranks, write_results_and_shutdown, exit_now
 from tests.dist.tiny_models import IMAGE_TOKEN, checkpoint_state, tiny_qwen2_5_vl, tiny_qwen3_vl, tiny_qwen3_vl_moe
 
 MODELS = {"qwen2_5_vl": tiny_qwen2_5_vl, "qwen3_vl": tiny_qwen3_vl,  # family: tiny random model(seed)
@@ -357,3 +357,4 @@ def main(path: str, families: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[-1], sys.argv[1:-1] or list(MODELS))
+    exit_now()
