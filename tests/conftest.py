@@ -121,7 +121,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "heavy" in item.keywords and "slow" not in item.keywords:
             item.add_marker(pytest.mark.slow)
-    if getattr(config.option, "dist", "no") != "loadgroup":
+    if not getattr(config.option, "loadgroup", False):  # xdist sets it on its workers for --dist loadgroup
         return
     groups = {id(item): xdist_group(item) for item in items}
     heavy: dict[str, int] = {}
