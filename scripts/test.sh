@@ -4,9 +4,10 @@
 #   bash scripts/test.sh [pytest arguments]   e.g. tests/test_losses.py -x: pytest with them, as given
 # Both tiers run on TEST_WORKERS processes (pytest-xdist, default 2): the fast tier (-m "not slow":
 # single-threaded, nothing launched) test by test; the slow tier a file at a time on each worker
-# (--dist loadgroup, tests/conftest.py: the files with heavy tests first, the Slurm tests together).
-# Its launches leave about a quarter of the cores idle (start-up, rendezvous, waits) that a second
-# test fills: 45:46 -> 37:15 on 2 AMX cores, 2026-12-02.
+# (--dist loadfile; tests/conftest.py puts the files with heavy tests first). Its launches leave about
+# a quarter of the cores idle (start-up, rendezvous, waits) that a second test fills: 45:46 -> 37:15
+# on 2 AMX cores, 2026-12-02. Tests marked serial (a machine-wide resource: the local Slurm cluster,
+# the sandbox's count of nobody's processes) run alone after it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
@@ -15,4 +16,6 @@ if [ $# -gt 0 ]; then
     exec python -m pytest -q "$@"
 fi
 python -m pytest -q -m "not slow" -n "${TEST_WORKERS:-2}" tests
-exec python -m pytest -q -m slow -n "${TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder --durations=15 tests
+python -m pytest -q -m "slow and not serial" -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
+    --durations=15 tests
+exec python -m pytest -q -m "slow and serial" tests

@@ -96,41 +96,33 @@ def run_torchrun_killed(worker: str, *args: str, log: Path, nproc: int = 2, time
                 os.killpg(p.pid, signal.SIGKILL)
 
 
-#: tests that share one machine-wide resource run in one xdist group, one at a time: the local Slurm cluster
-#: (:func:`slurm_cluster`, a session fixture: one per worker would start two controllers on the same ports)
-SHARED_RESOURCES = {"slurm_cluster": "slurm"}
-
-
-def xdist_group(item) -> str:
-    """The group of ``item`` when the slow tier runs on two xdist workers (``--dist loadgroup``, as
-    scripts/test.sh runs it): its file, so module fixtures are built once, or the shared resource its
-    fixtures use (:data:`SHARED_RESOURCES`)."""
-    for fixture, group in SHARED_RESOURCES.items():
-        if fixture in getattr(item, "fixturenames", ()):
-            return group
-    return item.nodeid.split("::")[0]
+#: fixtures of a machine-wide resource: a test that uses one is marked ``serial`` and runs alone, after the slow
+#: tier's parallel part (scripts/test.sh). The local Slurm cluster is one per session and worker.
+SERIAL_FIXTURES = ("slurm_cluster",)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """The tiers (CONTRIBUTING.md): a ``heavy`` test is also ``slow``, so ``-m "not slow"`` (the
     developer's loop) runs no torchrun, vLLM, Slurm or nemo-run job; every machine runs every test
-    (none is skipped for the CPU's speed). Under ``--dist loadgroup`` each test is put in its
-    :func:`xdist_group`, and the groups that hold ``heavy`` tests come first (most first), so that the
-    two workers do not end with one long file on one of them while the other idles."""
+    (none is skipped for the CPU's speed). A test using a :data:`SERIAL_FIXTURES` fixture is marked
+    ``serial``. On an xdist worker the files with ``heavy`` tests come first (most first), so that with
+    ``--dist loadfile`` the two workers do not end with one long file on one of them while the other idles."""
     for item in items:
         if "heavy" in item.keywords and "slow" not in item.keywords:
             item.add_marker(pytest.mark.slow)
-    if not getattr(config.option, "loadgroup", False):  # xdist sets it on its workers for --dist loadgroup
+        if any(f in getattr(item, "fixturenames", ()) for f in SERIAL_FIXTURES):
+            item.add_marker(pytest.mark.serial)
+    if not hasattr(config, "workerinput"):
         return
-    groups = {id(item): xdist_group(item) for item in items}
+    def file(item) -> str:
+        return item.nodeid.split("::")[0]
+
     heavy: dict[str, int] = {}
     for item in items:
-        heavy[groups[id(item)]] = heavy.get(groups[id(item)], 0) + ("heavy" in item.keywords)
-    first = {group: i for i, group in enumerate(dict.fromkeys(groups.values()))}
-    items.sort(key=lambda item: (-heavy[groups[id(item)]], first[groups[id(item)]]))  # stable within a group
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
+        heavy[file(item)] = heavy.get(file(item), 0) + ("heavy" in item.keywords)
+    first = {name: i for i, name in enumerate(dict.fromkeys(map(file, items)))}
+    items.sort(key=lambda item: (-heavy[file(item)], first[file(item)]))  # stable within a file
 
 
 #: The skips CI accepts (``CI=true``, which ``.ci/run`` sets): no GPU, and two checks of hardware the CPU lacks

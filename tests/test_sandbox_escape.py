@@ -21,9 +21,10 @@ from alignment.sandbox.runner import SandboxLimits, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMITS = SandboxLimits(wall_seconds=8, cpu_seconds=1, memory_mb=256, disk_mb=8, processes=32)
-pytestmark = [pytest.mark.skipif(probe() is not None, reason=f"no bubblewrap container here: {probe()}"),
-              # the slow tier runs one test at a time: no other test's sandbox runs as uid 65534 meanwhile,
-              # so a process of that uid left after an attack is this attack's
+pytestmark = [pytest.mark.serial,  # counts every process of nobody's: nothing else may sandbox meanwhile
+              pytest.mark.skipif(probe() is not None, reason=f"no bubblewrap container here: {probe()}"),
+              # serial tests run one at a time: no other test's sandbox runs as uid 65534 meanwhile, so a
+              # process of that uid left after an attack is this attack's
               pytest.mark.slow]
 
 
