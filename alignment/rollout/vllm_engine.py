@@ -18,6 +18,7 @@ from typing import Iterable
 import torch
 
 from alignment.models.families import vllm_hf_overrides
+from alignment.rollout import vllm_cpu_shm
 from alignment.rollout.base import OnDone, Sample, SamplingConfig, step_seed
 from alignment.rollout.compile_cache import choose_enforce_eager, compile_cache
 from alignment.rollout.image_prompts import images_of
@@ -128,6 +129,7 @@ class VLLMEngine:
         steps: the generation rounds the run will do (RL steps), for ``enforce_eager=None``; None: unknown.
     Attributes:
         compiled: whether vLLM runs compiled; ``compile_note``: why (one line, for the job's log).
+        shm_token: a TP>1 engine on CPU: the token in its shared-memory names (:mod:`alignment.rollout.vllm_cpu_shm`).
     Raises:
         ImportError: with the install command, when vLLM is missing.
     """
@@ -150,13 +152,15 @@ class VLLMEngine:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         elif "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # the legacy variable (whole GiB) wins when set
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
-        self.tensor_parallel_size, self.group = tensor_parallel_size, None
+        self.tensor_parallel_size, self.group, self.shm_token = tensor_parallel_size, None, None
         self.seed, self._rng = seed, None  # the sampler's stream: a seed or generator states (:meth:`reseed`)
         if tensor_parallel_size > 1:
             import torch.distributed as dist
 
             kwargs["distributed_executor_backend"] = "external_launcher"
             if not torch.cuda.is_available():  # vllm-cpu: bind each rank's OpenMP threads to its own cores
+                self.shm_token = vllm_cpu_shm.new_token()  # its shared memory named for this engine only
+                vllm_cpu_shm.isolate(self.shm_token)
                 local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
                 per = max(1, (os.cpu_count() or 1) // local)
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
