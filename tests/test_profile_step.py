@@ -28,6 +28,20 @@ def test_flops_per_token_by_hand():
         flops_per_token(d, 10, output_fraction=1.5)
 
 
+def test_mfu_counts_each_steps_own_tokens_when_step_times_vary():
+    """256 tokens a step at 1 s and 3 s (the first step skipped as warm-up): 256 tokens a step, where the mean
+    rate x the mean time gives (256 + 85.3) / 2 x 2 = 341.3. 1 s of training a step: 256 x FLOPs per token."""
+    from types import SimpleNamespace
+
+    from tools.profile_step import mfu
+
+    rows = [{"tokens_per_s": 256 / s, "time/step": s, "time/train": 1.0, "seq_length": 10.0} for s in (9.0, 1.0, 3.0)]
+    cfg = SimpleNamespace(algorithm=SimpleNamespace(name="sft", ppo_epochs=1))
+    m = mfu({"history": rows}, cfg, tiny_llama_config(), peak_flops=1e9)
+    assert m["tokens_per_step"] == pytest.approx(256.0, rel=1e-12)
+    assert m["achieved_flops"] == pytest.approx(256 * flops_per_token(model_dims(tiny_llama_config()), 10.0))
+
+
 @pytest.mark.heavy(cheap="tests/test_profile_step.py::test_flops_per_token_by_hand")
 def test_profile_step_traces_and_reports_a_real_run(tmp_path):
     from tools.profile_step import main, report

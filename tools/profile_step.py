@@ -53,11 +53,13 @@ def mfu(summary: dict, cfg, hf_config, peak_flops: float) -> dict | None:
     there alone), else on every token (an upper bound for SFT/DPO, which also skip prompts)."""
 
     rows = _steady(summary["history"])
-    tps, seq, train_s = _mean(rows, "tokens_per_s"), _mean(rows, "seq_length"), _mean(rows, "time/train")
-    step_s = _mean(rows, "time/step")
-    if tps is None or seq is None or not train_s:
+    seq, train_s = _mean(rows, "seq_length"), _mean(rows, "time/train")
+    # each step's own tokens (its rate x its time): the mean rate x the mean time overstates them when step
+    # times vary (the mean of T / s_i times the mean of s_i is >= T)
+    counted = [r["tokens_per_s"] * r["time/step"] for r in rows if "tokens_per_s" in r and "time/step" in r]
+    if not counted or seq is None or not train_s:
         return None
-    tokens = tps * step_s  # tokens per step
+    tokens = sum(counted) / len(counted)  # tokens per step
     passes = 1 if cfg.algorithm.name in OFFLINE_ALGORITHMS else cfg.algorithm.ppo_epochs
     response = _mean(rows, "response_length")
     out_fraction = min(1.0, response / seq) if response is not None else 1.0

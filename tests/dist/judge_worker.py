@@ -12,11 +12,12 @@ import json
 import re
 import sys
 from pathlib import Path
-from tests.dist.report import exit_now
 
 ROOT = Path(__file__).resolve().parents[2]
 HAND = [0.25, 0.5, 1.0]  # the scores the three replies' own verdict words are given
 sys.path.insert(0, str(ROOT))
+
+from tests.dist.report import exit_now  # noqa: E402  (after the repository root is on the path)
 
 
 def verdicts_for(replies: list[str]) -> dict[str, float]:
