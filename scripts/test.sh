@@ -15,7 +15,15 @@ bash scripts/setup.sh test
 if [ $# -gt 0 ]; then
     exec python -m pytest -q "$@"
 fi
-python -m pytest -q -m "not slow" -n "${TEST_WORKERS:-2}" tests
-python -m pytest -q -m "slow and not serial" -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
-    --durations=15 tests
-exec python -m pytest -q -m "slow and serial" tests
+echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)," \
+     "$(grep -qw avx512f /proc/cpuinfo && echo AVX-512 || echo 'no AVX-512')"
+tier() {  # the tier's name, then pytest's arguments: runs it and prints its time
+    local name=$1 start=$SECONDS
+    shift
+    python -m pytest -q "$@" tests
+    echo "$name: $((SECONDS - start)) s"
+}
+tier "fast tier" -m "not slow" -n "${TEST_WORKERS:-2}"
+tier "slow tier, parallel part" -m "slow and not serial" -n "${TEST_WORKERS:-2}" --dist loadfile \
+    --no-loadscope-reorder --durations=15
+tier "slow tier, serial part" -m "slow and serial"

@@ -246,6 +246,16 @@ CASES: list[Case] = [
          ConfigError, "algorithm.advantage_estimator='vtrace': valid values are grpo, grpo_no_std, rloo"),
     Case("config", "`algorithm.policy_loss=grpo`", conf("grpo", "algorithm.policy_loss=grpo"), ConfigError,
          "algorithm.policy_loss='grpo': valid values are ppo, gspo, cispo"),
+    Case("config", "`algorithm.advantage_estimator=examples.custom_algorithm.advantages:mean_baseline` (no such function)",
+         conf("grpo", "algorithm.advantage_estimator=examples.custom_algorithm.advantages:mean_baseline"), ConfigError,
+         "algorithm.advantage_estimator=examples.custom_algorithm.advantages:mean_baseline: "
+         "examples.custom_algorithm.advantages has no function mean_baseline"),
+    Case("config", "`algorithm.policy_loss=examples.custom_algorithm.advantages:median_baseline` (an estimator)",
+         conf("grpo", "algorithm.policy_loss=examples.custom_algorithm.advantages:median_baseline"), ConfigError,
+         "algorithm.policy_loss=examples.custom_algorithm.advantages:median_baseline: failed on logprobs [2, 3] "
+         "(TypeError: median_baseline() takes 2 positional arguments but 6 were given); the contract is fn(logprobs, "
+         "old_logprobs, advantages, response_mask, clip_ratio_low, clip_ratio_high) -> (per_token_loss, is_clipped), "
+         "both [batch, seq]"),
     Case("config", "`data.task=mmlu`", conf("grpo", "data.task=mmlu"), ConfigError,
          "data.task='mmlu': valid values are arithmetic, gsm8k"),
     Case("config", "`rollout.backend=sglang`", conf("grpo", "rollout.backend=sglang"), ConfigError,

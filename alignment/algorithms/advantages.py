@@ -12,6 +12,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from alignment.algorithms import hooks
+
 __all__ = [
     "grpo_advantages",
     "rloo_advantages",
@@ -320,14 +322,18 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Any]] = {
 
 
 def get_advantage_estimator(name: str) -> Callable[..., Any]:
-    """Look up an advantage estimator by name in ``ADVANTAGE_ESTIMATORS``.
+    """Look up an advantage estimator by name in ``ADVANTAGE_ESTIMATORS``, or your own by import path
+    (``module.path:function``: ``fn(rewards [batch], group_size) -> [batch]``, :mod:`alignment.algorithms.hooks`).
 
     See ``ADVANTAGE_ESTIMATORS`` for the call signatures (``"gae"`` differs
     from the group estimators).
 
     Raises:
-        ValueError: unknown ``name``; the message lists the valid names.
+        ValueError: unknown ``name``; the message lists the valid names (a
+            :class:`alignment.schema.ConfigError` for an import path that does not load).
     """
+    if hooks.is_import_path(name):
+        return hooks.load(name, "algorithm.advantage_estimator")
     try:
         return ADVANTAGE_ESTIMATORS[name]
     except KeyError:

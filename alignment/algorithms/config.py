@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from alignment.algorithms import hooks
 from alignment.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from alignment.algorithms.aggregation import AGGREGATION_MODES
 from alignment.algorithms.distill_loss import DISTILL_LOSSES, FULL_DISTRIBUTION
@@ -42,7 +43,8 @@ class AlgorithmConfig:
     reference, loss aggregation; preference-loss settings for ``dpo`` and ``rm``."""
 
     name: str = "grpo"  # grpo | ppo | rft | online_dpo | distill | sft | rm | dpo | prm
-    # grpo | grpo_no_std (Dr.GRPO) | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline
+    # grpo | grpo_no_std (Dr.GRPO) | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | your own:
+    # module.path:function (alignment/algorithms/hooks.py)
     advantage_estimator: str = "grpo"
     # reinforce_plus_plus[_baseline]: whiten over each response once (sequence) or every valid token
     # (token: long responses weigh more, as verl / OpenRLHF); global batch either way
@@ -51,7 +53,8 @@ class AlgorithmConfig:
     # DAPO clip-higher, e.g. 0.28
     clip_ratio_high: Optional[float] = ranged(None, 0, low_in=False, note=' (null: clip_ratio)')
     # ppo (clipped surrogate) | gspo (length-normalised sequence ratio, Zheng et al. 2025) | cispo
-    # (clipped stop-gradient IS weight, MiniMax-M1 2025); the clip_ratio* fields bound each one's ratio
+    # (clipped stop-gradient IS weight, MiniMax-M1 2025) | your own: module.path:function
+    # (alignment/algorithms/hooks.py); the clip_ratio* fields bound each one's ratio
     policy_loss: str = "ppo"
     # dual clip of the ppo loss for A < 0 (Ye et al. 2020; verl: 3.0); null: off
     clip_ratio_c: Optional[float] = ranged(None, 1, low_in=False,
@@ -131,8 +134,11 @@ def check_policy_loss(a: AlgorithmConfig) -> None:
     Raises:
         ConfigError: naming the field and its valid values.
     """
-    if a.policy_loss not in POLICY_LOSSES:
-        raise ConfigError(f"algorithm.policy_loss={a.policy_loss!r}: valid values are {', '.join(POLICY_LOSSES)}")
+    if hooks.is_import_path(a.policy_loss):
+        hooks.policy_loss(a.policy_loss)  # imported and called on a probe: its contract kept
+    elif a.policy_loss not in POLICY_LOSSES:
+        raise ConfigError(f"algorithm.policy_loss={a.policy_loss!r}: valid values are {', '.join(POLICY_LOSSES)}, "
+                          "or your own as module.path:function")
     if a.clip_ratio_c is not None and a.policy_loss != "ppo":
         raise ConfigError(f"algorithm.clip_ratio_c={a.clip_ratio_c}: the dual clip needs algorithm.policy_loss=ppo "
                           f"(it is {a.policy_loss}), or null")
@@ -152,9 +158,11 @@ def check_estimators(a: AlgorithmConfig) -> None:
     if a.kl_estimator not in KL_ESTIMATORS:
         raise ConfigError(f"algorithm.kl_estimator={a.kl_estimator!r}: valid values are {', '.join(KL_ESTIMATORS)}")
     group_estimators = [k for k in ADVANTAGE_ESTIMATORS if k != "gae"]  # gae needs a critic (PPO)
-    if a.advantage_estimator not in group_estimators:
+    if hooks.is_import_path(a.advantage_estimator):
+        hooks.advantage_estimator(a.advantage_estimator)  # imported and called on a probe: its contract kept
+    elif a.advantage_estimator not in group_estimators:
         raise ConfigError(f"algorithm.advantage_estimator={a.advantage_estimator!r}: valid values are "
-                          f"{', '.join(group_estimators)}")
+                          f"{', '.join(group_estimators)}, or your own as module.path:function")
     if a.whiten_level not in WHITEN_LEVELS:
         raise ConfigError(f"algorithm.whiten_level={a.whiten_level!r}: valid values are sequence, token (the "
                           "units REINFORCE++ whitens its advantages over)")

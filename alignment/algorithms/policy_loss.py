@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from alignment.algorithms import hooks
+
 __all__ = ["POLICY_LOSSES", "cispo_policy_loss", "clipped_surrogate_loss", "entropy_bonus", "gspo_policy_loss",
            "policy_loss", "ppo_policy_loss"]
 
@@ -246,13 +248,19 @@ def policy_loss(
 ) -> tuple[Tensor, Tensor]:
     """The per-token policy loss ``name`` (``algorithm.policy_loss``): ``ppo``
     (:func:`ppo_policy_loss`, with the dual clip ``clip_ratio_c``), ``gspo``
-    (:func:`gspo_policy_loss`) or ``cispo`` (:func:`cispo_policy_loss`). Shapes and returns as
-    theirs.
+    (:func:`gspo_policy_loss`), ``cispo`` (:func:`cispo_policy_loss`), or your own by import path
+    (``module.path:function``, :mod:`alignment.algorithms.hooks`: called with ``logprobs, old_logprobs,
+    advantages, response_mask, clip_ratio_low, clip_ratio_high``). Shapes and returns as theirs.
 
     Raises:
         ValueError: an unknown ``name``, ``clip_ratio_c`` with a loss other than ``ppo``, or
             the chosen loss's own errors.
     """
+    if hooks.is_import_path(name):
+        if clip_ratio_c is not None:
+            raise ValueError(f"clip_ratio_c={clip_ratio_c} (dual clip) applies to the ppo loss only, not {name}")
+        return hooks.load(name, "algorithm.policy_loss")(logprobs, old_logprobs, advantages, response_mask,
+                                                         clip_ratio_low, clip_ratio_high)
     if name not in POLICY_LOSSES:
         raise ValueError(f"policy loss {name!r}: valid values are {', '.join(POLICY_LOSSES)}")
     if name != "ppo" and clip_ratio_c is not None:
