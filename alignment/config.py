@@ -31,6 +31,7 @@ from typing import Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from alignment.algorithms import registry
 from alignment.algorithms.composite_reward import RewardTerm
 from alignment.algorithms.config import (ROUTING_REPLAY, AlgorithmConfig, check_distill, check_estimators,
                                          check_loss_type, check_policy_loss)
@@ -147,10 +148,11 @@ def parallel_sizes(parallel: ParallelConfig) -> dict:
     return {f.name: getattr(parallel, f.name) for f in dataclasses.fields(ParallelConfig)}
 
 
-RL_ALGORITHMS = ("grpo", "ppo", "rft", "online_dpo", "distill")
-TASK_ALGORITHMS = ("grpo", "rft", "online_dpo", "distill")  # the jobs that ask data.task's questions
+#: the algorithms by what they can do (their records: alignment/algorithms/registry.py)
+RL_ALGORITHMS = registry.names(online=True)
+TASK_ALGORITHMS = registry.names(asks_task=True)  # the jobs that ask data.task's questions
 REF_UPDATES = ("initial", "iteration")
-OFFLINE_ALGORITHMS = ("sft", "rm", "dpo", "prm")
+OFFLINE_ALGORITHMS = registry.names(online=False)
 PROCESS_ESTIMATORS = ("grpo", "grpo_no_std")  # the GRPO-family estimators process_reward has advantages for
 
 
@@ -332,7 +334,7 @@ def _validate_online_dpo(cfg, layout) -> None:
 def _validate_staleness(r, a) -> None:
     """``rollout.max_staleness`` > 0: off-policy batches need importance weights in the loss."""
     # rft and online_dpo: SFT and DPO losses, which take samples from any policy
-    if r.max_staleness > 0 and a.rollout_correction.is_level is None and a.name not in ("rft", "online_dpo"):
+    if r.max_staleness > 0 and a.rollout_correction.is_level is None and registry.get(a.name).policy_gradient:
         raise ConfigError(f"rollout.max_staleness={r.max_staleness} trains on samples from a policy up to "
                           f"{r.max_staleness} step(s) old, so the loss must weight each token by pi_old / pi_rollout "
                           "(decoupled PPO): set algorithm.rollout_correction.is_level=token (or sequence), "
@@ -514,7 +516,7 @@ def _validate_process_reward(cfg, functions, prm_path: str) -> None:
     if not prm_path:
         raise ConfigError("reward.functions has process_reward, but reward.process_reward_model is empty: give the "
                           "HF export of a process reward model (e.g. outputs/prm_smollm2/hf from --config-name prm)")
-    if a.name not in ("grpo", "ppo"):
+    if not registry.get(a.name).process_reward:
         raise ConfigError(f"reward.functions has process_reward, a dense per-step reward, but algorithm.name={a.name} "
                           "judges whole samples; it applies to the GRPO family and PPO")
     if a.name == "grpo" and a.advantage_estimator not in PROCESS_ESTIMATORS:
@@ -542,7 +544,7 @@ def _validate_episodes(cfg: JobConfig) -> None:
         _validate_agents(cfg)
     if r.environment == "single_turn":
         return
-    if a.name not in ("grpo", "distill") and not ppo_on_task(cfg):
+    if not registry.get(a.name).episodes and not ppo_on_task(cfg):
         raise ConfigError(f"rollout.environment={r.environment} runs multi-turn episodes in GRPO-family and distill jobs and in "
                           f"PPO on data.task (reward.functions without reward_model); algorithm.name={a.name} "
                           "samples single answers here; set rollout.environment=single_turn")
@@ -559,7 +561,7 @@ def _validate_agents(cfg: JobConfig) -> None:
     if r.agent and r.agent_command:
         raise ConfigError(f"rollout.agent={r.agent} and rollout.agent_command are both set: give one")
     given = f"rollout.agent={r.agent}" if r.agent else "rollout.agent_command"
-    if a.name != "grpo" and not ppo_on_task(cfg):
+    if not registry.get(a.name).agents and not ppo_on_task(cfg):
         raise ConfigError(f"{given} plays GRPO-family episodes (and PPO's on data.task); algorithm.name={a.name} "
                           "samples otherwise; unset it")
     if r.environment != "single_turn":
@@ -599,7 +601,7 @@ def _validate_lengths(cfg, layout, hf_config, tokenizer_size: int | None) -> Non
                           f"set {field}<={hf_config.max_position_embeddings // align * align}")
 
 
-VISION_LANGUAGE_ALGORITHMS = ("sft", "dpo", "grpo", "rft", "online_dpo", "distill")
+VISION_LANGUAGE_ALGORITHMS = registry.names(takes_images=True)
 
 
 def _validate_vision_language(cfg, layout, dims) -> None:
@@ -617,7 +619,7 @@ def _validate_vision_language(cfg, layout, dims) -> None:
     if a.name not in VISION_LANGUAGE_ALGORITHMS:
         raise ConfigError(f"model.path={cfg.model.path} is a vision-language model: algorithm.name={a.name} is not "
                           f"supported for it yet; use one of {', '.join(VISION_LANGUAGE_ALGORITHMS)} "
-                          "(--config-name sft / dpo / grpo / rft / online_dpo / distill)")
+                          f"(--config-name {' / '.join(VISION_LANGUAGE_ALGORITHMS)})")
     if a.name not in RL_ALGORITHMS:
         return
     if r.backend == "vllm" and r.placement != "colocated":
@@ -720,7 +722,7 @@ def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int 
                           "trainer.sequence_packing=true (pipeline stages exchange one shape for every micro-batch; "
                           "packed micro-batches are one row each, padded micro-batches would differ in rows)")
     check_model(cfg.model)
-    if cfg.model.teacher_path and cfg.algorithm.name != "distill":
+    if cfg.model.teacher_path and not registry.get(cfg.algorithm.name).teacher:
         raise ConfigError(f"model.teacher_path={cfg.model.teacher_path} is set, but algorithm.name={cfg.algorithm.name} "
                           "has no teacher; set algorithm.name=distill, or model.teacher_path=''")
     _validate_rewards(cfg)
@@ -728,11 +730,8 @@ def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int 
         raise ConfigError(f"data.instruction is set, but algorithm.name={cfg.algorithm.name} does not ask data.task's "
                           f"questions (it applies to {', '.join(TASK_ALGORITHMS)}, and ppo with reward.functions on "
                           "data.task's answers); set data.instruction=null")
-    if cfg.algorithm.name in OFFLINE_ALGORITHMS:
+    if not registry.get(cfg.algorithm.name).online:  # an unknown name: one line with the valid ones
         return _validate_offline(cfg, dp)
-    if cfg.algorithm.name not in RL_ALGORITHMS:
-        raise ConfigError(f"algorithm.name={cfg.algorithm.name!r}: valid values are "
-                          f"{', '.join(RL_ALGORITHMS + OFFLINE_ALGORITHMS)}")
 
     check_engine_tp(r, engines or world_size, cfg.parallel, hf_config)
     check_backend(r, layout)
@@ -747,7 +746,7 @@ def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int 
         check_microbatch_tokens(cfg)
     a = cfg.algorithm
     check_policy_loss(a)
-    if a.routing_replay != "none" and a.name not in ("grpo", "distill"):
+    if a.routing_replay != "none" and not registry.get(a.name).replays_routes:
         raise ConfigError(f"algorithm.routing_replay={a.routing_replay} replays experts in the GRPO step (grpo and its "
                           f"variants, distill), not in algorithm.name={a.name}; set algorithm.routing_replay=none")
     _validate_staleness(cfg.rollout, a)

@@ -13,14 +13,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from alignment.algorithms import registry
 from alignment.config import OFFLINE_ALGORITHMS, RL_ALGORITHMS, ppo_on_task, reward_terms
 from alignment.models.hf_assets import is_hub_id
 
 #: the policy-gradient jobs (the clipped surrogate, its KL term and rollout correction)
-POLICY_GRADIENT = ("grpo", "distill", "ppo")
+POLICY_GRADIENT = registry.names(policy_gradient=True)
 DPO_FAMILY = ("dpo", "online_dpo")
 #: the jobs that grade held-out answers (alignment/trainers/heldout.py); ppo only on data.task / prompt files
-HELDOUT = ("grpo", "rft", "online_dpo", "distill", "ppo")
+HELDOUT = RL_ALGORITHMS
 
 
 @dataclass(frozen=True)

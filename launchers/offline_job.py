@@ -16,15 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from alignment.config import JobConfig
-from alignment.data.examples import is_unpaired, tokenize_split
+from alignment.algorithms import registry
+from alignment.data.examples import tokenize_split
 from alignment.data.images import ImageInputs
 from alignment.models.families import text_config
 from alignment.trainers import offline
-from alignment.trainers.dpo import DPOObjective
-from alignment.trainers.kto import KTOObjective
-from alignment.trainers.process_reward import ProcessRewardObjective
-from alignment.trainers.reward_model import RewardModelObjective
-from alignment.trainers.sft import SFTObjective
 from alignment.training.batching import MicroBatching
 from alignment.training.dp_balance import global_batch_share
 from launchers import loop
@@ -35,20 +31,9 @@ from parallel.state import replica_group
 
 
 def make_objective(cfg, vocab_size: int):
-    """The loss function object for ``cfg.algorithm`` (:mod:`alignment.trainers.sft` / ``reward_model`` /
-    ``dpo`` / ``process_reward``; ``kto`` on unpaired data: :mod:`alignment.trainers.kto`)."""
-
-    a = cfg.algorithm
-    if a.name == "sft":
-        return SFTObjective(vocab_size)
-    if a.name == "rm":
-        return RewardModelObjective(center_coef=a.center_coef)
-    if a.name == "prm":
-        return ProcessRewardObjective()
-    if a.loss_type == "kto" and is_unpaired(cfg.data, a):  # TRL's unpaired preference records: each with its label
-        return KTOObjective(vocab_size, beta=a.beta)
-    return DPOObjective(vocab_size, beta=a.beta, loss_type=a.loss_type, label_smoothing=a.label_smoothing,
-                        simpo_gamma=a.simpo_gamma, orpo_lambda=a.orpo_lambda)
+    """The loss function object for ``cfg.algorithm``: its trainer's ``objective(cfg, vocab_size)``
+    (:mod:`alignment.algorithms.registry`: :mod:`alignment.trainers.sft` / ``reward_model`` / ``dpo`` / ``process_reward``)."""
+    return registry.get(cfg.algorithm.name).trainer_module().objective(cfg, vocab_size)
 
 
 def export_config(cfg, hf_config, tokenizer, bridge):

@@ -11,7 +11,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from alignment.compose import CONFIG_DIR, Composition, job_keys
-from alignment.config import OFFLINE_ALGORITHMS, JobConfig, reward_terms, total_steps
+from alignment.algorithms import registry
+from alignment.config import JobConfig, reward_terms, total_steps
 from alignment.models.families import text_config
 from alignment.reads import unread_keys
 from alignment.rewards.functions import MODEL_FUNCTIONS, TRL, is_user_function, load_user_function
@@ -95,7 +96,7 @@ def _convention(term) -> str:
 def reward_lines(cfg: JobConfig, prompts) -> list[str]:
     """The RL job's reward terms, each with its function's convention and weight, and the reference answer
     they read (``data.answer_key``'s column, resolved)."""
-    if cfg.algorithm.name in OFFLINE_ALGORITHMS:
+    if not registry.get(cfg.algorithm.name).online:
         return []
     terms = reward_terms(cfg)
     parts = [f"{t.name} x {t.weight:g} ({_convention(t)}{', whitened' if t.whiten else ''})" for t in terms]
@@ -115,7 +116,7 @@ def data_lines(cfg: JobConfig, prompts) -> list[str]:
     unused = getattr(prompts, "unused_columns", ())
     if unused:
         lines.append(f"columns the job does not read: {', '.join(unused)}")
-    if cfg.algorithm.name not in OFFLINE_ALGORITHMS and hasattr(prompts, "train"):
+    if registry.get(cfg.algorithm.name).online and hasattr(prompts, "train"):
         t = cfg.trainer
         steps = total_steps(cfg, len(prompts.train))
         how = (f"trainer.steps={t.steps}" if t.steps else
@@ -127,7 +128,7 @@ def data_lines(cfg: JobConfig, prompts) -> list[str]:
 
 def length_lines(cfg: JobConfig, hf_config, prompts) -> list[str]:
     """An RL job's response and context lengths, with where the context came from."""
-    if cfg.algorithm.name in OFFLINE_ALGORITHMS:
+    if not registry.get(cfg.algorithm.name).online:
         return []
     r = cfg.rollout
     positions = text_config(hf_config).max_position_embeddings

@@ -18,17 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if os.getcwd() not in sys.path:  # as `python -m`: your own modules (rewards, agents) import from here
     sys.path.insert(1, os.getcwd())
 
+from alignment.algorithms import registry  # noqa: E402
 from alignment.algorithms.preference_loss import REFERENCE_FREE  # noqa: E402
 from alignment.compose import compose_job, split_job_args  # noqa: E402
-from alignment.config import (  # noqa: E402
-    OFFLINE_ALGORITHMS,
-    JobConfig,
-    job_config,
-    process_reward_weight,
-    reward_terms,
-)
+from alignment.config import JobConfig, job_config, process_reward_weight, reward_terms  # noqa: E402
 from alignment.data.prompt_data import training_order  # noqa: E402
-from alignment.trainers import grpo, online_dpo, rft, rl_phases  # noqa: E402
+from alignment.trainers import grpo, rl_phases  # noqa: E402
 from alignment.trainers.heldout import HeldoutAccuracy  # noqa: E402
 from launchers import loop, offline_job, ppo_job  # noqa: E402
 from launchers.build import build_models  # noqa: E402
@@ -51,7 +46,7 @@ def roles(cfg) -> list[str]:
     the policy and its rollout engine; the frozen reference (:func:`needs_reference`); ``distill``'s teacher; the reward
     model when ``reward.functions`` names ``reward_model``; the process reward model for ``process_reward``."""
     return ["policy", "engine", *(["reference"] if needs_reference(cfg) else []),
-            *(["teacher"] if cfg.algorithm.name == "distill" else []),
+            *(["teacher"] if registry.get(cfg.algorithm.name).teacher else []),
             *(["reward_model"] if any(term.name == "reward_model" for term in reward_terms(cfg)) else []),
             *(["process_reward_model"] if process_reward_weight(cfg) else [])]
 
@@ -60,14 +55,16 @@ def run(cfg, composed=None) -> dict:
     """Run the job ``cfg.algorithm.name`` names; returns the summary written to ``<output_dir>/summary.json``.
 
     The composed config becomes the typed :class:`alignment.config.JobConfig` here, once
-    (:func:`alignment.config.job_config`); everything below reads that. ``sft``, ``rm``, ``dpo`` and
-    ``prm`` train on fixed data (:mod:`launchers.offline_job`), ``ppo`` runs :mod:`launchers.ppo_job`;
-    the GRPO family, ``rft`` and ``online_dpo`` run :mod:`launchers.loop` with :func:`run_rl`'s pieces.
+    (:func:`alignment.config.job_config`); everything below reads that. The algorithm's record
+    (:mod:`alignment.algorithms.registry`) says which job runs it: ``offline`` (``sft``, ``rm``, ``dpo``,
+    ``prm``: :mod:`launchers.offline_job`), ``ppo`` (:mod:`launchers.ppo_job`), ``online`` (the GRPO family,
+    ``rft``, ``online_dpo``, ``distill``: :mod:`launchers.loop` with :func:`run_rl`'s pieces).
     """
     cfg = job_config(cfg)
-    if cfg.algorithm.name in OFFLINE_ALGORITHMS:
+    job = registry.get(cfg.algorithm.name).job
+    if job == "offline":
         return offline_job.run(cfg, composed)
-    if cfg.algorithm.name == "ppo":
+    if job == "ppo":
         return ppo_job.run(cfg, composed)
     return run_rl(cfg, composed)
 
@@ -90,9 +87,10 @@ def run_rl(cfg: JobConfig, composed=None) -> dict:
 
         return grpo.collect(models, problems, cfg, refill, version)
 
-    # rft: SFT on the accepted samples; online_dpo: DPO on the best-worst pairs of the policy's own samples
+    # the algorithm's trainer (its record's): grpo (and distill), rft (SFT on the accepted samples), online_dpo
+    # (DPO on the best-worst pairs of the policy's own samples)
     name = cfg.algorithm.name
-    trainer = {"rft": rft, "online_dpo": online_dpo}.get(name, grpo)
+    trainer = registry.get(name).trainer_module()
 
     def own_collect(problems, step: int, version: int):  # noqa: ARG001 - the loop's signature
         return trainer.collect(models, problems, cfg, version)

@@ -5,7 +5,7 @@
 # Both tiers run on TEST_WORKERS processes (pytest-xdist, default 2): the fast tier (-m "not slow":
 # single-threaded, nothing launched) test by test; the slow tier a file at a time on each worker
 # (--dist loadfile; tests/conftest.py puts the files with heavy tests first). Its launches leave about
-# a quarter of the cores idle (start-up, rendezvous, waits) that a second test fills: 45:46 -> 37:15
+# a quarter of the cores idle (start-up, rendezvous, waits) that a second test fills: 45:46 -> 30:39
 # on 2 AMX cores, 2026-12-02. Tests marked serial (a machine-wide resource: the local Slurm cluster,
 # the sandbox's count of nobody's processes) run alone after it.
 set -euo pipefail

@@ -289,7 +289,7 @@ CASES: list[Case] = [
          "does not read it (it is read by dpo, online_dpo): it would change nothing; remove it"),
     Case("config", "`algorithm.kl_coef=0.1` for DPO (its KL strength is `algorithm.beta`)",
          conf("dpo", "algorithm.kl_coef=0.1"), ConfigError, "algorithm.kl_coef=0.1 is set, but algorithm.name=dpo does "
-         "not read it (it is read by grpo, distill, ppo)"),
+         "not read it (it is read by grpo, ppo, distill)"),
     Case("config", "`data.task=gsm8k` with prompt files of your own", prompt_file(
         [{"prompt": "1+1?", "answer": "2"}], extra=("data.task=gsm8k",)), ConfigError,
          "data.task=gsm8k is set, but algorithm.name=grpo reads it only without data.train_files"),

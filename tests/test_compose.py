@@ -216,7 +216,7 @@ def test_print_config_checks_and_marks_what_the_job_does_not_read(capsys):
     cfg = yaml.safe_load(text)
     assert cfg["algorithm"]["name"] == "dpo" and cfg["trainer"]["lr"] == 2e-6
     lines = {line.split(":")[0].strip(): line for line in text.splitlines() if ":" in line}
-    assert "# not read: algorithm.name=dpo does not read it (it is read by grpo, distill, ppo)" in lines["kl_coef"]
+    assert "# not read: algorithm.name=dpo does not read it (it is read by grpo, ppo, distill)" in lines["kl_coef"]
     assert "# not read" not in lines["beta"] and "# not read" in lines["rollout"]
     assert cli.main(["train", "--print-config", "trainer.micro_batch_size=5"]) == 2  # checked: 64 samples a rank
     assert "trainer.micro_batch_size=5 must divide" in capsys.readouterr().err

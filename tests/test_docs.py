@@ -87,6 +87,14 @@ def config_keys(text: str) -> set[str]:
 OTHER_KEYS = ("bad-inputs.md", "coming-from.md")
 
 
+def test_the_algorithms_table_is_the_registry():
+    """docs/guides/algorithms.md's table of the algorithms is :func:`alignment.algorithms.registry.table`."""
+    from alignment.algorithms.registry import table
+
+    assert table() in (ROOT / "docs" / "guides" / "algorithms.md").read_text(), \
+        "docs/guides/algorithms.md: paste python -m alignment.algorithms.registry's table"
+
+
 @pytest.mark.parametrize("page", [p for p in PAGES if p.name not in OTHER_KEYS], ids=_rel)
 def test_every_config_key_named_exists(page):
     """(The pages of :data:`OTHER_KEYS` name other keys on purpose.)"""

@@ -476,7 +476,7 @@ def test_kto_objective_is_the_mean_over_examples_by_hand():
 def test_kto_mismatched_rows_shift_by_one_pair():
     """KTO's KL rows: each prompt with the response of the same side of the previous pair (cyclic),
     cut to the longest input row; fewer than 2 examples are refused."""
-    from alignment.trainers.dpo import mismatched_rows
+    from alignment.trainers.kto import mismatched_rows
 
     rows = [([1, 2, 10], 2), ([1, 2, 11, 12], 2), ([3, 20, 21, 22], 1), ([3, 30], 1), ([4, 5, 6, 40], 3),
             ([4, 5, 6, 50], 3)]
@@ -498,7 +498,7 @@ def test_kto_reference_point_from_mismatched_rows_by_hand(monkeypatch):
 
     from megatron.core import parallel_state as ps
 
-    from alignment.trainers import dpo
+    from alignment.trainers import kto
     from alignment.trainers.dpo import DPOObjective
     from alignment.training.batching import make_sequence_batch
 
@@ -507,9 +507,9 @@ def test_kto_reference_point_from_mismatched_rows_by_hand(monkeypatch):
         response = torch.roll(ids, -1, 1) * mask  # loss_mask[t] marks token t + 1
         return response.sum(1) / 100 if model == "policy" else 0.05 * mask.sum(1) * scale
 
-    monkeypatch.setattr(dpo, "sequence_logps", fake_logps)
+    monkeypatch.setattr(kto, "sequence_logps", fake_logps)
     monkeypatch.setattr(ps, "get_data_parallel_group", lambda: SimpleNamespace(size=lambda: 2))
-    monkeypatch.setattr(dpo, "all_reduce_sum", lambda values, group: [values[0] + other])
+    monkeypatch.setattr(kto, "all_reduce_sum", lambda values, group: [values[0] + other])
     rows = [([1, 2, 10], 2), ([1, 2, 11, 12], 2), ([3, 20, 21], 1), ([3, 30], 1)]
     batch = make_sequence_batch(rows, pad_id=0)
     models = SimpleNamespace(policy="policy", reference="reference", tokenizer=SimpleNamespace(pad_token_id=0))

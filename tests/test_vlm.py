@@ -331,7 +331,7 @@ def test_jobs_a_vision_language_model_cannot_run_yet_are_refused():
 
     hf = tiny_qwen2_5_vl_config()
     with pytest.raises(ConfigError, match="is a vision-language model: algorithm.name=ppo is not supported for it "
-                                          "yet; use one of sft, dpo, grpo, rft, online_dpo, distill"):
+                                          "yet; use one of grpo, rft, online_dpo, distill, sft, dpo"):
         validate(cfg(name="ppo"), world_size=2, hf_config=hf)
     with pytest.raises(ConfigError, match="rollout.placement=disaggregated: a vision-language model's vLLM rollouts"):
         validate(cfg("rollout.placement=disaggregated", "rollout.rollout_ranks=1"), world_size=2, hf_config=hf)

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from alignment.config import OFFLINE_ALGORITHMS  # noqa: E402
+from alignment.algorithms import registry  # noqa: E402
 from alignment.models.families import model_dims  # noqa: E402
 from alignment.models.flops import flops_per_token, measured_matmul_peak  # noqa: E402
 from alignment.models.hf_assets import prepare_hf_dir  # noqa: E402
@@ -60,7 +60,7 @@ def mfu(summary: dict, cfg, hf_config, peak_flops: float) -> dict | None:
     if not counted or seq is None or not train_s:
         return None
     tokens = sum(counted) / len(counted)  # tokens per step
-    passes = 1 if cfg.algorithm.name in OFFLINE_ALGORITHMS else cfg.algorithm.ppo_epochs
+    passes = 1 if not registry.get(cfg.algorithm.name).online else cfg.algorithm.ppo_epochs
     response = _mean(rows, "response_length")
     out_fraction = min(1.0, response / seq) if response is not None else 1.0
     flops = tokens * passes * flops_per_token(model_dims(hf_config), seq, output_fraction=out_fraction)

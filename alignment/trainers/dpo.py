@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 
 from alignment.algorithms.preference_loss import LOSS_TYPES, REFERENCE_FREE, dpo_loss, kto_loss, orpo_loss, simpo_loss
-from alignment.trainers.offline import sequence_logps
-from alignment.training.batching import make_sequence_batch
-from alignment.training.megatron_step import LogprobOutputs, all_reduce_sum
+from alignment.data.examples import is_unpaired
+from alignment.trainers.kto import KTOObjective, kto_reference_point
+from alignment.training.megatron_step import LogprobOutputs
 
 
 class DPOObjective:
@@ -58,7 +58,7 @@ class DPOObjective:
         """KTO: the reference point ``z0`` of these batches (the step's, or all held-out ones)
         under the current policy, as TRL's ``KTOTrainer`` and the paper (Ethayarajh et al. 2024,
         sec. 4.1) estimate it: the mean of ``log pi(y'|x) - log pi_ref(y'|x)`` over mismatched
-        rows (each prompt with another example's response, :func:`mismatched_rows`), averaged
+        rows (each prompt with another example's response, :func:`alignment.trainers.kto.mismatched_rows`), averaged
         over the data-parallel ranks, clamped at 0, no gradient. Other losses: nothing.
         Collective over the data-parallel group (every rank calls it)."""
         if self.loss_type == "kto":
@@ -125,46 +125,11 @@ class DPOObjective:
         return out
 
 
-def kto_reference_point(models, batches: list[dict], mb, vocab_size: int, rows_per_example: int) -> float:
-    """KTO's ``z0`` for ``batches`` (this rank's) under the current policy: the mean of ``log pi(y'|x) -
-    log pi_ref(y'|x)`` over their mismatched rows (:func:`mismatched_rows`, ``rows_per_example`` rows an example),
-    averaged over the data-parallel ranks, clamped at 0 (Ethayarajh et al. 2024, sec. 4.1; TRL's
-    ``KTOTrainer``). No gradient; collective over the data-parallel group."""
-    from megatron.core import parallel_state as ps
-
-    rows = []
-    for b in batches:
-        for i in range(b["input_ids"].shape[0]):
-            n, r = int(b["seq_lengths"][i]), int(b["response_lengths"][i])
-            rows.append((b["input_ids"][i, :n].tolist(), n - r))
-    tok = models.tokenizer
-    kl = make_sequence_batch(mismatched_rows(rows, rows_per_example),
-                             tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-    delta = sequence_logps(models.policy, kl, mb, vocab_size) - sequence_logps(models.reference, kl, mb, vocab_size)
-    group = ps.get_data_parallel_group()
-    [total] = all_reduce_sum([float(delta.mean())], group)
-    return max(total / group.size(), 0.0)
-
-
-def mismatched_rows(rows: list[tuple[list[int], int]], rows_per_example: int = 2,
-                    max_length: int | None = None) -> list[tuple[list[int], int]]:
-    """KTO's KL rows: row ``i``'s prompt followed by the response of row ``i - rows_per_example``
-    (cyclic), as ``(ids, prompt_len)``. TRL's ``KTOTrainer`` pairs example ``i`` with completion
-    ``i - 1`` of an unpaired batch; megalign's rows are pairs ``[chosen_0, rejected_0, ...]``, and
-    shifting by one row would give a prompt its own pair's other response, so the shift is one
-    pair (chosen after chosen, rejected after rejected). A response is cut so that the row is no
-    longer than ``max_length`` (default: the longest input row), keeping at least one token.
-
-    Raises:
-        ValueError: fewer than two examples (no other example's response to take).
-    """
-    if len(rows) < 2 * rows_per_example:
-        raise ValueError(f"KTO's reference point needs at least 2 examples per data-parallel rank "
-                         f"(got {len(rows) // rows_per_example}): raise trainer.global_batch_size or data.heldout_size")
-    limit = max_length or max(len(ids) for ids, _ in rows)
-    out = []
-    for i, (ids, p) in enumerate(rows):
-        other, q = rows[i - rows_per_example]
-        response = other[q:]
-        out.append((ids[:p] + response[: max(1, limit - p)], p))
-    return out
+def objective(cfg, vocab_size: int):
+    """The loss function object of an ``algorithm.name=dpo`` job (:class:`DPOObjective`; KTO's on TRL's unpaired
+    records, each with its label: :class:`alignment.trainers.kto.KTOObjective`)."""
+    a = cfg.algorithm
+    if a.loss_type == "kto" and is_unpaired(cfg.data, a):
+        return KTOObjective(vocab_size, beta=a.beta)
+    return DPOObjective(vocab_size, beta=a.beta, loss_type=a.loss_type, label_smoothing=a.label_smoothing,
+                        simpo_gamma=a.simpo_gamma, orpo_lambda=a.orpo_lambda)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 
 from alignment.algorithms.preference_loss import kto_loss
-from alignment.trainers.dpo import kto_reference_point
-from alignment.training.megatron_step import LogprobOutputs
+from alignment.trainers.offline import sequence_logps
+from alignment.training.batching import make_sequence_batch
+from alignment.training.megatron_step import LogprobOutputs, all_reduce_sum
 
 
 class KTOObjective:
@@ -49,7 +50,7 @@ class KTOObjective:
         return (float(batch["input_ids"].shape[0]),)
 
     def prepare(self, models, batches: list[dict], mb) -> None:
-        """``z0`` of these batches (:func:`alignment.trainers.dpo.kto_reference_point`: each prompt with the
+        """``z0`` of these batches (:func:`kto_reference_point`: each prompt with the
         previous row's completion). Collective over the data-parallel group."""
         self.kl_ref_point = kto_reference_point(models, batches, mb, self.vocab_size, 1)
 
@@ -78,3 +79,48 @@ class KTOObjective:
         rejected = sums["reward_undesirable_sum"] / max(bad, 1.0)
         return {"loss": sums["loss_sum"] / n, "kl": sums["kl_sum"] / n, "reward/desirable": chosen,
                 "reward/undesirable": rejected, "margin": chosen - rejected}
+
+
+def kto_reference_point(models, batches: list[dict], mb, vocab_size: int, rows_per_example: int) -> float:
+    """KTO's ``z0`` for ``batches`` (this rank's) under the current policy: the mean of ``log pi(y'|x) -
+    log pi_ref(y'|x)`` over their mismatched rows (:func:`mismatched_rows`, ``rows_per_example`` rows an example),
+    averaged over the data-parallel ranks, clamped at 0 (Ethayarajh et al. 2024, sec. 4.1; TRL's
+    ``KTOTrainer``). No gradient; collective over the data-parallel group."""
+    from megatron.core import parallel_state as ps
+
+    rows = []
+    for b in batches:
+        for i in range(b["input_ids"].shape[0]):
+            n, r = int(b["seq_lengths"][i]), int(b["response_lengths"][i])
+            rows.append((b["input_ids"][i, :n].tolist(), n - r))
+    tok = models.tokenizer
+    kl = make_sequence_batch(mismatched_rows(rows, rows_per_example),
+                             tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    delta = sequence_logps(models.policy, kl, mb, vocab_size) - sequence_logps(models.reference, kl, mb, vocab_size)
+    group = ps.get_data_parallel_group()
+    [total] = all_reduce_sum([float(delta.mean())], group)
+    return max(total / group.size(), 0.0)
+
+
+def mismatched_rows(rows: list[tuple[list[int], int]], rows_per_example: int = 2,
+                    max_length: int | None = None) -> list[tuple[list[int], int]]:
+    """KTO's KL rows: row ``i``'s prompt followed by the response of row ``i - rows_per_example``
+    (cyclic), as ``(ids, prompt_len)``. TRL's ``KTOTrainer`` pairs example ``i`` with completion
+    ``i - 1`` of an unpaired batch; megalign's rows are pairs ``[chosen_0, rejected_0, ...]``, and
+    shifting by one row would give a prompt its own pair's other response, so the shift is one
+    pair (chosen after chosen, rejected after rejected). A response is cut so that the row is no
+    longer than ``max_length`` (default: the longest input row), keeping at least one token.
+
+    Raises:
+        ValueError: fewer than two examples (no other example's response to take).
+    """
+    if len(rows) < 2 * rows_per_example:
+        raise ValueError(f"KTO's reference point needs at least 2 examples per data-parallel rank "
+                         f"(got {len(rows) // rows_per_example}): raise trainer.global_batch_size or data.heldout_size")
+    limit = max_length or max(len(ids) for ids, _ in rows)
+    out = []
+    for i, (ids, p) in enumerate(rows):
+        other, q = rows[i - rows_per_example]
+        response = other[q:]
+        out.append((ids[:p] + response[: max(1, limit - p)], p))
+    return out

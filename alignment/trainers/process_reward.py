@@ -48,3 +48,8 @@ class ProcessRewardObjective:
         n = max(sums["count"], 1.0)
         return {"loss": sums["loss_sum"] / n, "step_accuracy": sums["correct"] / n,
                 "positive_fraction": sums["positive"] / n}
+
+
+def objective(cfg, vocab_size: int) -> ProcessRewardObjective:  # noqa: ARG001 - the registry's signature
+    """The loss function object of an ``algorithm.name=prm`` job."""
+    return ProcessRewardObjective()

@@ -52,3 +52,8 @@ class RewardModelObjective:
         n = max(sums["count"], 1.0)
         return {"loss": sums["loss_sum"] / n, "accuracy": sums["correct"] / n, "margin": sums["margin_sum"] / n,
                 "reward/chosen": sums["chosen_sum"] / n, "reward/rejected": sums["rejected_sum"] / n}
+
+
+def objective(cfg, vocab_size: int) -> RewardModelObjective:  # noqa: ARG001 - the registry's signature
+    """The loss function object of an ``algorithm.name=rm`` job (``algorithm.center_coef``)."""
+    return RewardModelObjective(center_coef=cfg.algorithm.center_coef)

@@ -42,3 +42,8 @@ class SFTObjective:
         """Global metrics from summed ``nll_sum`` and ``count`` (tokens)."""
         nll = sums["nll_sum"] / max(sums["count"], 1.0)
         return {"loss": nll, "perplexity": math.exp(min(nll, 50.0))}
+
+
+def objective(cfg, vocab_size: int) -> SFTObjective:  # noqa: ARG001 - the registry's signature
+    """The loss function object of an ``algorithm.name=sft`` job."""
+    return SFTObjective(vocab_size)
