@@ -36,7 +36,8 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from alignment.config import OFFLINE_ALGORITHMS, JobConfig, register
+from alignment.algorithms import registry
+from alignment.config import JobConfig, register
 from alignment.data.chat_data import is_data_file
 from alignment.reads import unread_keys
 from alignment.schema import PER_TASK, ConfigError, Key, schema_keys
@@ -68,15 +69,23 @@ class Composition:
     left_out: dict = field(default_factory=dict)
     derived: dict = field(default_factory=dict)
     resolved: dict = field(default_factory=dict)  # nulls filled as the schema says, not worth a mention
+    # algorithm.* keys the shipped files set that the job's algorithm has not (e.g. grpo.yaml's clip_ratio under
+    # algorithm.name=rft): key -> value, not taken (the user's own are refused)
+    dropped: dict = field(default_factory=dict)
 
     def set_by_user(self, key: str) -> bool:
         """Whether the user set ``key``, or a section above it, or a key below it."""
         return any(k == key or key.startswith(k + ".") or k.startswith(key + ".") for k in self.user_keys)
 
 
-def job_keys() -> dict[str, Key]:
-    """Every key of :class:`alignment.config.JobConfig`, dotted -> :class:`alignment.schema.Key`."""
-    return schema_keys(JobConfig)
+def job_keys(algorithm: type | None = None) -> dict[str, Key]:
+    """Every key of :class:`alignment.config.JobConfig`, dotted -> :class:`alignment.schema.Key`, with the
+    keys of the ``algorithm`` section ``algorithm`` (a class below
+    :class:`alignment.algorithms.config.AlgorithmConfig`) when given."""
+    keys = schema_keys(JobConfig)
+    if algorithm is not None:
+        keys.update(schema_keys(algorithm, "algorithm."))
+    return keys
 
 
 def nearest(name: str, keys) -> list[str]:
@@ -95,6 +104,8 @@ def nearest(name: str, keys) -> list[str]:
 def unknown_key(name: str, where: str = "") -> ConfigError:
     """The error for a key outside the schema (``where``: the file that sets it)."""
     keys = job_keys()
+    for algorithm in registry.ALGORITHMS.values():  # a key of an algorithm's section
+        keys.update(schema_keys(algorithm.config, "algorithm."))
     guess = nearest(name, keys)
     hint = f"did you mean {' or '.join(guess)}?" if guess else "megalign train --print-config lists every key"
     return ConfigError(f"{name}{f' (in {where})' if where else ''}: no such key; {hint} (megalign's schema is "
@@ -299,7 +310,7 @@ def own_data(cfg) -> bool:
     """Whether the job trains on the user's own data: prompt files (``data.train_files``), or an SFT / RM /
     DPO data file (``data.dataset``)."""
     d = cfg.data
-    return bool(d.train_files) or (cfg.algorithm.name in OFFLINE_ALGORITHMS and cfg.algorithm.name != "prm"
+    return bool(d.train_files) or (not registry.get(cfg.algorithm.name).online and cfg.algorithm.name != "prm"
                                    and is_data_file(str(d.dataset)))
 
 
@@ -309,7 +320,7 @@ def _data_name(cfg) -> str:
         first = d.train_files if isinstance(d.train_files, str) else list(d.train_files)[0]
         name = Path(str(first)).expanduser().name
         name = name.split(".")[0] if not Path(str(first)).expanduser().is_dir() else name
-    elif cfg.algorithm.name in OFFLINE_ALGORITHMS:
+    elif not registry.get(cfg.algorithm.name).online:
         path = Path(str(d.dataset)).expanduser()
         name = path.name.split(".")[0] if not path.is_dir() else path.name
     else:
@@ -333,7 +344,7 @@ def _defaults(comp: Composition) -> None:
                 comp.left_out[name] = now
                 OmegaConf.update(cfg, name, default, merge=False)
     if cfg.run_name is None:
-        cfg.run_name = comp.derived["run_name"] = f"{cfg.algorithm.name}_{_data_name(cfg)}"
+        cfg.run_name = comp.derived["run_name"] = f"{registry.get(cfg.algorithm.name).name}_{_data_name(cfg)}"
     if cfg.data.heldout_fraction is None:
         own_prompts = bool(cfg.data.train_files) and not cfg.data.heldout_files
         cfg.data.heldout_fraction = DEFAULT_HELDOUT_FRACTION if own_prompts else 0.0
@@ -383,9 +394,51 @@ def compose_job(config_name: str, overrides: list[str], config_dir: str | Path |
     if user_dir is not None and path.parent == user_dir:
         keys += _file_keys(path, "", user_dir, set())
     comp = Composition(cfg, name, path, user_dir, hydra_overrides, frozenset(keys))
+    type_algorithm(comp)
     check_read(comp)  # on the values as the user gave them
     _defaults(comp)
     return comp
+
+
+def _owners(key: str) -> list[str]:
+    """The registered algorithms whose section has the top-level key ``key``."""
+    return [a.name for a in registry.ALGORITHMS.values() if key in schema_keys(a.config)]
+
+
+def type_algorithm(comp: Composition) -> None:
+    """The composed ``algorithm`` mapping typed by its algorithm's section (the record's ``config``:
+    :mod:`alignment.algorithms.registry`): each key checked against that section, values against their
+    types. A key the section has not is refused when the user set it, naming whose key it is; one a shipped
+    file set is left out (:attr:`Composition.dropped`).
+
+    Raises:
+        ConfigError: an unknown ``algorithm.name`` (with the valid ones), a key of another algorithm's
+            section or of none (with the nearest of this one's), a value of the wrong type.
+    """
+    cfg = comp.cfg
+    given = OmegaConf.to_container(cfg.algorithm, resolve=False)
+    name = str(given.get("name", "grpo"))
+    section = registry.get(name).config
+    keys = schema_keys(section)
+    kept = {}
+    for k, v in given.items():
+        key = f"algorithm.{k}"
+        shown = f"{key}={v}" if not isinstance(v, (dict, list)) and v is not None else key
+        if k not in keys:
+            if not comp.set_by_user(key):
+                comp.dropped[key] = v
+                continue
+            owners = _owners(k)
+            if owners:
+                raise ConfigError(f"{shown} is set, but algorithm.name={name} has no such setting (it belongs to "
+                                  f"{', '.join(owners)}): remove it")
+            guess = nearest(key, [f"algorithm.{x}" for x in keys])
+            hint = f"did you mean {' or '.join(guess)}?" if guess else f"its keys are {', '.join(keys)}"
+            raise ConfigError(f"{key}: algorithm.name={name} has no such key; {hint}")
+        k_ = keys[k]
+        check_value(Key(key, k_.kind, k_.nullable, k_.field, k_.item, k_.schema), v, shown)
+        kept[k] = v
+    cfg.algorithm = OmegaConf.merge(OmegaConf.structured(section), kept)
 
 
 def check_read(comp: Composition) -> None:

@@ -26,15 +26,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from alignment.algorithms import registry
 from alignment.algorithms.composite_reward import RewardTerm
-from alignment.algorithms.config import (ROUTING_REPLAY, AlgorithmConfig, check_distill, check_estimators,
-                                         check_loss_type, check_policy_loss)
+from alignment.algorithms.config import (ROUTING_REPLAY, GRPOFamilyConfig, PolicyGradientConfig, check_distill,
+                                         check_estimators, check_loss_type, check_policy_loss)
 from alignment.algorithms.preference_loss import REFERENCE_FREE
 from alignment.data.config import DataConfig, check_dataset, check_prompt_source
 from alignment.data.step_data import SUPERVISIONS
@@ -116,11 +116,24 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    # the algorithm's own section (its record's config class: alignment/algorithms/registry.py), typed once
+    # its name is known (alignment/compose.py); a plain mapping until then
+    algorithm: Any = field(default_factory=lambda: {"name": "grpo"})
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def __post_init__(self):
+        if isinstance(self.algorithm, dict):  # built in Python, not composed: the section of its algorithm
+            self.algorithm = registry.get(self.algorithm.get("name", "grpo")).config(**self.algorithm)
+
+
+def algorithm_section(cfg) -> type:
+    """The class of ``cfg``'s ``algorithm`` section (a composed ``DictConfig`` or a :class:`JobConfig`): its
+    algorithm's record's ``config``, below :class:`alignment.algorithms.config.AlgorithmConfig`."""
+    section = cfg.algorithm
+    return OmegaConf.get_type(section) if OmegaConf.is_config(section) else type(section)
 
 
 def register() -> None:
@@ -205,10 +218,23 @@ def shares_prompts(cfg) -> bool:
     return p.context_parallel_size == 1 and not p.sequence_parallel
 
 
-def ranges(cls=None) -> dict[str, Range]:
+def ranges(cls=None, algorithm: type | None = None) -> dict[str, Range]:
     """Dotted field -> its :class:`alignment.schema.Range`, for every numeric field of ``cls`` (default
-    :class:`JobConfig`) that has one (:func:`alignment.schema.ranged`)."""
-    return field_ranges(cls or JobConfig)
+    :class:`JobConfig`, with ``algorithm``'s section: a class below
+    :class:`alignment.algorithms.config.AlgorithmConfig`) that has one (:func:`alignment.schema.ranged`)."""
+    out = field_ranges(cls or JobConfig)
+    if algorithm is not None:
+        out.update({f"algorithm.{k}": r for k, r in field_ranges(algorithm).items()})
+    return out
+
+
+def every_range() -> dict[str, Range]:
+    """:func:`ranges` with the keys of every registered algorithm's section (docs/reference/bad-inputs.md's
+    list; the catalogue's out-of-range cases)."""
+    out = ranges()
+    for algorithm in registry.ALGORITHMS.values():
+        out.update(ranges(algorithm=algorithm.config))
+    return out
 
 
 def validate_ranges(cfg) -> None:
@@ -219,7 +245,7 @@ def validate_ranges(cfg) -> None:
     Raises:
         ConfigError: the first field out of range, with its range and meaning.
     """
-    for name, rng in ranges().items():
+    for name, rng in ranges(algorithm=type(cfg.algorithm)).items():
         value = dotted(cfg, name)
         if rng.excludes(value):
             raise ConfigError(f"{name}={value}: must be {rng.describe()}{rng.note}")
@@ -260,9 +286,6 @@ def _validate_rft(cfg, layout) -> None:
 
     a, r = cfg.algorithm, cfg.rollout
     dp = layout.data_parallel_size
-    if a.kl_coef != 0:
-        raise ConfigError(f"algorithm.kl_coef={a.kl_coef}: algorithm.name=rft fine-tunes on accepted samples with no "
-                          "KL term and builds no reference model; set algorithm.kl_coef=0 (configs/rft.yaml does)")
     if not math.isfinite(a.accept_threshold):
         raise ConfigError(f"algorithm.accept_threshold={a.accept_threshold}: give a finite reward (1.0: correct "
                           "answers under the 0/1 grader)")
@@ -305,9 +328,6 @@ def _validate_online_dpo(cfg, layout) -> None:
     a, r = cfg.algorithm, cfg.rollout
     dp = layout.data_parallel_size
     check_loss_type(a)
-    if a.kl_coef != 0:
-        raise ConfigError(f"algorithm.kl_coef={a.kl_coef}: algorithm.name=online_dpo has no KL term of its own (DPO's "
-                          "algorithm.beta is its KL strength); set algorithm.kl_coef=0 (configs/online_dpo.yaml does)")
     if r.group_size < 2 or r.temperature <= 0:
         raise ConfigError(f"rollout.group_size={r.group_size} / temperature={r.temperature}: online DPO pairs the best "
                           "and worst of group_size >= 2 samples per prompt, drawn at a temperature > 0")
@@ -334,14 +354,14 @@ def _validate_online_dpo(cfg, layout) -> None:
 def _validate_staleness(r, a) -> None:
     """``rollout.max_staleness`` > 0: off-policy batches need importance weights in the loss."""
     # rft and online_dpo: SFT and DPO losses, which take samples from any policy
-    if r.max_staleness > 0 and a.rollout_correction.is_level is None and registry.get(a.name).policy_gradient:
+    if r.max_staleness > 0 and isinstance(a, PolicyGradientConfig) and a.rollout_correction.is_level is None:
         raise ConfigError(f"rollout.max_staleness={r.max_staleness} trains on samples from a policy up to "
                           f"{r.max_staleness} step(s) old, so the loss must weight each token by pi_old / pi_rollout "
                           "(decoupled PPO): set algorithm.rollout_correction.is_level=token (or sequence), "
                           "truncated at algorithm.rollout_correction.is_threshold, or rollout.max_staleness=0")
 
 
-def _validate_routing_replay(a: AlgorithmConfig, dims) -> None:
+def _validate_routing_replay(a: GRPOFamilyConfig, dims) -> None:
     """``algorithm.routing_replay``: a value that exists, a mixture-of-experts model to route, for
     ``r2`` an old-logprob pass to record, for ``r3`` an engine that records its routing."""
     if a.routing_replay not in ROUTING_REPLAY:
@@ -417,7 +437,7 @@ def _validate_dataset_samples(cfg) -> None:
                           "placement=colocated")
 
 
-def _validate_prm(a: AlgorithmConfig) -> None:
+def _validate_prm(a) -> None:
     """The process reward model's algorithm settings: a step separator and a known supervision (its
     data: :func:`alignment.data.config.check_dataset`)."""
 
@@ -467,7 +487,7 @@ def _validate_rewards(cfg: JobConfig) -> None:
     functions = list(cfg.reward.functions)
     a = cfg.algorithm
     prm_path = cfg.reward.process_reward_model
-    if a.name in OFFLINE_ALGORITHMS:
+    if not registry.get(a.name).online:
         if prm_path:
             raise ConfigError(f"reward.process_reward_model is set, but algorithm.name={a.name} trains on fixed data "
                               "and computes no rewards; set reward.process_reward_model='' (it applies to the RL jobs)")
@@ -528,7 +548,7 @@ def _validate_process_reward(cfg, functions, prm_path: str) -> None:
                           "(GRPO) or folded into whitened advantages (PPO) already; set whiten=false")
     if not a.step_separator:
         raise ConfigError("algorithm.step_separator is empty: give the string that ends a step, e.g. '\\n'")
-    if a.dynamic_sampling:
+    if isinstance(a, GRPOFamilyConfig) and a.dynamic_sampling:
         raise ConfigError("algorithm.dynamic_sampling keeps the groups whose sample rewards differ, but with "
                           "process_reward a group of equal sample rewards still has step rewards to learn from; set "
                           "algorithm.dynamic_sampling=false")
@@ -591,7 +611,7 @@ def _validate_lengths(cfg, layout, hf_config, tokenizer_size: int | None) -> Non
                           f"vocab_size is {hf_config.vocab_size}, so token ids >= {hf_config.vocab_size} would index "
                           f"past the embedding; use the model's own tokenizer")
     align = alignment(layout.context_parallel_size, layout.tensor_model_parallel_size, layout.sequence_parallel)
-    field, longest = (("data.max_length", cfg.data.max_length) if cfg.algorithm.name in OFFLINE_ALGORITHMS
+    field, longest = (("data.max_length", cfg.data.max_length) if not registry.get(cfg.algorithm.name).online
                       else ("rollout.max_model_len", cfg.rollout.max_model_len))
     padded = -(-longest // align) * align
     if longest <= hf_config.max_position_embeddings < padded:  # longer still: refused by the length checks
@@ -616,11 +636,11 @@ def _validate_vision_language(cfg, layout, dims) -> None:
                           f"pipeline stage would hold {dims.num_layers // chunks} decoder layers, and DeepStack adds "
                           f"image features to the first {dims.deepstack_layers} (vision_config.deepstack_visual_indexes)"
                           "; use a smaller pipeline (or virtual pipeline) size")
-    if a.name not in VISION_LANGUAGE_ALGORITHMS:
+    if not registry.get(a.name).takes_images:
         raise ConfigError(f"model.path={cfg.model.path} is a vision-language model: algorithm.name={a.name} is not "
                           f"supported for it yet; use one of {', '.join(VISION_LANGUAGE_ALGORITHMS)} "
                           f"(--config-name {' / '.join(VISION_LANGUAGE_ALGORITHMS)})")
-    if a.name not in RL_ALGORITHMS:
+    if not registry.get(a.name).online:
         return
     if r.backend == "vllm" and r.placement != "colocated":
         raise ConfigError(f"rollout.placement={r.placement}: a vision-language model's vLLM rollouts run colocated "
@@ -691,7 +711,7 @@ def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int 
         raise ConfigError(f"model.path={cfg.model.path}: {e}") from e
     context_given = cfg.rollout.max_model_len is not None  # null: fit to the prompts once read (fit_context)
     resolve_for_model(cfg, hf_config)
-    if cfg.rollout.placement == "disaggregated" and cfg.algorithm.name in OFFLINE_ALGORITHMS:
+    if cfg.rollout.placement == "disaggregated" and not registry.get(cfg.algorithm.name).online:
         raise ConfigError(f"rollout.placement=disaggregated: algorithm.name={cfg.algorithm.name} trains on fixed "
                           "data and generates nothing; use rollout.placement=colocated")
     check_placement(cfg.rollout, world_size)
@@ -726,7 +746,7 @@ def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int 
         raise ConfigError(f"model.teacher_path={cfg.model.teacher_path} is set, but algorithm.name={cfg.algorithm.name} "
                           "has no teacher; set algorithm.name=distill, or model.teacher_path=''")
     _validate_rewards(cfg)
-    if cfg.data.instruction is not None and cfg.algorithm.name not in TASK_ALGORITHMS and not ppo_on_task(cfg):
+    if cfg.data.instruction is not None and not registry.get(cfg.algorithm.name).asks_task and not ppo_on_task(cfg):
         raise ConfigError(f"data.instruction is set, but algorithm.name={cfg.algorithm.name} does not ask data.task's "
                           f"questions (it applies to {', '.join(TASK_ALGORITHMS)}, and ppo with reward.functions on "
                           "data.task's answers); set data.instruction=null")
@@ -745,19 +765,18 @@ def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int 
     if context_given:
         check_microbatch_tokens(cfg)
     a = cfg.algorithm
-    check_policy_loss(a)
-    if a.routing_replay != "none" and not registry.get(a.name).replays_routes:
-        raise ConfigError(f"algorithm.routing_replay={a.routing_replay} replays experts in the GRPO step (grpo and its "
-                          f"variants, distill), not in algorithm.name={a.name}; set algorithm.routing_replay=none")
+    if isinstance(a, PolicyGradientConfig):
+        check_policy_loss(a)
     _validate_staleness(cfg.rollout, a)
-    if r.partial and a.dynamic_sampling:
+    resampled = isinstance(a, GRPOFamilyConfig) and a.dynamic_sampling
+    if r.partial and resampled:
         raise ConfigError("algorithm.dynamic_sampling refills a batch after it was collected, which with "
                           "rollout.partial=true is after the weights changed, not counted per token yet; set one of "
                           "them to false")
     if a.overlong_buffer_len and not 0 < a.overlong_buffer_len <= r.max_tokens:  # a reward term of every RL job
         raise ConfigError(f"algorithm.overlong_buffer_len={a.overlong_buffer_len} must be in (0, rollout.max_tokens="
                           f"{r.max_tokens}], or 0 to disable")
-    if a.dynamic_sampling and layout.pipeline_model_parallel_size > 1 and not t.sequence_packing and any(
+    if resampled and layout.pipeline_model_parallel_size > 1 and not t.sequence_packing and any(
             term.name == "reward_model" for term in reward_terms(cfg)):
         raise ConfigError("algorithm.dynamic_sampling with a reward_model term scores each sampling round's groups, "
                           "whose count need not fill whole micro-batches; with parallel.pipeline_model_parallel_size > "

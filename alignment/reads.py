@@ -14,12 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from alignment.algorithms import registry
-from alignment.config import OFFLINE_ALGORITHMS, RL_ALGORITHMS, ppo_on_task, reward_terms
+from alignment.algorithms.config import section_keys
+from alignment.config import OFFLINE_ALGORITHMS, RL_ALGORITHMS, algorithm_section, ppo_on_task, reward_terms
 from alignment.models.hf_assets import is_hub_id
 
-#: the policy-gradient jobs (the clipped surrogate, its KL term and rollout correction)
-POLICY_GRADIENT = registry.names(policy_gradient=True)
-DPO_FAMILY = ("dpo", "online_dpo")
 #: the jobs that grade held-out answers (alignment/trainers/heldout.py); ppo only on data.task / prompt files
 HELDOUT = RL_ALGORITHMS
 
@@ -27,10 +25,11 @@ HELDOUT = RL_ALGORITHMS
 @dataclass(frozen=True)
 class Rule:
     """``key`` (a field, or a section and everything below it) is read by the jobs ``jobs`` (``algorithm.name``
-    values), and only when ``when(cfg)`` holds; ``why``: the condition in words (for the error)."""
+    values; None: every job whose config has the key), and only when ``when(cfg)`` holds; ``why``: the condition
+    in words (for the error)."""
 
     key: str
-    jobs: tuple[str, ...]
+    jobs: tuple[str, ...] | None
     when: Callable | None = None
     why: str = ""
 
@@ -60,64 +59,34 @@ def _has_term(name: str):
 
 
 RULES = (
-    # ---- algorithm: each algorithm's own settings
-    Rule("algorithm.advantage_estimator", ("grpo", "distill")),
-    Rule("algorithm.whiten_level", ("grpo", "distill"),
+    # ---- algorithm: each algorithm's section has its own keys only (alignment/algorithms/config.py), so
+    # only the conditions on them are here (jobs=None: every algorithm whose section has the key)
+    Rule("algorithm.whiten_level", None,
          lambda c: str(c.algorithm.advantage_estimator).startswith("reinforce_plus_plus"),
          "with algorithm.advantage_estimator=reinforce_plus_plus[_baseline]"),
-    Rule("algorithm.clip_ratio", POLICY_GRADIENT),
-    Rule("algorithm.clip_ratio_high", POLICY_GRADIENT),
-    Rule("algorithm.policy_loss", POLICY_GRADIENT),
-    Rule("algorithm.clip_ratio_c", POLICY_GRADIENT),
-    Rule("algorithm.rollout_correction", POLICY_GRADIENT),
-    Rule("algorithm.rollout_correction.is_threshold", POLICY_GRADIENT,
+    Rule("algorithm.rollout_correction.is_threshold", None,
          lambda c: c.algorithm.rollout_correction.is_level is not None, "with algorithm.rollout_correction.is_level"),
-    Rule("algorithm.rollout_correction.mask_low", POLICY_GRADIENT,
+    Rule("algorithm.rollout_correction.mask_low", None,
          lambda c: c.algorithm.rollout_correction.mask_level is not None,
          "with algorithm.rollout_correction.mask_level"),
-    Rule("algorithm.rollout_correction.mask_high", POLICY_GRADIENT,
+    Rule("algorithm.rollout_correction.mask_high", None,
          lambda c: c.algorithm.rollout_correction.mask_level is not None,
          "with algorithm.rollout_correction.mask_level"),
-    Rule("algorithm.kl_coef", POLICY_GRADIENT),
-    Rule("algorithm.kl_estimator", ("grpo", "distill")),
-    Rule("algorithm.loss_agg_mode", ("grpo", "distill")),
-    Rule("algorithm.loss_type", DPO_FAMILY),
-    Rule("algorithm.beta", DPO_FAMILY, lambda c: c.algorithm.loss_type != "orpo", "with a loss_type other than orpo"),
-    Rule("algorithm.label_smoothing", DPO_FAMILY, lambda c: c.algorithm.loss_type == "sigmoid",
+    Rule("algorithm.beta", None, lambda c: c.algorithm.loss_type != "orpo", "with a loss_type other than orpo"),
+    Rule("algorithm.label_smoothing", None, lambda c: c.algorithm.loss_type == "sigmoid",
          "with algorithm.loss_type=sigmoid (cDPO)"),
-    Rule("algorithm.simpo_gamma", DPO_FAMILY, lambda c: c.algorithm.loss_type == "simpo",
-         "with algorithm.loss_type=simpo"),
-    Rule("algorithm.orpo_lambda", DPO_FAMILY, lambda c: c.algorithm.loss_type == "orpo",
-         "with algorithm.loss_type=orpo"),
-    Rule("algorithm.center_coef", ("rm",)),
-    Rule("algorithm.gamma", ("ppo",)),
-    Rule("algorithm.gae_lambda", ("ppo",)),
-    Rule("algorithm.value_clip", ("ppo",)),
-    Rule("algorithm.target_kl", ("ppo",)),
-    Rule("algorithm.whiten_advantages", ("ppo",)),
-    Rule("algorithm.ppo_epochs", POLICY_GRADIENT),
-    Rule("algorithm.num_mini_batches", POLICY_GRADIENT),
-    Rule("algorithm.dynamic_sampling", ("grpo", "distill")),
-    Rule("algorithm.max_sampling_rounds", ("grpo", "distill"), lambda c: c.algorithm.dynamic_sampling,
+    Rule("algorithm.simpo_gamma", None, lambda c: c.algorithm.loss_type == "simpo", "with algorithm.loss_type=simpo"),
+    Rule("algorithm.orpo_lambda", None, lambda c: c.algorithm.loss_type == "orpo", "with algorithm.loss_type=orpo"),
+    Rule("algorithm.max_sampling_rounds", None, lambda c: c.algorithm.dynamic_sampling,
          "with algorithm.dynamic_sampling=true"),
-    Rule("algorithm.overlong_buffer_len", RL_ALGORITHMS),
-    Rule("algorithm.overlong_penalty_factor", RL_ALGORITHMS, lambda c: c.algorithm.overlong_buffer_len > 0,
+    Rule("algorithm.overlong_penalty_factor", None, lambda c: c.algorithm.overlong_buffer_len > 0,
          "with algorithm.overlong_buffer_len > 0"),
-    Rule("algorithm.accept_threshold", ("rft",)),
-    Rule("algorithm.dedup_responses", ("rft",)),
-    Rule("algorithm.rationalize", ("rft",)),
-    Rule("algorithm.ref_update", ("online_dpo",)),
-    Rule("algorithm.iteration_steps", ("online_dpo",), lambda c: c.algorithm.ref_update == "iteration",
+    Rule("algorithm.iteration_steps", None, lambda c: c.algorithm.ref_update == "iteration",
          "with algorithm.ref_update=iteration"),
-    Rule("algorithm.step_separator", ("prm", "grpo", "ppo"),
-         lambda c: c.algorithm.name == "prm" or _has_term("process_reward")(c), "with a process_reward term"),
-    Rule("algorithm.supervision", ("prm",)),
-    Rule("algorithm.distill_loss", ("distill",)),
-    Rule("algorithm.distill_beta", ("distill",), lambda c: c.algorithm.distill_loss == "jsd",
-         "with algorithm.distill_loss=jsd"),
-    Rule("algorithm.task_reward_weight", ("distill",)),
-    Rule("algorithm.distill_samples", ("distill",)),
-    Rule("algorithm.routing_replay", ("grpo", "distill")),
+    Rule("algorithm.step_separator", None,
+         lambda c: not registry.get(c.algorithm.name).online or _has_term("process_reward")(c),
+         "with a process_reward term"),
+    Rule("algorithm.distill_beta", None, lambda c: c.algorithm.distill_loss == "jsd", "with algorithm.distill_loss=jsd"),
     # ---- rollout: the RL jobs' sampling
     Rule("rollout", RL_ALGORITHMS),
     Rule("rollout.eval_max_tokens", HELDOUT, _prompts_of_task, "on data.task or data.train_files"),
@@ -204,8 +173,12 @@ def _rules(key: str) -> list[Rule]:
 def unread_reason(cfg, key: str) -> str | None:
     """Why the composed job ``cfg`` does not read ``key`` (a dotted field), or None when it does."""
     name = cfg.algorithm.name
+    like = registry.get(name).like or name  # an algorithm of your own reads as the built-in it is like
+    section, _, field = key.partition(".")
+    if section == "algorithm" and field and field.split(".")[0] not in section_keys(algorithm_section(cfg)):
+        return f"algorithm.name={name} has no such setting"
     for rule in _rules(key):
-        if name not in rule.jobs:
+        if rule.jobs is not None and like not in rule.jobs:
             return f"algorithm.name={name} does not read it (it is read by {', '.join(rule.jobs)})"
         if rule.when is not None and not rule.when(cfg):
             return f"algorithm.name={name} reads it only {rule.why}"

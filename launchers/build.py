@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from alignment.algorithms.config import routing_replay
 from alignment.config import parallel_sizes
 from alignment.models.config import lora_spec
 from alignment.models.families import get_bridge, text_config
@@ -198,7 +199,7 @@ def rollout_engine(cfg, hf_dir: Path, policy, bridge, vocab_size: int, rank: int
 
     engine = build_engine(cfg.rollout, seed=cfg.seed, dtype=cfg.model.dtype, hf_dir=hf_dir, policy=policy,
                           vocab_size=vocab_size, rank=rank, data_parallel_size=ps.get_data_parallel_world_size(),
-                          record_routing=cfg.algorithm.routing_replay == "r3", steps=cfg.trainer.steps)
+                          record_routing=routing_replay(cfg.algorithm) == "r3", steps=cfg.trainer.steps)
     if rank == 0 and getattr(engine, "compile_note", None):
         print(engine.compile_note, flush=True)
     if engine.shares_trainer_weights:

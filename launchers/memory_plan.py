@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from alignment.algorithms import registry
+from alignment.algorithms.config import reference_policy
 from alignment.config import parallel_sizes
 from alignment.models.config import lora_spec
 from alignment.models.families import model_dims, text_config
@@ -66,7 +67,7 @@ def job_memory(cfg, hf_config, world_size: int, gpu_memory_gib: float | None) ->
     training = estimate_memory(model_dims(hf_config), layout, dtype=cfg.model.dtype, micro_batch_size=rows,
                                seq_length=tokens, distributed_optimizer=t.use_distributed_optimizer,
                                lora_rank=lora.rank if lora else 0)
-    kl = not offline and cfg.algorithm.kl_coef > 0
+    kl = not offline and reference_policy(cfg.algorithm)
     reference = training.weights if kl and not lora and not t.offload else 0
     colocated = not offline and cfg.rollout.backend == "vllm" and cfg.rollout.placement == "colocated"
     if not colocated:

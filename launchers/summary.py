@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from alignment.compose import CONFIG_DIR, Composition, job_keys
 from alignment.algorithms import registry
-from alignment.config import JobConfig, reward_terms, total_steps
+from alignment.config import JobConfig, algorithm_section, reward_terms, total_steps
 from alignment.models.families import text_config
 from alignment.reads import unread_keys
 from alignment.rewards.functions import MODEL_FUNCTIONS, TRL, is_user_function, load_user_function
@@ -46,6 +46,7 @@ def shipped_values(comp: Composition, unread=()) -> dict:
     raw = _leaves(OmegaConf.to_container(comp.cfg, resolve=False))
     resolved = _leaves(OmegaConf.to_container(comp.cfg, resolve=True))
     schema = _leaves(OmegaConf.to_container(OmegaConf.structured(JobConfig), resolve=False))
+    schema.update(_leaves({"algorithm": OmegaConf.to_container(OmegaConf.structured(algorithm_section(comp.cfg)))}))
     skip = set(comp.left_out) | set(comp.derived) | set(comp.resolved) | set(unread)
     return {k: resolved[k] for k, v in raw.items() if k in schema and v != schema[k] and k not in skip
             and not comp.set_by_user(k) and not any(k.startswith(u + ".") for u in unread)}
@@ -71,6 +72,9 @@ def composition_lines(comp: Composition, unread=()) -> list[str]:
            "trainer.lr": "LoRA's default rate; the job's was full fine-tuning's"}
     if comp.derived:
         lines.append("derived: " + ", ".join(f"{k}={_show(v)} ({why.get(k, 'derived')})" for k, v in comp.derived.items()))
+    if comp.dropped:
+        lines.append(f"not taken from the job's files (algorithm.name={cfg.algorithm.name} has no such settings): "
+                     + ", ".join(f"{k}={_show(v)}" for k, v in comp.dropped.items()))
     shipped = shipped_values(comp, unread)
     if shipped:
         lines.append(f"from the job's files ({_source(comp)} and the shipped files it builds on): "
@@ -174,7 +178,7 @@ def unread_settings(cfg) -> dict[str, str]:
     """Every setting of ``cfg`` the job does not read (:func:`alignment.reads.unread_keys`; a section's
     keys once, under the section), each with why."""
     out: dict[str, str] = {}
-    for key, why in unread_keys(cfg, job_keys()).items():
+    for key, why in unread_keys(cfg, job_keys(algorithm_section(cfg))).items():
         if not any(key.startswith(k + ".") for k in out):
             out[key] = why
     return out
@@ -193,5 +197,7 @@ def mark_unread(text: str, unread: dict[str, str]) -> str:
         key = stripped.split(":", 1)[0]
         path = path[:indent] + [key]
         dotted = ".".join(path)
-        out.append(f"{line}  # not read: {unread[dotted]}" if dotted in unread else line)
+        value = stripped.split(":", 1)[1].strip()
+        open_quote = value[:1] in ("'", '"') and (len(value) < 2 or value[-1] != value[0])  # a multi-line scalar
+        out.append(f"{line}  # not read: {unread[dotted]}" if dotted in unread and not open_quote else line)
     return "\n".join(out) + "\n"

@@ -19,11 +19,11 @@ if os.getcwd() not in sys.path:  # as `python -m`: your own modules (rewards, ag
     sys.path.insert(1, os.getcwd())
 
 from alignment.algorithms import registry  # noqa: E402
-from alignment.algorithms.preference_loss import REFERENCE_FREE  # noqa: E402
+from alignment.algorithms.config import OnlineDPOConfig, has_section, reference_policy  # noqa: E402
 from alignment.compose import compose_job, split_job_args  # noqa: E402
 from alignment.config import JobConfig, job_config, process_reward_weight, reward_terms  # noqa: E402
 from alignment.data.prompt_data import training_order  # noqa: E402
-from alignment.trainers import grpo, rl_phases  # noqa: E402
+from alignment.trainers import rl_phases  # noqa: E402
 from alignment.trainers.heldout import HeldoutAccuracy  # noqa: E402
 from launchers import loop, offline_job, ppo_job  # noqa: E402
 from launchers.build import build_models  # noqa: E402
@@ -36,9 +36,8 @@ from parallel.state import env_world  # noqa: E402
 
 def needs_reference(cfg) -> bool:
     """A frozen reference policy: for the KL term (``algorithm.kl_coef > 0``) or online DPO's
-    losses that use one (all but ``simpo`` / ``orpo``)."""
-    a = cfg.algorithm
-    return a.kl_coef > 0 or (a.name == "online_dpo" and a.loss_type not in REFERENCE_FREE)
+    losses that use one (all but ``simpo`` / ``orpo``): :func:`alignment.algorithms.config.reference_policy`."""
+    return reference_policy(cfg.algorithm)
 
 
 def roles(cfg) -> list[str]:
@@ -77,28 +76,25 @@ def run_rl(cfg: JobConfig, composed=None) -> dict:
     models = build_models(cfg, job, roles(cfg))
     train, heldout = training_order(cfg.data, cfg.seed, job.prompts), job.prompts.heldout
 
-    def grpo_collect(problems, step: int, version: int):
+    # the algorithm's trainer (its record's): grpo (and distill), rft (SFT on the accepted samples), online_dpo
+    # (DPO on the best-worst pairs of the policy's own samples), or your own (algorithm.name=module.path:Algorithm)
+    name = cfg.algorithm.name
+    trainer = registry.get(name).trainer_module()
+
+    def collect(problems, step: int, version: int):
         from megatron.core import parallel_state as ps
 
         rng = random.Random(hash((cfg.seed, step, ps.get_data_parallel_rank())))
 
-        def refill(k: int):  # more training problems for DAPO dynamic sampling
+        def refill(k: int):  # more training problems (DAPO's dynamic sampling)
             return [train.items[rng.randrange(len(train))] for _ in range(k)]
 
-        return grpo.collect(models, problems, cfg, refill, version)
-
-    # the algorithm's trainer (its record's): grpo (and distill), rft (SFT on the accepted samples), online_dpo
-    # (DPO on the best-worst pairs of the policy's own samples)
-    name = cfg.algorithm.name
-    trainer = registry.get(name).trainer_module()
-
-    def own_collect(problems, step: int, version: int):  # noqa: ARG001 - the loop's signature
-        return trainer.collect(models, problems, cfg, version)
+        return trainer.collect(models, problems, cfg, version, refill)
 
     trained = {"policy": (models.policy, models.optimizer)}
-    if name == "online_dpo" and cfg.algorithm.ref_update == "iteration":  # the iteration's reference resumes too
-        trained["reference"] = (models.reference, None)
-    spec = loop.JobSpec(name, train, grpo_collect if trainer is grpo else own_collect,
+    if has_section(cfg.algorithm, OnlineDPOConfig) and cfg.algorithm.ref_update == "iteration":
+        trained["reference"] = (models.reference, None)  # the iteration's reference resumes too
+    spec = loop.JobSpec(name, train, collect,
                          lambda rollout: trainer.train(models, rollout, cfg), trained,
                          HeldoutAccuracy(job, models, heldout),
                          request=lambda problems: rl_phases.request(models.tokenizer, problems, cfg))

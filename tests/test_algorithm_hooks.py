@@ -1,6 +1,6 @@
-"""Your own advantage estimator and policy loss by import path (alignment/algorithms/hooks.py), and the two in
-examples/custom_algorithm: their values by hand, their contract checked before start, and GRPO jobs that train
-with them."""
+"""Your own advantage estimator and policy loss by import path (alignment/algorithms/hooks.py), your own whole
+algorithm by import path (alignment/algorithms/registry.py), and the three in examples/custom_algorithm: their
+values by hand, their contracts checked before start, and GRPO jobs that train with them."""
 
 from __future__ import annotations
 
@@ -9,17 +9,19 @@ import json
 import pytest
 import torch
 
-from alignment.algorithms import hooks
+from alignment.algorithms import hooks, registry
 from alignment.algorithms.advantages import get_advantage_estimator
 from alignment.algorithms.policy_loss import policy_loss, ppo_policy_loss
 from alignment.schema import ConfigError
 from examples.custom_algorithm.advantages import median_baseline
 from examples.custom_algorithm.losses import unclipped_surrogate
+from examples.custom_algorithm.quantile_grpo import ALGORITHM, QuantileGRPOConfig, quantile_advantages
 from tests.conftest import Job, run_jobs
 from tests.dist.tiny_llama import save_tiny_hf_dir
 
 MEDIAN = "examples.custom_algorithm.advantages:median_baseline"
 UNCLIPPED = "examples.custom_algorithm.losses:unclipped_surrogate"
+QUANTILE = "examples.custom_algorithm.quantile_grpo:ALGORITHM"
 PROBE = list(hooks.PROBE_REWARDS)  # the contract's check before start calls the estimator on these
 
 
@@ -83,6 +85,60 @@ def test_a_hook_off_its_contract_is_one_line_naming_the_field(path, hook, says):
     assert str(e.value).startswith(f"{field}={path}: ") and says in str(e.value) and "\n" not in str(e.value), e.value
 
 
+def test_quantile_advantages_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 2.0, 1.0, 1.0, 3.0, 0.0])
+    # groups of 4: sorted [0, 0.5, 1, 2] and [0, 1, 1, 3]; "lower" quantiles: 0.5 -> 0.5 and 1; 0 -> the minimum;
+    # 1 -> the maximum; 0.75 -> index floor(0.75 * 3) = 2: 1 and 1
+    assert quantile_advantages(rewards, 4, 0.5).tolist() == [0.5, -0.5, 0.0, 1.5, 0.0, 0.0, 2.0, -1.0]
+    assert quantile_advantages(rewards, 4, 0.0).tolist() == [1.0, 0.0, 0.5, 2.0, 1.0, 1.0, 3.0, 0.0]
+    assert quantile_advantages(rewards, 4, 1.0).tolist() == [-1.0, -2.0, -1.5, 0.0, -2.0, -2.0, 0.0, -3.0]
+    assert quantile_advantages(rewards, 4, 0.75).tolist() == [0.0, -1.0, -0.5, 1.0, 0.0, 0.0, 2.0, -1.0]
+    assert torch.equal(quantile_advantages(rewards[:6], 3, 0.5), median_baseline(rewards[:6], 3))  # the median
+    with pytest.raises(ValueError, match="7 rewards are not groups of 3"):
+        quantile_advantages(rewards[:7], 3, 0.5)
+
+
+class NotARecord:
+    pass
+
+
+NAMED_LIKE_GRPO = registry.Algorithm("grpo", "online", "examples.custom_algorithm.quantile_grpo", "x")
+PPO_JOB = registry.Algorithm("my_ppo", "ppo", "examples.custom_algorithm.quantile_grpo", "x")
+NO_TRAINER = registry.Algorithm("no_trainer", "online", "examples.custom_algorithm.losses", "x")
+
+
+@pytest.mark.parametrize("path, says", [
+    ("examples.nowhere:ALGORITHM", "ModuleNotFoundError: No module named 'examples.nowhere'"),
+    ("tests.test_algorithm_hooks:NotARecord", "tests.test_algorithm_hooks.NotARecord is not an "
+                                              "alignment.algorithms.registry.Algorithm record"),
+    ("tests.test_algorithm_hooks:NAMED_LIKE_GRPO", "its record's name 'grpo' is a built-in algorithm's"),
+    ("tests.test_algorithm_hooks:PPO_JOB", "job='ppo'; an algorithm of your own runs as one of online, offline"),
+    ("tests.test_algorithm_hooks:NO_TRAINER", "its trainer module examples.custom_algorithm.losses has no collect / "
+                                              "train"),
+])
+def test_your_own_algorithm_off_its_contract_is_one_line(path, says):
+    with pytest.raises(ConfigError) as e:
+        registry.get(path)
+    assert str(e.value).startswith(f"algorithm.name={path}: ") and says in str(e.value), e.value
+
+
+def test_your_own_algorithm_has_its_own_section_and_reads_as_grpo():
+    from alignment.compose import compose_job
+    from alignment.config import job_config
+
+    assert registry.get(QUANTILE) is ALGORITHM and QUANTILE not in registry.ALGORITHMS  # not added to the built-ins
+    comp = compose_job("grpo", [f"algorithm.name={QUANTILE}", "algorithm.baseline_quantile=0.25",
+                                "rollout.temperature=0.9"])
+    a = job_config(comp.cfg).algorithm
+    assert type(a) is QuantileGRPOConfig and (a.baseline_quantile, a.clip_ratio, a.kl_coef) == (0.25, 0.2, 0.04)
+    assert comp.dropped == {"algorithm.advantage_estimator": "grpo"}  # grpo.yaml's, not this algorithm's
+    with pytest.raises(ConfigError, match=f"algorithm.advantage_estimator=rloo is set, but algorithm.name={QUANTILE} "
+                                          "has no such setting"):
+        compose_job("grpo", [f"algorithm.name={QUANTILE}", "algorithm.advantage_estimator=rloo"])
+    with pytest.raises(ConfigError, match=f"data.columns is set, but algorithm.name={QUANTILE} does not read it"):
+        compose_job("grpo", [f"algorithm.name={QUANTILE}", "data.columns={prompt: q}"])  # read as grpo reads
+
+
 def test_the_examples_keep_the_contract():
     assert hooks.advantage_estimator(MEDIAN) is median_baseline
     assert hooks.policy_loss(UNCLIPPED) is unclipped_surrogate
@@ -96,15 +152,17 @@ COMMON = ["trainer.steps=2", "rollout.prompts_per_step=4", "rollout.group_size=3
 
 @pytest.mark.slow
 def test_grpo_trains_with_your_own_advantage_estimator_and_policy_loss(tmp_path):
-    """Three 2-step GRPO jobs (2 ranks, groups of 3, the tiny Llama, even-length reward), one launch:
+    """Four 2-step GRPO jobs (2 ranks, groups of 3, the tiny Llama, even-length reward), one launch:
     A the built-ins ``grpo_no_std`` + ``ppo``; B the same two written by hand and given by import path
     (``tests.recording_hooks:mean_baseline``, examples/custom_algorithm's unclipped surrogate: PPO's loss while the
     ratio stays inside ``clip_ratio=10``); C examples/custom_algorithm's median baseline (recorded) and its loss.
     B equals A step for step, so the job trains on what the hooks return; C's advantages are checked by hand
-    against the rewards each rank's hook was given, its loss is called on every micro-batch, and it trains."""
+    against the rewards each rank's hook was given, its loss is called on every micro-batch, and it trains. D, the
+    whole algorithm ``examples.custom_algorithm.quantile_grpo:ALGORITHM`` at quantile 0.5 with the same loss, equals
+    C step for step."""
     model_dir = save_tiny_hf_dir(tmp_path / "tiny")
     record = tmp_path / "record"
-    a, b, c = run_jobs(
+    a, b, c, d = run_jobs(
         Job("grpo", model_dir, tmp_path / "builtin", [*COMMON, "algorithm.advantage_estimator=grpo_no_std"],
             reward="even_length"),
         Job("grpo", model_dir, tmp_path / "by_hand", [*COMMON, "algorithm.advantage_estimator="
@@ -113,7 +171,15 @@ def test_grpo_trains_with_your_own_advantage_estimator_and_policy_loss(tmp_path)
         Job("grpo", model_dir, tmp_path / "median", [*COMMON, "algorithm.advantage_estimator="
                                                       "tests.recording_hooks:recorded_median_baseline",
                                                       "algorithm.policy_loss=tests.recording_hooks:recorded_unclipped_surrogate"],
-            reward="even_length", env={"MEGALIGN_HOOK_RECORD": str(record)}))
+            reward="even_length", env={"MEGALIGN_HOOK_RECORD": str(record)}),
+        Job("grpo", model_dir, tmp_path / "quantile", [*COMMON, f"algorithm.name={QUANTILE}",
+                                                        "algorithm.baseline_quantile=0.5",
+                                                        f"algorithm.policy_loss={UNCLIPPED}"], reward="even_length"))
+    # D, the whole algorithm of examples/custom_algorithm at its median, is C (the median baseline and the same loss
+    # by the narrow hooks) step for step: the job trains on what its own train() computes
+    for mc, md in zip(c["history"], d["history"], strict=True):
+        for key in ("reward/mean", "reward/std", "loss/policy", "grad_norm", "clip_fraction", "entropy"):
+            assert md[key] == pytest.approx(mc[key], rel=1e-5, abs=1e-7), (key, mc[key], md[key])
     for ma, mb in zip(a["history"], b["history"], strict=True):
         for key in ("reward/mean", "reward/std", "loss/policy", "grad_norm", "clip_fraction", "entropy"):
             assert mb[key] == pytest.approx(ma[key], rel=1e-5, abs=1e-7), (key, ma[key], mb[key])

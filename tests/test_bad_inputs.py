@@ -284,12 +284,12 @@ CASES: list[Case] = [
     Case("config", "`trainer.lr: abc` in your own job file", lambda tmp: (
         "myjob", ["--config-dir=" + str(_job_dir(tmp, "trainer:\n  lr: abc\n")), f"output_dir={tmp / 'out'}"], 2),
          ConfigError, "trainer.lr takes a number > 0"),
-    Case("config", "`algorithm.loss_type=ipo` for GRPO (a setting the job does not read)",
+    Case("config", "`algorithm.loss_type=ipo` for GRPO (another algorithm's setting)",
          conf("grpo", "algorithm.loss_type=ipo"), ConfigError, "algorithm.loss_type=ipo is set, but algorithm.name=grpo "
-         "does not read it (it is read by dpo, online_dpo): it would change nothing; remove it"),
+         "has no such setting (it belongs to online_dpo, dpo): remove it"),
     Case("config", "`algorithm.kl_coef=0.1` for DPO (its KL strength is `algorithm.beta`)",
-         conf("dpo", "algorithm.kl_coef=0.1"), ConfigError, "algorithm.kl_coef=0.1 is set, but algorithm.name=dpo does "
-         "not read it (it is read by grpo, ppo, distill)"),
+         conf("dpo", "algorithm.kl_coef=0.1"), ConfigError, "algorithm.kl_coef=0.1 is set, but algorithm.name=dpo has "
+         "no such setting (it belongs to grpo, ppo, distill)"),
     Case("config", "`data.task=gsm8k` with prompt files of your own", prompt_file(
         [{"prompt": "1+1?", "answer": "2"}], extra=("data.task=gsm8k",)), ConfigError,
          "data.task=gsm8k is set, but algorithm.name=grpo reads it only without data.train_files"),
@@ -525,9 +525,9 @@ def table() -> str:
 
 def ranges_table() -> str:
     """The docs page's list of every numeric field's range."""
-    from alignment.config import ranges
+    from alignment.config import every_range
 
-    return "\n".join(f"- `{f}` {r.describe()}{r.note}" for f, r in ranges().items())
+    return "\n".join(f"- `{f}` {r.describe()}{r.note}" for f, r in every_range().items())
 
 
 def test_the_readme_lists_the_catalogue():
@@ -544,9 +544,9 @@ if __name__ == "__main__":
 
 def _outside(field: str, side: str):
     """A value of ``field`` just outside its range, below it (``side="low"``) or above it ("high")."""
-    from alignment.config import ranges
+    from alignment.config import every_range
 
-    r = ranges()[field]
+    r = every_range()[field]
     if side == "high":
         return r.high + 1 if r.high_in else r.high
     return r.low - 1 if r.low_in else r.low
@@ -584,34 +584,37 @@ def _reader(field: str) -> tuple[str, tuple]:
 
 def _sides() -> list[tuple[str, str]]:
     """Every numeric field's lower side, and the upper side of those bounded above."""
-    from alignment.config import ranges
+    from alignment.config import every_range
 
-    return [(f, "low") for f in sorted(ranges())] + [(f, "high") for f, r in sorted(ranges().items())
-                                                      if r.high is not None]
+    return [(f, "low") for f in sorted(every_range())] + [(f, "high") for f, r in sorted(every_range().items())
+                                                           if r.high is not None]
 
 
 def test_every_numeric_field_has_a_range_or_is_marked_unbounded():
-    from alignment.config import JobConfig
+    from alignment.algorithms import registry
+    from alignment.config import JobConfig, every_range
     from alignment.schema import numeric_fields
 
-    unmarked = [name for name, f in numeric_fields(JobConfig).items() if "range" not in f.metadata]
+    fields = dict(numeric_fields(JobConfig))
+    for algorithm in registry.ALGORITHMS.values():  # each algorithm's own section
+        fields.update(numeric_fields(algorithm.config, "algorithm."))
+    unmarked = [name for name, f in fields.items() if "range" not in f.metadata]
     assert unmarked == [], f"numeric fields with neither ranged(...) nor unbounded(...): {unmarked}"
-    from alignment.config import ranges
-
-    assert len(ranges()) >= 70 and ranges()["trainer.micro_batch_size"].describe() == ">= 1"
-    assert ranges()["rollout.top_p"].describe() == "in (0, 1]"
+    assert len(every_range()) >= 70 and every_range()["trainer.micro_batch_size"].describe() == ">= 1"
+    assert every_range()["rollout.top_p"].describe() == "in (0, 1]"
+    assert every_range()["algorithm.gae_lambda"].describe() == "in [0, 1]"
 
 
 @pytest.mark.parametrize("field,side", _sides(), ids=[f"{f}-{side}" for f, side in _sides()])
 def test_numeric_field_out_of_range(field, side):
     """Each numeric field just outside its range, on each side it has: one error naming it and its
     range, before anything else reads it."""
-    from alignment.config import ranges
+    from alignment.config import every_range
     from launchers.preflight import check
 
     value = _outside(field, side)
     config, extra = _reader(field)
     with pytest.raises(ConfigError) as info:
         check(config, [f"{field}={value}", "model.path=smollm2", *extra], 2)
-    assert str(info.value).startswith(f"{field}=") and f"must be {ranges()[field].describe()}" in str(info.value), \
+    assert str(info.value).startswith(f"{field}=") and f"must be {every_range()[field].describe()}" in str(info.value), \
         str(info.value)

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from alignment.compose import DEFAULT_HELDOUT_FRACTION, LORA_LR, compose_job, nearest, split_job_args
+from alignment.algorithms import registry
+from alignment.algorithms.config import GRPOConfig, RFTConfig
+from alignment.compose import DEFAULT_HELDOUT_FRACTION, LORA_LR, compose_job, job_keys, nearest, split_job_args
 from alignment.config import JobConfig, job_config
 from alignment.reads import RULES, unread_keys
 from alignment.schema import ConfigError, schema_keys
@@ -65,7 +67,7 @@ def test_plus_on_a_key_the_schema_has_sets_it_and_free_form_mappings_take_new_ke
 
 
 def test_nearest_keys():
-    keys = schema_keys(JobConfig)
+    keys = job_keys(GRPOConfig)
     assert nearest("trainer.stpes", keys) == ["trainer.steps"]
     assert nearest("algorithm.clip_ration", keys) == ["algorithm.clip_ratio", "algorithm.clip_ratio_c",
                                                       "algorithm.clip_ratio_high"]
@@ -179,16 +181,12 @@ def test_lora_turned_on_takes_loras_learning_rate_and_agents_their_own_budgets(t
 # ------------------------------------------------------------------ settings the job does not read
 
 @pytest.mark.parametrize("job,given,says", [
-    ("grpo", "algorithm.loss_type=ipo", "algorithm.loss_type=ipo is set, but algorithm.name=grpo does not read it (it "
-                                        "is read by dpo, online_dpo)"),
-    ("dpo", "algorithm.kl_coef=0.1", "algorithm.kl_coef=0.1 is set, but algorithm.name=dpo does not read it"),
     ("sft", "rollout.temperature=1.0", "rollout.temperature=1.0 is set, but algorithm.name=sft does not read it"),
     ("grpo", "trainer.global_batch_size=64", "trainer.global_batch_size=64 is set, but algorithm.name=grpo does not"),
     ("dpo", "algorithm.simpo_gamma=1.0", "algorithm.simpo_gamma=1.0 is set, but algorithm.name=dpo reads it only with "
                                          "algorithm.loss_type=simpo"),
     ("grpo", "algorithm.max_sampling_rounds=5", "reads it only with algorithm.dynamic_sampling=true"),
     ("grpo", "model.lora.alpha=32", "reads it only with model.lora.rank > 0"),
-    ("rft", "algorithm.kl_coef=0.04", "algorithm.kl_coef=0.04 is set, but algorithm.name=rft does not read it"),
     ("grpo", "trainer.critic_lr=1e-5", "is read by ppo"),
 ])
 def test_a_setting_the_job_does_not_read_is_refused_when_you_set_it(job, given, says):
@@ -197,8 +195,34 @@ def test_a_setting_the_job_does_not_read_is_refused_when_you_set_it(job, given, 
     assert says in str(info.value) and "it would change nothing; remove it" in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize("job,given,says", [
+    ("grpo", "algorithm.loss_type=ipo", "algorithm.loss_type=ipo is set, but algorithm.name=grpo has no such setting "
+                                        "(it belongs to online_dpo, dpo): remove it"),
+    ("dpo", "algorithm.kl_coef=0.1", "algorithm.kl_coef=0.1 is set, but algorithm.name=dpo has no such setting (it "
+                                     "belongs to grpo, ppo, distill): remove it"),
+    ("rft", "algorithm.kl_coef=0.04", "algorithm.kl_coef=0.04 is set, but algorithm.name=rft has no such setting"),
+    ("sft", "algorithm.beta=0.2", "algorithm.beta=0.2 is set, but algorithm.name=sft has no such setting (it belongs "
+                                  "to online_dpo, dpo)"),
+    ("dpo", "algorithm.betta=0.2", "algorithm.betta: algorithm.name=dpo has no such key; did you mean algorithm.beta?"),
+    ("grpo", "algorithm.name=sgd", "algorithm.name='sgd': valid values are grpo, ppo, rft, online_dpo, distill, sft, rm"),
+])
+def test_a_key_of_another_algorithms_section_is_no_key_of_this_one(job, given, says):
+    """Each algorithm's section has its own keys only (alignment/algorithms/config.py): another's is refused when
+    you set it, naming whose it is; one a shipped file set for another algorithm is left out, and listed."""
+    with pytest.raises(ConfigError) as info:
+        compose_job(job, [given])
+    assert says in str(info.value), str(info.value)
+    comp = compose_job("grpo", ["algorithm.name=rft"])  # grpo.yaml's GRPO settings, left out
+    assert type(job_config(comp.cfg).algorithm) is RFTConfig and "clip_ratio" not in comp.cfg.algorithm
+    assert comp.dropped == {"algorithm.advantage_estimator": "grpo", "algorithm.clip_ratio": 0.2,
+                            "algorithm.kl_coef": 0.04, "algorithm.kl_estimator": "k3",
+                            "algorithm.loss_agg_mode": "token-mean"}
+
+
 def test_what_the_shipped_files_set_stays_quiet_and_every_rule_names_real_keys():
     keys = schema_keys(JobConfig)
+    for algorithm in registry.ALGORITHMS.values():
+        keys.update(job_keys(algorithm.config))
     assert all(r.key in keys for r in RULES), [r.key for r in RULES if r.key not in keys]
     for job in ("grpo", "ppo", "dpo", "sft", "rm", "prm", "rft", "online_dpo", "distill", "grpo_tools", "grpo_humaneval",
                 "recipes/grpo-qwen3-30b-a3b-gsm8k-4n8g"):
@@ -206,8 +230,8 @@ def test_what_the_shipped_files_set_stays_quiet_and_every_rule_names_real_keys()
         assert comp.user_keys == set()
         assert unread_keys(comp.cfg, keys)  # every job has settings it does not read: quiet, as shipped
     dpo = compose_job("dpo", []).cfg
-    assert set(unread_keys(dpo, ["algorithm.kl_coef", "algorithm.beta", "rollout", "data.dataset"])) == \
-        {"algorithm.kl_coef", "rollout"}
+    assert set(unread_keys(dpo, ["algorithm.beta", "rollout", "data.dataset"])) == {"rollout"}
+    assert "kl_coef" not in dpo.algorithm  # another algorithm's key: not in DPO's section at all
 
 
 def test_print_config_checks_and_marks_what_the_job_does_not_read(capsys):
@@ -216,7 +240,7 @@ def test_print_config_checks_and_marks_what_the_job_does_not_read(capsys):
     cfg = yaml.safe_load(text)
     assert cfg["algorithm"]["name"] == "dpo" and cfg["trainer"]["lr"] == 2e-6
     lines = {line.split(":")[0].strip(): line for line in text.splitlines() if ":" in line}
-    assert "# not read: algorithm.name=dpo does not read it (it is read by grpo, ppo, distill)" in lines["kl_coef"]
+    assert "kl_coef" not in lines  # not DPO's: not in its section
     assert "# not read" not in lines["beta"] and "# not read" in lines["rollout"]
     assert cli.main(["train", "--print-config", "trainer.micro_batch_size=5"]) == 2  # checked: 64 samples a rank
     assert "trainer.micro_batch_size=5 must divide" in capsys.readouterr().err

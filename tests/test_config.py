@@ -8,6 +8,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from transformers import LlamaConfig
 
+from alignment.compose import Composition, check_overrides, type_algorithm
 from alignment.config import register, shares_prompts, validate
 from alignment.schema import ConfigError
 from parallel.layout import LayoutError
@@ -18,9 +19,14 @@ SMOLLM2 = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value
 
 
 def cfg(*overrides, name="grpo"):
+    """The shipped job ``name`` composed with strict keys and typed by its algorithm's own section, but without
+    :func:`alignment.compose.check_read`, so that :func:`alignment.config.validate`'s own checks are reached."""
     register()
+    hydra_overrides, keys = check_overrides(list(overrides))
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-        return compose(name, overrides=list(overrides))
+        composed = compose(name, overrides=hydra_overrides)
+    type_algorithm(Composition(composed, name, ROOT / "configs" / f"{name}.yaml", user_keys=frozenset(keys)))
+    return composed
 
 
 def test_defaults_and_overrides():
@@ -51,9 +57,12 @@ def test_algorithm_variant_configs():
 
 
 def test_schema_rejects_unknown_keys_and_bad_types():
-    with pytest.raises(ConfigCompositionException):
+    with pytest.raises(ConfigError, match="algorithm.kl_coeff: algorithm.name=grpo has no such key; did you mean "
+                                          "algorithm.kl_coef"):
         cfg("algorithm.kl_coeff=0.1")  # typo
-    with pytest.raises(ConfigCompositionException):
+    with pytest.raises(ConfigError, match="algorithm.clip_ratio=wide: algorithm.clip_ratio takes a number > 0"):
+        cfg("algorithm.clip_ratio=wide")
+    with pytest.raises(ConfigError, match="trainer.steps=many: trainer.steps takes an integer"):
         cfg("trainer.steps=many")
 
 
@@ -328,9 +337,9 @@ def test_model_families_and_experts_are_validated_before_start():
         validate(cfg("algorithm.routing_replay=r3"), world_size=2, hf_config=moe)
     with pytest.raises(ConfigError, match=r"algorithm.routing_replay='r9': valid values are none, r2, r3"):
         validate(cfg("algorithm.routing_replay=r9"), world_size=2, hf_config=moe)
-    with pytest.raises(ConfigError, match=r"algorithm.routing_replay=r2 replays experts in the GRPO step .* not in "
-                                          r"algorithm.name=rft"):
-        validate(cfg("algorithm.routing_replay=r2", name="rft"), world_size=2, hf_config=moe)
+    with pytest.raises(ConfigError, match=r"algorithm.routing_replay=r2 is set, but algorithm.name=rft has no such "
+                                          r"setting \(it belongs to grpo, distill\)"):  # rft's section has no such key
+        cfg("algorithm.routing_replay=r2", name="rft")
 
 
 def test_environment_settings_are_checked():

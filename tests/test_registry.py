@@ -14,8 +14,10 @@ from alignment.schema import ConfigError
 def test_every_algorithm_is_registered_once_in_the_order_messages_list_them():
     assert list(registry.ALGORITHMS) == ["grpo", "ppo", "rft", "online_dpo", "distill", "sft", "rm", "dpo", "prm"]
     with pytest.raises(ConfigError, match="^algorithm.name='ppo2': valid values are grpo, ppo, rft, online_dpo, "
-                                          "distill, sft, rm, dpo, prm$"):
+                                          "distill, sft, rm, dpo, prm, or your own as module.path:Algorithm"):
         registry.get("ppo2")
+    with pytest.raises(ValueError, match="config=<class 'dict'> is not a dataclass below"):
+        registry.register(registry.Algorithm("mine", "online", "my.module", "mine", dict))
     with pytest.raises(ValueError, match="algorithm 'grpo' is registered already"):
         registry.register(registry.get("grpo"))
     with pytest.raises(ValueError, match="job='batch', valid values are online, ppo, offline"):
@@ -35,6 +37,29 @@ def test_capabilities_are_the_sets_the_checks_used_by_name():
     assert registry.names(episodes=True) == ("grpo", "distill") and registry.names(agents=True) == ("grpo",)
     assert registry.names(teacher=True) == ("distill",)
     assert registry.names(online=True, policy_gradient=False) == ("rft", "online_dpo")
+
+
+def test_each_algorithm_has_its_own_section():
+    """Each record's ``config`` holds its algorithm's keys and no other's: the keys the reads table gave each
+    algorithm before the sections were split (alignment/reads.py at 9bb914c), by hand."""
+    from alignment.algorithms.config import section_keys
+
+    policy_gradient = {"name", "overlong_buffer_len", "overlong_penalty_factor", "clip_ratio", "clip_ratio_high",
+                       "policy_loss", "clip_ratio_c", "rollout_correction", "kl_coef", "ppo_epochs", "num_mini_batches"}
+    step = {"kl_estimator", "loss_agg_mode", "dynamic_sampling", "max_sampling_rounds", "routing_replay",
+            "advantage_estimator", "whiten_level"}
+    preference = {"name", "loss_type", "beta", "label_smoothing", "simpo_gamma", "orpo_lambda"}
+    expected = {
+        "grpo": policy_gradient | step | {"step_separator"},
+        "distill": policy_gradient | step | {"distill_loss", "distill_beta", "task_reward_weight", "distill_samples"},
+        "ppo": policy_gradient | {"gamma", "gae_lambda", "value_clip", "target_kl", "whiten_advantages",
+                                  "step_separator"},
+        "rft": {"name", "overlong_buffer_len", "overlong_penalty_factor", "accept_threshold", "dedup_responses",
+                "rationalize"},
+        "online_dpo": preference | {"overlong_buffer_len", "overlong_penalty_factor", "ref_update", "iteration_steps"},
+        "dpo": preference, "sft": {"name"}, "rm": {"name", "center_coef"}, "prm": {"name", "step_separator",
+                                                                                 "supervision"}}
+    assert {n: set(section_keys(a.config)) for n, a in registry.ALGORITHMS.items()} == expected
 
 
 def test_every_trainer_has_what_its_job_calls():

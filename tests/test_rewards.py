@@ -197,11 +197,10 @@ def test_rejection_sampling_keeps_distinct_accepted_answers_by_hand():
 
 def test_rft_config_and_its_errors():
     c = cfg(name="rft")
-    assert (c.algorithm.name, c.algorithm.kl_coef, c.algorithm.accept_threshold) == ("rft", 0.0, 1.0)
+    assert (c.algorithm.name, c.algorithm.accept_threshold) == ("rft", 1.0) and "kl_coef" not in c.algorithm
     validate(c, world_size=2, hf_config=SMOLLM2)
     validate(cfg("rollout.group_size=1", "rollout.max_staleness=1", name="rft"), world_size=2, hf_config=SMOLLM2)
     for overrides, message in [
-        (["algorithm.kl_coef=0.04"], "algorithm.kl_coef=0.04: algorithm.name=rft fine-tunes on accepted samples"),
         (["algorithm.accept_threshold=nan"], "algorithm.accept_threshold=nan: give a finite reward"),
         (["reward.functions=[{name: correctness, whiten: true}]"], r"reward.functions \['correctness'\] whiten"),
         (["rollout.prompts_per_step=3"], "rollout.prompts_per_step=3 must be a multiple of the data-parallel size 2"),
@@ -248,15 +247,17 @@ def test_online_dpo_pairs_by_hand():
 def test_online_dpo_config_and_its_errors():
     c = cfg(name="online_dpo")
     a = c.algorithm
-    assert (a.name, a.kl_coef, a.loss_type, a.ref_update) == ("online_dpo", 0.0, "sigmoid", "initial")
+    assert (a.name, a.loss_type, a.ref_update) == ("online_dpo", "sigmoid", "initial") and "kl_coef" not in a
     validate(c, world_size=2, hf_config=SMOLLM2)
     validate(cfg("algorithm.ref_update=iteration", "algorithm.loss_type=ipo", "model.reward_model_path=/rm",
                  "reward.functions=[{name: reward_model, whiten: true}, {name: correctness}]", name="online_dpo"),
              world_size=2, hf_config=SMOLLM2)
+    for name in ("rft", "online_dpo"):  # no KL term of their own (online DPO's KL strength is algorithm.beta)
+        with pytest.raises(ConfigError, match=f"algorithm.kl_coef=0.04 is set, but algorithm.name={name} has no such"):
+            cfg("algorithm.kl_coef=0.04", name=name)
     for overrides, message in [
         (["algorithm.loss_type=dpo"], "algorithm.loss_type='dpo': valid values are sigmoid"),
         (["algorithm.beta=0"], "algorithm.beta=0.0: must be > 0"),
-        (["algorithm.kl_coef=0.04"], "online_dpo has no KL term of its own"),
         (["rollout.group_size=1"], "online DPO pairs the best and worst of group_size >= 2 samples"),
         (["algorithm.ref_update=epoch"], "algorithm.ref_update='epoch': valid values are initial, iteration"),
         (["algorithm.ref_update=iteration", "algorithm.iteration_steps=0"], "algorithm.iteration_steps=0"),

@@ -21,6 +21,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from alignment import config as schema
+from alignment.algorithms import registry
+from alignment.algorithms.config import AlgorithmConfig
 from launchers.preflight import compose
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +69,7 @@ def _show(value) -> str:
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, str):
-        return repr(value) if value == "" else value
+        return repr(value) if value == "" or value.isspace() else value
     if isinstance(value, list):
         return "[" + ", ".join(_show(v) for v in value) + "]"
     if isinstance(value, dict):
@@ -75,10 +77,11 @@ def _show(value) -> str:
     return repr(value) if isinstance(value, float) else str(value)
 
 
-def schema_fields(cls=schema.JobConfig, prefix: str = ""):
-    """``(dotted name, type, default, doc)`` of every leaf field under ``cls``, in schema order."""
+def schema_fields(cls=schema.JobConfig, prefix: str = "", own: bool = False):
+    """``(dotted name, type, default, doc)`` of every leaf field under ``cls``, in schema order (``own``: only
+    the fields ``cls`` declares itself, not those of the classes it derives from)."""
     docs = field_docs(cls)
-    hints = {f.name: f for f in dataclasses.fields(cls)}
+    hints = {f.name: f for f in dataclasses.fields(cls) if not own or f.name in vars(cls).get("__annotations__", {})}
     for name, f in hints.items():
         value = _default(f)
         if dataclasses.is_dataclass(value):
@@ -91,7 +94,23 @@ def section_file(name: str) -> str:
     """The file that declares the section ``name`` of :class:`alignment.config.JobConfig` (relative
     to the repository), e.g. ``alignment/rollout/config.py``."""
     section = next(f for f in dataclasses.fields(schema.JobConfig) if f.name == name)
-    return Path(inspect.getsourcefile(type(_default(section)))).resolve().relative_to(ROOT).as_posix()
+    cls = AlgorithmConfig if name == "algorithm" else type(_default(section))
+    return Path(inspect.getsourcefile(cls)).resolve().relative_to(ROOT).as_posix()
+
+
+def algorithm_sections() -> list[tuple[type, list[str]]]:
+    """Every class of the ``algorithm`` sections that declares keys of its own (from
+    :class:`alignment.algorithms.config.AlgorithmConfig` down, base classes first), with the registered
+    algorithms whose section has those keys."""
+    out = []
+    for algorithm in registry.ALGORITHMS.values():
+        for cls in reversed(algorithm.config.__mro__):
+            if dataclasses.is_dataclass(cls) and cls not in [c for c, _ in out] and \
+                    issubclass(cls, AlgorithmConfig) and vars(cls).get("__annotations__"):
+                out.append((cls, []))
+    for cls, names in out:
+        names += [a.name for a in registry.ALGORITHMS.values() if issubclass(a.config, cls)]
+    return out
 
 
 def job_names() -> list[str]:
@@ -128,24 +147,37 @@ def page() -> str:
              "shipped jobs (`configs/<job>.yaml`, `--config-name <job>`) that run with another value.",
              "`megalign train --config-name <job> --print-config` prints a job's whole resolved config;",
              "a run writes it to `<output_dir>/config.yaml`.", ""]
-    section, field_ranges = None, schema.ranges()
+    section, field_ranges = None, schema.every_range()
+    header = ["| field | type | default | range | jobs | doc |", "|---|---|---|---|---|---|"]
     for name, typ, default, doc in schema_fields():
-        top = name.split(".")[0] if "." in name else "(top level)"
+        top = name.split(".")[0] if "." in name or name == "algorithm" else "(top level)"
         if top != section:
             section = top
             lines += ["", f"## {section}", ""] + ([f"Declared in `{section_file(section)}`.", ""]
                                                     if section != "(top level)" else [])
-            lines += ["| field | type | default | range | jobs | doc |", "|---|---|---|---|---|---|"]
-        rng = field_ranges[name].describe() + field_ranges[name].note if name in field_ranges else ""
-        differ = {}
-        for job, values in jobs.items():
-            if name in values and values[name] != default and not (name in ("run_name", "output_dir")):
-                differ.setdefault(_show(values[name]), []).append(job)
-        jobs_cell = "; ".join(f"{', '.join(js)}: `{v}`" for v, js in differ.items())
-        cells = [f"`{name}`", typ.replace("Optional[", "null or ").replace("]", "").replace("[", " of "),
-                 f"`{_show(default)}`", rng, jobs_cell, doc]
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+            lines += header if section != "algorithm" else []
+        if name == "algorithm":  # each algorithm's own section
+            lines += ["Each algorithm's section has its own keys only: a key of another algorithm's is refused. "
+                      "The keys below are grouped by the class that declares them, with the algorithms that have them.",
+                      ""]
+            for cls, names in algorithm_sections():
+                lines += [f"### `{cls.__name__}`: {', '.join(names)}", ""] + header
+                lines += [_row(*row, field_ranges, jobs) for row in schema_fields(cls, "algorithm.", own=True)] + [""]
+            continue
+        lines.append(_row(name, typ, default, doc, field_ranges, jobs))
     return "\n".join(lines) + "\n"
+
+
+def _row(name: str, typ: str, default, doc: str, field_ranges: dict, jobs: dict) -> str:
+    rng = field_ranges[name].describe() + field_ranges[name].note if name in field_ranges else ""
+    differ = {}
+    for job, values in jobs.items():
+        if name in values and values[name] != default and not (name in ("run_name", "output_dir")):
+            differ.setdefault(_show(values[name]), []).append(job)
+    jobs_cell = "; ".join(f"{', '.join(js)}: `{v}`" for v, js in differ.items())
+    cells = [f"`{name}`", typ.replace("Optional[", "null or ").replace("]", "").replace("[", " of "),
+             f"`{_show(default)}`", rng, jobs_cell, doc]
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ def mfu(summary: dict, cfg, hf_config, peak_flops: float) -> dict | None:
     if not counted or seq is None or not train_s:
         return None
     tokens = sum(counted) / len(counted)  # tokens per step
-    passes = 1 if not registry.get(cfg.algorithm.name).online else cfg.algorithm.ppo_epochs
+    passes = 1 if not registry.get(cfg.algorithm.name).online else cfg.algorithm.get("ppo_epochs", 1)
     response = _mean(rows, "response_length")
     out_fraction = min(1.0, response / seq) if response is not None else 1.0
     flops = tokens * passes * flops_per_token(model_dims(hf_config), seq, output_fraction=out_fraction)

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from alignment.algorithms.aggregation import aggregate
+from alignment.algorithms.config import GRPOFamilyConfig, has_section
 from alignment.algorithms.kl import kl_penalty
 from alignment.algorithms.policy_loss import policy_loss
 from alignment.algorithms.rollout_correction import RolloutCorrection, rollout_correction
@@ -39,13 +40,17 @@ class GRPOLossConfig:
 
     @classmethod
     def from_algorithm(cls, a) -> "GRPOLossConfig":
-        """From the job's ``algorithm`` config section (:class:`alignment.config.AlgorithmConfig`)."""
+        """From a policy-gradient job's ``algorithm`` section
+        (:class:`alignment.algorithms.config.PolicyGradientConfig`): its clipping, policy loss, KL weight and
+        rollout correction; the KL estimator and the aggregation where the section has them (GRPO's step:
+        :class:`alignment.algorithms.config.GRPOFamilyConfig`), this class's defaults otherwise."""
         corr = a.rollout_correction
         corr = None if corr is None else {f.name: getattr(corr, f.name) for f in fields(RolloutCorrection)}
+        family = {"kl_estimator": a.kl_estimator, "loss_agg_mode": a.loss_agg_mode} \
+            if has_section(a, GRPOFamilyConfig) else {}
         return cls(clip_ratio=a.clip_ratio, clip_ratio_high=a.clip_ratio_high, kl_coef=a.kl_coef,
-                   kl_estimator=a.kl_estimator, loss_agg_mode=a.loss_agg_mode, policy_loss=a.policy_loss,
-                   clip_ratio_c=a.clip_ratio_c,
-                   rollout_correction=RolloutCorrection(**corr) if corr is not None else None)
+                   policy_loss=a.policy_loss, clip_ratio_c=a.clip_ratio_c,
+                   rollout_correction=RolloutCorrection(**corr) if corr is not None else None, **family)
 
 
 def grpo_loss(

@@ -11,6 +11,8 @@ import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
+from alignment.algorithms.config import (AlgorithmConfig, DistillConfig, GRPOConfig, OnlineDPOConfig, PPOConfig,
+                                         PreferenceConfig, ProcessRewardConfig, RewardModelConfig, RFTConfig, SFTConfig)
 from alignment.schema import ConfigError
 
 #: :attr:`Algorithm.job` values: the loop that runs an algorithm
@@ -29,6 +31,8 @@ class Algorithm:
             function object, on fixed data).
         trainer: the module that trains it (``alignment.trainers.<...>``).
         summary: one line for the docs (:func:`table`).
+        config: its ``algorithm`` section: :class:`alignment.algorithms.config.AlgorithmConfig` or a dataclass
+            below it, with its own keys only (their ranges in each field's metadata).
         asks_task: it asks ``data.task``'s questions (or a prompt file's), graded by the task
             (``data.instruction`` applies).
         takes_images: it trains vision-language models.
@@ -40,12 +44,16 @@ class Algorithm:
         episodes: it runs multi-turn episodes (``rollout.environment``) on its task.
         agents: an agent of your own (``rollout.agent`` / ``agent_command``) can play its episodes.
         teacher: it distils from ``model.teacher_path``.
+        like: the built-in algorithm whose reading of the settings outside the ``algorithm`` section this one
+            shares (:mod:`alignment.reads`' rules: which ``rollout`` / ``data`` / ``trainer`` keys its job
+            reads), e.g. ``grpo`` for a GRPO variant of your own; empty: its own name.
     """
 
     name: str
     job: str
     trainer: str
     summary: str
+    config: type = AlgorithmConfig
     asks_task: bool = False
     takes_images: bool = False
     policy_gradient: bool = False
@@ -54,6 +62,7 @@ class Algorithm:
     episodes: bool = False
     agents: bool = False
     teacher: bool = False
+    like: str = ""
 
     @property
     def online(self) -> bool:
@@ -75,6 +84,9 @@ def register(algorithm: Algorithm) -> Algorithm:
         ValueError: the name is taken, or ``job`` is not one of :data:`JOBS`."""
     if algorithm.name in ALGORITHMS:
         raise ValueError(f"algorithm {algorithm.name!r} is registered already")
+    if not (isinstance(algorithm.config, type) and issubclass(algorithm.config, AlgorithmConfig)):
+        raise ValueError(f"algorithm {algorithm.name!r}: config={algorithm.config!r} is not a dataclass below "
+                         "alignment.algorithms.config.AlgorithmConfig")
     if algorithm.job not in JOBS:
         raise ValueError(f"algorithm {algorithm.name!r}: job={algorithm.job!r}, valid values are {', '.join(JOBS)}")
     ALGORITHMS[algorithm.name] = algorithm
@@ -82,14 +94,61 @@ def register(algorithm: Algorithm) -> Algorithm:
 
 
 def get(name: str) -> Algorithm:
-    """The algorithm ``algorithm.name=name`` runs.
+    """The algorithm ``algorithm.name=name`` runs: a registered one, or your own by import path
+    (``module.path:ATTRIBUTE``, an :class:`Algorithm` record: :func:`own`).
 
     Raises:
-        ConfigError: an unknown name, with the valid ones."""
-    try:
+        ConfigError: an unknown name, with the valid ones; your own that does not load (:func:`own`)."""
+    if name in ALGORITHMS:
         return ALGORITHMS[name]
-    except KeyError:
-        raise ConfigError(f"algorithm.name={name!r}: valid values are {', '.join(ALGORITHMS)}") from None
+    if ":" in str(name):
+        return own(name)
+    raise ConfigError(f"algorithm.name={name!r}: valid values are {', '.join(ALGORITHMS)}, or your own as "
+                      "module.path:Algorithm (an alignment.algorithms.registry.Algorithm record)")
+
+
+#: what a trainer module provides for each job of an algorithm of your own
+TRAINER_FUNCTIONS = {"online": ("collect", "train"), "offline": ("objective",)}
+
+
+def own(path: str) -> Algorithm:
+    """Your own algorithm, ``algorithm.name=module.path:ATTRIBUTE``: the :class:`Algorithm` record that attribute
+    holds, its trainer module imported and checked (``online``: ``collect(models, problems, cfg, version,
+    refill)`` and ``train(models, rollout, cfg)``; ``offline``: ``objective(cfg, vocab_size)``). Modules are
+    imported from the job's working directory or ``PYTHONPATH``.
+
+    Raises:
+        ConfigError: naming ``algorithm.name``: a module that does not import, an attribute that is not a record,
+            a record that takes a built-in's name, a ``ppo`` job (PPO's critic job is not open to others yet), a
+            config class not below AlgorithmConfig, a trainer module without its functions."""
+    field = f"algorithm.name={path}"
+    module_name, _, attr = str(path).partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"{field}: give module.path:ATTRIBUTE, e.g. my_pkg.my_algo:ALGORITHM")
+    try:
+        record = getattr(importlib.import_module(module_name), attr, None)
+        if isinstance(record, Algorithm) and record.job in TRAINER_FUNCTIONS:
+            trainer = record.trainer_module()
+    except Exception as e:  # the user's module: any error it raises on import
+        raise ConfigError(f"{field}: {type(e).__name__}: {e} (imported from the job's working directory or "
+                          "PYTHONPATH)") from e
+    if not isinstance(record, Algorithm):
+        raise ConfigError(f"{field}: {module_name}.{attr} is not an alignment.algorithms.registry.Algorithm record")
+    if record.name in ALGORITHMS:
+        raise ConfigError(f"{field}: its record's name {record.name!r} is a built-in algorithm's; give it another")
+    if record.job not in TRAINER_FUNCTIONS:
+        raise ConfigError(f"{field}: job={record.job!r}; an algorithm of your own runs as one of "
+                          f"{', '.join(TRAINER_FUNCTIONS)}")
+    if not (isinstance(record.config, type) and issubclass(record.config, AlgorithmConfig)):
+        raise ConfigError(f"{field}: config={record.config!r} is not a dataclass below "
+                          "alignment.algorithms.config.AlgorithmConfig")
+    missing = [f for f in TRAINER_FUNCTIONS[record.job] if not callable(getattr(trainer, f, None))]
+    if missing:
+        raise ConfigError(f"{field}: its trainer module {record.trainer} has no {' / '.join(missing)} (a {record.job} "
+                          f"job calls {', '.join(TRAINER_FUNCTIONS[record.job])})")
+    if record.like and record.like not in ALGORITHMS:
+        raise ConfigError(f"{field}: like={record.like!r}: valid values are {', '.join(ALGORITHMS)}")
+    return record
 
 
 def names(**capabilities: bool) -> tuple[str, ...]:
@@ -114,24 +173,27 @@ def table() -> str:
 
 register(Algorithm("grpo", "online", "alignment.trainers.grpo",
                    "GRPO and its family (Dr.GRPO, DAPO, RLOO, REINFORCE++, GSPO, CISPO): group-relative advantages",
-                   asks_task=True, takes_images=True, policy_gradient=True, replays_routes=True, process_reward=True,
-                   episodes=True, agents=True))
-register(Algorithm("ppo", "ppo", "alignment.trainers.ppo", "PPO with a critic and GAE",
+                   GRPOConfig, asks_task=True, takes_images=True, policy_gradient=True, replays_routes=True,
+                   process_reward=True, episodes=True, agents=True))
+register(Algorithm("ppo", "ppo", "alignment.trainers.ppo", "PPO with a critic and GAE", PPOConfig,
                    policy_gradient=True, process_reward=True))
 register(Algorithm("rft", "online", "alignment.trainers.rft",
-                   "rejection-sampling fine-tuning: SFT on the accepted samples", asks_task=True, takes_images=True))
+                   "rejection-sampling fine-tuning: SFT on the accepted samples", RFTConfig, asks_task=True,
+                   takes_images=True))
 register(Algorithm("online_dpo", "online", "alignment.trainers.online_dpo",
-                   "online DPO on the best and worst of the policy's own samples", asks_task=True, takes_images=True))
+                   "online DPO on the best and worst of the policy's own samples", OnlineDPOConfig, asks_task=True,
+                   takes_images=True))
 register(Algorithm("distill", "online", "alignment.trainers.grpo",
-                   "on-policy distillation from a teacher (with the task's GRPO advantages, weighted)",
+                   "on-policy distillation from a teacher (with the task's GRPO advantages, weighted)", DistillConfig,
                    asks_task=True, takes_images=True, policy_gradient=True, replays_routes=True, episodes=True,
                    teacher=True))
-register(Algorithm("sft", "offline", "alignment.trainers.sft", "supervised fine-tuning", takes_images=True))
-register(Algorithm("rm", "offline", "alignment.trainers.reward_model", "a Bradley-Terry reward model"))
-register(Algorithm("dpo", "offline", "alignment.trainers.dpo",
-                   "DPO and its losses (IPO, hinge, KTO, SimPO, ORPO)", takes_images=True))
-register(Algorithm("prm", "offline", "alignment.trainers.process_reward", "a process reward model"))
-
+register(Algorithm("sft", "offline", "alignment.trainers.sft", "supervised fine-tuning", SFTConfig, takes_images=True))
+register(Algorithm("rm", "offline", "alignment.trainers.reward_model", "a Bradley-Terry reward model",
+                   RewardModelConfig))
+register(Algorithm("dpo", "offline", "alignment.trainers.dpo", "DPO and its losses (IPO, hinge, KTO, SimPO, ORPO)",
+                   PreferenceConfig, takes_images=True))
+register(Algorithm("prm", "offline", "alignment.trainers.process_reward", "a process reward model",
+                   ProcessRewardConfig))
 
 if __name__ == "__main__":
     print(table())

@@ -310,10 +310,10 @@ def dataset_answers(problems: list[Problem], cfg) -> list[str] | None:
     return [str(p.columns[cfg.data.response_key]) for p in problems]
 
 
-def collect(models: Models, problems: list[Problem], cfg, refill: Callable[[int], list[Problem]] | None = None,
-            version: int = 0) -> Rollout:
+def collect(models: Models, problems: list[Problem], cfg, version: int = 0,
+            refill: Callable[[int], list[Problem]] | None = None) -> Rollout:
     """The rollout collector: ``group_size`` sampled and rewarded responses for each of this DP
-    rank's ``problems`` (``refill`` supplies more for dynamic sampling), by the policy of
+    rank's ``problems`` (``refill(k)`` supplies k more for dynamic sampling), by the policy of
     ``version`` optimizer steps. See :func:`sample_groups`."""
     t = time.perf_counter()
     # distill_samples=teacher: the teacher's engine answers; dataset: the files' answers, no engine
@@ -341,25 +341,35 @@ def token_advantages(advantages: torch.Tensor, steps, samples: list, group_size:
     return out
 
 
-def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict[str, float]]:
-    """The trainer step on this DP rank's ``rollout``: advantages, reference (and, for several
-    updates, old) logprobs, then :func:`train_step`. Returns (global metrics, phase seconds)."""
+def sample_advantages(rollout: Rollout, cfg) -> torch.Tensor:
+    """``[N]`` float32 advantages of this DP rank's samples: ``algorithm.advantage_estimator`` on their rewards
+    (batch-whitened estimators over the global batch: collective over DP); for ``distill``, weighted by
+    ``algorithm.task_reward_weight`` (zeros at 0)."""
+    r, a, rewards = cfg.rollout, cfg.algorithm, rollout.rewards
+    whitening = {}
+    if a.advantage_estimator in BATCH_WHITENED:  # mean and std of the global batch (sequences or tokens)
+        dp_group = _ps().get_data_parallel_group()
+        whitening = {"all_reduce": lambda sums: all_reduce_sum(sums, dp_group),
+                     "token_counts": (torch.tensor([len(s.response_ids) for s in rollout.samples])
+                                      if a.whiten_level == "token" else None)}
+    if a.name == "distill" and not a.task_reward_weight:  # distillation only: no task advantages
+        return torch.zeros_like(rewards, dtype=torch.float32)
+    advantages = get_advantage_estimator(a.advantage_estimator)(rewards, r.group_size, **whitening)
+    return advantages * (a.task_reward_weight if a.name == "distill" else 1.0)  # distill: the task's share
+
+
+def train(models: Models, rollout: Rollout, cfg, advantages: torch.Tensor | None = None,
+          ) -> tuple[dict[str, float], dict[str, float]]:
+    """The trainer step on this DP rank's ``rollout``: advantages (``advantages``, ``[N]``, one per sample;
+    None: :func:`sample_advantages`), reference (and, for several updates, old) logprobs, then
+    :func:`train_step`. Returns (global metrics, phase seconds)."""
     ps = _ps()
     r, a, times = cfg.rollout, cfg.algorithm, {}
     samples, rewards, info = rollout.samples, rollout.rewards, rollout.info
 
     t = time.perf_counter()
-    whitening = {}
-    if a.advantage_estimator in BATCH_WHITENED:  # mean and std of the global batch (sequences or tokens)
-        dp_group = ps.get_data_parallel_group()
-        whitening = {"all_reduce": lambda sums: all_reduce_sum(sums, dp_group),
-                     "token_counts": (torch.tensor([len(s.response_ids) for s in samples])
-                                      if a.whiten_level == "token" else None)}
-    if a.name == "distill" and not a.task_reward_weight:  # distillation only: no task advantages
-        advantages = torch.zeros_like(rewards, dtype=torch.float32)
-    else:  # distill: the task's share, weighted
-        advantages = get_advantage_estimator(a.advantage_estimator)(rewards, r.group_size, **whitening)
-        advantages = advantages * (a.task_reward_weight if a.name == "distill" else 1.0)
+    if advantages is None:
+        advantages = sample_advantages(rollout, cfg)
     if rollout.steps is not None:  # process supervision: per-token advantages [N, R] (response tokens)
         advantages = token_advantages(advantages, rollout.steps, samples, r.group_size, r.max_tokens,
                                       a.advantage_estimator == "grpo")

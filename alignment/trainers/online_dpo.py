@@ -41,12 +41,13 @@ from parallel.names import unwrap
 from parallel.state import replica_group
 
 
-def collect(models: Models, problems: list[Problem], cfg, version: int = 0) -> Rollout:
+def collect(models: Models, problems: list[Problem], cfg, version: int = 0, refill=None) -> Rollout:  # noqa: ARG001
     """This DP rank's pairs for ``problems``: ``Rollout.samples`` interleaved ``[chosen_0,
     rejected_0, ...]`` (none when every prompt tied), ``Rollout.rewards`` the judge's reward of
     every sampled response ``[P * group_size]`` and ``reward_terms`` each term's raw scores;
     ``info``: ``prompts``, ``pairs``, ``chosen_reward_sum``, ``rejected_reward_sum``. Collective
-    over the model replica (and the data-parallel group for whitened terms)."""
+    over the model replica (and the data-parallel group for whitened terms). ``refill``: the loop's supply of
+    more problems, unused (no dynamic sampling here)."""
     t0 = time.perf_counter()
     g = cfg.rollout.group_size
     terms = job_terms(cfg)

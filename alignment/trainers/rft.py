@@ -60,13 +60,14 @@ def _sample_and_accept(models: Models, problems: list[Problem], prompts: list[li
     return samples, scores, rewards, accepted_indices(rewards, r.group_size, a.accept_threshold, texts)
 
 
-def collect(models: Models, problems: list[Problem], cfg, version: int = 0) -> Rollout:
+def collect(models: Models, problems: list[Problem], cfg, version: int = 0, refill=None) -> Rollout:  # noqa: ARG001
     """This DP rank's iteration data: the accepted answers to its ``problems`` (``Rollout.samples``,
     possibly none; rewards of the kept ones), sampled by the policy of ``version`` optimizer steps.
     ``Rollout.info``: ``sampled``, ``accepted`` (before de-duplication), ``kept``, ``solved``
     (problems with a kept answer), ``rationalized`` (problems solved only with the hint) and
     ``problems``; ``Rollout.reward_terms``: every sampled answer's raw scores (hinted ones not).
-    Collective over the model replica (and over every rank with ``algorithm.rationalize``)."""
+    Collective over the model replica (and over every rank with ``algorithm.rationalize``). ``refill``: the
+    loop's supply of more problems, unused (no dynamic sampling here)."""
     t0 = time.perf_counter()
     a, tok, style = cfg.algorithm, models.tokenizer, PromptStyle.of(cfg.data)
     images = image_processor(models)

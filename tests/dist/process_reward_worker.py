@@ -16,7 +16,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch.distributed as dist
-from hydra import compose, initialize_config_dir
 
 from parallel.layout import ParallelLayout
 from parallel.state import env_world, init_distributed
@@ -29,7 +28,7 @@ CASES = {"dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
 def main(prm_dir: str, responses_path: str, result_path: str) -> None:
     from transformers import AutoTokenizer
 
-    from alignment.config import register
+    from alignment.compose import compose
     from alignment.data.chat_data import encode_prompt
     from alignment.rollout.base import Sample
     from alignment.trainers.process_rewarding import score_steps
@@ -44,15 +43,13 @@ def main(prm_dir: str, responses_path: str, result_path: str) -> None:
     for text in spec["responses"]:
         ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
         samples.append(Sample(prompt, ids, [0.0] * len(ids), text, True))
-    register()
     results = {}
     for name, (tp, pp) in CASES.items():
         init_distributed(ParallelLayout(world_size=world, tensor_model_parallel_size=tp,
                                         pipeline_model_parallel_size=pp))
-        with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-            cfg = compose("grpo", overrides=[f"parallel.tensor_model_parallel_size={tp}",
-                                             f"parallel.pipeline_model_parallel_size={pp}", "model.dtype=float32",
-                                             "trainer.micro_batch_size=2"])
+        cfg = compose("grpo", [f"parallel.tensor_model_parallel_size={tp}",
+                               f"parallel.pipeline_model_parallel_size={pp}", "model.dtype=float32",
+                               "trainer.micro_batch_size=2"])
         models = SimpleNamespace(tokenizer=tok, placement=DevicePlacement(enabled=False),
                                  engine=SimpleNamespace(shares_trainer_weights=False),
                                  process_reward_model=load_model(cfg, prm_dir, value_head=True))
