@@ -310,7 +310,7 @@ def own_data(cfg) -> bool:
     """Whether the job trains on the user's own data: prompt files (``data.train_files``), or an SFT / RM /
     DPO data file (``data.dataset``)."""
     d = cfg.data
-    return bool(d.train_files) or (not registry.get(cfg.algorithm.name).online and cfg.algorithm.name != "prm"
+    return bool(d.train_files) or (registry.of(cfg).examples in ("sft", "preference")
                                    and is_data_file(str(d.dataset)))
 
 

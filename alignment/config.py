@@ -16,7 +16,8 @@ that reads it, with the checks of its own values:
 
 Every numeric field's range is in its metadata (:func:`alignment.schema.ranged`), checked first
 (:func:`validate_ranges`). :func:`validate` then runs each section's checks and what depends on
-several sections, the world size and the model, per algorithm, before any process group starts.
+several sections, the world size and the model, then the algorithm's own checks across sections (its
+record's ``validate``: :mod:`alignment.checks`), before any process group starts.
 Field names follow Megatron (``tensor_model_parallel_size``, ``micro_batch_size``), RL
 (``kl_coef``, ``clip_ratio``) and vLLM (``temperature``, ``max_tokens``) usage.
 """
@@ -24,7 +25,6 @@ Field names follow Megatron (``tensor_model_parallel_size``, ``micro_batch_size`
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -32,15 +32,13 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from alignment.algorithms import registry
-from alignment.algorithms.composite_reward import RewardTerm
-from alignment.algorithms.config import (ROUTING_REPLAY, GRPOFamilyConfig, PolicyGradientConfig, check_distill,
-                                         check_estimators, check_loss_type, check_policy_loss)
-from alignment.algorithms.preference_loss import REFERENCE_FREE
-from alignment.data.config import DataConfig, check_dataset, check_prompt_source
-from alignment.data.step_data import SUPERVISIONS
+from alignment.algorithms.config import (GRPOFamilyConfig, GroupAdvantageConfig, PolicyGradientConfig, check_policy_loss,
+                                         has_section)
+from alignment.data.config import DataConfig
 from alignment.models.config import ModelConfig, check_lora, check_model
 from alignment.models.families import model_dims, text_config
-from alignment.rewards.config import PROCESS_REWARD, RewardConfig, check_functions, is_pairwise, terms_of
+from alignment.rewards.config import PROCESS_REWARD, RewardConfig, check_functions, is_pairwise
+from alignment.rewards.policy import ppo_on_task, process_reward_weight, reward_terms
 from alignment.rewards.text import FORMAT_TASKS
 from alignment.rollout.agents import AgentError, load_agent
 from alignment.rollout.config import (RolloutConfig, check_backend, check_engine_tp, check_episodes, check_lengths,
@@ -164,7 +162,6 @@ def parallel_sizes(parallel: ParallelConfig) -> dict:
 #: the algorithms by what they can do (their records: alignment/algorithms/registry.py)
 RL_ALGORITHMS = registry.names(online=True)
 TASK_ALGORITHMS = registry.names(asks_task=True)  # the jobs that ask data.task's questions
-REF_UPDATES = ("initial", "iteration")
 OFFLINE_ALGORITHMS = registry.names(online=False)
 PROCESS_ESTIMATORS = ("grpo", "grpo_no_std")  # the GRPO-family estimators process_reward has advantages for
 
@@ -174,48 +171,6 @@ def total_steps(cfg, train_size: int) -> int:
     ``train_size`` training prompts (``rollout.prompts_per_step`` a step, the last partial step left out)."""
     t = cfg.trainer
     return t.steps if t.steps else max(1, t.epochs * train_size // cfg.rollout.prompts_per_step)
-
-
-def reward_terms(cfg: JobConfig) -> list:
-    """The :class:`alignment.algorithms.composite_reward.RewardTerm` s an RL job sums
-    (``reward.functions``, or the job's own when empty: ``correctness`` for the GRPO family,
-    ``reward_model`` for PPO; :func:`alignment.rewards.config.terms_of`)."""
-    return terms_of(cfg.reward, "reward_model" if cfg.algorithm.name == "ppo" else "correctness")
-
-
-def heldout_grader(cfg):
-    """The :class:`alignment.algorithms.composite_reward.RewardTerm` whose score grades held-out answers
-    (right: >= 1): ``correctness`` (the task's grader) for ``data.task``; with ``data.train_files`` the first
-    of ``reward.functions`` that reads the answer (not a model, ``length``, ``environment`` or a pairwise
-    judge); None: none does (no held-out accuracy)."""
-
-    if not cfg.data.train_files:
-        return RewardTerm("correctness")
-    skip = ("reward_model", "process_reward", "length", "environment")
-    return next((t for t in reward_terms(cfg) if t.name not in skip and not is_pairwise(t)), None)
-
-
-def process_reward_weight(cfg) -> float:
-    """The weight of ``reward.functions``' dense ``process_reward`` term; 0.0 without one."""
-    return next((t.weight for t in reward_terms(cfg) if t.name == PROCESS_REWARD), 0.0)
-
-
-def ppo_on_task(cfg) -> bool:
-    """Whether a PPO job asks ``data.task``'s questions or ``data.train_files``' prompts (graded by
-    ``reward.functions``, in ``rollout.environment``'s episodes): with prompt files, or when
-    ``reward.functions`` has no ``reward_model`` term. Otherwise PPO samples answers to
-    dpo_en_demo's chat prompts for the reward model to judge."""
-    return cfg.algorithm.name == "ppo" and (bool(cfg.data.train_files)
-                                            or all(t.name != "reward_model" for t in reward_terms(cfg)))
-
-
-def shares_prompts(cfg) -> bool:
-    """Whether an RL job's passes run as prompt trees (``trainer.shared_prompt_packing``: null is
-    on where it runs, i.e. ``context_parallel_size=1`` and ``sequence_parallel=false``)."""
-    t, p = cfg.trainer, cfg.parallel
-    if t.shared_prompt_packing is not None:
-        return bool(t.shared_prompt_packing)
-    return p.context_parallel_size == 1 and not p.sequence_parallel
 
 
 def ranges(cls=None, algorithm: type | None = None) -> dict[str, Range]:
@@ -251,232 +206,14 @@ def validate_ranges(cfg) -> None:
             raise ConfigError(f"{name}={value}: must be {rng.describe()}{rng.note}")
 
 
-def _validate_ppo(cfg, dp: int) -> None:
-    """PPO: a reward model, GAE settings, and mini-batches that divide the rollout batch."""
-    a, r, t = cfg.algorithm, cfg.rollout, cfg.trainer
-    if ppo_on_task(cfg):
-        check_prompt_source(cfg.data)
-        if not (cfg.model.critic_path or cfg.model.reward_model_path):
-            raise ConfigError("model.critic_path and model.reward_model_path are empty: PPO's critic starts from one "
-                              "of them (a value head on that checkpoint), e.g. model.critic_path=${model.path}")
-    elif not cfg.model.reward_model_path:
-        raise ConfigError("model.reward_model_path is empty: PPO needs a trained reward model "
-                          "(e.g. outputs/rm_smollm2_dpo_en_demo/hf from --config-name rm), or reward.functions on "
-                          "data.task's answers (e.g. [{name: correctness}]) and a model.critic_path")
-    if r.prompts_per_step % dp:
-        raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of the data-parallel "
-                          f"size {dp}; e.g. {[k * dp for k in range(1, 5)]}")
-    rows = r.prompts_per_step // dp * r.group_size
-    if rows % a.num_mini_batches or (rows // a.num_mini_batches) % t.micro_batch_size:
-        raise ConfigError(f"algorithm.num_mini_batches={a.num_mini_batches} x trainer.micro_batch_size="
-                          f"{t.micro_batch_size} must divide the {rows} sequences of each data-parallel rank "
-                          f"(prompts_per_step / DP x group_size)")
-    if r.temperature <= 0:
-        raise ConfigError(f"rollout.temperature={r.temperature}: PPO samples, it needs a temperature > 0")
-
-
-_VARIABLE_ROWS_EP = ("parallel.expert_model_parallel_size > 1: algorithm.name={name} trains on however many {what} "
-                     "each data-parallel rank has, so ranks run different numbers of micro-batches, and the experts' "
-                     "all-to-all spans data-parallel ranks; set expert_model_parallel_size=1 for now")
-
-
-def _validate_rft(cfg, layout) -> None:
-    """Rejection-sampling fine-tuning: a task to grade, samples to filter, no reference, a reward
-    that is a per-sample score (no whitening) and micro-batches of any size."""
-
-    a, r = cfg.algorithm, cfg.rollout
-    dp = layout.data_parallel_size
-    if not math.isfinite(a.accept_threshold):
-        raise ConfigError(f"algorithm.accept_threshold={a.accept_threshold}: give a finite reward (1.0: correct "
-                          "answers under the 0/1 grader)")
-    terms = reward_terms(cfg)
-    bounded = ("correctness", "format", "length", "environment", "math_verify", "exact_match", "numeric", "regex",
-               "code_tests")
-    if all(t.runs in bounded for t in terms):  # bounded terms: the best reward a sample can get
-        # correctness / format in [0, 1]; length in [-1, -1 / max_tokens] (a response has a token; a negative
-        # weight rewards length); the overlong penalty <= 0
-        best = sum(0.0 if t.name == "environment" else max(t.weight, 0.0) if t.runs not in ("length",) else
-                   (-t.weight if t.weight < 0 else -t.weight / r.max_tokens) for t in terms)
-        if a.accept_threshold > best:
-            raise ConfigError(f"algorithm.accept_threshold={a.accept_threshold} is above the best reward "
-                              f"reward.functions can give ({best:g}: correctness, format and the graders score in [0, 1], length in "
-                              "[-1, -1 / rollout.max_tokens], the overlong penalty at most 0), so no sample would ever "
-                              "be kept; lower it")
-    if layout.expert_model_parallel_size > 1:
-        raise ConfigError(_VARIABLE_ROWS_EP.format(name="rft", what="accepted samples"))
-    whitened = [f.name for f in cfg.reward.functions if f.whiten]
-    if whitened:
-        raise ConfigError(f"reward.functions {whitened} whiten: algorithm.name=rft accepts each sample by its own "
-                          "reward against algorithm.accept_threshold, which batch statistics would move; set "
-                          "whiten: false")
-    if r.temperature <= 0:
-        raise ConfigError(f"rollout.temperature={r.temperature}: rejection sampling draws group_size samples per "
-                          "problem at a temperature > 0")
-    if r.prompts_per_step % dp:
-        raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of the data-parallel "
-                          f"size {dp}; e.g. {[k * dp for k in range(1, 5)]}")
-    if layout.pipeline_model_parallel_size > 1 and not cfg.trainer.sequence_packing:
-        raise ConfigError("algorithm.name=rft trains on however many samples were accepted, so its last micro-batch "
-                          "may have fewer rows; with parallel.pipeline_model_parallel_size > 1 set "
-                          "trainer.sequence_packing=true (one packed row per micro-batch)")
-
-
-def _validate_online_dpo(cfg, layout) -> None:
-    """Online / iterative DPO: a DPO-family loss, >= 2 samples per prompt, a reference to update
-    (not LoRA's frozen base), variable pair counts."""
-
-    a, r = cfg.algorithm, cfg.rollout
-    dp = layout.data_parallel_size
-    check_loss_type(a)
-    if r.group_size < 2 or r.temperature <= 0:
-        raise ConfigError(f"rollout.group_size={r.group_size} / temperature={r.temperature}: online DPO pairs the best "
-                          "and worst of group_size >= 2 samples per prompt, drawn at a temperature > 0")
-    if r.prompts_per_step % dp:
-        raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of the data-parallel "
-                          f"size {dp}; e.g. {[k * dp for k in range(1, 5)]}")
-    if a.ref_update not in REF_UPDATES:
-        raise ConfigError(f"algorithm.ref_update={a.ref_update!r}: valid values are {', '.join(REF_UPDATES)}")
-    if a.ref_update == "iteration":
-        if a.loss_type in REFERENCE_FREE:
-            raise ConfigError(f"algorithm.ref_update=iteration: algorithm.loss_type={a.loss_type} uses no reference; "
-                              "set algorithm.ref_update=initial or a loss with a reference (sigmoid, ipo, hinge, kto)")
-        if cfg.model.lora.rank:
-            raise ConfigError("algorithm.ref_update=iteration with model.lora: a LoRA job's reference is the frozen "
-                              "base, which cannot become the policy; set algorithm.ref_update=initial")
-    if layout.expert_model_parallel_size > 1:
-        raise ConfigError(_VARIABLE_ROWS_EP.format(name="online_dpo", what="pairs"))
-    if layout.pipeline_model_parallel_size > 1 and not cfg.trainer.sequence_packing:
-        raise ConfigError("algorithm.name=online_dpo trains on however many pairs had no tie, so its last "
-                          "micro-batch may have fewer rows; with parallel.pipeline_model_parallel_size > 1 set "
-                          "trainer.sequence_packing=true (one packed row per micro-batch)")
-
-
 def _validate_staleness(r, a) -> None:
     """``rollout.max_staleness`` > 0: off-policy batches need importance weights in the loss."""
     # rft and online_dpo: SFT and DPO losses, which take samples from any policy
-    if r.max_staleness > 0 and isinstance(a, PolicyGradientConfig) and a.rollout_correction.is_level is None:
+    if r.max_staleness > 0 and has_section(a, PolicyGradientConfig) and a.rollout_correction.is_level is None:
         raise ConfigError(f"rollout.max_staleness={r.max_staleness} trains on samples from a policy up to "
                           f"{r.max_staleness} step(s) old, so the loss must weight each token by pi_old / pi_rollout "
                           "(decoupled PPO): set algorithm.rollout_correction.is_level=token (or sequence), "
                           "truncated at algorithm.rollout_correction.is_threshold, or rollout.max_staleness=0")
-
-
-def _validate_routing_replay(a: GRPOFamilyConfig, dims) -> None:
-    """``algorithm.routing_replay``: a value that exists, a mixture-of-experts model to route, for
-    ``r2`` an old-logprob pass to record, for ``r3`` an engine that records its routing."""
-    if a.routing_replay not in ROUTING_REPLAY:
-        raise ConfigError(f"algorithm.routing_replay={a.routing_replay!r}: valid values are {', '.join(ROUTING_REPLAY)}")
-    if a.routing_replay == "none":
-        return
-    if not dims.num_experts:
-        raise ConfigError(f"algorithm.routing_replay={a.routing_replay}: the model is dense (no experts to route); "
-                          "set algorithm.routing_replay=none")
-    if a.routing_replay == "r2" and a.ppo_epochs == 1 and a.num_mini_batches == 1:
-        raise ConfigError("algorithm.routing_replay=r2 forces the old-logprob pass's experts in the updates of a batch, "
-                          "but with algorithm.ppo_epochs=1 and algorithm.num_mini_batches=1 the one update is that pass; "
-                          "set algorithm.ppo_epochs or algorithm.num_mini_batches > 1")
-
-
-def _validate_rollout_routing(cfg) -> None:
-    """``algorithm.routing_replay=r3`` replays the rollout engine's routing, which only
-    ``rollout.backend=megatron`` records (vLLM 0.32 reports routed experts only with its Model Runner
-    V2, which needs Triton) and only for single-turn samples."""
-    r = cfg.rollout
-    if cfg.algorithm.routing_replay != "r3":
-        return
-    if r.backend != "megatron":
-        raise ConfigError(f"algorithm.routing_replay=r3 replays the experts the rollout engine routed each token to, "
-                          f"which rollout.backend={r.backend} does not report (vLLM 0.32 only with Model Runner V2, "
-                          "on GPUs); set rollout.backend=megatron, or algorithm.routing_replay=r2")
-    if cfg.algorithm.name == "distill" and cfg.algorithm.distill_samples != "student":
-        raise ConfigError(f"algorithm.routing_replay=r3 replays the student's own sampling routing, but with "
-                          f"algorithm.distill_samples={cfg.algorithm.distill_samples} the student does not sample; "
-                          "set algorithm.routing_replay=none")
-
-
-def _validate_distill(cfg) -> None:
-    """On-policy distillation: a loss that exists and a teacher to score with (its files and tokenizer:
-    :func:`launchers.input_checks.check_model_files`)."""
-    check_distill(cfg.algorithm)
-    if not cfg.model.teacher_path:
-        raise ConfigError("algorithm.name=distill needs a teacher: set model.teacher_path to its HF directory (e.g. "
-                          "outputs/grpo_smollm2_arithmetic/hf, a trained policy's export) or a .gguf file")
-    if process_reward_weight(cfg):
-        raise ConfigError("reward.functions has process_reward, but algorithm.name=distill trains on the teacher's "
-                          "per-token signal already; drop process_reward (or use algorithm.name=grpo)")
-    if cfg.algorithm.distill_samples == "teacher":
-        split = {name: v for name in ("pipeline_model_parallel_size", "context_parallel_size")
-                 if (v := getattr(cfg.parallel, name)) > 1}
-        if cfg.parallel.sequence_parallel:
-            split["sequence_parallel"] = True
-        if split or cfg.rollout.placement != "colocated":
-            given = ", ".join([f"parallel.{k}={v}" for k, v in split.items()]
-                              + ([f"rollout.placement={cfg.rollout.placement}"] if cfg.rollout.placement != "colocated"
-                                 else []))
-            raise ConfigError(f"algorithm.distill_samples=teacher generates with Megatron's engine on the teacher's "
-                              f"shards on the trainer ranks (whole, tensor- or expert-parallel replicas), but {given}: "
-                              "set those to 1 / false / colocated")
-    if cfg.algorithm.distill_samples == "dataset":
-        _validate_dataset_samples(cfg)
-
-
-def _validate_dataset_samples(cfg) -> None:
-    """``algorithm.distill_samples=dataset``: one answer per prompt from a column of the prompt files,
-    read on the trainer ranks (no engine samples it), one turn."""
-    r, d = cfg.rollout, cfg.data
-    if not d.train_files or not d.response_key:
-        raise ConfigError("algorithm.distill_samples=dataset trains on each prompt's answer in a file: set "
-                          "data.train_files and data.response_key (the column holding the answers, e.g. completion)")
-    wrong = {name: v for name, v, ok in (("rollout.group_size", r.group_size, 1), ("rollout.max_turns", r.max_turns, 1),
-                                         ("rollout.max_staleness", r.max_staleness, 0),
-                                         ("rollout.placement", r.placement, "colocated")) if v != ok}
-    if wrong:
-        given = ", ".join(f"{k}={v}" for k, v in wrong.items())
-        raise ConfigError(f"algorithm.distill_samples=dataset takes each prompt's one answer from the file, on the "
-                          f"trainer ranks, but {given}: set rollout.group_size=1, max_turns=1, max_staleness=0, "
-                          "placement=colocated")
-
-
-def _validate_prm(a) -> None:
-    """The process reward model's algorithm settings: a step separator and a known supervision (its
-    data: :func:`alignment.data.config.check_dataset`)."""
-
-    if not a.step_separator:
-        raise ConfigError("algorithm.step_separator is empty: give the string that ends a step, e.g. '\\n'")
-    if a.supervision not in SUPERVISIONS:
-        raise ConfigError(f"algorithm.supervision={a.supervision!r}: valid values are {', '.join(SUPERVISIONS)}")
-
-
-def _validate_offline(cfg: JobConfig, dp: int) -> None:
-    """SFT / reward model / DPO / PRM: the dataset matches the algorithm, batch sizes divide."""
-
-    a, d, t = cfg.algorithm, cfg.data, cfg.trainer
-    if a.name == "prm":
-        _validate_prm(a)
-    check_dataset(d, a.name)
-    if a.name == "dpo":
-        check_loss_type(a)
-    if t.shared_prompt_packing:
-        raise ConfigError(f"trainer.shared_prompt_packing=true: algorithm.name={a.name} does not use it (it applies "
-                          "to the RL jobs: grpo family, ppo); set it to null or false")
-    if t.offload:
-        raise ConfigError(f"trainer.offload=true: algorithm.name={a.name} uses every model at every step, so "
-                          "there is nothing idle to offload; it applies to the RL jobs (grpo family, ppo)")
-    if t.global_batch_size % dp:
-        raise ConfigError(f"trainer.global_batch_size={t.global_batch_size} must be a multiple of the data-parallel "
-                          f"size {dp}; e.g. {[k * dp for k in range(1, 5)]}")
-    per_rank = t.global_batch_size // dp
-    if per_rank % t.micro_batch_size:
-        valid = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
-        raise ConfigError(f"trainer.micro_batch_size={t.micro_batch_size} must divide the {per_rank} examples each "
-                          f"data-parallel rank gets per step (global_batch_size / DP); valid values: {valid}")
-    if d.heldout_size < dp:
-        raise ConfigError(f"data.heldout_size={d.heldout_size} must be >= the data-parallel size {dp}")
-    if a.name == "dpo" and a.loss_type == "kto" and (per_rank < 2 or d.heldout_size // dp < 2):
-        raise ConfigError(f"algorithm.loss_type=kto estimates its reference point from mismatched pairs (a prompt "
-                          f"with another pair's responses), so every data-parallel rank needs >= 2 pairs: "
-                          f"trainer.global_batch_size={t.global_batch_size} and data.heldout_size={d.heldout_size} "
-                          f"must each be >= {2 * dp} at data-parallel size {dp}")
 
 
 def _validate_rewards(cfg: JobConfig) -> None:
@@ -509,7 +246,7 @@ def _validate_rewards(cfg: JobConfig) -> None:
         if is_pairwise(t) and cfg.rollout.group_size < 2:
             raise ConfigError(f"reward.functions[{t.name}].mode=pairwise compares a prompt's responses with each other; "
                               f"rollout.group_size={cfg.rollout.group_size} gives one: set rollout.group_size >= 2")
-    if a.name == "ppo" and {"correctness", "format"} & set(names) and "reward_model" in names:
+    if registry.of(cfg).job == "ppo" and {"correctness", "format"} & set(names) and "reward_model" in names:
         raise ConfigError(f"reward.functions={names}: with a reward_model term PPO trains on {cfg.data.dataset}'s "
                           "prompts, which have no answers to grade; use reward_model and length, or drop reward_model "
                           "to train on data.task's problems")
@@ -539,7 +276,7 @@ def _validate_process_reward(cfg, functions, prm_path: str) -> None:
     if not registry.get(a.name).process_reward:
         raise ConfigError(f"reward.functions has process_reward, a dense per-step reward, but algorithm.name={a.name} "
                           "judges whole samples; it applies to the GRPO family and PPO")
-    if a.name == "grpo" and a.advantage_estimator not in PROCESS_ESTIMATORS:
+    if has_section(a, GroupAdvantageConfig) and a.advantage_estimator not in PROCESS_ESTIMATORS:
         raise ConfigError(f"reward.functions has process_reward, whose step rewards become group-normalised advantages "
                           f"(DeepSeekMath's process supervision), defined for algorithm.advantage_estimator in "
                           f"{', '.join(PROCESS_ESTIMATORS)}, not {a.advantage_estimator}")
@@ -548,7 +285,7 @@ def _validate_process_reward(cfg, functions, prm_path: str) -> None:
                           "(GRPO) or folded into whitened advantages (PPO) already; set whiten=false")
     if not a.step_separator:
         raise ConfigError("algorithm.step_separator is empty: give the string that ends a step, e.g. '\\n'")
-    if isinstance(a, GRPOFamilyConfig) and a.dynamic_sampling:
+    if has_section(a, GRPOFamilyConfig) and a.dynamic_sampling:
         raise ConfigError("algorithm.dynamic_sampling keeps the groups whose sample rewards differ, but with "
                           "process_reward a group of equal sample rewards still has step rewards to learn from; set "
                           "algorithm.dynamic_sampling=false")
@@ -722,7 +459,6 @@ def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int 
     if dims.is_vision_language:
         _validate_vision_language(cfg, layout, dims)
     check_lora(cfg.model.lora, dims)
-    dp = layout.data_parallel_size
     r, t = cfg.rollout, cfg.trainer
     _validate_lengths(cfg, layout, hf_config, tokenizer_size)
     c = cfg.cluster
@@ -750,8 +486,8 @@ def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int 
         raise ConfigError(f"data.instruction is set, but algorithm.name={cfg.algorithm.name} does not ask data.task's "
                           f"questions (it applies to {', '.join(TASK_ALGORITHMS)}, and ppo with reward.functions on "
                           "data.task's answers); set data.instruction=null")
-    if not registry.get(cfg.algorithm.name).online:  # an unknown name: one line with the valid ones
-        return _validate_offline(cfg, dp)
+    if not registry.of(cfg).online:
+        return registry.of(cfg).checks()(cfg, layout, dims)  # the algorithm's own (alignment/checks/)
 
     check_engine_tp(r, engines or world_size, cfg.parallel, hf_config)
     check_backend(r, layout)
@@ -765,10 +501,10 @@ def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int 
     if context_given:
         check_microbatch_tokens(cfg)
     a = cfg.algorithm
-    if isinstance(a, PolicyGradientConfig):
+    if has_section(a, PolicyGradientConfig):
         check_policy_loss(a)
     _validate_staleness(cfg.rollout, a)
-    resampled = isinstance(a, GRPOFamilyConfig) and a.dynamic_sampling
+    resampled = has_section(a, GRPOFamilyConfig) and a.dynamic_sampling
     if r.partial and resampled:
         raise ConfigError("algorithm.dynamic_sampling refills a batch after it was collected, which with "
                           "rollout.partial=true is after the weights changed, not counted per token yet; set one of "
@@ -781,38 +517,5 @@ def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int 
         raise ConfigError("algorithm.dynamic_sampling with a reward_model term scores each sampling round's groups, "
                           "whose count need not fill whole micro-batches; with parallel.pipeline_model_parallel_size > "
                           "1 set trainer.sequence_packing=true (one packed row per micro-batch)")
-    if a.name == "ppo":
-        _validate_ppo(cfg, dp)
-        return check_lengths(r, hf_config)
-    check_prompt_source(cfg.data)
-    if a.name in ("rft", "online_dpo"):
-        (_validate_rft if a.name == "rft" else _validate_online_dpo)(cfg, layout)
-        return check_lengths(r, hf_config)
-    check_estimators(a)
-    if a.name == "distill":
-        _validate_distill(cfg)
-    _validate_routing_replay(a, dims)
-    _validate_rollout_routing(cfg)
-    if r.temperature <= 0:
-        raise ConfigError(f"rollout.temperature={r.temperature}: {'on-policy distillation' if a.name == 'distill' else 'GRPO'}"
-                          " samples, it needs a temperature > 0")
-    if r.group_size < 2 and a.name != "distill":
-        raise ConfigError(f"rollout.group_size={r.group_size}: GRPO needs at least 2 samples per prompt")
-    if r.group_size < 2 and a.task_reward_weight:
-        raise ConfigError(f"rollout.group_size={r.group_size}: the task's group-normalised advantages "
-                          f"(algorithm.task_reward_weight={a.task_reward_weight}) need at least 2 samples per prompt; "
-                          "set rollout.group_size >= 2, or algorithm.task_reward_weight=0 (distillation alone)")
-    if r.prompts_per_step % dp:
-        valid = [k * dp for k in range(1, 5)]
-        raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of the data-parallel "
-                          f"size {dp} (world {layout.world_size} / (TP x PP x CP)); e.g. {valid}")
-    per_rank = r.prompts_per_step // dp * r.group_size
-    if per_rank % t.micro_batch_size:
-        valid = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
-        raise ConfigError(f"trainer.micro_batch_size={t.micro_batch_size} must divide the {per_rank} samples each "
-                          f"data-parallel rank trains on per step (prompts_per_step / DP x group_size); "
-                          f"valid values: {valid}")
-    if (per_rank // t.micro_batch_size) % a.num_mini_batches:
-        raise ConfigError(f"algorithm.num_mini_batches={a.num_mini_batches} must divide the {per_rank // t.micro_batch_size}"
-                          f" micro-batches of each data-parallel rank")
+    registry.of(cfg).checks()(cfg, layout, dims)  # the algorithm's own (alignment/checks/)
     check_lengths(r, hf_config)

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 from alignment.algorithms import registry
 from alignment.algorithms.config import section_keys
-from alignment.config import OFFLINE_ALGORITHMS, RL_ALGORITHMS, algorithm_section, ppo_on_task, reward_terms
+from alignment.config import OFFLINE_ALGORITHMS, RL_ALGORITHMS, algorithm_section
 from alignment.models.hf_assets import is_hub_id
+from alignment.rewards.policy import ppo_on_task, reward_terms
 
 #: the jobs that grade held-out answers (alignment/trainers/heldout.py); ppo only on data.task / prompt files
 HELDOUT = RL_ALGORITHMS
@@ -40,7 +41,7 @@ def _files(cfg) -> bool:
 
 def _prompts_of_task(cfg) -> bool:
     """An RL job's prompts come from data.task or data.train_files (not PPO's reward-model demo prompts)."""
-    return cfg.algorithm.name != "ppo" or ppo_on_task(cfg)
+    return registry.of(cfg).job != "ppo" or ppo_on_task(cfg)
 
 
 def _vllm(cfg) -> bool:
@@ -136,12 +137,12 @@ RULES = (
     Rule("data.dataset", OFFLINE_ALGORITHMS),
     Rule("data.columns", ("sft", "rm", "dpo")),
     Rule("data.max_length", OFFLINE_ALGORITHMS),
-    Rule("data.max_prompt_length", ("sft", "rm", "dpo", "ppo"), lambda c: c.algorithm.name != "ppo" or not ppo_on_task(c),
+    Rule("data.max_prompt_length", ("sft", "rm", "dpo", "ppo"), lambda c: registry.of(c).job != "ppo" or not ppo_on_task(c),
          "(ppo: on its reward model's demo prompts)"),
     # ---- model
     Rule("model.critic_path", ("ppo",)),
     Rule("model.reward_model_path", RL_ALGORITHMS,
-         lambda c: c.algorithm.name == "ppo" or _has_term("reward_model")(c), "with a reward_model reward term"),
+         lambda c: registry.of(c).job == "ppo" or _has_term("reward_model")(c), "with a reward_model reward term"),
     Rule("model.teacher_path", ("distill",)),
     Rule("model.revision", (*RL_ALGORITHMS, *OFFLINE_ALGORITHMS), lambda c: is_hub_id(str(c.model.path)),
          "with model.path a Hub id (org/name)"),

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 
 from omegaconf import OmegaConf
@@ -54,22 +56,22 @@ class Range:
 PER_TASK = "per_task"
 
 
-def ranged(default, low, high=None, *, low_in: bool = True, high_in: bool = False, note: str = "",
-           task: bool = False):
+def ranged(default: Any, low: float, high: float | None = None, *, low_in: bool = True, high_in: bool = False,
+           note: str = "", task: bool = False) -> Any:
     """A numeric schema field with its :class:`Range` in the field's metadata (``"range"``): the one
     place a field's range lives (:func:`alignment.config.validate_ranges` checks it, ``tools/config_reference.py``
     prints it). ``task``: the field is :func:`per_task`."""
     return field(default=default, metadata={"range": Range(low, high, low_in, high_in, note), PER_TASK: task})
 
 
-def per_task(default):
+def per_task(default: Any) -> Any:
     """A non-numeric schema field whose shipped jobs' values fit their built-in task (``run_name``): a job on
     the user's own data (``data.train_files``, or a data file of an SFT / RM / DPO job) takes the schema's
     ``default`` instead, unless the user sets it (:mod:`alignment.compose`)."""
     return field(default=default, metadata={PER_TASK: True})
 
 
-def unbounded(default=None, *, factory=None):
+def unbounded(default: Any = None, *, factory: Callable[[], Any] | None = None) -> Any:
     """A numeric schema field any value suits (a reward threshold, a bound on a metric) or a list
     checked where it is used: marked so, so that every numeric field says what its values may be."""
     if factory is not None:
@@ -77,7 +79,7 @@ def unbounded(default=None, *, factory=None):
     return field(default=default, metadata={"range": None})
 
 
-def plain(value):
+def plain(value: Any) -> Any:
     """A config section or value as plain dicts and lists (JSON-able, picklable): a dataclass via
     ``dataclasses.asdict``, a config node via ``OmegaConf.to_container``."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

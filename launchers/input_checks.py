@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from alignment.algorithms import registry
-from alignment.config import heldout_grader, ppo_on_task, reward_terms
 from alignment.data.chat_data import is_data_file, unused_columns
 from alignment.data.examples import tokenize_split
 from alignment.data.prompt_data import FileProblems, columns_of
@@ -27,6 +26,7 @@ from alignment.models.hf_assets import is_hub_id, prepare_hf_dir
 from alignment.models.hf_files import check_hf_dir
 from alignment.rewards.functions import MODEL_FUNCTIONS, REFERENCE_GRADERS, reads_of, required_columns
 from alignment.rewards.judge import probe_judge
+from alignment.rewards.policy import heldout_grader, ppo_on_task, reward_terms
 from alignment.rewards.remote import RewardServerError, SETTINGS, probe, request_headers
 from alignment.schema import ConfigError, dotted, plain
 from alignment.training.checkpoint import (FULLY_RESHARDABLE, checkpoint_step, latest_checkpoint, optimizer_sharding,
@@ -220,13 +220,13 @@ def check_data(cfg, tokenizer, hf_config=None):
     Raises:
         FileNotFoundError / ValueError / ConfigError: naming the file and line or the fields.
     """
-    a, d = cfg.algorithm, cfg.data
-    if a.name == "prm":
+    a, d, algorithm = cfg.algorithm, cfg.data, registry.of(cfg)
+    if algorithm.examples == "steps":
 
         for split in ("train", "heldout"):
             load_records(d.dataset, split)
         return None
-    if not registry.get(a.name).online:
+    if not algorithm.online:
 
         images = image_processor(prepare_hf_dir(cfg.model.path, revision=cfg.model.revision), hf_config) \
             if hf_config is not None else None
@@ -237,10 +237,10 @@ def check_data(cfg, tokenizer, hf_config=None):
                               "data.heldout_fraction in (0, 1) or a data.heldout_size the data can spare")
         counts = ExampleCounts.of(d, rows)
         if is_data_file(str(d.dataset)):
-            counts.unused_columns = unused_columns(str(d.dataset), d.columns, "sft" if a.name == "sft" else "preference")
+            counts.unused_columns = unused_columns(str(d.dataset), d.columns, algorithm.examples)
         return counts
 
-    if a.name == "ppo" and not ppo_on_task(cfg):
+    if algorithm.job == "ppo" and not ppo_on_task(cfg):
         return None  # prompts of dpo_en_demo, cut to data.max_prompt_length
 
     images = image_processor(prepare_hf_dir(cfg.model.path, revision=cfg.model.revision), hf_config) \

@@ -249,59 +249,54 @@ def reshard_and_exit(job, models, spec: JobSpec, latest, step: int, files: dict 
     return {"resharded": str(latest), "step": step}
 
 
-def run(job, models, spec: JobSpec) -> dict:
-    """Run ``spec`` for its steps from the latest checkpoint (``trainer.resume``); returns the
-    summary written to ``<output_dir>/summary.json``. ``job``: the :class:`launchers.common.Run`;
-    ``models``: the :class:`alignment.trainers.models.Models` (with an engine: an online job).
+class Checkpoints:
+    """The run's checkpoints (``<output_dir>/checkpoints/step_<n>``): every trained model with its Adam state,
+    the resolved config and the data position; atomic, the oldest pruned to ``trainer.keep_last``."""
 
-    Raises:
-        FileNotFoundError, ValueError: a checkpoint to resume that is incomplete or saved with an
-            incompatible optimizer layout (:func:`alignment.training.checkpoint.load_megatron_checkpoint`).
-    Exits with ``launchers.preemption.PREEMPTED_EXIT_CODE`` after saving when asked to stop.
-    """
-    from megatron.core import parallel_state as ps
+    def __init__(self, job, models, spec: JobSpec):
+        self.job, self.models, self.spec = job, models, spec
+        self.dir = job.out / "checkpoints"
+        self.units = [unit for name, (_, optimizer) in spec.trained.items()  # resident to load or save them
+                      for unit in (trainable(name) if optimizer is not None else (name,))]
+        self.position = {DATA_POSITION_FILE: json.dumps(data_position(job.cfg, job.prompts))} \
+            if getattr(job.prompts, "fingerprint", None) else None
 
-    cfg, t = job.cfg, job.cfg.trainer
-    online = models.engine is not None
-    steps_total = spec.steps if spec.steps is not None else total_steps(cfg, len(spec.train_set))
-    units = [unit for name, (_, optimizer) in spec.trained.items()  # resident to load or save them
-             for unit in (trainable(name) if optimizer is not None else (name,))]
-    spec.evaluation.baseline()
-    ckpt_dir, start_step = job.out / "checkpoints", 0
-    position = {DATA_POSITION_FILE: json.dumps(data_position(cfg, job.prompts))} \
-        if getattr(job.prompts, "fingerprint", None) else None
-    latest = latest_checkpoint(ckpt_dir) if t.resume else None
-    if latest is not None:  # every trained model (with its Adam state) resumes together
-        models.placement.keep(*units)
-        start_step = load_models_checkpoint(latest, spec.trained)
-        if t.reshard_checkpoint:
-            return reshard_and_exit(job, models, spec, latest, start_step, position)
-        models.placement.keep("policy")
-        if online:
-            sync_weights(models, cfg.rollout.check_weight_sync)
-        if job.rank == 0:
-            print(f"resumed from {latest} (step {start_step})", flush=True)
+    def path(self, step: int):
+        return self.dir / f"step_{step}"
 
-    def estimate() -> int:  # the first save's size: every trained model with its Adam state
-        lora = cfg.model.lora
-        return len(spec.trained) * checkpoint_bytes(model_dims(job.hf_config), dtype=cfg.model.dtype,
-                                                    lora_rank=lora.rank, lora_targets=tuple(lora.target_modules))
+    def load_latest(self):
+        """With ``trainer.resume``, load the latest checkpoint into every trained model; returns ``(step,
+        checkpoint)``, ``(0, None)`` for a fresh start. Collective."""
+        latest = latest_checkpoint(self.dir) if self.job.cfg.trainer.resume else None
+        if latest is None:
+            return 0, None
+        self.models.placement.keep(*self.units)
+        return load_models_checkpoint(latest, self.spec.trained), latest
 
-    def checkpoint(step: int) -> None:
+    def save(self, step: int) -> None:
+        """Save step ``step`` (a full disk stops the run cleanly first). Collective."""
+        job, t = self.job, self.job.cfg.trainer
         record("checkpoint", step)
         with job.timers("checkpoint"):
-            models.placement.keep(*units)
-            ensure_space(ckpt_dir, estimate, f"checkpoint step_{step}")  # a full disk stops the run cleanly
-            save_models_checkpoint(ckpt_dir, step, spec.trained, config=job.resolved_config, files=position)
+            self.models.placement.keep(*self.units)
+            ensure_space(self.dir, self._estimate, f"checkpoint step_{step}")
+            save_models_checkpoint(self.dir, step, self.spec.trained, config=job.resolved_config, files=self.position)
             if t.keep_last and job.rank == 0:  # the new one is complete: older ones may go
-                prune_checkpoints(ckpt_dir, t.keep_last)
+                prune_checkpoints(self.dir, t.keep_last)
 
-    if t.eval_before:
-        record("evaluation", start_step)
-        job.log(spec.evaluation.before(start_step), start_step)
-        engine_stats(models)  # the evaluation's generation: not a step's
-    startup_s = job.seconds_since_launch()
+    def _estimate(self) -> int:  # the first save's size: every trained model with its Adam state
+        lora = self.job.cfg.model.lora
+        return len(self.spec.trained) * checkpoint_bytes(model_dims(self.job.hf_config), dtype=self.job.cfg.model.dtype,
+                                                         lora_rank=lora.rank, lora_targets=tuple(lora.target_modules))
 
+
+def rollout_queue(job, models, spec: JobSpec, start_step: int, steps_total: int) -> RolloutQueue:
+    """The queue of batches for steps ``start_step .. steps_total - 1``: each step's items (:func:`prompts_of_step`
+    or ``spec.items``) collected by ``spec.collect``, up to ``rollout.max_staleness`` steps ahead (online jobs),
+    posted early to engines of their own, each engine reseeded for the step it samples."""
+    from megatron.core import parallel_state as ps
+
+    cfg, online = job.cfg, models.engine is not None
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
 
     def items(s: int) -> list:
@@ -318,84 +313,71 @@ def run(job, models, spec: JobSpec) -> dict:
                 engine.reseed(s)
 
     prefetches = spec.request is not None and getattr(models.engine, "prefetch", None) is not None
-    queue = RolloutQueue(lambda s, version: spec.collect(items(s), s, version),
-                         cfg.rollout.max_staleness if online else 0, start_step, steps_total,
-                         post if prefetches else None, reseed=reseed if online else None)
-    health = HealthMonitor(t, job.rank)  # NaN/inf updates, trainer.warn_on / stop_on
-    steps = job.progress(start_step, steps_total, spec.name)
-    for step in steps:  # the policy has had `step` updates
-        t0 = time.perf_counter()
-        job.profiler.begin(step)
-        record("rollout" if online else "batch", step + 1)
-        rollout, rollout_s = queue.pop(step, version=step)
-        failures = reward_server_failures() if online else []  # reward.functions: http with on_error=stop
-        if failures:
-            saved = step > start_step and not (ckpt_dir / f"step_{step}").exists()
-            if saved:
-                checkpoint(step)
+    return RolloutQueue(lambda s, version: spec.collect(items(s), s, version),
+                        cfg.rollout.max_staleness if online else 0, start_step, steps_total,
+                        post if prefetches else None, reseed=reseed if online else None)
 
-            where = f"; {ckpt_dir / f'step_{step}'} saved" if saved else ""
-            raise RewardServerError(f"{failures[0]} (step {step + 1} not trained{where}; resume when the server "
-                                    "answers again, or set its on_error: skip)")
-        models.grad_norms = {} if t.grad_stats_every and (step + 1) % t.grad_stats_every == 0 else None
-        record("training", step + 1)
-        beside = spec.evaluation.beside_first_step() if step == start_step and t.eval_before else None
-        metrics, times = spec.train(rollout)
-        if beside is not None:  # the base model's held-out accuracy, measured on the engine meanwhile
-            job.log(beside(), start_step)
-        metrics.update(models.grad_norms or {})
-        if online:
-            partial = cfg.rollout.partial and queue.posted is not None  # the engines take the update mid-batch
-            if not partial:
-                rollout_s += queue.complete()  # the batch posted before this step trained
-            t1 = time.perf_counter()
-            record("weight sync", step + 1)
-            models.placement.keep("policy")
-            metrics.update(sync_weights(models, cfg.rollout.check_weight_sync), **models.placement.pop_stats())
-            times = {"rollout": rollout_s, **times, "weight_sync": time.perf_counter() - t1}
-            if partial:
-                times["rollout"] += queue.complete()
-            metrics.update(engine_stats(models))  # rollout ranks of their own: the engines' busy / idle seconds
-            metrics["rollout/staleness"] = float(step - rollout.version)
-            metrics.update(token_staleness(rollout.samples, step - rollout.version, replica_group().rank() == 0))
-            metrics["data/epoch"] = (step + 1) * cfg.rollout.prompts_per_step / len(spec.train_set)  # passes so far
-            metrics["reward/skipped_groups"] = skipped_groups(rollout.samples, cfg.rollout.group_size)
-        else:
-            times = {"batch": rollout_s, **times}
-        job.profiler.end(step)
 
-        step_time = time.perf_counter() - t0
-        metrics["tokens_per_s"] = metrics.pop("tokens") / step_time
-        metrics.update({f"time/{k}": v for k, v in times.items()}, **{"time/step": step_time})
-        metrics["memory/peak_rss_gib"] = peak_rss_bytes() / 2**30  # this rank's, so far
-        logged = {f"{spec.log_prefix}{k}": v for k, v in metrics.items()}
-        if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < steps_total:
-            record("evaluation", step + 1)
-            held_out = spec.evaluation.measure(step + 1)
-            engine_stats(models)  # the evaluation's generation: not the next step's
-            metrics.update(held_out)
-            logged.update(held_out)
-        stop = health.check(step + 1, metrics)
-        job.log(logged, step + 1)
-        job.history.append(metrics)
-        if stop:
-            checkpoint(step + 1)
-            raise health.error(str(ckpt_dir / f"step_{step + 1}"))
-        if online and t.rollout_table_every and (step + 1) % t.rollout_table_every == 0 and job.rank == 0:
-            write_rollout_table(job.out, step + 1, rollout, models.tokenizer, job.writer)
-        if preemption.stop_requested():  # SIGUSR1/SIGTERM on any rank: save this step, exit 75
-            preemption.save_and_exit(job, step + 1, checkpoint, models.engine)
-        if t.save_every and (step + 1) % t.save_every == 0 and step + 1 < steps_total:
-            checkpoint(step + 1)
-        if hasattr(steps, "set_postfix"):
-            steps.set_postfix(**{k: f"{metrics[m]:{f}}" for k, (m, f) in spec.postfix.items() if m in metrics},
-                              s=f"{step_time:.1f}")
+def stop_on_reward_server_failures(step: int, start_step: int, checkpoints: Checkpoints) -> None:
+    """A reward server that failed with ``on_error: stop`` on any rank: save the last step (unless saved) and stop.
 
+    Raises:
+        RewardServerError: naming the first failure, the step not trained and the checkpoint saved."""
+    failures = reward_server_failures()  # collective
+    if not failures:
+        return
+    saved = step > start_step and not checkpoints.path(step).exists()
+    if saved:
+        checkpoints.save(step)
+    where = f"; {checkpoints.path(step)} saved" if saved else ""
+    raise RewardServerError(f"{failures[0]} (step {step + 1} not trained{where}; resume when the server answers "
+                            "again, or set its on_error: skip)")
+
+
+def sync_and_measure(job, models, spec: JobSpec, queue: RolloutQueue, step: int, rollout, rollout_s: float,
+                     metrics: dict, times: dict) -> dict:
+    """An online step's end: the batch posted before this step trained collected (after the sync with partial
+    rollouts: the engines take the update mid-batch), the new weights synced into the engines, the step's
+    rollout metrics (staleness, epoch, skipped groups, engine busy / idle) added to ``metrics``. Returns the
+    step's phase seconds. Collective."""
+    cfg = job.cfg
+    partial = cfg.rollout.partial and queue.posted is not None
+    if not partial:
+        rollout_s += queue.complete()
+    t1 = time.perf_counter()
+    record("weight sync", step + 1)
+    models.placement.keep("policy")
+    metrics.update(sync_weights(models, cfg.rollout.check_weight_sync), **models.placement.pop_stats())
+    times = {"rollout": rollout_s, **times, "weight_sync": time.perf_counter() - t1}
+    if partial:
+        times["rollout"] += queue.complete()
+    metrics.update(engine_stats(models))  # rollout ranks of their own: the engines' busy / idle seconds
+    metrics["rollout/staleness"] = float(step - rollout.version)
+    metrics.update(token_staleness(rollout.samples, step - rollout.version, replica_group().rank() == 0))
+    metrics["data/epoch"] = (step + 1) * cfg.rollout.prompts_per_step / len(spec.train_set)  # passes so far
+    metrics["reward/skipped_groups"] = skipped_groups(rollout.samples, cfg.rollout.group_size)
+    return times
+
+
+def step_metrics(spec: JobSpec, metrics: dict, times: dict, step_time: float) -> dict:
+    """The step's metrics with its throughput, phase times and peak memory added (in ``metrics``); returns them
+    named as logged (``spec.log_prefix``)."""
+    metrics["tokens_per_s"] = metrics.pop("tokens") / step_time
+    metrics.update({f"time/{k}": v for k, v in times.items()}, **{"time/step": step_time})
+    metrics["memory/peak_rss_gib"] = peak_rss_bytes() / 2**30  # this rank's, so far
+    return {f"{spec.log_prefix}{k}": v for k, v in metrics.items()}
+
+
+def finish(job, models, spec: JobSpec, checkpoints: Checkpoints, start_step: int, steps_total: int,
+           startup_s: float) -> dict:
+    """After the last step: the final evaluation, checkpoint and HF export (with LoRA's adapters), then the
+    summary written and the job closed. Returns the summary."""
+    t = job.cfg.trainer
     record("evaluation", steps_total)
     final_metrics, summary, message = spec.evaluation.final()
     job.log(final_metrics, steps_total)
     if t.save_checkpoint and start_step < steps_total:
-        checkpoint(steps_total)
+        checkpoints.save(steps_total)
     if t.export_hf:
         record("export", steps_total)
         models.placement.keep("policy")
@@ -407,3 +389,78 @@ def run(job, models, spec: JobSpec) -> dict:
                    history=job.history)
     record("end", steps_total)
     return job.finish(summary, message, models.engine)
+
+
+def run(job, models, spec: JobSpec) -> dict:
+    """Run ``spec`` for its steps from the latest checkpoint (``trainer.resume``); returns the
+    summary written to ``<output_dir>/summary.json``. ``job``: the :class:`launchers.common.Run`;
+    ``models``: the :class:`alignment.trainers.models.Models` (with an engine: an online job).
+
+    Raises:
+        FileNotFoundError, ValueError: a checkpoint to resume that is incomplete or saved with an
+            incompatible optimizer layout (:func:`alignment.training.checkpoint.load_megatron_checkpoint`).
+    Exits with ``launchers.preemption.PREEMPTED_EXIT_CODE`` after saving when asked to stop.
+    """
+    cfg, t = job.cfg, job.cfg.trainer
+    online = models.engine is not None
+    steps_total = spec.steps if spec.steps is not None else total_steps(cfg, len(spec.train_set))
+    spec.evaluation.baseline()
+    checkpoints = Checkpoints(job, models, spec)
+    start_step, latest = checkpoints.load_latest()  # every trained model (with its Adam state) resumes together
+    if latest is not None:
+        if t.reshard_checkpoint:
+            return reshard_and_exit(job, models, spec, latest, start_step, checkpoints.position)
+        models.placement.keep("policy")
+        if online:
+            sync_weights(models, cfg.rollout.check_weight_sync)
+        if job.rank == 0:
+            print(f"resumed from {latest} (step {start_step})", flush=True)
+    if t.eval_before:
+        record("evaluation", start_step)
+        job.log(spec.evaluation.before(start_step), start_step)
+        engine_stats(models)  # the evaluation's generation: not a step's
+    startup_s = job.seconds_since_launch()
+    queue = rollout_queue(job, models, spec, start_step, steps_total)
+    health = HealthMonitor(t, job.rank)  # NaN/inf updates, trainer.warn_on / stop_on
+    steps = job.progress(start_step, steps_total, spec.name)
+    for step in steps:  # the policy has had `step` updates
+        t0 = time.perf_counter()
+        job.profiler.begin(step)
+        record("rollout" if online else "batch", step + 1)
+        rollout, rollout_s = queue.pop(step, version=step)
+        if online:  # reward.functions: http with on_error=stop
+            stop_on_reward_server_failures(step, start_step, checkpoints)
+        models.grad_norms = {} if t.grad_stats_every and (step + 1) % t.grad_stats_every == 0 else None
+        record("training", step + 1)
+        beside = spec.evaluation.beside_first_step() if step == start_step and t.eval_before else None
+        metrics, times = spec.train(rollout)
+        if beside is not None:  # the base model's held-out accuracy, measured on the engine meanwhile
+            job.log(beside(), start_step)
+        metrics.update(models.grad_norms or {})
+        times = sync_and_measure(job, models, spec, queue, step, rollout, rollout_s, metrics, times) if online \
+            else {"batch": rollout_s, **times}
+        job.profiler.end(step)
+        step_time = time.perf_counter() - t0
+        logged = step_metrics(spec, metrics, times, step_time)
+        if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < steps_total:
+            record("evaluation", step + 1)
+            held_out = spec.evaluation.measure(step + 1)
+            engine_stats(models)  # the evaluation's generation: not the next step's
+            metrics.update(held_out)
+            logged.update(held_out)
+        stop = health.check(step + 1, metrics)
+        job.log(logged, step + 1)
+        job.history.append(metrics)
+        if stop:
+            checkpoints.save(step + 1)
+            raise health.error(str(checkpoints.path(step + 1)))
+        if online and t.rollout_table_every and (step + 1) % t.rollout_table_every == 0 and job.rank == 0:
+            write_rollout_table(job.out, step + 1, rollout, models.tokenizer, job.writer)
+        if preemption.stop_requested():  # SIGUSR1/SIGTERM on any rank: save this step, exit 75
+            preemption.save_and_exit(job, step + 1, checkpoints.save, models.engine)
+        if t.save_every and (step + 1) % t.save_every == 0 and step + 1 < steps_total:
+            checkpoints.save(step + 1)
+        if hasattr(steps, "set_postfix"):
+            steps.set_postfix(**{k: f"{metrics[m]:{f}}" for k, (m, f) in spec.postfix.items() if m in metrics},
+                              s=f"{step_time:.1f}")
+    return finish(job, models, spec, checkpoints, start_step, steps_total, startup_s)

@@ -44,7 +44,7 @@ def step_shape(cfg, hf_config) -> tuple[int, int]:
     sequences (pairs: two each, DPO and the reward model) of ``data.max_length`` (SFT / RM / DPO / PRM) or
     ``rollout.max_model_len`` tokens (RL; null: the model's ``max_position_embeddings``, an upper bound)."""
     offline = not registry.get(cfg.algorithm.name).online
-    rows = cfg.trainer.micro_batch_size * (2 if cfg.algorithm.name in ("dpo", "rm") else 1)
+    rows = cfg.trainer.micro_batch_size * (2 if registry.of(cfg).examples == "preference" else 1)
     tokens = cfg.data.max_length if offline else (cfg.rollout.max_model_len
                                                   or text_config(hf_config).max_position_embeddings)
     return rows, tokens

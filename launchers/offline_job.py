@@ -39,7 +39,7 @@ def make_objective(cfg, vocab_size: int):
 def export_config(cfg, hf_config, tokenizer, bridge):
     """The HF config written with the export: a sequence classifier (``score`` head, the family's
     ``*ForSequenceClassification``) for a reward model."""
-    if cfg.algorithm.name not in ("rm", "prm"):
+    if not registry.of(cfg).scalar_head:
         return hf_config
     out = type(hf_config).from_dict(hf_config.to_dict())
     out.architectures = [bridge.hf_architecture]

@@ -17,9 +17,10 @@ import json
 
 import torch
 
-from alignment.config import JobConfig, ppo_on_task, process_reward_weight
+from alignment.config import JobConfig
 from alignment.data.chat_data import encode_prompt, load_preference_pairs
 from alignment.data.prompt_data import training_order
+from alignment.rewards.policy import ppo_on_task, process_reward_weight
 from alignment.rollout.base import SamplingConfig
 from alignment.trainers import ppo, rl_phases
 from alignment.trainers.heldout import HeldoutAccuracy

@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 
 from alignment.compose import CONFIG_DIR, Composition, job_keys
 from alignment.algorithms import registry
-from alignment.config import JobConfig, algorithm_section, reward_terms, total_steps
+from alignment.config import JobConfig, algorithm_section, total_steps
+from alignment.rewards.policy import reward_terms
 from alignment.models.families import text_config
 from alignment.reads import unread_keys
 from alignment.rewards.functions import MODEL_FUNCTIONS, TRL, is_user_function, load_user_function

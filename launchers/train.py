@@ -21,8 +21,9 @@ if os.getcwd() not in sys.path:  # as `python -m`: your own modules (rewards, ag
 from alignment.algorithms import registry  # noqa: E402
 from alignment.algorithms.config import OnlineDPOConfig, has_section, reference_policy  # noqa: E402
 from alignment.compose import compose_job, split_job_args  # noqa: E402
-from alignment.config import JobConfig, job_config, process_reward_weight, reward_terms  # noqa: E402
+from alignment.config import JobConfig, job_config  # noqa: E402
 from alignment.data.prompt_data import training_order  # noqa: E402
+from alignment.rewards.policy import process_reward_weight, reward_terms  # noqa: E402
 from alignment.trainers import rl_phases  # noqa: E402
 from alignment.trainers.heldout import HeldoutAccuracy  # noqa: E402
 from launchers import loop, offline_job, ppo_job  # noqa: E402

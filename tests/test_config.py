@@ -9,8 +9,9 @@ from hydra.errors import ConfigCompositionException
 from transformers import LlamaConfig
 
 from alignment.compose import Composition, check_overrides, type_algorithm
-from alignment.config import register, shares_prompts, validate
+from alignment.config import register, validate
 from alignment.schema import ConfigError
+from alignment.training.config import shares_prompts
 from parallel.layout import LayoutError
 from tests.conftest import ROOT
 

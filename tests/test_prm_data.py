@@ -83,7 +83,8 @@ def test_records_round_trip_and_bad_files(tmp_path):
     with pytest.raises(ValueError, match=r"heldout.jsonl:1: a record needs .* as many labels"):
         load_records(tmp_path, "heldout")
     (tmp_path / "heldout.jsonl").write_text('\n{"prompt": "q", "completions": ["a"], "labels": [1]}\n{oops\n')
-    with pytest.raises(ValueError, match=r"heldout.jsonl:3: not a step record"):
+    with pytest.raises(ValueError, match=r"heldout.jsonl:3: not a JSON line \(Expecting property name enclosed in "
+                                         r"double quotes at column 2\)"):
         load_records(tmp_path, "heldout")
     (tmp_path / "heldout.jsonl").write_text('{"prompt": "q", "steps": ["a"]}\n')
     with pytest.raises(ValueError, match=r"heldout.jsonl:1: not a step record"):

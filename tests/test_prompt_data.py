@@ -218,3 +218,22 @@ def test_every_rl_job_takes_prompt_files(tmp_path, job):
     *_, prompts = check_job(cfg, 2)
     assert len(prompts.train) + len(prompts.heldout) == 40 and prompts.train[0].task == FILE_TASK
     assert prompts.tokens > 0 and prompts.sources == (path,)
+
+
+def test_one_json_lines_reader_names_file_line_and_column(tmp_path):
+    """alignment/data/text_files.read_jsonl, the reader of every .jsonl megalign reads (data.dataset, the PRM's
+    records, the regression suite, GSM8K): each record with its file:line, blank lines skipped, a bad line named by
+    file, line and column, a bad byte by file, line and column."""
+    from alignment.data.text_files import read_jsonl
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"a": 1}\n\n  \n[2, 3]\n')
+    assert read_jsonl(path, "data.dataset") == [(f"{path}:1", {"a": 1}), (f"{path}:4", [2, 3])]
+    path.write_text('{"a": 1}\n{"a": 2,, "b": 3}\n')
+    with pytest.raises(ValueError, match=rf"^{path}:2: not a JSON line \(Expecting property name enclosed in double "
+                                         r"quotes at column 9\)$"):
+        read_jsonl(path, "data.dataset")
+    path.write_bytes(b'{"a": 1}\n{"a": "\xff"}\n')
+    with pytest.raises(ValueError, match=rf"^data.dataset={path}:2: not UTF-8 text \(byte 0xff at column 8"):
+        read_jsonl(path, "data.dataset")
+

@@ -71,3 +71,24 @@ def test_every_trainer_has_what_its_job_calls():
             assert callable(getattr(module, name, None)), (a.name, a.trainer, name)
         if a.job == "offline":
             assert list(inspect.signature(module.objective).parameters) == ["cfg", "vocab_size"], a.name
+        elif a.job == "online":  # launchers/train.py calls collect(models, problems, cfg, version, refill)
+            assert list(inspect.signature(module.collect).parameters)[:5] == ["models", "problems", "cfg", "version",
+                                                                              "refill"], a.name
+        # its checks across sections: alignment/checks/<module>.py's validate(cfg, layout, dims)
+        assert a.validate.startswith("alignment.checks.") and list(inspect.signature(a.checks()).parameters) == \
+            ["cfg", "layout", "dims"], a.name
+    with pytest.raises(ConfigError, match="validate=alignment.checks.grpo:nothing is not a function"):
+        registry.Algorithm("mine", "online", "my.module", "mine", validate="alignment.checks.grpo:nothing").checks()
+
+
+def test_no_algorithm_name_is_compared_outside_the_registry():
+    """Behaviour follows the record (its job and capabilities) or the section's class, never the name's spelling."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    pattern = re.compile(r"(algorithm|\ba)\.name\s*(==|!=|in\b|not in\b)")
+    found = [f"{p.relative_to(root)}:{i}" for folder in ("alignment", "launchers", "tools", "bench")
+             for p in sorted((root / folder).rglob("*.py")) if p.name != "registry.py"
+             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert found == [], found

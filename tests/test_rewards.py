@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from alignment.algorithms.composite_reward import RewardTerm, combine_rewards, whiten_scores
-from alignment.config import ppo_on_task, process_reward_weight, reward_terms, validate
+from alignment.config import validate
 from alignment.data.tasks import Problem
+from alignment.rewards.policy import ppo_on_task, process_reward_weight, reward_terms
 from alignment.rewards.text import format_score, length_score, text_scores
 from alignment.rollout.base import Sample
 from alignment.schema import ConfigError

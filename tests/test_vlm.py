@@ -325,7 +325,8 @@ def test_jobs_a_vision_language_model_cannot_run_yet_are_refused():
     micro-batches and a vLLM TP size the tower's heads cannot split are refused before start, naming the field;
     SFT at CP=2 on padded rows, SFT and DPO at TP=2 with sequence parallelism and PP=2, GRPO on Megatron's
     engine and on a colocated vLLM pass, GRPO's prompt trees resolved off."""
-    from alignment.config import job_config, resolve_for_model, shares_prompts, validate
+    from alignment.config import job_config, resolve_for_model, validate
+    from alignment.training.config import shares_prompts
     from alignment.schema import ConfigError
     from tests.test_config import cfg
 

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from alignment.algorithms.config import PreferenceConfig, SFTConfig
 from tests.conftest import Job, run_jobs
 from tests.dist.tiny_models import save_tiny_vlm_dir
 
@@ -86,7 +87,7 @@ def test_image_records_tokenise_with_their_placeholders(vlm_dir, task):
 
     cfg, tok = AutoConfig.from_pretrained(vlm_dir), AutoTokenizer.from_pretrained(vlm_dir)
     images = ImageProcessor(vlm_dir, cfg.image_token_id)
-    rows = tokenize_split(_data(task / "train.jsonl"), SimpleNamespace(name="sft"), tok, "train", images)
+    rows = tokenize_split(_data(task / "train.jsonl"), SFTConfig(name="sft"), tok, "train", images)
     assert len(rows) == 22  # 24 records, the last 2 held out
     ids, prompt_len, inputs = rows[0][0]
     assert inputs.image_grid_thw.tolist() == [[1, 6, 6]] and inputs.pixel_values.shape == (36, 3 * 2 * 14 * 14)
@@ -101,7 +102,7 @@ def test_image_records_tokenise_with_their_placeholders(vlm_dir, task):
                                  "rejected": "2"}) + "\n" + "".join(json.dumps({"prompt": f"no image {i}", "chosen": "a",
                                                                                  "rejected": "b"}) + "\n" for i in range(2)))
     (chosen, rejected), (text_chosen, _) = tokenize_split(SimpleNamespace(**{**vars(_data(pairs)), "heldout_size": 1}),
-                                                          SimpleNamespace(name="dpo"), tok, "train", images)
+                                                          PreferenceConfig(name="dpo"), tok, "train", images)
     assert chosen[2] is rejected[2] and chosen[:2] != rejected[:2] and len(text_chosen) == 2  # a text row: no images
 
 
@@ -124,7 +125,7 @@ def test_bad_image_inputs_are_one_clear_error(vlm_dir, task, tmp_path):
             lines.append(json.dumps({**record, "messages": [user, record["messages"][1]], **changes}))
         path.write_text("\n".join(lines) + "\n")
         with pytest.raises((ValueError, FileNotFoundError)) as e:
-            tokenize_split(data or _data(path), SimpleNamespace(name="sft"), tok, "train", processor)
+            tokenize_split(data or _data(path), SFTConfig(name="sft"), tok, "train", processor)
         return str(e.value)
 
     assert error({"images": ["missing.png"]}) == f"{tmp_path}/bad.jsonl:1: image {tmp_path}/missing.png does not exist"

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-from alignment.config import OFFLINE_ALGORITHMS as OFFLINE  # noqa: E402
+from alignment.algorithms import registry  # noqa: E402
 from alignment.models.families import family_of, get_bridge, model_dims  # noqa: E402
 from alignment.models.hf_assets import smollm2_gguf_path  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
@@ -108,7 +108,7 @@ def job_argv(argv: list[str]) -> list[str]:
             rest.append(a)
     name, config_dir, overrides = split_job_args(rest)
     cfg = compose_job(name, overrides, config_dir).cfg
-    offline, r, t = cfg.algorithm.name in OFFLINE, cfg.rollout, cfg.trainer
+    offline, r, t = not registry.of(cfg).online, cfg.rollout, cfg.trainer
     model = str(cfg.model.path)
     if is_hub_id(model):  # a shipped config name, an HF dir, a config.json, .gguf or smollm2 are read as they are
         model = str(resolve_model(model, cfg.model.revision))

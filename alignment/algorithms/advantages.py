@@ -192,7 +192,7 @@ def reinforce_plus_plus_advantages(
     if n <= 1:
         return torch.zeros_like(x)
     mean = s1 / n
-    std = max((s2 - n * mean * mean) / (n - 1), 0.0) ** 0.5
+    std = float(max((s2 - n * mean * mean) / (n - 1), 0.0) ** 0.5)
     if std == 0.0:  # all equal: no signal (and no 0 / 0 with eps=0)
         return torch.zeros_like(x)
     return (x - mean) / (std + eps)
@@ -292,12 +292,12 @@ def gae(
     return advantages, returns
 
 
-def _reinforce_plus_plus_global(rewards: Tensor, group_size: int, **whitening) -> Tensor:
+def _reinforce_plus_plus_global(rewards: Tensor, group_size: int, **whitening: Any) -> Tensor:
     # registry adapter: plain REINFORCE++ ignores the grouping
     return reinforce_plus_plus_advantages(rewards, **whitening)
 
 
-def _reinforce_plus_plus_baseline(rewards: Tensor, group_size: int, **whitening) -> Tensor:
+def _reinforce_plus_plus_baseline(rewards: Tensor, group_size: int, **whitening: Any) -> Tensor:
     return reinforce_plus_plus_advantages(rewards, group_size=group_size, **whitening)
 
 

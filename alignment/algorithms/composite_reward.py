@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -37,14 +38,14 @@ class RewardTerm:
     weight: float = 1.0
     whiten: bool = False
     function: str = ""
-    kwargs: dict = field(default_factory=dict, compare=False)
+    kwargs: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
     def runs(self) -> str:
         """The function that computes this term's scores."""
         return self.function or self.name
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not math.isfinite(self.weight):
             raise ValueError(f"reward.functions[{self.name}].weight={self.weight}: must be a finite number")
 
@@ -67,11 +68,11 @@ def whiten_scores(scores: Tensor, all_reduce: Callable[[list[float]], list[float
         return torch.where(known, 0.0, x).to(torch.float32)
     mean = s1 / n
     [sq] = _summed([((x[known] - mean) ** 2).sum().item()], all_reduce)
-    std = max(sq / (n - 1), 0.0) ** 0.5
+    std = float(max(sq / (n - 1), 0.0) ** 0.5)
     return ((x - mean) / (std + EPS)).to(torch.float32)
 
 
-def _summed(values: list[float], all_reduce) -> list[float]:
+def _summed(values: list[float], all_reduce: Callable[[list[float]], list[float]] | None) -> list[float]:
     return all_reduce(values) if all_reduce is not None else values
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional, TypeGuard, TypeVar
 
 from omegaconf import OmegaConf
 
@@ -26,6 +26,8 @@ WHITEN_LEVELS = ("sequence", "token")
 DISTILL_SAMPLES = ("student", "teacher", "dataset")
 #: ``algorithm.routing_replay`` values (alignment/training/routing_replay.py)
 ROUTING_REPLAY = ("none", "r2", "r3")
+
+_Section = TypeVar("_Section")
 
 
 @dataclass
@@ -218,24 +220,24 @@ def section_keys(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls))
 
 
-def has_section(a, cls: type) -> bool:
+def has_section(a: object, cls: type[_Section]) -> TypeGuard[_Section]:
     """Whether the algorithm section ``a`` (a dataclass, or a composed ``DictConfig`` typed by one) is a
     ``cls`` (has its keys)."""
     kind = OmegaConf.get_type(a) if OmegaConf.is_config(a) else type(a)
     return isinstance(kind, type) and issubclass(kind, cls)
 
 
-def reference_policy(a) -> bool:
+def reference_policy(a: Any) -> bool:
     """Whether the RL algorithm of section ``a`` trains against a frozen reference policy: a policy gradient
     for its KL term (``kl_coef > 0``), online DPO for the losses that use one (all but ``simpo`` / ``orpo``)."""
     if has_section(a, PolicyGradientConfig):
-        return a.kl_coef > 0
+        return bool(a.kl_coef > 0)
     return has_section(a, OnlineDPOConfig) and a.loss_type not in REFERENCE_FREE
 
 
-def routing_replay(a) -> str:
+def routing_replay(a: Any) -> str:
     """The section ``a``'s ``routing_replay`` (none | r2 | r3); ``none`` for an algorithm without it."""
-    return a.routing_replay if has_section(a, GRPOFamilyConfig) else "none"
+    return str(a.routing_replay) if has_section(a, GRPOFamilyConfig) else "none"
 
 
 def check_policy_loss(a: PolicyGradientConfig) -> None:

@@ -4,6 +4,7 @@ the rollout engine's policy, + KL to the reference policy."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -39,7 +40,7 @@ class GRPOLossConfig:
     rollout_correction: RolloutCorrection | None = None
 
     @classmethod
-    def from_algorithm(cls, a) -> "GRPOLossConfig":
+    def from_algorithm(cls, a: Any) -> "GRPOLossConfig":
         """From a policy-gradient job's ``algorithm`` section
         (:class:`alignment.algorithms.config.PolicyGradientConfig`): its clipping, policy loss, KL weight and
         rollout correction; the KL estimator and the aggregation where the section has them (GRPO's step:
@@ -110,15 +111,14 @@ def grpo_loss(
     high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
     pg_loss, is_clipped = policy_loss(cfg.policy_loss, logprobs, old_logprobs, advantages, response_mask,
                                       cfg.clip_ratio, high, cfg.clip_ratio_c)
-    corr = {}
+    corr: dict[str, Tensor] = {}
     if rollout_logprobs is not None:
         correction = cfg.rollout_correction or RolloutCorrection()
         weights, corr = rollout_correction(old_logprobs, rollout_logprobs, response_mask, correction)
         if correction.enabled:
             pg_loss = pg_loss * weights
     per_token = pg_loss
-    use_kl = cfg.kl_coef != 0 and ref_logprobs is not None
-    if use_kl:
+    if cfg.kl_coef != 0 and ref_logprobs is not None:
         kl = kl_penalty(logprobs, ref_logprobs, cfg.kl_estimator)
         per_token = per_token + cfg.kl_coef * kl
         kl_sum = (kl.detach() * mask).sum()

@@ -23,7 +23,7 @@ The contracts (the built-in ones keep them too):
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -38,7 +38,7 @@ def is_import_path(value: str) -> bool:
     return ":" in str(value)
 
 
-def load(path: str, field: str) -> Callable:
+def load(path: str, field: str) -> Callable[..., Any]:
     """The function ``path`` (``module.path:function``) names.
 
     Raises:
@@ -52,13 +52,13 @@ def load(path: str, field: str) -> Callable:
     except Exception as e:  # the user's module: any error it raises on import
         raise ConfigError(f"{field}={path}: module {module_name} does not import ({type(e).__name__}: {e}); it is "
                           "imported from the job's working directory or PYTHONPATH") from e
-    fn = getattr(module, attr, None)
+    fn: Callable[..., Any] | None = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError(f"{field}={path}: {module_name} has no function {attr}")
     return fn
 
 
-def advantage_estimator(path: str, field: str = "algorithm.advantage_estimator") -> Callable:
+def advantage_estimator(path: str, field: str = "algorithm.advantage_estimator") -> Callable[..., Any]:
     """The estimator ``path`` names, checked on a probe of 2 groups of 3 (module docstring's contract).
 
     Raises:
@@ -80,7 +80,7 @@ def advantage_estimator(path: str, field: str = "algorithm.advantage_estimator")
     return fn
 
 
-def policy_loss(path: str, field: str = "algorithm.policy_loss") -> Callable:
+def policy_loss(path: str, field: str = "algorithm.policy_loss") -> Callable[..., Any]:
     """The policy loss ``path`` names, checked on a probe of ``[2, 3]`` tokens (module docstring's contract): it
     returns ``(per_token_loss, is_clipped)`` of that shape, and its loss has a gradient through ``logprobs``.
 
@@ -107,7 +107,7 @@ def policy_loss(path: str, field: str = "algorithm.policy_loss") -> Callable:
     return fn
 
 
-def _describe(out) -> str:
+def _describe(out: object) -> str:
     if isinstance(out, torch.Tensor):
         return f"a tensor of shape {tuple(out.shape)}"
     if isinstance(out, tuple):

@@ -259,8 +259,9 @@ def policy_loss(
     if hooks.is_import_path(name):
         if clip_ratio_c is not None:
             raise ValueError(f"clip_ratio_c={clip_ratio_c} (dual clip) applies to the ppo loss only, not {name}")
-        return hooks.load(name, "algorithm.policy_loss")(logprobs, old_logprobs, advantages, response_mask,
-                                                         clip_ratio_low, clip_ratio_high)
+        yours: tuple[torch.Tensor, torch.Tensor] = hooks.load(name, "algorithm.policy_loss")(
+            logprobs, old_logprobs, advantages, response_mask, clip_ratio_low, clip_ratio_high)
+        return yours
     if name not in POLICY_LOSSES:
         raise ValueError(f"policy loss {name!r}: valid values are {', '.join(POLICY_LOSSES)}")
     if name != "ppo" and clip_ratio_c is not None:

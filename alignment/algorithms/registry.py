@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from collections.abc import Callable
+from typing import Any
 from types import ModuleType
 
 from alignment.algorithms.config import (AlgorithmConfig, DistillConfig, GRPOConfig, OnlineDPOConfig, PPOConfig,
@@ -44,6 +46,12 @@ class Algorithm:
         episodes: it runs multi-turn episodes (``rollout.environment``) on its task.
         agents: an agent of your own (``rollout.agent`` / ``agent_command``) can play its episodes.
         teacher: it distils from ``model.teacher_path``.
+        examples: the fixed data it trains on (``data.dataset``): ``sft`` (prompt and response), ``preference``
+            (chosen and rejected, or KTO's unpaired records), ``steps`` (step-labelled solutions); empty: none.
+        scalar_head: it trains a scalar head (a reward model), exported as a sequence classifier.
+        validate: its checks across sections, ``module.path:function`` called as ``fn(cfg, layout, dims)`` by
+            :func:`alignment.config.validate` before any process group starts (the built-ins':
+            ``alignment/checks/``); empty: none beyond what every job of its kind is checked for.
         like: the built-in algorithm whose reading of the settings outside the ``algorithm`` section this one
             shares (:mod:`alignment.reads`' rules: which ``rollout`` / ``data`` / ``trainer`` keys its job
             reads), e.g. ``grpo`` for a GRPO variant of your own; empty: its own name.
@@ -62,12 +70,32 @@ class Algorithm:
     episodes: bool = False
     agents: bool = False
     teacher: bool = False
+    examples: str = ""
+    scalar_head: bool = False
+    validate: str = ""
     like: str = ""
 
     @property
     def online(self) -> bool:
         """It samples from the policy as it trains (an RL job: ``online`` or ``ppo``)."""
         return self.job != "offline"
+
+    def checks(self) -> Callable[..., None]:
+        """Its :attr:`validate` function, imported (a no-op when it has none).
+
+        Raises:
+            ConfigError: a path that does not name a function."""
+        if not self.validate:
+            return lambda cfg, layout, dims: None
+        module_name, _, attr = self.validate.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr, None)
+        except Exception as e:  # the user's module: any error it raises on import
+            raise ConfigError(f"algorithm.name={self.name}: validate={self.validate}: {type(e).__name__}: {e}") from e
+        if not callable(fn):
+            raise ConfigError(f"algorithm.name={self.name}: validate={self.validate} is not a function "
+                              "(module.path:function)")
+        return fn  # type: ignore[no-any-return]  # a function the record names, called as fn(cfg, layout, dims)
 
     def trainer_module(self) -> ModuleType:
         """The :attr:`trainer` module, imported (Megatron and torch with it: call in the job, not at config time)."""
@@ -105,6 +133,11 @@ def get(name: str) -> Algorithm:
         return own(name)
     raise ConfigError(f"algorithm.name={name!r}: valid values are {', '.join(ALGORITHMS)}, or your own as "
                       "module.path:Algorithm (an alignment.algorithms.registry.Algorithm record)")
+
+
+def of(cfg: Any) -> Algorithm:
+    """The algorithm the job ``cfg`` runs (:func:`get` of its ``algorithm.name``)."""
+    return get(cfg.algorithm.name)
 
 
 #: what a trainer module provides for each job of an algorithm of your own
@@ -158,7 +191,7 @@ def names(**capabilities: bool) -> tuple[str, ...]:
 
 
 _CAPABILITIES = ("asks_task", "takes_images", "policy_gradient", "replays_routes", "process_reward", "episodes",
-                 "agents", "teacher")
+                 "agents", "teacher", "scalar_head")
 
 
 def table() -> str:
@@ -166,7 +199,8 @@ def table() -> str:
     alignment.algorithms.registry`` prints it)."""
     rows = ["| `algorithm.name` | job | trainer | what it is | can |", "|---|---|---|---|---|"]
     for a in ALGORITHMS.values():
-        can = ", ".join(c.replace("_", " ") for c in _CAPABILITIES if getattr(a, c)) or "-"
+        can = ", ".join([c.replace("_", " ") for c in _CAPABILITIES if getattr(a, c)]
+                        + ([f"{a.examples} data"] if a.examples else [])) or "-"
         rows.append(f"| `{a.name}` | {a.job} | `{a.trainer}` | {a.summary} | {can} |")
     return "\n".join(rows)
 
@@ -174,26 +208,27 @@ def table() -> str:
 register(Algorithm("grpo", "online", "alignment.trainers.grpo",
                    "GRPO and its family (Dr.GRPO, DAPO, RLOO, REINFORCE++, GSPO, CISPO): group-relative advantages",
                    GRPOConfig, asks_task=True, takes_images=True, policy_gradient=True, replays_routes=True,
-                   process_reward=True, episodes=True, agents=True))
+                   process_reward=True, episodes=True, agents=True, validate="alignment.checks.grpo:validate"))
 register(Algorithm("ppo", "ppo", "alignment.trainers.ppo", "PPO with a critic and GAE", PPOConfig,
-                   policy_gradient=True, process_reward=True))
+                   policy_gradient=True, process_reward=True, validate="alignment.checks.ppo:validate"))
 register(Algorithm("rft", "online", "alignment.trainers.rft",
                    "rejection-sampling fine-tuning: SFT on the accepted samples", RFTConfig, asks_task=True,
-                   takes_images=True))
+                   takes_images=True, validate="alignment.checks.rft:validate"))
 register(Algorithm("online_dpo", "online", "alignment.trainers.online_dpo",
                    "online DPO on the best and worst of the policy's own samples", OnlineDPOConfig, asks_task=True,
-                   takes_images=True))
-register(Algorithm("distill", "online", "alignment.trainers.grpo",
+                   takes_images=True, validate="alignment.checks.online_dpo:validate"))
+register(Algorithm("distill", "online", "alignment.trainers.distill",
                    "on-policy distillation from a teacher (with the task's GRPO advantages, weighted)", DistillConfig,
                    asks_task=True, takes_images=True, policy_gradient=True, replays_routes=True, episodes=True,
-                   teacher=True))
-register(Algorithm("sft", "offline", "alignment.trainers.sft", "supervised fine-tuning", SFTConfig, takes_images=True))
+                   teacher=True, validate="alignment.checks.distill:validate"))
+register(Algorithm("sft", "offline", "alignment.trainers.sft", "supervised fine-tuning", SFTConfig, takes_images=True,
+                   examples="sft", validate="alignment.checks.offline:validate"))
 register(Algorithm("rm", "offline", "alignment.trainers.reward_model", "a Bradley-Terry reward model",
-                   RewardModelConfig))
+                   RewardModelConfig, examples="preference", scalar_head=True, validate="alignment.checks.offline:validate"))
 register(Algorithm("dpo", "offline", "alignment.trainers.dpo", "DPO and its losses (IPO, hinge, KTO, SimPO, ORPO)",
-                   PreferenceConfig, takes_images=True))
+                   PreferenceConfig, takes_images=True, examples="preference", validate="alignment.checks.offline:validate"))
 register(Algorithm("prm", "offline", "alignment.trainers.process_reward", "a process reward model",
-                   ProcessRewardConfig))
+                   ProcessRewardConfig, examples="steps", scalar_head=True, validate="alignment.checks.offline:validate"))
 
 if __name__ == "__main__":
     print(table())

@@ -29,7 +29,8 @@ from alignment.cache import cache_root
 from alignment.data.records import (PreferencePair, SFTExample, UnpairedExample, fields_read, is_unpaired, map_columns,
                                     preference_pair, sft_example, unpaired_example)
 from alignment.data.images import resolve
-from alignment.data.prompt_data import is_heldout, read_table, read_text
+from alignment.data.prompt_data import is_heldout, read_table
+from alignment.data.text_files import read_jsonl, read_text
 
 LLAMAFACTORY_VERSION = "0.9.5"
 DATASETS = {"alpaca_en_demo": "sft", "dpo_en_demo": "preference"}
@@ -126,16 +127,10 @@ def read_records(name: str) -> list[tuple[str, dict]]:
         path = pathlib.Path(name).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"data.dataset={name}: no such file (a .json array or .jsonl lines of records)")
-    text = read_text(path, "data.dataset")
     if path.suffix == ".jsonl":
-        records = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    records.append((f"{path}:{n}", json.loads(line)))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not a JSON line ({e.msg} at column {e.colno})") from e
+        records = read_jsonl(path, "data.dataset")
     else:
+        text = read_text(path, "data.dataset")
         try:
             data = json.loads(text) if text.strip() else []
         except json.JSONDecodeError as e:

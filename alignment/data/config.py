@@ -110,10 +110,10 @@ def check_generator(d: DataConfig) -> None:
         raise ConfigError(f"data.generator={gen!r} is not a reasoning-gym dataset; e.g. {', '.join(close)}")
 
 
-def check_dataset(d: DataConfig, algorithm: str) -> None:
-    """A fixed-data job's examples (``algorithm``: sft, rm, dpo or prm): ``data.dataset`` of the kind
-    the algorithm trains on (the demo set, a file of your own, or the PRM data tool's directory),
-    limits chosen for it, columns the algorithm reads, and a prompt shorter than the example.
+def check_dataset(d: DataConfig, algorithm: str, examples: str) -> None:
+    """A fixed-data job's examples (``algorithm``: its name; ``examples``: the kind it trains on, ``sft``,
+    ``preference`` or ``steps``): ``data.dataset`` of that kind (the demo set, a file of your own, or the PRM data
+    tool's directory), limits chosen for it, columns the algorithm reads, and a prompt shorter than the example.
 
     Raises:
         ConfigError: naming the field and the fix.
@@ -122,17 +122,17 @@ def check_dataset(d: DataConfig, algorithm: str) -> None:
         raise ConfigError(f"data.train_files are prompts for the RL jobs; algorithm.name={algorithm} reads its "
                           "examples from data.dataset (a demo set or a file of your own; held out: "
                           "data.heldout_files)")
-    if algorithm == "prm":
+    if examples == "steps":
         missing = [f for split, f in SPLIT_FILES.items() if split_path(d.dataset, split) is None]
         if missing:
-            raise ConfigError(f"data.dataset={d.dataset}: algorithm.name=prm trains on a directory of step-labelled "
+            raise ConfigError(f"data.dataset={d.dataset}: algorithm.name={algorithm} trains on a directory of step-labelled "
                               f"solutions, but {', '.join(missing)} is missing there; write them with `python "
                               f"tools/make_prm_data.py --out {d.dataset}` (or point data.dataset at such a directory)")
     else:
-        wanted = "alpaca_en_demo" if algorithm == "sft" else "dpo_en_demo"
+        wanted = "alpaca_en_demo" if examples == "sft" else "dpo_en_demo"
         if not is_data_file(d.dataset) and d.dataset != wanted:
             raise ConfigError(f"data.dataset={d.dataset!r}: algorithm.name={algorithm} trains on {wanted} or a file "
-                              f"of your own ({'alpaca or chat messages' if algorithm == 'sft' else 'prompt, chosen, rejected'} "
+                              f"of your own ({'alpaca or chat messages' if examples == 'sft' else 'prompt, chosen, rejected'} "
                               "records in .json / .jsonl / .parquet / .csv or a save_to_disk directory)")
         if d.limits_of and d.dataset != d.limits_of:
             raise ConfigError(f"data.dataset={d.dataset}: this data config's limits were chosen for {d.limits_of} "
@@ -140,7 +140,7 @@ def check_dataset(d: DataConfig, algorithm: str) -> None:
                               f"end, data.max_length={d.max_length}); add data=file to use your file whole (held "
                               "out: data.heldout_fraction=0.05), or set data.limits_of=null to keep these")
         try:
-            check_columns(dict(d.columns or {}), "sft" if algorithm == "sft" else "preference")
+            check_columns(dict(d.columns or {}), examples)
         except ValueError as e:
             raise ConfigError(str(e)) from e
     if d.max_prompt_length >= d.max_length:

@@ -4,7 +4,8 @@
 
 from __future__ import annotations
 
-from alignment.algorithms.config import AlgorithmConfig
+from alignment.algorithms.config import (AlgorithmConfig, PreferenceConfig, ProcessRewardConfig, SFTConfig,
+                                         has_section)
 from alignment.data.chat_data import encode_example, image_files, load_preference_pairs, load_sft_examples
 from alignment.data.config import DataConfig
 from alignment.data.images import ImageInputs, ImageProcessor
@@ -31,22 +32,23 @@ def tokenize_split(d: DataConfig, a: AlgorithmConfig, tokenizer, split: str,
             records for a job other than DPO with ``algorithm.loss_type=kto``.
     """
     enc = lambda msgs, resp: encode_example(tokenizer, msgs, resp, d.max_length, d.max_prompt_length)  # noqa: E731
-    if a.name == "prm":
+    if has_section(a, ProcessRewardConfig):
         out = [[row] for row in tokenize_steps(d, a, tokenizer, split)]
         return out[: d.train_size] if split == "train" else out[: d.heldout_size]
     kw = {"heldout_files": d.heldout_files, "heldout_fraction": float(d.heldout_fraction or 0.0),
           "columns": dict(d.columns or {})}
     unpaired = False
-    if a.name == "sft":
+    if has_section(a, SFTConfig):
         examples = load_sft_examples(split, d.heldout_size, d.dataset, **kw)
         responses = [(e.response,) for e in examples]
     else:
         examples = load_preference_pairs(split, d.heldout_size, d.dataset, **kw)
         unpaired = bool(examples) and isinstance(examples[0], UnpairedExample)
-        if unpaired and (a.name != "dpo" or a.loss_type != "kto"):
+        kto = has_section(a, PreferenceConfig) and a.loss_type == "kto"
+        if unpaired and not kto:
             raise ValueError(f"data.dataset={d.dataset}: unpaired preference records (prompt, completion, label) train "
                              f"with KTO (algorithm.loss_type=kto, --config-name dpo: TRL's KTOTrainer); algorithm.name="
-                             f"{a.name}{' with loss_type=' + a.loss_type if a.name == 'dpo' else ''} needs chosen / "
+                             f"{a.name}{' with loss_type=' + a.loss_type if has_section(a, PreferenceConfig) else ''} needs chosen / "
                              "rejected pairs")
         responses = [(e.completion,) if unpaired else (e.chosen, e.rejected) for e in examples]
     if split == "train" and d.train_size is not None:  # train_size null: every example
@@ -68,7 +70,7 @@ def tokenize_split(d: DataConfig, a: AlgorithmConfig, tokenizer, split: str,
 
 def is_unpaired(d: DataConfig, a: AlgorithmConfig) -> bool:
     """Whether a DPO job's data is TRL's unpaired preference records (KTO's: a label per completion)."""
-    if a.name != "dpo":
+    if not has_section(a, PreferenceConfig):
         return False
     kw = {"heldout_files": d.heldout_files, "heldout_fraction": float(d.heldout_fraction or 0.0),
           "columns": dict(d.columns or {})}

@@ -34,43 +34,14 @@ from alignment.data.content import (content_parts, content_text, has_image_parts
                                     record_image_list, record_images)
 from alignment.data.images import resolve
 from alignment.data.tasks import FILE_TASK, Problem
+from alignment.data.text_files import check_utf8
 
-__all__ = ["FORMATS", "ANSWER_COLUMNS", "check_utf8", "read_text", "read_table", "value_at", "columns_of", "has_key",
+__all__ = ["FORMATS", "ANSWER_COLUMNS", "read_table", "value_at", "columns_of", "has_key",
            "is_heldout", "FileProblems", "PromptSets", "load_prompt_files", "EpochOrder", "fit_prompts", "training_order"]
 
 #: file suffix -> the ``datasets`` builder that reads it
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 _HASH_SCALE = float(2**64)
-
-
-def check_utf8(path: str | Path, field: str) -> None:
-    """The text file ``path`` (given as the config field ``field``) is UTF-8 throughout, read a line
-    at a time.
-
-    Raises:
-        ValueError: the first byte that is not UTF-8, named by ``file:line`` and column (Python's
-            bare ``UnicodeDecodeError`` names neither) and the fix.
-    """
-    with open(Path(path).expanduser(), "rb") as f:
-        for n, line in enumerate(f, 1):
-            try:
-                line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{field}={path}:{n}: not UTF-8 text (byte 0x{line[e.start]:02x} at column "
-                                 f"{e.start + 1}: {e.reason}); save the file as UTF-8") from e
-
-
-def read_text(path: str | Path, field: str) -> str:
-    """The text of the file ``path`` (given as the config field ``field``), decoded as UTF-8.
-
-    Raises:
-        ValueError: a byte that is not UTF-8, named by ``file:line`` (:func:`check_utf8`).
-    """
-    try:
-        return Path(path).expanduser().read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        check_utf8(path, field)  # names the line
-        raise
 
 
 def read_table(path: str, field: str = "data.train_files"):

@@ -16,8 +16,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from alignment.data.chat_data import encode_prompt
-from alignment.data.prompt_data import read_table, read_text
+from alignment.data.prompt_data import read_table
 from alignment.data.step_labels import arithmetic_step_label
+from alignment.data.text_files import read_jsonl
 
 __all__ = ["STEP_INSTRUCTION", "step_prompt", "StepRecord", "step_spans", "split_steps", "response_steps",
            "label_steps", "supervised_labels", "encode_steps", "write_records", "load_records", "SUPERVISIONS"]
@@ -213,14 +214,7 @@ def load_records(directory: str | Path, split: str) -> list[StepRecord]:
                                 f"{directory}`")
     records = []
     if path.suffix == ".jsonl":
-        for n, line in enumerate(read_text(path, "data.dataset").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not a step record ({e})") from e
-            records.append(_step_record(f"{path}:{n}", d))
+        records = [_step_record(where, d) for where, d in read_jsonl(path, "data.dataset")]
     else:
         for n, row in enumerate(read_table(str(path), "data.dataset")):
             records.append(_step_record(f"{path} row {n}", {k: v for k, v in row.items() if k in RECORD_FIELDS}))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import pathlib
 import random
 import re
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from alignment.data.code_tasks import load_humaneval, score_code
+from alignment.data.text_files import read_jsonl
 
 TASKS = ("arithmetic", "gsm8k", "length", "humaneval")
 #: ``Problem.task`` of a prompt from a file of the user's (``data.train_files``): no instruction of its
@@ -100,12 +100,9 @@ def gsm8k_path() -> pathlib.Path:
 
 def _load_gsm8k(split: str, size: int, seed: int) -> list[Problem]:
     problems = []
-    with gsm8k_path().open(encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                answer = row["answer"].split("####")[-1].strip().replace(",", "")
-                problems.append(Problem(row["question"], answer, "gsm8k", None))
+    for _, row in read_jsonl(gsm8k_path(), "data.task=gsm8k"):
+        answer = row["answer"].split("####")[-1].strip().replace(",", "")
+        problems.append(Problem(row["question"], answer, "gsm8k", None))
     if split == "heldout":
         pool = problems[:GSM8K_HELDOUT_SIZE]
     else:

@@ -18,7 +18,6 @@ prompts or grading change, so cached results of another version are never reused
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from alignment.compose import compose
 from alignment.config import JobConfig, job_config
 from alignment.data.chat_data import load_preference_pairs, load_sft_examples
 from alignment.data.prompts import INSTRUCTIONS, job_prompts
+from alignment.data.text_files import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 REGRESSION_FILE = ROOT / "evals" / "regression_v1.jsonl"
@@ -114,23 +114,19 @@ def regression_items(path: str | Path | None = None, limit: int | None = None) -
     if not path.is_file():
         raise FileNotFoundError(f"--regression-file {path}: no such file")
     items, seen = [], set()
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not a JSON line ({e.msg})") from e
+    for where, item in read_jsonl(path, "--regression-file"):
+        if not isinstance(item, dict):
+            raise ValueError(f"{where}: a record is a JSON object, not {type(item).__name__}")
         missing = [k for k in ("id", "question", "answer") if k not in item]
         if missing:
-            raise ValueError(f"{path}:{n}: missing {', '.join(missing)} (each line needs id, question, answer)")
+            raise ValueError(f"{where}: missing {', '.join(missing)} (each line needs id, question, answer)")
         item.setdefault("match", "number")
         if item["match"] not in MATCHES:
-            raise ValueError(f"{path}:{n}: match={item['match']!r}; valid: {', '.join(MATCHES)}")
+            raise ValueError(f"{where}: match={item['match']!r}; valid: {', '.join(MATCHES)}")
         if item.get("task") is not None and item["task"] not in INSTRUCTIONS:
-            raise ValueError(f"{path}:{n}: task={item['task']!r}; valid: {', '.join(INSTRUCTIONS)}")
+            raise ValueError(f"{where}: task={item['task']!r}; valid: {', '.join(INSTRUCTIONS)}")
         if item["id"] in seen:
-            raise ValueError(f"{path}:{n}: id {item['id']!r} appears twice")
+            raise ValueError(f"{where}: id {item['id']!r} appears twice")
         seen.add(item["id"])
         items.append(item)
     if not items:

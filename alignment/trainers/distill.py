@@ -1,9 +1,11 @@
-"""On-policy distillation (``algorithm.name=distill``) inside the GRPO step.
+"""On-policy distillation (``algorithm.name=distill``), built on GRPO's step: its trainer (:func:`collect`,
+:func:`train`) and its loss term (:class:`DistillTerms`, GRPO's :class:`alignment.trainers.grpo.StepTerms`).
 
 The student (the policy) samples from its rollout engine exactly as in GRPO (:func:`alignment.trainers.grpo.collect`,
-the task's rewards computed and logged); the frozen teacher (``model.teacher_path``, built at the policy's
-layout and offloaded between phases like the reference) then scores the student's tokens
-(:func:`teacher_scores`), and each micro-batch's loss gains the distillation term (:func:`distill_terms`):
+the task's rewards computed and logged; ``algorithm.distill_samples``: or the teacher's engine, or the dataset's
+answers); the frozen teacher (``model.teacher_path``, built at the policy's layout and offloaded between phases
+like the reference) then scores the student's tokens (:func:`teacher_scores`), and each micro-batch's loss gains
+the distillation term (:func:`distill_terms`):
 
 - ``reverse_kl``: per-token advantages ``log pi_T - log pi_S`` added to ``algorithm.task_reward_weight`` x
   the task's group advantages, trained by the GRPO policy loss (clipping, rollout correction, KL to the
@@ -17,20 +19,69 @@ The math is :mod:`alignment.algorithms.distill_loss`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from alignment.algorithms.aggregation import aggregate
+from alignment.algorithms.config import DistillConfig, has_section
 from alignment.algorithms.distill_loss import FULL_DISTRIBUTION, generalized_jsd, jsd_beta, reverse_kl_advantages
+from alignment.data.tasks import Problem
+from alignment.trainers import grpo
 from alignment.trainers.models import Models
-from alignment.trainers.rl_phases import microbatches, policy_logprobs
+from alignment.trainers.rl_phases import Rollout, microbatches, policy_logprobs
+from alignment.training.megatron_step import LogprobOutputs, VocabOutputs
 
 #: the metric sums :func:`distill_terms` adds to a micro-batch's metrics
 SUMS = ("distill_kl_sum", "distill_divergence_sum")
 
 
+def collect(models: Models, problems: list[Problem], cfg, version: int = 0,
+            refill: Callable[[int], list[Problem]] | None = None) -> Rollout:
+    """GRPO's collector (:func:`alignment.trainers.grpo.collect`): the student samples (or, with
+    ``algorithm.distill_samples=teacher``, the teacher's engine; with ``dataset``, each problem's answer in
+    ``data.response_key`` is taken, no engine runs), the task's rewards computed and logged."""
+    answers = (lambda todo: [str(p.columns[cfg.data.response_key]) for p in todo]) \
+        if cfg.algorithm.distill_samples == "dataset" else None
+    return grpo.collect(models, problems, cfg, version, refill, answers)
+
+
+def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict[str, float]]:
+    """GRPO's step (:func:`alignment.trainers.grpo.train`) on the task's advantages weighted by
+    ``algorithm.task_reward_weight`` (none at 0), the teacher's scores of the tokens (:func:`teacher_scores`)
+    and the distillation term (:class:`DistillTerms`). Returns (global metrics, phase seconds)."""
+    a = cfg.algorithm
+    advantages = grpo.sample_advantages(rollout, cfg) * a.task_reward_weight if a.task_reward_weight \
+        else torch.zeros_like(rollout.rewards, dtype=torch.float32)  # distillation only: no task advantages
+    return grpo.train(models, rollout, cfg, advantages,
+                      score=lambda batch, **packing: teacher_scores(models, batch, cfg, **packing),
+                      terms=DistillTerms(a, full_distribution(cfg)))
+
+
+class DistillTerms:
+    """The distillation term of GRPO's step (:class:`alignment.trainers.grpo.StepTerms`): ``algorithm``, the
+    job's section; ``full``: a whole-distribution loss (the student's forward computes vocabulary logprobs)."""
+
+    sums = SUMS
+
+    def __init__(self, algorithm, full: bool):
+        self.algorithm, self.full = algorithm, full
+
+    def outputs(self, vocab_size: int, temperature: float):
+        return VocabOutputs(vocab_size, temperature) if self.full else \
+            LogprobOutputs(vocab_size, temperature, entropy=True)
+
+    def micro_batch(self, mb: dict, out: dict, old_logprobs: torch.Tensor, normalizer: float):
+        return distill_terms(mb, out, old_logprobs, normalizer, self.algorithm)
+
+    def metrics(self, sums: dict[str, float], tokens: float) -> dict[str, float]:
+        return {"distill/reverse_kl": sums["distill_kl_sum"] / tokens,
+                "distill/divergence": sums["distill_divergence_sum"] / tokens}
+
+
 def full_distribution(cfg) -> bool:
     """Whether this job's distillation loss compares whole distributions (``jsd``, ``forward_kl``)."""
-    return cfg.algorithm.name == "distill" and cfg.algorithm.distill_loss in FULL_DISTRIBUTION
+    return has_section(cfg.algorithm, DistillConfig) and cfg.algorithm.distill_loss in FULL_DISTRIBUTION
 
 
 def teacher_scores(models: Models, batch: dict, cfg, packing: bool, share_prompts: bool) -> None:

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Callable
 
 from alignment.cache import cache_root
-from alignment.config import heldout_grader
 from alignment.data.prompts import PromptStyle, build_prompt_ids
+from alignment.rewards.policy import heldout_grader
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 

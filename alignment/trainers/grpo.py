@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -36,13 +37,12 @@ from alignment.algorithms.aggregation import global_normalizer
 from alignment.algorithms.grpo_loss import GRPOLossConfig, grpo_loss
 from alignment.algorithms.process_rewards import process_advantages, to_batch_columns
 from alignment.algorithms.reward_shaping import informative_groups
-from alignment.config import process_reward_weight, shares_prompts
 from alignment.data.images import select_rows
 from alignment.data.tasks import Problem
 from alignment.rewards import grading
 from alignment.rewards.code_runs import early_grading
+from alignment.rewards.policy import process_reward_weight
 from alignment.rollout.base import SamplingConfig
-from alignment.trainers import distill
 from alignment.trainers.agent_rollout import AGENT_COUNTS, agent_episodes, uses_agents
 from alignment.trainers.models import Models
 from alignment.trainers.process_rewarding import score_steps, step_metrics
@@ -50,10 +50,10 @@ from alignment.trainers.rewarding import combine, job_terms, score_terms, term_m
 from alignment.trainers.rl_phases import (Rollout, correction_metrics, episode_metrics, generate_episodes,
                                           microbatches, policy_logprobs, rollout_phase, sampling_config)
 from alignment.training.batching import make_batch
+from alignment.training.config import shares_prompts
 from alignment.training.dp_balance import balance_over_dp
 from alignment.training.health import guarded_step
-from alignment.training.megatron_step import (LogprobOutputs, VocabOutputs, all_reduce_sum, forward_backward,
-                                              is_output_rank)
+from alignment.training.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
 from alignment.training.offload import trainable
 from alignment.training.router_stats import routing_metrics
 from alignment.training.routing_replay import COMPARE, RECORD, REPLAY, RoutingPass, agreement_metrics
@@ -77,10 +77,28 @@ def _model_tokens(batch: dict, cfg) -> int:
                for mb in microbatches(batch, cfg.trainer))
 
 
-def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
+class StepTerms(Protocol):
+    """A term an algorithm built on GRPO's step adds to each micro-batch's loss (on-policy distillation's:
+    :class:`alignment.trainers.distill.DistillTerms`), given to :func:`train` / :func:`train_step`."""
+
+    #: the metric sums :meth:`micro_batch` adds to each micro-batch's metrics
+    sums: tuple[str, ...]
+
+    def outputs(self, vocab_size: int, temperature: float):
+        """What the student's forward pass computes (:mod:`alignment.training.megatron_step`'s outputs)."""
+
+    def micro_batch(self, mb: dict, out: dict, old_logprobs: torch.Tensor, normalizer: float
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        """``(advantages, extra loss or None, metric sums)`` of one micro-batch (shapes: ``mb``'s)."""
+
+    def metrics(self, sums: dict[str, float], tokens: float) -> dict[str, float]:
+        """The step's metrics of the global :attr:`sums`, over ``tokens`` response tokens."""
+
+
+def train_step(models: Models, batch: dict, cfg, terms: StepTerms | None = None) -> dict[str, float]:
     """``algorithm.ppo_epochs`` passes over ``algorithm.num_mini_batches`` mini-batches of this
-    rank's share of the rollout batch, one Adam step per mini-batch. Returns global metrics
-    averaged over the updates.
+    rank's share of the rollout batch, one Adam step per mini-batch; ``terms``: a loss term of the
+    algorithm's own (:class:`StepTerms`). Returns global metrics averaged over the updates.
 
     With a single update the sampling policy is the current one, so ``old_logprobs`` are the
     current logprobs without gradient (ratio 1); otherwise they are ``batch["old_logprobs"]``,
@@ -90,11 +108,10 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
     a = cfg.algorithm
     loss_cfg = GRPOLossConfig.from_algorithm(a)
     size = batch["input_ids"].shape[0] // a.num_mini_batches
-    distilling = a.name == "distill"
     routing = (RoutingPass.of(models.policy, COMPARE if a.routing_replay == "none" else REPLAY)
                if "routed_experts" in batch else None)
     keys = ["policy_loss_sum", "kl_sum", "clipped_tokens", "entropy_sum", "prob_error_sum", "tokens",
-            *(distill.SUMS if distilling else ())]
+            *(terms.sums if terms is not None else ())]
     local, grad_norms, outs, skipped = [0.0] * len(keys), [], [], 0
     for _ in range(a.ppo_epochs):
         for k in range(a.num_mini_batches):
@@ -109,11 +126,11 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
                 entropy_sum = (out["entropy"] * mask).sum()
                 lp = out["logprobs"]
                 old = mb["old_logprobs"] if "old_logprobs" in mb else lp.detach()
-                advantages, extra, more = (distill.distill_terms(mb, out, old, normalizer, a) if distilling
+                advantages, extra, more = (terms.micro_batch(mb, out, old, normalizer) if terms is not None
                                            else (mb["advantages"], None, {}))
                 loss, m = grpo_loss(lp, old, mb.get("ref_logprobs"), advantages, mask, normalizer, loss_cfg,
                                     rollout_logprobs=mb["rollout_logprobs"])
-                if extra is not None:  # the whole-distribution distillation loss
+                if extra is not None:  # the algorithm's own term (distillation's whole-distribution loss)
                     loss = loss + extra
                 m.update(more, entropy_sum=entropy_sum)
                 with torch.no_grad():
@@ -123,7 +140,7 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
             models.policy.zero_grad_buffer()
             models.optimizer.zero_grad()
             # The policy being optimised is the one vLLM samples from: softmax(logits / T).
-            outputs = (VocabOutputs(models.vocab_size, cfg.rollout.temperature) if distill.full_distribution(cfg)
+            outputs = (terms.outputs(models.vocab_size, cfg.rollout.temperature) if terms is not None
                        else LogprobOutputs(models.vocab_size, cfg.rollout.temperature, entropy=True))
             out = forward_backward(models.policy, microbatches(mini, cfg.trainer), loss_fn, forward_only=False,
                                    outputs=outputs,
@@ -151,8 +168,7 @@ def train_step(models: Models, batch: dict, cfg) -> dict[str, float]:
         "health/skipped_updates": float(skipped),  # NaN/inf gradients: alignment/training/health.py
         **routing_metrics(models.policy),  # MoE: expert load imbalance, aux loss
         **(agreement_metrics(models.policy) if routing is not None else {}),  # MoE routing replay
-        **({"distill/reverse_kl": sums["distill_kl_sum"] / n, "distill/divergence": sums["distill_divergence_sum"] / n}
-           if distilling else {}),
+        **(terms.metrics(sums, n) if terms is not None else {}),
     }
 
 
@@ -247,13 +263,16 @@ def _informative(part: dict[str, torch.Tensor], terms, group_size: int) -> bool:
     return bool(informative_groups(total, group_size)[0])
 
 
-def sample_groups(models: Models, problems: list[Problem], cfg, refill: Callable[[int], list[Problem]] | None = None):
+def sample_groups(models: Models, problems: list[Problem], cfg, refill: Callable[[int], list[Problem]] | None = None,
+                  answers: Callable[[list[Problem]], list[str]] | None = None):
     """Sample ``group_size`` responses per problem and score them with every reward term
     (``reward.functions``, plus DAPO's overlong penalty when ``algorithm.overlong_buffer_len > 0``;
     :func:`alignment.trainers.rewarding.job_terms`). With ``algorithm.dynamic_sampling`` (DAPO
     Sec. 3.2), groups whose rewards are all equal are set aside and ``refill(k)`` problems are
     sampled instead, for at most ``algorithm.max_sampling_rounds`` rounds; if still short, set-aside
     groups fill the batch (they have zero advantage). Always returns ``len(problems)`` groups.
+    ``answers(problems)``: the responses to take instead of sampling (a dataset's: distillation on it); with a
+    teacher engine (``models.teacher_engine``) the teacher samples.
 
     Returns:
         ``(samples, scores, info)``: ``scores`` name -> ``[N]`` raw scores of each term,
@@ -274,7 +293,7 @@ def sample_groups(models: Models, problems: list[Problem], cfg, refill: Callable
             else:
                 groups = generate_episodes(models, todo, sampling_config(cfg.rollout), on_done,
                                            teacher=models.teacher_engine is not None,
-                                           answers=dataset_answers(todo, cfg))
+                                           answers=answers(todo) if answers is not None else None)
             samples = [s for g in groups for s in g]
             # model terms are collective over the replica, whose ranks all hold these samples (or none)
             scores = score_terms(models, [p for p in todo for _ in range(g_size)], samples, terms, cfg,
@@ -297,30 +316,18 @@ def sample_groups(models: Models, problems: list[Problem], cfg, refill: Callable
                              **agents}
 
 
-def from_dataset(cfg) -> bool:
-    """Whether the job trains on its files' answers (``algorithm.distill_samples=dataset``): no engine samples."""
-    return cfg.algorithm.name == "distill" and cfg.algorithm.distill_samples == "dataset"
-
-
-def dataset_answers(problems: list[Problem], cfg) -> list[str] | None:
-    """``algorithm.distill_samples=dataset``: each problem's answer, its record's ``data.response_key``
-    column (checked non-empty when the files were read); None otherwise (an engine samples)."""
-    if not from_dataset(cfg):
-        return None
-    return [str(p.columns[cfg.data.response_key]) for p in problems]
-
-
 def collect(models: Models, problems: list[Problem], cfg, version: int = 0,
-            refill: Callable[[int], list[Problem]] | None = None) -> Rollout:
+            refill: Callable[[int], list[Problem]] | None = None,
+            answers: Callable[[list[Problem]], list[str]] | None = None) -> Rollout:
     """The rollout collector: ``group_size`` sampled and rewarded responses for each of this DP
     rank's ``problems`` (``refill(k)`` supplies k more for dynamic sampling), by the policy of
-    ``version`` optimizer steps. See :func:`sample_groups`."""
+    ``version`` optimizer steps (by the teacher's engine when the models have one; ``answers``: responses
+    taken instead, no engine). See :func:`sample_groups`."""
     t = time.perf_counter()
-    # distill_samples=teacher: the teacher's engine answers; dataset: the files' answers, no engine
-    phase = nullcontext() if from_dataset(cfg) else rollout_phase(models, teacher=models.teacher_engine is not None)
+    phase = nullcontext() if answers is not None else rollout_phase(models, teacher=models.teacher_engine is not None)
     with phase:
         samples, scores, info = sample_groups(models, problems, cfg,
-                                              refill if cfg.algorithm.dynamic_sampling else None)
+                                              refill if cfg.algorithm.dynamic_sampling else None, answers)
     rewards = combine(scores, job_terms(cfg), len(samples))  # whitened terms: over the global batch (collective)
     steps = score_steps(models, samples, cfg) if process_reward_weight(cfg) else None  # the dense term
     return Rollout(samples, rewards, version, info=info, seconds=time.perf_counter() - t, reward_terms=scores,
@@ -342,9 +349,8 @@ def token_advantages(advantages: torch.Tensor, steps, samples: list, group_size:
 
 
 def sample_advantages(rollout: Rollout, cfg) -> torch.Tensor:
-    """``[N]`` float32 advantages of this DP rank's samples: ``algorithm.advantage_estimator`` on their rewards
-    (batch-whitened estimators over the global batch: collective over DP); for ``distill``, weighted by
-    ``algorithm.task_reward_weight`` (zeros at 0)."""
+    """``[N]`` advantages of this DP rank's samples: ``algorithm.advantage_estimator`` on their rewards
+    (batch-whitened estimators over the global batch: collective over DP)."""
     r, a, rewards = cfg.rollout, cfg.algorithm, rollout.rewards
     whitening = {}
     if a.advantage_estimator in BATCH_WHITENED:  # mean and std of the global batch (sequences or tokens)
@@ -352,17 +358,17 @@ def sample_advantages(rollout: Rollout, cfg) -> torch.Tensor:
         whitening = {"all_reduce": lambda sums: all_reduce_sum(sums, dp_group),
                      "token_counts": (torch.tensor([len(s.response_ids) for s in rollout.samples])
                                       if a.whiten_level == "token" else None)}
-    if a.name == "distill" and not a.task_reward_weight:  # distillation only: no task advantages
-        return torch.zeros_like(rewards, dtype=torch.float32)
-    advantages = get_advantage_estimator(a.advantage_estimator)(rewards, r.group_size, **whitening)
-    return advantages * (a.task_reward_weight if a.name == "distill" else 1.0)  # distill: the task's share
+    return get_advantage_estimator(a.advantage_estimator)(rewards, r.group_size, **whitening)
 
 
 def train(models: Models, rollout: Rollout, cfg, advantages: torch.Tensor | None = None,
+          score: Callable[..., None] | None = None, terms: StepTerms | None = None,
           ) -> tuple[dict[str, float], dict[str, float]]:
     """The trainer step on this DP rank's ``rollout``: advantages (``advantages``, ``[N]``, one per sample;
     None: :func:`sample_advantages`), reference (and, for several updates, old) logprobs, then
-    :func:`train_step`. Returns (global metrics, phase seconds)."""
+    :func:`train_step`. An algorithm built on the step gives ``score(batch, packing=, share_prompts=)``, which
+    adds its own columns to the batch before the logprob passes (distillation: the teacher's scores), and its
+    ``terms`` (:class:`StepTerms`). Returns (global metrics, phase seconds)."""
     ps = _ps()
     r, a, times = cfg.rollout, cfg.algorithm, {}
     samples, rewards, info = rollout.samples, rollout.rewards, rollout.info
@@ -381,8 +387,8 @@ def train(models: Models, rollout: Rollout, cfg, advantages: torch.Tensor | None
     batch["advantages"] = advantages
     packing = dict(packing=cfg.trainer.sequence_packing, share_prompts=shares_prompts(cfg))
     zeros = torch.zeros_like(batch["response_mask"])
-    if models.teacher is not None:  # on-policy distillation: the teacher scores the student's tokens
-        distill.teacher_scores(models, batch, cfg, **packing)
+    if score is not None:  # the algorithm's own columns (distillation: the teacher's scores of the tokens)
+        score(batch, **packing)
     if models.reference is not None and a.kl_coef > 0:
         models.placement.keep("reference")
         ref = policy_logprobs(models.reference, microbatches(batch, cfg.trainer), models.vocab_size, r.temperature, **packing)
@@ -402,7 +408,7 @@ def train(models: Models, rollout: Rollout, cfg, advantages: torch.Tensor | None
 
     t = time.perf_counter()
     models.placement.keep(*trainable("policy"))
-    metrics = train_step(models, batch, cfg)
+    metrics = train_step(models, batch, cfg, terms)
     times["train"] = time.perf_counter() - t
 
     # Reward and length statistics over the global batch (one contribution per DP rank).

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from alignment.config import heldout_grader
+from alignment.rewards.policy import heldout_grader
 from alignment.rollout.base import SamplingConfig
 from alignment.trainers import grpo
 from alignment.trainers.eval_cache import cached_accuracy, heldout_key, lookup_accuracy, store_accuracy

@@ -30,9 +30,9 @@ from alignment.algorithms.grpo_loss import GRPOLossConfig, grpo_loss
 from alignment.algorithms.kl import kl_in_reward
 from alignment.algorithms.process_rewards import place_step_rewards, to_batch_columns
 from alignment.algorithms.value_loss import value_loss
-from alignment.config import ppo_on_task, process_reward_weight, shares_prompts
 from alignment.data.images import select_rows
 from alignment.rewards.code_runs import early_grading
+from alignment.rewards.policy import ppo_on_task, process_reward_weight
 from alignment.rollout.base import SamplingConfig
 from alignment.trainers.models import Models
 from alignment.trainers.process_rewarding import score_steps, step_metrics
@@ -41,6 +41,7 @@ from alignment.trainers.agent_rollout import AGENT_COUNTS, agent_episodes, uses_
 from alignment.trainers.rl_phases import (Rollout, correction_metrics, episode_metrics, generate_episodes,
                                           generate_for_group, head_outputs, microbatches, policy_logprobs,
                                           rollout_phase, sampling_config)
+from alignment.training.config import shares_prompts
 from alignment.training.dp_balance import balance_over_dp
 from alignment.training.health import guarded_step
 from alignment.training.megatron_step import (LogprobOutputs, all_reduce_sum, forward_backward, global_sums,

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from alignment.config import process_reward_weight
 from alignment.data.step_data import encode_steps, response_steps
+from alignment.rewards.policy import process_reward_weight
 from alignment.rollout.base import Sample
 from alignment.trainers.models import Models
 from alignment.trainers.rl_phases import head_outputs, microbatches

@@ -11,16 +11,17 @@ import torch
 
 from alignment.algorithms.composite_reward import RewardTerm, combine_rewards
 from alignment.algorithms.reward_shaping import overlong_penalty
-from alignment.config import reward_terms, shares_prompts
 from alignment.data.tasks import Problem
 from alignment.models.value_head import sequence_scores
 from alignment.rewards.config import PROCESS_REWARD
 from alignment.rewards.functions import function_scores
+from alignment.rewards.policy import reward_terms
 from alignment.rollout.base import Sample
 from alignment.sandbox.runner import SandboxPool, sandbox_workers
 from alignment.trainers.models import Models
 from alignment.trainers.rl_phases import head_outputs, microbatches
 from alignment.training.batching import make_batch
+from alignment.training.config import shares_prompts
 from alignment.training.megatron_step import all_reduce_sum
 
 OVERLONG = "overlong"  # DAPO's overlong penalty (algorithm.overlong_buffer_len), an unwhitened term of weight 1

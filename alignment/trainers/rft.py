@@ -26,7 +26,6 @@ import torch
 
 from alignment.algorithms.rejection_sampling import accepted_indices
 from alignment.algorithms.sft_loss import sft_loss
-from alignment.config import shares_prompts
 from alignment.data.prompts import PromptStyle, build_prompt_ids
 from alignment.data.tasks import Problem
 from alignment.rewards.code_runs import early_grading
@@ -37,6 +36,7 @@ from alignment.trainers.rewarding import combine, job_terms, score_terms, term_m
 from alignment.trainers.rl_phases import (Rollout, generate_for_group, image_processor, microbatches, rollout_phase,
                                          sampling_config)
 from alignment.training.batching import make_batch
+from alignment.training.config import shares_prompts
 from alignment.training.health import guarded_step
 from alignment.training.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
 from alignment.training.offload import trainable

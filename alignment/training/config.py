@@ -114,3 +114,12 @@ def check_metric_bounds(t: TrainerConfig) -> None:
             if not b.metric or (b.below is None and b.above is None):
                 raise ConfigError(f"trainer.{kind} entry {plain(b)}: give a metric and a bound, e.g. "
                                   "{metric: entropy, below: 0.05} or {metric: kl, above: 1.0}")
+
+
+def shares_prompts(cfg) -> bool:
+    """Whether an RL job's passes run as prompt trees (``trainer.shared_prompt_packing``: null is
+    on where it runs, i.e. ``context_parallel_size=1`` and ``sequence_parallel=false``)."""
+    t, p = cfg.trainer, cfg.parallel
+    if t.shared_prompt_packing is not None:
+        return bool(t.shared_prompt_packing)
+    return p.context_parallel_size == 1 and not p.sequence_parallel

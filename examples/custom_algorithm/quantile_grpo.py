@@ -10,8 +10,9 @@ An algorithm is three things (alignment/algorithms/registry.py):
   not read one, so ``algorithm.advantage_estimator=...`` is refused rather than ignored;
 - its trainer, this module: :func:`collect` samples and scores as GRPO does; :func:`train` computes its advantages,
   then runs GRPO's step on them;
-- its record, :data:`ALGORITHM`: the job that runs it, the trainer module, the section, what it can do, and the
-  built-in whose other settings (``rollout``, ``data``, ``trainer``) it reads as its own (``like="grpo"``).
+- its record, :data:`ALGORITHM`: the job that runs it, the trainer module, the section, what it can do, its checks
+  across sections (GRPO's step's: ``alignment/checks/grpo.py``), and the built-in whose other settings
+  (``rollout``, ``data``, ``trainer``) it reads as its own (``like="grpo"``).
 """
 
 from __future__ import annotations
@@ -60,4 +61,5 @@ def train(models, rollout, cfg):
 
 
 ALGORITHM = Algorithm("quantile_grpo", "online", __name__, "GRPO with a quantile (median) baseline",
-                      QuantileGRPOConfig, asks_task=True, policy_gradient=True, like="grpo")
+                      QuantileGRPOConfig, asks_task=True, policy_gradient=True,
+                      validate="alignment.checks.grpo:validate", like="grpo")
