@@ -1,6 +1,6 @@
 """Where megalign keeps what it derives once: converted models (``hf/``), the demo data sets
 (``data/``), held-out accuracies of base checkpoints (``heldout/``), evaluation results
-(``evaluate/``) and vLLM's compiled models (``compile/``, :mod:`alignment.rollout.compile_cache`).
+(``evaluate/``) and vLLM's compiled models (``compile/``, :mod:`alignment.rollout.engines.compile_cache`).
 One root for all of it: ``$MEGALIGN_CACHE``, default ``~/.cache/megalign``."""
 
 from __future__ import annotations

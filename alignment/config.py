@@ -40,7 +40,7 @@ from alignment.models.families import model_dims, text_config
 from alignment.rewards.config import PROCESS_REWARD, RewardConfig, check_functions, is_pairwise
 from alignment.rewards.policy import ppo_on_task, process_reward_weight, reward_terms
 from alignment.rewards.text import FORMAT_TASKS
-from alignment.rollout.agents import AgentError, load_agent
+from alignment.rollout.agents.programs import AgentError, load_agent
 from alignment.rollout.config import (RolloutConfig, check_backend, check_engine_tp, check_episodes, check_lengths,
                                       check_partial, check_placement, rollout_ranks)
 from alignment.schema import ConfigError, Range, dotted, field_ranges, per_task, ranged, unbounded

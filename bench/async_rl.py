@@ -19,7 +19,7 @@ Modes (``rollout.max_staleness``, :mod:`launchers.loop`):
                   is generated on the engine's core while step s trains on the trainer's)
   disaggregated partial   one-step-off with ``rollout.partial=true``: the engine takes step s's
                   new weights between two decode chunks of step s+1's batch and continues the
-                  unfinished answers under them (``alignment/rollout/partial.py``), in the default
+                  unfinished answers under them (``alignment/rollout/engines/partial.py``), in the default
                   chunks of 8 tokens; ``disaggregated partial chunk32``: chunks of 32 (fewer engine
                   calls, the update taken later)
 

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from alignment.rollout.vllm_engine import VLLMEngine
+    from alignment.rollout.engines.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(str(prepare_hf_dir("smollm2")), max_model_len=1024, kv_cache_gib=1.0, seed=0)
     problems = load_problems("humaneval", "heldout", args.problems)

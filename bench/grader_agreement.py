@@ -25,7 +25,7 @@ from alignment.data.tasks import load_problems, score_response
 from alignment.models.hf_assets import prepare_hf_dir
 from alignment.rewards.graders import math_verify
 from alignment.rollout.base import SamplingConfig
-from alignment.rollout.vllm_engine import VLLMEngine
+from alignment.rollout.engines.vllm_engine import VLLMEngine
 
 
 def kind(text: str, extractor: float, verifier: float) -> str:

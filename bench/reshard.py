@@ -26,7 +26,7 @@ from alignment.models.families import get_bridge
 from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.hf_assets import prepare_hf_dir
 from alignment.models.weights import export_hf_weights, lazy_safetensors, load_hf_weights
-from alignment.rollout.vllm_engine import VLLMEngine
+from alignment.rollout.engines.vllm_engine import VLLMEngine
 from parallel.layout import ParallelLayout
 from parallel.reshard import Resharder
 from parallel.state import env_world, init_distributed

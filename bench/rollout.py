@@ -22,7 +22,7 @@ memory bound once compiled).
 ``--engine megatron`` measures Megatron-Core's inference engine instead (``rollout.backend=megatron``, the engine
 of a machine without vLLM), in this process on one device (a GPU when there is one), random weights of each
 ``--models`` shape, eager and (``--cuda-graphs``) with the engine's decode steps of fixed shape captured as CUDA graphs
-(:mod:`alignment.rollout.static_decode`; uncaptured on a CPU), the greedy tokens of the two compared. Its batch is
+(:mod:`alignment.rollout.engines.static_decode`; uncaptured on a CPU), the greedy tokens of the two compared. Its batch is
 the main job's on one device (8 prompts x 8 samples) and the bandwidth is a device-to-device copy's; ``--profile``
 adds the GPU's kernel time over wall time:
 
@@ -54,7 +54,7 @@ def worker(args) -> None:
 
     from alignment.models.flops import measured_matmul_peak
     from alignment.models.hf_assets import prepare_hf_dir
-    from alignment.rollout.vllm_engine import VLLMEngine
+    from alignment.rollout.engines.vllm_engine import VLLMEngine
     from vllm import SamplingParams
 
     torch.set_num_threads(args.cores)
@@ -67,7 +67,7 @@ def worker(args) -> None:
 
     hf_dir = prepare_hf_dir("smollm2")
     lengths = [int(x) for x in args.lengths.split(",")]
-    # the main job's max_model_len: its compile cache (alignment/rollout/compile_cache.py) is this engine's
+    # the main job's max_model_len: its compile cache (alignment/rollout/engines/compile_cache.py) is this engine's
     engine = VLLMEngine(str(hf_dir), max_model_len=max(512, PROMPT_TOKENS + max(lengths) + 8), kv_cache_gib=1.0,
                         dtype=args.dtype, enforce_eager=not args.compiled, seed=args.rank)
     config = json.loads((Path(hf_dir) / "config.json").read_text())
@@ -175,7 +175,7 @@ def megatron_bench(args) -> None:
 
     from alignment.models.gpt import build_gpt_model, transformer_config
     from alignment.rollout.base import SamplingConfig
-    from alignment.rollout.megatron_engine import MegatronEngine
+    from alignment.rollout.engines.megatron_engine import MegatronEngine
     from parallel.layout import ParallelLayout
     from parallel.state import init_distributed, shutdown
 

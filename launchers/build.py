@@ -19,10 +19,10 @@ from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.hf_assets import prepare_hf_dir
 from alignment.models.value_head import build_value_model
 from alignment.models.weights import lazy_safetensors, load_hf_weights
-from alignment.rollout.disaggregated import RemoteEngine
-from alignment.rollout.factory import build_engine, eos_token_ids
-from alignment.rollout.megatron_engine import MegatronEngine
-from alignment.rollout.multi_turn import episode_setup
+from alignment.rollout.engines.disaggregated import RemoteEngine
+from alignment.rollout.engines.factory import build_engine, eos_token_ids
+from alignment.rollout.engines.megatron_engine import MegatronEngine
+from alignment.rollout.episodes.multi_turn import episode_setup
 from alignment.trainers.agent_rollout import setup_agents, uses_agents
 from alignment.trainers.models import Models
 from alignment.training.megatron_step import OptimConfig, main_param_writer, setup_training
@@ -181,10 +181,10 @@ def rollout_layout(bridge, cfg):
 
 
 def rollout_engine(cfg, hf_dir: Path, policy, bridge, vocab_size: int, rank: int):
-    """This rank's rollout engine (``rollout.backend``, :func:`alignment.rollout.factory.build_engine`)
+    """This rank's rollout engine (``rollout.backend``, :func:`alignment.rollout.engines.factory.build_engine`)
     and, when the engine keeps its own weights, the resharder that feeds it after every update
     (``None`` when it runs the policy's own). In a disaggregated job (``rollout.placement``) a
-    trainer's engine is the rollout ranks' (:class:`alignment.rollout.disaggregated.RemoteEngine`),
+    trainer's engine is the rollout ranks' (:class:`alignment.rollout.engines.disaggregated.RemoteEngine`),
     fed over the group that joins them."""
     from megatron.core import parallel_state as ps
 

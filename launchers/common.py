@@ -9,6 +9,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,8 +21,8 @@ from alignment.models.hf_assets import prepare_hf_dir
 from alignment.models.hf_files import check_hf_dir
 from alignment.models.lora_export import save_peft_adapter
 from alignment.rollout.config import rollout_ranks
-from alignment.rollout.disaggregated import serve
-from alignment.rollout.factory import build_engine
+from alignment.rollout.engines.disaggregated import serve
+from alignment.rollout.engines.factory import build_engine
 from alignment.schema import ConfigError
 from alignment.training.host_memory import bound_onednn_primitive_cache, return_freed_memory_to_os
 from alignment.training.offload import offload_enabled
@@ -51,17 +52,17 @@ class Run:
     """One job's process-wide state: ranks, the HF model dir and config, the output dir and
     (rank 0 only) the TensorBoard writer."""
 
-    cfg: object
+    cfg: JobConfig
     rank: int
     world: int
     hf_dir: Path
-    hf_config: object
+    hf_config: Any  # transformers' PretrainedConfig
     out: Path
-    writer: object = None
-    history: list = field(default_factory=list)
-    profiler: object = None  # launchers.profiling.StepProfiler (profile.*)
+    writer: Any = None  # torch.utils.tensorboard's SummaryWriter (rank 0)
+    history: list[dict[str, float]] = field(default_factory=list)
+    profiler: Any = None  # launchers.profiling.StepProfiler (profile.*)
     timers: PhaseTimers = field(default_factory=PhaseTimers)  # summed phase times, e.g. checkpoint
-    prompts: object = None  # what the job reads, checked at start: PromptSets (RL) or ExampleCounts (SFT / RM / DPO)
+    prompts: Any = None  # what the job reads, checked at start: PromptSets (RL) or ExampleCounts (SFT / RM / DPO)
 
     @property
     def resolved_config(self) -> str:
@@ -135,7 +136,7 @@ def export_adapters(job: Run, model, bridge) -> None:
 def serve_as_rollout_rank(cfg, hf_dir: Path, hf_config) -> None:
     """All a rollout rank of a disaggregated job does: build its vLLM engine from ``hf_dir`` (the
     initial policy) and the receiving side of the weight sync, serve the trainers until they stop
-    it (:func:`alignment.rollout.disaggregated.serve`), then close the engine and the groups."""
+    it (:func:`alignment.rollout.engines.disaggregated.serve`), then close the engine and the groups."""
 
     group, r = trainer_rollout_group(), cfg.rollout
     trainers = group.size - r.rollout_ranks

@@ -13,7 +13,7 @@ process reward model), for which ``collect`` takes the step's slice of the datas
     -> evaluate -> final checkpoint -> HF export -> summary
 
 What differs between jobs comes in a :class:`JobSpec` (its ``collect`` and ``train``, the models
-its checkpoints hold and its held-out :class:`Evaluation`), built by the thin launchers
+its checkpoints hold and its held-out :class:`alignment.trainers.interfaces.Evaluation`), built by the thin launchers
 (:mod:`launchers.train` for the GRPO family, ``rft`` and ``online_dpo``; :mod:`launchers.ppo_job`
 for PPO; :mod:`launchers.offline_job` for SFT / RM / DPO / PRM). A job is online when its models
 hold a rollout engine. Step ``s`` always trains on the same prompts (:func:`prompts_of_step`) or
@@ -44,20 +44,27 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from pathlib import Path
+from typing import Any
+
+import torch
 
 from alignment.config import total_steps
 from alignment.data.prompt_data import EpochOrder
-from alignment.rewards.remote import RewardServerError, take_failures
-from alignment.trainers.rl_phases import post_for_group, sync_weights, token_staleness
 from alignment.models.families import model_dims
+from alignment.rewards.remote import RewardServerError, take_failures
+from alignment.rollout.base import SamplingConfig
+from alignment.trainers.interfaces import Batch, Evaluation
+from alignment.trainers.models import Models
+from alignment.trainers.rl_phases import post_for_group, sync_weights, token_staleness
 from alignment.training.checkpoint import (FULLY_RESHARDABLE, ensure_space, latest_checkpoint, load_models_checkpoint,
                                            prune_checkpoints, save_hf_checkpoint, save_models_checkpoint)
+from alignment.training.grad_stats import measured
 from alignment.training.health import HealthMonitor
 from alignment.training.megatron_step import all_reduce_sum
 from alignment.training.offload import trainable
 from launchers import preemption
-from launchers.common import export_adapters
+from launchers.common import Run, export_adapters
 from launchers.input_checks import DATA_POSITION_FILE, data_position
 from launchers.phase_log import record
 from launchers.profiling import peak_rss_bytes
@@ -65,28 +72,6 @@ from launchers.rollout_table import write_rollout_table
 from launchers.teardown import close_job
 from parallel.memory import checkpoint_bytes
 from parallel.state import replica_group
-
-
-class Evaluation(Protocol):
-    """A job's held-out evaluation, called by the loop at fixed points (collective)."""
-
-    def baseline(self) -> None:
-        """Before a resume loads trained weights: measure what must be the initial policy's."""
-
-    def before(self, step: int) -> dict[str, float]:
-        """Before the first step of this run (``trainer.eval_before``): metrics to log at ``step``."""
-
-    def beside_first_step(self) -> Callable[[], dict[str, float]] | None:
-        """Once the first step's batch is collected: start what :meth:`before` deferred to run beside
-        the step's training, and return the function (collective) that waits for it, called after
-        the training and before the weight sync, giving the metrics to log at the start step; None:
-        nothing deferred."""
-
-    def measure(self, step: int) -> dict[str, float]:
-        """The current policy's held-out metrics after ``step`` optimizer steps (every ``trainer.eval_every``)."""
-
-    def final(self) -> tuple[dict[str, float], dict, str]:
-        """After training: (metrics to log, summary entries, the line to print)."""
 
 
 #: the progress bar's postfix of an online job: shown name -> (metric, format)
@@ -115,17 +100,17 @@ class JobSpec:
     """
 
     name: str
-    train_set: Sequence
-    collect: Callable
-    train: Callable
-    trained: dict
+    train_set: Sequence[Any]
+    collect: Callable[[list[Any], int, int], Batch]
+    train: Callable[[Any], tuple[dict[str, float], dict[str, float]]]
+    trained: dict[str, tuple[torch.nn.Module, Any]]
     evaluation: Evaluation
-    request: Callable | None = None
-    items: Callable | None = None
+    request: Callable[[list[Any]], tuple[list[Any], SamplingConfig]] | None = None
+    items: Callable[[int], list[Any]] | None = None
     steps: int | None = None
     log_prefix: str = ""
-    postfix: dict = field(default_factory=lambda: dict(RL_POSTFIX))
-    hf_config: object = None
+    postfix: dict[str, tuple[str, str]] = field(default_factory=lambda: dict(RL_POSTFIX))
+    hf_config: Any = None
     export_adapters: bool = True
 
 
@@ -145,11 +130,13 @@ class RolloutQueue:
     so that every step samples alike in an uninterrupted and a resumed run.
     """
 
-    def __init__(self, collect: Callable, max_staleness: int, first: int, end: int, post: Callable | None = None,
-                 reseed: Callable | None = None):
+    def __init__(self, collect: Callable[[int, int], Batch], max_staleness: int, first: int, end: int,
+                 post: Callable[[int], None] | None = None, reseed: Callable[[int], None] | None = None):
         self.collect, self.max_staleness, self.end, self.post = collect, max_staleness, end, post
-        self.reseed = reseed or (lambda step: None)
-        self.pending, self.next_step, self.posted = deque(), first, None
+        self.reseed: Callable[[int], None] = reseed or (lambda step: None)
+        self.pending: deque[Batch] = deque()
+        self.next_step = first
+        self.posted: tuple[int, int] | None = None
 
     def _collect(self, step: int, version: int, posted: bool = False) -> float:
         if not posted:
@@ -160,7 +147,7 @@ class RolloutQueue:
         self.next_step = step + 1
         return rollout.seconds
 
-    def pop(self, step: int, version: int):
+    def pop(self, step: int, version: int) -> tuple[Any, float]:
         """Step ``step``'s batch, after sampling (by the policy of ``version`` updates) every batch of
         steps ``<= step + max_staleness`` not yet sampled (the last of them only posted, with
         ``post``); returns ``(rollout, seconds spent sampling now)``. The schedule of verl's
@@ -194,14 +181,15 @@ class RolloutQueue:
         return self._collect(step, version, posted=True)
 
 
-def engine_stats(models) -> dict[str, float]:
+def engine_stats(models: Models) -> dict[str, float]:
     """The rollout engines' busy and idle seconds since the last call (rollout ranks of their own:
-    :meth:`alignment.rollout.disaggregated.RemoteEngine.pop_stats`); ``{}`` for other engines."""
+    :meth:`alignment.rollout.engines.disaggregated.RemoteEngine.pop_stats`); ``{}`` for other engines."""
     pop = getattr(models.engine, "pop_stats", None)
-    return pop() if pop is not None else {}
+    stats: dict[str, float] = pop() if pop is not None else {}
+    return stats
 
 
-def prompts_of_step(train_set: Sequence, step: int, prompts_per_step: int, dp_rank: int, dp: int) -> list:
+def prompts_of_step(train_set: Sequence[Any], step: int, prompts_per_step: int, dp_rank: int, dp: int) -> list[Any]:
     """This DP rank's share of step ``step``'s ``prompts_per_step`` consecutive items of
     ``train_set``: an :class:`alignment.data.prompt_data.EpochOrder` (epoch after epoch, each in its own
     order), or a list taken again from its start: the same for a step whether or not the run was resumed."""
@@ -221,12 +209,12 @@ def reward_server_failures() -> list[str]:
     mine = take_failures()
     if not all_reduce_sum([float(len(mine))])[0]:
         return []
-    gathered = [None] * dist.get_world_size()
+    gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, mine)
     return [f for part in gathered for f in part]
 
 
-def skipped_groups(samples, group_size: int) -> float:
+def skipped_groups(samples: list[Any], group_size: int) -> float:
     """Groups of the global batch left out of the update because a reward server failed on them
     (``on_error: skip``; :func:`alignment.trainers.rewarding.drop_failed_groups`); collective."""
 
@@ -235,7 +223,8 @@ def skipped_groups(samples, group_size: int) -> float:
     return n / group_size
 
 
-def reshard_and_exit(job, models, spec: JobSpec, latest, step: int, files: dict | None) -> dict:
+def reshard_and_exit(job: Run, models: Models, spec: JobSpec, latest: Path, step: int, files: dict[str, str] | None
+                     ) -> dict[str, Any]:
     """``trainer.reshard_checkpoint``: write the checkpoint just loaded (``latest``, of ``step``) again
     with the distributed optimizer's state in Megatron's fully_reshardable format (model space:
     loads at any TP / PP / EP / DP), the same config, step and data position; then close the
@@ -253,7 +242,7 @@ class Checkpoints:
     """The run's checkpoints (``<output_dir>/checkpoints/step_<n>``): every trained model with its Adam state,
     the resolved config and the data position; atomic, the oldest pruned to ``trainer.keep_last``."""
 
-    def __init__(self, job, models, spec: JobSpec):
+    def __init__(self, job: Run, models: Models, spec: JobSpec):
         self.job, self.models, self.spec = job, models, spec
         self.dir = job.out / "checkpoints"
         self.units = [unit for name, (_, optimizer) in spec.trained.items()  # resident to load or save them
@@ -261,10 +250,10 @@ class Checkpoints:
         self.position = {DATA_POSITION_FILE: json.dumps(data_position(job.cfg, job.prompts))} \
             if getattr(job.prompts, "fingerprint", None) else None
 
-    def path(self, step: int):
+    def path(self, step: int) -> Path:
         return self.dir / f"step_{step}"
 
-    def load_latest(self):
+    def load_latest(self) -> tuple[int, Path | None]:
         """With ``trainer.resume``, load the latest checkpoint into every trained model; returns ``(step,
         checkpoint)``, ``(0, None)`` for a fresh start. Collective."""
         latest = latest_checkpoint(self.dir) if self.job.cfg.trainer.resume else None
@@ -290,7 +279,7 @@ class Checkpoints:
                                                          lora_rank=lora.rank, lora_targets=tuple(lora.target_modules))
 
 
-def rollout_queue(job, models, spec: JobSpec, start_step: int, steps_total: int) -> RolloutQueue:
+def rollout_queue(job: Run, models: Models, spec: JobSpec, start_step: int, steps_total: int) -> RolloutQueue:
     """The queue of batches for steps ``start_step .. steps_total - 1``: each step's items (:func:`prompts_of_step`
     or ``spec.items``) collected by ``spec.collect``, up to ``rollout.max_staleness`` steps ahead (online jobs),
     posted early to engines of their own, each engine reseeded for the step it samples."""
@@ -299,12 +288,13 @@ def rollout_queue(job, models, spec: JobSpec, start_step: int, steps_total: int)
     cfg, online = job.cfg, models.engine is not None
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
 
-    def items(s: int) -> list:
+    def items(s: int) -> list[Any]:
         if spec.items is not None:
             return spec.items(s)
         return prompts_of_step(spec.train_set, s, cfg.rollout.prompts_per_step, dp_rank, dp)
 
     def post(s: int) -> None:  # engines of their own sample step s while this step trains
+        assert spec.request is not None  # posted only when the job gives its request
         post_for_group(models.engine, *spec.request(items(s)))
 
     def reseed(s: int) -> None:  # every engine that samples this step's answers: the student's and a teacher's
@@ -334,8 +324,8 @@ def stop_on_reward_server_failures(step: int, start_step: int, checkpoints: Chec
                             "again, or set its on_error: skip)")
 
 
-def sync_and_measure(job, models, spec: JobSpec, queue: RolloutQueue, step: int, rollout, rollout_s: float,
-                     metrics: dict, times: dict) -> dict:
+def sync_and_measure(job: Run, models: Models, spec: JobSpec, queue: RolloutQueue, step: int, rollout: Any,
+                     rollout_s: float, metrics: dict[str, float], times: dict[str, float]) -> dict[str, float]:
     """An online step's end: the batch posted before this step trained collected (after the sync with partial
     rollouts: the engines take the update mid-batch), the new weights synced into the engines, the step's
     rollout metrics (staleness, epoch, skipped groups, engine busy / idle) added to ``metrics``. Returns the
@@ -359,7 +349,8 @@ def sync_and_measure(job, models, spec: JobSpec, queue: RolloutQueue, step: int,
     return times
 
 
-def step_metrics(spec: JobSpec, metrics: dict, times: dict, step_time: float) -> dict:
+def step_metrics(spec: JobSpec, metrics: dict[str, float], times: dict[str, float], step_time: float
+                 ) -> dict[str, float]:
     """The step's metrics with its throughput, phase times and peak memory added (in ``metrics``); returns them
     named as logged (``spec.log_prefix``)."""
     metrics["tokens_per_s"] = metrics.pop("tokens") / step_time
@@ -368,8 +359,8 @@ def step_metrics(spec: JobSpec, metrics: dict, times: dict, step_time: float) ->
     return {f"{spec.log_prefix}{k}": v for k, v in metrics.items()}
 
 
-def finish(job, models, spec: JobSpec, checkpoints: Checkpoints, start_step: int, steps_total: int,
-           startup_s: float) -> dict:
+def finish(job: Run, models: Models, spec: JobSpec, checkpoints: Checkpoints, start_step: int, steps_total: int,
+           startup_s: float) -> dict[str, Any]:
     """After the last step: the final evaluation, checkpoint and HF export (with LoRA's adapters), then the
     summary written and the job closed. Returns the summary."""
     t = job.cfg.trainer
@@ -391,7 +382,7 @@ def finish(job, models, spec: JobSpec, checkpoints: Checkpoints, start_step: int
     return job.finish(summary, message, models.engine)
 
 
-def run(job, models, spec: JobSpec) -> dict:
+def run(job: Run, models: Models, spec: JobSpec) -> dict[str, Any]:
     """Run ``spec`` for its steps from the latest checkpoint (``trainer.resume``); returns the
     summary written to ``<output_dir>/summary.json``. ``job``: the :class:`launchers.common.Run`;
     ``models``: the :class:`alignment.trainers.models.Models` (with an engine: an online job).
@@ -430,13 +421,13 @@ def run(job, models, spec: JobSpec) -> dict:
         rollout, rollout_s = queue.pop(step, version=step)
         if online:  # reward.functions: http with on_error=stop
             stop_on_reward_server_failures(step, start_step, checkpoints)
-        models.grad_norms = {} if t.grad_stats_every and (step + 1) % t.grad_stats_every == 0 else None
         record("training", step + 1)
         beside = spec.evaluation.beside_first_step() if step == start_step and t.eval_before else None
-        metrics, times = spec.train(rollout)
+        with measured(bool(t.grad_stats_every) and (step + 1) % t.grad_stats_every == 0) as grad_norms:
+            metrics, times = spec.train(rollout)  # the policy's gradient norms per layer group, on the steps asked
         if beside is not None:  # the base model's held-out accuracy, measured on the engine meanwhile
             job.log(beside(), start_step)
-        metrics.update(models.grad_norms or {})
+        metrics.update(grad_norms)
         times = sync_and_measure(job, models, spec, queue, step, rollout, rollout_s, metrics, times) if online \
             else {"batch": rollout_s, **times}
         job.profiler.end(step)
@@ -460,7 +451,8 @@ def run(job, models, spec: JobSpec) -> dict:
             preemption.save_and_exit(job, step + 1, checkpoints.save, models.engine)
         if t.save_every and (step + 1) % t.save_every == 0 and step + 1 < steps_total:
             checkpoints.save(step + 1)
-        if hasattr(steps, "set_postfix"):
-            steps.set_postfix(**{k: f"{metrics[m]:{f}}" for k, (m, f) in spec.postfix.items() if m in metrics},
-                              s=f"{step_time:.1f}")
+        postfix = getattr(steps, "set_postfix", None)  # tqdm's bar on rank 0
+        if postfix is not None:
+            postfix(**{k: f"{metrics[m]:{f}}" for k, (m, f) in spec.postfix.items() if m in metrics},
+                    s=f"{step_time:.1f}")
     return finish(job, models, spec, checkpoints, start_step, steps_total, startup_s)

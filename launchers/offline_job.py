@@ -66,7 +66,7 @@ class StepBatch:
 
 
 class HeldoutLoss:
-    """An offline job's :class:`launchers.loop.Evaluation`: the objective's loss and metrics on this
+    """An offline job's :class:`alignment.trainers.interfaces.Evaluation`: the objective's loss and metrics on this
     DP rank's held-out batches (``evaluate()``: the global metrics; collective), ``examples`` of
     them in all, and ``train_size`` training examples (for the summary)."""
 

@@ -77,7 +77,7 @@ def compare(before: dict, after: dict) -> dict[str, float]:
 
 
 class WinRate:
-    """PPO's :class:`launchers.loop.Evaluation`: greedy responses to this DP rank's held-out
+    """PPO's :class:`alignment.trainers.interfaces.Evaluation`: greedy responses to this DP rank's held-out
     prompts, scored by the reward model, the trained policy's against the initial one's."""
 
     def __init__(self, cfg, models, prompts: list[list[int]]):

@@ -1,7 +1,7 @@
 """Attention of a few new queries against a KV cache (decoding), without copies per query head.
 
 Pure torch, no Megatron: :class:`parallel.attention.ContextParallelAttention` decodes with it, and so does the
-fixed-shape decode step (:mod:`alignment.rollout.static_decode`), whose module ``megalign train``'s config checks
+fixed-shape decode step (:mod:`alignment.rollout.engines.static_decode`), whose module ``megalign train``'s config checks
 import without paying for Megatron's import.
 """
 
@@ -28,7 +28,7 @@ def cached_causal_attention(q, k, v, scale: float, mask=None):
     Args:
         q: ``[B, heads, sq, d]``; ``k``, ``v``: ``[B, kv_heads, sk, d]`` with ``sk >= sq``.
         mask: ``[sq, sk]`` bool, True where a query sees a key, instead of the bottom-right causal
-            mask (a KV cache read past the sequence's end: :mod:`alignment.rollout.static_decode`).
+            mask (a KV cache read past the sequence's end: :mod:`alignment.rollout.engines.static_decode`).
     Returns:
         ``[B, heads, sq, d]`` in ``q``'s dtype.
     """

@@ -206,7 +206,7 @@ class HostEvent(HostStream):
     clock, ``elapsed_time`` returns milliseconds as CUDA's does.
 
     Why: megatron-core's inference controller (``generate_all_output_tokens_static_batch``)
-    times every decode step with CUDA events (``alignment/rollout/megatron_engine.py``).
+    times every decode step with CUDA events (``alignment/rollout/engines/megatron_engine.py``).
     """
 
     def __init__(self, *args, **kwargs):
@@ -525,7 +525,7 @@ def host_streams() -> None:
     earlier job of the same process) raised ``AttributeError: '_EventPlaceholder' object has no attribute
     'elapsed_time'``; and an MoE model built after it got a placeholder side stream for its token
     dispatcher, whose first expert-parallel forward raised ``'NoneType' object has no attribute
-    'synchronize'``. Called before such a generation (:class:`alignment.rollout.megatron_engine.MegatronEngine`)
+    'synchronize'``. Called before such a generation (:class:`alignment.rollout.engines.megatron_engine.MegatronEngine`)
     and by :func:`apply` again before every model build."""
     if _APPLIED:
         _bind_host_streams()

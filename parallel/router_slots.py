@@ -6,7 +6,7 @@ experts of every forward (``moe_utils.topk_routing_with_score_function`` -> ``ge
 ``megatron/core/transformer/moe/router_replay.py`` is Megatron's own, a global list driven by
 ``moe_enable_routing_replay``). :func:`routers` gives each router a :class:`ReplaySlot` of its own, which
 the training passes (:mod:`alignment.training.routing_replay`) and the inference engine
-(:mod:`alignment.rollout.routed_experts`) set per forward. Model-agnostic: any Megatron MoE layer.
+(:mod:`alignment.rollout.engines.routed_experts`) set per forward. Model-agnostic: any Megatron MoE layer.
 """
 
 from __future__ import annotations

@@ -203,7 +203,7 @@ def _build_replica_group(timeout: datetime.timedelta) -> None:
             _REPLICA_GROUP = group
 
 
-def replica_group():
+def replica_group() -> dist.ProcessGroup:
     """The ranks that hold one model replica and the same data: tensor x context x pipeline
     parallel (Megatron's model-parallel group is TP x PP only). Set by :func:`init_distributed`."""
     if _REPLICA_GROUP is None:

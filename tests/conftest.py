@@ -214,8 +214,8 @@ def smollm2_tokenizer():
 
 @pytest.fixture(scope="session")
 def chatml_turns(smollm2_tokenizer):
-    """:class:`alignment.rollout.turn_tokens.TurnTokens` of SmolLM2's template, ending turns at <|im_end|>."""
-    from alignment.rollout.turn_tokens import TurnTokens
+    """:class:`alignment.rollout.episodes.turn_tokens.TurnTokens` of SmolLM2's template, ending turns at <|im_end|>."""
+    from alignment.rollout.episodes.turn_tokens import TurnTokens
 
     return TurnTokens(smollm2_tokenizer, [SMOLLM2_EOS])
 

@@ -1,4 +1,4 @@
-"""The rollout server (``alignment/rollout/agent_server.py``) on a real HTTP server on 127.0.0.1, driven by
+"""The rollout server (``alignment/rollout/agents/server.py``) on a real HTTP server on 127.0.0.1, driven by
 the ``openai`` client as any agent would drive it, in front of a scripted engine: a 3-turn tool episode
 recorded token for token as the multi-turn engine path records it; sixteen concurrent sessions, each
 with its own record, batched into few engine calls; requests sent while the engine is away (a weight
@@ -14,9 +14,9 @@ import time
 import pytest
 
 from alignment.envs.tool_env import ToolEnvironment
-from alignment.rollout.agent_server import EPISODE_HEADER, RolloutServer
+from alignment.rollout.agents.server import EPISODE_HEADER, RolloutServer
 from alignment.rollout.base import SamplingConfig
-from alignment.rollout.multi_turn import run_episodes
+from alignment.rollout.episodes.multi_turn import run_episodes
 from tests.scripted_engine import ScriptedEngine
 from tests.test_agent_session import PROBLEM, script
 

@@ -1,4 +1,4 @@
-"""The rollout server's session record (token-in/token-out, ``alignment/rollout/agent_session.py``): an
+"""The rollout server's session record (token-in/token-out, ``alignment/rollout/agents/session.py``): an
 agent that sends its whole history each request gets exactly the tokens of the multi-turn engine path;
 the replies carry the model's tool calls parsed; a rewritten history is refused."""
 
@@ -10,10 +10,10 @@ import pytest
 
 from alignment.data.tasks import Problem
 from alignment.envs.tool_env import ToolEnvironment, tools_system_prompt
-from alignment.rollout.agent_session import (AgentSession, EpisodeTooLong, HistoryRewritten, assistant_message,
+from alignment.rollout.agents.session import (AgentSession, EpisodeTooLong, HistoryRewritten, assistant_message,
                                              same_message)
 from alignment.rollout.base import SamplingConfig
-from alignment.rollout.multi_turn import run_episodes
+from alignment.rollout.episodes.multi_turn import run_episodes
 from tests.scripted_engine import ScriptedEngine
 
 PROBLEM = Problem("Calculate 12 * 7 + 5.", "89", "arithmetic")

@@ -1,4 +1,4 @@
-"""Agent programs as rollouts (``alignment/rollout/agents.py``) against the rollout server on 127.0.0.1 and a
+"""Agent programs as rollouts (``alignment/rollout/agents/programs.py``) against the rollout server on 127.0.0.1 and a
 scripted engine: a hanging agent and a crashing agent dropped and counted, their groups masked out of the
 loss; an external command's environment, reward and failures; the task row; the config checks."""
 
@@ -14,7 +14,7 @@ import openai  # imported before the timed episodes
 import pytest
 
 from alignment.data.tasks import Problem
-from alignment.rollout.agents import (AgentError, command_agent, episode_samples, load_agent, play_episodes,
+from alignment.rollout.agents.programs import (AgentError, command_agent, episode_samples, load_agent, play_episodes,
                                       task_row)
 from tests.scripted_engine import ScriptedEngine
 from tests.test_agent_server import run_agents
@@ -36,7 +36,7 @@ async def chatty(base_url: str, row: dict):
 
 @pytest.fixture
 def server(chatml_turns, smollm2_tokenizer):
-    from alignment.rollout.agent_server import RolloutServer
+    from alignment.rollout.agents.server import RolloutServer
 
     srv = RolloutServer(chatml_turns, ScriptedEngine(smollm2_tokenizer, lambda prompt, k: "hello").generate,
                         max_tokens=64)
@@ -148,7 +148,7 @@ def test_agent_config_checks():
 
 
 def test_the_react_math_example_runs_its_calculator_against_the_server(chatml_turns, smollm2_tokenizer):
-    from alignment.rollout.agent_server import RolloutServer
+    from alignment.rollout.agents.server import RolloutServer
     from examples.agents import react_math
     from tests.test_agent_session import PROBLEM, script
 
@@ -183,7 +183,7 @@ def test_the_react_math_example_runs_its_calculator_against_the_server(chatml_tu
 
 def test_the_humaneval_example_tests_its_code_in_the_sandbox(chatml_turns, smollm2_tokenizer):
     """A scripted model that runs a test program through the python tool, reads its output and submits."""
-    from alignment.rollout.agent_server import RolloutServer
+    from alignment.rollout.agents.server import RolloutServer
     from examples.agents import humaneval_coder
 
     code = "def add(a, b):\n    return a + b\nprint(add(2, 3))"
@@ -206,7 +206,7 @@ def test_the_humaneval_example_tests_its_code_in_the_sandbox(chatml_turns, smoll
 
 
 def test_the_react_math_example_runs_as_a_command(chatml_turns, smollm2_tokenizer):
-    from alignment.rollout.agent_server import RolloutServer
+    from alignment.rollout.agents.server import RolloutServer
     from tests.test_agent_session import PROBLEM, script
 
     srv = RolloutServer(chatml_turns, ScriptedEngine(smollm2_tokenizer, script).generate, max_tokens=400)

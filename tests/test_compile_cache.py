@@ -1,4 +1,4 @@
-"""vLLM's compile cache (alignment/rollout/compile_cache.py): its key, the compiled-or-eager choice of
+"""vLLM's compile cache (alignment/rollout/engines/compile_cache.py): its key, the compiled-or-eager choice of
 ``rollout.enforce_eager=null``, a stand-in compile that is cold, then warm, then cold again for a changed shape,
 and a compiled vLLM engine that answers the main job's prompts with the eager engine's greedy tokens."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from alignment.rollout.compile_cache import BREAK_EVEN_STEPS, choose_enforce_eager, compile_cache, compile_key
+from alignment.rollout.engines.compile_cache import BREAK_EVEN_STEPS, choose_enforce_eager, compile_cache, compile_key
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,

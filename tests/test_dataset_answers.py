@@ -16,8 +16,8 @@ from alignment.data.prompts import build_prompt_ids
 from alignment.data.tasks import Problem
 from alignment.envs.base import SingleTurn
 from alignment.rollout.base import SamplingConfig
-from alignment.rollout.dataset_answers import DatasetAnswers, answer_ids
-from alignment.rollout.multi_turn import run_episodes
+from alignment.rollout.episodes.dataset_answers import DatasetAnswers, answer_ids
+from alignment.rollout.episodes.multi_turn import run_episodes
 from alignment.trainers.distill import sampled_logprobs
 from tests.conftest import SMOLLM2_EOS
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from alignment.config import validate
 from alignment.rollout.base import Sample, SamplingConfig
 from alignment.rollout.config import rollout_ranks
-from alignment.rollout.disaggregated import GENERATE, STOP, SYNC, RemoteEngine, deal, serve
+from alignment.rollout.engines.disaggregated import GENERATE, STOP, SYNC, RemoteEngine, deal, serve
 from alignment.schema import ConfigError
 from tests.conftest import run_torchrun
 from tests.dist.tiny_llama import save_tiny_hf_dir
@@ -221,7 +221,7 @@ def test_partial_rollout_waits_for_the_update_when_it_finishes_first():
 
 
 def test_an_engine_reports_its_busy_and_idle_seconds(monkeypatch):
-    from alignment.rollout import disaggregated
+    from alignment.rollout.engines import disaggregated
 
     ticks = iter([0.0, 1.0, 3.0, 4.0, 4.5, 10.0, 11.0])  # start; generate 1-3; load 4-4.5; split 10; split 11
     monkeypatch.setattr(disaggregated.time, "perf_counter", lambda: next(ticks))

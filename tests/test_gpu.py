@@ -219,7 +219,7 @@ def test_prompt_tree_attention_on_gpu_equals_causal_attention_per_row(path):
 
 
 def test_megatron_engine_decodes_with_cuda_graphs_as_it_does_eagerly():
-    """rollout.backend=megatron on a GPU captures its decode steps as CUDA graphs (alignment/rollout/static_decode.py,
+    """rollout.backend=megatron on a GPU captures its decode steps as CUDA graphs (alignment/rollout/engines/static_decode.py,
     one per batch and 64-position bucket): in fp32 the greedy and sampled tokens over 100 new tokens equal the
     eager engine's with the logprobs to fp32 rounding; a second call replays the graphs (none captured anew), a
     smaller batch captures its own, and after sleep (a new KV cache) they are captured again and still agree."""
@@ -227,7 +227,7 @@ def test_megatron_engine_decodes_with_cuda_graphs_as_it_does_eagerly():
     from alignment.models.gpt import build_gpt_model, transformer_config
     from alignment.models.weights import load_hf_weights
     from alignment.rollout.base import SamplingConfig
-    from alignment.rollout.megatron_engine import MegatronEngine
+    from alignment.rollout.engines.megatron_engine import MegatronEngine
     from parallel.layout import ParallelLayout
     from parallel.state import init_distributed, shutdown
     from tests.dist.tiny_llama import tiny_llama
@@ -258,7 +258,7 @@ def test_megatron_engine_decodes_with_cuda_graphs_as_it_does_eagerly():
             captures.append(engine.static.captures if graphs else 0)
             runs[graphs] = [s for call in calls for group in call for s in group]
         # positions 3..108 span buckets [0, 64) and [64, 128): 2 graphs for 6 greedy rows, 2 for 6 sampled (the
-        # decode loop's graphs hold the sampler: alignment/rollout/decode_loop.py), 2 for 4, 2 after sleep
+        # decode loop's graphs hold the sampler: alignment/rollout/engines/decode_loop.py), 2 for 4, 2 after sleep
         assert captures[:4] == [2, 4, 6, 8], captures
         pairs = list(zip(runs[True], runs[False]))
         assert len(pairs) == 6 + 6 + 4 + 6 and all(len(a.response_ids) == 100 for a, _ in pairs)
@@ -311,7 +311,7 @@ def test_disaggregated_weight_sync_from_a_gpu_trainer_into_gpu_buffers(tmp_path,
 
     The reference is vLLM's own weight loaders: skipped where vLLM is not installed (on the lent
     H200, 2026-11-26, the sync ran and the engine rank stopped at the reference's ``import vllm``)."""
-    pytest.importorskip("vllm", reason="the reference is vLLM's own sharding (alignment.rollout.weight_check)")
+    pytest.importorskip("vllm", reason="the reference is vLLM's own sharding (alignment.rollout.engines.weight_check)")
     from tests.conftest import run_torchrun
 
     path = tmp_path / "result.json"

@@ -1,5 +1,5 @@
 """The ``megatron`` rollout engine (megatron-core's inference engine on the trainer's own model,
-alignment/rollout/megatron_engine.py) and the KV-cache attention it needs."""
+alignment/rollout/engines/megatron_engine.py) and the KV-cache attention it needs."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_megatron_engine_matches_transformers(torchrun_json):
     assert r["drawn_logprob_is_reported"] < 1e-4, r
     # decode steps of fixed shape (the CUDA-graph path, uncaptured on CPU): eager engine's greedy and sampled
     # tokens over 70 new tokens (two 64-position buckets), before and after sleep, logprobs to fp32 rounding
-    # alignment/rollout/decode_loop.py generates those batches (sampling and stop checks in the step); a 4th call
+    # alignment/rollout/engines/decode_loop.py generates those batches (sampling and stop checks in the step); a 4th call
     # stops at an EOS id the rows draw part-way: the same responses, cut after the EOS, as Megatron's own loop
     assert r["static_decoder_only_when_asked"] and r["static_loop_used"] and r["static_rows"] == 2 + 4 + 4 + 4, r
     assert r["static_tokens_equal"] and r["static_logprob_max_diff"] < 1e-5, r
@@ -70,7 +70,7 @@ def test_megatron_engine_matches_transformers(torchrun_json):
 
 @pytest.mark.slow
 def test_fixed_shape_decode_equals_eager_decode_under_tensor_parallelism(torchrun_json):
-    """alignment/rollout/static_decode.py at TP=2 (tests/dist/static_decode_worker.py): the steps a GPU captures
+    """alignment/rollout/engines/static_decode.py at TP=2 (tests/dist/static_decode_worker.py): the steps a GPU captures
     as CUDA graphs, run uncaptured, against Megatron's eager decode of the same shards."""
     ranks = torchrun_json("static_decode_worker.py", nproc=2)["ranks"]
     assert len(ranks) == 2

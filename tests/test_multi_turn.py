@@ -14,7 +14,7 @@ from alignment.envs.base import SingleTurn, Transition
 from alignment.envs.tool_env import ToolEnvironment, tools_system_prompt
 from alignment.envs.tools import TOOLS
 from alignment.rollout.base import SamplingConfig
-from alignment.rollout.multi_turn import run_episodes
+from alignment.rollout.episodes.multi_turn import run_episodes
 from alignment.training.batching import make_batch
 from tests.conftest import SMOLLM2_EOS
 from tests.scripted_engine import ScriptedEngine
@@ -221,7 +221,7 @@ def test_episode_prompts_carry_their_images_across_turns(tokenizer, turns):
     processor), every later turn's prompt keeps them, and so does the episode's sample (the trainer's batch
     takes them); a problem without images stays plain token ids."""
     from alignment.data.images import ImageInputs
-    from alignment.rollout.image_prompts import ImagePrompt
+    from alignment.rollout.engines.image_prompts import ImagePrompt
 
     image = ImageInputs(torch.arange(24.0).view(6, 4), torch.tensor([[1, 2, 3]]))
 

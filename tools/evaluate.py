@@ -48,7 +48,7 @@ from alignment.evaluation.suites import SUITES, get_suites, regression_items, su
 from alignment.rewards.judge import check_settings  # noqa: E402
 from alignment.rewards.judge import compare as judge_compare  # noqa: E402
 from alignment.rewards.judge_models import close_local  # noqa: E402
-from alignment.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from alignment.rollout.engines.vllm_engine import VLLMEngine  # noqa: E402
 from alignment.sandbox.runner import run_python  # noqa: E402
 from alignment.trainers.eval_cache import cache_key, package_version, weight_files_fingerprint  # noqa: E402
 

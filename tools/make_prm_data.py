@@ -32,7 +32,7 @@ from alignment.data.step_data import StepRecord, label_steps, split_steps, step_
 from alignment.data.tasks import load_problems, score_response  # noqa: E402
 from alignment.models.hf_assets import prepare_hf_dir  # noqa: E402
 from alignment.rollout.base import SamplingConfig  # noqa: E402
-from alignment.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from alignment.rollout.engines.vllm_engine import VLLMEngine  # noqa: E402
 
 
 def label_solution(problem, response: str, separator: str = "\n"):

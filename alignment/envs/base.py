@@ -4,7 +4,7 @@ the model first reads, then answers each assistant message with observation mess
 and whether the episode is over. Batched: one call steps every live episode of a rank, so slow
 tools (sandboxed programs) run side by side.
 
-The environment sees text; :mod:`alignment.rollout.multi_turn` keeps the tokens (what the engine
+The environment sees text; :mod:`alignment.rollout.episodes.multi_turn` keeps the tokens (what the engine
 generated is never re-tokenised) and renders observations with the chat template.
 """
 
@@ -37,7 +37,7 @@ class Transition:
 
 
 class Environment(Protocol):
-    """What :func:`alignment.rollout.multi_turn.run_episodes` needs from an environment."""
+    """What :func:`alignment.rollout.episodes.multi_turn.run_episodes` needs from an environment."""
 
     #: strings that end a model turn besides the end-of-sequence token (``SamplingConfig.stop``),
     #: e.g. ``["</tool_call>"]``; None: the turn ends at EOS

@@ -1,8 +1,8 @@
 """One checkpoint's answers to evaluation suites: its vLLM engine generates every suite (greedy, and
 ``samples`` sampled episodes per reasoning problem), each suite's results a JSON-able dict of
 metrics and per-item records (:func:`run_suite`). Reasoning suites run through the training code
-itself: the job's environment (:func:`alignment.rollout.multi_turn.episode_setup`), its episodes
-(:func:`alignment.rollout.multi_turn.run_episodes`) and its grading
+itself: the job's environment (:func:`alignment.rollout.episodes.multi_turn.episode_setup`), its episodes
+(:func:`alignment.rollout.episodes.multi_turn.run_episodes`) and its grading
 (:mod:`alignment.rewards.grading`).
 """
 
@@ -18,7 +18,7 @@ from alignment.evaluation import metrics, suites
 from alignment.rewards import grading
 from alignment.rewards.code_runs import early_grading
 from alignment.rollout.base import SamplingConfig
-from alignment.rollout.multi_turn import episode_setup, run_episodes
+from alignment.rollout.episodes.multi_turn import episode_setup, run_episodes
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ One row describes one Megatron-Core parameter completely, in every format megali
   ``r`` of ``t``, which rows/columns of which Megatron shards fill it
   (:meth:`Mapping.vllm_pieces`), following vLLM's own sharding rules;
 * which of vLLM's weight loaders cuts that parameter from the HF tensors (``vllm_loader``), for
-  the independent check (:mod:`alignment.rollout.weight_check`).
+  the independent check (:mod:`alignment.rollout.engines.weight_check`).
 
 Conversion, the resharder's target layout and the weight check all derive from the rows
 (:class:`alignment.models.bridge.Bridge`), so a family's layout is written once. Which rank holds

@@ -1,5 +1,5 @@
 """Grading a task's episodes: the one code path of the in-training held-out evaluation
-(:func:`alignment.trainers.grpo.evaluate`, :func:`alignment.trainers.grpo.pass_at_k`) and of
+(:func:`alignment.trainers.heldout.evaluate`, :func:`alignment.trainers.heldout.pass_at_k`) and of
 ``tools/evaluate.py``'s reasoning and code suites.
 
 Counts are sums over problems, so ranks that each graded a share add them with one all-reduce

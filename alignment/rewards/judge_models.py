@@ -6,7 +6,7 @@ spoken to with the ``openai`` client, or a model run by vLLM inside the job.
 * :class:`LocalJudge`: ``model`` an HF directory (any family vLLM runs) and no ``url``. Each process
   builds one frozen engine per judge model, the first time it judges, and keeps it for the run
   (:func:`close_local` shuts them down); between judging phases the engine is put to sleep
-  (:meth:`alignment.rollout.vllm_engine.VLLMEngine.sleep`, which frees nothing yet: its weights and
+  (:meth:`alignment.rollout.engines.vllm_engine.VLLMEngine.sleep`, which frees nothing yet: its weights and
   KV cache stay resident). Messages are rendered with the judge's own chat template and generated
   greedily in one batch.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 from alignment.data.chat_data import encode_prompt
 from alignment.models.hf_assets import prepare_hf_dir
 from alignment.rollout.base import SamplingConfig
-from alignment.rollout.vllm_engine import VLLMEngine
+from alignment.rollout.engines.vllm_engine import VLLMEngine
 
 __all__ = ["Endpoint", "LocalJudge", "backend", "close_local"]
 
@@ -72,7 +72,7 @@ class Endpoint:
 
 
 class LocalJudge:
-    """A judge model in this process: a :class:`alignment.rollout.vllm_engine.VLLMEngine` on the HF
+    """A judge model in this process: a :class:`alignment.rollout.engines.vllm_engine.VLLMEngine` on the HF
     directory ``s["model"]`` with ``max_model_len``, ``kv_cache_gib`` (CPU), ``gpu_memory_utilization``
     (GPU) and ``dtype`` from the settings; its weights never change."""
 

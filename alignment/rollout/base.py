@@ -39,7 +39,7 @@ def step_seed(seed: int, step: int) -> int:
 
 @dataclass
 class Sample:
-    """One generated response, or one multi-turn episode (:mod:`alignment.rollout.multi_turn`).
+    """One generated response, or one multi-turn episode (:mod:`alignment.rollout.episodes.multi_turn`).
 
     ``response_ids`` ``[R]`` token ids after the prompt; ``logprobs`` ``[R]`` the engine's
     log-probability (nats) of each sampled token under the weights that generated it.
@@ -53,9 +53,9 @@ class Sample:
     unknown: dense layers, the last token), for routing replay R3
     (:mod:`alignment.training.routing_replay`); None when the engine did not record it.
     ``weight_updates`` ``[R]``: per response token, how many weight updates the engine had taken since
-    the batch began when it sampled the token (partial rollouts, :mod:`alignment.rollout.partial`: 0
+    the batch began when it sampled the token (partial rollouts, :mod:`alignment.rollout.engines.partial`: 0
     before an update that came during the generation, 1 after); None: all 0.
-    ``images``: the images the prompt shows (:class:`alignment.rollout.image_prompts.ImagePrompt`), which
+    ``images``: the images the prompt shows (:class:`alignment.rollout.engines.image_prompts.ImagePrompt`), which
     the trainer's forward sees again; None for a text prompt.
     """
 
@@ -93,10 +93,10 @@ def report_each(out: list[list[Sample]], on_done: OnDone | None) -> list[list[Sa
 
 class RolloutEngine(Protocol):
     """What trainers need from an inference engine. Implemented by
-    :class:`alignment.rollout.vllm_engine.VLLMEngine` (``rollout.backend=vllm``: its own copy of the
+    :class:`alignment.rollout.engines.vllm_engine.VLLMEngine` (``rollout.backend=vllm``: its own copy of the
     weights in vLLM's layout, fed by the resharder) and
-    :class:`alignment.rollout.megatron_engine.MegatronEngine` (``rollout.backend=megatron``: the
-    trainer's own model, nothing to sync); :func:`alignment.rollout.factory.build_engine` picks one.
+    :class:`alignment.rollout.engines.megatron_engine.MegatronEngine` (``rollout.backend=megatron``: the
+    trainer's own model, nothing to sync); :func:`alignment.rollout.engines.factory.build_engine` picks one.
     """
 
     #: the HF tokenizer (decodes ``Sample.text``; the trainers build prompts with it)

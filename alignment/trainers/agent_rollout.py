@@ -1,6 +1,6 @@
 """The rollout phase with agent programs (``rollout.agent`` / ``rollout.agent_command``): each data-parallel
 rank plays its problems' episodes (``group_size`` per problem) with the agent against its own rollout
-server (:mod:`alignment.rollout.agent_server`), which the first rank of its model replica serves; the
+server (:mod:`alignment.rollout.agents.server`), which the first rank of its model replica serves; the
 other ranks of the replica generate in lockstep with it (every engine call is sent to them first, an
 empty message keeps them waiting between calls, a last one ends the phase), and all of them end with
 the same samples. The episodes then train as multi-turn episodes do.
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from alignment.data.tasks import Problem
-from alignment.rollout.agent_server import RolloutServer
-from alignment.rollout.agents import Agent, command_agent, episode_samples, load_agent, play_episodes, task_row
+from alignment.rollout.agents.server import RolloutServer
+from alignment.rollout.agents.programs import Agent, command_agent, episode_samples, load_agent, play_episodes, task_row
 from alignment.rollout.base import Sample, SamplingConfig
 from alignment.trainers.models import Models
 from alignment.trainers.rl_phases import generate_for_group

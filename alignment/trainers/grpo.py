@@ -21,13 +21,10 @@ model replica (TP x CP x PP) share the same data and split only its generation. 
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -39,10 +36,8 @@ from alignment.algorithms.process_rewards import process_advantages, to_batch_co
 from alignment.algorithms.reward_shaping import informative_groups
 from alignment.data.images import select_rows
 from alignment.data.tasks import Problem
-from alignment.rewards import grading
 from alignment.rewards.code_runs import early_grading
 from alignment.rewards.policy import process_reward_weight
-from alignment.rollout.base import SamplingConfig
 from alignment.trainers.agent_rollout import AGENT_COUNTS, agent_episodes, uses_agents
 from alignment.trainers.models import Models
 from alignment.trainers.process_rewarding import score_steps, step_metrics
@@ -52,6 +47,7 @@ from alignment.trainers.rl_phases import (Rollout, correction_metrics, episode_m
 from alignment.training.batching import make_batch
 from alignment.training.config import shares_prompts
 from alignment.training.dp_balance import balance_over_dp
+from alignment.training import grad_stats
 from alignment.training.health import guarded_step
 from alignment.training.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
 from alignment.training.offload import trainable
@@ -146,7 +142,7 @@ def train_step(models: Models, batch: dict, cfg, terms: StepTerms | None = None)
                                    outputs=outputs,
                                    packing=cfg.trainer.sequence_packing, positions="response_mask",
                                    share_prompts=shares_prompts(cfg), routing=routing)
-            applied, grad_norm = guarded_step(models.policy, models.optimizer, models.grad_norms)
+            applied, grad_norm = guarded_step(models.policy, models.optimizer, grad_stats.requested())
             if applied:
                 grad_norms.append(grad_norm)
             skipped += not applied
@@ -170,84 +166,6 @@ def train_step(models: Models, batch: dict, cfg, terms: StepTerms | None = None)
         **(agreement_metrics(models.policy) if routing is not None else {}),  # MoE routing replay
         **(terms.metrics(sums, n) if terms is not None else {}),
     }
-
-
-def evaluate(models: Models, problems: list[Problem], max_tokens: int, grader=None, answers: Path | None = None
-             ) -> float:
-    """Greedy held-out accuracy (fraction of reward-1 answers): problems dealt over the
-    data-parallel ranks, each replica's share run as episodes of ``models.episodes``' environment
-    (:func:`alignment.trainers.rl_phases.generate_episodes`; the task's prompt, ``data.instruction``
-    included, and one answer for ``rollout.environment=single_turn``), graded as ``tools/evaluate.py``
-    grades (:mod:`alignment.rewards.grading`) and counted once (by the replica's first rank).
-    ``max_tokens``: the response budget (``rollout.eval_max_tokens``); ``grader``: the reward term whose
-    score >= 1 is right (None: ``correctness``; :func:`alignment.config.heldout_grader`); ``answers``: a
-    JSONL file each replica's first rank appends its graded answers to (``trainer.save_heldout_answers``:
-    one line per problem with its question, reference answer, the response and whether it was right)."""
-    sampling = SamplingConfig(n=1, temperature=0.0, max_tokens=max_tokens)
-    return _heldout(models, problems, sampling, grader, answers)["pass@1"]
-
-
-def pass_at_k(models: Models, problems: list[Problem], k: int, max_tokens: int, temperature: float,
-              tool_calls: bool = False, grader=None) -> dict[str, float]:
-    """Sampled held-out metrics: ``k`` episodes per problem at ``temperature`` (dealt over the
-    data-parallel ranks like :func:`evaluate`, graded by :mod:`alignment.rewards.grading`).
-    Returns ``heldout/pass@1``, ``heldout/pass@<k>`` (Chen et al. 2021's unbiased estimator) and
-    ``heldout/maj@<k>`` (majority vote) for ``k`` > 1, and with ``tool_calls``
-    ``heldout/tool_call_rate`` (episodes with a tool call). Collective.
-
-    Raises:
-        ValueError: ``k`` < 1.
-    """
-    if k < 1:
-        raise ValueError(f"rollout.eval_pass_k={k}: must be >= 1 (0 turns the sampled evaluation off)")
-    out = _heldout(models, problems, SamplingConfig(n=k, temperature=temperature, max_tokens=max_tokens), grader)
-    tool_rate = out.pop("tool_call_rate")
-    return {f"heldout/{key}": v for key, v in {**out, **({"tool_call_rate": tool_rate} if tool_calls else {})}.items()}
-
-
-def _heldout(models: Models, problems: list[Problem], sampling: SamplingConfig, grader=None,
-             answers: Path | None = None) -> dict[str, float]:
-    """:func:`alignment.rewards.grading.rates` of ``sampling.n`` episodes per problem, this DP
-    rank's share generated and graded, the counts summed over replicas (one rank each)."""
-    return heldout_rates(heldout_counts(models, problems, sampling, grader, answers), sampling.n)
-
-
-def heldout_counts(models: Models, problems: list[Problem], sampling: SamplingConfig, grader=None,
-                   answers: Path | None = None) -> dict[str, float]:
-    """This DP rank's share of ``problems`` (every DP-size-th) generated (``sampling.n`` episodes each)
-    and graded: :func:`alignment.rewards.grading.counts`, zeros but on the replica's first rank, which
-    also appends the graded answers to ``answers``. Collective only where the generation is: over the
-    model replica and a TP>1 engine's group, and between turns of multi-turn episodes; with none of
-    those it touches no process group (the held-out evaluation run beside the first step,
-    :class:`alignment.trainers.heldout.HeldoutAccuracy`)."""
-    from megatron.core import parallel_state as ps
-
-    mine = list(problems[ps.get_data_parallel_rank()::ps.get_data_parallel_world_size()])
-    grader = grader or grading.CORRECTNESS
-    with early_grading([grader.runs], mine) as (pool, on_done):  # code runs start as answers are generated
-        with rollout_phase(models):
-            groups = (agent_episodes(models, mine, sampling.n, sampling.max_tokens, force=sampling)[0]
-                      if models.agents is not None else generate_episodes(models, mine, sampling, on_done))
-        correct = grading.grade(mine, groups, sampling.max_tokens, grader, pool)
-    counts = grading.counts(mine, groups, correct, sampling.n)
-    lead = replica_group().rank() == 0
-    if answers is not None and lead:  # one write per replica, appended whole (O_APPEND)
-        text = "".join(json.dumps({"question": p.question, "answer": p.answer, "response": s.text, "right": bool(ok)})
-                       + "\n" for p, g, right in zip(mine, groups, correct) for s, ok in zip(g, right))
-        answers.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(answers, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, text.encode())
-        finally:
-            os.close(fd)
-    return {k: v if lead else 0.0 for k, v in counts.items()}
-
-
-def heldout_rates(counts: dict[str, float], n: int) -> dict[str, float]:
-    """:func:`alignment.rewards.grading.rates` of every rank's :func:`heldout_counts` summed (collective
-    over the default group) for ``n`` episodes per problem."""
-    summed = all_reduce_sum(list(counts.values()))
-    return grading.rates(dict(zip(counts, summed)), n)
 
 
 def _informative(part: dict[str, torch.Tensor], terms, group_size: int) -> bool:

@@ -12,25 +12,37 @@ generate without any collective: a vLLM engine with ``rollout.tensor_parallel_si
 ranks, one rank per model replica, single-turn answers, no sampled evaluation; otherwise (and with
 ``trainer.eval_before_overlap=false``) it is measured before the first step, as peers do (verl's
 ``val_before_train``, NeMo-RL's ``val_at_start``).
+
+The held-out generation and grading every RL job shares are here too: greedy accuracy (:func:`evaluate`),
+sampled pass@k / maj@k (:func:`pass_at_k`), and one rank's counts (:func:`heldout_counts`).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from alignment.data.tasks import Problem
+from alignment.rewards import grading
+from alignment.rewards.code_runs import early_grading
 from alignment.rewards.policy import heldout_grader
 from alignment.rollout.base import SamplingConfig
-from alignment.trainers import grpo
+from alignment.trainers.agent_rollout import agent_episodes
 from alignment.trainers.eval_cache import cached_accuracy, heldout_key, lookup_accuracy, store_accuracy
+from alignment.trainers.models import Models
+from alignment.trainers.rl_phases import generate_episodes, rollout_phase
+from alignment.training.megatron_step import all_reduce_sum
 from parallel.state import replica_group
 
 
 class HeldoutAccuracy:
-    """The RL jobs' :class:`launchers.loop.Evaluation`: greedy accuracy on the held-out problems, graded
+    """The RL jobs' :class:`alignment.trainers.interfaces.Evaluation`: greedy accuracy on the held-out problems, graded
     by :func:`alignment.config.heldout_grader` (before training possibly cached from an earlier run:
     ``trainer.eval_cache``). Without held-out problems or a grader it measures nothing."""
 
@@ -57,7 +69,7 @@ class HeldoutAccuracy:
             if self.job.rank == 0:
                 answers.unlink(missing_ok=True)
             dist.barrier()
-        return grpo.evaluate(self.models, self.heldout, cfg.rollout.eval_max_tokens, self.grader, answers)
+        return evaluate(self.models, self.heldout, cfg.rollout.eval_max_tokens, self.grader, answers)
 
     def _sampled(self) -> dict[str, float]:
         """``heldout/pass@1``, ``pass@k`` (and ``tool_call_rate`` in multi-turn episodes) with
@@ -65,7 +77,7 @@ class HeldoutAccuracy:
         r = self.job.cfg.rollout
         if not r.eval_pass_k:
             return {}
-        return grpo.pass_at_k(self.models, self.heldout, r.eval_pass_k, r.eval_max_tokens, r.temperature,
+        return pass_at_k(self.models, self.heldout, r.eval_pass_k, r.eval_max_tokens, r.temperature,
                               tool_calls=r.environment != "single_turn", grader=self.grader)
 
     def before(self, step: int) -> dict[str, float]:
@@ -142,7 +154,7 @@ class HeldoutAccuracy:
             try:
                 if device is not None:  # a new thread starts on GPU 0: this rank's GPU, as the engine's
                     torch.cuda.set_device(device)
-                result["counts"] = grpo.heldout_counts(self.models, self.heldout, sampling, self.grader, answers)
+                result["counts"] = heldout_counts(self.models, self.heldout, sampling, self.grader, answers)
             except BaseException as e:  # raised again on the loop's thread
                 result["error"] = e
 
@@ -155,7 +167,7 @@ class HeldoutAccuracy:
             thread.join()
             if "error" in result:
                 raise result["error"]
-            self.acc_before = grpo.heldout_rates(result["counts"], 1)["pass@1"]
+            self.acc_before = heldout_rates(result["counts"], 1)["pass@1"]
             store_accuracy(key, self.acc_before, cfg.trainer.eval_cache and not cfg.trainer.save_heldout_answers)
             self.overlapped = True
             self._report(0)
@@ -180,3 +192,81 @@ class HeldoutAccuracy:
         message = f"held-out accuracy after training: {after:.3f}{before}" + "".join(
             f", {k[8:]} {v:.3f} (before: {self.sampled_before.get(k, float('nan')):.3f})" for k, v in sampled.items())
         return {"heldout/accuracy": after, **sampled}, summary, message
+
+
+def evaluate(models: Models, problems: list[Problem], max_tokens: int, grader=None, answers: Path | None = None
+             ) -> float:
+    """Greedy held-out accuracy (fraction of reward-1 answers): problems dealt over the
+    data-parallel ranks, each replica's share run as episodes of ``models.episodes``' environment
+    (:func:`alignment.trainers.rl_phases.generate_episodes`; the task's prompt, ``data.instruction``
+    included, and one answer for ``rollout.environment=single_turn``), graded as ``tools/evaluate.py``
+    grades (:mod:`alignment.rewards.grading`) and counted once (by the replica's first rank).
+    ``max_tokens``: the response budget (``rollout.eval_max_tokens``); ``grader``: the reward term whose
+    score >= 1 is right (None: ``correctness``; :func:`alignment.config.heldout_grader`); ``answers``: a
+    JSONL file each replica's first rank appends its graded answers to (``trainer.save_heldout_answers``:
+    one line per problem with its question, reference answer, the response and whether it was right)."""
+    sampling = SamplingConfig(n=1, temperature=0.0, max_tokens=max_tokens)
+    return _heldout(models, problems, sampling, grader, answers)["pass@1"]
+
+
+def pass_at_k(models: Models, problems: list[Problem], k: int, max_tokens: int, temperature: float,
+              tool_calls: bool = False, grader=None) -> dict[str, float]:
+    """Sampled held-out metrics: ``k`` episodes per problem at ``temperature`` (dealt over the
+    data-parallel ranks like :func:`evaluate`, graded by :mod:`alignment.rewards.grading`).
+    Returns ``heldout/pass@1``, ``heldout/pass@<k>`` (Chen et al. 2021's unbiased estimator) and
+    ``heldout/maj@<k>`` (majority vote) for ``k`` > 1, and with ``tool_calls``
+    ``heldout/tool_call_rate`` (episodes with a tool call). Collective.
+
+    Raises:
+        ValueError: ``k`` < 1.
+    """
+    if k < 1:
+        raise ValueError(f"rollout.eval_pass_k={k}: must be >= 1 (0 turns the sampled evaluation off)")
+    out = _heldout(models, problems, SamplingConfig(n=k, temperature=temperature, max_tokens=max_tokens), grader)
+    tool_rate = out.pop("tool_call_rate")
+    return {f"heldout/{key}": v for key, v in {**out, **({"tool_call_rate": tool_rate} if tool_calls else {})}.items()}
+
+
+def _heldout(models: Models, problems: list[Problem], sampling: SamplingConfig, grader=None,
+             answers: Path | None = None) -> dict[str, float]:
+    """:func:`alignment.rewards.grading.rates` of ``sampling.n`` episodes per problem, this DP
+    rank's share generated and graded, the counts summed over replicas (one rank each)."""
+    return heldout_rates(heldout_counts(models, problems, sampling, grader, answers), sampling.n)
+
+
+def heldout_counts(models: Models, problems: list[Problem], sampling: SamplingConfig, grader=None,
+                   answers: Path | None = None) -> dict[str, float]:
+    """This DP rank's share of ``problems`` (every DP-size-th) generated (``sampling.n`` episodes each)
+    and graded: :func:`alignment.rewards.grading.counts`, zeros but on the replica's first rank, which
+    also appends the graded answers to ``answers``. Collective only where the generation is: over the
+    model replica and a TP>1 engine's group, and between turns of multi-turn episodes; with none of
+    those it touches no process group (the held-out evaluation run beside the first step,
+    :class:`alignment.trainers.heldout.HeldoutAccuracy`)."""
+    from megatron.core import parallel_state as ps
+
+    mine = list(problems[ps.get_data_parallel_rank()::ps.get_data_parallel_world_size()])
+    grader = grader or grading.CORRECTNESS
+    with early_grading([grader.runs], mine) as (pool, on_done):  # code runs start as answers are generated
+        with rollout_phase(models):
+            groups = (agent_episodes(models, mine, sampling.n, sampling.max_tokens, force=sampling)[0]
+                      if models.agents is not None else generate_episodes(models, mine, sampling, on_done))
+        correct = grading.grade(mine, groups, sampling.max_tokens, grader, pool)
+    counts = grading.counts(mine, groups, correct, sampling.n)
+    lead = replica_group().rank() == 0
+    if answers is not None and lead:  # one write per replica, appended whole (O_APPEND)
+        text = "".join(json.dumps({"question": p.question, "answer": p.answer, "response": s.text, "right": bool(ok)})
+                       + "\n" for p, g, right in zip(mine, groups, correct) for s, ok in zip(g, right))
+        answers.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(answers, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
+    return {k: v if lead else 0.0 for k, v in counts.items()}
+
+
+def heldout_rates(counts: dict[str, float], n: int) -> dict[str, float]:
+    """:func:`alignment.rewards.grading.rates` of every rank's :func:`heldout_counts` summed (collective
+    over the default group) for ``n`` episodes per problem."""
+    summed = all_reduce_sum(list(counts.values()))
+    return grading.rates(dict(zip(counts, summed)), n)

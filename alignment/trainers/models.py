@@ -36,12 +36,9 @@ class Models:
     process_reward_model: torch.nn.Module | None = None  # frozen PRM (reward.functions: process_reward)
     critic: torch.nn.Module | None = None  # PPO's value model (DDP), trained with critic_optimizer
     critic_optimizer: object = None
-    episodes: object = None  # alignment.rollout.multi_turn.EpisodeSetup (rollout.environment)
+    episodes: object = None  # alignment.rollout.episodes.multi_turn.EpisodeSetup (rollout.environment)
     teacher: torch.nn.Module | None = None  # on-policy distillation's frozen teacher (model.teacher_path)
     #: algorithm.distill_samples=teacher: Megatron's engine on the teacher's own shards (it samples the answers)
     teacher_engine: RolloutEngine | None = None
     #: rollout.agent / agent_command: alignment.trainers.agent_rollout.AgentRollout (set up on first use)
     agents: object = None
-    #: a dict on steps that measure the policy's gradient norms per layer group (trainer.grad_stats_every):
-    #: guarded_step fills it, the loop logs it; None: not this step
-    grad_norms: dict | None = None

@@ -15,6 +15,7 @@ import torch
 from alignment.data.images import attach_images
 from alignment.trainers.models import Models
 from alignment.training.batching import MicroBatching, cat_rows, make_sequence_batch
+from alignment.training import grad_stats
 from alignment.training.health import guarded_step
 from alignment.training.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, global_sums
 from alignment.training.router_stats import routing_metrics
@@ -67,7 +68,7 @@ def train_step(models: Models, objective, batch: dict, mb: MicroBatching) -> dic
     out = forward_backward(models.policy, mb.split(batch), lambda micro, o: objective.loss(micro, o, normalizer),
                            outputs=objective.outputs, forward_only=False, packing=mb.packing,
                            positions=objective.positions)
-    applied, grad_norm = guarded_step(models.policy, models.optimizer, models.grad_norms)
+    applied, grad_norm = guarded_step(models.policy, models.optimizer, grad_stats.requested())
     metrics = objective.metrics(global_sums(out))
     metrics["grad_norm"] = grad_norm
     metrics["health/skipped_updates"] = float(not applied)  # NaN/inf gradients: alignment/training/health.py

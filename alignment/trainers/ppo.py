@@ -43,6 +43,7 @@ from alignment.trainers.rl_phases import (Rollout, correction_metrics, episode_m
                                           rollout_phase, sampling_config)
 from alignment.training.config import shares_prompts
 from alignment.training.dp_balance import balance_over_dp
+from alignment.training import grad_stats
 from alignment.training.health import guarded_step
 from alignment.training.megatron_step import (LogprobOutputs, all_reduce_sum, forward_backward, global_sums,
                                               is_output_rank, value_outputs)
@@ -105,7 +106,7 @@ def _train_policy(models: Models, mb_list, normalizer: float, loss_cfg: GRPOLoss
         sums = global_sums(out, ["approx_kl_sum", "tokens"])
         if sums["approx_kl_sum"] / max(sums["tokens"], 1.0) > 1.5 * target_kl:
             return out, float("nan"), True, True
-    applied, grad_norm = guarded_step(models.policy, models.optimizer, models.grad_norms)
+    applied, grad_norm = guarded_step(models.policy, models.optimizer, grad_stats.requested())
     return out, grad_norm, applied, False
 
 

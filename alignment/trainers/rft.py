@@ -30,13 +30,14 @@ from alignment.data.prompts import PromptStyle, build_prompt_ids
 from alignment.data.tasks import Problem
 from alignment.rewards.code_runs import early_grading
 from alignment.rollout.base import Sample
-from alignment.rollout.image_prompts import image_prompts, images_of
+from alignment.rollout.engines.image_prompts import image_prompts, images_of
 from alignment.trainers.models import Models
 from alignment.trainers.rewarding import combine, job_terms, score_terms, term_metrics
 from alignment.trainers.rl_phases import (Rollout, generate_for_group, image_processor, microbatches, rollout_phase,
                                          sampling_config)
 from alignment.training.batching import make_batch
 from alignment.training.config import shares_prompts
+from alignment.training import grad_stats
 from alignment.training.health import guarded_step
 from alignment.training.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
 from alignment.training.offload import trainable
@@ -136,7 +137,7 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
         out = forward_backward(models.policy, microbatches(batch, cfg.trainer), loss_fn, forward_only=False,
                                outputs=LogprobOutputs(models.vocab_size), packing=cfg.trainer.sequence_packing,
                                positions="response_mask", share_prompts=shares_prompts(cfg))
-        applied, grad_norm = guarded_step(models.policy, models.optimizer, models.grad_norms)
+        applied, grad_norm = guarded_step(models.policy, models.optimizer, grad_stats.requested())
         skipped = float(not applied)
         loss_sum = sum(float(o["nll_sum"]) for o in out) if is_output_rank() else 0.0
     times["train"] = time.perf_counter() - t0

@@ -15,12 +15,35 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
 from parallel.names import unwrap
 
 _LAYER = re.compile(r"(.*decoder\.layers\.\d+)\.(.*)")
+_REQUESTED: ContextVar[dict[str, float] | None] = ContextVar("grad_stats", default=None)
+
+
+@contextmanager
+def measured(enabled: bool) -> Iterator[dict[str, float]]:
+    """Request the policy's gradient norms per layer group for the step trained inside the block
+    (``trainer.grad_stats_every``: the loop asks on the steps that log them): yields the dict the step's first
+    policy update fills (:func:`requested`, given by the trainers to
+    :func:`alignment.training.health.guarded_step`); it stays empty when ``enabled`` is false."""
+    stats: dict[str, float] = {}
+    token = _REQUESTED.set(stats if enabled else None)
+    try:
+        yield stats
+    finally:
+        _REQUESTED.reset(token)
+
+
+def requested() -> dict[str, float] | None:
+    """The dict :func:`measured` asked to fill in this step, or None when no one asked."""
+    return _REQUESTED.get()
 
 
 def layer_groups(model: torch.nn.Module) -> dict[torch.nn.Parameter, str]:

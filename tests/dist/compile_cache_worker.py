@@ -2,7 +2,7 @@
 
     python tests/dist/compile_cache_worker.py MODEL_DIR
 
-With ``$MEGALIGN_CACHE`` set by the test: activates :func:`alignment.rollout.compile_cache.compile_cache` for
+With ``$MEGALIGN_CACHE`` set by the test: activates :func:`alignment.rollout.engines.compile_cache.compile_cache` for
 MODEL_DIR (as a compiled vLLM engine does), ``torch.compile``s a SwiGLU block of the config's hidden and
 intermediate sizes with Inductor, runs it, marks the cache complete when it was cold, and prints one JSON line:
 the key, whether the cache was warm, and Inductor's FX-graph cache hits and misses.
@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from alignment.rollout.compile_cache import compile_cache
+from alignment.rollout.engines.compile_cache import compile_cache
 
 
 def main(model_dir: str) -> None:

@@ -23,7 +23,7 @@ import torch
 from alignment.models.families import get_bridge
 from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.weights import load_hf_weights
-from alignment.rollout.weight_check import vllm_reference_shard
+from alignment.rollout.engines.weight_check import vllm_reference_shard
 from parallel.layout import ParallelLayout
 from parallel.reshard import Resharder
 from parallel.state import init_distributed, is_rollout_rank, trainer_rollout_group

@@ -212,7 +212,7 @@ def moe_sync_case(hf, state, values, reference, world: int, ckpt_dir: str) -> di
     from alignment.models.gpt import build_gpt_model, transformer_config
     from alignment.models.lora_export import load_lora_adapters
     from alignment.models.weights import load_hf_weights
-    from alignment.rollout.weight_check import vllm_reference_shard
+    from alignment.rollout.engines.weight_check import vllm_reference_shard
     from parallel.layout import ParallelLayout
     from parallel.lora import apply_lora
     from parallel.reshard import Resharder

@@ -129,7 +129,7 @@ def model_case(tp: int, sp: bool) -> dict:
     from alignment.models.families import get_bridge
     from alignment.models.gpt import build_gpt_model, transformer_config
     from alignment.models.weights import export_hf_weights, load_hf_weights
-    from alignment.rollout.weight_check import vllm_reference_shard
+    from alignment.rollout.engines.weight_check import vllm_reference_shard
     from parallel.reshard import Resharder
     from tests.dist.reshard_worker import hf_model
     from tests.dist.tiny_models import checkpoint_state

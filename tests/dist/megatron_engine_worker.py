@@ -1,5 +1,5 @@
 """torchrun worker (1 process): ``rollout.backend=megatron``'s engine (megatron-core's inference
-engine on the trainer's own model, :mod:`alignment.rollout.megatron_engine`) against transformers
+engine on the trainer's own model, :mod:`alignment.rollout.engines.megatron_engine`) against transformers
 on the same tiny random Llama (fp32).
 
 Writes {"greedy_equal", "eos_stop", "logprob_max_diff", "samples_differ", "shapes_ok", ...}.
@@ -17,7 +17,7 @@ from alignment.models.families import get_bridge
 from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.weights import load_hf_weights
 from alignment.rollout.base import SamplingConfig
-from alignment.rollout.megatron_engine import MegatronEngine
+from alignment.rollout.engines.megatron_engine import MegatronEngine
 from parallel.layout import ParallelLayout
 from parallel.state import init_distributed, shutdown
 from tests.dist.tiny_llama import tiny_llama
@@ -95,7 +95,7 @@ def main(out_path: str) -> None:
     fresh_at5 = fresh.generate(PROMPTS, sampling)
     fresh.reseed(6)
     fresh_at6 = fresh.generate(PROMPTS, sampling)
-    # decode steps of fixed shape (alignment.rollout.static_decode; CUDA graphs on a GPU, run uncaptured here):
+    # decode steps of fixed shape (alignment.rollout.engines.static_decode; CUDA graphs on a GPU, run uncaptured here):
     # the same greedy tokens over 70 new tokens (past the first 64-position bucket), the same samples at T=0.7
     # from the same seed and the same logprobs, and again after sleep freed the KV cache (a new cache)
     static = MegatronEngine(model, None, eos_token_id=-1, vocab_size=cfg.vocab_size, max_model_len=96,

@@ -34,7 +34,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from alignment.data import tasks
-    from alignment.rollout.vllm_engine import VLLMEngine
+    from alignment.rollout.engines.vllm_engine import VLLMEngine
     from alignment.trainers import grpo
     from alignment.training import checkpoint
     from launchers.phase_log import record_error

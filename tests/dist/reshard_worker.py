@@ -7,7 +7,7 @@
 For each model x training layout (TP, PP; DP = the rest; for the Qwen3-MoE model also EP and
 expert TP, ``MOE_LAYOUTS``) x vLLM TP, every rank streams its
 vLLM shard in small buckets; every tensor must equal what vLLM's own weight loaders put in
-that vLLM rank's parameter from the full HF tensors (alignment.rollout.weight_check.vllm_reference_shard).
+that vLLM rank's parameter from the full HF tensors (alignment.rollout.engines.weight_check.vllm_reference_shard).
 Also measured per case: bytes sent and received (summed over ranks), the largest number of
 bytes any rank staged at once, and the largest single-tensor bucket (the floor of any budget).
 Writes {case: {...}}.
@@ -28,7 +28,7 @@ from alignment.models.weights import load_hf_weights
 from parallel.layout import ParallelLayout
 from parallel.reshard import Resharder
 from parallel.state import env_world, init_distributed
-from alignment.rollout.weight_check import vllm_reference_shard
+from alignment.rollout.engines.weight_check import vllm_reference_shard
 from tests.dist.tiny_models import checkpoint_state
 from tests.dist.report import exit_now
 

@@ -1,5 +1,5 @@
 """torchrun worker (2 processes, TP=2): the Megatron engine's decode steps of fixed shape
-(:mod:`alignment.rollout.static_decode`, the steps a GPU captures as CUDA graphs; run uncaptured here) against
+(:mod:`alignment.rollout.engines.static_decode`, the steps a GPU captures as CUDA graphs; run uncaptured here) against
 its eager decode, on tensor-parallel shards (the output projection's all-reduce and the logits' gather inside
 the step), fp32.
 
@@ -21,8 +21,8 @@ from alignment.models.families import get_bridge
 from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.weights import load_hf_weights
 from alignment.rollout.base import SamplingConfig
-from alignment.rollout.megatron_engine import MegatronEngine
-from alignment.rollout.static_decode import unsupported
+from alignment.rollout.engines.megatron_engine import MegatronEngine
+from alignment.rollout.engines.static_decode import unsupported
 from parallel.layout import ParallelLayout
 from parallel.state import init_distributed
 from tests.dist.report import every_rank, write_results_and_shutdown, exit_now

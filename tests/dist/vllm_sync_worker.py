@@ -64,7 +64,7 @@ def check(workdir: str, tie: bool, path: str = "full", family: str = "llama") ->
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from alignment.rollout.vllm_engine import VLLMEngine
+    from alignment.rollout.engines.vllm_engine import VLLMEngine
     from tests.dist.tiny_llama import save_tiny_hf_dir
     from tests.dist.tiny_models import from_checkpoint_state, save_tiny_dir
 
@@ -83,7 +83,7 @@ def check(workdir: str, tie: bool, path: str = "full", family: str = "llama") ->
         engine.update_weights(new.items())
     else:
         from alignment.models.families import get_bridge
-        from alignment.rollout.weight_check import check_engine_weights
+        from alignment.rollout.engines.weight_check import check_engine_weights
 
         bridge = get_bridge(hf.config)
         names = engine.load_resharded(vllm_layout_buckets(new, hf.config, corrupt=True))["names"]
@@ -114,7 +114,7 @@ def image_prompt(model_dir: str):
     from transformers import AutoConfig, AutoTokenizer
 
     from alignment.data.images import ImageProcessor
-    from alignment.rollout.image_prompts import ImagePrompt
+    from alignment.rollout.engines.image_prompts import ImagePrompt
 
     tok, token = AutoTokenizer.from_pretrained(model_dir), AutoConfig.from_pretrained(model_dir).image_token_id
     rng = np.random.default_rng(0)
@@ -159,8 +159,8 @@ def image_check(workdir: str, family: str) -> dict:
 
     from alignment.models.families import get_bridge
     from alignment.rollout.base import SamplingConfig
-    from alignment.rollout.vllm_engine import VLLMEngine
-    from alignment.rollout.weight_check import check_engine_weights
+    from alignment.rollout.engines.vllm_engine import VLLMEngine
+    from alignment.rollout.engines.weight_check import check_engine_weights
     from tests.dist.tiny_models import save_tiny_vlm_dir
 
     d, new_dir = f"{workdir}/tiny_{family}", f"{workdir}/tiny_{family}_new"
@@ -252,7 +252,7 @@ def streaming_check(engine) -> dict:
 def sampling_checks(workdir: str) -> dict:
     """:func:`streaming_check` (first: it needs an engine never reseeded), then :func:`reseed_check`,
     on one engine of the EOS-prone tiny model."""
-    from alignment.rollout.vllm_engine import VLLMEngine
+    from alignment.rollout.engines.vllm_engine import VLLMEngine
     from tests.dist.tiny_llama import save_eos_prone_hf_dir
 
     d = f"{workdir}/tiny_eos_prone"

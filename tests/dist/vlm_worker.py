@@ -212,7 +212,7 @@ EOS = 249  # never among the rows' tokens
 def engine_prompts(rows, images):
     """The four rows as engine prompts: :class:`ImagePrompt` s for the rows with images."""
     from alignment.data.images import ImageInputs
-    from alignment.rollout.image_prompts import ImagePrompt
+    from alignment.rollout.engines.image_prompts import ImagePrompt
 
     return [ImagePrompt(r, ImageInputs(torch.cat([p for p, _ in ims]), torch.cat([g for _, g in ims]))) if ims
             else list(r) for r, ims in zip(rows, images)]
@@ -249,7 +249,7 @@ def hf_greedy(hf, row, images, steps: int) -> list[int]:
 def engine_cases(hf, world, rows, images, cases: dict = ENGINE_CASES) -> dict:
     """Greedy tokens and sampled logprobs of the Megatron engine against transformers."""
     from alignment.rollout.base import SamplingConfig
-    from alignment.rollout.megatron_engine import MegatronEngine
+    from alignment.rollout.engines.megatron_engine import MegatronEngine
 
     cfg, state = hf.config, checkpoint_state(hf)
     prompts = engine_prompts(rows, images)
@@ -283,9 +283,9 @@ RESHARD_CASES = {"reshard/tp2_sp": L(tp=2)[0], "reshard/pp2": L(pp=2)[0]}
 def reshard_cases(hf, world, cases: dict = RESHARD_CASES) -> dict:
     """The resharder (:class:`parallel.reshard.Resharder`) from Megatron TP=2+SP and PP=2 into vLLM TP 1 and 2:
     every vLLM tensor of this rank's vLLM TP rank, the vision tower's included, equals what vLLM's own
-    weight loaders put there from the checkpoint (:func:`alignment.rollout.weight_check.vllm_reference_shard`)."""
+    weight loaders put there from the checkpoint (:func:`alignment.rollout.engines.weight_check.vllm_reference_shard`)."""
     from parallel.reshard import Resharder
-    from alignment.rollout.weight_check import vllm_reference_shard
+    from alignment.rollout.engines.weight_check import vllm_reference_shard
 
     cfg, state = hf.config, checkpoint_state(hf)
     bridge, rank = get_bridge(cfg), torch.distributed.get_rank()

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from alignment.rollout.base import OnDone, Sample, SamplingConfig, report_each
-from alignment.rollout.image_prompts import images_of
-from alignment.rollout.turn_tokens import TurnTokens
+from alignment.rollout.engines.image_prompts import images_of
+from alignment.rollout.episodes.turn_tokens import TurnTokens
 
 __all__ = ["DatasetAnswers", "answer_ids"]
 

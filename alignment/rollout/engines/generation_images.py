@@ -1,5 +1,5 @@
 """What Megatron-Core's static inference engine feeds a vision-language model at each forward
-(:class:`alignment.rollout.megatron_engine.MegatronEngine`).
+(:class:`alignment.rollout.engines.megatron_engine.MegatronEngine`).
 
 Megatron-Core's static KV cache stores keys before the rotary embedding and rotates every cached key
 again at each step with the first ``context_end`` rows of the position table, so each forward gets
@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import torch
 
-from alignment.rollout.image_prompts import images_of
+from alignment.rollout.engines.image_prompts import images_of
 
 __all__ = ["GenerationImages"]
 
 
 class GenerationImages:
     """Positions and image features of one batch of ``rows`` (prompts, each a ``list[int]`` or an
-    :class:`alignment.rollout.image_prompts.ImagePrompt`; rows of one prompt may be the same object,
+    :class:`alignment.rollout.engines.image_prompts.ImagePrompt`; rows of one prompt may be the same object,
     whose images are then encoded once) generated up to ``max_tokens`` tokens past the longest, by the
     vision-language model ``model`` (:class:`alignment.models.vlm_model.VisionLanguageModel`, first
     pipeline stage).

@@ -16,7 +16,7 @@ in it.
   (:class:`parallel.reshard.Resharder` with ``group``), bucket by bucket, straight into the
   running engines.
 - partial rollouts (``rollout.partial``): a posted request is generated in chunks
-  (:class:`alignment.rollout.partial.PartialGeneration`), and the sync that follows it reaches the
+  (:class:`alignment.rollout.engines.partial.PartialGeneration`), and the sync that follows it reaches the
   engines while they generate: trainer rank 0 raises the request's flag in the group's store
   (:meth:`parallel.stateless_group.StatelessGroup.raise_flag`) before it broadcasts ``sync``; each
   engine looks for the flag between two chunks, takes the new weights, and continues its unfinished
@@ -42,7 +42,7 @@ from typing import Iterable
 import torch
 
 from alignment.rollout.base import OnDone, Sample, SamplingConfig, report_each
-from alignment.rollout.partial import PartialGeneration
+from alignment.rollout.engines.partial import PartialGeneration
 
 GENERATE, SYNC, STOP = "generate", "sync", "stop"
 
@@ -127,7 +127,7 @@ class RemoteEngine:
 
     def reseed(self, step: int) -> None:
         """Every engine reseeds with ``step`` (its own seed's stream,
-        :meth:`alignment.rollout.vllm_engine.VLLMEngine.reseed`) before the next request it gets
+        :meth:`alignment.rollout.engines.vllm_engine.VLLMEngine.reseed`) before the next request it gets
         (sent with it: a posted request may be running now)."""
         self.reseeded = step
 
@@ -166,7 +166,7 @@ def partial_flag(request: int) -> str:
 def generate_partial(engine, prompts: list[list[int]], sampling: SamplingConfig, chunk_tokens: int,
                      sync_requested, take_sync, hold_chunks: int = 0) -> list[list[Sample]]:
     """``prompts``' samples generated in chunks of ``chunk_tokens`` by ``engine``
-    (:class:`alignment.rollout.partial.PartialGeneration`): after each chunk, if ``sync_requested()``,
+    (:class:`alignment.rollout.engines.partial.PartialGeneration`): after each chunk, if ``sync_requested()``,
     ``take_sync()`` loads the trainers' new weights and the unfinished rows go on under them; with no
     sync before the last chunk, ``take_sync()`` waits for it after. ``hold_chunks`` > 0 (tests:
     ``MEGALIGN_PARTIAL_HOLD_CHUNKS``): take the sync after that many chunks, waiting for it, so that an
@@ -220,7 +220,7 @@ class TrainersStopped(Exception):
 
 def serve(engine, resharder, group, trainers: int, engine_tp: int, hold_chunks: int = 0) -> None:
     """A rollout rank's loop: run the trainers' commands (see the module docstring) on this rank's
-    ``engine`` (a :class:`alignment.rollout.vllm_engine.VLLMEngine`, one per ``engine_tp``
+    ``engine`` (a :class:`alignment.rollout.engines.vllm_engine.VLLMEngine`, one per ``engine_tp``
     consecutive rollout ranks) until ``stop``. ``resharder``: the receiving side of the trainers'
     :class:`parallel.reshard.Resharder` (``model=None``); ``hold_chunks``: see :func:`generate_partial`."""
     me = group.rank - trainers

@@ -3,12 +3,12 @@
 Megatron-Core 0.16.1's ``TextGenerationController.generate_all_output_tokens_static_batch`` does host work around
 every decode step: a context window cut from the batch, timing events, the sampled tokens scattered by a boolean
 mask, and two ``torch.all`` reads of device flags that wait for the step to finish. With the step itself a CUDA
-graph (:class:`alignment.rollout.static_decode.StaticDecoder`) that host work set the pace for a small model:
+graph (:class:`alignment.rollout.engines.static_decode.StaticDecoder`) that host work set the pace for a small model:
 ~4.3 ms a step on an H200 against the ~65 us its weights take to read (docs/results.md).
 
 :class:`DecodeLoop` runs the same generation with everything a step decides on the device, in the step's graph:
 
-- the logits as :mod:`alignment.rollout.megatron_engine`'s wrapper returns them (fp32, divided by the temperature,
+- the logits as :mod:`alignment.rollout.engines.megatron_engine`'s wrapper returns them (fp32, divided by the temperature,
   ``-inf`` on the padding columns), the token drawn as ``argmax(p / e)``, ``e ~ Exp(1)`` (greedy: ``argmax``), and
   its logprob under ``log_softmax`` of those logits, exactly as the engine's controller draws them;
 - rows still inside their prompt (static batching starts decoding at the shortest prompt) take their prompt's token
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from alignment.rollout.static_decode import StaticDecoder
+from alignment.rollout.engines.static_decode import StaticDecoder
 
 CHECK_EVERY = 8  # decode steps between two reads of the done flags on a GPU (each read waits for the device)
 

@@ -18,10 +18,10 @@ from typing import Iterable
 import torch
 
 from alignment.models.families import vllm_hf_overrides
-from alignment.rollout import vllm_cpu_shm
+from alignment.rollout.engines import vllm_cpu_shm
 from alignment.rollout.base import OnDone, Sample, SamplingConfig, step_seed
-from alignment.rollout.compile_cache import choose_enforce_eager, compile_cache
-from alignment.rollout.image_prompts import images_of
+from alignment.rollout.engines.compile_cache import choose_enforce_eager, compile_cache
+from alignment.rollout.engines.image_prompts import images_of
 
 
 def same_prompts(a: list, b: list) -> bool:
@@ -122,14 +122,14 @@ class VLLMEngine:
         tensor_parallel_size: vLLM TP size; > 1 needs the default process group (torchrun) and
             a world size it divides.
         enforce_eager: vLLM's; None = chosen by
-            :func:`alignment.rollout.compile_cache.choose_enforce_eager`: compiled on a GPU (CUDA graphs),
+            :func:`alignment.rollout.engines.compile_cache.choose_enforce_eager`: compiled on a GPU (CUDA graphs),
             when this machine's compile cache for the model is warm, or when ``steps`` pay a cold compile
             back; eager otherwise. A compiled engine keeps its compile in ``$MEGALIGN_CACHE/compile``
-            (:mod:`alignment.rollout.compile_cache`), so only the first run on a machine compiles.
+            (:mod:`alignment.rollout.engines.compile_cache`), so only the first run on a machine compiles.
         steps: the generation rounds the run will do (RL steps), for ``enforce_eager=None``; None: unknown.
     Attributes:
         compiled: whether vLLM runs compiled; ``compile_note``: why (one line, for the job's log).
-        shm_token: a TP>1 engine on CPU: the token in its shared-memory names (:mod:`alignment.rollout.vllm_cpu_shm`).
+        shm_token: a TP>1 engine on CPU: the token in its shared-memory names (:mod:`alignment.rollout.engines.vllm_cpu_shm`).
     Raises:
         ImportError: with the install command, when vLLM is missing.
     """
@@ -205,7 +205,7 @@ class VLLMEngine:
         :func:`same_prompts`, e.g. one model-parallel group, count once) and each rank gets back
         the samples of its own prompts (``on_done`` called for those only).
 
-        A prompt with images (:class:`alignment.rollout.image_prompts.ImagePrompt`) goes to vLLM as its
+        A prompt with images (:class:`alignment.rollout.engines.image_prompts.ImagePrompt`) goes to vLLM as its
         decoded images (``multi_modal_data``) and its token ids with one placeholder per image, which
         vLLM's processor (the model's own HF image processor, as the trainer's) expands again; its
         samples keep the images.

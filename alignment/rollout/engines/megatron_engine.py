@@ -40,12 +40,12 @@ Megatron-LM's dynamic engine agrees on a step); a rank whose generation is over 
 one-token ``dummy_forward`` while another still has one, and leaves ``generate`` when none has.
 
 MoE routing (``record_routing``): every forward's top-k experts per token are kept per row and
-position (:class:`alignment.rollout.routed_experts.GenerationRouting`) and returned as
+position (:class:`alignment.rollout.engines.routed_experts.GenerationRouting`) and returned as
 ``Sample.routed_experts`` for routing replay R3.
 
 A vision-language model (:class:`alignment.models.vlm_model.VisionLanguageModel`) takes prompts with images
-(:class:`alignment.rollout.image_prompts.ImagePrompt`): every forward gets its M-RoPE positions and the image
-features of its context window (:class:`alignment.rollout.generation_images.GenerationImages`), and each sample keeps
+(:class:`alignment.rollout.engines.image_prompts.ImagePrompt`): every forward gets its M-RoPE positions and the image
+features of its context window (:class:`alignment.rollout.engines.generation_images.GenerationImages`), and each sample keeps
 its prompt's images for the trainer.
 
 Not yet here: pipeline and context parallel generation, expert parallelism with TP > 1 (megatron-core
@@ -62,11 +62,11 @@ from collections.abc import Iterable
 import torch
 
 from alignment.rollout.base import OnDone, Sample, SamplingConfig, step_seed
-from alignment.rollout.decode_loop import DecodeLoop, race_sample
-from alignment.rollout.generation_images import GenerationImages
-from alignment.rollout.image_prompts import ImagePrompt, images_of
-from alignment.rollout.routed_experts import GenerationRouting
-from alignment.rollout.static_decode import StaticDecoder, unsupported
+from alignment.rollout.engines.decode_loop import DecodeLoop, race_sample
+from alignment.rollout.engines.generation_images import GenerationImages
+from alignment.rollout.engines.image_prompts import ImagePrompt, images_of
+from alignment.rollout.engines.routed_experts import GenerationRouting
+from alignment.rollout.engines.static_decode import StaticDecoder, unsupported
 from parallel.cpu_compat import host_streams
 
 
@@ -100,7 +100,7 @@ def _rollout_controller(wrapper, tokenizer, eos_token_ids: set[int]):
     - plain sampling (no top-k / top-p) draws ``argmax(p / e)`` with ``e ~ Exp(1)`` made from
       ``-log(uniform)`` (the exponential-race form of ``multinomial(p)``, as vLLM samples), since
       torch's CPU ``multinomial`` spends ~30 ms per 32 x 49,152 draw here;
-    - with ``.loop`` set (:class:`alignment.rollout.decode_loop.DecodeLoop`, the engine's fixed-shape decode
+    - with ``.loop`` set (:class:`alignment.rollout.engines.decode_loop.DecodeLoop`, the engine's fixed-shape decode
       steps), greedy and plain sampling run in that loop, sampling and stop checks inside the step (the same
       tokens and logprobs); top-p sampling keeps Megatron's loop. Either way :meth:`row_logprobs` gives each
       row's sampled-token logprobs.
@@ -271,11 +271,11 @@ class MegatronEngine:
             global RNG is left as it was.
         record_routing: a mixture-of-experts model's samples carry ``routed_experts`` (R3).
         cuda_graphs: decode steps of fixed shape captured as CUDA graphs
-            (:class:`alignment.rollout.static_decode.StaticDecoder`), greedy and plain sampling in the engine's
+            (:class:`alignment.rollout.engines.static_decode.StaticDecoder`), greedy and plain sampling in the engine's
             own loop with the sampling and stop checks inside the graph
-            (:class:`alignment.rollout.decode_loop.DecodeLoop`); None: on a GPU. On a CPU, True runs the same
+            (:class:`alignment.rollout.engines.decode_loop.DecodeLoop`); None: on a GPU. On a CPU, True runs the same
             fixed-shape steps and loop without capture. A model the step does not cover (mixture-of-experts,
-            vision-language, ...: :func:`alignment.rollout.static_decode.unsupported`) decodes eagerly.
+            vision-language, ...: :func:`alignment.rollout.engines.static_decode.unsupported`) decodes eagerly.
     """
 
     def __init__(self, model, tokenizer, *, eos_token_id: int | list[int], vocab_size: int, max_model_len: int = 1024,
@@ -329,7 +329,7 @@ class MegatronEngine:
 
     def reseed(self, step: int) -> None:
         """Sample from step ``step`` on with the stream :func:`alignment.rollout.base.step_seed` draws
-        from the engine seed and the step (see :meth:`alignment.rollout.vllm_engine.VLLMEngine.reseed`)."""
+        from the engine seed and the step (see :meth:`alignment.rollout.engines.vllm_engine.VLLMEngine.reseed`)."""
         self.seed, self._rng_state = step_seed(self._base_seed, step), None
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, on_done: OnDone | None = None
@@ -431,7 +431,7 @@ class MegatronEngine:
 
     def load_resharded(self, buckets) -> dict:
         """Nothing to load (see :meth:`update_weights`); returns ``{"load_s", "names"}`` as
-        :meth:`alignment.rollout.vllm_engine.VLLMEngine.load_resharded` does."""
+        :meth:`alignment.rollout.engines.vllm_engine.VLLMEngine.load_resharded` does."""
         t0 = time.perf_counter()
         return {"load_s": time.perf_counter() - t0, "names": []}
 

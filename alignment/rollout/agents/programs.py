@@ -1,7 +1,7 @@
 """Agent programs as rollouts: ``rollout.agent=pkg.module:run`` (``async def run(base_url, task_row) ->
 reward | None``) or ``rollout.agent_command='python my_agent.py'`` (a program run with ``OPENAI_BASE_URL``
 and the task in its environment) plays each episode against the rollout server
-(:mod:`alignment.rollout.agent_server`), which records its tokens. ``rollout.agent_concurrency``
+(:mod:`alignment.rollout.agents.server`), which records its tokens. ``rollout.agent_concurrency``
 episodes run at once (asyncio); one that raises, exits non-zero or passes ``rollout.agent_timeout_s``
 is dropped and counted (``failed`` / ``timeout``), never trained on half-recorded: its whole group is
 masked out of the loss (:func:`episode_samples`), since the others' group-relative advantages would
@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from alignment.data.tasks import Problem
-from alignment.rollout.agent_session import AgentSession
+from alignment.rollout.agents.session import AgentSession
 from alignment.rollout.base import Sample
 
 __all__ = ["Agent", "AgentError", "load_agent", "command_agent", "task_row", "EpisodeOutcome", "play_episodes",
@@ -142,7 +142,7 @@ async def play_episodes(agent: Agent, rows: Sequence[dict], n: int, session_url:
                         prefix: str, playing: Callable[[int], None] | None = None) -> list[list[EpisodeOutcome]]:
     """``n`` episodes of ``agent`` per task row, at most ``concurrency`` at once, each cut at ``timeout_s``
     seconds; episode ``{prefix}-{i}-{k}`` talks to ``session_url(episode)``; ``playing(+1)`` / ``playing(-1)``
-    as each starts and ends (:meth:`alignment.rollout.agent_server.RolloutServer.playing`). Returns ``[len(rows)][n]`` outcomes (no
+    as each starts and ends (:meth:`alignment.rollout.agents.server.RolloutServer.playing`). Returns ``[len(rows)][n]`` outcomes (no
     exception escapes: a failing episode is an outcome)."""
     gate = asyncio.Semaphore(max(1, concurrency))
 

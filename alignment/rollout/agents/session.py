@@ -8,11 +8,11 @@ the chat template (with the request's ``tools``; a template that does not render
 the tool environment writes them, a system message in the Hermes format) as the prompt. Each later request must repeat the
 session's messages so far, the assistant turns as the server answered them, and add new messages
 (tool results, the user's next turn) at the end. Only those new messages are tokenised
-(:meth:`alignment.rollout.turn_tokens.TurnTokens.continuation_ids`), the model's own tokens are kept
+(:meth:`alignment.rollout.episodes.turn_tokens.TurnTokens.continuation_ids`), the model's own tokens are kept
 as sampled, and a request that changes an earlier message is refused (:class:`HistoryRewritten`).
 
 :meth:`AgentSession.sample` is the episode as a :class:`alignment.rollout.base.Sample`, exactly as a
-multi-turn episode of :mod:`alignment.rollout.multi_turn` is: ``response_ids`` every token after the
+multi-turn episode of :mod:`alignment.rollout.episodes.multi_turn` is: ``response_ids`` every token after the
 prompt, ``logprobs`` the engine's on the model's tokens (0 elsewhere), ``loss_mask`` 1 on the model's
 tokens only.
 """
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from alignment.envs.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_tool_calls
 from alignment.envs.tool_env import with_tool_list
 from alignment.rollout.base import Sample
-from alignment.rollout.turn_tokens import TurnTokens
+from alignment.rollout.episodes.turn_tokens import TurnTokens
 
 __all__ = ["AgentSession", "HistoryRewritten", "EpisodeTooLong", "assistant_message", "same_message"]
 

@@ -4,7 +4,7 @@
   its own copy of the weights in vLLM's layout, fed after every update by the resharder
   (:mod:`parallel.reshard`);
 - ``megatron``: Megatron-Core's inference engine on the policy's own model
-  (:class:`alignment.rollout.megatron_engine.MegatronEngine`): no second copy of the weights and
+  (:class:`alignment.rollout.engines.megatron_engine.MegatronEngine`): no second copy of the weights and
   no sync; it also runs where vLLM cannot be installed. Whole-model replicas or tensor parallel
   ones (every rank of a TP group generates the same prompts together, with the same sampling
   stream), and expert-parallel MoE policies at TP = 1; PP = CP = 1 and no sequence parallelism for
@@ -19,8 +19,8 @@ import json
 from pathlib import Path
 
 from alignment.rollout.config import BACKENDS, RolloutConfig
-from alignment.rollout.megatron_engine import MegatronEngine
-from alignment.rollout.vllm_engine import VLLMEngine
+from alignment.rollout.engines.megatron_engine import MegatronEngine
+from alignment.rollout.engines.vllm_engine import VLLMEngine
 
 
 def eos_token_ids(hf_dir: Path, tokenizer) -> list[int]:
@@ -52,7 +52,7 @@ def build_engine(r: RolloutConfig, *, seed: int, dtype: str, hf_dir: Path, polic
         record_routing: the ``megatron`` backend records a MoE policy's routing
             (``algorithm.routing_replay=r3``).
         steps: the RL steps the run will do (``rollout.enforce_eager=null`` compiles vLLM when they pay a
-            cold compile back: :func:`alignment.rollout.compile_cache.choose_enforce_eager`).
+            cold compile back: :func:`alignment.rollout.engines.compile_cache.choose_enforce_eager`).
     Raises:
         ValueError: an unknown ``rollout.backend``.
     """

@@ -1,7 +1,7 @@
 """Multi-turn episodes on a rollout engine: the engine generates a turn (until EOS or the
 environment's stop string, e.g. ``</tool_call>``), the environment answers
 (:class:`alignment.envs.base.Environment`), its answer is appended as tokens
-(:class:`alignment.rollout.turn_tokens.TurnTokens`) and the engine continues from the whole
+(:class:`alignment.rollout.episodes.turn_tokens.TurnTokens`) and the engine continues from the whole
 token sequence, until the environment ends the episode, ``max_turns`` model turns were taken or
 the token budget is spent.
 
@@ -30,9 +30,9 @@ from alignment.data.images import ImageProcessor
 from alignment.envs.base import Environment
 from alignment.envs.factory import build_environment
 from alignment.rollout.base import OnDone, Sample, SamplingConfig
-from alignment.rollout.factory import eos_token_ids
-from alignment.rollout.image_prompts import ImagePrompt, image_prompts, images_of
-from alignment.rollout.turn_tokens import TurnTokens
+from alignment.rollout.engines.factory import eos_token_ids
+from alignment.rollout.engines.image_prompts import ImagePrompt, image_prompts, images_of
+from alignment.rollout.episodes.turn_tokens import TurnTokens
 
 __all__ = ["run_episodes", "EpisodeSetup", "episode_setup", "EPISODE_COUNTS", "cut_sample"]
 
@@ -45,7 +45,7 @@ class EpisodeSetup:
     """What a job's episodes run with: the environment (``rollout.environment``), the chat template's
     turn tokens, ``rollout.max_turns``, ``rollout.max_tokens_per_turn`` and, for a vision-language
     model, its image processor (prompts with images become
-    :class:`alignment.rollout.image_prompts.ImagePrompt` s)."""
+    :class:`alignment.rollout.engines.image_prompts.ImagePrompt` s)."""
 
     env: Environment
     turns: TurnTokens
@@ -185,12 +185,12 @@ def run_episodes(generate: Callable[..., list[list[Sample]]], env: Environment,
             e.g. to start running their code (:func:`alignment.rewards.code_runs.prefetcher`). Not
             called for multi-turn episodes, whose last answer is known only at the end.
         images: a vision-language model's image processor: the prompts of problems with ``images``
-            become :class:`alignment.rollout.image_prompts.ImagePrompt` s (decoded and encoded here).
+            become :class:`alignment.rollout.engines.image_prompts.ImagePrompt` s (decoded and encoded here).
     Returns:
         ``[len(problems)][n]`` samples (see the module docstring).
     Raises:
         ValueError: ``max_turns`` < 1 or ``max_tokens_per_turn`` < 1; as
-            :func:`alignment.rollout.image_prompts.image_prompts`.
+            :func:`alignment.rollout.engines.image_prompts.image_prompts`.
     """
     if max_turns < 1:
         raise ValueError(f"rollout.max_turns={max_turns}: must be >= 1")

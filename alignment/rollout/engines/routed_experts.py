@@ -21,7 +21,7 @@ class GenerationRouting:
 
     The routers see a window's hidden states ``[window, batch, hidden]`` flattened sequence-major
     (no sequence parallelism in generation), the same window of positions for every row (a static
-    batch, :class:`alignment.rollout.megatron_engine.MegatronEngine`).
+    batch, :class:`alignment.rollout.engines.megatron_engine.MegatronEngine`).
     """
 
     def __init__(self, model: torch.nn.Module):

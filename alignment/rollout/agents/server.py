@@ -6,7 +6,7 @@ AReaL's proxy and verl's agent loop allow.
 - ``POST /v1/chat/completions`` and ``POST /v1/completions`` (and ``GET /v1/models``). The episode is named
   by the path, ``{base}/sessions/{episode_id}/v1`` (:meth:`RolloutServer.session_url`), or by the
   ``X-Megalign-Episode`` header on ``{base}/v1``.
-- Each episode's tokens are recorded token-in/token-out (:class:`alignment.rollout.agent_session.AgentSession`):
+- Each episode's tokens are recorded token-in/token-out (:class:`alignment.rollout.agents.session.AgentSession`):
   the exact ids of every turn, the sampled tokens' logprobs, the loss mask. A request that rewrites the
   history gets HTTP 400 with the reason.
 - Requests carry ``tools`` (OpenAI function schemas, rendered by the chat template), ``temperature``,
@@ -34,10 +34,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from alignment.rollout.agent_session import AgentSession, EpisodeTooLong, HistoryRewritten
+from alignment.rollout.agents.session import AgentSession, EpisodeTooLong, HistoryRewritten
 from alignment.rollout.base import Sample, SamplingConfig
-from alignment.rollout.multi_turn import cut_sample
-from alignment.rollout.turn_tokens import TurnTokens
+from alignment.rollout.episodes.multi_turn import cut_sample
+from alignment.rollout.episodes.turn_tokens import TurnTokens
 
 __all__ = ["RolloutServer", "EPISODE_HEADER"]
 

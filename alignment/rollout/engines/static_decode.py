@@ -33,7 +33,7 @@ pool) and replayed for every later step in it; the graphs are dropped when the K
 ``sleep`` frees it) or a parameter's memory does (``trainer.offload``). On a CPU the same step runs without capture
 (that is how the CPU tests check it). :meth:`StaticDecoder.decode` is the step alone, as Megatron's loop calls it;
 :meth:`StaticDecoder.prepare`, :meth:`StaticDecoder.step` and :meth:`StaticDecoder.run` let a caller put more into
-the same graph (:mod:`alignment.rollout.decode_loop` adds the sampling and stop checks).
+the same graph (:mod:`alignment.rollout.engines.decode_loop` adds the sampling and stop checks).
 """
 
 from __future__ import annotations

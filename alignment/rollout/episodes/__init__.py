@@ -1,0 +1,1 @@
+"""Episodes: multi-turn rollouts in an environment, their token bookkeeping, and a dataset's answers in place of sampled ones."""
