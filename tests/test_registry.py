@@ -77,7 +77,8 @@ def test_every_trainer_has_what_its_job_calls():
         # its checks across sections: alignment/checks/<module>.py's validate(cfg, layout, dims)
         assert a.validate.startswith("alignment.checks.") and list(inspect.signature(a.checks()).parameters) == \
             ["cfg", "layout", "dims"], a.name
-    with pytest.raises(ConfigError, match="validate=alignment.checks.grpo:nothing is not a function"):
+    with pytest.raises(ConfigError, match="^algorithm.name=mine: validate=alignment.checks.grpo:nothing: "
+                                          "alignment.checks.grpo has no function nothing$"):
         registry.Algorithm("mine", "online", "my.module", "mine", validate="alignment.checks.grpo:nothing").checks()
 
 

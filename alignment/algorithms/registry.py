@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 from types import ModuleType
 
+from alignment.algorithms import hooks
 from alignment.algorithms.config import (AlgorithmConfig, DistillConfig, GRPOConfig, OnlineDPOConfig, PPOConfig,
                                          PreferenceConfig, ProcessRewardConfig, RewardModelConfig, RFTConfig, SFTConfig)
 from alignment.schema import ConfigError
@@ -87,15 +88,7 @@ class Algorithm:
             ConfigError: a path that does not name a function."""
         if not self.validate:
             return lambda cfg, layout, dims: None
-        module_name, _, attr = self.validate.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module_name), attr, None)
-        except Exception as e:  # the user's module: any error it raises on import
-            raise ConfigError(f"algorithm.name={self.name}: validate={self.validate}: {type(e).__name__}: {e}") from e
-        if not callable(fn):
-            raise ConfigError(f"algorithm.name={self.name}: validate={self.validate} is not a function "
-                              "(module.path:function)")
-        return fn  # type: ignore[no-any-return]  # a function the record names, called as fn(cfg, layout, dims)
+        return hooks.load(self.validate, f"algorithm.name={self.name}: validate")  # called as fn(cfg, layout, dims)
 
     def trainer_module(self) -> ModuleType:
         """The :attr:`trainer` module, imported (Megatron and torch with it: call in the job, not at config time)."""
