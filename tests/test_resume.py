@@ -22,6 +22,8 @@ def test_resumed_training_equals_uninterrupted_and_nan_updates_are_skipped(torch
         # step count untouched by the skipped update)
         assert r[name]["poisoned_applied"] == [False] and r[name]["poisoned_moved"] == 0.0, r
         assert r[name]["after_skip_vs_straight"] <= 1e-6, r
+        # saved before any update was applied (Adam's state still empty), resumed: the uninterrupted run's steps
+        assert r[name]["before_first_update_vs_straight"] <= 1e-6, r
     assert "resume with trainer.use_distributed_optimizer=false" in r["mismatch_error"]
     # every file of a checkpoint is in its manifest; a shard cut short is named before anything is read
     assert {"common.pt", "metadata.json", ".metadata"} <= set(r["manifest_files"]), r["manifest_files"]

@@ -178,15 +178,24 @@ def _trained_entries(model, model_sd: dict) -> dict:
             if isinstance(v, (ShardedTensor, ShardedTensorFactory)) and id(v.data) in trained}
 
 
-def _state(model, optimizer, step: int, is_loading: bool, sharding: str = DP_RESHARDABLE) -> dict:
+def _has_stepped(optimizer) -> bool:
+    """Whether ``optimizer`` (a Megatron optimizer, or a chain of them) has applied an update: Adam holds state
+    only after its first one. Before it (every update so far skipped: a NaN, or RFT accepting no sample) Megatron
+    can write its state but not read it back (no moments, and a ``step`` of 0 left out), and it equals a new one:
+    its checkpoint holds no optimizer state (``optimizer_stepped`` false) and a resume keeps the new one."""
+    return any(len(getattr(sub, "optimizer", sub).state) for sub in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _state(model, optimizer, step: int, is_loading: bool, sharding: str = DP_RESHARDABLE,
+           stepped: bool = True) -> dict:
     model_sd = unwrap(model).sharded_state_dict()
     adapters_only = _adapters_only(model)
     if adapters_only:
         model_sd = _trained_entries(model, model_sd)
     state = {"model": model_sd, "step": step, "optimizer_kind": _optimizer_kind(optimizer),
              "model_parallel_sizes": _model_parallel_sizes(), "adapters_only": adapters_only,
-             "lora": _lora_signature(model), "optimizer_sharding": sharding}
-    if optimizer is not None:
+             "lora": _lora_signature(model), "optimizer_sharding": sharding, "optimizer_stepped": stepped}
+    if optimizer is not None and stepped:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                           metadata=_optimizer_metadata(sharding))
     return state
@@ -214,7 +223,9 @@ def save_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, op
         for name, text in written.items():
             (tmp / name).write_text(text)
     try:
-        dist_checkpointing.save(_state(model, optimizer, step, is_loading=False, sharding=sharding), str(tmp))
+        stepped = optimizer is not None and _has_stepped(optimizer)
+        dist_checkpointing.save(_state(model, optimizer, step, is_loading=False, sharding=sharding, stepped=stepped),
+                                str(tmp))
     except OSError as e:
         if e.errno != errno.ENOSPC:
             raise
@@ -270,14 +281,16 @@ def load_megatron_checkpoint(model: torch.nn.Module, path: str | os.PathLike, op
                 f"checkpoint {path} holds {saved or 'no'} optimizer state but this run uses the "
                 f"{_optimizer_kind(optimizer)} optimizer: resume with trainer.use_distributed_optimizer="
                 f"{'true' if saved == 'distributed' else 'false'}, or start a new output_dir")
-    loaded = dist_checkpointing.load(_state(model, optimizer, 0, is_loading=True, sharding=sharding), str(path))
+    stepped = bool(common.get("optimizer_stepped", True))  # False: saved before its first update (_has_stepped)
+    loaded = dist_checkpointing.load(_state(model, optimizer, 0, is_loading=True, sharding=sharding, stepped=stepped),
+                                     str(path))
     result = unwrap(model).load_state_dict(loaded["model"], strict=not adapters_only)
     if adapters_only:  # the frozen base stays as loaded from model.path; every trained tensor must come back
         trained = {n for n, p in unwrap(model).named_parameters() if p.requires_grad}
         if trained & set(result.missing_keys) or result.unexpected_keys:
             raise ValueError(f"checkpoint {path}: trained tensors missing {sorted(trained & set(result.missing_keys))}"
                              f", unexpected {sorted(result.unexpected_keys)}")
-    if optimizer is not None:
+    if optimizer is not None and stepped:
         state = loaded["optimizer"]
         optimizer.load_state_dict(_fit_to_chain(optimizer, state, path) if sharding == FULLY_RESHARDABLE else state)
     return int(loaded["step"])

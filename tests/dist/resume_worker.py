@@ -143,9 +143,19 @@ def main(ckpt_root: str, path: str) -> None:
         skipped = train(ddp, opt, hf, range(2, 3), poison=True)
         untouched = max_diff(export_hf_weights(ddp, bridge), before)
         train(ddp, opt, hf, range(2, 3))  # then the same step, clean: as if the bad one never happened
-        results[name] = {"resumed_vs_straight": max_diff(resumed, straight), "model_only_vs_straight": model_only,
+        after_skip = max_diff(export_hf_weights(ddp, bridge), straight)
+        # a checkpoint before any update was applied (the first one skipped: e.g. RFT accepting no sample, or a
+        # NaN), when Adam has no state yet: saved, resumed, and the 3 steps equal the uninterrupted run's
+        ddp, opt = fresh(hf, distributed)
+        assert train(ddp, opt, hf, range(0, 1), poison=True) == [False]
+        save_megatron_checkpoint(ddp, f"{ckpt_root}/{name}/step_0", optimizer=opt, step=0)
+        ddp, opt = fresh(hf, distributed)
+        first = load_megatron_checkpoint(ddp, f"{ckpt_root}/{name}/step_0", optimizer=opt)
+        train(ddp, opt, hf, range(first, 3))
+        results[name] = {"before_first_update_vs_straight": max_diff(export_hf_weights(ddp, bridge), straight),
+                         "resumed_vs_straight": max_diff(resumed, straight), "model_only_vs_straight": model_only,
                          "step": step, "poisoned_applied": skipped, "poisoned_moved": untouched,
-                         "after_skip_vs_straight": max_diff(export_hf_weights(ddp, bridge), straight)}
+                         "after_skip_vs_straight": after_skip}
     import shutil
     from pathlib import Path
 
