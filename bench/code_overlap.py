@@ -33,7 +33,7 @@ from alignment.data.tasks import load_problems  # noqa: E402
 from alignment.models.hf_assets import prepare_hf_dir  # noqa: E402
 from alignment.rewards.code_runs import code_pool, prefetcher  # noqa: E402
 from alignment.rewards.functions import function_scores  # noqa: E402
-from alignment.rollout.base import SamplingConfig  # noqa: E402
+from alignment.data.samples import SamplingConfig  # noqa: E402
 
 CORRECTNESS = RewardTerm("correctness")
 

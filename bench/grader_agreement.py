@@ -24,7 +24,7 @@ from alignment.data.prompts import build_prompt_ids
 from alignment.data.tasks import load_problems, score_response
 from alignment.models.hf_assets import prepare_hf_dir
 from alignment.rewards.graders import math_verify
-from alignment.rollout.base import SamplingConfig
+from alignment.data.samples import SamplingConfig
 from alignment.rollout.engines.vllm_engine import VLLMEngine
 
 

@@ -174,7 +174,7 @@ def megatron_bench(args) -> None:
     from transformers import LlamaConfig
 
     from alignment.models.gpt import build_gpt_model, transformer_config
-    from alignment.rollout.base import SamplingConfig
+    from alignment.data.samples import SamplingConfig
     from alignment.rollout.engines.megatron_engine import MegatronEngine
     from parallel.layout import ParallelLayout
     from parallel.state import init_distributed, shutdown

@@ -43,7 +43,6 @@ import json
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +52,8 @@ from alignment.config import total_steps
 from alignment.data.prompt_data import EpochOrder
 from alignment.models.families import model_dims
 from alignment.rewards.remote import RewardServerError, take_failures
-from alignment.rollout.base import SamplingConfig
-from alignment.trainers.interfaces import Batch, Evaluation
+from alignment.data.samples import SamplingConfig
+from alignment.trainers.interfaces import Batch, JobSpec
 from alignment.trainers.models import Models
 from alignment.trainers.rl_phases import post_for_group, sync_weights, token_staleness
 from alignment.training.checkpoint import (FULLY_RESHARDABLE, ensure_space, latest_checkpoint, load_models_checkpoint,
@@ -72,46 +71,6 @@ from launchers.rollout_table import write_rollout_table
 from launchers.teardown import close_job
 from parallel.memory import checkpoint_bytes
 from parallel.state import replica_group
-
-
-#: the progress bar's postfix of an online job: shown name -> (metric, format)
-RL_POSTFIX = {"reward": ("reward/mean", ".3f"), "kl": ("kl", ".4f"), "accept": ("rft/acceptance_rate", ".2f")}
-
-
-@dataclass
-class JobSpec:
-    """One job plugged into the loop.
-
-    ``name``: progress-bar label. ``train_set``: prompts, problems or examples, sliced per step and
-    DP rank by ``items(step)`` (default: :func:`prompts_of_step` with ``rollout.prompts_per_step``).
-    ``collect(items, step, version)``: this DP rank's batch for ``items`` (online: the
-    :class:`alignment.trainers.rl_phases.Rollout` sampled by the policy after ``version`` optimizer
-    steps), an object with ``seconds`` (its wall time) and a ``step`` the loop sets.
-    ``train(batch)``: (global metrics, phase seconds); a ``tokens`` metric (the step's tokens) is
-    turned into ``tokens_per_s``. ``trained``: name -> (model, optimizer) of what checkpoints hold
-    (optimizer None: a frozen model whose weights still change, e.g. iterative DPO's reference).
-    ``evaluation``: see :class:`Evaluation`. ``request(items)``: the ``(prompts, SamplingConfig)``
-    of the first generation ``collect(items, ...)`` asks for, so that an engine on rollout ranks of
-    its own can start it early (:class:`RolloutQueue`'s ``post``). ``steps``: the run's optimizer
-    steps (default: :func:`alignment.config.total_steps`). ``log_prefix``: put before each step metric's TensorBoard
-    name (offline jobs: ``train/``). ``postfix``: the progress bar's (name -> (metric, format)).
-    ``hf_config``: the HF config written with the export (default: the job's); ``export_adapters``:
-    with ``model.lora``, also write the PEFT adapters.
-    """
-
-    name: str
-    train_set: Sequence[Any]
-    collect: Callable[[list[Any], int, int], Batch]
-    train: Callable[[Any], tuple[dict[str, float], dict[str, float]]]
-    trained: dict[str, tuple[torch.nn.Module, Any]]
-    evaluation: Evaluation
-    request: Callable[[list[Any]], tuple[list[Any], SamplingConfig]] | None = None
-    items: Callable[[int], list[Any]] | None = None
-    steps: int | None = None
-    log_prefix: str = ""
-    postfix: dict[str, tuple[str, str]] = field(default_factory=lambda: dict(RL_POSTFIX))
-    hf_config: Any = None
-    export_adapters: bool = True
 
 
 class RolloutQueue:

@@ -23,6 +23,7 @@ from alignment.models.families import text_config
 from alignment.trainers import offline
 from alignment.training.batching import MicroBatching
 from alignment.training.dp_balance import global_batch_share
+from alignment.trainers.interfaces import JobSpec
 from launchers import loop
 from launchers.build import build_models
 from launchers.common import start
@@ -163,7 +164,7 @@ def run(cfg: JobConfig, composed=None) -> dict:
 
     evaluation = HeldoutLoss(job, lambda: offline.evaluate(models, objective, heldout_batches, rows_per_mb),
                              len(mine) * dp, len(train))
-    spec = loop.JobSpec(cfg.algorithm.name, train, collect, train_step, {"policy": (models.policy, models.optimizer)},
+    spec = JobSpec(cfg.algorithm.name, train, collect, train_step, {"policy": (models.policy, models.optimizer)},
                         evaluation, items=items, steps=total, log_prefix="train/",
                         postfix={"loss": ("loss", ".4f")},
                         hf_config=export_config(cfg, job.hf_config, tok, models.bridge),

@@ -21,11 +21,12 @@ from alignment.config import JobConfig
 from alignment.data.chat_data import encode_prompt, load_preference_pairs
 from alignment.data.prompt_data import training_order
 from alignment.rewards.policy import ppo_on_task, process_reward_weight
-from alignment.rollout.base import SamplingConfig
+from alignment.data.samples import SamplingConfig
 from alignment.trainers import ppo, rl_phases
 from alignment.trainers.heldout import HeldoutAccuracy
 from alignment.trainers.rewarding import padded_batch, reward_model_scores
 from alignment.trainers.rl_phases import generate_for_group, rollout_phase
+from alignment.trainers.interfaces import JobSpec
 from alignment.training.megatron_step import all_reduce_sum, is_output_rank
 from launchers import loop
 from launchers.build import build_models
@@ -121,7 +122,7 @@ def run(cfg: JobConfig, composed=None) -> dict:
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         evaluation = WinRate(cfg, models, heldout[: len(heldout) // dp * dp][dp_rank::dp])
         request = lambda prompts: ppo.request(prompts, cfg)  # noqa: E731
-    spec = loop.JobSpec(
+    spec = JobSpec(
         "ppo", train, lambda items, step, version: ppo.collect(models, items, cfg, version),
         lambda rollout: ppo.train(models, rollout, cfg),
         {"policy": (models.policy, models.optimizer), "critic": (models.critic, models.critic_optimizer)},

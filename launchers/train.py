@@ -26,6 +26,7 @@ from alignment.data.prompt_data import training_order  # noqa: E402
 from alignment.rewards.policy import process_reward_weight, reward_terms  # noqa: E402
 from alignment.trainers import rl_phases  # noqa: E402
 from alignment.trainers.heldout import HeldoutAccuracy  # noqa: E402
+from alignment.trainers.interfaces import JobSpec  # noqa: E402
 from launchers import loop, offline_job, ppo_job  # noqa: E402
 from launchers.build import build_models  # noqa: E402
 from launchers.common import JOB_FILE_ENV, start  # noqa: E402
@@ -95,7 +96,7 @@ def run_rl(cfg: JobConfig, composed=None) -> dict:
     trained = {"policy": (models.policy, models.optimizer)}
     if has_section(cfg.algorithm, OnlineDPOConfig) and cfg.algorithm.ref_update == "iteration":
         trained["reference"] = (models.reference, None)  # the iteration's reference resumes too
-    spec = loop.JobSpec(name, train, collect,
+    spec = JobSpec(name, train, collect,
                          lambda rollout: trainer.train(models, rollout, cfg), trained,
                          HeldoutAccuracy(job, models, heldout),
                          request=lambda problems: rl_phases.request(models.tokenizer, problems, cfg))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from alignment.rollout.base import Sample, SamplingConfig, report_each
+from alignment.data.samples import Sample, SamplingConfig, report_each
 from tests.conftest import SMOLLM2_EOS as EOS
 
 

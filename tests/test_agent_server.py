@@ -15,7 +15,7 @@ import pytest
 
 from alignment.envs.tool_env import ToolEnvironment
 from alignment.rollout.agents.server import EPISODE_HEADER, RolloutServer
-from alignment.rollout.base import SamplingConfig
+from alignment.data.samples import SamplingConfig
 from alignment.rollout.episodes.multi_turn import run_episodes
 from tests.scripted_engine import ScriptedEngine
 from tests.test_agent_session import PROBLEM, script

@@ -12,7 +12,7 @@ from alignment.data.tasks import Problem
 from alignment.envs.tool_env import ToolEnvironment, tools_system_prompt
 from alignment.rollout.agents.session import (AgentSession, EpisodeTooLong, HistoryRewritten, assistant_message,
                                              same_message)
-from alignment.rollout.base import SamplingConfig
+from alignment.data.samples import SamplingConfig
 from alignment.rollout.episodes.multi_turn import run_episodes
 from tests.scripted_engine import ScriptedEngine
 

@@ -16,7 +16,7 @@ from alignment.data.tasks import FILE_TASK, Problem, load_problems
 from alignment.rewards import code_runs
 from alignment.rewards.functions import function_scores
 from alignment.rewards.text import text_scores
-from alignment.rollout.base import Sample, SamplingConfig, report_each
+from alignment.data.samples import Sample, SamplingConfig, report_each
 from alignment.sandbox.runner import SandboxLimits, SandboxPool
 from alignment.trainers import rl_phases
 

@@ -56,7 +56,7 @@ def test_canonical_solutions_pass_and_wrong_or_runaway_ones_fail():
 
 def test_correctness_reward_runs_the_sandboxes_side_by_side():
     from alignment.rewards.text import text_scores
-    from alignment.rollout.base import Sample
+    from alignment.data.samples import Sample
     from alignment.sandbox.runner import sandbox_workers
 
     problems = load_problems("humaneval", "heldout", 6)

@@ -15,7 +15,7 @@ from alignment.data.prompt_data import load_prompt_files
 from alignment.data.prompts import build_prompt_ids
 from alignment.data.tasks import Problem
 from alignment.envs.base import SingleTurn
-from alignment.rollout.base import SamplingConfig
+from alignment.data.samples import SamplingConfig
 from alignment.rollout.episodes.dataset_answers import DatasetAnswers, answer_ids
 from alignment.rollout.episodes.multi_turn import run_episodes
 from alignment.trainers.distill import sampled_logprobs

@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from alignment.config import validate
-from alignment.rollout.base import Sample, SamplingConfig
+from alignment.data.samples import Sample, SamplingConfig
 from alignment.rollout.config import rollout_ranks
 from alignment.rollout.engines.disaggregated import GENERATE, STOP, SYNC, RemoteEngine, deal, serve
 from alignment.schema import ConfigError

@@ -13,7 +13,7 @@ import pytest
 from alignment.data.tasks import Problem
 from alignment.evaluation import metrics
 from alignment.rewards import grading
-from alignment.rollout.base import Sample
+from alignment.data.samples import Sample
 
 
 def _sample(text: str, **info) -> Sample:

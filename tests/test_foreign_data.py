@@ -18,7 +18,7 @@ from alignment.compose import compose_job
 from alignment.config import job_config
 from alignment.data.prompt_data import load_prompt_files
 from alignment.rewards.functions import function_scores, load_user_function
-from alignment.rollout.base import Sample
+from alignment.data.samples import Sample
 from alignment.schema import ConfigError
 from tests.foreign_data import COMPUTE_SCORE, INSTRUCTION, extract_solution, gsm8k_rows, write_geo3k_parquet, \
     write_gsm8k_parquet

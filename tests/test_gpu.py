@@ -226,7 +226,7 @@ def test_megatron_engine_decodes_with_cuda_graphs_as_it_does_eagerly():
     from alignment.models.families import get_bridge
     from alignment.models.gpt import build_gpt_model, transformer_config
     from alignment.models.weights import load_hf_weights
-    from alignment.rollout.base import SamplingConfig
+    from alignment.data.samples import SamplingConfig
     from alignment.rollout.engines.megatron_engine import MegatronEngine
     from parallel.layout import ParallelLayout
     from parallel.state import init_distributed, shutdown

@@ -13,7 +13,7 @@ from alignment.data.tasks import FILE_TASK, Problem
 from alignment.rewards import remote
 from alignment.rewards.functions import RewardFunctionError, check_function, function_scores
 from alignment.rewards.judge import parse_score, probe_judge, render
-from alignment.rollout.base import Sample
+from alignment.data.samples import Sample
 from tests.reward_server import ScriptedJudge
 
 TEMPLATE = "Q: {prompt}\nGold: {reference}\nA: {completion}\nScore 0-10:"

@@ -13,7 +13,7 @@ from alignment.data.tasks import Problem
 from alignment.envs.base import SingleTurn, Transition
 from alignment.envs.tool_env import ToolEnvironment, tools_system_prompt
 from alignment.envs.tools import TOOLS
-from alignment.rollout.base import SamplingConfig
+from alignment.data.samples import SamplingConfig
 from alignment.rollout.episodes.multi_turn import run_episodes
 from alignment.training.batching import make_batch
 from tests.conftest import SMOLLM2_EOS

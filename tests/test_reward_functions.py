@@ -12,7 +12,7 @@ from alignment.algorithms.composite_reward import RewardTerm, combine_rewards, w
 from alignment.data.tasks import FILE_TASK, Problem
 from alignment.rewards.functions import RewardFunctionError, check_function, function_scores
 from alignment.rewards.graders import check_grader_kwargs, exact_match, math_verify, numeric, regex
-from alignment.rollout.base import Sample
+from alignment.data.samples import Sample
 
 
 def sample(text: str, ids=(1, 2, 3)) -> Sample:

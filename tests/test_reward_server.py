@@ -13,7 +13,7 @@ from alignment.algorithms.composite_reward import RewardTerm
 from alignment.data.tasks import FILE_TASK, Problem
 from alignment.rewards import remote
 from alignment.rewards.functions import RewardFunctionError, check_function, function_scores
-from alignment.rollout.base import Sample
+from alignment.data.samples import Sample
 from alignment.trainers.rewarding import drop_failed_groups
 from tests.reward_server import RewardServer
 

@@ -13,7 +13,7 @@ from alignment.config import validate
 from alignment.data.tasks import Problem
 from alignment.rewards.policy import ppo_on_task, process_reward_weight, reward_terms
 from alignment.rewards.text import format_score, length_score, text_scores
-from alignment.rollout.base import Sample
+from alignment.data.samples import Sample
 from alignment.schema import ConfigError
 from tests.test_config import SMOLLM2, cfg
 

@@ -31,7 +31,7 @@ from alignment.data.chat_data import encode_prompt  # noqa: E402
 from alignment.data.step_data import StepRecord, label_steps, split_steps, step_prompt, write_records  # noqa: E402
 from alignment.data.tasks import load_problems, score_response  # noqa: E402
 from alignment.models.hf_assets import prepare_hf_dir  # noqa: E402
-from alignment.rollout.base import SamplingConfig  # noqa: E402
+from alignment.data.samples import SamplingConfig  # noqa: E402
 from alignment.rollout.engines.vllm_engine import VLLMEngine  # noqa: E402
 
 

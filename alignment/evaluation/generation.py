@@ -17,7 +17,7 @@ from alignment.data.tasks import Problem, score_response
 from alignment.evaluation import metrics, suites
 from alignment.rewards import grading
 from alignment.rewards.code_runs import early_grading
-from alignment.rollout.base import SamplingConfig
+from alignment.data.samples import SamplingConfig
 from alignment.rollout.episodes.multi_turn import episode_setup, run_episodes
 
 

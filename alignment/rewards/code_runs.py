@@ -18,7 +18,7 @@ from typing import Iterator
 
 from alignment.data.code_tasks import CODE_LIMITS, check_program
 from alignment.data.tasks import Problem
-from alignment.rollout.base import OnDone, Sample
+from alignment.data.samples import OnDone, Sample
 from alignment.sandbox.runner import SandboxPool, sandbox_workers
 
 __all__ = ["CODE_TASKS", "CODE_FUNCTIONS", "program", "code_pool", "run_programs", "prefetcher", "early_grading"]

@@ -45,7 +45,7 @@ from alignment.rewards import judge
 from alignment.rewards.graders import GRADERS, check_grader_kwargs
 from alignment.rewards.remote import check_settings, http_scores
 from alignment.rewards.text import TEXT_FUNCTIONS, text_scores
-from alignment.rollout.base import Sample
+from alignment.data.samples import Sample
 from alignment.sandbox.runner import SandboxPool
 
 __all__ = ["RewardFunctionError", "MODEL_FUNCTIONS", "BUILTINS", "REFERENCE_GRADERS", "is_user_function",

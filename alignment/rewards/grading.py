@@ -16,7 +16,7 @@ from alignment.algorithms.best_of_n import majority_vote
 from alignment.algorithms.composite_reward import RewardTerm
 from alignment.data.tasks import Problem, extract_final_number
 from alignment.rewards.functions import function_scores
-from alignment.rollout.base import Sample
+from alignment.data.samples import Sample
 from alignment.sandbox.runner import SandboxPool, sandbox_workers
 
 CORRECTNESS = RewardTerm("correctness")

@@ -43,7 +43,7 @@ from alignment.data.tasks import Problem
 from alignment.models.hf_assets import is_hub_id
 from alignment.rewards.judge_models import Endpoint, backend
 from alignment.rewards.remote import FAILURES, ON_ERROR
-from alignment.rollout.base import Sample
+from alignment.data.samples import Sample
 
 __all__ = ["TEMPLATE", "PAIR_TEMPLATE", "SETTINGS", "check_settings", "render", "parse_score", "parse_preference",
            "judge_scores", "compare", "probe_judge"]

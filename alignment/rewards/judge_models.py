@@ -21,7 +21,7 @@ from pathlib import Path
 
 from alignment.data.chat_data import encode_prompt
 from alignment.models.hf_assets import prepare_hf_dir
-from alignment.rollout.base import SamplingConfig
+from alignment.data.samples import SamplingConfig
 from alignment.rollout.engines.vllm_engine import VLLMEngine
 
 __all__ = ["Endpoint", "LocalJudge", "backend", "close_local"]

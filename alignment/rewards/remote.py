@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from alignment.data.tasks import Problem
-from alignment.rollout.base import Sample
+from alignment.data.samples import Sample
 
 __all__ = ["RewardServerError", "FAILURES", "take_failures", "SETTINGS", "ON_ERROR", "check_settings", "post_scores",
            "probe", "http_scores"]

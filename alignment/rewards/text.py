@@ -24,7 +24,7 @@ import torch
 
 from alignment.data import tasks
 from alignment.rewards.code_runs import CODE_TASKS, program, run_programs
-from alignment.rollout.base import Sample
+from alignment.data.samples import Sample
 from alignment.sandbox.runner import SandboxPool
 
 TEXT_FUNCTIONS = ("correctness", "format", "length", "environment")

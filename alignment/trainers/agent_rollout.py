@@ -18,7 +18,7 @@ import torch.distributed as dist
 from alignment.data.tasks import Problem
 from alignment.rollout.agents.server import RolloutServer
 from alignment.rollout.agents.programs import Agent, command_agent, episode_samples, load_agent, play_episodes, task_row
-from alignment.rollout.base import Sample, SamplingConfig
+from alignment.data.samples import Sample, SamplingConfig
 from alignment.trainers.models import Models
 from alignment.trainers.rl_phases import generate_for_group
 from alignment.training.megatron_step import all_reduce_sum

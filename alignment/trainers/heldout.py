@@ -32,7 +32,7 @@ from alignment.data.tasks import Problem
 from alignment.rewards import grading
 from alignment.rewards.code_runs import early_grading
 from alignment.rewards.policy import heldout_grader
-from alignment.rollout.base import SamplingConfig
+from alignment.data.samples import SamplingConfig
 from alignment.trainers.agent_rollout import agent_episodes
 from alignment.trainers.eval_cache import cached_accuracy, heldout_key, lookup_accuracy, store_accuracy
 from alignment.trainers.models import Models

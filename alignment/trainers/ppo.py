@@ -33,7 +33,7 @@ from alignment.algorithms.value_loss import value_loss
 from alignment.data.images import select_rows
 from alignment.rewards.code_runs import early_grading
 from alignment.rewards.policy import ppo_on_task, process_reward_weight
-from alignment.rollout.base import SamplingConfig
+from alignment.data.samples import SamplingConfig
 from alignment.trainers.models import Models
 from alignment.trainers.process_rewarding import score_steps, step_metrics
 from alignment.trainers.rewarding import combine, job_terms, padded_batch, score_terms, term_metrics

@@ -21,7 +21,7 @@ import torch
 
 from alignment.data.step_data import encode_steps, response_steps
 from alignment.rewards.policy import process_reward_weight
-from alignment.rollout.base import Sample
+from alignment.data.samples import Sample
 from alignment.trainers.models import Models
 from alignment.trainers.rl_phases import head_outputs, microbatches
 from alignment.training.batching import make_sequence_batch

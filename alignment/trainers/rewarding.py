@@ -16,7 +16,7 @@ from alignment.models.value_head import sequence_scores
 from alignment.rewards.config import PROCESS_REWARD
 from alignment.rewards.functions import function_scores
 from alignment.rewards.policy import reward_terms
-from alignment.rollout.base import Sample
+from alignment.data.samples import Sample
 from alignment.sandbox.runner import SandboxPool, sandbox_workers
 from alignment.trainers.models import Models
 from alignment.trainers.rl_phases import head_outputs, microbatches

@@ -29,7 +29,7 @@ from alignment.algorithms.sft_loss import sft_loss
 from alignment.data.prompts import PromptStyle, build_prompt_ids
 from alignment.data.tasks import Problem
 from alignment.rewards.code_runs import early_grading
-from alignment.rollout.base import Sample
+from alignment.data.samples import Sample
 from alignment.rollout.engines.image_prompts import image_prompts, images_of
 from alignment.trainers.models import Models
 from alignment.trainers.rewarding import combine, job_terms, score_terms, term_metrics

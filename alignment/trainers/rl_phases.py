@@ -18,7 +18,7 @@ from alignment.data.images import ImageProcessor
 from alignment.data.prompts import PromptStyle, build_prompt_ids
 from alignment.data.tasks import Problem
 from alignment.models.weights import export_hf_weights
-from alignment.rollout.base import OnDone, Sample, SamplingConfig
+from alignment.data.samples import OnDone, Sample, SamplingConfig
 from alignment.rollout.config import RolloutConfig
 from alignment.rollout.episodes.dataset_answers import DatasetAnswers
 from alignment.rollout.engines.image_prompts import image_prompts

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from alignment.data.images import attach_images, select_rows
-from alignment.rollout.base import Sample
+from alignment.data.samples import Sample
 from parallel.balance import token_budget_partition
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from alignment.rollout.base import Sample
+from alignment.data.samples import Sample
 from parallel.balance import karmarkar_karp
 
 

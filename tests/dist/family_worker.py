@@ -24,7 +24,7 @@ import torch.distributed as dist
 from alignment.models.families import get_bridge
 from alignment.models.gpt import build_gpt_model, transformer_config
 from alignment.models.weights import load_hf_weights
-from alignment.rollout.base import SamplingConfig
+from alignment.data.samples import SamplingConfig
 from alignment.rollout.engines.megatron_engine import MegatronEngine
 from alignment.trainers.rl_phases import policy_logprobs
 from alignment.training.batching import make_batch as rollout_batch

@@ -43,7 +43,7 @@ def main() -> None:
     from alignment.data.tasks import FILE_TASK, Problem
     from alignment.rewards.judge import TEMPLATE, judge_scores, parse_score, render, settings_of
     from alignment.rewards.judge_models import backend, close_local
-    from alignment.rollout.base import Sample
+    from alignment.data.samples import Sample
     from tests.dist.tiny_llama import save_tiny_hf_dir
 
     work, out = Path(sys.argv[1]), Path(sys.argv[2])

@@ -30,7 +30,7 @@ def main(prm_dir: str, responses_path: str, result_path: str) -> None:
 
     from alignment.compose import compose
     from alignment.data.chat_data import encode_prompt
-    from alignment.rollout.base import Sample
+    from alignment.data.samples import Sample
     from alignment.trainers.process_rewarding import score_steps
     from alignment.training.offload import DevicePlacement
     from launchers.build import load_model

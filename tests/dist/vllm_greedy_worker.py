@@ -15,7 +15,7 @@ import sys
 from alignment.data.prompts import build_prompt_ids
 from alignment.data.tasks import load_problems
 from alignment.models.hf_assets import prepare_hf_dir
-from alignment.rollout.base import SamplingConfig
+from alignment.data.samples import SamplingConfig
 from alignment.rollout.engines.vllm_engine import VLLMEngine
 
 MAIN_JOB_TASK = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}  # configs/data/arithmetic.yaml

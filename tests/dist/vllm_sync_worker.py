@@ -158,7 +158,7 @@ def image_check(workdir: str, family: str) -> dict:
     from transformers import AutoConfig
 
     from alignment.models.families import get_bridge
-    from alignment.rollout.base import SamplingConfig
+    from alignment.data.samples import SamplingConfig
     from alignment.rollout.engines.vllm_engine import VLLMEngine
     from alignment.rollout.engines.weight_check import check_engine_weights
     from tests.dist.tiny_models import save_tiny_vlm_dir
@@ -197,7 +197,7 @@ def reseed_check(engine) -> dict:
     """``VLLMEngine.reseed``: a step's stream whatever was sampled before, the trainer's random state
     untouched; never reseeded, the engine samples from torch's default generator (what
     ``tools/evaluate.py`` seeds per suite)."""
-    from alignment.rollout.base import SamplingConfig
+    from alignment.data.samples import SamplingConfig
 
     sampling = SamplingConfig(n=4, temperature=1.0, max_tokens=8)
     prompts = [[1, 50, 300], [7000, 12]]
@@ -228,7 +228,7 @@ def streaming_check(engine) -> dict:
     for the same random state."""
     from vllm import SamplingParams
 
-    from alignment.rollout.base import SamplingConfig
+    from alignment.data.samples import SamplingConfig
 
     prompts = [[1, 50, 300], [7000, 12], [5, 6, 7, 8], [99], [31, 41, 59, 26, 53]]
     torch.manual_seed(11)

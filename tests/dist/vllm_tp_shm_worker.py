@@ -15,7 +15,7 @@ import sys
 
 import torch.distributed as dist
 
-from alignment.rollout.base import SamplingConfig
+from alignment.data.samples import SamplingConfig
 from alignment.rollout.engines.vllm_cpu_shm import SHM_DIR
 from alignment.rollout.engines.vllm_engine import VLLMEngine
 from tests.dist.report import every_rank, write_results_and_shutdown

@@ -248,7 +248,7 @@ def hf_greedy(hf, row, images, steps: int) -> list[int]:
 
 def engine_cases(hf, world, rows, images, cases: dict = ENGINE_CASES) -> dict:
     """Greedy tokens and sampled logprobs of the Megatron engine against transformers."""
-    from alignment.rollout.base import SamplingConfig
+    from alignment.data.samples import SamplingConfig
     from alignment.rollout.engines.megatron_engine import MegatronEngine
 
     cfg, state = hf.config, checkpoint_state(hf)

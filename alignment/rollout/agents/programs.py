@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from alignment.data.tasks import Problem
 from alignment.rollout.agents.session import AgentSession
-from alignment.rollout.base import Sample
+from alignment.data.samples import Sample
 
 __all__ = ["Agent", "AgentError", "load_agent", "command_agent", "task_row", "EpisodeOutcome", "play_episodes",
            "episode_samples", "AGENT_ENV"]

@@ -35,7 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from alignment.rollout.agents.session import AgentSession, EpisodeTooLong, HistoryRewritten
-from alignment.rollout.base import Sample, SamplingConfig
+from alignment.data.samples import Sample, SamplingConfig
 from alignment.rollout.episodes.multi_turn import cut_sample
 from alignment.rollout.episodes.turn_tokens import TurnTokens
 

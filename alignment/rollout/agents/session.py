@@ -11,7 +11,7 @@ session's messages so far, the assistant turns as the server answered them, and 
 (:meth:`alignment.rollout.episodes.turn_tokens.TurnTokens.continuation_ids`), the model's own tokens are kept
 as sampled, and a request that changes an earlier message is refused (:class:`HistoryRewritten`).
 
-:meth:`AgentSession.sample` is the episode as a :class:`alignment.rollout.base.Sample`, exactly as a
+:meth:`AgentSession.sample` is the episode as a :class:`alignment.data.samples.Sample`, exactly as a
 multi-turn episode of :mod:`alignment.rollout.episodes.multi_turn` is: ``response_ids`` every token after the
 prompt, ``logprobs`` the engine's on the model's tokens (0 elsewhere), ``loss_mask`` 1 on the model's
 tokens only.
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from alignment.envs.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_tool_calls
 from alignment.envs.tool_env import with_tool_list
-from alignment.rollout.base import Sample
+from alignment.data.samples import Sample
 from alignment.rollout.episodes.turn_tokens import TurnTokens
 
 __all__ = ["AgentSession", "HistoryRewritten", "EpisodeTooLong", "assistant_message", "same_message"]

@@ -41,7 +41,7 @@ from typing import Iterable
 
 import torch
 
-from alignment.rollout.base import OnDone, Sample, SamplingConfig, report_each
+from alignment.data.samples import OnDone, Sample, SamplingConfig, report_each
 from alignment.rollout.engines.partial import PartialGeneration
 
 GENERATE, SYNC, STOP = "generate", "sync", "stop"

@@ -61,7 +61,9 @@ from collections.abc import Iterable
 
 import torch
 
-from alignment.rollout.base import OnDone, Sample, SamplingConfig, step_seed
+from alignment.data.samples import OnDone, Sample, SamplingConfig
+
+from alignment.rollout.base import step_seed
 from alignment.rollout.engines.decode_loop import DecodeLoop, race_sample
 from alignment.rollout.engines.generation_images import GenerationImages
 from alignment.rollout.engines.image_prompts import ImagePrompt, images_of

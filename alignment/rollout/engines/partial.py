@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from alignment.rollout.base import Sample, SamplingConfig
+from alignment.data.samples import Sample, SamplingConfig
 
 
 @dataclass

@@ -19,7 +19,8 @@ import torch
 
 from alignment.models.families import vllm_hf_overrides
 from alignment.rollout.engines import vllm_cpu_shm
-from alignment.rollout.base import OnDone, Sample, SamplingConfig, step_seed
+from alignment.data.samples import OnDone, Sample, SamplingConfig
+from alignment.rollout.base import step_seed
 from alignment.rollout.engines.compile_cache import choose_enforce_eager, compile_cache
 from alignment.rollout.engines.image_prompts import images_of
 
@@ -198,7 +199,7 @@ class VLLMEngine:
                  ) -> list[list[Sample]]:
         """``sampling.n`` samples for each prompt (token ids), with the sampled tokens' logprobs;
         ``on_done(i, samples)`` as soon as vLLM has finished prompt ``i``'s samples, while it goes
-        on with the others (:data:`alignment.rollout.base.OnDone`).
+        on with the others (:data:`alignment.data.samples.OnDone`).
 
         Collective for a TP>1 engine: every rank of its group calls it; the group generates the
         union of the ranks' prompt lists (ranks with identical lists, images included:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from alignment.rollout.base import OnDone, Sample, SamplingConfig, report_each
+from alignment.data.samples import OnDone, Sample, SamplingConfig, report_each
 from alignment.rollout.engines.image_prompts import images_of
 from alignment.rollout.episodes.turn_tokens import TurnTokens
 

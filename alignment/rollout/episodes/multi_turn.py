@@ -5,7 +5,7 @@ environment's stop string, e.g. ``</tool_call>``), the environment answers
 token sequence, until the environment ends the episode, ``max_turns`` model turns were taken or
 the token budget is spent.
 
-Each episode becomes one :class:`alignment.rollout.base.Sample`: ``response_ids`` every token after
+Each episode becomes one :class:`alignment.data.samples.Sample`: ``response_ids`` every token after
 the prompt (the model's and the environment's, in order, exactly as generated and inserted),
 ``logprobs`` the engine's on the model's tokens (0 on the others), ``loss_mask`` 1 on the model's
 tokens only, so the trainer's logprobs, the loss, the KL, GAE and the critic see the model's
@@ -29,7 +29,7 @@ from alignment.data.tasks import Problem
 from alignment.data.images import ImageProcessor
 from alignment.envs.base import Environment
 from alignment.envs.factory import build_environment
-from alignment.rollout.base import OnDone, Sample, SamplingConfig
+from alignment.data.samples import OnDone, Sample, SamplingConfig
 from alignment.rollout.engines.factory import eos_token_ids
 from alignment.rollout.engines.image_prompts import ImagePrompt, image_prompts, images_of
 from alignment.rollout.episodes.turn_tokens import TurnTokens
