@@ -2,13 +2,14 @@
 
     python scripts/job_parity.py BASE [--jobs grpo,sft] [--out DIR]
 
-Runs 13 jobs (GRPO plain, DAPO, with a process reward and multi-turn; PPO, RFT, online DPO, distillation; SFT,
-reward model, DPO, KTO, PRM) for 2 steps each on a tiny random Llama on 2 CPU processes (one torchrun launch, about
+Runs 14 jobs (GRPO plain, DAPO, with a process reward, multi-turn, and on a tiny Qwen3-MoE with routing replay R2;
+PPO, RFT, online DPO, distillation; SFT, reward model, DPO, KTO, PRM) for 2 steps each on a tiny random Llama on 2 CPU processes (one torchrun launch, about
 a minute on 2 cores), once in a git worktree of the commit ``BASE`` and once in this working tree, and prints a
 markdown table: per job, how many of its step metrics (every metric that is not a time or a size) and held-out
 results are equal bit for bit. Online jobs generate with the Megatron engine; GRPO, DAPO, RFT, online DPO and
 distillation are graded by the even-length reward (tests/dist/e2e_worker.py) so that a random model's rewards
-vary. Exits 1 when anything differs.
+vary. Exits 1 when anything differs. Not here: a job whose episodes an agent program plays, which does not
+reproduce even on the same code (docs/guides/agents.md).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def jobs(out: Path, model: Path, teacher: Path) -> dict[str, tuple[str, list[str
             "data.task=arithmetic", "rollout.environment=tests.dist.echo_env:build", "rollout.max_turns=3",
             "rollout.max_tokens=32", "rollout.max_tokens_per_turn=6",
             "reward.functions=[{name: correctness}, {name: environment, weight: 0.5}]"]),
+        "grpo_moe_r2": ("grpo", online + ["data.task=length", "algorithm.routing_replay=r2",
+                                          "algorithm.num_mini_batches=2", "model.moe_aux_loss_coeff=0.01"]),
         "ppo": ("ppo", [o for o in one_sample if not o.startswith(("rollout.group_size", "rollout.eval_max"))] + [
             f"model.reward_model_path={model}", "algorithm.num_mini_batches=2", "algorithm.ppo_epochs=2",
             "trainer.critic_lr=1e-3", "reward.functions=[{name: reward_model}, {name: length, weight: 0.1}]"]),
@@ -68,9 +71,10 @@ def run(tree: Path, out: Path, only: list[str] | None) -> None:
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "MEGALIGN_CACHE": str(out / "cache")}
     prepare = ("import sys; from pathlib import Path; out = Path(sys.argv[1]);"
                "from tests.dist.tiny_llama import save_tiny_hf_dir; from tests.test_prm_e2e import write_data;"
-               "save_tiny_hf_dir(out / 'tiny'); save_tiny_hf_dir(out / 'teacher', seed=7); write_data(out / 'prm_data')")
+               "save_tiny_hf_dir(out / 'tiny'); save_tiny_hf_dir(out / 'teacher', seed=7); write_data(out / 'prm_data');"
+               "from tests.dist.tiny_models import save_tiny_dir; save_tiny_dir(out / 'moe', 'qwen3_moe')")
     subprocess.run([sys.executable, "-c", prepare, str(out)], cwd=tree, env=env, check=True)
-    spec = [{"config": config, "model": str(out / "tiny"), "out": str(out / name), "overrides": overrides,
+    spec = [{"config": config, "model": str(out / ("moe" if "moe" in name else "tiny")), "out": str(out / name), "overrides": overrides,
              "result": str(out / f"{name}.json"), "reward": "even_length" if name in EVEN_LENGTH else "task", "env": {}}
             for name, (config, overrides) in jobs(out, out / "tiny", out / "teacher").items()
             if only is None or name in only or name == "prm"]

@@ -97,18 +97,43 @@ def test_text_reward_functions_by_hand():
 
 
 def test_dynamic_sampling_judges_a_group_by_its_weighted_terms():
-    from alignment.trainers.grpo import _informative
+    from alignment.trainers.grpo_hooks import informative
 
     plain = [RewardTerm("correctness"), RewardTerm("length", 0.5)]
     # correctness up by 0.5 where length is down by 1.0 x 0.5: the sum is constant, no advantage
     part = {"correctness": torch.tensor([0.5, 0.0]), "length": torch.tensor([-1.0, 0.0])}
-    assert not _informative(part, plain, 2)
-    assert _informative({"correctness": torch.tensor([1.0, 0.0]), "length": torch.tensor([-1.0, 0.0])}, plain, 2)
+    assert not informative(part, plain, 2)
+    assert informative({"correctness": torch.tensor([1.0, 0.0]), "length": torch.tensor([-1.0, 0.0])}, plain, 2)
     # a term weighted 0 never makes a group informative
-    assert not _informative({"correctness": torch.tensor([1.0, 1.0]), "length": torch.tensor([-1.0, 0.0])},
-                            [RewardTerm("correctness"), RewardTerm("length", 0.0)], 2)
+    assert not informative({"correctness": torch.tensor([1.0, 1.0]), "length": torch.tensor([-1.0, 0.0])},
+                           [RewardTerm("correctness"), RewardTerm("length", 0.0)], 2)
     # a whitened term: its scale is only known over the batch, so any weighted term varying counts
-    assert _informative(part, [RewardTerm("correctness", whiten=True), RewardTerm("length", 0.5)], 2)
+    assert informative(part, [RewardTerm("correctness", whiten=True), RewardTerm("length", 0.5)], 2)
+
+
+def test_grpo_step_hooks_are_what_the_config_turns_on():
+    """The named hooks of GRPO's step (alignment/trainers/grpo_hooks.py): each feature's hook is set exactly when its
+    setting is, and does what the step did by branch before."""
+    from alignment.trainers.grpo_hooks import step_hooks
+
+    plain = step_hooks(cfg())
+    assert plain.keep_group is None and plain.dense is None and not plain.routes.replay and not plain.episodes
+    dapo_cfg = cfg(name="dapo")
+    dapo, g = step_hooks(dapo_cfg), dapo_cfg.rollout.group_size
+    assert dapo.keep_group is not None and dapo.dense is None
+    # DAPO's filter on its own terms (correctness + the overlong penalty): a group whose sums are equal is dropped
+    # (here a right answer cut short balances a wrong one in time), one whose sums differ kept
+    right, wrong = torch.tensor([1.0] + [0.0] * (g - 1)), torch.tensor([-1.0] + [0.0] * (g - 1))
+    assert not dapo.keep_group({"correctness": right, "overlong": wrong})
+    assert dapo.keep_group({"correctness": right, "overlong": torch.zeros(g)})
+    dense = step_hooks(cfg("reward.functions=[{name: correctness}, {name: process_reward, weight: 0.5}]",
+                           "reward.process_reward_model=/prm"))
+    assert dense.dense is not None and dense.keep_group is None
+    assert step_hooks(cfg("algorithm.routing_replay=r2")).routes.replay
+    assert step_hooks(cfg("rollout.agent=tests.agent_examples:three_turns")).episodes
+    assert step_hooks(cfg("rollout.environment=tests.dist.echo_env:build")).episodes
+    # routing: a batch without recorded routes is compared with nothing; a dense model has no routing at all
+    assert plain.routes.in_updates(torch.nn.Linear(1, 1), {"input_ids": torch.zeros(1, 1)}) is None
 
 
 def test_reward_config_defaults_and_overrides():

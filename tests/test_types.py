@@ -1,5 +1,5 @@
-"""The type checker passes where pyproject.toml's [tool.mypy] runs it (strict: the algorithms, their checks, the loop
-and its contract with the trainers)."""
+"""The type checker passes where pyproject.toml's [tool.mypy] runs it (strict: the algorithms, their checks, every
+trainer and the loop)."""
 
 from __future__ import annotations
 

@@ -12,13 +12,17 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch.distributed as dist
 
+from alignment.config import JobConfig
 from alignment.data.tasks import Problem
 from alignment.rollout.agents.server import RolloutServer
 from alignment.rollout.agents.programs import Agent, command_agent, episode_samples, load_agent, play_episodes, task_row
 from alignment.data.samples import Sample, SamplingConfig
+from alignment.rollout.base import RolloutEngine
+from alignment.rollout.episodes.multi_turn import EpisodeSetup
 from alignment.trainers.models import Models
 from alignment.trainers.rl_phases import generate_for_group
 from alignment.training.megatron_step import all_reduce_sum
@@ -31,7 +35,7 @@ AGENT_COUNTS = ("episode/failed", "episode/timeout", "episode/dropped_groups")
 _IDLE_S = 1.0  # the lead's message to its replica while no request waits
 
 
-def uses_agents(cfg) -> bool:
+def uses_agents(cfg: JobConfig) -> bool:
     """Whether the job's episodes are played by an agent program."""
     return bool(cfg.rollout.agent or cfg.rollout.agent_command)
 
@@ -47,15 +51,15 @@ class AgentRollout:
     episodes: int = 0  # episodes played so far (their names stay unique over the run)
 
 
-def setup_agents(models: Models, cfg) -> AgentRollout:
+def setup_agents(models: Models, cfg: JobConfig) -> AgentRollout:
     """The job's agent and, on the first rank of each model replica, its rollout server, started (before any
     agent runs). Collective-free; called once when the models are built."""
     r = cfg.rollout
-    agent = load_agent(r.agent) if r.agent else command_agent(r.agent_command)
+    agent = load_agent(r.agent) if r.agent else command_agent(cast(str, r.agent_command))  # uses_agents: one is set
     group = replica_group()
     server = None
     if dist.get_rank(group) == 0:
-        engine = models.engine
+        engine = cast(RolloutEngine, models.engine)  # set up only with one
         lead = dist.get_global_rank(group, 0)
 
         def generate(prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
@@ -64,7 +68,7 @@ def setup_agents(models: Models, cfg) -> AgentRollout:
             return generate_for_group(engine, prompts, sampling)
 
         stops = r.backend == "vllm"  # Megatron's engine ends turns at EOS only
-        server = RolloutServer(models.episodes.turns, generate, r.max_tokens,
+        server = RolloutServer(cast(EpisodeSetup, models.episodes).turns, generate, r.max_tokens,
                                SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens),
                                tool_stop=("</tool_call>",) if stops else (), stop_strings=stops,
                                max_tokens_per_turn=r.max_tokens_per_turn)
@@ -73,26 +77,29 @@ def setup_agents(models: Models, cfg) -> AgentRollout:
 
 
 def agent_episodes(models: Models, problems: list[Problem], n: int, max_tokens: int,
-                   force: SamplingConfig | None = None) -> tuple[list[list[Sample]], dict]:
+                   force: SamplingConfig | None = None) -> tuple[list[list[Sample]], dict[str, float]]:
     """``n`` agent episodes for each of this DP rank's ``problems``, each with a budget of ``max_tokens``
     tokens after its prompt (collective over the model replica). ``force``: sampling settings that replace
     the requests' own (the held-out evaluation's temperature and top-p). Returns ``([len(problems)][n]
     samples, counts)``: :data:`AGENT_COUNTS`, summed over the data-parallel ranks (one rank per replica
     counts)."""
-    a, group = models.agents, replica_group()
+    a, group = cast(AgentRollout, models.agents), replica_group()  # set up with the models
     size, lead = dist.get_world_size(group), dist.get_global_rank(group, 0)
-    groups = None
+    groups: list[list[Sample]] | None = None
     if a.server is not None:
         a.server.max_tokens, a.server.force = max_tokens, force
         rows = [task_row(p) for p in problems]
         prefix = f"r{dist.get_rank()}-{a.episodes}"  # the rank and the call: unique over the run
         a.episodes += 1
+        result: dict[str, Any]  # "groups": the episodes' outcomes, or "error": what the agents raised
         result, done = {}, threading.Event()
 
-        def play():
+        def play() -> None:
             try:
-                result["groups"] = asyncio.run(play_episodes(a.agent, rows, n, a.server.session_url, a.server.pop_session,
-                                                             a.concurrency, a.timeout_s, prefix, a.server.playing))
+                # a.server is not None (checked above): mypy does not carry that into this closure
+                result["groups"] = asyncio.run(play_episodes(
+                    a.agent, rows, n, a.server.session_url, a.server.pop_session,  # type: ignore[union-attr]
+                    a.concurrency, a.timeout_s, prefix, a.server.playing))  # type: ignore[union-attr]
             except BaseException as e:  # noqa: BLE001 - raised on the serving thread below
                 result["error"] = e
             finally:
@@ -102,7 +109,7 @@ def agent_episodes(models: Models, problems: list[Problem], n: int, max_tokens: 
         thread.start()
         last = [time.monotonic()]
 
-        def idle():  # the replica's other ranks wait in a broadcast: keep it short of any timeout
+        def idle() -> None:  # the replica's other ranks wait in a broadcast: keep it short of any timeout
             if size > 1 and time.monotonic() - last[0] > _IDLE_S:
                 dist.broadcast_object_list([("idle",)], src=lead, group=group)
                 last[0] = time.monotonic()
@@ -122,19 +129,20 @@ def agent_episodes(models: Models, problems: list[Problem], n: int, max_tokens: 
         groups = episode_samples(result["groups"], models.tokenizer.eos_token_id or 0)
     else:  # the replica's other ranks: generate what the lead's server asks for, until it is done
         while True:
-            msg = [None]
+            msg: list[Any] = [None]
             dist.broadcast_object_list(msg, src=lead, group=group)
             if msg[0][0] == "done":
                 break
             if msg[0][0] == "generate":
-                generate_for_group(models.engine, msg[0][1], msg[0][2])
+                generate_for_group(cast(RolloutEngine, models.engine), msg[0][1], msg[0][2])
     if size > 1:  # every rank of the replica trains on the same samples
         box = [groups]
         dist.broadcast_object_list(box, src=lead, group=group)
         groups = box[0]
+    groups = cast(list[list[Sample]], groups)  # every rank's by now: the lead's own, the others' broadcast to them
     count = dist.get_rank(group) == 0
     statuses = [s.info.get("agent_status") for g in groups for s in g] if count else []
-    dropped = sum(any(s.info.get("agent_status") != "ok" for s in g) for g in groups) if count else 0
+    dropped: float = sum(any(s.info.get("agent_status") != "ok" for s in g) for g in groups) if count else 0
     failed, timeout, dropped = all_reduce_sum([float(statuses.count("failed")), float(statuses.count("timeout")),
                                                float(dropped)])
     return groups, dict(zip(AGENT_COUNTS, (failed, timeout, dropped)))

@@ -20,12 +20,14 @@ The math is :mod:`alignment.algorithms.distill_loss`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
 from alignment.algorithms.aggregation import aggregate
 from alignment.algorithms.config import DistillConfig, has_section
 from alignment.algorithms.distill_loss import FULL_DISTRIBUTION, generalized_jsd, jsd_beta, reverse_kl_advantages
+from alignment.config import JobConfig
 from alignment.data.tasks import Problem
 from alignment.trainers import grpo
 from alignment.trainers.models import Models
@@ -36,7 +38,7 @@ from alignment.training.megatron_step import LogprobOutputs, VocabOutputs
 SUMS = ("distill_kl_sum", "distill_divergence_sum")
 
 
-def collect(models: Models, problems: list[Problem], cfg, version: int = 0,
+def collect(models: Models, problems: list[Problem], cfg: JobConfig, version: int = 0,
             refill: Callable[[int], list[Problem]] | None = None) -> Rollout:
     """GRPO's collector (:func:`alignment.trainers.grpo.collect`): the student samples (or, with
     ``algorithm.distill_samples=teacher``, the teacher's engine; with ``dataset``, each problem's answer in
@@ -46,7 +48,7 @@ def collect(models: Models, problems: list[Problem], cfg, version: int = 0,
     return grpo.collect(models, problems, cfg, version, refill, answers)
 
 
-def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict[str, float]]:
+def train(models: Models, rollout: Rollout, cfg: JobConfig) -> tuple[dict[str, float], dict[str, float]]:
     """GRPO's step (:func:`alignment.trainers.grpo.train`) on the task's advantages weighted by
     ``algorithm.task_reward_weight`` (none at 0), the teacher's scores of the tokens (:func:`teacher_scores`)
     and the distillation term (:class:`DistillTerms`). Returns (global metrics, phase seconds)."""
@@ -62,16 +64,17 @@ class DistillTerms:
     """The distillation term of GRPO's step (:class:`alignment.trainers.grpo.StepTerms`): ``algorithm``, the
     job's section; ``full``: a whole-distribution loss (the student's forward computes vocabulary logprobs)."""
 
-    sums = SUMS
+    sums: tuple[str, ...] = SUMS
 
-    def __init__(self, algorithm, full: bool):
+    def __init__(self, algorithm: DistillConfig, full: bool) -> None:
         self.algorithm, self.full = algorithm, full
 
-    def outputs(self, vocab_size: int, temperature: float):
+    def outputs(self, vocab_size: int, temperature: float) -> VocabOutputs | LogprobOutputs:
         return VocabOutputs(vocab_size, temperature) if self.full else \
             LogprobOutputs(vocab_size, temperature, entropy=True)
 
-    def micro_batch(self, mb: dict, out: dict, old_logprobs: torch.Tensor, normalizer: float):
+    def micro_batch(self, mb: dict[str, torch.Tensor], out: dict[str, torch.Tensor], old_logprobs: torch.Tensor,
+                    normalizer: float) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         return distill_terms(mb, out, old_logprobs, normalizer, self.algorithm)
 
     def metrics(self, sums: dict[str, float], tokens: float) -> dict[str, float]:
@@ -79,12 +82,13 @@ class DistillTerms:
                 "distill/divergence": sums["distill_divergence_sum"] / tokens}
 
 
-def full_distribution(cfg) -> bool:
+def full_distribution(cfg: JobConfig) -> bool:
     """Whether this job's distillation loss compares whole distributions (``jsd``, ``forward_kl``)."""
     return has_section(cfg.algorithm, DistillConfig) and cfg.algorithm.distill_loss in FULL_DISTRIBUTION
 
 
-def teacher_scores(models: Models, batch: dict, cfg, packing: bool, share_prompts: bool) -> None:
+def teacher_scores(models: Models, batch: dict[str, torch.Tensor], cfg: JobConfig, packing: bool, share_prompts: bool
+                   ) -> None:
     """The teacher's forward pass over the batch the student trains on: adds ``teacher_logprobs``
     ``[N, seq]`` (its log-probability of each sampled token, at the rollout's temperature) for
     ``reverse_kl``, or ``teacher_vocab_logprobs`` ``[N, seq, V]`` (fp32, zeros off the response) for the
@@ -96,8 +100,8 @@ def teacher_scores(models: Models, batch: dict, cfg, packing: bool, share_prompt
     models.placement.keep("teacher")
     mbs = microbatches(batch, cfg.trainer)
     full = full_distribution(cfg)
-    out = policy_logprobs(models.teacher, mbs, models.vocab_size, cfg.rollout.temperature, packing=packing,
-                          share_prompts=share_prompts, distribution=full)
+    out = policy_logprobs(cast(torch.nn.Module, models.teacher), mbs, models.vocab_size, cfg.rollout.temperature,
+                          packing=packing, share_prompts=share_prompts, distribution=full)
     if full:
         if out is not None:
             batch["teacher_vocab_logprobs"] = out
@@ -114,7 +118,8 @@ def sampled_logprobs(vocab_logprobs: torch.Tensor, input_ids: torch.Tensor) -> t
     return vocab_logprobs.gather(-1, targets.clamp(0, vocab_logprobs.shape[-1] - 1)).squeeze(-1)
 
 
-def distill_terms(mb: dict, out: dict, old_logprobs: torch.Tensor, normalizer: float, algorithm
+def distill_terms(mb: dict[str, torch.Tensor], out: dict[str, torch.Tensor], old_logprobs: torch.Tensor,
+                  normalizer: float, algorithm: DistillConfig
                   ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """One micro-batch's distillation term.
 

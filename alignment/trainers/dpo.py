@@ -19,8 +19,11 @@ from __future__ import annotations
 import torch
 
 from alignment.algorithms.preference_loss import LOSS_TYPES, REFERENCE_FREE, dpo_loss, kto_loss, orpo_loss, simpo_loss
+from alignment.config import JobConfig
 from alignment.data.examples import is_unpaired
 from alignment.trainers.kto import KTOObjective, kto_reference_point
+from alignment.trainers.models import Models
+from alignment.training.batching import MicroBatching
 from alignment.training.megatron_step import LogprobOutputs
 
 
@@ -41,7 +44,7 @@ class DPOObjective:
     positions = "loss_mask"  # the output layer runs on the response positions only
 
     def __init__(self, vocab_size: int, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
-                 simpo_gamma: float = 0.5, orpo_lambda: float = 0.1):
+                 simpo_gamma: float = 0.5, orpo_lambda: float = 0.1) -> None:
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"algorithm.loss_type={loss_type!r}: valid values are {', '.join(LOSS_TYPES)}")
         self.vocab_size, self.beta, self.loss_type = vocab_size, beta, loss_type
@@ -54,7 +57,7 @@ class DPOObjective:
         """This rank's shares of the global normalisers: ``(pairs, chosen response tokens)``."""
         return batch["input_ids"].shape[0] / 2, float(batch["loss_mask"][0::2].sum())
 
-    def prepare(self, models, batches: list[dict], mb) -> None:
+    def prepare(self, models: Models, batches: list[dict[str, torch.Tensor]], mb: MicroBatching) -> None:
         """KTO: the reference point ``z0`` of these batches (the step's, or all held-out ones)
         under the current policy, as TRL's ``KTOTrainer`` and the paper (Ethayarajh et al. 2024,
         sec. 4.1) estimate it: the mean of ``log pi(y'|x) - log pi_ref(y'|x)`` over mismatched
@@ -64,7 +67,8 @@ class DPOObjective:
         if self.loss_type == "kto":
             self.kl_ref_point = kto_reference_point(models, batches, mb, self.vocab_size, self.rows_per_example)
 
-    def loss(self, mb, out, normalizer: tuple[float, float]):
+    def loss(self, mb: dict[str, torch.Tensor], out: dict[str, torch.Tensor], normalizer: tuple[float, float]
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(loss, metric sums)`` for one micro-batch; ``out["logprobs"]`` ``[mbs, seq]``;
         ``normalizer``: the global ``(pairs, chosen tokens)``."""
         pairs, chosen_tokens = normalizer
@@ -104,7 +108,8 @@ class DPOObjective:
         return losses.sum() / pairs, sums
 
     @staticmethod
-    def _sums(losses, rc, rr, logps_chosen) -> dict[str, torch.Tensor]:
+    def _sums(losses: torch.Tensor, rc: torch.Tensor, rr: torch.Tensor, logps_chosen: torch.Tensor
+              ) -> dict[str, torch.Tensor]:
         return {"loss_sum": losses.detach().sum(), "correct": (rc > rr).float().sum(), "margin_sum": (rc - rr).sum(),
                 "chosen_sum": rc.sum(), "rejected_sum": rr.sum(), "count": torch.tensor(float(losses.numel())),
                 "logps_chosen_sum": logps_chosen.detach().sum()}
@@ -125,7 +130,7 @@ class DPOObjective:
         return out
 
 
-def objective(cfg, vocab_size: int):
+def objective(cfg: JobConfig, vocab_size: int) -> DPOObjective | KTOObjective:
     """The loss function object of an ``algorithm.name=dpo`` job (:class:`DPOObjective`; KTO's on TRL's unpaired
     records, each with its label: :class:`alignment.trainers.kto.KTOObjective`)."""
     a = cfg.algorithm

@@ -24,16 +24,18 @@ import json
 import os
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from alignment.cache import cache_root
+from alignment.config import JobConfig
 from alignment.data.prompts import PromptStyle, build_prompt_ids
+from alignment.data.tasks import Problem
 from alignment.rewards.policy import heldout_grader
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
-def weight_files_fingerprint(hf_dir: str | os.PathLike) -> list[tuple[str, int, int]]:
+def weight_files_fingerprint(hf_dir: str | os.PathLike[str]) -> list[tuple[str, int, int]]:
     """``(name, size, mtime_ns)`` of every weight file in ``hf_dir`` (and its config.json), sorted.
 
     Raises:
@@ -46,7 +48,7 @@ def weight_files_fingerprint(hf_dir: str | os.PathLike) -> list[tuple[str, int, 
     return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
 
 
-def cache_key(parts: dict) -> str:
+def cache_key(parts: dict[str, Any]) -> str:
     """sha256 of ``parts`` (JSON-serialisable) in canonical JSON."""
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -72,7 +74,7 @@ def lookup_accuracy(key: str, enabled: bool = True) -> float | None:
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized()
-    found = [None]
+    found: list[float | None] = [None]
     path = _entry(key)
     if enabled and (dist.get_rank() if distributed else 0) == 0 and path.exists():
         try:
@@ -112,8 +114,8 @@ def package_version(*names: str) -> str:
     return "absent"
 
 
-def heldout_key(hf_dir: str | os.PathLike, tokenizer, problems: list, cfg, world_size: int,
-                compiled: bool | None = None) -> str:
+def heldout_key(hf_dir: str | os.PathLike[str], tokenizer: Any, problems: list[Problem], cfg: JobConfig,
+                world_size: int, compiled: bool | None = None) -> str:
     """Key of a job's greedy held-out accuracy before training (see the module docstring):
     ``hf_dir`` the checkpoint the policy and the engine load, ``problems`` the held-out
     :class:`alignment.data.tasks.Problem` list, ``cfg`` the job config (``model.dtype``,
@@ -122,7 +124,8 @@ def heldout_key(hf_dir: str | os.PathLike, tokenizer, problems: list, cfg, world
     (vLLM's ``compiled``: ``rollout.enforce_eager=null`` decides per run), None for an engine without the choice."""
     import torch
 
-    prompts, style, grader = hashlib.sha256(), PromptStyle.of(cfg.data), heldout_grader(cfg)
+    prompts, style, grader = (hashlib.sha256(), PromptStyle.of(cfg.data),
+                              heldout_grader(cfg))  # type: ignore[no-untyped-call]  # unannotated (rewards.policy)
     for p in problems:
         ids = build_prompt_ids(tokenizer, p, style)
         prompts.update(json.dumps([ids, p.answer, *([list(p.images)] if p.images else [])]).encode())

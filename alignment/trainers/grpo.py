@@ -12,6 +12,8 @@ DAPO's clip-higher (``clip_ratio_high``) and dynamic sampling, RLOO (``rloo``) a
   4. logprobs  — frozen reference model's logprobs (for the k3 KL term)
   5. train     — clipped surrogate + kl_coef * KL, normalised over the global batch, Adam steps
 The loop then syncs the new weights into the engine (:func:`alignment.trainers.rl_phases.sync_weights`).
+Agent programs, dynamic sampling, a process reward and MoE routing replay plug into these steps through the
+named hooks of :mod:`alignment.trainers.grpo_hooks`.
 With ``trainer.offload`` each phase keeps on the device only the models it uses
 (``models.placement.keep``); the others wait in host memory.
 Data layout: every data-parallel (DP) rank owns whole prompt groups; the ranks of one
@@ -21,11 +23,10 @@ model replica (TP x CP x PP) share the same data and split only its generation. 
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -33,17 +34,18 @@ from alignment.algorithms.advantages import BATCH_WHITENED, get_advantage_estima
 from alignment.algorithms.aggregation import global_normalizer
 from alignment.algorithms.grpo_loss import GRPOLossConfig, grpo_loss
 from alignment.algorithms.process_rewards import process_advantages, to_batch_columns
-from alignment.algorithms.reward_shaping import informative_groups
+from alignment.config import JobConfig
 from alignment.data.images import select_rows
+from alignment.data.samples import Sample
 from alignment.data.tasks import Problem
 from alignment.rewards.code_runs import early_grading
-from alignment.rewards.policy import process_reward_weight
-from alignment.trainers.agent_rollout import AGENT_COUNTS, agent_episodes, uses_agents
+from alignment.trainers.agent_rollout import AGENT_COUNTS
+from alignment.trainers.grpo_hooks import step_hooks
 from alignment.trainers.models import Models
-from alignment.trainers.process_rewarding import score_steps, step_metrics
+from alignment.trainers.process_rewarding import StepRewards, step_metrics
 from alignment.trainers.rewarding import combine, job_terms, score_terms, term_metrics
-from alignment.trainers.rl_phases import (Rollout, correction_metrics, episode_metrics, generate_episodes,
-                                          microbatches, policy_logprobs, rollout_phase, sampling_config)
+from alignment.trainers.rl_phases import (PassLayout, Rollout, correction_metrics, episode_metrics, microbatches,
+                                          policy_logprobs, rollout_phase)
 from alignment.training.batching import make_batch
 from alignment.training.config import shares_prompts
 from alignment.training.dp_balance import balance_over_dp
@@ -52,17 +54,17 @@ from alignment.training.health import guarded_step
 from alignment.training.megatron_step import LogprobOutputs, all_reduce_sum, forward_backward, is_output_rank
 from alignment.training.offload import trainable
 from alignment.training.router_stats import routing_metrics
-from alignment.training.routing_replay import COMPARE, RECORD, REPLAY, RoutingPass, agreement_metrics
+from alignment.training.routing_replay import RECORD, agreement_metrics
 from parallel.state import replica_group
 
 
-def _ps():
+def _ps() -> Any:
     from megatron.core import parallel_state as ps
 
     return ps
 
 
-def _model_tokens(batch: dict, cfg) -> int:
+def _model_tokens(batch: dict[str, torch.Tensor], cfg: JobConfig) -> int:
     """Real tokens one pass of the trainer runs the model on for ``batch``: prompt + response of
     every row, each micro-batch's shared prompts counted once with ``trainer.shared_prompt_packing``."""
     if not shares_prompts(cfg):
@@ -80,10 +82,11 @@ class StepTerms(Protocol):
     #: the metric sums :meth:`micro_batch` adds to each micro-batch's metrics
     sums: tuple[str, ...]
 
-    def outputs(self, vocab_size: int, temperature: float):
+    def outputs(self, vocab_size: int, temperature: float) -> Any:
         """What the student's forward pass computes (:mod:`alignment.training.megatron_step`'s outputs)."""
 
-    def micro_batch(self, mb: dict, out: dict, old_logprobs: torch.Tensor, normalizer: float
+    def micro_batch(self, mb: dict[str, torch.Tensor], out: dict[str, torch.Tensor], old_logprobs: torch.Tensor,
+                    normalizer: float
                     ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         """``(advantages, extra loss or None, metric sums)`` of one micro-batch (shapes: ``mb``'s)."""
 
@@ -91,7 +94,8 @@ class StepTerms(Protocol):
         """The step's metrics of the global :attr:`sums`, over ``tokens`` response tokens."""
 
 
-def train_step(models: Models, batch: dict, cfg, terms: StepTerms | None = None) -> dict[str, float]:
+def train_step(models: Models, batch: dict[str, torch.Tensor], cfg: JobConfig, terms: StepTerms | None = None
+               ) -> dict[str, float]:
     """``algorithm.ppo_epochs`` passes over ``algorithm.num_mini_batches`` mini-batches of this
     rank's share of the rollout batch, one Adam step per mini-batch; ``terms``: a loss term of the
     algorithm's own (:class:`StepTerms`). Returns global metrics averaged over the updates.
@@ -104,8 +108,7 @@ def train_step(models: Models, batch: dict, cfg, terms: StepTerms | None = None)
     a = cfg.algorithm
     loss_cfg = GRPOLossConfig.from_algorithm(a)
     size = batch["input_ids"].shape[0] // a.num_mini_batches
-    routing = (RoutingPass.of(models.policy, COMPARE if a.routing_replay == "none" else REPLAY)
-               if "routed_experts" in batch else None)
+    routing = step_hooks(cfg).routes.in_updates(models.policy, batch)
     keys = ["policy_loss_sum", "kl_sum", "clipped_tokens", "entropy_sum", "prob_error_sum", "tokens",
             *(terms.sums if terms is not None else ())]
     local, grad_norms, outs, skipped = [0.0] * len(keys), [], [], 0
@@ -117,7 +120,8 @@ def train_step(models: Models, batch: dict, cfg, terms: StepTerms | None = None)
                                           ps.get_data_parallel_group())
             normalizer = global_normalizer(a.loss_agg_mode, tokens, seqs, cfg.rollout.max_tokens)
 
-            def loss_fn(mb, out):
+            def loss_fn(mb: dict[str, torch.Tensor], out: dict[str, torch.Tensor]
+                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
                 mask = mb["response_mask"]
                 entropy_sum = (out["entropy"] * mask).sum()
                 lp = out["logprobs"]
@@ -133,7 +137,7 @@ def train_step(models: Models, batch: dict, cfg, terms: StepTerms | None = None)
                     m["prob_error_sum"] = (torch.exp((old - mb["rollout_logprobs"]).abs()) * mask).sum()
                 return loss, m
 
-            models.policy.zero_grad_buffer()
+            models.policy.zero_grad_buffer()  # type: ignore[operator]  # Megatron's DDP method
             models.optimizer.zero_grad()
             # The policy being optimised is the one vLLM samples from: softmax(logits / T).
             outputs = (terms.outputs(models.vocab_size, cfg.rollout.temperature) if terms is not None
@@ -168,21 +172,10 @@ def train_step(models: Models, batch: dict, cfg, terms: StepTerms | None = None)
     }
 
 
-def _informative(part: dict[str, torch.Tensor], terms, group_size: int) -> bool:
-    """Whether a group's rewards can differ: its weighted sum of terms varies (no whitened term),
-    or some weighted term varies (whitened terms are only known over the whole batch)."""
-    weighted = [t for t in terms if t.weight != 0]
-    if not weighted:  # the dense process reward only: no sample-level reward to differ
-        return False
-    if any(t.whiten for t in weighted):  # a score of None (NaN) differs from every score and from None
-        return any(bool(informative_groups(torch.nan_to_num(part[t.name], nan=math.inf), group_size)[0])
-                   for t in weighted)
-    total = sum(torch.nan_to_num(t.weight * part[t.name].float(), nan=0.0) for t in weighted)
-    return bool(informative_groups(total, group_size)[0])
-
-
-def sample_groups(models: Models, problems: list[Problem], cfg, refill: Callable[[int], list[Problem]] | None = None,
-                  answers: Callable[[list[Problem]], list[str]] | None = None):
+def sample_groups(models: Models, problems: list[Problem], cfg: JobConfig,
+                  refill: Callable[[int], list[Problem]] | None = None,
+                  answers: Callable[[list[Problem]], list[str]] | None = None
+                  ) -> tuple[list[Sample], dict[str, torch.Tensor], dict[str, float]]:
     """Sample ``group_size`` responses per problem and score them with every reward term
     (``reward.functions``, plus DAPO's overlong penalty when ``algorithm.overlong_buffer_len > 0``;
     :func:`alignment.trainers.rewarding.job_terms`). With ``algorithm.dynamic_sampling`` (DAPO
@@ -197,36 +190,32 @@ def sample_groups(models: Models, problems: list[Problem], cfg, refill: Callable
         ``info`` = {"rounds", "filled_groups"}, and with agent programs their
         :data:`alignment.trainers.agent_rollout.AGENT_COUNTS` (global sums).
     """
-    a, g_size = cfg.algorithm, cfg.rollout.group_size
+    a, g_size, hooks = cfg.algorithm, cfg.rollout.group_size, step_hooks(cfg)
     terms = job_terms(cfg)
-    kept, dropped, rounds, todo, agents = [], [], 0, problems, {}
+    kept: list[tuple[list[Sample], dict[str, torch.Tensor]]] = []
+    dropped: list[tuple[list[Sample], dict[str, torch.Tensor]]] = []
+    rounds, todo, agents = 0, problems, cast(dict[str, float], {})
     functions = [t.runs for t in terms]
     while True:
         rounds += 1 if todo else 0
         with early_grading(functions, todo) as (pool, on_done):  # code runs start as answers are generated
-            if uses_agents(cfg):  # agent programs play the episodes against the rollout server
-                groups, counts = agent_episodes(models, todo, g_size, cfg.rollout.max_tokens)
-                for k, v in counts.items():
-                    agents[k] = agents.get(k, 0.0) + v
-            else:
-                groups = generate_episodes(models, todo, sampling_config(cfg.rollout), on_done,
-                                           teacher=models.teacher_engine is not None,
-                                           answers=answers(todo) if answers is not None else None)
+            groups, counts = hooks.sample(models, todo, on_done, answers(todo) if answers is not None else None)
+            for k, v in counts.items():  # agent programs' counts
+                agents[k] = agents.get(k, 0.0) + v
             samples = [s for g in groups for s in g]
             # model terms are collective over the replica, whose ranks all hold these samples (or none)
             scores = score_terms(models, [p for p in todo for _ in range(g_size)], samples, terms, cfg,
                                  pool=pool) if samples else {}
         for i, g in enumerate(groups):
             part = {k: v[i * g_size: (i + 1) * g_size] for k, v in scores.items()}
-            useful = _informative(part, terms, g_size)
-            (kept if useful or not a.dynamic_sampling else dropped).append((g, part))
+            (kept if hooks.keep_group is None or hooks.keep_group(part) else dropped).append((g, part))
         missing = len(problems) - len(kept)
         more = missing > 0 and refill is not None and rounds < a.max_sampling_rounds
         # generation is collective (model-parallel groups, TP>1 engines): every rank keeps taking
         # part, with no prompts once it has enough, until no rank wants another round
         if not all_reduce_sum([float(more)])[0]:
             break
-        todo = refill(missing) if more else []
+        todo = refill(missing) if more and refill is not None else []
     chosen = (kept + dropped)[: len(problems)]
     samples = [s for g, _ in chosen for s in g]
     scores = {t.name: torch.cat([part[t.name] for _, part in chosen]) for t in terms}
@@ -234,25 +223,24 @@ def sample_groups(models: Models, problems: list[Problem], cfg, refill: Callable
                              **agents}
 
 
-def collect(models: Models, problems: list[Problem], cfg, version: int = 0,
+def collect(models: Models, problems: list[Problem], cfg: JobConfig, version: int = 0,
             refill: Callable[[int], list[Problem]] | None = None,
             answers: Callable[[list[Problem]], list[str]] | None = None) -> Rollout:
     """The rollout collector: ``group_size`` sampled and rewarded responses for each of this DP
     rank's ``problems`` (``refill(k)`` supplies k more for dynamic sampling), by the policy of
     ``version`` optimizer steps (by the teacher's engine when the models have one; ``answers``: responses
     taken instead, no engine). See :func:`sample_groups`."""
-    t = time.perf_counter()
+    t, hooks = time.perf_counter(), step_hooks(cfg)
     phase = nullcontext() if answers is not None else rollout_phase(models, teacher=models.teacher_engine is not None)
     with phase:
-        samples, scores, info = sample_groups(models, problems, cfg,
-                                              refill if cfg.algorithm.dynamic_sampling else None, answers)
+        samples, scores, info = sample_groups(models, problems, cfg, refill if hooks.keep_group is not None else None, answers)
     rewards = combine(scores, job_terms(cfg), len(samples))  # whitened terms: over the global batch (collective)
-    steps = score_steps(models, samples, cfg) if process_reward_weight(cfg) else None  # the dense term
+    steps = hooks.dense(models, samples) if hooks.dense is not None else None  # the dense term
     return Rollout(samples, rewards, version, info=info, seconds=time.perf_counter() - t, reward_terms=scores,
                    steps=steps)
 
 
-def token_advantages(advantages: torch.Tensor, steps, samples: list, group_size: int, width: int,
+def token_advantages(advantages: torch.Tensor, steps: StepRewards, samples: list[Sample], group_size: int, width: int,
                      normalize_by_std: bool) -> torch.Tensor:
     """``[N, width]`` per-response-token advantages (``width`` >= the longest response: the same on
     every rank, for :func:`balance_over_dp`): the outcome advantages ``[N]`` on every token of each
@@ -266,7 +254,7 @@ def token_advantages(advantages: torch.Tensor, steps, samples: list, group_size:
     return out
 
 
-def sample_advantages(rollout: Rollout, cfg) -> torch.Tensor:
+def sample_advantages(rollout: Rollout, cfg: JobConfig) -> torch.Tensor:
     """``[N]`` advantages of this DP rank's samples: ``algorithm.advantage_estimator`` on their rewards
     (batch-whitened estimators over the global batch: collective over DP)."""
     r, a, rewards = cfg.rollout, cfg.algorithm, rollout.rewards
@@ -276,10 +264,10 @@ def sample_advantages(rollout: Rollout, cfg) -> torch.Tensor:
         whitening = {"all_reduce": lambda sums: all_reduce_sum(sums, dp_group),
                      "token_counts": (torch.tensor([len(s.response_ids) for s in rollout.samples])
                                       if a.whiten_level == "token" else None)}
-    return get_advantage_estimator(a.advantage_estimator)(rewards, r.group_size, **whitening)
+    return cast(torch.Tensor, get_advantage_estimator(a.advantage_estimator)(rewards, r.group_size, **whitening))
 
 
-def train(models: Models, rollout: Rollout, cfg, advantages: torch.Tensor | None = None,
+def train(models: Models, rollout: Rollout, cfg: JobConfig, advantages: torch.Tensor | None = None,
           score: Callable[..., None] | None = None, terms: StepTerms | None = None,
           ) -> tuple[dict[str, float], dict[str, float]]:
     """The trainer step on this DP rank's ``rollout``: advantages (``advantages``, ``[N]``, one per sample;
@@ -288,7 +276,7 @@ def train(models: Models, rollout: Rollout, cfg, advantages: torch.Tensor | None
     adds its own columns to the batch before the logprob passes (distillation: the teacher's scores), and its
     ``terms`` (:class:`StepTerms`). Returns (global metrics, phase seconds)."""
     ps = _ps()
-    r, a, times = cfg.rollout, cfg.algorithm, {}
+    r, a, times, hooks = cfg.rollout, cfg.algorithm, {}, step_hooks(cfg)
     samples, rewards, info = rollout.samples, rollout.rewards, rollout.info
 
     t = time.perf_counter()
@@ -303,7 +291,7 @@ def train(models: Models, rollout: Rollout, cfg, advantages: torch.Tensor | None
     if advantages.dim() == 2:  # response tokens -> the batch's columns
         advantages = to_batch_columns(advantages, [len(s.prompt_ids) for s in samples], batch["input_ids"].shape[1])
     batch["advantages"] = advantages
-    packing = dict(packing=cfg.trainer.sequence_packing, share_prompts=shares_prompts(cfg))
+    packing: PassLayout = dict(packing=cfg.trainer.sequence_packing, share_prompts=shares_prompts(cfg))
     zeros = torch.zeros_like(batch["response_mask"])
     if score is not None:  # the algorithm's own columns (distillation: the teacher's scores of the tokens)
         score(batch, **packing)
@@ -316,7 +304,7 @@ def train(models: Models, rollout: Rollout, cfg, advantages: torch.Tensor | None
         # MoE (alignment/training/routing_replay.py): this pass replays the rollout's experts (R3, recorded by
         # the engine); otherwise it records its own, which every update replays (R2) or compares with
         # (moe/routing_agreement)
-        routes = RoutingPass.of(models.policy, REPLAY if "routed_experts" in batch else RECORD)
+        routes = hooks.routes.before_updates(models.policy, batch)
         old = policy_logprobs(models.policy, microbatches(batch, cfg.trainer), models.vocab_size, r.temperature,
                               routing=routes, **packing)
         batch["old_logprobs"] = old if old is not None else zeros
@@ -345,10 +333,10 @@ def train(models: Models, rollout: Rollout, cfg, advantages: torch.Tensor | None
                     "response_length": length / n, "tokens": tokens, "seq_length": tokens / n,
                     "model_tokens": model_tokens}, **term_metrics(rollout.reward_terms, dp_leader),
                    **step_metrics(rollout.steps, dp_leader))
-    if cfg.rollout.environment != "single_turn" or uses_agents(cfg):
+    if hooks.episodes:
         metrics.update(episode_metrics(samples, dp_leader))
     metrics.update({k: info[k] for k in AGENT_COUNTS if k in info})
-    if a.dynamic_sampling:
+    if hooks.keep_group is not None:  # dynamic sampling
         dp = ps.get_data_parallel_world_size()
         metrics.update({"dynamic_sampling/rounds": rounds / dp, "dynamic_sampling/filled_groups": filled})
     return metrics, times

@@ -22,12 +22,15 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from alignment.algorithms.composite_reward import RewardTerm
+from alignment.config import JobConfig
 from alignment.data.tasks import Problem
 from alignment.rewards import grading
 from alignment.rewards.code_runs import early_grading
@@ -41,14 +44,38 @@ from alignment.training.megatron_step import all_reduce_sum
 from parallel.state import replica_group
 
 
+class HeldoutJob(Protocol):
+    """What :class:`HeldoutAccuracy` reads of the job (a :class:`launchers.common.Run`)."""
+
+    @property
+    def cfg(self) -> JobConfig: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world(self) -> int: ...
+
+    @property
+    def hf_dir(self) -> Path: ...
+
+    @property
+    def out(self) -> Path: ...
+
+
 class HeldoutAccuracy:
     """The RL jobs' :class:`alignment.trainers.interfaces.Evaluation`: greedy accuracy on the held-out problems, graded
     by :func:`alignment.config.heldout_grader` (before training possibly cached from an earlier run:
     ``trainer.eval_cache``). Without held-out problems or a grader it measures nothing."""
 
-    def __init__(self, job, models, heldout):
+    grader: RewardTerm | None
+    acc_before: float | None
+    cached: bool
+    sampled_before: dict[str, float]
+
+    def __init__(self, job: HeldoutJob, models: Models, heldout: Iterable[Problem]) -> None:
         self.job, self.models, self.heldout = job, models, list(heldout)
-        self.grader = heldout_grader(job.cfg)
+        self.grader = heldout_grader(job.cfg)  # type: ignore[no-untyped-call]  # alignment.rewards.policy: unannotated
         self.acc_before, self.cached, self.sampled_before = None, False, {}
         self.off = not self.heldout or self.grader is None
         self.deferred: str | None = None  # the cache key of a before-training accuracy measured beside step 1
@@ -147,7 +174,7 @@ class HeldoutAccuracy:
         if answers is not None and self.job.rank == 0:
             answers.unlink(missing_ok=True)  # the thread touches no process group: no barrier after
         sampling = SamplingConfig(n=1, temperature=0.0, max_tokens=cfg.rollout.eval_max_tokens)
-        result: dict = {}
+        result: dict[str, Any] = {}  # "counts", or "error": what the evaluation raised
         device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
         def evaluate() -> None:
@@ -178,7 +205,7 @@ class HeldoutAccuracy:
     def measure(self, step: int) -> dict[str, float]:
         return {} if self.off else {"heldout/accuracy": self._accuracy(f"step_{step}")}
 
-    def final(self) -> tuple[dict[str, float], dict, str]:
+    def final(self) -> tuple[dict[str, float], dict[str, Any], str]:
         if self.off:
             return {}, {}, "held-out accuracy: not measured"
         after = self._accuracy("final")
@@ -194,8 +221,8 @@ class HeldoutAccuracy:
         return {"heldout/accuracy": after, **sampled}, summary, message
 
 
-def evaluate(models: Models, problems: list[Problem], max_tokens: int, grader=None, answers: Path | None = None
-             ) -> float:
+def evaluate(models: Models, problems: list[Problem], max_tokens: int, grader: RewardTerm | None = None,
+             answers: Path | None = None) -> float:
     """Greedy held-out accuracy (fraction of reward-1 answers): problems dealt over the
     data-parallel ranks, each replica's share run as episodes of ``models.episodes``' environment
     (:func:`alignment.trainers.rl_phases.generate_episodes`; the task's prompt, ``data.instruction``
@@ -210,7 +237,7 @@ def evaluate(models: Models, problems: list[Problem], max_tokens: int, grader=No
 
 
 def pass_at_k(models: Models, problems: list[Problem], k: int, max_tokens: int, temperature: float,
-              tool_calls: bool = False, grader=None) -> dict[str, float]:
+              tool_calls: bool = False, grader: RewardTerm | None = None) -> dict[str, float]:
     """Sampled held-out metrics: ``k`` episodes per problem at ``temperature`` (dealt over the
     data-parallel ranks like :func:`evaluate`, graded by :mod:`alignment.rewards.grading`).
     Returns ``heldout/pass@1``, ``heldout/pass@<k>`` (Chen et al. 2021's unbiased estimator) and
@@ -227,14 +254,14 @@ def pass_at_k(models: Models, problems: list[Problem], k: int, max_tokens: int, 
     return {f"heldout/{key}": v for key, v in {**out, **({"tool_call_rate": tool_rate} if tool_calls else {})}.items()}
 
 
-def _heldout(models: Models, problems: list[Problem], sampling: SamplingConfig, grader=None,
+def _heldout(models: Models, problems: list[Problem], sampling: SamplingConfig, grader: RewardTerm | None = None,
              answers: Path | None = None) -> dict[str, float]:
     """:func:`alignment.rewards.grading.rates` of ``sampling.n`` episodes per problem, this DP
     rank's share generated and graded, the counts summed over replicas (one rank each)."""
     return heldout_rates(heldout_counts(models, problems, sampling, grader, answers), sampling.n)
 
 
-def heldout_counts(models: Models, problems: list[Problem], sampling: SamplingConfig, grader=None,
+def heldout_counts(models: Models, problems: list[Problem], sampling: SamplingConfig, grader: RewardTerm | None = None,
                    answers: Path | None = None) -> dict[str, float]:
     """This DP rank's share of ``problems`` (every DP-size-th) generated (``sampling.n`` episodes each)
     and graded: :func:`alignment.rewards.grading.counts`, zeros but on the replica's first rank, which

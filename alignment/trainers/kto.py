@@ -10,11 +10,15 @@ Paired data with ``loss_type=kto`` trains in :mod:`alignment.trainers.dpo` (chos
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from alignment.algorithms.preference_loss import kto_loss
+from alignment.data.images import ImageInputs
+from alignment.trainers.models import Models
 from alignment.trainers.offline import sequence_logps
-from alignment.training.batching import make_sequence_batch
+from alignment.training.batching import MicroBatching, make_sequence_batch
 from alignment.training.megatron_step import LogprobOutputs, all_reduce_sum
 
 
@@ -33,14 +37,16 @@ class KTOObjective:
     needs_reference = True
     positions = "loss_mask"  # the output layer runs on the response positions only
 
-    def __init__(self, vocab_size: int, beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0):
+    def __init__(self, vocab_size: int, beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0
+                 ) -> None:
         self.vocab_size, self.beta = vocab_size, beta
         self.weights = (desirable_weight, undesirable_weight)
         self.outputs = LogprobOutputs(vocab_size)
         self.kl_ref_point = 0.0  # z0 for the batches prepare() saw last
 
     @staticmethod
-    def add_targets(batch: dict, rows: list[tuple]) -> None:
+    def add_targets(batch: dict[str, torch.Tensor], rows: list[tuple[list[int], int, ImageInputs | None, bool]]
+                    ) -> None:
         """``batch["desirable"]`` ``[N]`` from the rows' labels (``(ids, prompt_len, images, label)``)."""
         batch["desirable"] = torch.tensor([bool(r[3]) for r in rows], dtype=torch.bool)
 
@@ -49,12 +55,13 @@ class KTOObjective:
         """This rank's share of the global normaliser: its rows."""
         return (float(batch["input_ids"].shape[0]),)
 
-    def prepare(self, models, batches: list[dict], mb) -> None:
+    def prepare(self, models: Models, batches: list[dict[str, torch.Tensor]], mb: MicroBatching) -> None:
         """``z0`` of these batches (:func:`kto_reference_point`: each prompt with the
         previous row's completion). Collective over the data-parallel group."""
         self.kl_ref_point = kto_reference_point(models, batches, mb, self.vocab_size, 1)
 
-    def loss(self, mb, out, normalizer: tuple[float]):
+    def loss(self, mb: dict[str, torch.Tensor], out: dict[str, torch.Tensor], normalizer: tuple[float]
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(loss, metric sums)`` for one micro-batch; ``out["logprobs"]`` ``[mbs, seq]``; ``normalizer``: the
         global rows."""
         [rows] = normalizer
@@ -81,7 +88,8 @@ class KTOObjective:
                 "reward/undesirable": rejected, "margin": chosen - rejected}
 
 
-def kto_reference_point(models, batches: list[dict], mb, vocab_size: int, rows_per_example: int) -> float:
+def kto_reference_point(models: Models, batches: list[dict[str, torch.Tensor]], mb: MicroBatching, vocab_size: int,
+                        rows_per_example: int) -> float:
     """KTO's ``z0`` for ``batches`` (this rank's) under the current policy: the mean of ``log pi(y'|x) -
     log pi_ref(y'|x)`` over their mismatched rows (:func:`mismatched_rows`, ``rows_per_example`` rows an example),
     averaged over the data-parallel ranks, clamped at 0 (Ethayarajh et al. 2024, sec. 4.1; TRL's
@@ -96,8 +104,9 @@ def kto_reference_point(models, batches: list[dict], mb, vocab_size: int, rows_p
     tok = models.tokenizer
     kl = make_sequence_batch(mismatched_rows(rows, rows_per_example),
                              tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-    delta = sequence_logps(models.policy, kl, mb, vocab_size) - sequence_logps(models.reference, kl, mb, vocab_size)
-    group = ps.get_data_parallel_group()
+    delta = sequence_logps(models.policy, kl, mb, vocab_size) - sequence_logps(
+        cast(torch.nn.Module, models.reference), kl, mb, vocab_size)  # KTO's jobs have a reference
+    group: torch.distributed.ProcessGroup = ps.get_data_parallel_group()
     [total] = all_reduce_sum([float(delta.mean())], group)
     return max(total / group.size(), 0.0)
 

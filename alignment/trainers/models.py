@@ -5,11 +5,18 @@ jobs), the bridge and the tokenizer. ``launchers/build.py``'s ``build_models`` f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from alignment.models.bridge import Bridge
 from alignment.rollout.base import RolloutEngine
+from alignment.rollout.episodes.multi_turn import EpisodeSetup
 from alignment.training.offload import DevicePlacement
+from parallel.reshard import Resharder
+
+if TYPE_CHECKING:  # agent_rollout imports this module
+    from alignment.trainers.agent_rollout import AgentRollout
 
 
 @dataclass
@@ -24,21 +31,21 @@ class Models:
     """
 
     policy: torch.nn.Module
-    optimizer: object
+    optimizer: Any  # Megatron's optimizer
     reference: torch.nn.Module | None
     engine: RolloutEngine | None
-    bridge: object
-    tokenizer: object
+    bridge: Bridge
+    tokenizer: Any  # the HF tokenizer
     vocab_size: int
     placement: DevicePlacement = field(default_factory=lambda: DevicePlacement(enabled=False))
-    resharder: object = None  # parallel.reshard.Resharder feeding a vLLM engine; None: the engine runs the policy
+    resharder: Resharder | None = None  # feeds a vLLM engine; None: the engine runs the policy
     reward_model: torch.nn.Module | None = None  # frozen scalar-head model (reward.functions: reward_model)
     process_reward_model: torch.nn.Module | None = None  # frozen PRM (reward.functions: process_reward)
     critic: torch.nn.Module | None = None  # PPO's value model (DDP), trained with critic_optimizer
-    critic_optimizer: object = None
-    episodes: object = None  # alignment.rollout.episodes.multi_turn.EpisodeSetup (rollout.environment)
+    critic_optimizer: Any = None  # Megatron's optimizer
+    episodes: EpisodeSetup | None = None  # the episodes' environment and turns (rollout.environment)
     teacher: torch.nn.Module | None = None  # on-policy distillation's frozen teacher (model.teacher_path)
     #: algorithm.distill_samples=teacher: Megatron's engine on the teacher's own shards (it samples the answers)
     teacher_engine: RolloutEngine | None = None
-    #: rollout.agent / agent_command: alignment.trainers.agent_rollout.AgentRollout (set up on first use)
-    agents: object = None
+    #: rollout.agent / agent_command: the agent machinery (set up on first use)
+    agents: AgentRollout | None = None

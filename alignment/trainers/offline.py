@@ -10,9 +10,12 @@ the gradient of the global-batch loss for any micro-batch split and layout
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, Protocol, cast
+
 import torch
 
-from alignment.data.images import attach_images
+from alignment.data.images import ImageInputs, attach_images
 from alignment.trainers.models import Models
 from alignment.training.batching import MicroBatching, cat_rows, make_sequence_batch
 from alignment.training import grad_stats
@@ -21,17 +24,46 @@ from alignment.training.megatron_step import LogprobOutputs, all_reduce_sum, for
 from alignment.training.router_stats import routing_metrics
 
 
-def _ps():
+def _ps() -> Any:
     from megatron.core import parallel_state as ps
 
     return ps
 
 
-def sequence_logps(model, batch: dict, mb: MicroBatching, vocab_size: int) -> torch.Tensor:
+class Objective(Protocol):
+    """What this module needs from an objective (:mod:`.sft`, :mod:`.reward_model`, :mod:`.dpo`, :mod:`.kto`,
+    :mod:`.process_reward`); an optional ``prepare(models, batches, mb)`` runs before its losses."""
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the batches need the reference's log-probs (``ref_logps``)."""
+
+    @property
+    def positions(self) -> str | None:
+        """``forward_backward``'s ``positions``."""
+
+    @property
+    def outputs(self) -> Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]:
+        """What ``forward_backward`` hands to :meth:`loss`."""
+
+    def normalizer(self, batch: dict[str, torch.Tensor]) -> tuple[float, ...]:
+        """This rank's shares of the global normalisers."""
+
+    def loss(self, mb: dict[str, torch.Tensor], out: dict[str, torch.Tensor], normalizer: Any
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(loss, metric sums)`` of a micro-batch; ``normalizer``: the global sums of :meth:`normalizer`'s."""
+
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """The global metrics of the summed metric sums."""
+
+
+def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], mb: MicroBatching, vocab_size: int
+                   ) -> torch.Tensor:
     """Forward-only summed response log-probs ``[N]`` of every row (the reference's for DPO);
     zeros on ranks that are not the last pipeline stage (they never read them)."""
 
-    def collect(micro, out):
+    def collect(micro: dict[str, torch.Tensor], out: dict[str, torch.Tensor]
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return out["logprobs"].sum() * 0, {"logps": (out["logprobs"] * micro["loss_mask"]).sum(1)}
 
     parts = mb.split(batch)
@@ -41,8 +73,8 @@ def sequence_logps(model, batch: dict, mb: MicroBatching, vocab_size: int) -> to
     return cat_rows(out, "logps", parts) if out else torch.zeros(batch["input_ids"].shape[0])
 
 
-def build_batch(rows: list[tuple[list[int], int]], pad_id: int, models: Models, objective,
-                mb: MicroBatching, images: list | None = None) -> dict[str, torch.Tensor]:
+def build_batch(rows: list[tuple[list[int], int]], pad_id: int, models: Models, objective: Objective,
+                mb: MicroBatching, images: list[ImageInputs | None] | None = None) -> dict[str, torch.Tensor]:
     """Padded tensors for this rank's rows (with their images: ``images[i]`` row ``i``'s
     :class:`alignment.data.images.ImageInputs` or None, :func:`alignment.data.images.attach_images`),
     with the reference's log-probs when the objective needs them. ``mb.micro_batch_size`` counts ROWS
@@ -50,11 +82,12 @@ def build_batch(rows: list[tuple[list[int], int]], pad_id: int, models: Models, 
     batch = attach_images(make_sequence_batch(rows, pad_id), images or [None] * len(rows))
     if objective.needs_reference:
         vocab = models.bridge.dims.vocab_size
-        batch["ref_logps"] = sequence_logps(models.reference, batch, mb, vocab)
+        batch["ref_logps"] = sequence_logps(cast(torch.nn.Module, models.reference), batch, mb, vocab)  # it has one
     return batch
 
 
-def train_step(models: Models, objective, batch: dict, mb: MicroBatching) -> dict[str, float]:
+def train_step(models: Models, objective: Objective, batch: dict[str, torch.Tensor], mb: MicroBatching
+               ) -> dict[str, float]:
     """One optimizer step on this rank's slice of the global batch; returns global metrics
     (the objective's, plus ``grad_norm``). ``mb.micro_batch_size`` counts rows. The objective's
     ``normalizer`` (a tuple: its global normalisers) is summed over the data-parallel ranks;
@@ -63,7 +96,7 @@ def train_step(models: Models, objective, batch: dict, mb: MicroBatching) -> dic
     if hasattr(objective, "prepare"):
         objective.prepare(models, [batch], mb)
     normalizer = tuple(all_reduce_sum(list(objective.normalizer(batch)), ps.get_data_parallel_group()))
-    models.policy.zero_grad_buffer()
+    models.policy.zero_grad_buffer()  # type: ignore[operator]  # Megatron DDP's method, unknown to torch.nn.Module
     models.optimizer.zero_grad()
     out = forward_backward(models.policy, mb.split(batch), lambda micro, o: objective.loss(micro, o, normalizer),
                            outputs=objective.outputs, forward_only=False, packing=mb.packing,
@@ -77,7 +110,8 @@ def train_step(models: Models, objective, batch: dict, mb: MicroBatching) -> dic
 
 
 @torch.no_grad()
-def evaluate(models: Models, objective, batches: list[dict], mb: MicroBatching) -> dict[str, float]:
+def evaluate(models: Models, objective: Objective, batches: list[dict[str, torch.Tensor]], mb: MicroBatching
+             ) -> dict[str, float]:
     """Global metrics of the objective over held-out ``batches`` (this rank's slices), no update
     (metrics come from the summed metric tensors, so the loss is left unnormalised)."""
     if hasattr(objective, "prepare"):

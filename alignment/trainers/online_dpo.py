@@ -22,13 +22,18 @@ The loop then syncs the new weights into the engine, so the next pairs come from
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from alignment.algorithms.preference_pairs import best_worst_pairs
+from alignment.config import JobConfig
+from alignment.data.images import ImageInputs
 from alignment.data.tasks import Problem
 from alignment.rewards.code_runs import early_grading
+from alignment.rollout.base import RolloutEngine
 from alignment.trainers.dpo import DPOObjective
 from alignment.trainers.models import Models
 from alignment.trainers.offline import build_batch, train_step
@@ -41,7 +46,8 @@ from parallel.names import unwrap
 from parallel.state import replica_group
 
 
-def collect(models: Models, problems: list[Problem], cfg, version: int = 0, refill=None) -> Rollout:  # noqa: ARG001
+def collect(models: Models, problems: list[Problem], cfg: JobConfig, version: int = 0,
+            refill: Callable[[int], list[Problem]] | None = None) -> Rollout:  # noqa: ARG001
     """This DP rank's pairs for ``problems``: ``Rollout.samples`` interleaved ``[chosen_0,
     rejected_0, ...]`` (none when every prompt tied), ``Rollout.rewards`` the judge's reward of
     every sampled response ``[P * group_size]`` and ``reward_terms`` each term's raw scores;
@@ -53,7 +59,7 @@ def collect(models: Models, problems: list[Problem], cfg, version: int = 0, refi
     terms = job_terms(cfg)
     with early_grading([t.runs for t in terms], problems) as (pool, on_done):  # code runs start as answers come
         with rollout_phase(models):
-            groups = generate_for_group(models.engine, *request(models.tokenizer, problems, cfg,
+            groups = generate_for_group(cast(RolloutEngine, models.engine), *request(models.tokenizer, problems, cfg,
                                                                 image_processor(models)), on_done)
         samples = [s for grp in groups for s in grp]
         scores = score_terms(models, [p for p in problems for _ in range(g)], samples, terms, cfg, pool=pool)
@@ -66,7 +72,7 @@ def collect(models: Models, problems: list[Problem], cfg, version: int = 0, refi
                    seconds=time.perf_counter() - t0, reward_terms=scores)
 
 
-def _deal(rollout: Rollout) -> tuple[list[tuple[list[int], int]], list, int]:
+def _deal(rollout: Rollout) -> tuple[list[tuple[list[int], int]], list[ImageInputs | None], int]:
     """Every data-parallel rank's pairs gathered, then this rank's share ``all[dp_rank::dp]`` as
     DPO rows ``[(chosen ids, prompt len), (rejected ids, prompt len), ...]`` with each row's images
     (the prompt's :class:`alignment.data.images.ImageInputs`, or None); and the global count."""
@@ -75,7 +81,7 @@ def _deal(rollout: Rollout) -> tuple[list[tuple[list[int], int]], list, int]:
     group = ps.get_data_parallel_group()
     s = rollout.samples
     mine = [(list(s[i].prompt_ids), s[i].response_ids, s[i + 1].response_ids, s[i].images) for i in range(0, len(s), 2)]
-    gathered = [None] * dist.get_world_size(group)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
     everyone = [pair for part in gathered for pair in part]
     share = everyone[dist.get_rank(group)::dist.get_world_size(group)]
@@ -83,7 +89,7 @@ def _deal(rollout: Rollout) -> tuple[list[tuple[list[int], int]], list, int]:
     return rows, [im for *_, im in share for _ in range(2)], len(everyone)
 
 
-def update_reference(models: Models, step: int, cfg) -> int:
+def update_reference(models: Models, step: int, cfg: JobConfig) -> int:
     """``algorithm.ref_update=iteration``: at the first step of every iteration (``step`` a
     multiple of ``algorithm.iteration_steps``, not 0) copy the policy's weights into the reference;
     returns the version of the policy the reference now holds (the step it was copied at; 0: the
@@ -92,17 +98,17 @@ def update_reference(models: Models, step: int, cfg) -> int:
     a = cfg.algorithm
     if a.ref_update != "iteration":
         return 0
-    version = step // a.iteration_steps * a.iteration_steps
+    version: int = step // a.iteration_steps * a.iteration_steps
     if version and step == version:
         models.placement.keep("policy", "reference")
         with torch.no_grad():
             policy = dict(unwrap(models.policy).named_parameters())
-            for name, p in unwrap(models.reference).named_parameters():
+            for name, p in unwrap(cast(torch.nn.Module, models.reference)).named_parameters():
                 p.copy_(policy[name])
     return version
 
 
-def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict[str, float]]:
+def train(models: Models, rollout: Rollout, cfg: JobConfig) -> tuple[dict[str, float], dict[str, float]]:
     """The trainer step on this DP rank's pairs (see the module docstring). Returns (global
     metrics, phase seconds): ``online_dpo/pairs`` (global), ``online_dpo/tie_fraction`` (prompts
     without a pair), ``online_dpo/ref_version``, the objective's ``dpo/loss``, ``dpo/accuracy``,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import Any, cast
 
 import torch
 
@@ -30,17 +31,19 @@ from alignment.algorithms.grpo_loss import GRPOLossConfig, grpo_loss
 from alignment.algorithms.kl import kl_in_reward
 from alignment.algorithms.process_rewards import place_step_rewards, to_batch_columns
 from alignment.algorithms.value_loss import value_loss
+from alignment.config import JobConfig
 from alignment.data.images import select_rows
 from alignment.rewards.code_runs import early_grading
 from alignment.rewards.policy import ppo_on_task, process_reward_weight
 from alignment.data.samples import SamplingConfig
+from alignment.rollout.base import RolloutEngine
 from alignment.trainers.models import Models
 from alignment.trainers.process_rewarding import score_steps, step_metrics
 from alignment.trainers.rewarding import combine, job_terms, padded_batch, score_terms, term_metrics
 from alignment.trainers.agent_rollout import AGENT_COUNTS, agent_episodes, uses_agents
-from alignment.trainers.rl_phases import (Rollout, correction_metrics, episode_metrics, generate_episodes,
-                                          generate_for_group, head_outputs, microbatches, policy_logprobs,
-                                          rollout_phase, sampling_config)
+from alignment.trainers.rl_phases import (PassLayout, Rollout, correction_metrics, episode_metrics,
+                                          generate_episodes, generate_for_group, head_outputs, microbatches,
+                                          policy_logprobs, rollout_phase, sampling_config)
 from alignment.training.config import shares_prompts
 from alignment.training.dp_balance import balance_over_dp
 from alignment.training import grad_stats
@@ -52,13 +55,13 @@ from alignment.training.router_stats import routing_metrics
 from parallel.state import replica_group
 
 
-def _ps():
+def _ps() -> Any:
     from megatron.core import parallel_state as ps
 
     return ps
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, group) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, group: torch.distributed.ProcessGroup) -> torch.Tensor:
     """``(x - mean) / (std + 1e-8)`` over the valid tokens of the whole global batch (all DP ranks
     of ``group``), 0 elsewhere. ``std`` is the unbiased (Bessel-corrected) sample std over the
     ``n`` valid tokens, as verl's ``masked_whiten`` (``masked_var(unbiased=True)``) and
@@ -70,26 +73,30 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, group) -> torch.Tensor:
     return (x - mean) / (std + 1e-8) * mask
 
 
-def _train_critic(models: Models, mb_list, normalizer: float, value_clip: float | None,
-                  packing: dict) -> tuple[list[dict], bool]:
-    def loss_fn(mb, out):
+def _train_critic(models: Models, mb_list: list[dict[str, torch.Tensor]], normalizer: float, value_clip: float | None,
+                  packing: PassLayout) -> tuple[list[dict[str, torch.Tensor]], bool]:
+    def loss_fn(mb: dict[str, torch.Tensor], out: dict[str, torch.Tensor]
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         per_token = value_loss(out["values"], mb["values"], mb["returns"], value_clip)
         mask = mb["response_mask"]
         return (per_token * mask).sum() / normalizer, {"value_loss_sum": (per_token.detach() * mask).sum()}
 
-    models.critic.zero_grad_buffer()
+    critic = cast(torch.nn.Module, models.critic)  # PPO's value model
+    critic.zero_grad_buffer()  # type: ignore[operator]  # Megatron DDP's method, unknown to torch.nn.Module
     models.critic_optimizer.zero_grad()
-    out = forward_backward(models.critic, mb_list, loss_fn, outputs=value_outputs, forward_only=False, **packing)
-    applied, _ = guarded_step(models.critic, models.critic_optimizer)
+    out = forward_backward(critic, mb_list, loss_fn, outputs=value_outputs, forward_only=False, **packing)
+    applied, _ = guarded_step(critic, models.critic_optimizer)
     return out, applied
 
 
-def _train_policy(models: Models, mb_list, normalizer: float, loss_cfg: GRPOLossConfig, temperature: float,
-                  packing: dict, target_kl: float | None = None) -> tuple[list[dict], float, bool, bool]:
+def _train_policy(models: Models, mb_list: list[dict[str, torch.Tensor]], normalizer: float, loss_cfg: GRPOLossConfig,
+                  temperature: float, packing: PassLayout, target_kl: float | None = None
+                  ) -> tuple[list[dict[str, torch.Tensor]], float, bool, bool]:
     """One policy update on a mini-batch; returns (loss outputs, gradient norm, applied, stopped):
     ``stopped`` when ``target_kl`` is set and the mini-batch's approximate KL from the sampling policy
     exceeds 1.5 x ``target_kl`` (no update then; the caller ends the step's epochs)."""
-    def loss_fn(mb, out):
+    def loss_fn(mb: dict[str, torch.Tensor], out: dict[str, torch.Tensor]
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         entropy_sum = (out["entropy"] * mb["response_mask"]).sum()
         lp = out["logprobs"]
         loss, m = grpo_loss(lp, mb["old_logprobs"], None, mb["advantages"], mb["response_mask"], normalizer, loss_cfg,
@@ -97,7 +104,7 @@ def _train_policy(models: Models, mb_list, normalizer: float, loss_cfg: GRPOLoss
         m["entropy_sum"] = entropy_sum
         return loss, m
 
-    models.policy.zero_grad_buffer()
+    models.policy.zero_grad_buffer()  # type: ignore[operator]  # Megatron DDP's method, unknown to torch.nn.Module
     models.optimizer.zero_grad()
     out = forward_backward(models.policy, mb_list, loss_fn, forward_only=False, **packing,
                            outputs=LogprobOutputs(models.vocab_size, temperature, entropy=True),
@@ -110,13 +117,13 @@ def _train_policy(models: Models, mb_list, normalizer: float, loss_cfg: GRPOLoss
     return out, grad_norm, applied, False
 
 
-def request(prompts: list[list[int]], cfg) -> tuple[list[list[int]], SamplingConfig]:
+def request(prompts: list[list[int]], cfg: JobConfig) -> tuple[list[list[int]], SamplingConfig]:
     """What PPO asks the engine for ``prompts`` (token ids): ``group_size`` samples each at the
     rollout's sampling settings."""
     return prompts, sampling_config(cfg.rollout)
 
 
-def collect(models: Models, items: list, cfg, version: int = 0) -> Rollout:
+def collect(models: Models, items: list[Any], cfg: JobConfig, version: int = 0) -> Rollout:
     """The rollout collector: ``group_size`` responses to each of this DP rank's ``items`` by the
     policy of ``version`` optimizer steps, rewarded by ``reward.functions``: chat prompts (token
     ids) judged by the frozen reward model (its scores summed over the pipeline group onto every
@@ -124,6 +131,7 @@ def collect(models: Models, items: list, cfg, version: int = 0) -> Rollout:
     episodes of ``rollout.environment`` (:func:`alignment.trainers.rl_phases.generate_episodes`) and
     graded by the text terms. The padded batch rides along."""
     t0 = time.perf_counter()
+    info: dict[str, float]
     terms, info = job_terms(cfg), {}
     if ppo_on_task(cfg):  # text terms only: scored where the problems are, then the rewards travel with the samples
         with early_grading([t.runs for t in terms], items) as (pool, on_done):  # code runs as answers come
@@ -142,7 +150,7 @@ def collect(models: Models, items: list, cfg, version: int = 0) -> Rollout:
         batch = padded_batch(models, samples)
     else:
         with rollout_phase(models):
-            groups = generate_for_group(models.engine, *request(items, cfg))
+            groups = generate_for_group(cast(RolloutEngine, models.engine), *request(items, cfg))
         samples = [s for g in groups for s in g]
         if cfg.trainer.balance_batch:  # nothing is per group in PPO: re-deal the sequences by token count now
             samples, _ = balance_over_dp(samples, [])
@@ -154,17 +162,17 @@ def collect(models: Models, items: list, cfg, version: int = 0) -> Rollout:
                    reward_terms=scores, steps=steps)
 
 
-def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict[str, float]]:
+def train(models: Models, rollout: Rollout, cfg: JobConfig) -> tuple[dict[str, float], dict[str, float]]:
     """The trainer step on this DP rank's ``rollout``: old/ref logprobs and values, KL-in-reward
     GAE advantages, then the critic and the policy updates. Returns (global metrics, phase seconds)."""
 
     ps = _ps()
     a, r, t = cfg.algorithm, cfg.rollout, cfg.trainer
     dp_group = ps.get_data_parallel_group()
-    times = {}
-    batch, rewards = rollout.batch, rollout.rewards
+    times: dict[str, float] = {}
+    batch, rewards = cast(dict[str, torch.Tensor], rollout.batch), rollout.rewards  # collect's padded batch
     t0 = time.perf_counter()
-    packing = dict(packing=t.sequence_packing, share_prompts=shares_prompts(cfg))  # forward_backward's layout
+    packing: PassLayout = dict(packing=t.sequence_packing, share_prompts=shares_prompts(cfg))  # forward_backward's layout
     mask = batch["response_mask"]
     zeros = torch.zeros_like(mask)
     models.placement.keep("policy")
@@ -175,7 +183,7 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
         models.reference, microbatches(batch, cfg.trainer), models.vocab_size, r.temperature, **packing)
     ref = ref if ref is not None else zeros
     models.placement.keep("critic")
-    values = head_outputs(models.critic, microbatches(batch, cfg.trainer), **packing)
+    values = head_outputs(cast(torch.nn.Module, models.critic), microbatches(batch, cfg.trainer), **packing)
     values = values * mask if values is not None else zeros
     live = mask.bool().any(dim=1)  # a dropped agent episode (its group failed) has no token to reward
     token_rewards = torch.zeros_like(old)
@@ -207,7 +215,8 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
             out, applied = _train_critic(models, mb_list, tokens, a.value_clip, packing)
             critic_out += out
             skipped += not applied
-    critic_routing = routing_metrics(models.critic, prefix="moe_critic")  # MoE critic; before the policy trains
+    # MoE critic; before the policy trains
+    critic_routing = routing_metrics(cast(torch.nn.Module, models.critic), prefix="moe_critic")
     models.placement.keep(*trainable("policy"))
     policy_updates, stopped = 0, False
     for _ in range(a.ppo_epochs):

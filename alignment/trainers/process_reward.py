@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from alignment.algorithms.prm_loss import place_step_labels, prm_loss
+from alignment.config import JobConfig
 from alignment.training.megatron_step import value_outputs
 
 
@@ -22,7 +23,7 @@ class ProcessRewardObjective:
     outputs = staticmethod(value_outputs)  # what forward_backward hands to loss()
 
     @staticmethod
-    def add_targets(batch: dict[str, torch.Tensor], rows: list[tuple]) -> None:
+    def add_targets(batch: dict[str, torch.Tensor], rows: list[tuple[list[int], int, list[int], list[int]]]) -> None:
         """``step_labels`` / ``step_mask`` ``[N, seq]`` for the batch of ``rows`` (``(ids,
         prompt_len, step_ends, labels)``, :func:`alignment.data.examples.tokenize_steps`)."""
         batch["step_labels"], batch["step_mask"] = place_step_labels(
@@ -32,7 +33,8 @@ class ProcessRewardObjective:
         """This rank's share of the global normaliser: ``(labelled steps,)``."""
         return (float(batch["step_mask"].sum()),)
 
-    def loss(self, mb, out, normalizer: tuple[float]):
+    def loss(self, mb: dict[str, torch.Tensor], out: dict[str, torch.Tensor], normalizer: tuple[float]
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(loss, metric sums)``; ``out["values"]`` ``[mbs, seq]`` from the scalar head."""
         values, labels, mask = out["values"], mb["step_labels"], mb["step_mask"]
         loss = prm_loss(values, labels, mask, normalizer[0])
@@ -50,6 +52,6 @@ class ProcessRewardObjective:
                 "positive_fraction": sums["positive"] / n}
 
 
-def objective(cfg, vocab_size: int) -> ProcessRewardObjective:  # noqa: ARG001 - the registry's signature
+def objective(cfg: JobConfig, vocab_size: int) -> ProcessRewardObjective:  # noqa: ARG001 - the registry's signature
     """The loss function object of an ``algorithm.name=prm`` job."""
     return ProcessRewardObjective()

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
+from alignment.config import JobConfig
 from alignment.data.step_data import encode_steps, response_steps
 from alignment.rewards.policy import process_reward_weight
 from alignment.data.samples import Sample
+from alignment.rollout.base import RolloutEngine
 from alignment.trainers.models import Models
 from alignment.trainers.rl_phases import head_outputs, microbatches
 from alignment.training.batching import make_sequence_batch
@@ -38,7 +41,7 @@ class StepRewards:
     weight: float
 
 
-def score_steps(models: Models, samples: Sequence[Sample], cfg) -> StepRewards:
+def score_steps(models: Models, samples: Sequence[Sample], cfg: JobConfig) -> StepRewards:
     """The PRM's step scores for this rank's ``samples``: computed on the last pipeline stage and
     summed over the pipeline group, so every rank of the replica holds them. Collective over the
     model replica (whose ranks hold the same samples)."""
@@ -58,10 +61,11 @@ def score_steps(models: Models, samples: Sequence[Sample], cfg) -> StepRewards:
     flat = []
     if rows:
         models.placement.keep("process_reward_model",
-                              *(("policy",) if models.engine.shares_trainer_weights else ()))
+                              *(("policy",) if cast(RolloutEngine, models.engine).shares_trainer_weights else ()))
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         batch = make_sequence_batch(rows, pad)
-        values = head_outputs(models.process_reward_model, microbatches(batch, cfg.trainer), cfg.trainer.sequence_packing)
+        values = head_outputs(cast(torch.nn.Module, models.process_reward_model), microbatches(batch, cfg.trainer),
+                              cfg.trainer.sequence_packing)
         flat = ([float(torch.sigmoid(values[j, e].float())) for j, at in enumerate(ends) for e in at]
                 if values is not None else [0.0] * sum(len(at) for at in ends))
         if ps.get_pipeline_model_parallel_world_size() > 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from alignment.algorithms.preference_loss import bradley_terry_loss
+from alignment.config import JobConfig
 from alignment.models.value_head import sequence_scores
 from alignment.training.megatron_step import value_outputs
 
@@ -29,14 +30,15 @@ class RewardModelObjective:
     positions = None  # the scalar head at every position (the score is read at the last token)
     outputs = staticmethod(value_outputs)  # what forward_backward hands to loss()
 
-    def __init__(self, center_coef: float = 0.0):
+    def __init__(self, center_coef: float = 0.0) -> None:
         self.center_coef = center_coef
 
     def normalizer(self, batch: dict[str, torch.Tensor]) -> tuple[float]:
         """This rank's share of the global normaliser: ``(pairs,)``."""
         return (batch["input_ids"].shape[0] / 2,)
 
-    def loss(self, mb, out, normalizer: tuple[float]):
+    def loss(self, mb: dict[str, torch.Tensor], out: dict[str, torch.Tensor], normalizer: tuple[float]
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(loss, metric sums)``; ``out["values"]`` ``[mbs, seq]`` from the scalar head."""
         scores = sequence_scores(out["values"], mb["last_index"])
         chosen, rejected = scores[0::2], scores[1::2]
@@ -54,6 +56,6 @@ class RewardModelObjective:
                 "reward/chosen": sums["chosen_sum"] / n, "reward/rejected": sums["rejected_sum"] / n}
 
 
-def objective(cfg, vocab_size: int) -> RewardModelObjective:  # noqa: ARG001 - the registry's signature
+def objective(cfg: JobConfig, vocab_size: int) -> RewardModelObjective:  # noqa: ARG001 - the registry's signature
     """The loss function object of an ``algorithm.name=rm`` job (``algorithm.center_coef``)."""
     return RewardModelObjective(center_coef=cfg.algorithm.center_coef)

@@ -6,17 +6,20 @@ each function's global mean for the logs (``reward/<name>``)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 
 from alignment.algorithms.composite_reward import RewardTerm, combine_rewards
 from alignment.algorithms.reward_shaping import overlong_penalty
+from alignment.config import JobConfig
 from alignment.data.tasks import Problem
 from alignment.models.value_head import sequence_scores
 from alignment.rewards.config import PROCESS_REWARD
 from alignment.rewards.functions import function_scores
 from alignment.rewards.policy import reward_terms
 from alignment.data.samples import Sample
+from alignment.rollout.base import RolloutEngine
 from alignment.sandbox.runner import SandboxPool, sandbox_workers
 from alignment.trainers.models import Models
 from alignment.trainers.rl_phases import head_outputs, microbatches
@@ -27,30 +30,31 @@ from alignment.training.megatron_step import all_reduce_sum
 OVERLONG = "overlong"  # DAPO's overlong penalty (algorithm.overlong_buffer_len), an unwhitened term of weight 1
 
 
-def _ps():
+def _ps() -> Any:
     from megatron.core import parallel_state as ps
 
     return ps
 
 
-def reward_model_scores(models: Models, batch: dict, cfg) -> torch.Tensor:
+def reward_model_scores(models: Models, batch: dict[str, torch.Tensor], cfg: JobConfig) -> torch.Tensor:
     """The frozen reward model's score ``[N]`` at each sequence's last token, on every rank of the
     model replica (computed on the last pipeline stage and summed over the pipeline group, where
     the other stages give 0). ``batch``: :func:`alignment.training.batching.make_batch`'s with
     ``prompt_lengths [N]``. Collective over the replica."""
 
     ps = _ps()
-    models.placement.keep("reward_model", *(("policy",) if models.engine.shares_trainer_weights else ()))
+    models.placement.keep("reward_model",
+                          *(("policy",) if cast(RolloutEngine, models.engine).shares_trainer_weights else ()))
     last = batch["response_mask"].sum(1).long() + batch["prompt_lengths"] - 1
-    values = head_outputs(models.reward_model, microbatches(batch, cfg.trainer), cfg.trainer.sequence_packing,
-                          shares_prompts(cfg))
+    values = head_outputs(cast(torch.nn.Module, models.reward_model), microbatches(batch, cfg.trainer),
+                          cfg.trainer.sequence_packing, shares_prompts(cfg))
     scores = sequence_scores(values, last).float() if values is not None else torch.zeros(len(last))
     if ps.get_pipeline_model_parallel_world_size() > 1:
         scores = torch.tensor(all_reduce_sum(scores.tolist(), ps.get_pipeline_model_parallel_group()))
     return scores
 
 
-def padded_batch(models: Models, samples: Sequence[Sample]) -> dict:
+def padded_batch(models: Models, samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
     """``samples`` as a padded batch with ``prompt_lengths [N]`` (what the reward model scores)."""
     batch = make_batch(list(samples), pad_id=models.tokenizer.pad_token_id or 0)
     batch["prompt_lengths"] = torch.tensor([len(s.prompt_ids) for s in samples])
@@ -58,14 +62,14 @@ def padded_batch(models: Models, samples: Sequence[Sample]) -> dict:
 
 
 def score_terms(models: Models, problems: Sequence[Problem | None], samples: Sequence[Sample],
-                terms: Sequence[RewardTerm], cfg, batch: dict | None = None, pool: SandboxPool | None = None
-                ) -> dict[str, torch.Tensor]:
+                terms: Sequence[RewardTerm], cfg: JobConfig, batch: dict[str, torch.Tensor] | None = None,
+                pool: SandboxPool | None = None) -> dict[str, torch.Tensor]:
     """Raw scores ``[N]`` of every term for this rank's ``samples`` (``problems[i]``: the problem
     ``samples[i]`` answers, None without one); ``batch``: the samples' padded batch when already
     built; ``pool``: the sandbox pool that code-running terms take their runs from
     (:mod:`alignment.rewards.code_runs`). Model terms are collective over the model replica (its
     ranks hold the same samples)."""
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for t in terms:
         if t.name == "reward_model":
             out[t.name] = reward_model_scores(models, batch if batch is not None else padded_batch(models, samples),
@@ -98,7 +102,7 @@ def drop_failed_groups(samples: Sequence[Sample], group_size: int) -> int:
     return dropped
 
 
-def job_terms(cfg) -> list[RewardTerm]:
+def job_terms(cfg: JobConfig) -> list[RewardTerm]:
     """The job's per-sample terms: ``reward.functions`` (:func:`alignment.config.reward_terms`) but the
     dense ``process_reward`` (:mod:`alignment.trainers.process_rewarding`), plus DAPO's overlong
     penalty when ``algorithm.overlong_buffer_len > 0``."""
@@ -126,7 +130,7 @@ def term_metrics(scores: dict[str, torch.Tensor], count: bool) -> dict[str, floa
     names = sorted(scores)
     if not names:
         return {}
-    local = []
+    local: list[float] = []
     for k in names:
         known = ~torch.isnan(scores[k])
         local += [float(known.sum()), scores[k][known].sum().item(), float(known.numel())] if count else [0.0] * 3

@@ -21,15 +21,19 @@ needs no growing dataset and fits the RL loop's checkpoints and resume.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import cast
 
 import torch
 
 from alignment.algorithms.rejection_sampling import accepted_indices
 from alignment.algorithms.sft_loss import sft_loss
+from alignment.config import JobConfig
 from alignment.data.prompts import PromptStyle, build_prompt_ids
 from alignment.data.tasks import Problem
 from alignment.rewards.code_runs import early_grading
-from alignment.data.samples import Sample
+from alignment.data.samples import Sample, SamplingConfig
+from alignment.rollout.base import RolloutEngine
 from alignment.rollout.engines.image_prompts import image_prompts, images_of
 from alignment.trainers.models import Models
 from alignment.trainers.rewarding import combine, job_terms, score_terms, term_metrics
@@ -44,13 +48,15 @@ from alignment.training.offload import trainable
 from parallel.state import replica_group
 
 
-def _sample_and_accept(models: Models, problems: list[Problem], prompts: list[list[int]], sampling, cfg):
+def _sample_and_accept(models: Models, problems: list[Problem], prompts: list[list[int]], sampling: SamplingConfig,
+                       cfg: JobConfig) -> tuple[list[Sample], dict[str, torch.Tensor], torch.Tensor, list[list[int]]]:
     """Sample ``group_size`` answers to ``prompts`` (one per problem), reward them as answers to
     ``problems``; returns ``(samples, scores, rewards, kept indices per problem)``. Collective."""
     a, r = cfg.algorithm, cfg.rollout
     terms = job_terms(cfg)
     with early_grading([t.runs for t in terms], problems) as (pool, on_done):  # code runs start as answers come
-        groups = generate_for_group(models.engine, prompts, sampling, on_done)  # collective even with no prompts
+        # collective even with no prompts
+        groups = generate_for_group(cast(RolloutEngine, models.engine), prompts, sampling, on_done)
         samples = [s for g in groups for s in g]
         if not samples:
             return [], {}, torch.zeros(0), [[] for _ in problems]
@@ -61,7 +67,8 @@ def _sample_and_accept(models: Models, problems: list[Problem], prompts: list[li
     return samples, scores, rewards, accepted_indices(rewards, r.group_size, a.accept_threshold, texts)
 
 
-def collect(models: Models, problems: list[Problem], cfg, version: int = 0, refill=None) -> Rollout:  # noqa: ARG001
+def collect(models: Models, problems: list[Problem], cfg: JobConfig, version: int = 0,
+            refill: Callable[[int], list[Problem]] | None = None) -> Rollout:  # noqa: ARG001
     """This DP rank's iteration data: the accepted answers to its ``problems`` (``Rollout.samples``,
     possibly none; rewards of the kept ones), sampled by the policy of ``version`` optimizer steps.
     ``Rollout.info``: ``sampled``, ``accepted`` (before de-duplication), ``kept``, ``solved``
@@ -109,7 +116,7 @@ def _placeholder(models: Models) -> Sample:
     return Sample([eos], [eos], [0.0], "", True)
 
 
-def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict[str, float]]:
+def train(models: Models, rollout: Rollout, cfg: JobConfig) -> tuple[dict[str, float], dict[str, float]]:
     """One Adam step of next-token NLL on this DP rank's kept samples (token mean over the global
     batch's response tokens; no step when no rank kept anything). Returns (global metrics, phase
     seconds): ``rft/acceptance_rate`` (accepted / sampled), ``rft/solved_fraction``,
@@ -128,11 +135,12 @@ def train(models: Models, rollout: Rollout, cfg) -> tuple[dict[str, float], dict
     models.placement.keep(*trainable("policy"))
     loss_sum, grad_norm, skipped = 0.0, 0.0, 0.0
     if tokens > 0:  # every rank agrees: the sum is global
-        def loss_fn(mb, out):
+        def loss_fn(mb: dict[str, torch.Tensor], out: dict[str, torch.Tensor]
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             lp, mask = out["logprobs"], mb["loss_mask"]
             return sft_loss(lp, mask, tokens), {"nll_sum": -(lp.detach() * mask).sum()}
 
-        models.policy.zero_grad_buffer()
+        models.policy.zero_grad_buffer()  # type: ignore[operator]  # Megatron DDP's method, unknown to torch.nn.Module
         models.optimizer.zero_grad()
         out = forward_backward(models.policy, microbatches(batch, cfg.trainer), loss_fn, forward_only=False,
                                outputs=LogprobOutputs(models.vocab_size), packing=cfg.trainer.sequence_packing,

@@ -7,29 +7,48 @@ rollout engine. The loop that runs them is :mod:`launchers.loop`; each algorithm
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
+from alignment.config import JobConfig
 from alignment.data.images import ImageProcessor
 from alignment.data.prompts import PromptStyle, build_prompt_ids
 from alignment.data.tasks import Problem
 from alignment.models.weights import export_hf_weights
 from alignment.data.samples import OnDone, Sample, SamplingConfig
+from alignment.envs.base import Environment, Transition
+from alignment.rollout.base import RolloutEngine
 from alignment.rollout.config import RolloutConfig
 from alignment.rollout.episodes.dataset_answers import DatasetAnswers
 from alignment.rollout.engines.image_prompts import image_prompts
-from alignment.rollout.episodes.multi_turn import run_episodes
+from alignment.rollout.episodes.multi_turn import EpisodeSetup, run_episodes
 from alignment.rollout.engines.weight_check import check_engine_weights
 from alignment.trainers.models import Models
 from alignment.training.batching import MicroBatching, cat_rows
 from alignment.training.config import TrainerConfig
 from alignment.training.megatron_step import (LogprobOutputs, VocabOutputs, all_reduce_max, all_reduce_sum,
                                               forward_backward, is_output_rank, value_outputs)
+from alignment.training.routing_replay import RoutingPass
+from parallel.reshard import Resharder
 from parallel.state import replica_group
+
+if TYPE_CHECKING:  # process_rewarding imports this module
+    from alignment.trainers.process_rewarding import StepRewards
+
+_T = TypeVar("_T")
+
+
+class PassLayout(TypedDict):
+    """The layout keywords of :func:`alignment.training.megatron_step.forward_backward`, the same for every pass of
+    a step: ``packing`` (``trainer.sequence_packing``), ``share_prompts`` (``trainer.shared_prompt_packing``)."""
+
+    packing: bool
+    share_prompts: bool
 
 
 @dataclass
@@ -51,11 +70,11 @@ class Rollout:
     rewards: torch.Tensor
     version: int
     step: int = -1
-    batch: dict | None = None
-    info: dict = field(default_factory=dict)
+    batch: dict[str, torch.Tensor] | None = None
+    info: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
-    reward_terms: dict = field(default_factory=dict)
-    steps: object = None
+    reward_terms: dict[str, torch.Tensor] = field(default_factory=dict)
+    steps: StepRewards | None = None
 
 
 @contextmanager
@@ -64,7 +83,7 @@ def rollout_phase(models: Models, teacher: bool = False) -> Iterator[None]:
     own model: ``rollout.backend=megatron``), the engine woken before and put to sleep after (its
     KV cache freed while the trainer works). ``teacher``: the teacher's engine instead
     (``models.teacher_engine``, on the teacher's own shards)."""
-    engine = models.teacher_engine if teacher else models.engine
+    engine = cast(RolloutEngine, models.teacher_engine if teacher else models.engine)  # an online job's
     models.placement.keep(*((("teacher" if teacher else "policy"),) if engine.shares_trainer_weights else ()))
     engine.wake()
     try:
@@ -79,7 +98,7 @@ def sampling_config(r: RolloutConfig) -> SamplingConfig:
     return SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
 
 
-def request(tokenizer, problems: list[Problem], cfg, images: ImageProcessor | None = None
+def request(tokenizer: Any, problems: list[Problem], cfg: JobConfig, images: ImageProcessor | None = None
             ) -> tuple[list[list[int]], SamplingConfig]:
     """What an RL job asks its engine for ``problems``: their prompts (token ids, the task's chat
     prompt; :class:`alignment.rollout.engines.image_prompts.ImagePrompt` s for problems with images, encoded by
@@ -95,8 +114,8 @@ def image_processor(models: Models) -> ImageProcessor | None:
     return models.episodes.images if models.episodes is not None else None
 
 
-def generate_for_group(engine, prompts: list[list[int]], sampling: SamplingConfig, on_done: OnDone | None = None
-                       ) -> list[list[Sample]]:
+def generate_for_group(engine: RolloutEngine, prompts: list[list[int]], sampling: SamplingConfig,
+                       on_done: OnDone | None = None) -> list[list[Sample]]:
     """Generate for this DP rank's prompts, splitting the work over the ranks of its
     model replica (TP x CP x PP, each has an engine) and gathering every rank's samples; an
     engine that runs the replica's own shards (``generates_per_replica``: the ``megatron``
@@ -112,7 +131,7 @@ def generate_for_group(engine, prompts: list[list[int]], sampling: SamplingConfi
     return _dealt_over_replica(lambda part: engine.generate(part, sampling, mine), prompts)
 
 
-def _dealt_over_replica(run, items: list, *more: list) -> list:
+def _dealt_over_replica(run: Callable[..., list[_T]], items: list[Any], *more: list[Any]) -> list[_T]:
     """``run`` on this rank's share of ``items`` (every ``size``-th of them, and of each list of
     ``more`` alike) over the ranks of the model replica, the results gathered back in order."""
 
@@ -121,15 +140,16 @@ def _dealt_over_replica(run, items: list, *more: list) -> list:
     if size == 1:
         return list(run(items, *more))
     mine = run(items[rank::size], *(m[rank::size] for m in more))
-    gathered = [None] * size
+    gathered: list[Any] = [None] * size
     dist.all_gather_object(gathered, mine, group=group)
-    out = [None] * len(items)
+    out: list[Any] = [None] * len(items)
     for r, part in enumerate(gathered):
         out[r::size] = part
     return out
 
 
-def step_for_group(env, problems: list, messages: list[list[dict]], replies: list[str]) -> list:
+def step_for_group(env: Environment, problems: list[Problem], messages: list[list[dict[str, Any]]], replies: list[str]
+                   ) -> list[Transition]:
     """``env.step`` on this DP rank's live episodes, dealt over the ranks of its model replica (which
     all hold the same episodes) and gathered, so every rank of the replica continues with the same
     observations even when a tool's output varies from run to run, and no tool runs twice."""
@@ -139,17 +159,18 @@ def step_for_group(env, problems: list, messages: list[list[dict]], replies: lis
 class _ReplicaEnvironment:
     """An environment whose steps :func:`step_for_group` deals over the model replica."""
 
-    def __init__(self, env):
+    def __init__(self, env: Environment) -> None:
         self.env, self.stop = env, env.stop
 
-    def reset(self, problems):
+    def reset(self, problems: Sequence[Problem]) -> list[list[dict[str, Any]]]:
         return self.env.reset(problems)
 
-    def step(self, problems, messages, replies):
+    def step(self, problems: Sequence[Problem], messages: Sequence[list[dict[str, Any]]], replies: Sequence[str]
+             ) -> list[Transition]:
         return step_for_group(self.env, list(problems), list(messages), list(replies))
 
 
-def generate_episodes(models: Models, problems: list, sampling: SamplingConfig, on_done: OnDone | None = None,
+def generate_episodes(models: Models, problems: list[Problem], sampling: SamplingConfig, on_done: OnDone | None = None,
                       teacher: bool = False, answers: Sequence[str] | None = None) -> list[list[Sample]]:
     """``sampling.n`` episodes for each of this DP rank's ``problems`` in ``models.episodes``'
     environment (:func:`alignment.rollout.episodes.multi_turn.run_episodes`): every turn generated by
@@ -160,8 +181,8 @@ def generate_episodes(models: Models, problems: list, sampling: SamplingConfig, 
     :class:`alignment.rollout.episodes.dataset_answers.DatasetAnswers`, local to each rank). Returns
     ``[len(problems)][n]`` samples."""
 
-    e = models.episodes
-    engine = models.teacher_engine if teacher else models.engine
+    e = cast(EpisodeSetup, models.episodes)  # an online job's
+    engine = cast(RolloutEngine, models.teacher_engine if teacher else models.engine)  # unused with answers
     generate = (DatasetAnswers(e.turns, answers).generate if answers is not None else
                 lambda prompts, s, done=None: generate_for_group(engine, prompts, s, done))
     return run_episodes(generate,
@@ -176,7 +197,7 @@ def episode_metrics(samples: list[Sample], count: bool) -> dict[str, float]:
     ``episode/tool_call_rate`` the fraction of episodes with a tool call, ``episode/tool_calls`` per
     episode, ``episode/tool_error_rate`` failed calls per call (0 without calls),
     ``episode/env_tokens`` and ``episode/generated_tokens`` per episode, ``episode/env_reward``."""
-    def total(f):
+    def total(f: Callable[[Sample], float]) -> float:
         return float(sum(f(x) for x in samples)) if count else 0.0
 
     n, turns, calling, calls, errors, env_tokens, generated, reward = all_reduce_sum([
@@ -214,7 +235,7 @@ def token_staleness(samples: list[Sample], staleness: int, count: bool) -> dict[
     return {"rollout/token_staleness": total / max(tokens, 1.0), "rollout/token_staleness_max": max(worst, 0.0)}
 
 
-def post_for_group(engine, prompts: list[list[int]], sampling: SamplingConfig) -> None:
+def post_for_group(engine: Any, prompts: list[list[int]], sampling: SamplingConfig) -> None:
     """Start, without waiting, the generation that :func:`generate_for_group` with the same
     arguments will then return (an engine with ``prefetch``: rollout ranks of its own); each rank
     posts the share :func:`generate_for_group` would ask for."""
@@ -223,9 +244,10 @@ def post_for_group(engine, prompts: list[list[int]], sampling: SamplingConfig) -
     engine.prefetch(prompts[dist.get_rank(group)::dist.get_world_size(group)], sampling)
 
 
-def policy_logprobs(model, microbatches, vocab_size: int, temperature: float = 1.0,
-                    packing: bool = False, positions: str | None = "response_mask",
-                    share_prompts: bool = False, distribution: bool = False, routing=None) -> torch.Tensor | None:
+def policy_logprobs(model: torch.nn.Module, microbatches: list[dict[str, torch.Tensor]], vocab_size: int,
+                    temperature: float = 1.0, packing: bool = False, positions: str | None = "response_mask",
+                    share_prompts: bool = False, distribution: bool = False, routing: RoutingPass | None = None
+                    ) -> torch.Tensor | None:
     """Forward-only logprobs ``[N, seq]`` of ``softmax(logits / temperature)`` in batch row
     order (last pipeline stage; ``None`` elsewhere). ``packing``: ``trainer.sequence_packing``;
     ``positions``: the micro-batch mask whose positions are computed (0 elsewhere; ``None``: all);
@@ -236,7 +258,8 @@ def policy_logprobs(model, microbatches, vocab_size: int, temperature: float = 1
     :class:`alignment.training.routing_replay.RoutingPass`)."""
     key = "vocab_logprobs" if distribution else "logprobs"
 
-    def collect(mb, out):
+    def collect(mb: dict[str, torch.Tensor], out: dict[str, torch.Tensor]
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return out[key].sum() * 0, {key: out[key]}
 
     outputs = (VocabOutputs if distribution else LogprobOutputs)(vocab_size, temperature)
@@ -246,7 +269,8 @@ def policy_logprobs(model, microbatches, vocab_size: int, temperature: float = 1
     return cat_rows(out, key, microbatches) if out else None
 
 
-def head_outputs(model, mbs: list[dict], packing: bool = False, share_prompts: bool = False) -> torch.Tensor | None:
+def head_outputs(model: torch.nn.Module, mbs: list[dict[str, torch.Tensor]], packing: bool = False,
+                 share_prompts: bool = False) -> torch.Tensor | None:
     """Forward-only scalar-head outputs ``[N, seq]`` in batch row order (last pipeline stage;
     None elsewhere). ``packing``: ``trainer.sequence_packing``; ``share_prompts``: prompt trees
     (``trainer.shared_prompt_packing``)."""
@@ -256,13 +280,13 @@ def head_outputs(model, mbs: list[dict], packing: bool = False, share_prompts: b
     return cat_rows(out, "v", mbs) if out else None
 
 
-def microbatches(batch: dict, trainer: TrainerConfig) -> list[dict]:
+def microbatches(batch: dict[str, torch.Tensor], trainer: TrainerConfig) -> list[dict[str, torch.Tensor]]:
     """``trainer.micro_batch_size`` rows, or ``trainer.max_tokens_per_microbatch`` tokens, per micro-batch."""
     return MicroBatching.from_trainer(trainer).split(batch)
 
 
 
-def correction_metrics(outs: list[dict], tokens: float) -> dict[str, float]:
+def correction_metrics(outs: list[dict[str, torch.Tensor]], tokens: float) -> dict[str, float]:
     """The rollout-vs-trainer mismatch over the global batch from the loss metrics of every
     micro-batch (:func:`alignment.algorithms.rollout_correction.rollout_correction`): k3 KL and
     mean importance weight per token, fraction of tokens masked, largest token ratio; one
@@ -288,11 +312,13 @@ def sync_weights(models: Models, check: bool = False) -> dict[str, float]:
     every engine parameter (``rollout.check_weight_sync``). Returns timing and traffic metrics
     (``weight_sync/...``).
     """
-    if models.engine.shares_trainer_weights:
+    engine = cast(RolloutEngine, models.engine)  # an online job's
+    if engine.shares_trainer_weights:
         return {}
-    st = models.resharder.stats
+    resharder = cast(Resharder, models.resharder)  # an engine with weights of its own is fed by one
+    st = resharder.stats
     before = (st.seconds, st.sent_bytes)
-    out = models.engine.load_resharded(models.resharder.buckets())
+    out = engine.load_resharded(resharder.buckets())
     reshard_s = st.seconds - before[0]
     metrics = {"weight_sync/reshard_s": reshard_s, "weight_sync/engine_load_s": out["load_s"] - reshard_s,
                "weight_sync/sent_mb": (st.sent_bytes - before[1]) / 2**20,
@@ -302,8 +328,8 @@ def sync_weights(models: Models, check: bool = False) -> dict[str, float]:
         hf = export_hf_weights(models.policy, models.bridge)  # the independent (gather) path
         rtol = 1e-4 if next(iter(hf.values())).dtype == torch.float32 else 2e-2
         metrics["weight_sync/checked"] = float(check_engine_weights(
-            models.engine, hf, models.bridge, out["names"], models.resharder.vllm_tp,
-            dist.get_rank() % models.resharder.vllm_tp, rtol))
+            engine, hf, models.bridge, out["names"], resharder.vllm_tp,
+            dist.get_rank() % resharder.vllm_tp, rtol))
     return metrics
 
 

@@ -8,6 +8,7 @@ import math
 import torch
 
 from alignment.algorithms.sft_loss import sft_loss
+from alignment.config import JobConfig
 from alignment.training.megatron_step import LogprobOutputs
 
 
@@ -22,7 +23,7 @@ class SFTObjective:
     value_head = False
     positions = "loss_mask"  # the output layer runs on the response positions only
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.outputs = LogprobOutputs(vocab_size)  # what forward_backward hands to loss()
 
@@ -30,7 +31,8 @@ class SFTObjective:
         """This rank's share of the global normaliser: ``(response tokens,)``."""
         return (float(batch["loss_mask"].sum()),)
 
-    def loss(self, mb, out, normalizer: tuple[float]):
+    def loss(self, mb: dict[str, torch.Tensor], out: dict[str, torch.Tensor], normalizer: tuple[float]
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(loss, metric sums)`` for one micro-batch; ``out["logprobs"]`` ``[mbs, seq]``;
         ``normalizer``: the global ``(response tokens,)``."""
         lp = out["logprobs"]
@@ -44,6 +46,6 @@ class SFTObjective:
         return {"loss": nll, "perplexity": math.exp(min(nll, 50.0))}
 
 
-def objective(cfg, vocab_size: int) -> SFTObjective:  # noqa: ARG001 - the registry's signature
+def objective(cfg: JobConfig, vocab_size: int) -> SFTObjective:  # noqa: ARG001 - the registry's signature
     """The loss function object of an ``algorithm.name=sft`` job."""
     return SFTObjective(vocab_size)
