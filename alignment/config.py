@@ -11,7 +11,7 @@ that reads it, with the checks of its own values:
 - ``algorithm``: :mod:`alignment.algorithms.config` (policy loss, estimators, loss type);
 - ``reward``: :mod:`alignment.rewards.config` (reward functions);
 - ``trainer``: :mod:`alignment.training.config` (metric bounds);
-- ``parallel``, ``cluster``, ``profile``: here (the parallel sizes are checked against the model
+- ``parallel``, ``cluster``, ``profile``, ``logger``: here (the parallel sizes are checked against the model
   by :func:`parallel.layout.validate_model_layout`).
 
 Every numeric field's range is in its metadata (:func:`alignment.schema.ranged`), checked first
@@ -25,6 +25,7 @@ Field names follow Megatron (``tensor_model_parallel_size``, ``micro_batch_size`
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -85,6 +86,42 @@ class ClusterConfig:
     gpu_memory_gib: Optional[float] = ranged(None, 0, low_in=False, note=' (GiB; null: not checked)')
 
 
+#: ``logger.backends`` values, each with the package it needs (None: torch's own)
+LOGGER_BACKENDS = {"tensorboard": None, "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
+
+
+@dataclass
+class LoggerConfig:
+    """Where a run's scalars, config and tables go (:mod:`launchers.trackers`): TensorBoard and the experiment
+    trackers teams compare runs in, each with the same names and steps, written by rank 0. Each backend reads its
+    own settings from the environment (W&B: ``WANDB_MODE``, ``WANDB_DIR``, ``WANDB_ENTITY``, ``WANDB_API_KEY``;
+    MLflow: ``MLFLOW_TRACKING_URI``; Trackio: ``TRACKIO_DIR``)."""
+
+    # tensorboard (<output_dir>/tensorboard), wandb, mlflow, trackio (pip install 'megalign[trackers]')
+    backends: list[str] = unbounded(factory=lambda: ["tensorboard"])
+    # the W&B project, MLflow experiment and Trackio project; null: WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, else megalign
+    project: Optional[str] = None
+    # a tracker that cannot start (package missing, server unreachable): fail (one line, before training), or
+    # warn (go on with the others, say so once)
+    on_error: str = "fail"
+
+
+def check_logger(c: LoggerConfig) -> None:
+    """``logger``'s values: known backends, each once, installed (unless ``on_error=warn``).
+
+    Raises:
+        ConfigError: naming the field and the fix."""
+    unknown = [b for b in c.backends if b not in LOGGER_BACKENDS]
+    if unknown or len(set(c.backends)) != len(c.backends):
+        raise ConfigError(f"logger.backends={list(c.backends)}: give each of {', '.join(LOGGER_BACKENDS)} at most once")
+    if c.on_error not in ("fail", "warn"):
+        raise ConfigError(f"logger.on_error={c.on_error!r}: valid values are fail, warn")
+    missing = [b for b in c.backends if LOGGER_BACKENDS[b] and importlib.util.find_spec(str(LOGGER_BACKENDS[b])) is None]
+    if missing and c.on_error == "fail":
+        raise ConfigError(f"logger.backends has {', '.join(missing)}, but the package is not installed: pip install "
+                          f"'megalign[trackers]' (or {' '.join(missing)}), or set logger.on_error=warn to go on without it")
+
+
 @dataclass
 class ProfileConfig:
     """``profile.enabled``: ``torch.profiler`` traces of chosen steps on chosen ranks, plus a
@@ -121,6 +158,7 @@ class JobConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
 
     def __post_init__(self):
         if isinstance(self.algorithm, dict):  # built in Python, not composed: the section of its algorithm
@@ -473,6 +511,7 @@ def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int 
         raise ConfigError(f"profile.ranks={list(prof.ranks)}: global ranks of trainers, in [0, {layout.world_size}), "
                           "e.g. [0]")
     check_metric_bounds(t)
+    check_logger(cfg.logger)
     if t.max_tokens_per_microbatch and layout.pipeline_model_parallel_size > 1 and not t.sequence_packing:
         raise ConfigError("trainer.max_tokens_per_microbatch with parallel.pipeline_model_parallel_size > 1 needs "
                           "trainer.sequence_packing=true (pipeline stages exchange one shape for every micro-batch; "

@@ -52,6 +52,10 @@ def _agent(cfg) -> bool:
     return bool(cfg.rollout.agent or cfg.rollout.agent_command)
 
 
+def _tracker(cfg) -> bool:
+    return any(b != "tensorboard" for b in cfg.logger.backends)
+
+
 _NO_AGENT = "without an agent (an agent's episodes: rollout.agent_max_tokens, agent_max_tokens_per_turn)"
 
 
@@ -163,6 +167,10 @@ RULES = (
          "with profile.enabled=true"),
     Rule("parallel.cp_comm_type", (*RL_ALGORITHMS, *OFFLINE_ALGORITHMS),
          lambda c: c.parallel.context_parallel_size > 1, "with parallel.context_parallel_size > 1"),
+    # ---- logger: the trackers' settings, read when one is on
+    Rule("logger.project", (*RL_ALGORITHMS, *OFFLINE_ALGORITHMS), _tracker, "with wandb, mlflow or trackio in logger.backends"),
+    Rule("logger.on_error", (*RL_ALGORITHMS, *OFFLINE_ALGORITHMS), _tracker,
+         "with wandb, mlflow or trackio in logger.backends"),
 )
 
 

@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import yaml
 
 from alignment.config import JobConfig, config_yaml, fit_context, job_config, parallel_sizes, validate
+from alignment.data.text_files import read_jsonl
 from alignment.models.config import lora_spec
 from alignment.models.families import get_bridge, text_config
 from alignment.models.hf_assets import prepare_hf_dir
@@ -35,6 +37,7 @@ from launchers.phase_log import open_log
 from launchers.preemption import install
 from launchers.profiling import PhaseTimers, StepProfiler, memory_report
 from launchers.summary import job_summary
+from launchers import trackers
 from launchers.teardown import close_job
 from parallel.layout import ParallelLayout
 from parallel.reshard import Resharder
@@ -50,7 +53,7 @@ SUMMARY_ENV = "MEGALIGN_SUMMARY_PRINTED"
 @dataclass
 class Run:
     """One job's process-wide state: ranks, the HF model dir and config, the output dir and
-    (rank 0 only) the TensorBoard writer."""
+    (rank 0 only) the TensorBoard writer and the experiment trackers (``logger.backends``)."""
 
     cfg: JobConfig
     rank: int
@@ -63,6 +66,7 @@ class Run:
     profiler: Any = None  # launchers.profiling.StepProfiler (profile.*)
     timers: PhaseTimers = field(default_factory=PhaseTimers)  # summed phase times, e.g. checkpoint
     prompts: Any = None  # what the job reads, checked at start: PromptSets (RL) or ExampleCounts (SFT / RM / DPO)
+    trackers: list[trackers.Tracker] = field(default_factory=list)  # rank 0: logger.backends but tensorboard
 
     @property
     def resolved_config(self) -> str:
@@ -71,11 +75,37 @@ class Run:
         return config_yaml(self.cfg)
 
     def log(self, values: dict[str, float], step: int) -> None:
-        """Scalars to TensorBoard at ``step`` (rank 0 writes)."""
+        """Scalars to TensorBoard and every tracker at ``step`` (rank 0 writes)."""
         if self.writer is not None:
             for k, v in values.items():
                 self.writer.add_scalar(k, v, step)
             self.writer.flush()
+        self.trackers = trackers.each(self.trackers, self.cfg.logger, lambda t: t.log(values, step))
+
+    def start_trackers(self, resumed: Path | None) -> None:
+        """Rank 0: start ``logger.backends``' trackers (:func:`launchers.trackers.start`), continuing the runs
+        the checkpoint ``resumed`` names (None: new runs), with the resolved config as their parameters."""
+        if self.rank == 0:
+            config = yaml.safe_load(self.resolved_config)
+            self.trackers = trackers.start(self.cfg.logger, self.cfg.run_name or self.out.name, config, self.out,
+                                           resumed)
+
+    def log_table(self, name: str, path: Path, step: int) -> None:
+        """Rank 0: the JSON-lines table ``path`` (the rollout table, held-out answers) to every tracker as
+        ``name`` at ``step``, when it was written."""
+        if self.trackers and Path(path).is_file():
+            rows = [r for _, r in read_jsonl(path, name)]
+            self.trackers = trackers.each(self.trackers, self.cfg.logger, lambda t: t.log_rows(name, rows, step))
+
+    def tracker_files(self) -> dict[str, str]:
+        """What a checkpoint keeps of the trackers: each one's run id (:data:`launchers.trackers.IDS_FILE`)."""
+        return {trackers.IDS_FILE: json.dumps({t.name: t.run_id for t in self.trackers})} if self.trackers else {}
+
+    def close_loggers(self) -> None:
+        """Rank 0: close the TensorBoard writer and end every tracker's run (it stays resumable)."""
+        if self.writer is not None:
+            self.writer.close()
+        self.trackers = trackers.each(self.trackers, self.cfg.logger, lambda t: t.close())
 
     def seconds_since_launch(self) -> float:
         """Wall seconds since this process started (``psutil``'s creation time): the start-up cost
@@ -198,6 +228,7 @@ def check_job(cfg: JobConfig, world_size: int):
     if not context_given and getattr(prompts, "longest", 0):  # an RL job's prompts: the context they need
         fit_context(cfg, prompts.longest)
     check_memory(cfg, hf_config, world_size - rollout_ranks(cfg.rollout))  # cluster.gpu_memory_gib
+    trackers.check_servers(cfg.logger)  # a tracking server that does not answer
     return hf_dir, hf_config, note, prompts
 
 
@@ -247,7 +278,8 @@ def start(cfg: JobConfig, composed=None) -> Run:
         job_file = os.environ.get(JOB_FILE_ENV)
         if job_file and Path(job_file).is_file():  # the job as written (config.yaml: as resolved)
             shutil.copyfile(job_file, run.out / "job.yaml")
-        from torch.utils.tensorboard import SummaryWriter
+        if "tensorboard" in cfg.logger.backends:
+            from torch.utils.tensorboard import SummaryWriter
 
-        run.writer = SummaryWriter(str(run.out / "tensorboard"))
+            run.writer = SummaryWriter(str(run.out / "tensorboard"))
     return run

@@ -228,7 +228,8 @@ class Checkpoints:
         with job.timers("checkpoint"):
             self.models.placement.keep(*self.units)
             ensure_space(self.dir, self._estimate, f"checkpoint step_{step}")
-            save_models_checkpoint(self.dir, step, self.spec.trained, config=job.resolved_config, files=self.position)
+            files = {**(self.position or {}), **job.tracker_files()}  # tracker run ids: rank 0's, which writes them
+            save_models_checkpoint(self.dir, step, self.spec.trained, config=job.resolved_config, files=files or None)
             if t.keep_last and job.rank == 0:  # the new one is complete: older ones may go
                 prune_checkpoints(self.dir, t.keep_last)
 
@@ -326,6 +327,7 @@ def finish(job: Run, models: Models, spec: JobSpec, checkpoints: Checkpoints, st
     record("evaluation", steps_total)
     final_metrics, summary, message = spec.evaluation.final()
     job.log(final_metrics, steps_total)
+    job.log_table("heldout", job.out / "heldout" / "final.jsonl", steps_total)
     if t.save_checkpoint and start_step < steps_total:
         checkpoints.save(steps_total)
     if t.export_hf:
@@ -365,9 +367,11 @@ def run(job: Run, models: Models, spec: JobSpec) -> dict[str, Any]:
             sync_weights(models, cfg.rollout.check_weight_sync)
         if job.rank == 0:
             print(f"resumed from {latest} (step {start_step})", flush=True)
+    job.start_trackers(latest)  # the runs the checkpoint names (launchers/trackers.py)
     if t.eval_before:
         record("evaluation", start_step)
         job.log(spec.evaluation.before(start_step), start_step)
+        job.log_table("heldout", job.out / "heldout" / f"step_{start_step}.jsonl", start_step)
         engine_stats(models)  # the evaluation's generation: not a step's
     startup_s = job.seconds_since_launch()
     queue = rollout_queue(job, models, spec, start_step, steps_total)
@@ -386,6 +390,7 @@ def run(job: Run, models: Models, spec: JobSpec) -> dict[str, Any]:
             metrics, times = spec.train(rollout)  # the policy's gradient norms per layer group, on the steps asked
         if beside is not None:  # the base model's held-out accuracy, measured on the engine meanwhile
             job.log(beside(), start_step)
+            job.log_table("heldout", job.out / "heldout" / f"step_{start_step}.jsonl", start_step)
         metrics.update(grad_norms)
         times = sync_and_measure(job, models, spec, queue, step, rollout, rollout_s, metrics, times) if online \
             else {"batch": rollout_s, **times}
@@ -395,6 +400,7 @@ def run(job: Run, models: Models, spec: JobSpec) -> dict[str, Any]:
         if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < steps_total:
             record("evaluation", step + 1)
             held_out = spec.evaluation.measure(step + 1)
+            job.log_table("heldout", job.out / "heldout" / f"step_{step + 1}.jsonl", step + 1)
             engine_stats(models)  # the evaluation's generation: not the next step's
             metrics.update(held_out)
             logged.update(held_out)
@@ -405,7 +411,8 @@ def run(job: Run, models: Models, spec: JobSpec) -> dict[str, Any]:
             checkpoints.save(step + 1)
             raise health.error(str(checkpoints.path(step + 1)))
         if online and t.rollout_table_every and (step + 1) % t.rollout_table_every == 0 and job.rank == 0:
-            write_rollout_table(job.out, step + 1, rollout, models.tokenizer, job.writer)
+            job.log_table("rollouts", write_rollout_table(job.out, step + 1, rollout, models.tokenizer, job.writer),
+                          step + 1)
         if preemption.stop_requested():  # SIGUSR1/SIGTERM on any rank: save this step, exit 75
             preemption.save_and_exit(job, step + 1, checkpoints.save, models.engine)
         if t.save_every and (step + 1) % t.save_every == 0 and step + 1 < steps_total:

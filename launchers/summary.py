@@ -6,6 +6,7 @@ the steps and lengths, resume or fresh start, and the memory plan."""
 from __future__ import annotations
 
 import inspect
+import os
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -142,6 +143,24 @@ def length_lines(cfg: JobConfig, hf_config, prompts) -> list[str]:
             f"{r.max_model_len} (the longest prompt: {longest} tokens; the model's positions: {positions})"]
 
 
+#: what each tracker reads its destination from (launchers/trackers.py)
+TRACKER_SETTINGS = {"wandb": ("WANDB_MODE", "WANDB_DIR"), "mlflow": ("MLFLOW_TRACKING_URI",), "trackio": ("TRACKIO_DIR",)}
+
+
+def logging_line(cfg: JobConfig) -> str:
+    """Where the scalars go (``logger.backends``), each tracker with the settings it reads that are set."""
+    parts = []
+    for b in cfg.logger.backends:
+        if b == "tensorboard":
+            parts.append(f"tensorboard ({Path(cfg.output_dir) / 'tensorboard'})")
+            continue
+        env = [f"{k}={os.environ[k]}" for k in TRACKER_SETTINGS[b] if os.environ.get(k)]
+        parts.append(f"{b} ({', '.join(env) or 'its defaults'})")
+    trackers = any(b != "tensorboard" for b in cfg.logger.backends)
+    project = f"; project {cfg.logger.project}" if cfg.logger.project and trackers else ""
+    return f"logging: {', '.join(parts) or 'nowhere (logger.backends=[])'}{project}"
+
+
 def resume_line(cfg: JobConfig, note: str | None) -> str:
     """Resume or fresh start: the checkpoint ``trainer.resume`` would load and its step."""
     from alignment.training.checkpoint import checkpoint_step, latest_checkpoint
@@ -167,6 +186,7 @@ def job_summary(comp: Composition | None, cfg: JobConfig, hf_config, prompts, no
     lines = composition_lines(comp, unread) if comp is not None else []
     lines += data_lines(cfg, prompts) + reward_lines(cfg, prompts) + length_lines(cfg, hf_config, prompts)
     lines.append(resume_line(cfg, note))
+    lines.append(logging_line(cfg))
     try:
         memory = job_memory(cfg, hf_config, world - rollout_ranks(cfg.rollout), cfg.cluster.gpu_memory_gib)
         lines.append(memory_line(memory, cfg.cluster.gpu_memory_gib))

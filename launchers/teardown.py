@@ -1,5 +1,5 @@
 """Ending a job's processes in order, whichever way the job ends (finished, preempted, a checkpoint
-rewritten): rank 0 says why and closes the TensorBoard writer, every rank waits for the others, then
+rewritten): rank 0 says why and closes the TensorBoard writer and the trackers, every rank waits for the others, then
 the judges this process runs and the rollout engine are closed (vLLM's teardown also tears down
 torch.distributed) and the process groups shut down."""
 
@@ -12,13 +12,12 @@ from parallel.state import shutdown
 
 
 def close_job(job, message: str, engine=None) -> None:
-    """Close ``job`` (a :class:`launchers.common.Run`, or anything with ``rank`` and ``writer``): rank 0
-    prints ``message`` and closes the writer; a barrier; then the local judges, ``engine`` (None: no
+    """Close ``job`` (a :class:`launchers.common.Run`): rank 0 prints ``message`` and closes the TensorBoard
+    writer and the trackers (``close_loggers``); a barrier; then the local judges, ``engine`` (None: no
     rollout engine) and the process groups. Collective."""
     if job.rank == 0:
         print(message, flush=True)
-        if job.writer is not None:
-            job.writer.close()
+        job.close_loggers()
     dist.barrier()
     close_local()  # the judges run in this process (reward.functions: judge with a model directory)
     if engine is not None:

@@ -210,6 +210,13 @@ def _no_vllm(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
 
 
+def _no_wandb(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+
+
 ALPACA = json.dumps({"instruction": "Say hi", "input": "", "output": "Hi"})
 
 CASES: list[Case] = [
@@ -462,6 +469,16 @@ CASES: list[Case] = [
     # ---- environment
     Case("environment", "vLLM not installed, `rollout.backend=vllm`", conf("grpo"), ConfigError,
          "rollout.backend=vllm, but vLLM is not installed", patch=_no_vllm),
+    Case("environment", "a tracker whose package is not installed (`logger.backends=[tensorboard, wandb]`)",
+         conf("sft", "logger.backends=[tensorboard, wandb]"), ConfigError, "logger.backends has wandb, but the package "
+         "is not installed: pip install 'megalign[trackers]' (or wandb)", patch=_no_wandb),
+    Case("environment", "an MLflow tracking server that does not answer (`MLFLOW_TRACKING_URI`)",
+         conf("sft", "logger.backends=[tensorboard, mlflow]"), ConfigError, "logger.backends has mlflow, but "
+         "MLFLOW_TRACKING_URI=http://127.0.0.1:9 does not answer", patch=lambda mp: mp.setenv(
+             "MLFLOW_TRACKING_URI", "http://127.0.0.1:9")),
+    Case("config", "an unknown tracker (`logger.backends=[tensorboard, comet]`)",
+         conf("sft", "logger.backends=[tensorboard, comet]"), ConfigError,
+         "logger.backends=['tensorboard', 'comet']: give each of tensorboard, wandb, mlflow, trackio at most once"),
     Case("environment", "a GPU cluster config on a CPU machine", conf(
         "sft", "cluster=slurm_h100x8", "trainer.micro_batch_size=1", world=16),
          ConfigError, "has no CUDA device"),

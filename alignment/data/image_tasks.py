@@ -17,6 +17,8 @@ import json
 import random
 from pathlib import Path
 
+from alignment.data.text_files import read_jsonl
+
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 70, 220)}
 GRID = 3
 QUESTION = "How many {colour} shapes are in the image? Answer with a number."
@@ -66,7 +68,7 @@ def write_pairs(out_dir, split: str) -> Path:
     / ``rejected`` + ``images``): chosen the true count, rejected a count one off (one more for a count of 0,
     else one more or one less, alternating). Returns the path."""
     out = Path(out_dir)
-    records = [json.loads(line) for line in (out / f"{split}.jsonl").read_text().splitlines()]
+    records = [r for _, r in read_jsonl(out / f"{split}.jsonl", f"the {split} split")]
     with open(out / f"{split}_pairs.jsonl", "w") as f:
         for i, r in enumerate(records):
             n = int(r["answer"])
