@@ -67,6 +67,7 @@ class Run:
     timers: PhaseTimers = field(default_factory=PhaseTimers)  # summed phase times, e.g. checkpoint
     prompts: Any = None  # what the job reads, checked at start: PromptSets (RL) or ExampleCounts (SFT / RM / DPO)
     trackers: list[trackers.Tracker] = field(default_factory=list)  # rank 0: logger.backends but tensorboard
+    tracker_ids: dict[str, str] = field(default_factory=dict)  # rank 0: the run ids a resume read, kept
 
     @property
     def resolved_config(self) -> str:
@@ -87,6 +88,7 @@ class Run:
         the checkpoint ``resumed`` names (None: new runs), with the resolved config as their parameters."""
         if self.rank == 0:
             config = yaml.safe_load(self.resolved_config)
+            self.tracker_ids = trackers.saved_ids(resumed)  # kept for a tracker left out (on_error=warn)
             self.trackers = trackers.start(self.cfg.logger, self.cfg.run_name or self.out.name, config, self.out,
                                            resumed)
 
@@ -98,14 +100,16 @@ class Run:
             self.trackers = trackers.each(self.trackers, self.cfg.logger, lambda t: t.log_rows(name, rows, step))
 
     def tracker_files(self) -> dict[str, str]:
-        """What a checkpoint keeps of the trackers: each one's run id (:data:`launchers.trackers.IDS_FILE`)."""
-        return {trackers.IDS_FILE: json.dumps({t.name: t.run_id for t in self.trackers})} if self.trackers else {}
+        """What a checkpoint keeps of the trackers: each one's run id (:data:`launchers.trackers.IDS_FILE`), those
+        the resumed checkpoint named included."""
+        ids = {**self.tracker_ids, **{t.name: t.run_id for t in self.trackers}}
+        return {trackers.IDS_FILE: json.dumps(ids)} if ids else {}
 
     def close_loggers(self) -> None:
         """Rank 0: close the TensorBoard writer and end every tracker's run (it stays resumable)."""
         if self.writer is not None:
             self.writer.close()
-        self.trackers = trackers.each(self.trackers, self.cfg.logger, lambda t: t.close())
+        self.trackers = trackers.each(self.trackers, self.cfg.logger, lambda t: t.close(), closing=True)
 
     def seconds_since_launch(self) -> float:
         """Wall seconds since this process started (``psutil``'s creation time): the start-up cost

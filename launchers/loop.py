@@ -69,6 +69,7 @@ from launchers.phase_log import record
 from launchers.profiling import peak_rss_bytes
 from launchers.rollout_table import write_rollout_table
 from launchers.teardown import close_job
+from launchers.trackers import IDS_FILE, saved_ids
 from parallel.memory import checkpoint_bytes
 from parallel.state import replica_group
 
@@ -189,8 +190,10 @@ def reshard_and_exit(job: Run, models: Models, spec: JobSpec, latest: Path, step
     loads at any TP / PP / EP / DP), the same config, step and data position; then close the
     engine and the process groups. Collective. Returns ``{"resharded": path, "step": step}``."""
     record("checkpoint", step)
+    ids = saved_ids(latest)  # the trackers' runs: the next resume continues them
+    files = {**(files or {}), **({IDS_FILE: json.dumps(ids)} if ids else {})}
     with job.timers("checkpoint"):
-        save_models_checkpoint(latest.parent, step, spec.trained, config=job.resolved_config, files=files,
+        save_models_checkpoint(latest.parent, step, spec.trained, config=job.resolved_config, files=files or None,
                                sharding=FULLY_RESHARDABLE)
     close_job(job, f"rewrote {latest} (step {step}) so that it resumes at any layout: launch the job at the new "
                    "tensor / pipeline / expert / data-parallel sizes (trainer.reshard_checkpoint=false)", models.engine)

@@ -155,6 +155,8 @@ def logging_line(cfg: JobConfig) -> str:
             parts.append(f"tensorboard ({Path(cfg.output_dir) / 'tensorboard'})")
             continue
         env = [f"{k}={os.environ[k]}" for k in TRACKER_SETTINGS[b] if os.environ.get(k)]
+        if b == "wandb" and not os.environ.get("WANDB_DIR"):
+            env.append(f"files in {cfg.output_dir}/wandb")
         parts.append(f"{b} ({', '.join(env) or 'its defaults'})")
     trackers = any(b != "tensorboard" for b in cfg.logger.backends)
     project = f"; project {cfg.logger.project}" if cfg.logger.project and trackers else ""

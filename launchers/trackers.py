@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -107,8 +109,16 @@ class WandbTracker:
         self.run.finish()
 
 
+def mlflow_name(key: str) -> str:
+    """``key`` as MLflow takes a metric's name (letters, digits, ``_ - . / :`` and spaces): ``@`` as ``_at_``
+    (``heldout/pass@4`` -> ``heldout/pass_at_4``), anything else outside the set as ``_``."""
+    return re.sub(r"[^\w\-./: ]", "_", key.replace("@", "_at_"))
+
+
 class MlflowTracker:
-    """An MLflow run (``MlflowClient``: the tracking server or store of ``MLFLOW_TRACKING_URI``)."""
+    """An MLflow run (``MlflowClient``: the tracking server or store of ``MLFLOW_TRACKING_URI``; a local SQLite
+    store keeps the artifacts beside its database, in ``mlartifacts/``, as ``mlflow server`` does). Metric names
+    as :func:`mlflow_name` gives them."""
 
     name = "mlflow"
     #: MLflow's limits per ``log_batch`` call
@@ -128,7 +138,10 @@ class MlflowTracker:
         else:
             name = _project(c, "MLFLOW_EXPERIMENT_NAME")
             experiment = self.client.get_experiment_by_name(name)
-            experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
+            uri = self.client.tracking_uri
+            artifacts = str(Path(uri[len("sqlite:///"):]).parent / "mlartifacts") if uri.startswith("sqlite:///") else None
+            experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
+                name, artifact_location=artifacts)
             self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
             known = {}
         # a param's value cannot change: a resumed run's new keys are added, a changed value is a tag
@@ -142,7 +155,7 @@ class MlflowTracker:
 
     def log(self, values: dict[str, float], step: int) -> None:
         now = int(time.time() * 1000)
-        metrics = [self.Metric(k, float(v), now, step) for k, v in values.items()]
+        metrics = [self.Metric(mlflow_name(k), float(v), now, step) for k, v in values.items()]
         for i in range(0, len(metrics), self.BATCH_METRICS):
             self.client.log_batch(self.run_id, metrics=metrics[i: i + self.BATCH_METRICS])
 
@@ -192,29 +205,43 @@ def reachable(uri: str, timeout_s: float = 10.0) -> None:
         return
     try:
         urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
+    except urllib.error.HTTPError:  # it answered (an auth proxy's 401, say): the client's requests will tell
+        return
     except OSError as e:
         raise TrackerError(f"MLFLOW_TRACKING_URI={uri} does not answer ({e})") from e
 
 
 def check_servers(c: LoggerConfig) -> None:
-    """Before any process starts: the MLflow tracking server of ``MLFLOW_TRACKING_URI`` answers, when
-    ``logger.backends`` has ``mlflow`` (W&B's and Trackio's own clients say when theirs do not).
+    """Before any process starts (rank 0): with ``mlflow`` in ``logger.backends``, its tracking URI is not the
+    file store, and a server there answers (W&B's and Trackio's own clients say when theirs do not).
 
     Raises:
         ConfigError: naming it and the fix (``logger.on_error=fail``; ``warn``: said when the tracker starts)."""
-    if "mlflow" not in c.backends or c.on_error != "fail":
+    if "mlflow" not in c.backends or os.environ.get("RANK", "0") != "0":  # rank 0 alone talks to it
+        return
+    import mlflow
+
+    uri = mlflow.get_tracking_uri()  # MLFLOW_TRACKING_URI, or MLflow's default
+    if uri.startswith("file:") or "://" not in uri:
+        raise ConfigError(f"logger.backends has mlflow, but its tracking URI {uri} is MLflow's file store, which "
+                          "cannot hold a run's reward/<term> beside reward/<term>/scored: set MLFLOW_TRACKING_URI to "
+                          "a server or to sqlite:///<path>/mlflow.db")
+    if c.on_error != "fail":
         return
     try:
-        reachable(os.environ.get("MLFLOW_TRACKING_URI", ""))
+        reachable(uri)
     except TrackerError as e:
         raise ConfigError(f"logger.backends has mlflow, but {e}: start the server or fix the URI, or set "
                           "logger.on_error=warn to go on without it") from e
 
 
 def saved_ids(checkpoint: Path | None) -> dict[str, str]:
-    """The run ids written into ``checkpoint`` (:data:`IDS_FILE`); empty without one."""
-    path = None if checkpoint is None else Path(checkpoint) / IDS_FILE
-    return json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    """The run ids written into ``checkpoint`` (:data:`IDS_FILE`, or in its first part's folder for a checkpoint
+    of several models, e.g. PPO's policy and critic); empty without one."""
+    if checkpoint is None:
+        return {}
+    found = [Path(checkpoint) / IDS_FILE, *sorted(Path(checkpoint).glob(f"*/{IDS_FILE}"))]
+    return next((json.loads(p.read_text()) for p in found if p.is_file()), {})
 
 
 def start(c: LoggerConfig, run_name: str, config: dict[str, Any], out: Path, resumed: Path | None
@@ -236,9 +263,11 @@ def start(c: LoggerConfig, run_name: str, config: dict[str, Any], out: Path, res
     return trackers
 
 
-def each(trackers: list[Tracker], c: LoggerConfig, call: Callable[[Tracker], None]) -> list[Tracker]:
+def each(trackers: list[Tracker], c: LoggerConfig, call: Callable[[Tracker], None], closing: bool = False
+         ) -> list[Tracker]:
     """``call`` on every tracker; returns those still working: one that raises stops the run
-    (:class:`TrackerError`, ``logger.on_error=fail``) or is dropped with one line (``warn``)."""
+    (:class:`TrackerError`, ``logger.on_error=fail``) or is dropped with one line (``warn``, and always while
+    ``closing``: a run that ends, or is preempted after its checkpoint, ends as it would without trackers)."""
     kept = []
     for t in trackers:
         try:
@@ -246,7 +275,7 @@ def each(trackers: list[Tracker], c: LoggerConfig, call: Callable[[Tracker], Non
             kept.append(t)
         except Exception as e:  # the backend's own errors
             line = f"logger.backends: {t.name} failed: {type(e).__name__}: {e}"
-            if c.on_error == "fail":
+            if c.on_error == "fail" and not closing:
                 raise TrackerError(f"{line} (logger.on_error=warn goes on without it)") from e
             print(f"{line}; going on without it (logger.on_error=warn)", flush=True)
     return kept

@@ -476,6 +476,10 @@ CASES: list[Case] = [
          conf("sft", "logger.backends=[tensorboard, mlflow]"), ConfigError, "logger.backends has mlflow, but "
          "MLFLOW_TRACKING_URI=http://127.0.0.1:9 does not answer", patch=lambda mp: mp.setenv(
              "MLFLOW_TRACKING_URI", "http://127.0.0.1:9")),
+    Case("environment", "MLflow's file store as the tracking URI (`MLFLOW_TRACKING_URI=file:///...`)",
+         conf("sft", "logger.backends=[tensorboard, mlflow]"), ConfigError, "is MLflow's file store, which cannot "
+         "hold a run's reward/<term> beside reward/<term>/scored", patch=lambda mp: mp.setenv(
+             "MLFLOW_TRACKING_URI", "file:///tmp/mlruns")),
     Case("config", "an unknown tracker (`logger.backends=[tensorboard, comet]`)",
          conf("sft", "logger.backends=[tensorboard, comet]"), ConfigError,
          "logger.backends=['tensorboard', 'comet']: give each of tensorboard, wandb, mlflow, trackio at most once"),

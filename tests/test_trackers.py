@@ -1,4 +1,4 @@
-"""Experiment trackers beside TensorBoard (``logger.backends``, launchers/trackers.py): a real 2-rank SFT job logs to
+"""Experiment trackers beside TensorBoard (``logger.backends``, launchers/trackers.py): a real 2-rank GRPO job logs to
 W&B (offline), MLflow (a local SQLite store) and Trackio (its local store), stops at step 2 and resumes to step 4;
 each backend's stored scalars equal TensorBoard's at every step, the resumed job continues the same run, and the
 config is the run's parameters. A tracker that cannot start is one line (or left out with ``on_error=warn``)."""
@@ -38,6 +38,17 @@ def test_a_tracker_that_cannot_start_is_one_line_or_left_out(tmp_path, monkeypat
     assert started == [] and "going on without it (logger.on_error=warn)" in capsys.readouterr().out
 
 
+def test_mlflow_names_and_the_run_ids_a_checkpoint_keeps(tmp_path):
+    assert trackers.mlflow_name("heldout/pass@4") == "heldout/pass_at_4"
+    assert trackers.mlflow_name("reward/mean") == "reward/mean" and trackers.mlflow_name("a#b") == "a_b"
+    assert trackers.saved_ids(None) == {} and trackers.saved_ids(tmp_path) == {}
+    (tmp_path / "critic").mkdir()  # a checkpoint of several models (PPO): the files are in each part's folder
+    (tmp_path / "critic" / trackers.IDS_FILE).write_text('{"wandb": "abc"}')
+    assert trackers.saved_ids(tmp_path) == {"wandb": "abc"}
+    (tmp_path / trackers.IDS_FILE).write_text('{"mlflow": "def"}')
+    assert trackers.saved_ids(tmp_path) == {"mlflow": "def"}
+
+
 class Failing:
     name, run_id = "failing", "x"
 
@@ -50,6 +61,8 @@ def test_a_tracker_that_fails_while_logging_stops_the_run_or_is_dropped(capsys):
         trackers.each([Failing()], LoggerConfig(), lambda t: t.log({"a": 1.0}, 1))
     assert trackers.each([Failing()], LoggerConfig(on_error="warn"), lambda t: t.log({"a": 1.0}, 1)) == []
     assert "failing failed: OSError: disk full; going on without it" in capsys.readouterr().out
+    # closing (the run's end, a preemption after its checkpoint) never stops the run
+    assert trackers.each([Failing()], LoggerConfig(), lambda t: t.log({"a": 1.0}, 1), closing=True) == []
 
 
 @pytest.mark.heavy(cheap="tests/test_trackers.py::test_a_tracker_that_cannot_start_is_one_line_or_left_out")
@@ -95,3 +108,4 @@ def test_every_tracker_has_tensorboards_scalars_across_a_resume(tmp_path):
         f"rollouts/step_{s:06d}.jsonl" for s in (1, 2, 3, 4)]
     assert {"heldout/step_000000.jsonl", "heldout/step_000002.jsonl"} <= {
         f.path for f in client.list_artifacts(run_id, "heldout")}
+    assert (store / "mlartifacts").is_dir()  # beside the SQLite database, not in the working directory

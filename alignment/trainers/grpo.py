@@ -199,7 +199,7 @@ def sample_groups(models: Models, problems: list[Problem], cfg: JobConfig,
     while True:
         rounds += 1 if todo else 0
         with early_grading(functions, todo) as (pool, on_done):  # code runs start as answers are generated
-            groups, counts = hooks.sample(models, todo, on_done, answers(todo) if answers is not None else None)
+            groups, counts = hooks.sample(models, todo, on_done, answers)
             for k, v in counts.items():  # agent programs' counts
                 agents[k] = agents.get(k, 0.0) + v
             samples = [s for g in groups for s in g]

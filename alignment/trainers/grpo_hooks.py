@@ -37,10 +37,11 @@ from alignment.trainers.rewarding import job_terms
 from alignment.trainers.rl_phases import generate_episodes, sampling_config
 from alignment.training.routing_replay import COMPARE, RECORD, REPLAY, RoutingPass
 
+#: the responses to take instead of sampling, for problems (a dataset's: distillation on it)
+Answers = Callable[[list[Problem]], list[str]]
 #: ``sample(models, problems, on_done, answers)``: ``([len(problems)][group_size] samples, counts)`` of this DP
-#: rank's problems (``answers``: the responses to take instead of sampling; counts: the agents' global sums)
-Sampler = Callable[[Models, list[Problem], OnDone | None, list[str] | None],
-                   tuple[list[list[Sample]], dict[str, float]]]
+#: rank's problems (counts: the agents' global sums)
+Sampler = Callable[[Models, list[Problem], OnDone | None, Answers | None], tuple[list[list[Sample]], dict[str, float]]]
 
 
 @dataclass(frozen=True)
@@ -81,13 +82,13 @@ def step_hooks(cfg: JobConfig) -> StepHooks:
     group_size, sampling = cfg.rollout.group_size, sampling_config(cfg.rollout)
     if uses_agents(cfg):
         def sample(models: Models, problems: list[Problem], on_done: OnDone | None,
-                   answers: list[str] | None) -> tuple[list[list[Sample]], dict[str, float]]:
+                   answers: Answers | None) -> tuple[list[list[Sample]], dict[str, float]]:
             return agent_episodes(models, problems, group_size, cfg.rollout.max_tokens)
     else:
         def sample(models: Models, problems: list[Problem], on_done: OnDone | None,
-                   answers: list[str] | None) -> tuple[list[list[Sample]], dict[str, float]]:
+                   answers: Answers | None) -> tuple[list[list[Sample]], dict[str, float]]:
             return generate_episodes(models, problems, sampling, on_done, teacher=models.teacher_engine is not None,
-                                     answers=answers), {}
+                                     answers=answers(problems) if answers is not None else None), {}
     keep = None
     if cfg.algorithm.dynamic_sampling:
         terms = job_terms(cfg)
