@@ -203,18 +203,14 @@ def _prm_dir(tmp: Path, train: str) -> str:
     return str(d)
 
 
-def _no_vllm(monkeypatch):
-    import importlib.util
+def _not_installed(package: str):
+    """A patch under which ``package`` is not installed (``importlib.util.find_spec`` finds nothing)."""
+    def patch(monkeypatch):
+        import importlib.util
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
-
-
-def _no_wandb(monkeypatch):
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+        real = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a))
+    return patch
 
 
 ALPACA = json.dumps({"instruction": "Say hi", "input": "", "output": "Hi"})
@@ -468,10 +464,10 @@ CASES: list[Case] = [
          "Face cache", patch=lambda mp: (mp.setenv("HF_HUB_OFFLINE", "1"), mp.setenv("HF_HUB_CACHE", "/nonexistent/hub"))),
     # ---- environment
     Case("environment", "vLLM not installed, `rollout.backend=vllm`", conf("grpo"), ConfigError,
-         "rollout.backend=vllm, but vLLM is not installed", patch=_no_vllm),
+         "rollout.backend=vllm, but vLLM is not installed", patch=_not_installed("vllm")),
     Case("environment", "a tracker whose package is not installed (`logger.backends=[tensorboard, wandb]`)",
          conf("sft", "logger.backends=[tensorboard, wandb]"), ConfigError, "logger.backends has wandb, but the package "
-         "is not installed: pip install 'megalign[trackers]' (or wandb)", patch=_no_wandb),
+         "is not installed: pip install 'megalign[trackers]' (or wandb)", patch=_not_installed("wandb")),
     Case("environment", "an MLflow tracking server that does not answer (`MLFLOW_TRACKING_URI`)",
          conf("sft", "logger.backends=[tensorboard, mlflow]"), ConfigError, "logger.backends has mlflow, but "
          "MLFLOW_TRACKING_URI=http://127.0.0.1:9 does not answer", patch=lambda mp: mp.setenv(
