@@ -39,7 +39,9 @@ from omegaconf.errors import OmegaConfBaseException
 from alignment.algorithms import registry
 from alignment.config import JobConfig, register
 from alignment.data.chat_data import is_data_file
+from alignment.envs.factory import HUB_ENVIRONMENTS
 from alignment.reads import unread_keys
+from alignment.rollout.config import played_by_agents
 from alignment.schema import PER_TASK, ConfigError, Key, schema_keys
 
 #: the config groups and jobs (``configs/<name>.yaml``, ``configs/recipes/...``)
@@ -307,11 +309,12 @@ def _file_keys(path: Path, package: str, user_dir: Path, seen: set) -> list[str]
 
 
 def own_data(cfg) -> bool:
-    """Whether the job trains on the user's own data: prompt files (``data.train_files``), or an SFT / RM /
-    DPO data file (``data.dataset``)."""
+    """Whether the job trains on the user's own data: prompt files (``data.train_files``), an environment hub's
+    environment (``rollout.environment=verifiers``), or an SFT / RM / DPO data file (``data.dataset``)."""
     d = cfg.data
-    return bool(d.train_files) or (registry.of(cfg).examples in ("sft", "preference")
-                                   and is_data_file(str(d.dataset)))
+    return bool(d.train_files) or (registry.get(cfg.algorithm.name).online
+                                   and cfg.rollout.environment in HUB_ENVIRONMENTS) or \
+        (registry.of(cfg).examples in ("sft", "preference") and is_data_file(str(d.dataset)))
 
 
 def _data_name(cfg) -> str:
@@ -320,6 +323,8 @@ def _data_name(cfg) -> str:
         first = d.train_files if isinstance(d.train_files, str) else list(d.train_files)[0]
         name = Path(str(first)).expanduser().name
         name = name.split(".")[0] if not Path(str(first)).expanduser().is_dir() else name
+    elif registry.get(cfg.algorithm.name).online and cfg.rollout.environment in HUB_ENVIRONMENTS:
+        name = str(cfg.rollout.environment_id).split(".")[-1].split("/")[-1]
     elif not registry.get(cfg.algorithm.name).online:
         path = Path(str(d.dataset)).expanduser()
         name = path.name.split(".")[0] if not path.is_dir() else path.name
@@ -350,7 +355,7 @@ def _defaults(comp: Composition) -> None:
         cfg.data.heldout_fraction = DEFAULT_HELDOUT_FRACTION if own_prompts else 0.0
         (comp.derived if own_prompts else comp.resolved)["data.heldout_fraction"] = cfg.data.heldout_fraction
     r = cfg.rollout
-    if (r.agent or r.agent_command) and min(r.agent_max_tokens, r.agent_max_tokens_per_turn) >= 1:  # else: a range
+    if played_by_agents(r) and min(r.agent_max_tokens, r.agent_max_tokens_per_turn) >= 1:  # else: a range
         # error names them; an agent's episode has budgets of its own, not one answer's
         budget, turn = r.agent_max_tokens, min(r.agent_max_tokens_per_turn, r.agent_max_tokens)
         context = r.max_model_len if comp.set_by_user("rollout.max_model_len") else None  # null: fit the budget

@@ -36,6 +36,7 @@ from alignment.algorithms import registry
 from alignment.algorithms.config import (GRPOFamilyConfig, GroupAdvantageConfig, PolicyGradientConfig, check_policy_loss,
                                          has_section)
 from alignment.data.config import DataConfig
+from alignment.envs.factory import HUB_ENVIRONMENTS
 from alignment.models.config import ModelConfig, check_lora, check_model
 from alignment.models.families import model_dims, text_config
 from alignment.rewards.config import PROCESS_REWARD, RewardConfig, check_functions, is_pairwise
@@ -43,7 +44,7 @@ from alignment.rewards.policy import ppo_on_task, process_reward_weight, reward_
 from alignment.rewards.text import FORMAT_TASKS
 from alignment.rollout.agents.programs import AgentError, load_agent
 from alignment.rollout.config import (RolloutConfig, check_backend, check_engine_tp, check_episodes, check_lengths,
-                                      check_partial, check_placement, rollout_ranks)
+                                      check_partial, check_placement, played_by_agents, rollout_ranks)
 from alignment.schema import ConfigError, Range, dotted, field_ranges, per_task, ranged, unbounded
 from alignment.training.config import TrainerConfig, check_metric_bounds
 from parallel.layout import ParallelLayout, validate_model_layout
@@ -335,7 +336,7 @@ def _validate_episodes(cfg: JobConfig) -> None:
 
     r, a = cfg.rollout, cfg.algorithm
     check_episodes(r)
-    if r.agent or r.agent_command:
+    if played_by_agents(r):
         _validate_agents(cfg)
     if r.environment == "single_turn":
         return
@@ -355,11 +356,20 @@ def _validate_agents(cfg: JobConfig) -> None:
     r, a = cfg.rollout, cfg.algorithm
     if r.agent and r.agent_command:
         raise ConfigError(f"rollout.agent={r.agent} and rollout.agent_command are both set: give one")
-    given = f"rollout.agent={r.agent}" if r.agent else "rollout.agent_command"
+    hub = r.environment in HUB_ENVIRONMENTS
+    given = f"rollout.environment={r.environment}" if hub else \
+        f"rollout.agent={r.agent}" if r.agent else "rollout.agent_command"
+    if hub and (r.agent or r.agent_command):
+        raise ConfigError(f"rollout.environment={r.environment}'s rollouts play the episodes; rollout.agent / "
+                          "agent_command would be a second player: unset it")
+    if hub and not any(t.name == "environment" for t in reward_terms(cfg)):
+        raise ConfigError(f"rollout.environment={r.environment} scores each episode with the environment's rubric, but "
+                          "reward.functions has no environment term to train on it: add {name: environment} (or "
+                          "leave reward.functions empty: the rubric alone)")
     if not registry.get(a.name).agents and not ppo_on_task(cfg):
         raise ConfigError(f"{given} plays GRPO-family episodes (and PPO's on data.task); algorithm.name={a.name} "
                           "samples otherwise; unset it")
-    if r.environment != "single_turn":
+    if r.environment != "single_turn" and not hub:
         raise ConfigError(f"{given} is the episode's environment (it runs the tools); rollout.environment="
                           f"{r.environment} would be a second one: set rollout.environment=single_turn")
     if r.placement != "colocated" or r.max_staleness:

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from alignment.algorithms import registry
 from alignment.algorithms.config import section_keys
 from alignment.config import OFFLINE_ALGORITHMS, RL_ALGORITHMS, algorithm_section
+from alignment.envs.factory import HUB_ENVIRONMENTS
 from alignment.models.hf_assets import is_hub_id
 from alignment.rewards.policy import ppo_on_task, reward_terms
+from alignment.rollout.config import played_by_agents
 
 #: the jobs that grade held-out answers (alignment/trainers/heldout.py); ppo only on data.task / prompt files
 HELDOUT = RL_ALGORITHMS
@@ -49,14 +51,26 @@ def _vllm(cfg) -> bool:
 
 
 def _agent(cfg) -> bool:
-    return bool(cfg.rollout.agent or cfg.rollout.agent_command)
+    return played_by_agents(cfg.rollout)
+
+
+def _hub(cfg) -> bool:
+    return cfg.rollout.environment in HUB_ENVIRONMENTS
+
+
+def _task_or_files(cfg) -> bool:
+    """The prompts are data.task's or data.train_files' (not an environment hub's, nor PPO's demo prompts)."""
+    return _prompts_of_task(cfg) and not _hub(cfg)
 
 
 def _tracker(cfg) -> bool:
     return any(b != "tensorboard" for b in cfg.logger.backends)
 
 
-_NO_AGENT = "without an agent (an agent's episodes: rollout.agent_max_tokens, agent_max_tokens_per_turn)"
+_NO_AGENT = ("without an agent or an environment hub (their episodes: rollout.agent_max_tokens, "
+             "agent_max_tokens_per_turn)")
+_AGENT = "with rollout.agent, rollout.agent_command or rollout.environment=verifiers"
+_TASK = "on data.task or data.train_files"
 
 
 def _has_term(name: str):
@@ -101,17 +115,17 @@ RULES = (
     Rule("rollout.sync_bucket_mb", RL_ALGORITHMS, _vllm, "with rollout.backend=vllm"),
     Rule("rollout.partial_chunk_tokens", RL_ALGORITHMS, lambda c: c.rollout.partial, "with rollout.partial=true"),
     Rule("rollout.tools", RL_ALGORITHMS, lambda c: c.rollout.environment == "tools", "with rollout.environment=tools"),
-    Rule("rollout.max_turns", RL_ALGORITHMS, lambda c: c.rollout.environment != "single_turn",
-         "in a multi-turn rollout.environment"),
+    Rule("rollout.max_turns", RL_ALGORITHMS, lambda c: c.rollout.environment != "single_turn" and not _hub(c),
+         "in a multi-turn rollout.environment (an environment hub's has its own)"),
+    Rule("rollout.environment_id", ("grpo", "ppo"), _hub, "with rollout.environment=verifiers"),
+    Rule("rollout.environment_args", ("grpo", "ppo"), _hub, "with rollout.environment=verifiers"),
     Rule("rollout.max_tokens", RL_ALGORITHMS, lambda c: not _agent(c), _NO_AGENT),
     Rule("rollout.eval_max_tokens", RL_ALGORITHMS, lambda c: not _agent(c), _NO_AGENT),
     Rule("rollout.max_tokens_per_turn", RL_ALGORITHMS, lambda c: not _agent(c), _NO_AGENT),
-    Rule("rollout.agent_max_tokens", ("grpo", "ppo"), _agent, "with rollout.agent or rollout.agent_command"),
-    Rule("rollout.agent_max_tokens_per_turn", ("grpo", "ppo"), _agent, "with rollout.agent or rollout.agent_command"),
-    Rule("rollout.agent_concurrency", ("grpo", "ppo"), lambda c: bool(c.rollout.agent or c.rollout.agent_command),
-         "with rollout.agent or rollout.agent_command"),
-    Rule("rollout.agent_timeout_s", ("grpo", "ppo"), lambda c: bool(c.rollout.agent or c.rollout.agent_command),
-         "with rollout.agent or rollout.agent_command"),
+    Rule("rollout.agent_max_tokens", ("grpo", "ppo"), _agent, _AGENT),
+    Rule("rollout.agent_max_tokens_per_turn", ("grpo", "ppo"), _agent, _AGENT),
+    Rule("rollout.agent_concurrency", ("grpo", "ppo"), _agent, _AGENT),
+    Rule("rollout.agent_timeout_s", ("grpo", "ppo"), _agent, _AGENT),
     # ---- trainer
     Rule("trainer.global_batch_size", OFFLINE_ALGORITHMS),
     Rule("trainer.critic_lr", ("ppo",)),
@@ -123,20 +137,31 @@ RULES = (
     Rule("trainer.eval_before_overlap", HELDOUT, _prompts_of_task, "on data.task or data.train_files"),
     Rule("trainer.save_heldout_answers", HELDOUT, _prompts_of_task, "on data.task or data.train_files"),
     # ---- data: a built-in task, prompt files (RL) or a dataset of examples (SFT / RM / DPO / PRM)
-    Rule("data.task", HELDOUT, lambda c: _prompts_of_task(c) and not _files(c), "without data.train_files"),
-    Rule("data.generator", HELDOUT, lambda c: _prompts_of_task(c) and not _files(c), "without data.train_files"),
-    Rule("data.generator_kwargs", HELDOUT, lambda c: _prompts_of_task(c) and not _files(c),
-         "without data.train_files"),
-    Rule("data.train_size", (*HELDOUT, *OFFLINE_ALGORITHMS), lambda c: not _files(c), "without data.train_files"),
-    Rule("data.heldout_size", (*HELDOUT, *OFFLINE_ALGORITHMS), lambda c: not _files(c), "without data.train_files"),
-    Rule("data.train_files", RL_ALGORITHMS),
+    Rule("data.task", HELDOUT, lambda c: _task_or_files(c) and not _files(c),
+         "without data.train_files or rollout.environment=verifiers"),
+    Rule("data.generator", HELDOUT, lambda c: _task_or_files(c) and not _files(c),
+         "without data.train_files or rollout.environment=verifiers"),
+    Rule("data.generator_kwargs", HELDOUT, lambda c: _task_or_files(c) and not _files(c),
+         "without data.train_files or rollout.environment=verifiers"),
+    Rule("data.train_size", (*HELDOUT, *OFFLINE_ALGORITHMS), lambda c: not _files(c) and not _hub(c),
+         "without data.train_files or rollout.environment=verifiers"),
+    Rule("data.heldout_size", (*HELDOUT, *OFFLINE_ALGORITHMS), lambda c: not _files(c) and not _hub(c),
+         "without data.train_files or rollout.environment=verifiers"),
+    Rule("data.train_files", RL_ALGORITHMS, lambda c: not _hub(c),
+         "without rollout.environment=verifiers (whose dataset is the prompts)"),
+    Rule("data.heldout_files", None, lambda c: not _hub(c),
+         "without rollout.environment=verifiers (whose eval dataset is the held-out prompts)"),
+    Rule("data.heldout_fraction", None, lambda c: not _hub(c),
+         "without rollout.environment=verifiers (whose eval dataset is the held-out prompts)"),
     Rule("data.prompt_key", HELDOUT, _files, "with data.train_files"),
     Rule("data.answer_key", HELDOUT, _files, "with data.train_files"),
     Rule("data.response_key", ("distill",), _files, "with data.train_files"),
     Rule("data.overlong_prompts", HELDOUT, _prompts_of_task, "on data.task or data.train_files"),
     Rule("data.shuffle", HELDOUT, _prompts_of_task, "on data.task or data.train_files"),
-    Rule("data.instruction", HELDOUT, _prompts_of_task, "on data.task or data.train_files"),
-    Rule("data.system_prompt", HELDOUT, _prompts_of_task, "on data.task or data.train_files"),
+    Rule("data.instruction", HELDOUT, _task_or_files,
+         "on data.task or data.train_files (an environment's prompts are its own)"),
+    Rule("data.system_prompt", HELDOUT, _task_or_files,
+         "on data.task or data.train_files (an environment's prompts are its own)"),
     Rule("data.chat_template_kwargs", HELDOUT, _prompts_of_task, "on data.task or data.train_files"),
     Rule("data.dataset", OFFLINE_ALGORITHMS),
     Rule("data.columns", ("sft", "rm", "dpo")),

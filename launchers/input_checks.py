@@ -17,10 +17,11 @@ from pathlib import Path
 from alignment.algorithms import registry
 from alignment.data.chat_data import is_data_file, unused_columns
 from alignment.data.examples import tokenize_split
-from alignment.data.prompt_data import FileProblems, columns_of
+from alignment.data.prompt_data import FileProblems, PromptSets, columns_of, fit_prompts
 from alignment.data.prompts import job_prompts
 from alignment.data.step_data import load_records
 from alignment.data.images import ImageProcessor
+from alignment.envs.factory import HUB_ENVIRONMENTS
 from alignment.models.families import model_dims, text_config
 from alignment.models.hf_assets import is_hub_id, prepare_hf_dir
 from alignment.models.hf_files import check_hf_dir
@@ -28,6 +29,10 @@ from alignment.rewards.functions import MODEL_FUNCTIONS, REFERENCE_GRADERS, read
 from alignment.rewards.judge import probe_judge
 from alignment.rewards.policy import heldout_grader, ppo_on_task, reward_terms
 from alignment.rewards.remote import RewardServerError, SETTINGS, probe, request_headers
+from alignment.rollout.agents.programs import AgentError
+from alignment.rollout.agents.verifiers_env import environment_problems, load_environment
+from alignment.rollout.agents.verifiers_env import prompt_length as environment_prompt_length
+from alignment.rollout.episodes.turn_tokens import TurnTokens
 from alignment.schema import ConfigError, dotted, plain
 from alignment.training.checkpoint import (FULLY_RESHARDABLE, checkpoint_step, latest_checkpoint, optimizer_sharding,
                                            verify_checkpoint)
@@ -243,6 +248,8 @@ def check_data(cfg, tokenizer, hf_config=None):
     if algorithm.job == "ppo" and not ppo_on_task(cfg):
         return None  # prompts of dpo_en_demo, cut to data.max_prompt_length
 
+    if cfg.rollout.environment in HUB_ENVIRONMENTS:
+        return hub_prompts(cfg, tokenizer)
     images = image_processor(prepare_hf_dir(cfg.model.path, revision=cfg.model.revision), hf_config) \
         if hf_config is not None else None
     try:
@@ -251,6 +258,27 @@ def check_data(cfg, tokenizer, hf_config=None):
         raise ConfigError(str(e)) from e
     prompts.unused_columns = check_file_columns(cfg, prompts)
     return prompts
+
+
+def hub_prompts(cfg, tokenizer) -> PromptSets:
+    """An environment hub's environment (``rollout.environment=verifiers``), built as each rank builds it
+    (:func:`alignment.rollout.agents.verifiers_env.load_environment`), and its datasets as the job's prompts,
+    each of which plus ``rollout.max_tokens`` (an agent's episode budget) must fit ``rollout.max_model_len``
+    (``data.overlong_prompts``).
+
+    Raises:
+        ConfigError: verifiers missing, an environment that does not load (naming ``rollout.environment_id``),
+            no training prompt, or prompts too long.
+    """
+    r = cfg.rollout
+    turns = TurnTokens(tokenizer, [tokenizer.eos_token_id or 0], cfg.data.chat_template_kwargs or {})
+    try:
+        env = load_environment(r.environment_id, r.environment_args)
+        return fit_prompts(environment_problems(env, r.environment_id),
+                           lambda p: environment_prompt_length(env, turns, p), r.max_model_len, r.max_tokens,
+                           cfg.data.overlong_prompts, f"rollout.environment_id={r.environment_id}")
+    except (AgentError, ValueError) as e:
+        raise ConfigError(str(e)) from e
 
 
 def check_file_columns(cfg, prompts) -> tuple[str, ...]:

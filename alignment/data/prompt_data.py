@@ -474,5 +474,7 @@ def fit_prompts(sets: PromptSets, length, max_model_len: int, max_tokens: int, p
 def training_order(d, seed: int, prompts):
     """The order an RL job's steps take ``prompts.train`` (a :class:`PromptSets`) in, as an
     :class:`EpochOrder`: reshuffled every epoch from the job's ``seed`` (``d``: its ``data`` section,
-    ``data.shuffle``); a built-in task's first epoch in its own order (already a seeded random draw)."""
-    return EpochOrder(prompts.train, seed, shuffle=d.shuffle, keep_first=not d.train_files)
+    ``data.shuffle``); a built-in task's first epoch in its own order (already a seeded random draw; its
+    ``sources`` name ``data.task``), an environment's dataset or a file's shuffled from the first."""
+    builtin = bool(prompts.sources) and all(str(s).startswith("data.task=") for s in prompts.sources)
+    return EpochOrder(prompts.train, seed, shuffle=d.shuffle, keep_first=builtin and not d.train_files)

@@ -3,6 +3,8 @@
 - ``single_turn`` (default): the task's prompt, one answer (:class:`alignment.envs.base.SingleTurn`);
 - ``tools``: the model may call ``rollout.tools`` before it answers, for up to ``rollout.max_turns``
   turns (:class:`alignment.envs.tool_env.ToolEnvironment`);
+- ``verifiers``: an environment hub's environment (:mod:`alignment.rollout.agents.verifiers_env`), whose
+  rollouts play against the rollout server as agents do; the trainers' own environment only renders prompts;
 - ``package.module:name``: your own, ``name(cfg)`` returns the environment (NeMo-RL's and verl's
   way of plugging in environments), e.g. ``tests.dist.echo_env:build``.
 """
@@ -16,7 +18,9 @@ from alignment.envs.base import Environment, SingleTurn
 from alignment.envs.tool_env import ToolEnvironment
 from alignment.sandbox.runner import sandbox_workers
 
-ENVIRONMENTS = ("single_turn", "tools")
+#: environments of a hub, played against the rollout server (``rollout.environment_id`` names which)
+HUB_ENVIRONMENTS = ("verifiers",)
+ENVIRONMENTS = ("single_turn", "tools", *HUB_ENVIRONMENTS)
 
 
 def build_environment(cfg) -> Environment:
@@ -26,7 +30,7 @@ def build_environment(cfg) -> Environment:
         ValueError: an unknown name, or a ``module:name`` that cannot be imported or found.
     """
     name = cfg.rollout.environment
-    if name == "single_turn":
+    if name == "single_turn" or name in HUB_ENVIRONMENTS:
         return SingleTurn(PromptStyle.of(cfg.data))
     if name == "tools":
 

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 from alignment.algorithms import registry
 from alignment.algorithms.composite_reward import RewardTerm
+from alignment.envs.factory import HUB_ENVIRONMENTS
 from alignment.rewards.config import PROCESS_REWARD, is_pairwise, terms_of
 
 
 def reward_terms(cfg) -> list:
     """The :class:`alignment.algorithms.composite_reward.RewardTerm` s an RL job sums
-    (``reward.functions``, or the job's own when empty: ``correctness`` for the GRPO family,
-    ``reward_model`` for PPO; :func:`alignment.rewards.config.terms_of`)."""
+    (``reward.functions``, or the job's own when empty: ``environment`` in an environment hub's environment, whose
+    rubric scores the episodes, else ``correctness`` for the GRPO family and ``reward_model`` for PPO;
+    :func:`alignment.rewards.config.terms_of`)."""
+    if cfg.rollout.environment in HUB_ENVIRONMENTS:
+        return terms_of(cfg.reward, "environment")
     return terms_of(cfg.reward, "reward_model" if registry.of(cfg).job == "ppo" else "correctness")
 
 
@@ -22,8 +26,11 @@ def heldout_grader(cfg):
     """The :class:`alignment.algorithms.composite_reward.RewardTerm` whose score grades held-out answers
     (right: >= 1): ``correctness`` (the task's grader) for ``data.task``; with ``data.train_files`` the first
     of ``reward.functions`` that reads the answer (not a model, ``length``, ``environment`` or a pairwise
-    judge); None: none does (no held-out accuracy)."""
+    judge); in an environment hub's environment ``environment``, its rubric's score; None: none does (no held-out
+    accuracy)."""
 
+    if cfg.rollout.environment in HUB_ENVIRONMENTS:
+        return RewardTerm("environment")
     if not cfg.data.train_files:
         return RewardTerm("correctness")
     skip = ("reward_model", "process_reward", "length", "environment")

@@ -5,10 +5,11 @@ placement and multi-turn episodes) and the checks of its own values: placement
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
-from alignment.envs.factory import ENVIRONMENTS
+from alignment.envs.factory import ENVIRONMENTS, HUB_ENVIRONMENTS
 from alignment.envs.tools import TOOLS
 from alignment.models.families import get_bridge, text_config
 from omegaconf import II
@@ -75,8 +76,15 @@ class RolloutConfig:
     # 32: on vLLM-CPU each chunk is an engine call; chunks of 8 made the long-tail step 1.6x slower (docs/results.md)
     partial_chunk_tokens: int = ranged(32, 1, note=' (tokens per decode chunk between two weight-update checks)')
     # single_turn: the task's prompt, one answer | tools: the model may call rollout.tools before it
-    # answers (alignment/envs/tool_env.py) | package.module:factory: factory(cfg) returns your environment
+    # answers (alignment/envs/tool_env.py) | verifiers: a verifiers environment (rollout.environment_id), its
+    # dataset the prompts, its rollouts played against the rollout server as agents are, its rubric the
+    # environment reward (alignment/rollout/agents/verifiers_env.py) | package.module:factory: factory(cfg)
+    # returns your environment
     environment: str = "single_turn"
+    # rollout.environment=verifiers: the module or installed package whose load_environment(**environment_args)
+    # builds the environment (e.g. an Environments Hub package's name)
+    environment_id: Optional[str] = None
+    environment_args: Any = None  # load_environment's keyword arguments, e.g. {num_train_examples: 2000}
     # model turns per episode; max_tokens is the budget of the whole response (model + tool tokens)
     max_turns: int = ranged(1, 1)
     # the most tokens of one model turn; null: what is left of max_tokens
@@ -98,6 +106,13 @@ class RolloutConfig:
     agent_max_tokens: int = ranged(4096, 1, note=' (tokens of an agent episode after its prompt)')
     # the most tokens of one model reply in an agent's episode (rollout.max_tokens_per_turn is one answer's)
     agent_max_tokens_per_turn: int = ranged(1024, 1, note=' (tokens of one model reply in an agent episode)')
+
+
+def played_by_agents(r: RolloutConfig) -> bool:
+    """Whether the job's episodes are played against the rollout server: by an agent program
+    (``rollout.agent`` / ``agent_command``) or by an environment hub's environment (``rollout.environment``
+    ``verifiers``); their budgets are ``rollout.agent_max_tokens`` and ``agent_max_tokens_per_turn``."""
+    return bool(r.agent or r.agent_command) or r.environment in HUB_ENVIRONMENTS
 
 
 def rollout_ranks(r: RolloutConfig) -> int:
@@ -219,7 +234,18 @@ def check_episodes(r: RolloutConfig) -> None:
     if r.max_tokens_per_turn is not None and not 1 <= r.max_tokens_per_turn <= r.max_tokens:
         raise ConfigError(f"rollout.max_tokens_per_turn={r.max_tokens_per_turn}: must be in [1, rollout.max_tokens="
                           f"{r.max_tokens}] (or null: a turn may use what is left of rollout.max_tokens)")
+    if r.environment not in HUB_ENVIRONMENTS and (r.environment_id or r.environment_args):
+        raise ConfigError(f"rollout.environment_id / environment_args name an environment hub's environment, but "
+                          f"rollout.environment={r.environment}: set rollout.environment=verifiers, or unset them")
     if r.environment == "single_turn":
+        return
+    if r.environment_args is not None and not isinstance(r.environment_args, Mapping):
+        raise ConfigError(f"rollout.environment_args={r.environment_args!r}: give load_environment's keyword arguments "
+                          "as a mapping, e.g. {num_train_examples: 2000}")
+    if r.environment in HUB_ENVIRONMENTS and not r.environment_id:
+        raise ConfigError(f"rollout.environment={r.environment} needs rollout.environment_id: the module or installed "
+                          "package whose load_environment() builds the environment")
+    if r.environment in HUB_ENVIRONMENTS:  # played as agents are: their checks (alignment/config.py)
         return
     if r.environment == "tools":
         unknown = [x for x in r.tools if x not in TOOLS]

@@ -1,4 +1,5 @@
-"""The rollout phase with agent programs (``rollout.agent`` / ``rollout.agent_command``): each data-parallel
+"""The rollout phase with agent programs (``rollout.agent`` / ``rollout.agent_command``, or an environment hub's
+environment: ``rollout.environment=verifiers``, whose rollouts play a task's group together): each data-parallel
 rank plays its problems' episodes (``group_size`` per problem) with the agent against its own rollout
 server (:mod:`alignment.rollout.agents.server`), which the first rank of its model replica serves; the
 other ranks of the replica generate in lockstep with it (every engine call is sent to them first, an
@@ -19,7 +20,10 @@ import torch.distributed as dist
 from alignment.config import JobConfig
 from alignment.data.tasks import Problem
 from alignment.rollout.agents.server import RolloutServer
-from alignment.rollout.agents.programs import Agent, command_agent, episode_samples, load_agent, play_episodes, task_row
+from alignment.rollout.agents.programs import (Agent, GroupAgent, command_agent, episode_samples, load_agent,
+                                               play_episodes, play_groups, task_row)
+from alignment.rollout.agents.verifiers_env import group_agent, load_environment
+from alignment.rollout.config import played_by_agents
 from alignment.data.samples import Sample, SamplingConfig
 from alignment.rollout.base import RolloutEngine
 from alignment.rollout.episodes.multi_turn import EpisodeSetup
@@ -36,26 +40,33 @@ _IDLE_S = 1.0  # the lead's message to its replica while no request waits
 
 
 def uses_agents(cfg: JobConfig) -> bool:
-    """Whether the job's episodes are played by an agent program."""
-    return bool(cfg.rollout.agent or cfg.rollout.agent_command)
+    """Whether the job's episodes are played by an agent program or an environment hub's environment
+    (:func:`alignment.rollout.config.played_by_agents`)."""
+    return played_by_agents(cfg.rollout)
 
 
 @dataclass
 class AgentRollout:
-    """This rank's agent machinery: the agent, its server (the replica's first rank only) and settings."""
+    """This rank's agent machinery: the agent (``group``: a :data:`GroupAgent`, which plays a task's episodes
+    together), its server (the replica's first rank only) and settings."""
 
-    agent: Agent
+    agent: Agent | GroupAgent
     server: RolloutServer | None
     concurrency: int
     timeout_s: float
     episodes: int = 0  # episodes played so far (their names stay unique over the run)
+    group: bool = False
 
 
 def setup_agents(models: Models, cfg: JobConfig) -> AgentRollout:
     """The job's agent and, on the first rank of each model replica, its rollout server, started (before any
     agent runs). Collective-free; called once when the models are built."""
     r = cfg.rollout
-    agent = load_agent(r.agent) if r.agent else command_agent(cast(str, r.agent_command))  # uses_agents: one is set
+    agent: Agent | GroupAgent
+    if r.environment == "verifiers":
+        agent = group_agent(load_environment(r.environment_id, r.environment_args))
+    else:  # uses_agents: one of them is set
+        agent = load_agent(r.agent) if r.agent else command_agent(cast(str, r.agent_command))
     group = replica_group()
     server = None
     if dist.get_rank(group) == 0:
@@ -73,7 +84,7 @@ def setup_agents(models: Models, cfg: JobConfig) -> AgentRollout:
                                tool_stop=("</tool_call>",) if stops else (), stop_strings=stops,
                                max_tokens_per_turn=r.max_tokens_per_turn)
         server.start()
-    return AgentRollout(agent, server, r.agent_concurrency, r.agent_timeout_s)
+    return AgentRollout(agent, server, r.agent_concurrency, r.agent_timeout_s, group=r.environment == "verifiers")
 
 
 def agent_episodes(models: Models, problems: list[Problem], n: int, max_tokens: int,
@@ -97,8 +108,9 @@ def agent_episodes(models: Models, problems: list[Problem], n: int, max_tokens: 
         def play() -> None:
             try:
                 # a.server is not None (checked above): mypy does not carry that into this closure
-                result["groups"] = asyncio.run(play_episodes(
-                    a.agent, rows, n, a.server.session_url, a.server.pop_session,  # type: ignore[union-attr]
+                play_all = play_groups if a.group else play_episodes
+                result["groups"] = asyncio.run(play_all(
+                    a.agent, rows, n, a.server.session_url, a.server.pop_session,  # type: ignore[union-attr,arg-type]
                     a.concurrency, a.timeout_s, prefix, a.server.playing))  # type: ignore[union-attr]
             except BaseException as e:  # noqa: BLE001 - raised on the serving thread below
                 result["error"] = e

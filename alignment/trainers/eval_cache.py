@@ -30,6 +30,7 @@ from alignment.cache import cache_root
 from alignment.config import JobConfig
 from alignment.data.prompts import PromptStyle, build_prompt_ids
 from alignment.data.tasks import Problem
+from alignment.envs.factory import HUB_ENVIRONMENTS
 from alignment.rewards.policy import heldout_grader
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -140,7 +141,10 @@ def heldout_key(hf_dir: str | os.PathLike[str], tokenizer: Any, problems: list[P
         **({} if r.environment == "single_turn" else {
             "environment": r.environment, "max_turns": r.max_turns, "tools": list(r.tools)}),
         **({"agent": agent_fingerprint(r.agent, r.agent_command), "max_tokens_per_turn": r.max_tokens_per_turn}
-           if r.agent or r.agent_command else {})})
+           if r.agent or r.agent_command else {}),
+        **({"hub": agent_fingerprint(f"{str(r.environment_id).replace('-', '_')}:load_environment", None),
+            "environment_args": json.dumps(dict(r.environment_args or {}), sort_keys=True, default=str),
+            "max_tokens_per_turn": r.max_tokens_per_turn} if r.environment in HUB_ENVIRONMENTS else {})})
 
 
 def agent_fingerprint(agent: str | None, command: str | None) -> str:

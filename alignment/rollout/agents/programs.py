@@ -24,15 +24,18 @@ import shlex
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from alignment.data.tasks import Problem
+from alignment.data.tasks import FILE_TASK, Problem
 from alignment.rollout.agents.session import AgentSession
 from alignment.data.samples import Sample
 
-__all__ = ["Agent", "AgentError", "load_agent", "command_agent", "task_row", "EpisodeOutcome", "play_episodes",
-           "episode_samples", "AGENT_ENV"]
+__all__ = ["Agent", "GroupAgent", "AgentError", "load_agent", "command_agent", "task_row", "EpisodeOutcome",
+           "play_episodes", "play_groups", "episode_samples", "AGENT_ENV"]
 
 #: an agent: ``await agent(base_url, task_row)`` -> the episode's reward, or None
 Agent = Callable[[str, dict], Awaitable[float | None]]
+#: an agent that plays a task's whole group at once and scores it together (an environment hub's, whose rubric
+#: may compare the group's episodes): ``await agent(base_urls, task_row)`` -> one reward (or None) per base_url
+GroupAgent = Callable[[list[str], dict], Awaitable[list[float | None]]]
 #: the environment variables an agent command gets (besides its parent's)
 AGENT_ENV = ("OPENAI_BASE_URL", "OPENAI_API_KEY", "MEGALIGN_TASK", "MEGALIGN_EPISODE")
 
@@ -118,9 +121,10 @@ def _reward(stdout: str) -> float | None:
 
 
 def task_row(problem: Problem) -> dict:
-    """What an agent is given about its task: a file's record (every column, the prompt under ``prompt``),
-    or a built-in task's ``question``, ``answer`` and ``task``; ``messages`` when the prompt is a chat."""
-    row = {"question": problem.question, "answer": problem.answer, "task": problem.task, **problem.columns}
+    """What an agent is given about its task: ``question`` and ``answer``, then a file's record (every column, the
+    prompt under ``prompt``) or a built-in task's ``task``; ``messages`` when the prompt is a chat."""
+    row = {"question": problem.question, "answer": problem.answer,
+           **({"task": problem.task} if problem.task != FILE_TASK else {}), **problem.columns}
     if problem.messages is not None:
         row["messages"] = [dict(m) for m in problem.messages]
     return row
@@ -170,6 +174,47 @@ async def play_episodes(agent: Agent, rows: Sequence[dict], n: int, session_url:
 
     outcomes = await asyncio.gather(*(one(i, k) for i in range(len(rows)) for k in range(n)))
     return [list(outcomes[i * n:(i + 1) * n]) for i in range(len(rows))]
+
+
+async def play_groups(agent: GroupAgent, rows: Sequence[dict], n: int, session_url: Callable[[str], str],
+                      pop_session: Callable[[str], AgentSession | None], concurrency: int, timeout_s: float,
+                      prefix: str, playing: Callable[[int], None] | None = None) -> list[list[EpisodeOutcome]]:
+    """As :func:`play_episodes`, for an agent that plays and scores a task's ``n`` episodes together: each group
+    is one call, ``agent([session_url(f"{prefix}-{i}-{k}") for k in range(n)], rows[i])``; at most
+    ``concurrency`` episodes at once (``concurrency // n`` groups, at least one), each group cut at ``timeout_s``
+    seconds. A group whose call raises, times out, returns other than ``n`` numbers or Nones, or leaves an
+    episode that never called the model, is failed whole (every outcome ``failed`` / ``timeout``). Returns
+    ``[len(rows)][n]`` outcomes (no exception escapes)."""
+    gate = asyncio.Semaphore(max(1, concurrency // max(1, n)))
+
+    async def one(i: int) -> list[EpisodeOutcome]:
+        episodes = [f"{prefix}-{i}-{k}" for k in range(n)]
+        rewards: list[float | None] = [None] * n
+        async with gate:
+            if playing is not None:
+                playing(n)
+            try:
+                got = await asyncio.wait_for(agent([session_url(e) for e in episodes], dict(rows[i])), timeout_s)
+                status, error = "ok", ""
+                if not isinstance(got, (list, tuple)) or len(got) != n or not all(
+                        r is None or (isinstance(r, (int, float)) and not isinstance(r, bool)) for r in got):
+                    status, error = "failed", (f"group {prefix}-{i}: the agent returned {got!r:.80}, not {n} "
+                                               "rewards (numbers or None)")
+                else:
+                    rewards = [None if r is None else float(r) for r in got]
+            except asyncio.TimeoutError:
+                status, error = "timeout", f"group {prefix}-{i}: past rollout.agent_timeout_s={timeout_s}"
+            except Exception as e:  # noqa: BLE001 - the agent's own error: the group is dropped and counted
+                status, error = "failed", f"group {prefix}-{i}: {type(e).__name__}: {e}"
+            finally:
+                if playing is not None:
+                    playing(-n)
+        sessions = [pop_session(e) for e in episodes]
+        if status == "ok" and any(s is None for s in sessions):
+            status, error = "failed", f"episode {episodes[sessions.index(None)]}: the agent never called the model"
+        return [EpisodeOutcome(s, r, status, error) for s, r in zip(sessions, rewards)]
+
+    return list(await asyncio.gather(*(one(i) for i in range(len(rows)))))
 
 
 def episode_samples(groups: list[list[EpisodeOutcome]], filler_id: int) -> list[list[Sample]]:

@@ -27,7 +27,7 @@ from alignment.envs.tool_env import with_tool_list
 from alignment.data.samples import Sample
 from alignment.rollout.episodes.turn_tokens import TurnTokens
 
-__all__ = ["AgentSession", "HistoryRewritten", "EpisodeTooLong", "assistant_message", "same_message"]
+__all__ = ["AgentSession", "HistoryRewritten", "EpisodeTooLong", "assistant_message", "same_message", "opening_ids"]
 
 
 class HistoryRewritten(ValueError):
@@ -66,6 +66,15 @@ def same_message(sent: dict, known: dict) -> bool:
     ``tool_call_id``; keys the ``openai`` client adds with no value (``refusal``, ``audio``...) are ignored."""
     return (sent.get("role") == known.get("role") and _text(sent.get("content")) == _text(known.get("content"))
             and _calls(sent) == _calls(known) and sent.get("tool_call_id") == known.get("tool_call_id"))
+
+
+def opening_ids(turns: TurnTokens, messages: Sequence[dict], tools: list[dict] | None = None) -> list[int]:
+    """The prompt token ids of an episode whose first request has ``messages`` and ``tools`` (OpenAI function
+    schemas): the chat template's rendering with ``tools=``, or, for a template that does not render them,
+    with the tool list in the system message as ``rollout.environment=tools`` writes it."""
+    if tools and not turns.renders_tools():
+        return turns.prompt_ids(with_tool_list(messages, tools))
+    return turns.prompt_ids(list(messages), tools)
 
 
 def assistant_message(text: str, call_prefix: str) -> tuple[dict, str]:
@@ -129,10 +138,7 @@ class AgentSession:
             if not messages:
                 raise HistoryRewritten(f"episode {self.episode_id}: a request without messages")
             self.tools = tools
-            if tools and not self.turns.renders_tools():  # the tool list as the tool environment writes it
-                self.prompt_ids = self.turns.prompt_ids(with_tool_list(messages, tools))
-            else:
-                self.prompt_ids = self.turns.prompt_ids(messages, tools)
+            self.prompt_ids = opening_ids(self.turns, messages, tools)
             self.messages = messages
             return list(self.prompt_ids)
         known = len(self.messages)
