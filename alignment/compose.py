@@ -310,7 +310,7 @@ def _file_keys(path: Path, package: str, user_dir: Path, seen: set) -> list[str]
 
 def own_data(cfg) -> bool:
     """Whether the job trains on the user's own data: prompt files (``data.train_files``), an environment hub's
-    environment (``rollout.environment=verifiers``), or an SFT / RM / DPO data file (``data.dataset``)."""
+    environment (``rollout.environment=verifiers`` / ``openenv``), or an SFT / RM / DPO data file (``data.dataset``)."""
     d = cfg.data
     return bool(d.train_files) or (registry.get(cfg.algorithm.name).online
                                    and cfg.rollout.environment in HUB_ENVIRONMENTS) or \

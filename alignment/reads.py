@@ -69,7 +69,7 @@ def _tracker(cfg) -> bool:
 
 _NO_AGENT = ("without an agent or an environment hub (their episodes: rollout.agent_max_tokens, "
              "agent_max_tokens_per_turn)")
-_AGENT = "with rollout.agent, rollout.agent_command or rollout.environment=verifiers"
+_AGENT = "with rollout.agent, rollout.agent_command or an environment hub (rollout.environment=verifiers / openenv)"
 _TASK = "on data.task or data.train_files"
 
 
@@ -117,8 +117,8 @@ RULES = (
     Rule("rollout.tools", RL_ALGORITHMS, lambda c: c.rollout.environment == "tools", "with rollout.environment=tools"),
     Rule("rollout.max_turns", RL_ALGORITHMS, lambda c: c.rollout.environment != "single_turn" and not _hub(c),
          "in a multi-turn rollout.environment (an environment hub's has its own)"),
-    Rule("rollout.environment_id", ("grpo", "ppo"), _hub, "with rollout.environment=verifiers"),
-    Rule("rollout.environment_args", ("grpo", "ppo"), _hub, "with rollout.environment=verifiers"),
+    Rule("rollout.environment_id", ("grpo", "ppo"), _hub, "with rollout.environment=verifiers or openenv"),
+    Rule("rollout.environment_args", ("grpo", "ppo"), _hub, "with rollout.environment=verifiers or openenv"),
     Rule("rollout.max_tokens", RL_ALGORITHMS, lambda c: not _agent(c), _NO_AGENT),
     Rule("rollout.eval_max_tokens", RL_ALGORITHMS, lambda c: not _agent(c), _NO_AGENT),
     Rule("rollout.max_tokens_per_turn", RL_ALGORITHMS, lambda c: not _agent(c), _NO_AGENT),
@@ -138,21 +138,21 @@ RULES = (
     Rule("trainer.save_heldout_answers", HELDOUT, _prompts_of_task, "on data.task or data.train_files"),
     # ---- data: a built-in task, prompt files (RL) or a dataset of examples (SFT / RM / DPO / PRM)
     Rule("data.task", HELDOUT, lambda c: _task_or_files(c) and not _files(c),
-         "without data.train_files or rollout.environment=verifiers"),
+         "without data.train_files or an environment hub"),
     Rule("data.generator", HELDOUT, lambda c: _task_or_files(c) and not _files(c),
-         "without data.train_files or rollout.environment=verifiers"),
+         "without data.train_files or an environment hub"),
     Rule("data.generator_kwargs", HELDOUT, lambda c: _task_or_files(c) and not _files(c),
-         "without data.train_files or rollout.environment=verifiers"),
+         "without data.train_files or an environment hub"),
     Rule("data.train_size", (*HELDOUT, *OFFLINE_ALGORITHMS), lambda c: not _files(c) and not _hub(c),
-         "without data.train_files or rollout.environment=verifiers"),
+         "without data.train_files or an environment hub"),
     Rule("data.heldout_size", (*HELDOUT, *OFFLINE_ALGORITHMS), lambda c: not _files(c) and not _hub(c),
-         "without data.train_files or rollout.environment=verifiers"),
+         "without data.train_files or an environment hub"),
     Rule("data.train_files", RL_ALGORITHMS, lambda c: not _hub(c),
-         "without rollout.environment=verifiers (whose dataset is the prompts)"),
+         "without an environment hub (rollout.environment=verifiers / openenv: its tasks are the prompts)"),
     Rule("data.heldout_files", None, lambda c: not _hub(c),
-         "without rollout.environment=verifiers (whose eval dataset is the held-out prompts)"),
+         "without an environment hub (rollout.environment=verifiers / openenv: it holds its own tasks out)"),
     Rule("data.heldout_fraction", None, lambda c: not _hub(c),
-         "without rollout.environment=verifiers (whose eval dataset is the held-out prompts)"),
+         "without an environment hub (rollout.environment=verifiers / openenv: it holds its own tasks out)"),
     Rule("data.prompt_key", HELDOUT, _files, "with data.train_files"),
     Rule("data.answer_key", HELDOUT, _files, "with data.train_files"),
     Rule("data.response_key", ("distill",), _files, "with data.train_files"),

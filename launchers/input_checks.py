@@ -17,7 +17,7 @@ from pathlib import Path
 from alignment.algorithms import registry
 from alignment.data.chat_data import is_data_file, unused_columns
 from alignment.data.examples import tokenize_split
-from alignment.data.prompt_data import FileProblems, PromptSets, columns_of, fit_prompts
+from alignment.data.prompt_data import FileProblems, PromptSets, columns_of
 from alignment.data.prompts import job_prompts
 from alignment.data.step_data import load_records
 from alignment.data.images import ImageProcessor
@@ -30,8 +30,8 @@ from alignment.rewards.judge import probe_judge
 from alignment.rewards.policy import heldout_grader, ppo_on_task, reward_terms
 from alignment.rewards.remote import RewardServerError, SETTINGS, probe, request_headers
 from alignment.rollout.agents.programs import AgentError
-from alignment.rollout.agents.verifiers_env import environment_problems, load_environment
-from alignment.rollout.agents.verifiers_env import prompt_length as environment_prompt_length
+from alignment.rollout.agents.hubs import check_hub
+from alignment.rollout.agents.hubs import hub_prompts as hub_prompts_of
 from alignment.rollout.episodes.turn_tokens import TurnTokens
 from alignment.schema import ConfigError, dotted, plain
 from alignment.training.checkpoint import (FULLY_RESHARDABLE, checkpoint_step, latest_checkpoint, optimizer_sharding,
@@ -261,22 +261,19 @@ def check_data(cfg, tokenizer, hf_config=None):
 
 
 def hub_prompts(cfg, tokenizer) -> PromptSets:
-    """An environment hub's environment (``rollout.environment=verifiers``), built as each rank builds it
-    (:func:`alignment.rollout.agents.verifiers_env.load_environment`), and its datasets as the job's prompts,
-    each of which plus ``rollout.max_tokens`` (an agent's episode budget) must fit ``rollout.max_model_len``
-    (``data.overlong_prompts``).
+    """An environment hub's environment (``rollout.environment=verifiers`` or ``openenv``), built or reached as each
+    rank will (:mod:`alignment.rollout.agents.hubs`: an OpenEnv ``url`` must answer), and its tasks as the job's
+    prompts, each of which (where known before its episode) plus ``rollout.max_tokens`` (an agent's episode
+    budget) must fit ``rollout.max_model_len`` (``data.overlong_prompts``).
 
     Raises:
-        ConfigError: verifiers missing, an environment that does not load (naming ``rollout.environment_id``),
-            no training prompt, or prompts too long.
+        ConfigError: the hub's package missing, an environment that does not load or answer (naming
+            ``rollout.environment_id`` / ``environment_args``), no training prompt, or prompts too long.
     """
-    r = cfg.rollout
     turns = TurnTokens(tokenizer, [tokenizer.eos_token_id or 0], cfg.data.chat_template_kwargs or {})
     try:
-        env = load_environment(r.environment_id, r.environment_args)
-        return fit_prompts(environment_problems(env, r.environment_id),
-                           lambda p: environment_prompt_length(env, turns, p), r.max_model_len, r.max_tokens,
-                           cfg.data.overlong_prompts, f"rollout.environment_id={r.environment_id}")
+        check_hub(cfg.rollout)
+        return hub_prompts_of(cfg.rollout, turns, cfg.data.overlong_prompts)
     except (AgentError, ValueError) as e:
         raise ConfigError(str(e)) from e
 

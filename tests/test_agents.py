@@ -116,11 +116,9 @@ def test_loading_an_agent_names_what_is_wrong():
 
 def test_the_task_row_holds_the_record():
     row = task_row(Problem("Q?", "4", "file", messages=({"role": "user", "content": "Q?"},), columns={"level": 2}))
-    assert row == {"question": "Q?", "answer": "4", "level": 2, "messages": [{"role": "user", "content": "Q?"}]}
+    assert row == {"question": "Q?", "answer": "4", "task": "file", "level": 2,
+                   "messages": [{"role": "user", "content": "Q?"}]}
     assert json.loads(json.dumps(row)) == row
-    # a built-in task's row names it; a file's record has only its own columns (a "task" column stays its own)
-    assert task_row(Problem("1+1?", "2", "arithmetic"))["task"] == "arithmetic"
-    assert task_row(Problem("Q?", "4", "file", columns={"task": "mine"}))["task"] == "mine"
 
 
 def test_agent_config_checks():

@@ -7,11 +7,12 @@ loss); the environment's datasets become the prompts; a failing group is dropped
 from __future__ import annotations
 
 import asyncio
+import itertools
 import signal
 
 import pytest
 
-from alignment.rollout.agents.programs import AgentError, episode_samples, play_groups, task_row
+from alignment.rollout.agents.programs import AgentError, EpisodeLoop, episode_samples, play_groups, task_row
 from alignment.rollout.agents.verifiers_env import describe, environment_problems, group_agent, load_environment
 from tests.scripted_engine import ScriptedEngine
 from tests.test_agent_server import run_agents
@@ -19,16 +20,22 @@ from tests.test_agent_server import run_agents
 GROUP = 4
 
 
+CALLS = itertools.count()
+
+
 def replies(prompt: str, k: int) -> str:
-    """The scripted model: the right sum for even questions, a wrong one for odd, in replies of varied length;
-    in the tool environment a call of ``add`` first, then the tool's result as the answer."""
+    """The scripted model: the right sum for even questions, a wrong one for odd, with 0 to 2 "!" by the order the
+    requests come in (so a group's replies differ, some alike); in the tool environment a call of ``add`` first,
+    then the tool's result as the answer."""
     if "<|im_start|>tool\n" in prompt:
         return f"It is {prompt.split('<|im_start|>tool' + chr(10))[-1].split('<|im_end|>')[0]}."
+    if "What is " not in prompt:
+        return "ok"
     question = prompt.split("What is ")[-1].split("?")[0]
     a, b = (int(x) for x in question.split(" + "))
     if "add tool" in prompt:
         return f'<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>'
-    return f"{a + b if a % 2 == 0 else a + b + 1}" + "!" * (len(prompt) % 3)
+    return f"{a + b if a % 2 == 0 else a + b + 1}" + "!" * (next(CALLS) % 3)
 
 
 @pytest.fixture
@@ -44,8 +51,9 @@ def server(chatml_turns, smollm2_tokenizer):
 
 
 def play(srv, env, problems, n=GROUP):
-    """Each problem's group of ``n`` episodes played by ``env``'s group agent; returns the outcomes."""
-    rows = [task_row(p) for p in problems]
+    """Each problem's group of ``n`` episodes played by ``env``'s group agent (given its dataset's rows, as
+    :func:`alignment.trainers.agent_rollout.agent_episodes` gives them); returns the outcomes."""
+    rows = [dict(p.columns) for p in problems]
     [groups] = run_agents(srv, [play_groups(group_agent(env), rows, n, srv.session_url, srv.pop_session,
                                             concurrency=64, timeout_s=60, prefix="t", playing=srv.playing)])
     return groups
@@ -68,6 +76,8 @@ def test_a_single_turn_environments_rewards_are_its_rubric_over_the_recorded_tok
             assert smollm2_tokenizer.decode(s.prompt_ids).startswith("<|im_start|>system\nAnswer with the number.")
     assert any(float(p.answer in s.text) for p, g in zip(problems, samples) for s in g)
     assert not all(float(p.answer in s.text) for p, g in zip(problems, samples) for s in g)
+    distinct = [[s.text for s in g].count(s.text) == 1 for g in samples for s in g]
+    assert any(distinct) and not all(distinct)  # the group-level function scored 0.25 for some, 0 for others
 
 
 def test_a_tool_environments_episode_calls_its_tool_through_the_server(server, smollm2_tokenizer):
@@ -95,8 +105,7 @@ def test_the_environments_datasets_are_the_prompts():
                           {"role": "user", "content": "What is 1 + 1?"})
     assert (p.question, p.answer, p.task) == ("What is 1 + 1?", "2", "file")
     assert set(p.columns) == {"question", "answer", "example_id", "prompt"}
-    row = task_row(p)  # what the group agent hands back to the environment: its row (and the chat)
-    assert {k: v for k, v in row.items() if k != "messages"} == p.columns
+    assert p.columns == dict(env.get_dataset()[0])  # what the group agent hands back to the environment
     assert describe(env) == "SingleTurnEnv, at most 1 turn(s); rubric: exact x 1, even_length x 0.5"
     assert describe(load_environment("tests.verifiers_envs", {"group": True, "num_train": 5})).endswith(
         "distinct x 0.25 (group)")
@@ -140,9 +149,9 @@ def test_a_failing_group_is_dropped_whole(server):
 
 
 def test_loading_an_environment_names_what_is_wrong():
-    before = signal.getsignal(signal.SIGTERM)
+    before = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
     env = load_environment("tests.verifiers_envs", {"num_train": 3})
-    assert signal.getsignal(signal.SIGTERM) is before  # verifiers' own handler was taken back off
+    assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == before  # verifiers' own taken off
     assert load_environment("tests.verifiers_envs", {"num_train": 3}) is env  # once per process
     for env_id, args, match in [
         (None, {}, r"needs rollout.environment_id"),
@@ -150,7 +159,7 @@ def test_loading_an_environment_names_what_is_wrong():
                                   r"\(ModuleNotFoundError: No module named 'tests.no_such_env'\)"),
         ("tests.verifiers_envs", {"kind": "chess"}, r"rollout.environment_id=tests.verifiers_envs: load_environment\("
                                                    r"\*\*rollout.environment_args=\{'kind': 'chess'\}\) failed: "
-                                                   r"ValueError: kind='chess': single_turn, tools or multi_turn"),
+                                                   r"ValueError: kind='chess': single_turn, tools, multi_turn, raw, broken or judged"),
         ("tests.verifiers_envs", {"colour": 1}, r"TypeError: load_environment\(\) got an unexpected keyword"),
         ("tests.agent_examples", {}, r"does not expose load_environment"),
     ]:
@@ -193,15 +202,16 @@ def test_what_a_verifiers_job_does_not_read_is_refused():
     hub = ["rollout.environment=verifiers", "rollout.environment_id=tests.verifiers_envs"]
     c = compose("grpo", [*hub, "rollout.agent_max_tokens=64"])
     assert c.run_name == "grpo_verifiers_envs" and c.rollout.max_tokens == 64
-    for key, why in [("data.task=gsm8k", r"data.task=gsm8k is set, .*without data.train_files or rollout.environment"
-                                         r"=verifiers: it would change nothing"),
-                     ("data.train_files=x.jsonl", r"data.train_files=x.jsonl is set, .*without rollout.environment="
-                                                  r"verifiers \(whose dataset is the prompts\)"),
+    for key, why in [("data.task=gsm8k", r"data.task=gsm8k is set, .*without data.train_files or an environment hub: "
+                                         r"it would change nothing"),
+                     ("data.train_files=x.jsonl", r"data.train_files=x.jsonl is set, .*without an environment hub "
+                                                  r"\(rollout.environment=verifiers / openenv: its tasks are the prompts\)"),
                      ("data.system_prompt=hi", r"data.system_prompt=hi is set, .*an environment's prompts are its own"),
                      ("rollout.max_turns=3", r"rollout.max_turns=3 is set, .*an environment hub's has its own")]:
         with pytest.raises(ConfigError, match=why):
             compose("grpo", [*hub, key])
-    with pytest.raises(ConfigError, match=r"rollout.environment_args is set, .*with rollout.environment=verifiers"):
+    with pytest.raises(ConfigError, match=r"rollout.environment_args is set, .*with rollout.environment=verifiers or "
+                                          r"openenv"):
         compose("grpo", ["rollout.environment_args={kind: tools}"])
 
 
@@ -269,3 +279,41 @@ def test_the_reasoning_gym_example_scores_with_reasoning_gyms_own_grader():
     assert correct([right], row["info"]) == 1.0 and correct([wrong], row["info"]) == 0.0
     assert (last_number("2 + 3 = 5."), last_number(r"\boxed{-12}, not 4"), last_number("1,234"), last_number("no")) == (
         "5", "-12", "1234", None)
+
+
+def test_the_environment_gets_its_own_rows_back_and_a_failed_rollout_drops_its_group(server):
+    """A dataset of prompt and info only: each rollout's input is exactly the environment's row (nothing added, as
+    verifiers passes every column to the rubric); an environment whose turn raises fails its whole group."""
+    env = load_environment("tests.verifiers_envs", {"kind": "raw", "num_train": 2})
+    rows = [dict(r) for r in env.get_dataset()]
+    groups = play(server, env, environment_problems(env, "x").train, n=2)
+    assert [[o.status for o in g] for g in groups] == [["ok", "ok"]] * 2
+    assert sorted(env.seen, key=lambda r: r["example_id"]) == [rows[0], rows[0], rows[1], rows[1]]
+    assert set(rows[0]) == {"prompt", "info", "example_id"}
+    broken = load_environment("tests.verifiers_envs", {"kind": "broken", "num_train": 2})
+    [group] = play(server, broken, environment_problems(broken, "x").train[:1], n=2)
+    assert [o.status for o in group] == ["failed", "failed"]
+    assert "the environment's rollout ended with Error: the environment's own failure" in group[0].error
+    assert server.sessions == {}
+
+
+def test_episodes_of_every_rollout_phase_run_on_one_event_loop(server):
+    """An environment built once holds an AsyncOpenAI client (a judge's, as JudgeRubric's): its episodes must run
+    on one event loop phase after phase (:class:`EpisodeLoop`), or its rubric fails from the second phase on and
+    scores 0 in silence, as a fresh loop per phase shows (the control, asyncio.run's way)."""
+    def phase(env, run) -> list[float]:
+        rows = [dict(p.columns) for p in environment_problems(env, "x").train]
+        groups = run(play_groups(group_agent(env), rows, 2, server.session_url, server.pop_session, 8, 60,
+                                 f"p{next(CALLS)}", server.playing))
+        return [o.reward for g in groups for o in g]
+
+    def judged(name):
+        return load_environment("tests.verifiers_envs", {"kind": "judged", "num_train": 2,
+                                                         "judge_url": server.session_url(name)})
+
+    control = judged("judge-a")
+    fresh = [phase(control, lambda c: run_agents(server, [c])[0]) for _ in range(2)]
+    assert fresh == [[1.0] * 4, [0.0] * 4]  # the judge's client is bound to the first phase's closed loop
+    env, loop = judged("judge-b"), EpisodeLoop()
+    assert [phase(env, lambda c: loop.run(c, lambda until: server.serve(until=until))) for _ in range(3)] == \
+        [[1.0] * 4] * 3

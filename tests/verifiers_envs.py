@@ -7,7 +7,12 @@ verifiers' classic API as Environments Hub packages are: ``load_environment(kind
   (``distinct``: 1 for a reply no other episode of its group gave, weight 0.25); an eval dataset of its own;
 - ``tools``: a ``ToolEnv`` with one tool (``add``), its rubric ``exact``, up to ``max_turns`` turns;
 - ``multi_turn``: a ``MultiTurnEnv`` that answers every model turn with a user turn ("Are you sure?") for
-  ``max_turns`` turns, its rubric ``exact`` and ``even_length`` of the last reply.
+  ``max_turns`` turns, its rubric ``exact`` and ``even_length`` of the last reply;
+- ``raw``: a dataset of ``prompt`` messages and ``info`` only (no question, no answer), whose rubric records the
+  input each rollout was given (``env.seen``) and scores 1;
+- ``broken``: a ``MultiTurnEnv`` whose environment turn raises ``vf.Error`` (a failed rollout);
+- ``judged``: a rubric holding an ``AsyncOpenAI`` client made when the environment is built, as ``JudgeRubric``
+  does, which asks ``judge_url``'s ``/models`` for each rollout and scores 1 when it answers.
 """
 
 from __future__ import annotations
@@ -54,6 +59,13 @@ class AreYouSure(vf.MultiTurnEnv):
         return [vf.UserMessage(content="Are you sure?")]
 
 
+class Broken(vf.MultiTurnEnv):
+    """Its environment turn fails."""
+
+    async def env_response(self, messages, state, **kwargs):
+        raise vf.Error("the environment's own failure")
+
+
 def _sums(n: int, offset: int) -> Dataset:
     pairs = [((7 * i + offset) % 40 + 1, (11 * i + 3 * offset) % 40 + 1) for i in range(n)]
     return Dataset.from_dict({"question": [f"What is {a} + {b}?" for a, b in pairs],
@@ -61,7 +73,7 @@ def _sums(n: int, offset: int) -> Dataset:
 
 
 def load_environment(kind: str = "single_turn", num_train: int = 16, num_eval: int = 4, group: bool = False,
-                     max_turns: int = 3) -> vf.Environment:
+                     max_turns: int = 3, judge_url: str = "") -> vf.Environment:
     """A test environment (the module docstring): ``num_train`` training and ``num_eval`` eval questions."""
     train, held = _sums(num_train, 0), _sums(num_eval, 1000) if num_eval else None
     if kind == "single_turn":
@@ -76,4 +88,27 @@ def load_environment(kind: str = "single_turn", num_train: int = 16, num_eval: i
     if kind == "multi_turn":
         return AreYouSure(dataset=train, eval_dataset=held, max_turns=max_turns,
                           rubric=vf.Rubric(funcs=[exact, even_length], weights=[1.0, 0.5]))
-    raise ValueError(f"kind={kind!r}: single_turn, tools or multi_turn")
+    if kind == "raw":
+        rows = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Say {i}."}], "info": {"i": i}}
+                                  for i in range(num_train)])
+        seen: list[dict] = []
+
+        def record(state, **kwargs) -> float:
+            seen.append(dict(state["input"]))
+            return 1.0
+
+        env = vf.SingleTurnEnv(dataset=rows, rubric=vf.Rubric(funcs=[record]))
+        env.seen = seen
+        return env
+    if kind == "broken":
+        return Broken(dataset=train, max_turns=max_turns, rubric=vf.Rubric(funcs=[exact]))
+    if kind == "judged":
+        from openai import AsyncOpenAI
+
+        judge = AsyncOpenAI(base_url=judge_url, api_key="x", max_retries=0)  # built once, as JudgeRubric's client
+
+        async def judged(completion, **kwargs) -> float:
+            return float(bool((await judge.models.list()).data))
+
+        return vf.SingleTurnEnv(dataset=train, rubric=vf.Rubric(funcs=[judged]))
+    raise ValueError(f"kind={kind!r}: single_turn, tools, multi_turn, raw, broken or judged")

@@ -3,8 +3,8 @@
 - ``single_turn`` (default): the task's prompt, one answer (:class:`alignment.envs.base.SingleTurn`);
 - ``tools``: the model may call ``rollout.tools`` before it answers, for up to ``rollout.max_turns``
   turns (:class:`alignment.envs.tool_env.ToolEnvironment`);
-- ``verifiers``: an environment hub's environment (:mod:`alignment.rollout.agents.verifiers_env`), whose
-  rollouts play against the rollout server as agents do; the trainers' own environment only renders prompts;
+- ``verifiers`` / ``openenv``: an environment hub's environment (:mod:`alignment.rollout.agents.hubs`), whose
+  episodes play against the rollout server as agents do; the trainers' own environment only renders prompts;
 - ``package.module:name``: your own, ``name(cfg)`` returns the environment (NeMo-RL's and verl's
   way of plugging in environments), e.g. ``tests.dist.echo_env:build``.
 """
@@ -19,7 +19,7 @@ from alignment.envs.tool_env import ToolEnvironment
 from alignment.sandbox.runner import sandbox_workers
 
 #: environments of a hub, played against the rollout server (``rollout.environment_id`` names which)
-HUB_ENVIRONMENTS = ("verifiers",)
+HUB_ENVIRONMENTS = ("verifiers", "openenv")
 ENVIRONMENTS = ("single_turn", "tools", *HUB_ENVIRONMENTS)
 
 

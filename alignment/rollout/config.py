@@ -79,10 +79,13 @@ class RolloutConfig:
     # answers (alignment/envs/tool_env.py) | verifiers: a verifiers environment (rollout.environment_id), its
     # dataset the prompts, its rollouts played against the rollout server as agents are, its rubric the
     # environment reward (alignment/rollout/agents/verifiers_env.py) | package.module:factory: factory(cfg)
-    # returns your environment
+    # returns your environment | openenv: an OpenEnv environment (reset / step over its server), each reply the
+    # action, each observation the next message (alignment/rollout/agents/openenv_env.py)
     environment: str = "single_turn"
     # rollout.environment=verifiers: the module or installed package whose load_environment(**environment_args)
-    # builds the environment (e.g. an Environments Hub package's name)
+    # builds the environment (e.g. an Environments Hub package's name); openenv: package.module:Client, its
+    # EnvClient subclass, with environment_args {url: ... or app: package.module:app, ...}
+    # (alignment/rollout/agents/openenv_env.py)
     environment_id: Optional[str] = None
     environment_args: Any = None  # load_environment's keyword arguments, e.g. {num_train_examples: 2000}
     # model turns per episode; max_tokens is the budget of the whole response (model + tool tokens)
@@ -236,7 +239,7 @@ def check_episodes(r: RolloutConfig) -> None:
                           f"{r.max_tokens}] (or null: a turn may use what is left of rollout.max_tokens)")
     if r.environment not in HUB_ENVIRONMENTS and (r.environment_id or r.environment_args):
         raise ConfigError(f"rollout.environment_id / environment_args name an environment hub's environment, but "
-                          f"rollout.environment={r.environment}: set rollout.environment=verifiers, or unset them")
+                          f"rollout.environment={r.environment}: set rollout.environment=verifiers or openenv, or unset them")
     if r.environment == "single_turn":
         return
     if r.environment_args is not None and not isinstance(r.environment_args, Mapping):

@@ -1,5 +1,5 @@
 """The rollout phase with agent programs (``rollout.agent`` / ``rollout.agent_command``, or an environment hub's
-environment: ``rollout.environment=verifiers``, whose rollouts play a task's group together): each data-parallel
+environment: ``rollout.environment=verifiers`` / ``openenv``, :mod:`alignment.rollout.agents.hubs`): each data-parallel
 rank plays its problems' episodes (``group_size`` per problem) with the agent against its own rollout
 server (:mod:`alignment.rollout.agents.server`), which the first rank of its model replica serves; the
 other ranks of the replica generate in lockstep with it (every engine call is sent to them first, an
@@ -9,10 +9,9 @@ the same samples. The episodes then train as multi-turn episodes do.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import torch.distributed as dist
@@ -20,9 +19,10 @@ import torch.distributed as dist
 from alignment.config import JobConfig
 from alignment.data.tasks import Problem
 from alignment.rollout.agents.server import RolloutServer
-from alignment.rollout.agents.programs import (Agent, GroupAgent, command_agent, episode_samples, load_agent,
-                                               play_episodes, play_groups, task_row)
-from alignment.rollout.agents.verifiers_env import group_agent, load_environment
+from alignment.rollout.agents.programs import (Agent, EpisodeLoop, GroupAgent, command_agent, episode_samples,
+                                               load_agent, play_episodes, play_groups, task_row)
+from alignment.envs.factory import HUB_ENVIRONMENTS
+from alignment.rollout.agents.hubs import hub_agent
 from alignment.rollout.config import played_by_agents
 from alignment.data.samples import Sample, SamplingConfig
 from alignment.rollout.base import RolloutEngine
@@ -56,6 +56,7 @@ class AgentRollout:
     timeout_s: float
     episodes: int = 0  # episodes played so far (their names stay unique over the run)
     group: bool = False
+    loop: EpisodeLoop | None = None  # where the episodes run, phase after phase (the serving rank's)
 
 
 def setup_agents(models: Models, cfg: JobConfig) -> AgentRollout:
@@ -63,8 +64,9 @@ def setup_agents(models: Models, cfg: JobConfig) -> AgentRollout:
     agent runs). Collective-free; called once when the models are built."""
     r = cfg.rollout
     agent: Agent | GroupAgent
-    if r.environment == "verifiers":
-        agent = group_agent(load_environment(r.environment_id, r.environment_args))
+    together = False  # a GroupAgent: a task's episodes played together
+    if r.environment in HUB_ENVIRONMENTS:
+        agent, together = hub_agent(r, Path(cfg.output_dir) / "logs" / f"environment_rank{dist.get_rank()}.log")
     else:  # uses_agents: one of them is set
         agent = load_agent(r.agent) if r.agent else command_agent(cast(str, r.agent_command))
     group = replica_group()
@@ -84,7 +86,8 @@ def setup_agents(models: Models, cfg: JobConfig) -> AgentRollout:
                                tool_stop=("</tool_call>",) if stops else (), stop_strings=stops,
                                max_tokens_per_turn=r.max_tokens_per_turn)
         server.start()
-    return AgentRollout(agent, server, r.agent_concurrency, r.agent_timeout_s, group=r.environment == "verifiers")
+    return AgentRollout(agent, server, r.agent_concurrency, r.agent_timeout_s, group=together,
+                        loop=EpisodeLoop() if server is not None else None)
 
 
 def agent_episodes(models: Models, problems: list[Problem], n: int, max_tokens: int,
@@ -99,26 +102,10 @@ def agent_episodes(models: Models, problems: list[Problem], n: int, max_tokens: 
     groups: list[list[Sample]] | None = None
     if a.server is not None:
         a.server.max_tokens, a.server.force = max_tokens, force
-        rows = [task_row(p) for p in problems]
+        # a group agent (an environment's) gets its own dataset's row back; an agent program, the task's row
+        rows = [dict(p.columns) if a.group else task_row(p) for p in problems]
         prefix = f"r{dist.get_rank()}-{a.episodes}"  # the rank and the call: unique over the run
         a.episodes += 1
-        result: dict[str, Any]  # "groups": the episodes' outcomes, or "error": what the agents raised
-        result, done = {}, threading.Event()
-
-        def play() -> None:
-            try:
-                # a.server is not None (checked above): mypy does not carry that into this closure
-                play_all = play_groups if a.group else play_episodes
-                result["groups"] = asyncio.run(play_all(
-                    a.agent, rows, n, a.server.session_url, a.server.pop_session,  # type: ignore[union-attr,arg-type]
-                    a.concurrency, a.timeout_s, prefix, a.server.playing))  # type: ignore[union-attr]
-            except BaseException as e:  # noqa: BLE001 - raised on the serving thread below
-                result["error"] = e
-            finally:
-                done.set()
-
-        thread = threading.Thread(target=play, name="megalign-agents", daemon=True)
-        thread.start()
         last = [time.monotonic()]
 
         def idle() -> None:  # the replica's other ranks wait in a broadcast: keep it short of any timeout
@@ -126,19 +113,21 @@ def agent_episodes(models: Models, problems: list[Problem], n: int, max_tokens: 
                 dist.broadcast_object_list([("idle",)], src=lead, group=group)
                 last[0] = time.monotonic()
 
+        server = a.server
+        play_all = play_groups if a.group else play_episodes
         try:
-            a.server.serve(until=done.is_set, on_idle=idle)
+            outcomes = cast(EpisodeLoop, a.loop).run(
+                play_all(a.agent, rows, n, server.session_url, server.pop_session,  # type: ignore[arg-type]
+                         a.concurrency, a.timeout_s, prefix, server.playing),
+                lambda until: server.serve(until=until, on_idle=idle))
         finally:
             if size > 1:
                 dist.broadcast_object_list([("done",)], src=lead, group=group)
-        thread.join()
-        if "error" in result:
-            raise result["error"]
-        bad = [o for g in result["groups"] for o in g if o.status != "ok"]
+        bad = [o for g in outcomes for o in g if o.status != "ok"]
         if bad:  # what the agent's author needs to mend it: the count and the first reason, in this rank's log
             print(f"agent episodes dropped on rank {dist.get_rank()}: {len(bad)} of "
-                  f"{sum(len(g) for g in result['groups'])}; the first: {bad[0].error}", flush=True)
-        groups = episode_samples(result["groups"], models.tokenizer.eos_token_id or 0)
+                  f"{sum(len(g) for g in outcomes)}; the first: {bad[0].error}", flush=True)
+        groups = episode_samples(outcomes, models.tokenizer.eos_token_id or 0)
     else:  # the replica's other ranks: generate what the lead's server asks for, until it is done
         while True:
             msg: list[Any] = [None]

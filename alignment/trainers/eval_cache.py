@@ -142,9 +142,20 @@ def heldout_key(hf_dir: str | os.PathLike[str], tokenizer: Any, problems: list[P
             "environment": r.environment, "max_turns": r.max_turns, "tools": list(r.tools)}),
         **({"agent": agent_fingerprint(r.agent, r.agent_command), "max_tokens_per_turn": r.max_tokens_per_turn}
            if r.agent or r.agent_command else {}),
-        **({"hub": agent_fingerprint(f"{str(r.environment_id).replace('-', '_')}:load_environment", None),
+        **({"hub": hub_fingerprint(r.environment, str(r.environment_id)),
             "environment_args": json.dumps(dict(r.environment_args or {}), sort_keys=True, default=str),
             "max_tokens_per_turn": r.max_tokens_per_turn} if r.environment in HUB_ENVIRONMENTS else {})})
+
+
+def hub_fingerprint(hub: str, environment_id: str) -> str:
+    """What identifies an environment hub's environment for the cache: its module's source (as the hub imports it:
+    verifiers reads ``-`` as ``_`` and keeps what follows a ``/``; OpenEnv's ``package.module:Client``), the
+    version of the distribution that installed it, and the hub package's version (an upgrade is evaluated again)."""
+    module = environment_id.partition(":")[0] if hub == "openenv" else \
+        environment_id.replace("-", "_").split("/")[-1]
+    top = module.split(".")[0]
+    installed = package_version(top, top.replace("_", "-"))
+    return f"{agent_fingerprint(f'{module}:_', None)}:{installed}:{hub}-{package_version('verifiers' if hub == 'verifiers' else 'openenv-core')}"
 
 
 def agent_fingerprint(agent: str | None, command: str | None) -> str:

@@ -83,8 +83,11 @@ class HeldoutAccuracy:
 
     def baseline(self) -> None:
         if self.off and self.job.rank == 0:
-            why = "no held-out prompts (data.heldout_files or data.heldout_fraction)" if not self.heldout else \
-                "no reward function that grades answers"
+            r = self.job.cfg.rollout
+            held = ("the environment has no eval dataset" if r.environment == "verifiers" else
+                    "rollout.environment_args.heldout_size=0" if r.environment == "openenv" else
+                    "data.heldout_files or data.heldout_fraction")
+            why = f"no held-out prompts ({held})" if not self.heldout else "no reward function that grades answers"
             print(f"held-out accuracy: not measured, {why}", flush=True)
 
     def _accuracy(self, when: str) -> float:

@@ -21,15 +21,17 @@ import json
 import math
 import os
 import shlex
-from collections.abc import Awaitable, Callable, Sequence
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from alignment.data.tasks import FILE_TASK, Problem
+from alignment.data.tasks import Problem
 from alignment.rollout.agents.session import AgentSession
 from alignment.data.samples import Sample
 
 __all__ = ["Agent", "GroupAgent", "AgentError", "load_agent", "command_agent", "task_row", "EpisodeOutcome",
-           "play_episodes", "play_groups", "episode_samples", "AGENT_ENV"]
+           "EpisodeLoop", "play_episodes", "play_groups", "episode_samples", "AGENT_ENV"]
 
 #: an agent: ``await agent(base_url, task_row)`` -> the episode's reward, or None
 Agent = Callable[[str, dict], Awaitable[float | None]]
@@ -38,6 +40,33 @@ Agent = Callable[[str, dict], Awaitable[float | None]]
 GroupAgent = Callable[[list[str], dict], Awaitable[list[float | None]]]
 #: the environment variables an agent command gets (besides its parent's)
 AGENT_ENV = ("OPENAI_BASE_URL", "OPENAI_API_KEY", "MEGALIGN_TASK", "MEGALIGN_EPISODE")
+
+
+T = TypeVar("T")
+
+
+class EpisodeLoop:
+    """One asyncio event loop for a process's episodes, run by a daemon thread of its own for the whole run. What an
+    agent or an environment builds once (an ``AsyncOpenAI`` judge client, a sandbox client, a lock) is bound to the
+    loop that first uses it, so every rollout phase's episodes run on this one: a fresh ``asyncio.run`` per phase
+    would fail them from the second phase on ("Event loop is closed"), and a rubric that catches the error would
+    score 0 in silence."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="megalign-episodes", daemon=True)
+        self.thread.start()
+
+    def run(self, coroutine: Coroutine[Any, Any, T], serve: Callable[[Callable[[], bool]], object]) -> T:
+        """Run ``coroutine`` on the loop while ``serve(until)`` works on the calling thread until ``until()`` (the
+        coroutine is done); returns its result or raises its error (cancelled if ``serve`` raises)."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        try:
+            serve(future.done)
+        except BaseException:
+            future.cancel()
+            raise
+        return future.result()
 
 
 class AgentError(ValueError):
@@ -121,10 +150,9 @@ def _reward(stdout: str) -> float | None:
 
 
 def task_row(problem: Problem) -> dict:
-    """What an agent is given about its task: ``question`` and ``answer``, then a file's record (every column, the
-    prompt under ``prompt``) or a built-in task's ``task``; ``messages`` when the prompt is a chat."""
-    row = {"question": problem.question, "answer": problem.answer,
-           **({"task": problem.task} if problem.task != FILE_TASK else {}), **problem.columns}
+    """What an agent is given about its task: a file's record (every column, the prompt under ``prompt``),
+    or a built-in task's ``question``, ``answer`` and ``task``; ``messages`` when the prompt is a chat."""
+    row = {"question": problem.question, "answer": problem.answer, "task": problem.task, **problem.columns}
     if problem.messages is not None:
         row["messages"] = [dict(m) for m in problem.messages]
     return row

@@ -115,6 +115,8 @@ def load_environment(environment_id: str | None, args: Mapping[str, Any] | None 
 def describe(env) -> str:
     """One line on ``env`` for the start-up summary: its class, turns and tools, its rubric's functions and
     weights (group-level ones marked), and the sampling settings of its own that the job's replace."""
+    if hasattr(env, "env_map"):  # an EnvGroup: a row's task names the environment that plays it
+        return f"EnvGroup of {', '.join(f'{name}: {describe(e)}' for name, e in env.env_map.items())}"
     pairs = [(f, w) for r in _rubrics(env.rubric) for f, w in zip(r.funcs, r.weights) if w]  # weight 0: a metric
     funcs = ", ".join(f"{getattr(f, '__name__', f)} x {w:g}{' (group)' if _group_level(f) else ''}" for f, w in pairs)
     turns = getattr(env, "max_turns", 1)
@@ -149,7 +151,9 @@ def _problems(dataset) -> list[Problem]:
         messages = tuple(dict(m) for m in row["prompt"])
         users = [m for m in messages if m.get("role") == "user"]
         question = content_text(users[-1]["content"]) if users else content_text(messages[-1]["content"])
-        out.append(Problem(question, str(row.get("answer") or ""), FILE_TASK, messages=messages, columns=row))
+        answer = row.get("answer")
+        out.append(Problem(question, "" if answer is None else str(answer), FILE_TASK, messages=messages,
+                           columns=row))
     return out
 
 
@@ -157,19 +161,27 @@ def environment_problems(env, environment_id: str) -> PromptSets:
     """``env``'s dataset as the training problems and its eval dataset (none: no held-out evaluation) as the
     held-out ones: each row's ``prompt`` messages as the problem's chat, its last user message's text as the
     question, ``answer`` as the reference, and the whole row (``prompt``, ``answer``, ``info``, ``task``,
-    ``example_id``) as its columns, which :func:`group_agent` gives back to the environment.
+    ``example_id``, as the environment formatted it) as its columns, which :func:`group_agent` is given back.
 
     Raises:
-        AgentError: an environment without a training dataset, or with an empty one.
+        AgentError: an environment without a training dataset, one whose dataset builder raises, or an empty
+            dataset.
     """
     source = f"rollout.environment_id={environment_id}"
-    try:
+    if env.dataset is None and env.dataset_source is None:
+        raise AgentError(f"{source}: the environment has no training dataset (only an eval dataset); give it one")
+    bars = datasets_logging.is_progress_bar_enabled()
+    datasets_logging.disable_progress_bar()
+    try:  # a dataset builder runs here, the first time a dataset is asked for
         train = _problems(env.get_dataset())
-    except ValueError as e:
-        raise AgentError(f"{source}: the environment has no training dataset ({e}); give it a dataset") from e
+        held = env.build_eval_dataset()
+    except Exception as e:  # noqa: BLE001 - the environment's own builder's error, named
+        raise AgentError(f"{source}: building the environment's dataset failed: {type(e).__name__}: {e}") from e
+    finally:
+        if bars:
+            datasets_logging.enable_progress_bar()
     if not train:
         raise AgentError(f"{source}: the environment's dataset is empty")
-    held = env.build_eval_dataset()
     heldout = _problems(held) if held is not None else []
     return PromptSets(train, heldout, len(train) + len(heldout), 0, (source,))
 
@@ -179,6 +191,7 @@ def environment_tools(env, problem: Problem) -> list[dict] | None:
     environment's ``tool_defs``) as the OpenAI function schemas its client sends; None without tools."""
     info = problem.columns.get("info")
     info = json.loads(info) if isinstance(info, str) and info.strip().startswith("{") else info
+    env = getattr(env, "env_map", {}).get(problem.columns.get("task"), env)  # an EnvGroup's member plays the row
     tools = info["tool_defs"] if isinstance(info, dict) and info.get("tool_defs") else env.tool_defs
     if not tools:
         return None
@@ -225,17 +238,23 @@ def group_agent(env) -> GroupAgent:
                     raise vf.OverlongPromptError("the episode's budget (rollout.agent_max_tokens) is spent") from None
 
     async def play(base_urls: list[str], row: dict) -> list[float | None]:
-        task = {k: v for k, v in row.items() if k != "messages"}  # the dataset's row (task_row adds messages)
+        """``row``: the environment's own dataset row (its ``prompt``, ``answer``, ``info``, ``task``, ...)."""
         clients = [ServerClient(AsyncOpenAI(base_url=url, api_key="megalign", max_retries=0)) for url in base_urls]
-        try:
-            states = await asyncio.gather(*(env.rollout(dict(task), c, MODEL_NAME, {}) for c in clients))
+        states: list[Any] = []
+        try:  # every rollout ends (or fails) before any client closes
+            states = await asyncio.gather(*(env.rollout(dict(row), c, MODEL_NAME, {}) for c in clients),
+                                          return_exceptions=True)
+            failed = [s for s in states if isinstance(s, BaseException)]
+            if failed:
+                raise failed[0]
             errors = [s.get("error") for s in states if s.get("error") is not None]
             if errors:
                 raise AgentError(f"the environment's rollout ended with {type(errors[0]).__name__}: {errors[0]}")
             await env.rubric.score_group(states)
-            for s in states:
-                await env.rubric.cleanup(s)
         finally:
+            for s in states:  # the rubric's per-rollout resources (sandboxes), as verifiers' own group run frees them
+                if not isinstance(s, BaseException):
+                    await env.rubric.cleanup(s)
             for c in clients:
                 await c.close()
         return [float(s["reward"]) for s in states]
