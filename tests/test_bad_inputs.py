@@ -471,12 +471,12 @@ CASES: list[Case] = [
     Case("environment", "verifiers not installed, `rollout.environment=verifiers`",
          conf("grpo", "rollout.environment=verifiers", "rollout.environment_id=tests.verifiers_envs"), ConfigError,
          "rollout.environment=verifiers needs the verifiers package, which is not installed: pip install "
-         "'megalign[environments]'", patch=_not_installed("verifiers")),
+         "'megalign[verifiers]'", patch=_not_installed("verifiers")),
     Case("environment", "openenv-core not installed, `rollout.environment=openenv`",
          conf("grpo", "rollout.environment=openenv", "rollout.environment_id=tests.openenv_envs:GuessEnv",
               "rollout.environment_args={url: 'http://127.0.0.1:9'}"), ConfigError,
          "rollout.environment=openenv needs the openenv-core package, which is not installed: pip install "
-         "'megalign[environments]'", patch=_not_installed("openenv")),
+         "'megalign[openenv]'", patch=_not_installed("openenv")),
     Case("environment", "an OpenEnv server that does not answer (`rollout.environment_args={url: ...}`)",
          conf("grpo", "rollout.environment=openenv", "rollout.environment_id=tests.openenv_envs:GuessEnv",
               "rollout.environment_args={url: 'http://127.0.0.1:9'}"), ConfigError,

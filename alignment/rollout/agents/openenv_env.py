@@ -101,7 +101,7 @@ def openenv_spec(environment_id: str | None, args: Mapping[str, Any] | None = No
     """
     if importlib.util.find_spec("openenv") is None:
         raise AgentError("rollout.environment=openenv needs the openenv-core package, which is not installed: "
-                         "pip install 'megalign[environments]' (openenv-core 0.3)")
+                         "pip install 'megalign[openenv]' (openenv-core 0.3)")
     from openenv.core import EnvClient
 
     given = f"rollout.environment_id={environment_id}"

@@ -54,7 +54,7 @@ def _verifiers():
     """The ``verifiers`` module with the classic API, or an :class:`AgentError` saying how to install it."""
     if importlib.util.find_spec("verifiers") is None:
         raise AgentError("rollout.environment=verifiers needs the verifiers package, which is not installed: "
-                         "pip install 'megalign[environments]' (verifiers 0.3)")
+                         "pip install 'megalign[verifiers]' (verifiers 0.3)")
     import verifiers as vf
     if not hasattr(vf, "load_environment") or not hasattr(vf, "Rubric"):
         raise AgentError(f"rollout.environment=verifiers: verifiers {getattr(vf, '__version__', '?')} has no classic "
