@@ -245,3 +245,30 @@ def test_a_reply_is_cut_at_the_turn_cap_and_the_budget(server, smollm2_tokenizer
     assert len(engine.calls) == 1 and engine.calls[0][1].max_tokens == 4
     s = srv.pop_session("cap").sample()
     assert len(s.response_ids) == 4 and s.loss_mask is None and s.text == "abcd"  # the user turn was not recorded
+
+
+def test_a_prompt_past_the_context_is_refused_before_the_engine(server, smollm2_tokenizer):
+    """An agent's (or an OpenEnv environment's) first message is known only when its episode starts: one whose
+    prompt and budget (400 tokens) pass ``rollout.max_model_len`` is refused, naming both, instead of reaching
+    the engine, which would fail the batch and the job; an episode that fits goes on."""
+    import openai
+
+    engine = ScriptedEngine(smollm2_tokenizer, lambda prompt, k: "fine")
+    srv = server(engine, max_model_len=500)
+
+    async def agent(words: int):
+        client = openai.AsyncOpenAI(base_url=srv.session_url(f"e{words}"), api_key="unused", max_retries=0)
+        try:
+            reply = await client.chat.completions.create(model="m", messages=[{"role": "user",
+                                                                               "content": " hello" * words}])
+            return reply.choices[0].message.content
+        except openai.BadRequestError as e:
+            return e.body["message"]
+
+    short, long = run_agents(srv, [agent(1), agent(200)])
+    n = len(srv.pop_session("e200").prompt_ids)
+    assert short == "fine" and n + 400 > 500 >= len(srv.pop_session("e1").prompt_ids) + 400
+    assert long == (f"episode e200: its prompt is {n} tokens, which with the episode's budget of 400 "
+                    "(rollout.max_tokens) passes rollout.max_model_len=500; raise rollout.max_model_len or shorten "
+                    "the prompt")
+    assert [len(p) + 400 <= 500 for prompts, _ in engine.calls for p in prompts] == [True]  # the long one: never sent

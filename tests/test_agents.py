@@ -9,13 +9,14 @@ import itertools
 import json
 import sys
 import textwrap
+import time
 
 import openai  # imported before the timed episodes
 import pytest
 
 from alignment.data.tasks import Problem
-from alignment.rollout.agents.programs import (AgentError, command_agent, episode_samples, load_agent, play_episodes,
-                                      task_row)
+from alignment.rollout.agents.programs import (AgentError, EpisodeLoop, command_agent, episode_samples, load_agent,
+                                               play_episodes, task_row)
 from tests.scripted_engine import ScriptedEngine
 from tests.test_agent_server import run_agents
 
@@ -220,3 +221,36 @@ def test_the_react_math_example_runs_as_a_command(chatml_turns, smollm2_tokenize
     [[outcome]] = groups
     assert outcome.status == "ok", outcome.error
     assert outcome.reward == 1.0 and outcome.session.turn_count == 3 and outcome.session.text == "The answer is 89."
+
+
+def test_an_episode_that_stops_the_event_loop_fails_the_phase_instead_of_hanging_it():
+    """asyncio lets ``SystemExit`` and ``KeyboardInterrupt`` out of its loop, which kills the loop's thread: the
+    phase's future would never be done and the serving thread would wait forever. :meth:`EpisodeLoop.run` sees the
+    thread die and raises, naming the error, and so does every later phase; a phase before it ran as usual."""
+    served = []
+
+    def serve(until):
+        start = time.monotonic()
+        while not until():
+            assert time.monotonic() - start < 10, "the serving thread hangs"
+            time.sleep(0.005)
+        served.append(True)
+
+    async def fine():
+        await asyncio.sleep(0.01)
+        return 7
+
+    for error, named in ((SystemExit(3), r"SystemExit\(3\)"), (KeyboardInterrupt(), r"KeyboardInterrupt\(\)")):
+        async def stops(error: BaseException = error):
+            await asyncio.sleep(0.01)
+            raise error
+
+        loop = EpisodeLoop()
+        assert loop.run(fine(), serve) == 7
+        with pytest.raises(RuntimeError, match=r"the episodes' event loop stopped: an episode raised " + named +
+                           r", which asyncio does not contain"):
+            loop.run(stops(), serve)
+        assert not loop.thread.is_alive()
+        with pytest.raises(RuntimeError, match=r"the episodes' event loop stopped earlier"):
+            loop.run(fine(), serve)
+    assert len(served) == 4  # the phases before and during the stop: served until done

@@ -86,3 +86,26 @@ def test_an_agents_accuracy_is_keyed_by_its_source(tmp_path, monkeypatch):
     (pkg / "a.py").write_text("async def run(base_url, row):\n    return 1.0\n")
     assert agent_fingerprint("my_agents.a:run", None) != first
     assert agent_fingerprint(None, "python agent.py") == "command:python agent.py"
+
+
+def test_an_openenv_environments_accuracy_is_keyed_by_its_apps_source_and_a_server_of_its_own_is_never_cached(
+        tmp_path, monkeypatch):
+    """An OpenEnv environment served from ``app`` is keyed by the app's module too (an edited game is evaluated
+    again); one at a ``url`` can change unseen, so its held-out accuracy before training is measured every run."""
+    from alignment.trainers.eval_cache import cacheable, hub_fingerprint
+    from tests.test_config import cfg
+
+    pkg = tmp_path / "my_games"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "server.py").write_text("app = None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    client = "tests.openenv_envs:GuessEnv"
+    first = hub_fingerprint("openenv", client, {"app": "my_games.server:app"})
+    assert first != hub_fingerprint("openenv", client, {"url": "http://127.0.0.1:9"})
+    (pkg / "server.py").write_text("app = 1\n")
+    assert hub_fingerprint("openenv", client, {"app": "my_games.server:app"}) != first
+    hub = ("rollout.environment=openenv", f"rollout.environment_id={client}")
+    assert cacheable(cfg(*hub, "rollout.environment_args={app: 'tests.openenv_envs:app'}"))
+    assert not cacheable(cfg(*hub, "rollout.environment_args={url: 'http://127.0.0.1:9'}"))
+    assert cacheable(cfg())

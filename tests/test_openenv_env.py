@@ -6,12 +6,18 @@ episodes and the next ones get a new server; an unreachable URL and bad argument
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
 
-from alignment.rollout.agents.openenv_env import (HELDOUT_SEED, EnvServer, check_server, episode_agent,
-                                                  openenv_problems, openenv_spec)
+from alignment.rollout.agents.openenv_env import (HELDOUT_SEED, MAX_FAILED_STARTS, EnvServer, check_app, check_server,
+                                                  episode_agent, openenv_problems, openenv_spec, reply_text)
 from alignment.rollout.agents.programs import AgentError, episode_samples, play_episodes, task_row
 from tests.scripted_engine import ScriptedEngine
 from tests.test_agent_server import run_agents
@@ -105,7 +111,7 @@ def test_a_crashed_server_drops_its_episodes_and_the_next_ones_get_a_new_one(rol
 
 
 @pytest.mark.slow  # serves the game with uvicorn in a subprocess
-def test_bad_arguments_and_servers_are_named():
+def test_bad_arguments_and_servers_are_named(tmp_path):
     for env_id, args, match in [
         ("tests.openenv_envs", GAME, r"needs rollout.environment_id=package.module:Client"),
         ("tests.openenv_envs:GuessAction", GAME, r"is not an openenv EnvClient subclass"),
@@ -123,8 +129,82 @@ def test_bad_arguments_and_servers_are_named():
     with pytest.raises(AgentError, match=r"rollout.environment_args.url=http://127.0.0.1:9 does not answer"):
         check_server("http://127.0.0.1:9", timeout_s=2)
     broken = openenv_spec("tests.openenv_envs:GuessEnv", {**GAME, "app": "tests.openenv_envs:no_app"})
-    with pytest.raises(AgentError, match=r"app=tests.openenv_envs:no_app: its server exited with status"):
-        EnvServer(broken).url_now()
+    server = EnvServer(broken, tmp_path / "logs" / "environment_rank0.log")  # its folder made when it starts
+    for _ in range(MAX_FAILED_STARTS):  # the log's last line says why
+        with pytest.raises(AgentError, match=r"app=tests.openenv_envs:no_app: its server exited with status 3: "
+                                             r"ERROR: +Error loading ASGI app. Attribute \"no_app\" not found"):
+            server.url_now()
+    start = time.monotonic()
+    with pytest.raises(AgentError, match=r"not found in module \"tests.openenv_envs\". \(its log: .*\) \(its last 3 "
+                                         r"starts failed: not started again\)"):
+        server.url_now()
+    assert time.monotonic() - start < 0.5 and server.starts == MAX_FAILED_STARTS
+
+
+@pytest.mark.slow  # serves the game with uvicorn in a subprocess, twice
+def test_the_apps_server_ignores_slurms_preemption_notice_and_goes_with_its_parent(tmp_path):
+    """``scancel --signal=USR1`` (the preemption notice the trainer checkpoints on) reaches every process of the
+    step: the app's server ignores it. A rank killed with SIGKILL runs no exit handler: its server exits anyway."""
+    spec = openenv_spec("tests.openenv_envs:GuessEnv", GAME)
+    server = EnvServer(spec)
+    try:
+        url = server.url_now()
+        os.kill(server.proc.pid, signal.SIGUSR1)
+        time.sleep(0.5)
+        assert server.proc.poll() is None
+        check_server(url, timeout_s=5)
+    finally:
+        server.close()
+    rank = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys, time
+        from alignment.rollout.agents.openenv_env import EnvServer, openenv_spec
+        server = EnvServer(openenv_spec("tests.openenv_envs:GuessEnv", {"app": "tests.openenv_envs:app"}))
+        server.url_now()
+        print(server.proc.pid, flush=True)
+        time.sleep(600)
+        """)], stdout=subprocess.PIPE, text=True)
+    child = int(rank.stdout.readline())
+    rank.kill()
+    rank.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(child):
+        time.sleep(0.1)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (reaped by init soon) has exited
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_environment_arguments_are_checked_and_a_reply_is_the_action_as_written():
+    for args, match in [
+        ({**GAME, "reset_kwargs": {"seed": 3}}, r"reset_kwargs=\{'seed': 3\}: give a mapping of reset\(\)'s keyword "
+                                                r"arguments, without seed"),
+        ({**GAME, "reset_kwargs": [1]}, r"reset_kwargs=\[1\]: give a mapping"),
+        ({**GAME, "timeout_s": 0}, r"timeout_s=0: must be a number of seconds > 0"),
+        ({**GAME, "train_size": HELDOUT_SEED + 1}, rf"train_size={HELDOUT_SEED + 1}: at most {HELDOUT_SEED}"),
+    ]:
+        with pytest.raises(AgentError, match=match):
+            openenv_spec("tests.openenv_envs:GuessEnv", args)
+    check_app("tests.openenv_envs:app")
+    for app, match in [("tests.openenv_envs", r"give package.module:app"),
+                       ("tests.openenv_envs:no_app", r"module 'tests.openenv_envs' has no 'no_app'"),
+                       ("tests.openenv_envs:GUESSES", r"is a int, not an ASGI app"),
+                       ("tests.no_such:app", r"module 'tests.no_such' does not import")]:
+        with pytest.raises(AgentError, match=r"rollout.environment_args.app=" + re.escape(app) + ".*" + match):
+            check_app(app)
+    from openai.types.chat import ChatCompletionMessage
+
+    plain = ChatCompletionMessage(role="assistant", content="My guess: 4")
+    called = ChatCompletionMessage.model_validate({"role": "assistant", "content": "Let me look.", "tool_calls": [
+        {"id": "c_0", "type": "function", "function": {"name": "peek", "arguments": '{"at": 2}'}}]})
+    assert reply_text(plain) == "My guess: 4"
+    assert reply_text(called) == 'Let me look.\n<tool_call>\n{"name": "peek", "arguments": {"at": 2}}\n</tool_call>'
 
 
 def test_openenv_config_checks():

@@ -84,7 +84,7 @@ def setup_agents(models: Models, cfg: JobConfig) -> AgentRollout:
         server = RolloutServer(cast(EpisodeSetup, models.episodes).turns, generate, r.max_tokens,
                                SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens),
                                tool_stop=("</tool_call>",) if stops else (), stop_strings=stops,
-                               max_tokens_per_turn=r.max_tokens_per_turn)
+                               max_tokens_per_turn=r.max_tokens_per_turn, max_model_len=r.max_model_len)
         server.start()
     return AgentRollout(agent, server, r.agent_concurrency, r.agent_timeout_s, group=together,
                         loop=EpisodeLoop() if server is not None else None)

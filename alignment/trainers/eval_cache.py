@@ -142,20 +142,31 @@ def heldout_key(hf_dir: str | os.PathLike[str], tokenizer: Any, problems: list[P
             "environment": r.environment, "max_turns": r.max_turns, "tools": list(r.tools)}),
         **({"agent": agent_fingerprint(r.agent, r.agent_command), "max_tokens_per_turn": r.max_tokens_per_turn}
            if r.agent or r.agent_command else {}),
-        **({"hub": hub_fingerprint(r.environment, str(r.environment_id)),
+        **({"hub": hub_fingerprint(r.environment, str(r.environment_id), r.environment_args),
             "environment_args": json.dumps(dict(r.environment_args or {}), sort_keys=True, default=str),
             "max_tokens_per_turn": r.max_tokens_per_turn} if r.environment in HUB_ENVIRONMENTS else {})})
 
 
-def hub_fingerprint(hub: str, environment_id: str) -> str:
+def hub_fingerprint(hub: str, environment_id: str, args: Any = None) -> str:
     """What identifies an environment hub's environment for the cache: its module's source (as the hub imports it:
-    verifiers reads ``-`` as ``_`` and keeps what follows a ``/``; OpenEnv's ``package.module:Client``), the
-    version of the distribution that installed it, and the hub package's version (an upgrade is evaluated again)."""
+    verifiers reads ``-`` as ``_`` and keeps what follows a ``/``; OpenEnv's ``package.module:Client``, and the
+    module of the ``app`` it serves from ``args``, ``rollout.environment_args``), the version of the distribution
+    that installed it, and the hub package's version (an upgrade is evaluated again)."""
     module = environment_id.partition(":")[0] if hub == "openenv" else \
         environment_id.replace("-", "_").split("/")[-1]
     top = module.split(".")[0]
     installed = package_version(top, top.replace("_", "-"))
-    return f"{agent_fingerprint(f'{module}:_', None)}:{installed}:{hub}-{package_version('verifiers' if hub == 'verifiers' else 'openenv-core')}"
+    app = (args or {}).get("app") if hub == "openenv" else None
+    served = f":{agent_fingerprint(str(app), None)}" if app else ""
+    return (f"{agent_fingerprint(f'{module}:_', None)}{served}:{installed}:"
+            f"{hub}-{package_version('verifiers' if hub == 'verifiers' else 'openenv-core')}")
+
+
+def cacheable(cfg: JobConfig) -> bool:
+    """Whether the job's held-out accuracy before training may come from the cache: not when its task is an
+    environment server of its own (OpenEnv's ``rollout.environment_args.url``), which can change unseen."""
+    r = cfg.rollout
+    return not (r.environment == "openenv" and (r.environment_args or {}).get("url"))
 
 
 def agent_fingerprint(agent: str | None, command: str | None) -> str:

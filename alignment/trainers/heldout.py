@@ -37,7 +37,7 @@ from alignment.rewards.code_runs import early_grading
 from alignment.rewards.policy import heldout_grader
 from alignment.data.samples import SamplingConfig
 from alignment.trainers.agent_rollout import agent_episodes
-from alignment.trainers.eval_cache import cached_accuracy, heldout_key, lookup_accuracy, store_accuracy
+from alignment.trainers.eval_cache import cacheable, cached_accuracy, heldout_key, lookup_accuracy, store_accuracy
 from alignment.trainers.models import Models
 from alignment.trainers.rl_phases import generate_episodes, rollout_phase
 from alignment.training.megatron_step import all_reduce_sum
@@ -117,7 +117,8 @@ class HeldoutAccuracy:
         if step == 0:  # the base checkpoint: its accuracy may be known from an earlier run
             key = heldout_key(job.hf_dir, self.models.tokenizer, self.heldout, job.cfg, job.world,
                               compiled=getattr(self.models.engine, "compiled", None))
-            cache = job.cfg.trainer.eval_cache and not job.cfg.trainer.save_heldout_answers  # answers: evaluate
+            cache = (job.cfg.trainer.eval_cache and not job.cfg.trainer.save_heldout_answers  # answers: evaluate
+                     and cacheable(job.cfg))
             if self.overlap_blocker() is not None:
                 self.acc_before, self.cached = cached_accuracy(key, lambda: self._accuracy("step_0"), cache)
             elif (found := lookup_accuracy(key, cache)) is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from alignment.data.prompt_data import PromptSets, fit_prompts
 from alignment.data.tasks import Problem
@@ -23,7 +23,7 @@ __all__ = ["hub_prompts", "hub_agent", "hub_line", "check_hub"]
 
 def check_hub(r: Any) -> None:
     """What can be checked of ``r``'s hub environment before any process starts (its ``rollout`` section): an
-    OpenEnv environment's client and arguments, and its ``url``'s server answering.
+    OpenEnv environment's client and arguments, its ``url``'s server answering or its ``app`` importing.
 
     Raises:
         AgentError: naming the setting.
@@ -32,6 +32,8 @@ def check_hub(r: Any) -> None:
         spec = openenv_env.openenv_spec(r.environment_id, r.environment_args)
         if spec.url:
             openenv_env.check_server(spec.url)
+        else:
+            openenv_env.check_app(cast(str, spec.app))
 
 
 def hub_prompts(r: Any, turns: TurnTokens, overlong: str) -> PromptSets:

@@ -22,14 +22,17 @@ import atexit
 import contextlib
 import importlib
 import importlib.util
+import json
 import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+import tempfile
 import typing
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,8 +43,8 @@ from alignment.data.prompt_data import PromptSets
 from alignment.data.tasks import FILE_TASK, Problem
 from alignment.rollout.agents.programs import Agent, AgentError
 
-__all__ = ["ARGS", "OpenEnvSpec", "openenv_spec", "EnvServer", "check_server", "openenv_problems", "episode_agent",
-           "describe", "HELDOUT_SEED"]
+__all__ = ["ARGS", "OpenEnvSpec", "openenv_spec", "EnvServer", "check_server", "check_app", "MAX_FAILED_STARTS",
+           "openenv_problems", "reply_text", "episode_agent", "describe", "HELDOUT_SEED"]
 
 #: ``rollout.environment_args`` an OpenEnv environment takes, with their defaults
 ARGS: dict[str, Any] = {"url": None, "app": None, "action_field": None, "observation_field": None,
@@ -50,6 +53,19 @@ ARGS: dict[str, Any] = {"url": None, "app": None, "action_field": None, "observa
 #: the first held-out task's reset seed (training tasks are seeds 0 .. train_size - 1)
 HELDOUT_SEED = 1_000_000
 _MODEL = "megalign-policy"
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+#: consecutive failed starts of an app's server after which its rank stops trying (each episode would wait again)
+MAX_FAILED_STARTS = 3
+# runs the app in the server's process: SIGUSR1 ignored (Slurm's preemption notice is for the trainer, which
+# checkpoints; `scancel --signal=USR1` reaches every process of the step), and gone when its parent is gone
+_BOOT = ("import os, signal, sys, threading, time, uvicorn\n"
+         "signal.signal(signal.SIGUSR1, signal.SIG_IGN)\n"
+         "parent = os.getppid()\n"
+         "def orphaned():\n"
+         "    while os.getppid() == parent: time.sleep(1)\n"
+         "    os._exit(0)\n"
+         "threading.Thread(target=orphaned, daemon=True).start()\n"
+         "uvicorn.run(sys.argv[1], host='127.0.0.1', port=int(sys.argv[2]), log_level='warning')\n")
 
 
 @dataclass(frozen=True)
@@ -72,6 +88,16 @@ class OpenEnvSpec:
     reset_kwargs: dict = field(default_factory=dict)
     system_prompt: str | None = None
     timeout_s: float = 60.0
+
+
+def _resolve(given: str, module: str, attr: str) -> Any:
+    """``module``'s ``attr``, or an :class:`AgentError` that starts with ``given`` (the setting)."""
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except ImportError as e:
+        raise AgentError(f"{given}: module {module!r} does not import ({type(e).__name__}: {e})") from e
+    except AttributeError as e:
+        raise AgentError(f"{given}: module {module!r} has no {attr!r}") from e
 
 
 def _text_fields(model: type, skip: tuple[str, ...]) -> list[str]:
@@ -109,12 +135,7 @@ def openenv_spec(environment_id: str | None, args: Mapping[str, Any] | None = No
     if not module or not name:
         raise AgentError(f"rollout.environment=openenv needs rollout.environment_id=package.module:Client, its "
                          f"EnvClient subclass (got {environment_id!r})")
-    try:
-        client = getattr(importlib.import_module(module), name)
-    except ImportError as e:
-        raise AgentError(f"{given}: module {module!r} does not import ({type(e).__name__}: {e})") from e
-    except AttributeError as e:
-        raise AgentError(f"{given}: module {module!r} has no {name!r}") from e
+    client = _resolve(given, module, name)
     if not (isinstance(client, type) and issubclass(client, EnvClient)):
         raise AgentError(f"{given} is not an openenv EnvClient subclass")
     a = dict(args or {})
@@ -144,25 +165,51 @@ def openenv_spec(environment_id: str | None, args: Mapping[str, Any] | None = No
             raise AgentError(f"rollout.environment_args.{key}={a[key]!r}: must be an integer >= 1")
     if not isinstance(a["heldout_size"], int) or a["heldout_size"] < 0:
         raise AgentError(f"rollout.environment_args.heldout_size={a['heldout_size']!r}: must be an integer >= 0")
+    for key in ("train_size", "heldout_size"):  # the training seeds stay below the held-out ones
+        if a[key] > HELDOUT_SEED:
+            raise AgentError(f"rollout.environment_args.{key}={a[key]}: at most {HELDOUT_SEED} (the held-out tasks "
+                             f"are reset seeds from {HELDOUT_SEED})")
+    if not isinstance(a["reset_kwargs"] or {}, Mapping) or "seed" in (a["reset_kwargs"] or {}):
+        raise AgentError(f"rollout.environment_args.reset_kwargs={a['reset_kwargs']!r}: give a mapping of reset()'s "
+                         "keyword arguments, without seed (each task is its seed)")
+    if isinstance(a["timeout_s"], bool) or not isinstance(a["timeout_s"], (int, float)) or a["timeout_s"] <= 0:
+        raise AgentError(f"rollout.environment_args.timeout_s={a['timeout_s']!r}: must be a number of seconds > 0")
     return OpenEnvSpec(str(environment_id), client, action, observation, picked[0], picked[1], a["url"], a["app"],
                        a["train_size"], a["heldout_size"], a["max_turns"], dict(a["reset_kwargs"] or {}),
                        a["system_prompt"], float(a["timeout_s"]))
 
 
 def check_server(url: str, timeout_s: float = 10.0) -> None:
-    """The server at ``url`` answers ``GET /health``.
+    """The server at ``url`` answers ``GET /health`` (a loopback address directly, never through ``http_proxy``).
 
     Raises:
         AgentError: it does not within ``timeout_s`` seconds, naming ``rollout.environment_args.url``.
     """
+    host = urllib.parse.urlsplit(url).hostname or ""
+    opener = urllib.request.build_opener(*([urllib.request.ProxyHandler({})] if host in _LOOPBACK else []))
     try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout_s):
+        with opener.open(f"{url.rstrip('/')}/health", timeout=timeout_s):
             return
     except urllib.error.HTTPError:  # it answered
         return
     except (OSError, ValueError) as e:
         raise AgentError(f"rollout.environment_args.url={url} does not answer ({type(e).__name__}: {e}); start the "
                          "environment's server, or give rollout.environment_args.app to have it served here") from e
+
+
+def check_app(app: str) -> None:
+    """``app`` (``package.module:attr``) imports and names an object, checked before any process starts.
+
+    Raises:
+        AgentError: naming ``rollout.environment_args.app``.
+    """
+    module, _, attr = app.partition(":")
+    given = f"rollout.environment_args.app={app}"
+    if not module or not attr:
+        raise AgentError(f"{given}: give package.module:app, the environment's ASGI app (create_app(...))")
+    found = _resolve(given, module, attr)
+    if not callable(found):
+        raise AgentError(f"{given} is a {type(found).__name__}, not an ASGI app")
 
 
 def _free_port() -> int:
@@ -173,50 +220,58 @@ def _free_port() -> int:
 
 class EnvServer:
     """Where a rank's episodes find the environment: ``url``, or the ``app`` served with uvicorn on a free port of
-    127.0.0.1 in a subprocess (its output in ``log``; in the rank's process group, so a launcher that kills the
-    group kills it; stopped at exit), started at the first :meth:`url_now` and again when it has died (a crashed
-    environment: its episodes failed, the next ones get a new server)."""
+    127.0.0.1 in a subprocess (its output in ``log``, a temporary file when None; it ignores Slurm's SIGUSR1
+    preemption notice, exits when its parent does and is stopped at exit), started at the first :meth:`url_now`
+    and again when it has died (a crashed environment: its episodes failed, the next ones get a new server), until
+    :data:`MAX_FAILED_STARTS` starts in a row failed."""
 
     def __init__(self, spec: OpenEnvSpec, log: Path | None = None):
-        self.spec, self.log = spec, log
+        self.spec = spec
+        self.log = log if log is not None else Path(tempfile.mkstemp(prefix="megalign-openenv-", suffix=".log")[1])
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self.starts = 0
+        self.failed_starts = 0  # in a row
+        self.last_error = ""
         self._lock = threading.Lock()
 
     def url_now(self) -> str:
         """The server's URL, the app (re)started first when it is not running.
 
         Raises:
-            AgentError: the app's server does not answer within ``timeout_s`` (its exit status and last line).
+            AgentError: the app's server does not answer within ``timeout_s`` (its exit status and its log's last
+                line), or its last :data:`MAX_FAILED_STARTS` starts failed (not tried again).
         """
         if self.spec.url:
             return self.spec.url
         with self._lock:
             if self.proc is None or self.proc.poll() is not None:
-                if self.proc is None:
+                if self.failed_starts >= MAX_FAILED_STARTS:
+                    raise AgentError(f"{self.last_error} (its last {MAX_FAILED_STARTS} starts failed: not started "
+                                     "again)")
+                if self.starts == 0:
                     atexit.register(self.close)
-                self._start()
+                try:
+                    self._start()
+                except AgentError as e:
+                    self.failed_starts, self.last_error = self.failed_starts + 1, str(e)
+                    raise
+                self.failed_starts = 0
             return f"http://127.0.0.1:{self.port}"
 
     def _start(self) -> None:
         self.port, self.starts = _free_port(), self.starts + 1
-        out = open(self.log, "ab") if self.log is not None else subprocess.DEVNULL
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "uvicorn", str(self.spec.app), "--host", "127.0.0.1", "--port", str(self.port),
-                 "--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT if self.log else subprocess.PIPE,
-                env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
-        finally:
-            if self.log is not None:
-                out.close()  # type: ignore[union-attr]
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen([sys.executable, "-c", _BOOT, str(self.spec.app), str(self.port)],
+                                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
         deadline = time.monotonic() + self.spec.timeout_s
         url = f"http://127.0.0.1:{self.port}"
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                tail = (self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else "").strip()
                 raise AgentError(f"rollout.environment_args.app={self.spec.app}: its server exited with status "
-                                 f"{self.proc.returncode}: {(tail.splitlines() or [''])[-1][-300:]}")
+                                 f"{self.proc.returncode}: {self._last_line()} (its log: {self.log})")
             try:
                 check_server(url, timeout_s=1.0)
                 return
@@ -224,7 +279,13 @@ class EnvServer:
                 time.sleep(0.1)
         self.close()
         raise AgentError(f"rollout.environment_args.app={self.spec.app}: its server did not answer within "
-                         f"{self.spec.timeout_s:g} s (rollout.environment_args.timeout_s)")
+                         f"{self.spec.timeout_s:g} s (rollout.environment_args.timeout_s; its log: {self.log})")
+
+    def _last_line(self) -> str:
+        with contextlib.suppress(OSError):
+            lines = self.log.read_bytes()[-4096:].decode(errors="replace").strip().splitlines()
+            return lines[-1][-300:] if lines else ""
+        return ""
 
     def close(self) -> None:
         """Stop the app's server (nothing for a ``url``)."""
@@ -258,6 +319,14 @@ def describe(spec: OpenEnvSpec) -> str:
             "are each episode's first observation (rollout.max_model_len: the model's unless set)")
 
 
+def reply_text(message: Any) -> str:
+    """The model's reply as the action's text: the message's content, and any tool calls the rollout server parsed
+    off it put back as the Hermes ``<tool_call>`` blocks the model wrote (an OpenEnv action is the whole reply)."""
+    calls = [f'<tool_call>\n{{"name": {json.dumps(c.function.name)}, "arguments": {c.function.arguments}}}\n</tool_call>'
+             for c in (message.tool_calls or [])]
+    return "\n".join([message.content or "", *calls]).strip() if calls else (message.content or "")
+
+
 def episode_agent(spec: OpenEnvSpec, server: EnvServer) -> Agent:
     """An :data:`alignment.rollout.agents.programs.Agent` that plays one episode (the module docstring) and returns
     the sum of its step rewards.
@@ -284,7 +353,7 @@ def episode_agent(spec: OpenEnvSpec, server: EnvServer) -> Agent:
                 if choice.finish_reason == "length" and not (reply.usage and reply.usage.completion_tokens):
                     break  # the episode's budget is spent: the server generated nothing
                 messages.append(choice.message.model_dump(exclude_none=True))
-                result = await env.step(spec.action(**{spec.action_field: choice.message.content or ""}))
+                result = await env.step(spec.action(**{spec.action_field: reply_text(choice.message)}))
                 total += float(result.reward or 0.0)
                 if not result.done:
                     messages.append({"role": "user",

@@ -54,18 +54,38 @@ class EpisodeLoop:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="megalign-episodes", daemon=True)
+        self.error: BaseException | None = None  # what stopped the loop (a task's SystemExit or KeyboardInterrupt)
+        self.thread = threading.Thread(target=self._forever, name="megalign-episodes", daemon=True)
         self.thread.start()
+
+    def _forever(self) -> None:
+        try:
+            self.loop.run_forever()
+        except BaseException as e:  # noqa: BLE001 - kept for run(), which raises it on the calling thread
+            self.error = e
 
     def run(self, coroutine: Coroutine[Any, Any, T], serve: Callable[[Callable[[], bool]], object]) -> T:
         """Run ``coroutine`` on the loop while ``serve(until)`` works on the calling thread until ``until()`` (the
-        coroutine is done); returns its result or raises its error (cancelled if ``serve`` raises)."""
+        coroutine is done, or the loop stopped); returns its result or raises its error (cancelled if ``serve``
+        raises).
+
+        Raises:
+            RuntimeError: the loop stopped (an episode raised ``SystemExit`` or ``KeyboardInterrupt``, which
+                asyncio lets out of its loop), naming why; the loop is not used again.
+        """
+        if not self.thread.is_alive():
+            coroutine.close()
+            raise RuntimeError(f"the episodes' event loop stopped earlier ({self.error!r})")
         future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
         try:
-            serve(future.done)
+            serve(lambda: future.done() or not self.thread.is_alive())
         except BaseException:
             future.cancel()
             raise
+        if not future.done():  # the loop's thread died under it: the future will never be done
+            self.thread.join(timeout=5)
+            raise RuntimeError(f"the episodes' event loop stopped: an episode raised {self.error!r}, which asyncio "
+                               "does not contain; no episode of this phase is kept")
         return future.result()
 
 

@@ -104,13 +104,17 @@ class RolloutServer:
             waited for it): until every episode being played (:meth:`playing`) has a request queued, or no
             request arrived for ``batch_window_s`` (an episode running a tool), or ``batch_max_wait_s`` passed.
         model: the model name ``/v1/models`` lists and replies carry.
+        max_model_len: the engine's context (``rollout.max_model_len``): a request whose episode's prompt and
+            budget pass it is refused (HTTP 400, naming both; the episode fails and is counted) instead of
+            reaching the engine, which would fail the whole batch. None: not checked (every prompt was fitted).
     """
 
     def __init__(self, turns: TurnTokens, generate: Generate, max_tokens: int,
                  defaults: SamplingConfig | None = None, tool_stop: Sequence[str] = ("</tool_call>",),
                  model: str = "megalign-policy", stop_strings: bool = True, max_tokens_per_turn: int | None = None,
-                 batch_window_s: float = 0.05, batch_max_wait_s: float = 1.0):
+                 batch_window_s: float = 0.05, batch_max_wait_s: float = 1.0, max_model_len: int | None = None):
         self.turns, self.generate, self.max_tokens = turns, generate, max_tokens
+        self.max_model_len = max_model_len
         self.batch_window_s, self.batch_max_wait_s = batch_window_s, batch_max_wait_s
         self._playing = 0  # episodes being played (the agent runner's count)
         self.defaults = defaults or SamplingConfig()
@@ -289,6 +293,11 @@ class RolloutServer:
                 if not isinstance(prompt, list) or not prompt or not all(isinstance(i, int) for i in prompt):
                     raise _BadRequest("prompt: a string or a list of token ids is required")
                 ids = session.request_token_ids(prompt)
+            if self.max_model_len is not None and len(session.prompt_ids) + session.max_tokens > self.max_model_len:
+                raise _BadRequest(f"episode {episode}: its prompt is {len(session.prompt_ids)} tokens, which with "
+                                  f"the episode's budget of {session.max_tokens} (rollout.max_tokens) passes "
+                                  f"rollout.max_model_len={self.max_model_len}; raise rollout.max_model_len or "
+                                  "shorten the prompt")
             turn_cap = min(session.budget, self.max_tokens_per_turn or session.budget)
             sampling = _sampling(body, self.defaults, turn_cap, stop, self.stop_strings)
             if self.force is not None:
