@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from alignment.algorithms.config import routing_replay
 from alignment.config import JobConfig, config_yaml, fit_context, job_config, parallel_sizes, validate
 from alignment.data.text_files import read_jsonl
 from alignment.models.config import lora_spec
@@ -175,7 +176,8 @@ def serve_as_rollout_rank(cfg, hf_dir: Path, hf_config) -> None:
     group, r = trainer_rollout_group(), cfg.rollout
     trainers = group.size - r.rollout_ranks
     engine = build_engine(r, seed=cfg.seed, dtype=cfg.model.dtype, hf_dir=hf_dir, policy=None, vocab_size=text_config(hf_config).vocab_size,
-                          rank=group.rank - trainers, data_parallel_size=1, steps=cfg.trainer.steps)
+                          rank=group.rank - trainers, data_parallel_size=1, steps=cfg.trainer.steps,
+                          record_routing=routing_replay(cfg.algorithm) == "r3")
     resharder = Resharder(None, rollout_layout(get_bridge(hf_config), cfg), vllm_tp=r.tensor_parallel_size,
                           bucket_bytes=r.sync_bucket_mb << 20, group=group, dtype=getattr(torch, cfg.model.dtype),
                           device="cuda" if torch.cuda.is_available() else "cpu")

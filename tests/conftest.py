@@ -76,6 +76,17 @@ def run_jobs(*jobs: Job, nproc: int = 2, timeout: int = 900) -> list[dict]:
     return [j.summary() for j in jobs]
 
 
+def run_vllm_worker(worker: str, workdir: Path, timeout: int = 600) -> dict:
+    """Run ``tests/dist/<worker> <workdir> <result>`` in a Python process of its own (vLLM's in-process engine,
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, its KV cache 1 GiB) and return the JSON it wrote to ``result``."""
+    result = Path(workdir) / f"{Path(worker).stem}.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "dist" / worker), str(workdir), str(result)],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    return json.loads(result.read_text())
+
+
 def run_torchrun_killed(worker: str, *args: str, log: Path, nproc: int = 2, timeout: int = 900) -> int:
     """Run ``tests/dist/<worker>`` as :func:`run_torchrun` does, for a worker that kills itself
     (SIGKILL of its process group): output to ``log`` (a file, not a pipe: the killed ranks' helper

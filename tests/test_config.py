@@ -330,12 +330,14 @@ def test_model_families_and_experts_are_validated_before_start():
         validate(cfg("algorithm.routing_replay=r2"), world_size=2, hf_config=moe)
     with pytest.raises(ConfigError, match=r"algorithm.routing_replay=r2: the model is dense"):
         validate(cfg("algorithm.routing_replay=r2", "algorithm.ppo_epochs=2"), world_size=2, hf_config=SMOLLM2)
-    # r3: the rollout engine's routing, which the Megatron backend records, at EP=2 too (TP=1)
+    # r3: the rollout engine's routing, which both backends record, at EP=2 too (TP=1 for the Megatron engine)
     validate(cfg("algorithm.routing_replay=r3", "rollout.backend=megatron", "parallel.expert_model_parallel_size=2"),
              world_size=2, hf_config=moe)
-    with pytest.raises(ConfigError, match=r"algorithm.routing_replay=r3 .* which rollout.backend=vllm does not report "
-                                          r".* set rollout.backend=megatron, or algorithm.routing_replay=r2"):
-        validate(cfg("algorithm.routing_replay=r3"), world_size=2, hf_config=moe)
+    validate(cfg("algorithm.routing_replay=r3", "parallel.expert_model_parallel_size=2"), world_size=2, hf_config=moe)
+    with pytest.raises(ConfigError, match=r"algorithm.routing_replay=r3 .* which episodes played through the rollout "
+                                          r"server \(rollout.agent, .*\) do not carry; set algorithm.routing_replay=r2"):
+        validate(cfg("algorithm.routing_replay=r3", "rollout.agent=tests.test_agents:chatty"), world_size=2,
+                 hf_config=moe)
     with pytest.raises(ConfigError, match=r"algorithm.routing_replay='r9': valid values are none, r2, r3"):
         validate(cfg("algorithm.routing_replay=r9"), world_size=2, hf_config=moe)
     with pytest.raises(ConfigError, match=r"algorithm.routing_replay=r2 is set, but algorithm.name=rft has no such "

@@ -249,7 +249,8 @@ def test_qwen3_moe_with_expert_parallelism(tmp_path):
     vLLM's fused-MoE tensors; after every update the engine samples with the trained weights
     (token_mult_prob_error ~ 1, every engine parameter probed through its kernel); routing
     statistics and the load-balancing loss reach TensorBoard; and the first step equals the
-    same job's with all experts on every rank (EP=1)."""
+    same job's with all experts on every rank (EP=1). Then R3: sampled by the Megatron engine at EP=2, and by vLLM
+    (its routes recorded inside the engine) at EP=2 and at TP=2."""
     from tests.dist.tiny_models import save_tiny_dir
 
     model_dir = save_tiny_dir(tmp_path / "moe", "qwen3_moe")
@@ -260,13 +261,22 @@ def test_qwen3_moe_with_expert_parallelism(tmp_path):
     # R3 (the third job): the Megatron engine generates at EP=2 (both ranks' forwards in lockstep) and records
     # each token's experts; the old-logprob pass and both mini-batch updates replay them
     r3_common = [c for c in common if c != "rollout.check_weight_sync=true"]
-    ep2, ep1, r3 = run_jobs(  # one launch, the jobs in turn
+    # R3 from vLLM (the fourth and fifth): its routers' choices recorded inside the engine, replayed at EP=2 and at
+    # TP=2 (one vLLM engine over both ranks there, each rank recording); the second step's samples come from the synced weights (their routes too, or the replay would break
+    # token_mult_prob_error)
+    r3_vllm = ["algorithm.routing_replay=r3", "algorithm.num_mini_batches=2", "trainer.export_hf=false", *common]
+    ep2, ep1, r3, r3_vllm_ep2, r3_vllm_tp2 = run_jobs(  # one launch, the jobs in turn
         Job("grpo", model_dir, tmp_path / "ep2", ["trainer.steps=2", "parallel.expert_model_parallel_size=2", *common]),
         Job("grpo", model_dir, tmp_path / "ep1", ["trainer.steps=1", "parallel.expert_model_parallel_size=1", *common]),
         Job("grpo", model_dir, tmp_path / "r3", ["trainer.steps=2", "parallel.expert_model_parallel_size=2",
                                                  "rollout.backend=megatron", "algorithm.routing_replay=r3",
                                                  "algorithm.num_mini_batches=2", "trainer.export_hf=false",
-                                                 *r3_common]))
+                                                 *r3_common]),
+        Job("grpo", model_dir, tmp_path / "r3_vllm_ep2", ["trainer.steps=2", "parallel.expert_model_parallel_size=2",
+                                                          *r3_vllm]),
+        Job("grpo", model_dir, tmp_path / "r3_vllm_tp2", ["trainer.steps=2", "parallel.tensor_model_parallel_size=2",
+                                                          "parallel.sequence_parallel=true", "rollout.tensor_parallel_size=2",
+                                                          *r3_vllm]))
     runs = {2: ep2["history"], 1: ep1["history"]}
     first, second = runs[2]
     for m in (first, second):
@@ -291,9 +301,10 @@ def test_qwen3_moe_with_expert_parallelism(tmp_path):
     # R3: the old pass's logprobs of the sampled tokens are the engine's (fp32). The routers' own choices agree
     # with the rollout's in the old pass and first update (tests/test_families.py: exactly) but not all after the
     # first update moved the weights
-    for m in r3["history"]:
-        assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, m
-        assert 0.5 < m["moe/routing_agreement"] < 1.0 and m["grad_norm"] > 0.0, m
+    for name, run in (("megatron", r3), ("vllm_ep2", r3_vllm_ep2), ("vllm_tp2", r3_vllm_tp2)):
+        for m in run["history"]:
+            assert 1.0 <= m["token_mult_prob_error"] < 1.0 + 1e-4, (name, m)
+            assert 0.5 < m["moe/routing_agreement"] < 1.0 and m["grad_norm"] > 0.0, (name, m)
 
 
 @pytest.mark.heavy(cheap="tests/test_agent_e2e.py::test_grpo_trains_on_an_openai_client_agents_episodes")

@@ -7,26 +7,16 @@ in-place reload left the CPU-packed LM head on the old weights (error 0.75)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import run_vllm_worker
 
 pytestmark = pytest.mark.slow  # launches processes: the full suite only (CONTRIBUTING.md, test tiers)
 
 
 def test_update_weights_reaches_the_engine(tmp_path):
-    result = tmp_path / "sync.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/dist/vllm_sync_worker.py"), str(tmp_path), str(result)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    r = json.loads(result.read_text())
+    r = run_vllm_worker("vllm_sync_worker.py", tmp_path)
     # full HF tensors, then vLLM-layout tensors (fused qkv_proj / gate_up_proj) streamed in buckets and
     # checked by the probe, then Qwen3-MoE (fused experts stacked from per-expert Megatron shards, prepacked
     # again by the engine): after the update within 1e-4 of transformers on the new weights; before it,

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from alignment.algorithms.config import ROUTING_REPLAY, GRPOFamilyConfig, check_estimators
 from alignment.data.config import check_prompt_source
+from alignment.rollout.config import played_by_agents
 from alignment.schema import ConfigError
 
 if TYPE_CHECKING:
@@ -67,13 +68,13 @@ def routing_replay(a: GRPOFamilyConfig, dims: ModelDims) -> None:
 
 
 def rollout_routing(cfg: JobConfig) -> None:
-    """``algorithm.routing_replay=r3`` replays the rollout engine's routing, which only
-    ``rollout.backend=megatron`` records (vLLM 0.32 reports routed experts only with its Model Runner
-    V2, which needs Triton) and only for single-turn samples."""
+    """``algorithm.routing_replay=r3`` replays the rollout engine's routing, which both engines record
+    (vLLM's inside the engine: :mod:`alignment.rollout.engines.vllm_routes`), but not for episodes played
+    through the rollout server by agents or an environment hub."""
     r = cfg.rollout
     if cfg.algorithm.routing_replay != "r3":
         return
-    if r.backend != "megatron":
-        raise ConfigError(f"algorithm.routing_replay=r3 replays the experts the rollout engine routed each token to, "
-                          f"which rollout.backend={r.backend} does not report (vLLM 0.32 only with Model Runner V2, "
-                          "on GPUs); set rollout.backend=megatron, or algorithm.routing_replay=r2")
+    if played_by_agents(r):
+        raise ConfigError("algorithm.routing_replay=r3 replays the experts the rollout engine routed each token to, "
+                          "which episodes played through the rollout server (rollout.agent, rollout.agent_command, "
+                          f"rollout.environment={r.environment}) do not carry; set algorithm.routing_replay=r2 or none")

@@ -8,9 +8,10 @@
   no sync; it also runs where vLLM cannot be installed. Whole-model replicas or tensor parallel
   ones (every rank of a TP group generates the same prompts together, with the same sampling
   stream), and expert-parallel MoE policies at TP = 1; PP = CP = 1 and no sequence parallelism for
-  now (:func:`alignment.config.validate` says so before any process group starts). With
-  ``algorithm.routing_replay=r3`` a MoE policy's samples carry the experts each token was routed to
-  (``Sample.routed_experts``), which the trainer replays.
+  now (:func:`alignment.config.validate` says so before any process group starts).
+
+With ``algorithm.routing_replay=r3`` either engine records the experts a MoE policy routed each token to
+(``Sample.routed_experts``), which the trainer replays.
 """
 
 from __future__ import annotations
@@ -49,8 +50,7 @@ def build_engine(r: RolloutConfig, *, seed: int, dtype: str, hf_dir: Path, polic
         rank: global rank (seeds each vLLM engine differently; the ``megatron`` backend seeds
             by data-parallel rank, so the ranks of one TP group sample alike).
         data_parallel_size: sizes the ``megatron`` backend's KV cache for one step's rows per rank.
-        record_routing: the ``megatron`` backend records a MoE policy's routing
-            (``algorithm.routing_replay=r3``).
+        record_routing: the engine records a MoE policy's routing (``algorithm.routing_replay=r3``).
         steps: the RL steps the run will do (``rollout.enforce_eager=null`` compiles vLLM when they pay a
             cold compile back: :func:`alignment.rollout.engines.compile_cache.choose_enforce_eager`).
     Raises:
@@ -61,7 +61,7 @@ def build_engine(r: RolloutConfig, *, seed: int, dtype: str, hf_dir: Path, polic
                           gpu_memory_utilization=r.gpu_memory_utilization,
                           seed=seed + rank // r.tensor_parallel_size,
                           tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager,
-                          dtype=dtype, steps=steps)
+                          dtype=dtype, steps=steps, record_routing=record_routing)
     if r.backend == "megatron":
         from megatron.core import parallel_state as ps
         from megatron.core.utils import unwrap_model

@@ -9,14 +9,18 @@ updates the engine had taken since the batch began (``Sample.weight_updates``), 
 which policy sampled which token: the rollout-correction weights ``pi_old / pi_rollout`` are per token
 already (decoupled PPO, Hilton et al. 2021), and ``rollout/token_staleness`` counts updates per token.
 This is the continuation scheme of slime's ``--partial-rollout`` and AReaL's interruptible generation,
-at chunk granularity (vLLM's offline ``LLM`` has no mid-request weight swap).
+at chunk granularity (vLLM's offline ``LLM`` has no mid-request weight swap). With routing replay R3 each
+position keeps the experts of the chunk that first routed it (the one that sampled the token after it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from alignment.data.samples import Sample, SamplingConfig
+from alignment.rollout.engines.routed_experts import earliest_routes
 
 
 @dataclass
@@ -28,6 +32,7 @@ class PartialRow:
     logprobs: list[float] = field(default_factory=list)
     updates: list[int] = field(default_factory=list)
     finished: bool = False
+    routed: torch.Tensor | None = None  # [positions, layers, k] (R3): each position's first chunk's routing
 
 
 class PartialGeneration:
@@ -64,6 +69,7 @@ class PartialGeneration:
             row.logprobs += s.logprobs
             row.updates += [updates] * len(s.response_ids)
             row.finished = s.finished
+            row.routed = earliest_routes(row.routed, s.routed_experts)
             added += len(s.response_ids)
         self.chunks += 1
         return added
@@ -77,6 +83,7 @@ class PartialGeneration:
             for r in self.rows[k:k + self.n]:
                 text = tokenizer.decode(r.ids, skip_special_tokens=True) if tokenizer is not None else ""
                 group.append(Sample(r.prompt, list(r.ids), list(r.logprobs), text, r.finished,
-                                    weight_updates=list(r.updates) if any(r.updates) else None))
+                                    weight_updates=list(r.updates) if any(r.updates) else None,
+                                    routed_experts=r.routed))
             out.append(group)
         return out

@@ -68,3 +68,17 @@ class GenerationRouting:
         table = (self.table.cpu() if self.table is not None
                  else torch.full((self.rows, self.length, self.layers, self.topk), -1, dtype=torch.int16))
         return list(table.unbind(0))
+
+
+def earliest_routes(earlier: torch.Tensor | None, later: torch.Tensor | None) -> torch.Tensor | None:
+    """A sample continued by another engine call (a multi-turn episode's next turn, a partial rollout's next
+    chunk), whose ``later`` routing table ``[positions, layers, k]`` covers the positions of ``earlier``'s and
+    more: each position keeps the routing of the call that first routed it (the one that sampled the token
+    after it), -1 entries filled from ``later``. None when ``later`` is (the engine records no routing)."""
+    if later is None:
+        return None
+    table = later.clone()
+    if earlier is not None:
+        known = earlier.shape[0]
+        table[:known] = torch.where(earlier >= 0, earlier, table[:known])
+    return table

@@ -18,7 +18,7 @@ from typing import Iterable
 import torch
 
 from alignment.models.families import vllm_hf_overrides
-from alignment.rollout.engines import vllm_cpu_shm
+from alignment.rollout.engines import vllm_cpu_shm, vllm_routes
 from alignment.data.samples import OnDone, Sample, SamplingConfig
 from alignment.rollout.base import step_seed
 from alignment.rollout.engines.compile_cache import choose_enforce_eager, compile_cache
@@ -128,6 +128,9 @@ class VLLMEngine:
             back; eager otherwise. A compiled engine keeps its compile in ``$MEGALIGN_CACHE/compile``
             (:mod:`alignment.rollout.engines.compile_cache`), so only the first run on a machine compiles.
         steps: the generation rounds the run will do (RL steps), for ``enforce_eager=None``; None: unknown.
+        record_routing: a mixture-of-experts model's samples carry ``routed_experts`` ``[P + R, layers, k]``,
+            the experts vLLM's own routers chose for each token (R3), recorded inside the engine
+            (:mod:`alignment.rollout.engines.vllm_routes`).
     Attributes:
         compiled: whether vLLM runs compiled; ``compile_note``: why (one line, for the job's log).
         shm_token: a TP>1 engine on CPU: the token in its shared-memory names (:mod:`alignment.rollout.engines.vllm_cpu_shm`).
@@ -137,7 +140,8 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str, *, max_model_len: int = 1024, kv_cache_gib: float = 1.0,
                  gpu_memory_utilization: float = 0.3, seed: int = 0, dtype: str = "float32",
-                 tensor_parallel_size: int = 1, enforce_eager: bool | None = None, steps: int | None = None):
+                 tensor_parallel_size: int = 1, enforce_eager: bool | None = None, steps: int | None = None,
+                 record_routing: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
             from vllm import LLM
@@ -192,6 +196,9 @@ class VLLMEngine:
         self.compile_note = (f"vLLM {'compiled' if self.compiled else 'eager'} ({why}; "
                              f"{'warm' if warm else 'cold'} compile cache {cache.path}), engine start {start_s:.1f} s")
         self.tokenizer = self.llm.get_tokenizer()
+        self.record_routing = record_routing
+        if record_routing:
+            self.llm.collective_rpc(vllm_routes.bind)
         self.shares_trainer_weights = False
         self.generates_per_replica = False
 
@@ -282,15 +289,36 @@ class VLLMEngine:
                                            f"{len(done.prompt_token_ids)} prompt tokens, the trainer's image "
                                            f"processor into {len(prompts[i])}: their image processors differ")
                     out[i] = [self._sample(prompts[i], c) for c in done.outputs]
+                    if self.record_routing:
+                        self._add_routes(ids[i], params.n, out[i])
                     if on_done is not None:
                         on_done(i, out[i])
         except BaseException:  # on_done raised, or an interrupt: leave no request behind for the next call
             engine.abort_request([rid for rid, o in zip(ids, out) if o is None], internal=True)
+            if self.record_routing:
+                self.llm.collective_rpc(vllm_routes.clear)
             raise
         missing = [i for i, o in enumerate(out) if o is None]
         if missing:
             raise RuntimeError(f"VLLMEngine.generate: vLLM returned nothing for prompts {missing[:8]}")
         return out
+
+    def _add_routes(self, request_id: str, n: int, samples: list[Sample]) -> None:
+        """Each of a prompt's ``samples`` (vLLM's request ``request_id``, its internal id; with ``n`` > 1 each
+        sample is a child request ``{index}_{request_id}``, as vLLM's ``ParentRequest`` names them) gets the
+        routing its forwards recorded (the last token, sampled but never fed back, -1).
+
+        Raises:
+            RuntimeError: no forward of a sample was recorded (vLLM named its requests otherwise).
+        """
+        core = [request_id] if n == 1 else [f"{k}_{request_id}" for k in range(n)]
+        tables = self.llm.collective_rpc(vllm_routes.take, args=(core, [len(s.prompt_ids) + len(s.response_ids)
+                                                                          for s in samples]))[0]
+        for name, s, table in zip(core, samples, tables):
+            if table is None:
+                raise RuntimeError(f"VLLMEngine.generate: no routing was recorded for vLLM request {name!r}: its "
+                                   "engine-core request ids changed form")
+            s.routed_experts = table
 
     def _request(self, prompt: list[int]) -> dict:
         """vLLM's prompt for ``prompt``: its token ids, or for an :class:`ImagePrompt` its ids with each

@@ -32,6 +32,7 @@ from alignment.envs.factory import build_environment
 from alignment.data.samples import OnDone, Sample, SamplingConfig
 from alignment.rollout.engines.factory import eos_token_ids
 from alignment.rollout.engines.image_prompts import ImagePrompt, image_prompts, images_of
+from alignment.rollout.engines.routed_experts import earliest_routes
 from alignment.rollout.episodes.turn_tokens import TurnTokens
 
 __all__ = ["run_episodes", "EpisodeSetup", "episode_setup", "EPISODE_COUNTS", "cut_sample"]
@@ -82,12 +83,8 @@ class _Episode:
     updates: list[int] = field(default_factory=list)  # per response token: Sample.weight_updates
 
     def add_turn(self, s: Sample) -> None:
-        if s.routed_experts is not None:  # the turn's prompt is the episode so far: it covers every position
-            table = s.routed_experts.clone()
-            if self.routed is not None:  # a position keeps the routing of the turn that sampled it
-                known = self.routed.shape[0]
-                table[:known] = torch.where(self.routed >= 0, self.routed, table[:known])
-            self.routed = table
+        # the turn's prompt is the episode so far: it covers every position; each keeps its first turn's routing
+        self.routed = earliest_routes(self.routed, s.routed_experts)
         self.ids += s.response_ids
         self.logprobs += s.logprobs
         self.updates += s.weight_updates or [0] * len(s.response_ids)
