@@ -35,6 +35,26 @@ class PartialRow:
     routed: torch.Tensor | None = None  # [positions, layers, k] (R3): each position's first chunk's routing
 
 
+def grow_rows(engine, rows: list[PartialRow], sampling: SamplingConfig, chunk_tokens: int, version: int) -> int:
+    """One chunk of at most ``chunk_tokens`` tokens (and what is left of ``sampling.max_tokens``) for each of
+    ``rows`` by ``engine``, which continues each row's prompt + its tokens so far; each new token tagged with
+    ``version`` (``PartialRow.updates``), each position keeping the routing of the call that first routed it.
+    Returns the tokens added (0 for no rows)."""
+    if not rows:
+        return 0
+    budget = min(chunk_tokens, *(sampling.max_tokens - len(r.ids) for r in rows))
+    out = engine.generate([r.prompt + r.ids for r in rows], replace(sampling, n=1, max_tokens=budget))
+    added = 0
+    for row, [s] in zip(rows, out):
+        row.ids += s.response_ids
+        row.logprobs += s.logprobs
+        row.updates += [version] * len(s.response_ids)
+        row.finished = s.finished
+        row.routed = earliest_routes(row.routed, s.routed_experts)
+        added += len(s.response_ids)
+    return added
+
+
 class PartialGeneration:
     """``sampling.n`` rows for each of ``prompts``, generated ``chunk_tokens`` at a time by :meth:`step`.
 
@@ -56,22 +76,8 @@ class PartialGeneration:
     def step(self, engine, updates: int) -> int:
         """One chunk for every live row by ``engine`` (a :class:`alignment.rollout.base.RolloutEngine`),
         whose weights have taken ``updates`` updates since the batch began; returns the tokens added."""
-        live = self.live()
-        if not live:
-            return 0
-        budget = min(self.chunk_tokens, *(self.sampling.max_tokens - len(self.rows[i].ids) for i in live))
-        chunk = replace(self.sampling, n=1, max_tokens=budget)
-        out = engine.generate([self.rows[i].prompt + self.rows[i].ids for i in live], chunk)
-        added = 0
-        for i, [s] in zip(live, out):
-            row = self.rows[i]
-            row.ids += s.response_ids
-            row.logprobs += s.logprobs
-            row.updates += [updates] * len(s.response_ids)
-            row.finished = s.finished
-            row.routed = earliest_routes(row.routed, s.routed_experts)
-            added += len(s.response_ids)
-        self.chunks += 1
+        added = grow_rows(engine, [self.rows[i] for i in self.live()], self.sampling, self.chunk_tokens, updates)
+        self.chunks += bool(added)
         return added
 
     def samples(self, tokenizer) -> list[list[Sample]]:
