@@ -334,6 +334,9 @@ def test_model_families_and_experts_are_validated_before_start():
     validate(cfg("algorithm.routing_replay=r3", "rollout.backend=megatron", "parallel.expert_model_parallel_size=2"),
              world_size=2, hf_config=moe)
     validate(cfg("algorithm.routing_replay=r3", "parallel.expert_model_parallel_size=2"), world_size=2, hf_config=moe)
+    with pytest.raises(ConfigError, match=r"algorithm.routing_replay=r3 records vLLM's routers' choices through a "
+                                          r"Python hook, which a compiled engine skips; leave rollout.enforce_eager unset"):
+        validate(cfg("algorithm.routing_replay=r3", "rollout.enforce_eager=false"), world_size=2, hf_config=moe)
     with pytest.raises(ConfigError, match=r"algorithm.routing_replay=r3 .* which episodes played through the rollout "
                                           r"server \(rollout.agent, .*\) do not carry; set algorithm.routing_replay=r2"):
         validate(cfg("algorithm.routing_replay=r3", "rollout.agent=tests.test_agents:chatty"), world_size=2,

@@ -102,7 +102,7 @@ class GRPOFamilyConfig(PolicyGradientConfig):
     # in every update of the batch, so the PPO ratio compares one sub-network; needs ppo_epochs or
     # num_mini_batches > 1) | r3 (the experts the rollout engine routed each token to are forced in every
     # training pass, so the trainer runs the sub-network that sampled; either engine records them, vLLM's
-    # inside the engine; not for episodes played by agents). moe/routing_agreement: the share of (token, layer) pairs whose own experts in
+    # inside the engine, which then runs eager; not for episodes played by agents). moe/routing_agreement: the share of (token, layer) pairs whose own experts in
     # training equal the rollout's (r3) or the old pass's (r2; none with several updates)
     routing_replay: str = "none"
 

@@ -74,6 +74,9 @@ def rollout_routing(cfg: JobConfig) -> None:
     r = cfg.rollout
     if cfg.algorithm.routing_replay != "r3":
         return
+    if r.backend == "vllm" and r.enforce_eager is False:
+        raise ConfigError("algorithm.routing_replay=r3 records vLLM's routers' choices through a Python hook, which a "
+                          "compiled engine skips; leave rollout.enforce_eager unset (r3 runs vLLM eager) or set it true")
     if played_by_agents(r):
         raise ConfigError("algorithm.routing_replay=r3 replays the experts the rollout engine routed each token to, "
                           "which episodes played through the rollout server (rollout.agent, rollout.agent_command, "

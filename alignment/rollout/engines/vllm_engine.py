@@ -130,7 +130,8 @@ class VLLMEngine:
         steps: the generation rounds the run will do (RL steps), for ``enforce_eager=None``; None: unknown.
         record_routing: a mixture-of-experts model's samples carry ``routed_experts`` ``[P + R, layers, k]``,
             the experts vLLM's own routers chose for each token (R3), recorded inside the engine
-            (:mod:`alignment.rollout.engines.vllm_routes`).
+            (:mod:`alignment.rollout.engines.vllm_routes`); the engine then runs eager (the capture hook is
+            Python, which a compiled forward skips), whatever ``enforce_eager`` says.
     Attributes:
         compiled: whether vLLM runs compiled; ``compile_note``: why (one line, for the job's log).
         shm_token: a TP>1 engine on CPU: the token in its shared-memory names (:mod:`alignment.rollout.engines.vllm_cpu_shm`).
@@ -178,7 +179,10 @@ class VLLMEngine:
         cache = compile_cache(model_dir, dtype=dtype, max_model_len=max_model_len,
                               tensor_parallel_size=tensor_parallel_size)
         warm = cache.warm
-        enforce_eager, why = choose_enforce_eager(enforce_eager, warm=warm, steps=steps)
+        if record_routing:  # the routers' capture hook is Python: a compiled (or CUDA-graph) forward never calls it
+            enforce_eager, why = True, "routing replay r3 records the routers' choices in the eager forward"
+        else:
+            enforce_eager, why = choose_enforce_eager(enforce_eager, warm=warm, steps=steps)
         if not enforce_eager:
             cache.activate()
         # vLLM freezes its whole heap once it has started (vllm/utils/gc_utils.freeze_gc_heap). Freezing what is alive

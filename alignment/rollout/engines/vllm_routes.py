@@ -109,9 +109,16 @@ class EngineRoutes:
         known = self.known.pop(req_id, 0)
         if table is None:
             return None
+        if not self.moe_layers:
+            raise RuntimeError("routing replay r3 with vLLM: the engine's routers reported no choice (a compiled or "
+                               "CUDA-graph forward skips their capture hook); run the engine eager")
         out = torch.full((length, self.layers, self.topk), -1, dtype=torch.int16)
         n = min(length, known)
         out[:n] = table[:n]
+        missing = int((out[: length - 1][:, sorted(self.moe_layers)] < 0).any(-1).any(-1).sum())
+        if missing:  # replayed, an unknown position would be forced onto experts 0..k-1
+            raise RuntimeError(f"routing replay r3 with vLLM: request {req_id}: {missing} of {length - 1} positions "
+                               "have no recorded routing")
         return out
 
     def clear(self) -> None:
@@ -137,12 +144,21 @@ def bind(worker) -> int:
     block = runner.input_batch.block_table[0]
     slots = runner.cache_config.num_gpu_blocks * runner.cache_config.block_size
     slots = max(slots, int(block.block_table.np.max(initial=0) + 1) * block.block_size)
+    if getattr(runner, "speculative_config", None) is not None:
+        raise RuntimeError("routing replay r3 with vLLM: speculative decoding schedules draft tokens the recorder would "
+                           "take for accepted ones; turn it off")
     recorder = EngineRoutes(runner, config.num_hidden_layers, config.num_experts_per_tok, slots)
     bound = 0
     for module in model.modules():
-        if isinstance(module, MoERunner) and isinstance(module.router, BaseRouter):
-            module.router.set_capture_fn(partial(recorder.capture, module.layer_id))
-            bound += 1
+        if not isinstance(module, MoERunner):
+            continue
+        method = getattr(getattr(module, "routed_experts", None), "quant_method", None)
+        if getattr(method, "is_monolithic", False) or not isinstance(module.router, BaseRouter):
+            raise RuntimeError(f"routing replay r3 with vLLM: the MoE layer {module.layer_id} routes inside its kernel "
+                               f"({type(method).__name__}, router {type(module.router).__name__}), past the capture "
+                               "hook; set algorithm.routing_replay=r2")
+        module.router.set_capture_fn(partial(recorder.capture, module.layer_id))
+        bound += 1
     if not bound:
         raise RuntimeError(f"routing replay r3 with vLLM: {type(model).__name__} has no MoE router with vLLM's "
                            "capture hook (BaseRouter.set_capture_fn)")
