@@ -435,6 +435,9 @@ def _validate_vision_language(cfg, layout, dims) -> None:
         raise ConfigError(f"rollout.environment={r.environment}, rollout.max_turns={r.max_turns}: a vision-language "
                           "model's rollouts are single-turn so far; set rollout.environment=single_turn, "
                           "rollout.max_turns=1 and no rollout.agent / rollout.agent_command")
+    if r.partial_carry_over:
+        raise ConfigError("rollout.partial_carry_over=true continues text prompts, not yet a vision-language model's "
+                          "image prompts; set rollout.partial_carry_over=false")
     if cfg.trainer.shared_prompt_packing:
         raise ConfigError("trainer.shared_prompt_packing=true: a vision-language model's M-RoPE positions are per "
                           "row; set it to false (trainer.sequence_packing works)")
@@ -558,6 +561,9 @@ def validate(cfg: JobConfig, *, world_size: int, hf_config, tokenizer_size: int 
         raise ConfigError("algorithm.dynamic_sampling refills a batch after it was collected, which with "
                           "rollout.partial=true is after the weights changed, not counted per token yet; set one of "
                           "them to false")
+    if r.partial_carry_over and registry.of(cfg).trainer != "alignment.trainers.grpo":  # agents: max_staleness=0
+        raise ConfigError(f"rollout.partial_carry_over=true carries GRPO's single answers across steps, not "
+                          f"algorithm.name={a.name}'s; set rollout.partial_carry_over=false")
     if a.overlong_buffer_len and not 0 < a.overlong_buffer_len <= r.max_tokens:  # a reward term of every RL job
         raise ConfigError(f"algorithm.overlong_buffer_len={a.overlong_buffer_len} must be in (0, rollout.max_tokens="
                           f"{r.max_tokens}], or 0 to disable")

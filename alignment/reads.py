@@ -114,6 +114,7 @@ RULES = (
     Rule("rollout.gpu_memory_utilization", RL_ALGORITHMS, _vllm, "with rollout.backend=vllm"),
     Rule("rollout.sync_bucket_mb", RL_ALGORITHMS, _vllm, "with rollout.backend=vllm"),
     Rule("rollout.partial_chunk_tokens", RL_ALGORITHMS, lambda c: c.rollout.partial, "with rollout.partial=true"),
+    Rule("rollout.partial_carry_over", ("grpo",)),
     Rule("rollout.tools", RL_ALGORITHMS, lambda c: c.rollout.environment == "tools", "with rollout.environment=tools"),
     Rule("rollout.max_turns", RL_ALGORITHMS, lambda c: c.rollout.environment != "single_turn" and not _hub(c),
          "in a multi-turn rollout.environment (an environment hub's has its own)"),

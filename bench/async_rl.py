@@ -22,6 +22,10 @@ Modes (``rollout.max_staleness``, :mod:`launchers.loop`):
                   unfinished answers under them (``alignment/rollout/engines/partial.py``), in the default
                   chunks of 8 tokens; ``disaggregated partial chunk32``: chunks of 32 (fewer engine
                   calls, the update taken later)
+  partial carried   colocated, ``rollout.partial=true rollout.partial_carry_over=true`` with one-step-off's
+                  staleness: the next step's prompts are admitted ahead, each step trains the groups that
+                  finished first and the unfinished ones go on in the next steps under the next weights
+                  (``alignment/rollout/carryover.py``), in chunks of 32 tokens
 
 What 2 cores can show: whether training on one-step-old samples learns as well (accuracy), what
 each phase costs, and a disaggregated split of the cores (1 training, 1 generating) against
@@ -50,7 +54,8 @@ SPLIT = ["rollout.placement=disaggregated", "rollout.rollout_ranks=1"]
 MODES = {"sync": [], "one-step-off": OFF_POLICY, "disaggregated sync": SPLIT,
          "disaggregated one-step-off": SPLIT + OFF_POLICY,
          "disaggregated partial": SPLIT + OFF_POLICY + ["rollout.partial=true"],
-         "disaggregated partial chunk32": SPLIT + OFF_POLICY + ["rollout.partial=true", "rollout.partial_chunk_tokens=32"]}
+         "disaggregated partial chunk32": SPLIT + OFF_POLICY + ["rollout.partial=true", "rollout.partial_chunk_tokens=32"],
+         "partial carried": OFF_POLICY + ["rollout.partial=true", "rollout.partial_carry_over=true"]}
 PHASES = ("rollout", "logprobs", "train", "weight_sync")
 WORKLOADS = {"main": [], "long-tail": ["rollout.max_tokens=256", "rollout.eval_max_tokens=256", "rollout.kv_cache_gib=1",
                                       "model.dtype=float32"]}

@@ -34,7 +34,10 @@ the trainer share the ranks, so sampling ahead changes what is trained on, not t
 With rollout ranks of their own (``rollout.placement=disaggregated``) the farthest batch is
 posted before step ``s`` trains and collected after it (:class:`RolloutQueue`), so the engines
 sample it while the trainers train. Batches sampled ahead are not checkpointed: a resumed run
-samples them again (same prompts, by the resumed policy).
+samples them again (same prompts, by the resumed policy). With partial rollouts carried across steps
+(``rollout.partial_carry_over``, ``JobSpec.carried``: :mod:`launchers.carried`) nothing is sampled ahead: step
+``s`` admits its prompts into the pool in flight and trains the groups that finished first, every token no more
+than k updates old; checkpoints keep the prompts in flight, which a resumed run admits again.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from alignment.training.health import HealthMonitor
 from alignment.training.megatron_step import all_reduce_sum
 from alignment.training.offload import trainable
 from launchers import preemption
+from launchers.carried import saved_in_flight
 from launchers.common import Run, export_adapters
 from launchers.input_checks import DATA_POSITION_FILE, data_position
 from launchers.phase_log import record
@@ -154,11 +158,20 @@ def prompts_of_step(train_set: Sequence[Any], step: int, prompts_per_step: int, 
     ``train_set``: an :class:`alignment.data.prompt_data.EpochOrder` (epoch after epoch, each in its own
     order), or a list taken again from its start: the same for a step whether or not the run was resumed."""
 
+    return [item_at(train_set, i) for i in indices_of_step(step, prompts_per_step, dp_rank, dp)]
+
+
+def indices_of_step(step: int, prompts_per_step: int, dp_rank: int, dp: int) -> range:
+    """The positions in the prompt stream of this DP rank's share of step ``step`` (:func:`prompts_of_step`)."""
     per_rank = prompts_per_step // dp
     first = step * prompts_per_step + dp_rank * per_rank
-    if isinstance(train_set, EpochOrder):
-        return [train_set[first + i] for i in range(per_rank)]
-    return [train_set[(first + i) % len(train_set)] for i in range(per_rank)]
+    return range(first, first + per_rank)
+
+
+def item_at(train_set: Sequence[Any], i: int) -> Any:
+    """The item at position ``i`` of the prompt stream: ``train_set[i]`` of an
+    :class:`alignment.data.prompt_data.EpochOrder`, a list taken again from its start."""
+    return train_set[i] if isinstance(train_set, EpochOrder) else train_set[i % len(train_set)]
 
 
 def reward_server_failures() -> list[str]:
@@ -191,7 +204,8 @@ def reshard_and_exit(job: Run, models: Models, spec: JobSpec, latest: Path, step
     engine and the process groups. Collective. Returns ``{"resharded": path, "step": step}``."""
     record("checkpoint", step)
     ids = saved_ids(latest)  # the trackers' runs: the next resume continues them
-    files = {**(files or {}), **({IDS_FILE: json.dumps(ids)} if ids else {})}
+    files = {**(files or {}), **({IDS_FILE: json.dumps(ids)} if ids else {}),
+             **(spec.carried.save() if spec.carried is not None else {})}  # the prompts in flight, as loaded
     with job.timers("checkpoint"):
         save_models_checkpoint(latest.parent, step, spec.trained, config=job.resolved_config, files=files or None,
                                sharding=FULLY_RESHARDABLE)
@@ -231,7 +245,8 @@ class Checkpoints:
         with job.timers("checkpoint"):
             self.models.placement.keep(*self.units)
             ensure_space(self.dir, self._estimate, f"checkpoint step_{step}")
-            files = {**(self.position or {}), **job.tracker_files()}  # tracker run ids: rank 0's, which writes them
+            files = {**(self.position or {}), **job.tracker_files(),  # tracker run ids: rank 0's, which writes them
+                     **(self.spec.carried.save() if self.spec.carried is not None else {})}  # prompts in flight
             save_models_checkpoint(self.dir, step, self.spec.trained, config=job.resolved_config, files=files or None)
             if t.keep_last and job.rank == 0:  # the new one is complete: older ones may go
                 prune_checkpoints(self.dir, t.keep_last)
@@ -266,9 +281,21 @@ def rollout_queue(job: Run, models: Models, spec: JobSpec, start_step: int, step
                 engine.reseed(s)
 
     prefetches = spec.request is not None and getattr(models.engine, "prefetch", None) is not None
-    return RolloutQueue(lambda s, version: spec.collect(items(s), s, version),
-                        cfg.rollout.max_staleness if online else 0, start_step, steps_total,
+    ahead = cfg.rollout.max_staleness if online and spec.carried is None else 0  # carried: the pool's own staleness
+    return RolloutQueue(lambda s, version: spec.collect(items(s), s, version), ahead, start_step, steps_total,
                         post if prefetches else None, reseed=reseed if online else None)
+
+
+def start_in_flight(job: Run, spec: JobSpec, start_step: int, steps_total: int, latest: Path | None) -> None:
+    """``rollout.partial_carry_over``: the pool starts at ``start_step``, with the prompts in flight that checkpoint
+    ``latest`` kept admitted again; without a pool, a line saying such prompts will not be trained."""
+    saved = saved_in_flight(latest) if latest is not None else None
+    if spec.carried is not None:
+        spec.carried.start(start_step, steps_total, saved)
+    elif job.rank == 0 and saved is not None and saved["indices"]:
+        print(f"{latest} holds {len(saved['indices'])} prompts in flight (rollout.partial_carry_over=true when "
+              "saved), which this run does not train: resume with rollout.partial_carry_over=true to train them",
+              flush=True)
 
 
 def stop_on_reward_server_failures(step: int, start_step: int, checkpoints: Checkpoints) -> None:
@@ -306,7 +333,10 @@ def sync_and_measure(job: Run, models: Models, spec: JobSpec, queue: RolloutQueu
         times["rollout"] += queue.complete()
     metrics.update(engine_stats(models))  # rollout ranks of their own: the engines' busy / idle seconds
     metrics["rollout/staleness"] = float(step - rollout.version)
-    metrics.update(token_staleness(rollout.samples, step - rollout.version, replica_group().rank() == 0))
+    buckets = cfg.rollout.max_staleness + 1 if spec.carried is not None else 0  # carried: the ages' histogram
+    metrics.update(token_staleness(rollout.samples, step - rollout.version, replica_group().rank() == 0, buckets))
+    if spec.carried is not None:
+        metrics.update(spec.carried.metrics(rollout.info))
     metrics["data/epoch"] = (step + 1) * cfg.rollout.prompts_per_step / len(spec.train_set)  # passes so far
     metrics["reward/skipped_groups"] = skipped_groups(rollout.samples, cfg.rollout.group_size)
     return times
@@ -362,6 +392,7 @@ def run(job: Run, models: Models, spec: JobSpec) -> dict[str, Any]:
     spec.evaluation.baseline()
     checkpoints = Checkpoints(job, models, spec)
     start_step, latest = checkpoints.load_latest()  # every trained model (with its Adam state) resumes together
+    start_in_flight(job, spec, start_step, steps_total, latest)  # partial rollouts carried across steps
     if latest is not None:
         if t.reshard_checkpoint:
             return reshard_and_exit(job, models, spec, latest, start_step, checkpoints.position)

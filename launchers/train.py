@@ -28,7 +28,9 @@ from alignment.trainers import rl_phases  # noqa: E402
 from alignment.trainers.heldout import HeldoutAccuracy  # noqa: E402
 from alignment.trainers.interfaces import JobSpec  # noqa: E402
 from launchers import loop, offline_job, ppo_job  # noqa: E402
+from alignment.rollout.carryover import CarryOverPool  # noqa: E402
 from launchers.build import build_models  # noqa: E402
+from launchers.carried import CarriedPrompts  # noqa: E402
 from launchers.common import JOB_FILE_ENV, start  # noqa: E402
 from launchers.console import BAD_INPUT_EXIT, report_bad_input, route_third_party_output  # noqa: E402
 from launchers.phase_log import record_error  # noqa: E402
@@ -83,6 +85,8 @@ def run_rl(cfg: JobConfig, composed=None) -> dict:
     name = cfg.algorithm.name
     trainer = registry.get(name).trainer_module()
 
+    carried = carried_prompts(cfg, models, train)  # rollout.partial_carry_over: the pool in flight
+
     def collect(problems, step: int, version: int):
         from megatron.core import parallel_state as ps
 
@@ -91,7 +95,10 @@ def run_rl(cfg: JobConfig, composed=None) -> dict:
         def refill(k: int):  # more training problems (DAPO's dynamic sampling)
             return [train.items[rng.randrange(len(train))] for _ in range(k)]
 
-        return trainer.collect(models, problems, cfg, version, refill)
+        if carried is None:
+            return trainer.collect(models, problems, cfg, version, refill)
+        carried.admit_through(step)  # the prompts of steps up to step + max_staleness in flight
+        return trainer.collect(models, problems, cfg, version, carried=carried.pool)
 
     trained = {"policy": (models.policy, models.optimizer)}
     if has_section(cfg.algorithm, OnlineDPOConfig) and cfg.algorithm.ref_update == "iteration":
@@ -99,8 +106,25 @@ def run_rl(cfg: JobConfig, composed=None) -> dict:
     spec = JobSpec(name, train, collect,
                          lambda rollout: trainer.train(models, rollout, cfg), trained,
                          HeldoutAccuracy(job, models, heldout),
-                         request=lambda problems: rl_phases.request(models.tokenizer, problems, cfg))
+                         request=lambda problems: rl_phases.request(models.tokenizer, problems, cfg),
+                         carried=carried)
     return loop.run(job, models, spec)
+
+
+def carried_prompts(cfg: JobConfig, models, train) -> CarriedPrompts | None:
+    """``rollout.partial_carry_over``: this rank's pool of partial rollouts carried across steps over the training
+    order ``train``; None without it."""
+    from megatron.core import parallel_state as ps
+
+    r = cfg.rollout
+    if not r.partial_carry_over:
+        return None
+    pool = CarryOverPool(rl_phases.sampling_config(r), r.partial_chunk_tokens, r.max_staleness)
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    return CarriedPrompts(pool, lambda problems: rl_phases.request(models.tokenizer, problems, cfg)[0],
+                          lambda i: loop.item_at(train, i),
+                          lambda step: loop.indices_of_step(step, r.prompts_per_step, dp_rank, dp),
+                          r.max_staleness, dp_rank, dp)
 
 
 def main(argv: list[str] | None = None) -> None:

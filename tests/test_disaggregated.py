@@ -47,10 +47,11 @@ def test_the_split_is_validated_before_start():
         ((*SPLIT, "rollout.prompts_per_step=4"), 5, r"rollout.prompts_per_step=4 must be a multiple of the "
                                                     r"data-parallel size 3 \(world 3 /"),
         # partial rollouts: rollout ranks of their own, a batch sampled ahead, one rank per engine, single answers
-        (("rollout.partial=true", "rollout.max_staleness=1"), 2, "rollout.partial=true updates the engines' weights "
-                                                               "while they generate.* set rollout.placement=disaggr"),
-        ((*SPLIT, "rollout.partial=true"), 4, "rollout.max_staleness=0 samples nothing ahead; set "
-                                              "rollout.max_staleness=1"),
+        (("rollout.partial=true", "rollout.max_staleness=1"), 2, "rollout.partial=true within a step updates the "
+                                                               "engines' weights while they generate.* set rollout."
+                                                               "placement=disaggregated .*partial_carry_over=true"),
+        ((*SPLIT, "rollout.partial=true"), 4, "continues the batch sampled ahead under the new weights, but "
+                                              r"rollout.max_staleness=0 allows none; set rollout.max_staleness=1"),
         ((*SPLIT, "rollout.partial=true", "rollout.max_staleness=1", "rollout.tensor_parallel_size=2"), 4,
          "not yet of rollout.tensor_parallel_size=2 ranks; set it to 1"),
         ((*SPLIT, "rollout.partial=true", "rollout.max_staleness=1", "rollout.environment=tools"), 4,

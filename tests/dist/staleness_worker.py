@@ -42,9 +42,10 @@ def main() -> None:
     tasks.score_response = lambda problem, text: float(len(text) % 2 == 0)
     real_collect, real_train = grpo.collect, grpo.train
 
-    def collect(models, problems, cfg, refill=None, version=0):
-        rollout = real_collect(models, problems, cfg, refill, version)
-        rollout.questions = [p.question for p in problems]  # what this batch was sampled for
+    def collect(models, problems, cfg, refill=None, version=0, **kwargs):
+        rollout = real_collect(models, problems, cfg, refill, version, **kwargs)
+        # what this batch was sampled for (carried partial rollouts: the groups that finished, of any step's prompts)
+        rollout.questions = [p.question for p in (rollout.problems or problems)]
         return rollout
 
     def train(models, rollout, cfg):
