@@ -25,7 +25,9 @@ Modes (``rollout.max_staleness``, :mod:`launchers.loop`):
   partial carried   colocated, ``rollout.partial=true rollout.partial_carry_over=true`` with one-step-off's
                   staleness: the next step's prompts are admitted ahead, each step trains the groups that
                   finished first and the unfinished ones go on in the next steps under the next weights
-                  (``alignment/rollout/carryover.py``), in chunks of 32 tokens
+                  (``alignment/rollout/engines/carryover.py``), in chunks of 32 tokens
+  disaggregated partial carried   the same with the pools on the rollout rank, whose rows keep growing
+                  while the trainer trains (``alignment/rollout/engines/carried_remote.py``)
 
 What 2 cores can show: whether training on one-step-old samples learns as well (accuracy), what
 each phase costs, and a disaggregated split of the cores (1 training, 1 generating) against
@@ -55,7 +57,8 @@ MODES = {"sync": [], "one-step-off": OFF_POLICY, "disaggregated sync": SPLIT,
          "disaggregated one-step-off": SPLIT + OFF_POLICY,
          "disaggregated partial": SPLIT + OFF_POLICY + ["rollout.partial=true"],
          "disaggregated partial chunk32": SPLIT + OFF_POLICY + ["rollout.partial=true", "rollout.partial_chunk_tokens=32"],
-         "partial carried": OFF_POLICY + ["rollout.partial=true", "rollout.partial_carry_over=true"]}
+         "partial carried": OFF_POLICY + ["rollout.partial=true", "rollout.partial_carry_over=true"],
+         "disaggregated partial carried": SPLIT + OFF_POLICY + ["rollout.partial=true", "rollout.partial_carry_over=true"]}
 PHASES = ("rollout", "logprobs", "train", "weight_sync")
 WORKLOADS = {"main": [], "long-tail": ["rollout.max_tokens=256", "rollout.eval_max_tokens=256", "rollout.kv_cache_gib=1",
                                       "model.dtype=float32"]}

@@ -192,8 +192,10 @@ def rollout_engine(cfg, hf_dir: Path, policy, bridge, vocab_size: int, rank: int
     if group is not None:
         from transformers import AutoTokenizer
 
+        within_step = cfg.rollout.partial and not cfg.rollout.partial_carry_over  # carried: the engines' pools
         engine = RemoteEngine(group, AutoTokenizer.from_pretrained(hf_dir), trainers=dist.get_world_size(),
-                              partial_chunk_tokens=cfg.rollout.partial_chunk_tokens if cfg.rollout.partial else 0)
+                              partial_chunk_tokens=cfg.rollout.partial_chunk_tokens if within_step else 0,
+                              carry=cfg.rollout.partial_carry_over)
         return engine, Resharder(policy, rollout_layout(bridge, cfg), vllm_tp=cfg.rollout.tensor_parallel_size,
                                  bucket_bytes=cfg.rollout.sync_bucket_mb << 20, group=group)
 

@@ -1,5 +1,5 @@
 """``rollout.partial_carry_over`` in the loop: the pool of partial rollouts carried across steps
-(:class:`alignment.rollout.carryover.CarryOverPool`) with the stream positions of its prompts.
+(:class:`alignment.rollout.engines.carryover.CarryOverPool`) with the stream positions of its prompts.
 
 A step trains the first ``prompts_per_step / DP`` groups of this DP rank's pool that finished, oldest prompts
 first (:func:`alignment.trainers.grpo.collect_carried`); the others keep generating in the next steps. For the pool
@@ -20,7 +20,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from alignment.rollout.carryover import CarryOverPool
+from alignment.rollout.engines.carryover import CarryOverPool
+from alignment.rollout.engines.carried_remote import RemotePool
 from alignment.training.megatron_step import all_reduce_sum
 from parallel.state import replica_group
 
@@ -41,7 +42,8 @@ class CarriedPrompts:
     """This rank's pool of prompt groups in flight, with the items they were admitted for.
 
     Args:
-        pool: the pool (its sampling, ``rollout.partial_chunk_tokens``, ``rollout.max_staleness``).
+        pool: the pool (its sampling, ``rollout.partial_chunk_tokens``, ``rollout.max_staleness``), or with rollout
+            ranks of their own the trainer's view of theirs.
         prompt_ids: the token ids of each of a list of items (the job's prompts for its problems).
         item_at: the item at a position of the prompt stream (:func:`launchers.loop.item_at` of the training order).
         positions: the stream positions of this DP rank's items of a step (:func:`launchers.loop.indices_of_step`).
@@ -49,12 +51,13 @@ class CarriedPrompts:
         dp_rank, dp: this rank's data-parallel rank and the data-parallel size.
     """
 
-    def __init__(self, pool: CarryOverPool, prompt_ids: Callable[[list[Any]], list[list[int]]],
+    def __init__(self, pool: CarryOverPool | RemotePool, prompt_ids: Callable[[list[Any]], list[list[int]]],
                  item_at: Callable[[int], Any], positions: Callable[[int], Sequence[int]], ahead: int,
                  dp_rank: int, dp: int):
         self.pool, self.prompt_ids, self.item_at, self.positions = pool, prompt_ids, item_at, positions
         self.ahead, self.dp_rank, self.dp = ahead, dp_rank, dp
         self.next, self.end = 0, 0
+        self.taken: tuple[int, list[int]] = (-1, [])  # (step, the indices taken for it)
 
     def start(self, step: int, end: int, saved: dict[str, Any] | None) -> None:
         """The run trains steps ``step .. end - 1``: from a fresh start (``saved`` None) nothing is admitted yet;
@@ -74,15 +77,22 @@ class CarriedPrompts:
             self._admit(list(self.positions(self.next)))
             self.next += 1
 
+    def took(self, step: int, indices: list[int]) -> None:
+        """The groups of prompts ``indices`` were taken for step ``step``: in flight still for a checkpoint of that
+        step saved before it trains (:meth:`save`)."""
+        self.taken = (step, list(indices))
+
     def _admit(self, indices: list[int]) -> None:
         items = [self.item_at(i) for i in indices]
         for index, item, ids in zip(indices, items, self.prompt_ids(items)):
             self.pool.admit(index, ids, item)
 
-    def save(self) -> dict[str, str]:
-        """The checkpoint's :data:`IN_FLIGHT_FILE`: every DP rank's prompts in flight and the next step to admit
-        (collective over every rank)."""
-        mine = self.pool.in_flight() if replica_group().rank() == 0 else []  # the replica's ranks hold the same
+    def save(self, step: int) -> dict[str, str]:
+        """Checkpoint ``step``'s :data:`IN_FLIGHT_FILE`: every DP rank's prompts in flight (with those taken for step
+        ``step`` when it has not trained: a save before it, after a reward server failed) and the next step to
+        admit (collective over every rank)."""
+        untrained = self.taken[1] if self.taken[0] >= step else []
+        mine = untrained + self.pool.in_flight() if replica_group().rank() == 0 else []  # the replica's hold the same
         gathered: list[list[int]] = [[] for _ in range(dist.get_world_size())]
         dist.all_gather_object(gathered, mine)
         return {IN_FLIGHT_FILE: json.dumps({"indices": sorted(i for part in gathered for i in part),

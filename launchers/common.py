@@ -184,7 +184,7 @@ def serve_as_rollout_rank(cfg, hf_dir: Path, hf_config) -> None:
     try:
         # MEGALIGN_PARTIAL_HOLD_CHUNKS (tests): partial rollouts take the update after that many chunks
         serve(engine, resharder, group, trainers, r.tensor_parallel_size,
-              hold_chunks=int(os.environ.get("MEGALIGN_PARTIAL_HOLD_CHUNKS", "0")))
+              hold_chunks=int(os.environ.get("MEGALIGN_PARTIAL_HOLD_CHUNKS", "0")), carry=r.partial_carry_over)
     finally:
         engine.close()
         shutdown()

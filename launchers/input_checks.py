@@ -407,6 +407,9 @@ def check_resume(cfg, hf_config, prompts=None) -> str | None:
     sharded = _get(saved, "trainer.use_distributed_optimizer") and optimizer_sharding(latest) != FULLY_RESHARDABLE
     fields = RESUME_FIELDS + (SHARDED_BY if sharded else ())
     diffs = [f"{f}={_get(saved, f)!r} (now {_get(cfg, f)!r})" for f in fields if _get(saved, f) != _get(cfg, f)]
+    carried = bool(_get(saved, "rollout.partial_carry_over"))  # older checkpoints: no key, no pool
+    if carried != bool(_get(cfg, "rollout.partial_carry_over")):  # the prompts in flight, or steps trained early
+        diffs.append(f"rollout.partial_carry_over={carried!r} (now {not carried!r})")
     if _get(saved, "model.path") != cfg.model.path:
         diffs += _model_differences(str(_get(saved, "model.path")), hf_config)
     position = parts[0] / DATA_POSITION_FILE

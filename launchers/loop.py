@@ -63,7 +63,7 @@ from alignment.training.checkpoint import (FULLY_RESHARDABLE, ensure_space, late
                                            prune_checkpoints, save_hf_checkpoint, save_models_checkpoint)
 from alignment.training.grad_stats import measured
 from alignment.training.health import HealthMonitor
-from alignment.training.megatron_step import all_reduce_sum
+from alignment.training.megatron_step import all_reduce_max, all_reduce_sum
 from alignment.training.offload import trainable
 from launchers import preemption
 from launchers.carried import saved_in_flight
@@ -205,7 +205,7 @@ def reshard_and_exit(job: Run, models: Models, spec: JobSpec, latest: Path, step
     record("checkpoint", step)
     ids = saved_ids(latest)  # the trackers' runs: the next resume continues them
     files = {**(files or {}), **({IDS_FILE: json.dumps(ids)} if ids else {}),
-             **(spec.carried.save() if spec.carried is not None else {})}  # the prompts in flight, as loaded
+             **(spec.carried.save(step) if spec.carried is not None else {})}  # the prompts in flight, as loaded
     with job.timers("checkpoint"):
         save_models_checkpoint(latest.parent, step, spec.trained, config=job.resolved_config, files=files or None,
                                sharding=FULLY_RESHARDABLE)
@@ -246,7 +246,7 @@ class Checkpoints:
             self.models.placement.keep(*self.units)
             ensure_space(self.dir, self._estimate, f"checkpoint step_{step}")
             files = {**(self.position or {}), **job.tracker_files(),  # tracker run ids: rank 0's, which writes them
-                     **(self.spec.carried.save() if self.spec.carried is not None else {})}  # prompts in flight
+                     **(self.spec.carried.save(step) if self.spec.carried is not None else {})}  # prompts in flight
             save_models_checkpoint(self.dir, step, self.spec.trained, config=job.resolved_config, files=files or None)
             if t.keep_last and job.rank == 0:  # the new one is complete: older ones may go
                 prune_checkpoints(self.dir, t.keep_last)
@@ -286,16 +286,12 @@ def rollout_queue(job: Run, models: Models, spec: JobSpec, start_step: int, step
                         post if prefetches else None, reseed=reseed if online else None)
 
 
-def start_in_flight(job: Run, spec: JobSpec, start_step: int, steps_total: int, latest: Path | None) -> None:
+def start_in_flight(spec: JobSpec, start_step: int, steps_total: int, latest: Path | None) -> None:
     """``rollout.partial_carry_over``: the pool starts at ``start_step``, with the prompts in flight that checkpoint
-    ``latest`` kept admitted again; without a pool, a line saying such prompts will not be trained."""
-    saved = saved_in_flight(latest) if latest is not None else None
+    ``latest`` kept admitted again (a checkpoint of a run with another ``partial_carry_over`` is refused before
+    start: :func:`launchers.input_checks.check_resume`)."""
     if spec.carried is not None:
-        spec.carried.start(start_step, steps_total, saved)
-    elif job.rank == 0 and saved is not None and saved["indices"]:
-        print(f"{latest} holds {len(saved['indices'])} prompts in flight (rollout.partial_carry_over=true when "
-              "saved), which this run does not train: resume with rollout.partial_carry_over=true to train them",
-              flush=True)
+        spec.carried.start(start_step, steps_total, saved_in_flight(latest) if latest is not None else None)
 
 
 def stop_on_reward_server_failures(step: int, start_step: int, checkpoints: Checkpoints) -> None:
@@ -333,6 +329,8 @@ def sync_and_measure(job: Run, models: Models, spec: JobSpec, queue: RolloutQueu
         times["rollout"] += queue.complete()
     metrics.update(engine_stats(models))  # rollout ranks of their own: the engines' busy / idle seconds
     metrics["rollout/staleness"] = float(step - rollout.version)
+    if spec.carried is not None:  # each rank's batch has its own oldest token: the same value on every rank
+        [metrics["rollout/staleness"]] = all_reduce_max([metrics["rollout/staleness"]])
     buckets = cfg.rollout.max_staleness + 1 if spec.carried is not None else 0  # carried: the ages' histogram
     metrics.update(token_staleness(rollout.samples, step - rollout.version, replica_group().rank() == 0, buckets))
     if spec.carried is not None:
@@ -392,7 +390,7 @@ def run(job: Run, models: Models, spec: JobSpec) -> dict[str, Any]:
     spec.evaluation.baseline()
     checkpoints = Checkpoints(job, models, spec)
     start_step, latest = checkpoints.load_latest()  # every trained model (with its Adam state) resumes together
-    start_in_flight(job, spec, start_step, steps_total, latest)  # partial rollouts carried across steps
+    start_in_flight(spec, start_step, steps_total, latest)  # partial rollouts carried across steps
     if latest is not None:
         if t.reshard_checkpoint:
             return reshard_and_exit(job, models, spec, latest, start_step, checkpoints.position)

@@ -12,6 +12,7 @@ import logging
 import os
 import random
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,14 +29,16 @@ from alignment.trainers import rl_phases  # noqa: E402
 from alignment.trainers.heldout import HeldoutAccuracy  # noqa: E402
 from alignment.trainers.interfaces import JobSpec  # noqa: E402
 from launchers import loop, offline_job, ppo_job  # noqa: E402
-from alignment.rollout.carryover import CarryOverPool  # noqa: E402
+from alignment.rollout.engines.carryover import CarryOverPool  # noqa: E402
+from alignment.rollout.config import rollout_ranks  # noqa: E402
+from alignment.rollout.engines.carried_remote import RemotePool  # noqa: E402
 from launchers.build import build_models  # noqa: E402
 from launchers.carried import CarriedPrompts  # noqa: E402
 from launchers.common import JOB_FILE_ENV, start  # noqa: E402
 from launchers.console import BAD_INPUT_EXIT, report_bad_input, route_third_party_output  # noqa: E402
 from launchers.phase_log import record_error  # noqa: E402
 from launchers.preemption import install  # noqa: E402
-from parallel.state import env_world  # noqa: E402
+from parallel.state import env_world, replica_group  # noqa: E402
 
 
 def needs_reference(cfg) -> bool:
@@ -98,7 +101,9 @@ def run_rl(cfg: JobConfig, composed=None) -> dict:
         if carried is None:
             return trainer.collect(models, problems, cfg, version, refill)
         carried.admit_through(step)  # the prompts of steps up to step + max_staleness in flight
-        return trainer.collect(models, problems, cfg, version, carried=carried.pool)
+        rollout = trainer.collect(models, problems, cfg, version, carried=carried.pool)
+        carried.took(step, carried.pool.last_taken)
+        return rollout
 
     trained = {"policy": (models.policy, models.optimizer)}
     if has_section(cfg.algorithm, OnlineDPOConfig) and cfg.algorithm.ref_update == "iteration":
@@ -119,8 +124,13 @@ def carried_prompts(cfg: JobConfig, models, train) -> CarriedPrompts | None:
     r = cfg.rollout
     if not r.partial_carry_over:
         return None
-    pool = CarryOverPool(rl_phases.sampling_config(r), r.partial_chunk_tokens, r.max_staleness)
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    sampling = rl_phases.sampling_config(r)  # one turn of at most max_tokens_per_turn, as without the pool
+    sampling = replace(sampling, max_tokens=min(r.max_tokens, r.max_tokens_per_turn or r.max_tokens))
+    pool: CarryOverPool | RemotePool = CarryOverPool(sampling, r.partial_chunk_tokens, r.max_staleness)
+    if rollout_ranks(r):  # the engines' own pools, grown while the trainers train
+        pool = RemotePool(models.engine, sampling, r.partial_chunk_tokens, r.max_staleness, dp_rank,
+                          leader=replica_group().rank() == 0)
     return CarriedPrompts(pool, lambda problems: rl_phases.request(models.tokenizer, problems, cfg)[0],
                           lambda i: loop.item_at(train, i),
                           lambda step: loop.indices_of_step(step, r.prompts_per_step, dp_rank, dp),

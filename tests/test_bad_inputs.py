@@ -426,6 +426,11 @@ CASES: list[Case] = [
          ConfigError, "written by another run: algorithm.name='sft' (now 'dpo')"),
     Case("checkpoint", "a run resumed on other prompt files", _other_prompts, ConfigError,
          "the training prompts' count=5 (now 2); the training prompts' sha256='000"),
+    Case("checkpoint", "a run with partial rollouts carried across steps resumed without them (its prompts in "
+         "flight would be lost, its early-trained ones trained again)", checkpoint(
+        {"rollout.partial": "true", "rollout.partial_carry_over": "true", "rollout.max_staleness": 1,
+         "algorithm.rollout_correction.is_level": "token"}, None, "grpo"),
+         ConfigError, "rollout.partial_carry_over=True (now False)"),
     Case("checkpoint", "a checkpoint with LoRA adapters resumed without them", checkpoint({"model.lora.rank": 8}),
          ConfigError, "model.lora.rank=8 (now 0)"),
     Case("checkpoint", "distributed-optimizer state saved at PP 2, resumed at PP 1", checkpoint(

@@ -1,4 +1,4 @@
-"""Partial rollouts carried across steps (``alignment/rollout/carryover.py``) with a scripted engine whose answers
+"""Partial rollouts carried across steps (``alignment/rollout/engines/carryover.py``) with a scripted engine whose answers
 have a long tail: a step takes the groups that finished, in admission order, the others keep generating under the
 next version, each token keeps the version that sampled it, rows too stale restart from the prompt, and what is in
 flight is what a checkpoint keeps."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from alignment.data.samples import SamplingConfig
-from alignment.rollout.carryover import CarryOverPool
+from alignment.rollout.engines.carryover import CarryOverPool
 from alignment.trainers.rl_phases import token_staleness
 from tests.conftest import SMOLLM2_EOS as EOS
 from tests.scripted_engine import ScriptedEngine
@@ -128,6 +128,31 @@ def test_the_loop_admits_each_steps_prompts_ahead_and_a_resume_deals_what_was_in
     assert rank1.pool.in_flight() == [3, 7, 14, 15]
 
 
+def test_a_checkpoint_of_a_step_not_trained_keeps_the_groups_taken_for_it(monkeypatch, engine, smollm2_tokenizer):
+    """A reward server failing with on_error=stop saves step s before it trains, after its groups were taken."""
+    from launchers import carried as carried_module
+    from launchers.carried import CarriedPrompts
+
+    class OneRank:
+        def rank(self):
+            return 0
+
+    monkeypatch.setattr(carried_module, "replica_group", OneRank)
+    monkeypatch.setattr(carried_module.dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(carried_module.dist, "all_gather_object", lambda out, obj: out.__setitem__(0, obj))
+    pool = CarryOverPool(SamplingConfig(n=1, temperature=1.0, max_tokens=20), chunk_tokens=4, max_staleness=1)
+    lengths = [1, 9, 2, 9]  # the prompts at positions 0-3: "Say n x."
+    carried = CarriedPrompts(pool, lambda items: [prompt(engine, n) for n in items], lambda i: lengths[i],
+                             lambda step: range(2 * step, 2 * step + 2), ahead=1, dp_rank=0, dp=1)
+    carried.start(0, 2, None)
+    carried.admit_through(0)
+    taken, _ = pool.step(engine, 0, 2, smollm2_tokenizer)
+    carried.took(0, pool.last_taken)
+    assert pool.last_taken == [0, 2] and pool.in_flight() == [1, 3]
+    assert json.loads(carried.save(0)["in_flight.json"]) == {"indices": [0, 1, 2, 3], "next": 2}  # before training
+    assert json.loads(carried.save(1)["in_flight.json"]) == {"indices": [1, 3], "next": 2}  # after it trained
+
+
 CARRY = ("rollout.partial=true", "rollout.partial_carry_over=true", "rollout.max_staleness=1",
          "algorithm.rollout_correction.is_level=token")
 
@@ -139,13 +164,13 @@ def test_carried_partial_rollouts_are_validated_before_start():
 
     validate(cfg(*CARRY, "rollout.prompts_per_step=6"), world_size=3, hf_config=SMOLLM2)  # colocated, vLLM engines of one rank
     validate(cfg(*CARRY, "parallel.tensor_model_parallel_size=3"), world_size=3, hf_config=SMOLLM2)
+    validate(cfg(*CARRY, "rollout.placement=disaggregated", "rollout.rollout_ranks=1"), world_size=3,
+             hf_config=SMOLLM2)  # the engines' own pools
     cases = [
         (("rollout.partial_carry_over=true",), "rollout.partial_carry_over=true carries partial rollouts across "
                                                "steps, but rollout.partial=false; set rollout.partial=true"),
         ((*CARRY[:2], "algorithm.rollout_correction.is_level=token"),
          "rollout.partial=true trains tokens sampled by older weights, but rollout.max_staleness=0 allows none"),
-        ((*CARRY, "rollout.placement=disaggregated", "rollout.rollout_ranks=1"),
-         "not yet on rollout ranks of their own .* or rollout.partial_carry_over=false"),
         ((*CARRY, "rollout.backend=megatron"), "not yet with rollout.backend=megatron; set rollout.backend=vllm"),
         ((*CARRY, "rollout.tensor_parallel_size=2"), "not yet of rollout.tensor_parallel_size=2 ranks"),
         ((*CARRY, "rollout.environment=tools", "rollout.max_turns=2"), "not rollout.environment=tools's episodes"),
@@ -161,12 +186,14 @@ def test_carried_partial_rollouts_are_validated_before_start():
 
 @pytest.mark.heavy(cheap="tests/test_carryover.py::test_a_step_takes_the_finished_groups_and_the_long_tail_goes_on_"
                          "under_the_next_version")
-def test_carried_partial_rollouts_killed_and_resumed(tmp_path):
-    """GRPO at DP 2, colocated vLLM, answers of uneven lengths (the EOS-prone tiny model, chunks of 4 tokens, 2
-    prompts a rank a step and the next step's admitted ahead): SIGKILLed as step 2 is about to train and resumed.
-    Every prompt of the 4 steps is trained once or is still in flight at the end, none twice; the groups carried
-    over hold tokens of an older policy, never more than max_staleness=1 behind, and the TIS weights per token equal
-    the hand-computed ones from the engine's per-token logprobs."""
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_carried_partial_rollouts_killed_and_resumed(tmp_path, placement):
+    """GRPO at DP 2, colocated vLLM or 2 trainers + 1 vLLM rank whose pools grow while the trainers train, answers
+    of uneven lengths (the EOS-prone tiny model, chunks of 4 tokens, 2 prompts a rank a step and the next step's
+    admitted ahead): SIGKILLed as step 2 is about to train and resumed. The 4 steps train their 16 prompts once
+    each, none lost or twice; the groups carried over hold tokens of an older policy, never more than
+    max_staleness=1 behind, and the TIS weights per token equal the hand-computed ones from the engine's per-token
+    logprobs."""
     from omegaconf import OmegaConf
 
     from alignment.data.tasks import load_problems
@@ -180,15 +207,18 @@ def test_carried_partial_rollouts_killed_and_resumed(tmp_path):
     killed_rec.mkdir()
     resumed_rec.mkdir()
     carry = ["rollout.partial=true", "rollout.partial_carry_over=true", "rollout.partial_chunk_tokens=4"]
+    nproc = 2
+    if placement == "disaggregated":  # the third process only generates
+        carry, nproc = [*carry, "rollout.placement=disaggregated", "rollout.rollout_ranks=1"], 3
     log = tmp_path / "killed.log"
     code = run_torchrun_killed("staleness_worker.py", str(model_dir), str(out), str(killed_rec), "2", *COMMON, *carry,
-                               str(result), log=log)
+                               str(result), log=log, nproc=nproc)
     assert code != 0 and (killed_rec / "rank0.killed").read_text() == "2", log.read_text()[-4000:]
     # steps 0 and 1 admitted the prompts of steps 0-2 (one step ahead) and trained 8 of those 12 groups
     saved = saved_in_flight(out / "checkpoints" / "step_2")
     assert saved["next"] == 3 and len(saved["indices"]) == 4 and set(saved["indices"]) <= set(range(12))
     run_torchrun("staleness_worker.py", str(model_dir), str(out), str(resumed_rec), "-1", *COMMON, *carry,
-                 str(result), timeout=900)
+                 str(result), timeout=900, nproc=nproc)
     s = json.loads((result).read_text())
     assert s["start_step"] == 2
 
@@ -200,7 +230,9 @@ def test_carried_partial_rollouts_killed_and_resumed(tmp_path):
         assert 0 <= r["token_staleness"][0] and r["token_staleness"][1] <= 1, r  # max_staleness=1
         assert len(r["questions"]) == 2  # prompts_per_step / DP groups a rank
     carried = [r for r in before + after if r["token_staleness"][1] == 1]
-    assert carried and any(r["spanning_answers"] for r in carried)  # answers went on under the next policy
+    assert carried  # tokens sampled by the policy before the one that trained them (disaggregated: while it trained)
+    if placement == "colocated":  # answers went on under the next policy
+        assert any(r["spanning_answers"] for r in carried)
     for m in s["history"]:  # the ages' histogram: tokens 0 or 1 update old, whose mean is the fraction 1 old
         ages = [m["rollout/token_staleness_hist/0"], m["rollout/token_staleness_hist/1"]]
         assert sum(ages) == pytest.approx(1.0) and m["rollout/token_staleness"] == pytest.approx(ages[1])

@@ -71,14 +71,14 @@ class RolloutConfig:
     # partial rollouts (max_staleness >= 1): answers are generated in chunks of partial_chunk_tokens tokens and
     # an unfinished answer goes on from its prefix under newer weights, every token keeping the version that
     # sampled it. Within a step (placement=disaggregated): the engines take the trainers' new weights between two
-    # chunks of the batch posted ahead (alignment/rollout/engines/partial.py). Carried across steps
-    # (partial_carry_over=true)
+    # chunks of the batch posted ahead (alignment/rollout/engines/partial.py). Across steps: partial_carry_over
     partial: bool = False
-    # with partial=true (colocated, vLLM engines of one rank): the prompts of the next max_staleness steps are
-    # admitted ahead, each step trains on the rollout.prompts_per_step groups that finished first, oldest prompts
-    # first, and the unfinished ones keep generating in the next steps under the next weights; a row holding a
-    # token more than max_staleness updates older than the policy it would train is started again (counted);
-    # checkpoints keep the prompts in flight (alignment/rollout/carryover.py, launchers/carried.py)
+    # with partial=true (vLLM engines of one rank, colocated or disaggregated: there the rows keep growing while
+    # the trainers train): the prompts of the next max_staleness steps are admitted ahead, each DP rank trains on
+    # the prompts_per_step / DP groups of its pool that finished first, oldest prompts first, and the unfinished
+    # ones keep generating in the next steps under the next weights; a row holding a token more than max_staleness
+    # updates older than the policy it would train is started again (counted); checkpoints keep the prompts in
+    # flight (alignment/rollout/engines/carryover.py, launchers/carried.py)
     partial_carry_over: bool = False
     # 32: on vLLM-CPU each chunk is an engine call; chunks of 8 made the long-tail step 1.6x slower (docs/results.md)
     partial_chunk_tokens: int = ranged(32, 1, note=' (tokens per decode chunk between two weight-update checks)')
@@ -164,7 +164,7 @@ def check_placement(r: RolloutConfig, world_size: int) -> None:
 def check_partial(r: RolloutConfig) -> None:
     """``rollout.partial`` and ``partial_carry_over``: answers continued under newer weights need a batch sampled
     ahead (``max_staleness`` >= 1), single-turn answers and one rank per engine; within a step, rollout ranks of
-    their own; carried across steps, colocated vLLM engines (for now).
+    their own; carried across steps, vLLM engines (colocated, or on rollout ranks of their own).
 
     Raises:
         ConfigError: naming the field and the fix.
@@ -186,10 +186,6 @@ def check_partial(r: RolloutConfig) -> None:
         raise ConfigError(f"rollout.partial=true continues single answers, not rollout.environment={r.environment}'s "
                           "episodes yet; set rollout.partial=false")
     if r.partial_carry_over:
-        if r.placement != "colocated":
-            raise ConfigError("rollout.partial_carry_over=true keeps the pool of answers in flight on the ranks that "
-                              f"train, not yet on rollout ranks of their own (rollout.placement={r.placement}); set "
-                              "rollout.placement=colocated, or rollout.partial_carry_over=false (partial within a step)")
         if r.backend != "vllm":
             raise ConfigError(f"rollout.partial_carry_over=true continues answers on vLLM engines, not yet with "
                               f"rollout.backend={r.backend}; set rollout.backend=vllm")

@@ -40,7 +40,8 @@ from alignment.data.samples import Sample
 from alignment.data.tasks import Problem
 from alignment.rewards.code_runs import early_grading
 from alignment.rollout.base import RolloutEngine
-from alignment.rollout.carryover import CarryOverPool
+from alignment.rollout.engines.carryover import CarryOverPool
+from alignment.rollout.engines.carried_remote import RemotePool
 from alignment.trainers.agent_rollout import AGENT_COUNTS
 from alignment.trainers.grpo_hooks import step_hooks
 from alignment.trainers.models import Models
@@ -228,7 +229,7 @@ def sample_groups(models: Models, problems: list[Problem], cfg: JobConfig,
 def collect(models: Models, problems: list[Problem], cfg: JobConfig, version: int = 0,
             refill: Callable[[int], list[Problem]] | None = None,
             answers: Callable[[list[Problem]], list[str]] | None = None,
-            carried: CarryOverPool | None = None) -> Rollout:
+            carried: CarryOverPool | RemotePool | None = None) -> Rollout:
     """The rollout collector: ``group_size`` sampled and rewarded responses for each of this DP
     rank's ``problems`` (``refill(k)`` supplies k more for dynamic sampling), by the policy of
     ``version`` optimizer steps (by the teacher's engine when the models have one; ``answers``: responses
@@ -246,7 +247,8 @@ def collect(models: Models, problems: list[Problem], cfg: JobConfig, version: in
                    steps=steps)
 
 
-def collect_carried(models: Models, pool: CarryOverPool, groups: int, cfg: JobConfig, version: int) -> Rollout:
+def collect_carried(models: Models, pool: CarryOverPool | RemotePool, groups: int, cfg: JobConfig, version: int
+                    ) -> Rollout:
     """``rollout.partial_carry_over``: the pool's rows grown chunk by chunk by the engine holding the policy of
     ``version`` updates (rows too stale for it started again) until ``groups`` groups have finished, those taken
     (in admission order: the oldest prompts first) and rewarded. ``Rollout.version`` is the oldest version of any
@@ -254,11 +256,13 @@ def collect_carried(models: Models, pool: CarryOverPool, groups: int, cfg: JobCo
     ``rollout/token_staleness`` is each token's own age); ``Rollout.problems`` the taken groups' problems;
     ``Rollout.info`` adds ``rollout/restarted_rows`` and ``rollout/in_flight_groups`` (this rank's). The rows
     still growing stay in ``pool`` for the next steps. Collective over the model replica
-    (:class:`alignment.trainers.rl_phases.ReplicaGeneration`)."""
+    (:class:`alignment.trainers.rl_phases.ReplicaGeneration`); with rollout ranks of their own the pool is theirs
+    (:class:`alignment.rollout.engines.carried_remote.RemotePool`: collective over the trainers and them), and its
+    rows keep growing while the trainers train."""
     t, hooks, g = time.perf_counter(), step_hooks(cfg), cfg.rollout.group_size
     with rollout_phase(models):
-        pool.generate(ReplicaGeneration(cast(RolloutEngine, models.engine)), version, groups)
-    taken, base = pool.take(groups, models.tokenizer)
+        taken, base = pool.step(ReplicaGeneration(cast(RolloutEngine, models.engine)), version, groups,
+                                models.tokenizer)
     problems = [group.item for group in taken]
     samples = [s for group in taken for s in group.samples]
     terms = job_terms(cfg)

@@ -50,8 +50,9 @@ class CarriedPool(Protocol):
     """Partial rollouts carried across steps (``rollout.partial_carry_over``; :class:`launchers.carried.CarriedPrompts`):
     what the loop asks of the pool of prompts in flight."""
 
-    def save(self) -> dict[str, str]:
-        """The files a checkpoint keeps of the prompts in flight (name -> text; collective)."""
+    def save(self, step: int) -> dict[str, str]:
+        """The files checkpoint ``step`` keeps of the prompts in flight (name -> text; collective): with the groups
+        taken for step ``step`` when that step has not trained (a checkpoint saved before it)."""
 
     def start(self, step: int, end: int, saved: dict[str, Any] | None) -> None:
         """The run trains steps ``step .. end - 1``; ``saved``: what the checkpoint it resumes kept of the prompts
@@ -84,8 +85,8 @@ class JobSpec:
     name (offline jobs: ``train/``). ``postfix``: the progress bar's (name -> (metric, format)).
     ``hf_config``: the HF config written with the export (default: the job's); ``export_adapters``:
     with ``model.lora``, also write the PEFT adapters. ``carried``: the pool of partial rollouts carried across
-    steps (``rollout.partial_carry_over``): each step samples its own batch from it (nothing ahead), and
-    checkpoints keep its prompts in flight.
+    steps (``rollout.partial_carry_over``): the queue samples no batch ahead (the pool admits the prompts of the
+    next ``max_staleness`` steps itself), and checkpoints keep its prompts in flight.
     """
 
     name: str

@@ -137,7 +137,7 @@ def generate_for_group(engine: RolloutEngine, prompts: list[list[int]], sampling
 class ReplicaGeneration:
     """``engine`` as :func:`generate_for_group` runs it: ``generate(prompts, sampling)`` deals the prompts over the
     ranks of this DP rank's model replica and gathers the samples, so every rank of the replica holds them all
-    (what :class:`alignment.rollout.carryover.CarryOverPool` grows its rows with). Collective over the replica."""
+    (what :class:`alignment.rollout.engines.carryover.CarryOverPool` grows its rows with). Collective over the replica."""
 
     def __init__(self, engine: RolloutEngine):
         self.engine = engine

@@ -1,1 +1,1 @@
-"""The rollout engines (rollout.backend): vLLM and Megatron's, engines on ranks of their own, and what they share (static decoding, compile caches, weight checks, routes, partial rollouts, image prompts)."""
+"""The rollout engines (rollout.backend): vLLM and Megatron's, engines on ranks of their own, and what they share (static decoding, compile caches, weight checks, routes, partial rollouts within a step and carried across steps, image prompts)."""

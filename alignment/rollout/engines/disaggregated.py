@@ -23,6 +23,12 @@ in it.
   rows under them (an engine that finished first waits for the sync). Every posted request is followed
   by exactly one sync before its samples are collected (:mod:`launchers.loop`).
 
+- carried partial rollouts (``rollout.partial_carry_over``, :mod:`alignment.rollout.engines.carried_remote`): the
+  engines keep pools of prompt groups in flight and grow their rows between the trainers' commands, so every
+  command is announced by a flag first (``command/<n>``: the ``n``-th command, counted alike on both sides), which
+  a rollout rank polls between two chunks; ``carry``: every trainer's new prompts in (an all-gather), and each DP
+  rank's finished groups back (a second all-gather).
+
 Each hand-over also carries the engine's busy seconds (generating, loading weights) and idle seconds
 (waiting for the trainers) since its previous one: ``rollout/engine_busy_s`` / ``rollout/engine_idle_s``
 (:meth:`RemoteEngine.pop_stats`).
@@ -37,14 +43,21 @@ layout of verl's and NeMo-RL's non-colocated generation and of slime's rollout e
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from typing import Iterable, cast
 
 import torch
 
 from alignment.data.samples import OnDone, Sample, SamplingConfig, report_each
+from alignment.rollout.engines.carried_remote import CarryServer
 from alignment.rollout.engines.partial import PartialGeneration
 
-GENERATE, SYNC, STOP = "generate", "sync", "stop"
+GENERATE, SYNC, STOP, CARRY = "generate", "sync", "stop", "carry"
+
+
+def command_flag(n: int) -> str:
+    """The store flag that announces the trainers' ``n``-th command (0-based) to rollout ranks busy with carried
+    partial rollouts."""
+    return f"command/{n}"
 
 
 def deal(prompt_lists: list[list[list[int]]], engines: int) -> list[list[tuple[int, int, list[int]]]]:
@@ -61,15 +74,17 @@ class RemoteEngine:
     Every trainer calls every method at the same point (each is collective over the group).
     ``tokenizer``: the policy's HF tokenizer; ``trainers``: the number of trainer ranks (the
     group's first ranks); ``partial_chunk_tokens`` > 0: posted requests are partial rollouts in
-    chunks of that many tokens (``rollout.partial``; see the module docstring).
+    chunks of that many tokens (``rollout.partial``; see the module docstring); ``carry``: the engines hold
+    carried partial rollouts (``rollout.partial_carry_over``): every command is announced by its flag first.
     """
 
     shares_trainer_weights = False
     generates_per_replica = False
 
-    def __init__(self, group, tokenizer, trainers: int, partial_chunk_tokens: int = 0):
+    def __init__(self, group, tokenizer, trainers: int, partial_chunk_tokens: int = 0, carry: bool = False):
         self.group, self.tokenizer, self.trainers = group, tokenizer, trainers
         self.partial_chunk_tokens, self.partial_requests = partial_chunk_tokens, 0
+        self.announce, self.commands = carry, 0  # carried partial rollouts: each command announced by its flag
         self.posted = None  # (prompts, sampling, chunk tokens) the engines are working on
         self.engine_seconds: list[list[tuple[float, float]]] = []  # per hand-over: each engine's (busy, idle)
         self.reseeded = None  # the step of a reseed not yet sent: it goes with the next request
@@ -88,7 +103,7 @@ class RemoteEngine:
         chunk = self.partial_chunk_tokens if partial else 0
         if chunk:
             self.partial_requests += 1
-        self.group.broadcast_object((GENERATE, sampling, self.reseeded, chunk), 0)
+        self._send((GENERATE, sampling, self.reseeded, chunk))
         self.group.all_gather_object(prompts)
         self.posted, self.reseeded = (prompts, sampling, chunk), None
 
@@ -114,6 +129,25 @@ class RemoteEngine:
         self.engine_seconds.append([seconds for _, seconds in handed])
         return report_each(out, on_done)
 
+    def _send(self, command: tuple) -> None:
+        """Broadcast ``command`` to the rollout ranks (from trainer rank 0), announced by its flag first when they
+        may be busy with carried partial rollouts."""
+        if self.announce and self.group.rank == 0:
+            self.group.raise_flag(command_flag(self.commands))
+        self.commands += 1
+        self.group.broadcast_object(command, 0)
+
+    def carry(self, header: tuple, part: tuple) -> list[tuple]:
+        """A carried-partial-rollout request (:class:`alignment.rollout.engines.carried_remote.RemotePool`):
+        ``header`` (the same on every trainer) and this trainer's ``part`` to the rollout ranks; returns every
+        engine's answer, ``[(DP rank, groups, base version, counts)]`` for all DP ranks. Collective."""
+        self._send((CARRY, header, self.reseeded))
+        self.reseeded = None
+        self.group.all_gather_object(part)
+        handed = [x for x in self.group.all_gather_object(None)[self.trainers:] if x is not None]
+        self.engine_seconds.append([seconds for _, seconds in handed])
+        return [answer for answers, _ in handed for answer in answers]
+
     def pop_stats(self) -> dict[str, float]:
         """``rollout/engine_busy_s`` and ``rollout/engine_idle_s``: the seconds an engine spent generating
         or loading weights, and waiting for the trainers, summed over the requests collected since the
@@ -137,7 +171,7 @@ class RemoteEngine:
         t0 = time.perf_counter()
         if self.posted is not None and self.posted[2] and self.group.rank == 0:  # engines generating: interrupt
             self.group.raise_flag(partial_flag(self.partial_requests))
-        self.group.broadcast_object((SYNC,), 0)
+        self._send((SYNC,))
         for _ in buckets:
             pass
         return {"load_s": time.perf_counter() - t0, "names": []}
@@ -155,7 +189,7 @@ class RemoteEngine:
 
     def close(self) -> None:
         """Stop the rollout ranks (they close their engines and exit)."""
-        self.group.broadcast_object((STOP,), 0)
+        self._send((STOP,))
 
 
 def partial_flag(request: int) -> str:
@@ -218,18 +252,24 @@ class TrainersStopped(Exception):
     """The trainers sent ``stop`` where a rollout rank waited for a weight sync."""
 
 
-def serve(engine, resharder, group, trainers: int, engine_tp: int, hold_chunks: int = 0) -> None:
+def serve(engine, resharder, group, trainers: int, engine_tp: int, hold_chunks: int = 0, carry: bool = False
+          ) -> None:
     """A rollout rank's loop: run the trainers' commands (see the module docstring) on this rank's
     ``engine`` (a :class:`alignment.rollout.engines.vllm_engine.VLLMEngine`, one per ``engine_tp``
     consecutive rollout ranks) until ``stop``. ``resharder``: the receiving side of the trainers'
-    :class:`parallel.reshard.Resharder` (``model=None``); ``hold_chunks``: see :func:`generate_partial`."""
+    :class:`parallel.reshard.Resharder` (``model=None``); ``hold_chunks``: see :func:`generate_partial`;
+    ``carry``: carried partial rollouts (``rollout.partial_carry_over``, engines of one rank): the rows in flight
+    grow between two commands, each announced by its flag."""
     me = group.rank - trainers
     engines = (group.size - trainers) // engine_tp
-    partial_requests = 0
+    partial_requests = commands = 0
     engine = TimedEngine(engine)  # each hand-over reports the engine's busy and idle seconds
+    carried = CarryServer(engine, engines, me) if carry else None
 
     def take_sync() -> None:
+        nonlocal commands
         command, *_ = group.broadcast_object(None, 0)
+        commands += 1
         if command == STOP:
             raise TrainersStopped
         if command != SYNC:
@@ -238,8 +278,18 @@ def serve(engine, resharder, group, trainers: int, engine_tp: int, hold_chunks: 
         engine.load_resharded(resharder.buckets())
 
     while True:
+        while carried is not None and carried.busy() and not group.flag_raised(command_flag(commands)):
+            carried.advance()  # the rows in flight grow while the trainers train
         command, *args = group.broadcast_object(None, 0)
-        if command == GENERATE:
+        commands += 1
+        if command == CARRY:
+            header, step = args
+            if step is not None:
+                engine.reseed(step)
+            parts = group.all_gather_object(None)[:trainers]
+            answers = cast(CarryServer, carried).handle(header, parts)
+            group.all_gather_object((answers, engine.split()))
+        elif command == GENERATE:
             sampling, step, chunk = args
             if step is not None:
                 engine.reseed(step)
@@ -260,6 +310,8 @@ def serve(engine, resharder, group, trainers: int, engine_tp: int, hold_chunks: 
             group.all_gather_object((items, engine.split()) if first else None)
         elif command == SYNC:
             engine.load_resharded(resharder.buckets())
+            if carried is not None:
+                carried.version += 1  # the rows go on under the new weights
         elif command == STOP:
             return
         else:

@@ -77,6 +77,7 @@ class CarryOverPool:
         self.sampling, self.chunk_tokens, self.max_staleness = sampling, chunk_tokens, max_staleness
         self.groups: list[InFlight] = []
         self.restarted_rows = 0  # rows started again for staleness, since the last :meth:`pop_counts`
+        self.last_taken: list[int] = []  # the indices :meth:`take` handed out last
         self.chunks = 0
 
     def admit(self, index: int, prompt: list[int], item: Any = None) -> None:
@@ -109,15 +110,24 @@ class CarryOverPool:
 
         Raises:
             ValueError: fewer than ``needed`` groups are in flight.
+            RuntimeError: the engine added no token to the live rows (no progress).
         """
         if len(self.groups) < needed:
             raise ValueError(f"{len(self.groups)} groups are in flight, {needed} are needed: admit more prompts")
         self.restart_stale(version)
         chunks = 0
         while len(self.ready()) < needed:
-            self.advance(engine, version)
+            if not self.advance(engine, version):
+                raise RuntimeError(f"the engine added no token to {len(self.live())} live rows: {len(self.ready())} "
+                                   f"of the {needed} groups needed are ready")
             chunks += 1
         return chunks
+
+    def step(self, engine, version: int, needed: int, tokenizer) -> tuple[list[Taken], int]:
+        """A step's groups: :meth:`generate` by ``engine`` holding the policy of ``version`` updates until
+        ``needed`` groups are ready, then :meth:`take` of them (text decoded with ``tokenizer``)."""
+        self.generate(engine, version, needed)
+        return self.take(needed, tokenizer)
 
     def restart_stale(self, version: int) -> int:
         """Before the policy of ``version`` updates trains: start every row holding a token sampled more than
@@ -147,6 +157,7 @@ class CarryOverPool:
         if len(ready) < k:
             raise ValueError(f"{len(ready)} groups are ready, {k} were asked for")
         self.groups = [g for g in self.groups if not any(g is r for r in ready)]
+        self.last_taken = [g.index for g in ready]
         versions = [v for g in ready for r in g.rows for v in r.updates]
         base = min(versions) if versions else 0
         out = []
