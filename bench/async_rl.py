@@ -20,8 +20,8 @@ Modes (``rollout.max_staleness``, :mod:`launchers.loop`):
   disaggregated partial   one-step-off with ``rollout.partial=true``: the engine takes step s's
                   new weights between two decode chunks of step s+1's batch and continues the
                   unfinished answers under them (``alignment/rollout/engines/partial.py``), in the default
-                  chunks of 8 tokens; ``disaggregated partial chunk32``: chunks of 32 (fewer engine
-                  calls, the update taken later)
+                  chunks of 32 tokens (``rollout.partial_chunk_tokens``); ``disaggregated partial chunk32``
+                  names the 32 explicitly (the default was 8 before 2026-11-27)
   partial carried   colocated, ``rollout.partial=true rollout.partial_carry_over=true`` with one-step-off's
                   staleness: the next step's prompts are admitted ahead, each step trains the groups that
                   finished first and the unfinished ones go on in the next steps under the next weights
