@@ -53,6 +53,7 @@ def curve(summary: dict, samples_per_step: int) -> list[tuple[int, float, float]
 
 
 def spread(values: list[float]) -> str:
+    """Accuracies (fractions in [0, 1]) as "mean % (min-max %)"; raises StatisticsError when empty."""
     return f"{statistics.mean(values):.1%} ({min(values):.0%}-{max(values):.0%})"
 
 
