@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from alignment.data.samples import SamplingConfig
+from alignment.rollout.engines.carried_remote import CarryServer
 from alignment.rollout.engines.carryover import CarryOverPool
 from alignment.trainers.rl_phases import token_staleness
 from tests.conftest import SMOLLM2_EOS as EOS
@@ -87,6 +88,28 @@ def test_rows_too_stale_for_the_policy_about_to_train_start_again(engine, smollm
     pool.generate(engine, version=3, needed=2)
     [(i, item, [s, _]), _], base = pool.take(2, smollm2_tokenizer)
     assert i == 7 and item is None and base == 3 and s.weight_updates == [0] * 13 and len(s.response_ids) == 13
+
+
+def test_the_trainers_wait_only_on_the_rows_of_the_oldest_groups_and_the_new_prompts_grow_while_they_train(
+        engine, smollm2_tokenizer):
+    engine.tokenizer = smollm2_tokenizer
+    server = CarryServer(engine, engines=1, me=0)
+    sampling = SamplingConfig(n=2, temperature=1.0, max_tokens=30)
+    header = lambda version: (version, 2, sampling, 4, 1)  # noqa: E731  (needed=2 groups, chunks of 4)
+    say = lambda *ns: [(i, prompt(engine, n)) for i, n in ns]  # noqa: E731
+    # step 0: groups 0 (2 x's), 1 (6 x's) due; group 2 (20 x's, the next step's) waits: calls hold 0 and 1 only
+    [(dp, taken, base, counts)] = server.handle(header(0), [(0, say((0, 2), (1, 6), (2, 20)))])
+    assert dp == 0 and [g.index for g in taken] == [0, 1] and base == 0
+    lengths = [len(prompts) for prompts, _ in engine.calls]
+    assert lengths == [4, 2] and counts == {"rollout/restarted_rows": 0.0, "rollout/in_flight_groups": 1.0}
+    assert [len(r.ids) for r in server.pools[0].groups[0].rows] == [0, 0]  # not grown while the trainers waited
+    # while the trainers train, every live row grows: group 2's, by chunks of 4 at the version the engine holds
+    assert server.busy() and server.advance() == 8 and len(engine.calls) == 3 and len(engine.calls[-1][0]) == 2
+    server.version += 1  # a weight sync
+    # step 1: group 3 (1 x) admitted; groups 2 and 3 are the oldest two: both grow until both are ready
+    [(_, taken, base, _)] = server.handle(header(1), [(0, say((3, 1)))])
+    assert [g.index for g in taken] == [2, 3] and base == 0
+    assert taken[0].samples[0].weight_updates == [0] * 4 + [1] * 17 and not server.busy()
 
 
 def test_what_is_refused(engine, smollm2_tokenizer):

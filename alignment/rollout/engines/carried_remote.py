@@ -13,7 +13,9 @@ and hand each trainer the groups that finished when its next step asks.
   trainers' commands it grows every live row by one chunk at the version it holds
   (:func:`alignment.rollout.engines.disaggregated.serve` polls the next command's flag between two chunks); a
   request (:meth:`CarryServer.handle`) admits the trainers' new prompts, restarts the rows too stale for the
-  version about to train, grows the rows until each of its DP ranks has the groups it needs, and takes them.
+  version about to train, grows only the rows of each DP rank's oldest groups (the ones the request can take)
+  until each has the groups it needs, and takes them: the trainers wait on small, fast chunks, and the new
+  prompts start growing once they train.
 
 The rollout ranks' pools are not checkpointed: a resumed run admits the prompts in flight again
 (:mod:`launchers.carried`), and their answers are generated again from the prompt.
@@ -103,10 +105,12 @@ class CarryServer:
         """Whether some row is still growing."""
         return any(p.live() for p in self.pools.values())
 
-    def advance(self) -> int:
-        """One chunk for every live row of every pool, in one engine call, at :attr:`version`; returns the tokens
-        added."""
-        rows = [r for p in self.pools.values() for _, r in p.live()]
+    def advance(self, needed: int | None = None) -> int:
+        """One chunk, in one engine call at :attr:`version`, for every live row of every pool (between commands:
+        the trainers train), or, while a request for ``needed`` groups a pool waits, only for the rows that request
+        waits on (:meth:`alignment.rollout.engines.carryover.CarryOverPool.due`: the oldest groups' rows, not the new
+        prompts', which grow once it is answered); returns the tokens added."""
+        rows = [r for p in self.pools.values() for r in (p.due(needed) if needed else [r for _, r in p.live()])]
         if not rows:
             return 0
         first = next(iter(self.pools.values()))
@@ -116,8 +120,9 @@ class CarryServer:
                ) -> list[tuple[int, list[Taken], int, dict[str, float]]]:
         """A request from every trainer (``parts``: ``(DP rank, [(index, prompt ids)] admitted)``; ``header``:
         ``(version, needed, sampling, chunk_tokens, max_staleness)``): the new prompts of this engine's DP ranks
-        admitted, their rows too stale for ``version`` started again, rows grown until each has ``needed`` groups
-        finished, and those taken: ``[(DP rank, groups, base version, counts)]`` for this engine's DP ranks."""
+        admitted, their rows too stale for ``version`` started again, the rows of each pool's oldest ``needed`` groups
+        grown until each has ``needed`` groups finished (the new prompts wait: growing them too would slow every
+        chunk the trainers wait on), and those taken: ``[(DP rank, groups, base version, counts)]`` for this engine's DP ranks."""
         version, needed, sampling, chunk_tokens, max_staleness = header
         self.version = version
         owners = sorted({dp for dp, _ in parts if dp % self.engines == self.me})
@@ -129,7 +134,7 @@ class CarryServer:
         for dp in owners:
             self.pools[dp].restart_stale(version)
         while any(len(self.pools[dp].ready()) < needed for dp in owners):
-            if not self.advance():
+            if not self.advance(needed):
                 raise RuntimeError(f"rollout engine {self.me}: {needed} groups needed, but a pool holds only "
                                    f"{min(len(self.pools[dp].groups) for dp in owners)} in flight")
         out = []

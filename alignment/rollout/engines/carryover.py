@@ -92,10 +92,15 @@ class CarryOverPool:
         rows = [PartialRow(list(prompt)) for _ in range(self.sampling.n)]
         self.groups.append(InFlight(index, list(prompt), rows, item))
 
-    def live(self) -> list[tuple[InFlight, PartialRow]]:
-        """The rows still growing, group by group in admission order."""
-        return [(g, r) for g in self.groups for r in g.rows
+    def live(self, first: int | None = None) -> list[tuple[InFlight, PartialRow]]:
+        """The rows still growing, group by group in admission order (of the ``first`` groups only, when given)."""
+        return [(g, r) for g in self.groups[:first] for r in g.rows
                 if not r.finished and len(r.ids) < self.sampling.max_tokens]
+
+    def due(self, needed: int) -> list[PartialRow]:
+        """The rows a step asking for ``needed`` groups waits on: none when ``needed`` groups are ready, else the
+        live rows of the first ``needed`` groups (admission order), whose ending alone makes ``needed`` ready."""
+        return [] if len(self.ready()) >= needed else [r for _, r in self.live(needed)]
 
     def advance(self, engine, version: int) -> int:
         """One chunk for every live row by ``engine`` (a :class:`alignment.rollout.base.RolloutEngine`) holding the
