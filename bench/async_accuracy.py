@@ -6,7 +6,7 @@ held-out accuracy at each point (mean and range over the seeds) and whether each
 the synchronous seeds' range there, and plots accuracy against samples trained and against wall time.
 
     python bench/async_accuracy.py [--workload long-tail|gsm8k] [--seeds 1,2,3] [--steps 6] [--eval-every 2]
-        [--heldout 50] [--fp32] [--out outputs/async_accuracy] [--plot docs/img/async_accuracy_long_tail.png] [--replot]
+        [--heldout 50] [--dtype float32|bfloat16] [--out outputs/async_accuracy] [--plot docs/img/async_accuracy_long_tail.png] [--replot]
 
 Modes (``bench/async_rl.py``'s, all disaggregated):
   sync                 ``max_staleness=0``: the trainer waits for each step's batch
@@ -59,10 +59,12 @@ def spread(values: list[float]) -> str:
 
 def step_means(summary: dict) -> dict[str, float]:
     """Means over the steps after the first (the first compiles and fills the pipeline) of the step and
-    rollout-wait seconds, the engine's idle seconds and the token staleness; the restarted rows summed."""
+    rollout-wait seconds, the engine's idle seconds, the trained answers' length in tokens (the trainer's
+    work grows with it) and the token staleness; the restarted rows summed."""
     hist = summary["history"][1:] or summary["history"]
     mean = lambda key: statistics.mean(m.get(key, 0.0) for m in hist)  # noqa: E731
     return {"step": mean("time/step"), "wait": mean("time/rollout"), "idle": mean("rollout/engine_idle_s"),
+            "tokens": mean("response_length"),
             "staleness": mean("rollout/token_staleness"),
             "restarted": sum(m.get("rollout/restarted_rows", 0) for m in summary["history"])}
 
@@ -73,13 +75,14 @@ def report(runs: dict[str, list[dict]], samples_per_step: int, title: str) -> li
     seeds, and the comparison with sync's range."""
     base = statistics.mean(step_means(s)["step"] for s in runs["sync"])
     lines = [title, "", "| mode | step s (range) | vs sync | trainer waits s | engine idle s | token staleness "
-             "| restarted rows | held-out after |", "|---|---|---|---|---|---|---|---|"]
+             "| restarted rows | answer tokens | held-out after |", "|---|---|---|---|---|---|---|---|---|"]
     for name, summaries in runs.items():
         m = [step_means(s) for s in summaries]
         mean = lambda key: statistics.mean(x[key] for x in m)  # noqa: E731
         steps = [x["step"] for x in m]
         lines.append(f"| {name} | {mean('step'):.1f} ({min(steps):.1f}-{max(steps):.1f}) | {base / mean('step'):.2f}x "
                      f"| {mean('wait'):.2f} | {mean('idle'):.2f} | {mean('staleness'):.2f} | {mean('restarted'):.1f} "
+                     f"| {mean('tokens'):.1f} "
                      f"| {spread([s['heldout_accuracy_after'] for s in summaries])} |")
     curves = {name: [curve(s, samples_per_step) for s in summaries] for name, summaries in runs.items()}
     points = [p[0] for p in curves["sync"][0]]
@@ -133,7 +136,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--eval-every", type=int, default=2, help="trainer.eval_every")
     ap.add_argument("--heldout", type=int, default=50, help="data.heldout_size")
-    ap.add_argument("--fp32", action="store_true", help="model.dtype=float32 (CPUs without AVX-512-BF16)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"],
+                    help="model.dtype (default: the workload's: long-tail float32, gsm8k the config's bfloat16)")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES)
                     + "; must include sync")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "async_accuracy")
@@ -150,7 +154,7 @@ def main() -> None:
         record = json.loads(saved.read_text())
     else:
         extra = [*overrides, f"data.heldout_size={args.heldout}", f"trainer.eval_every={args.eval_every}",
-                 *(["model.dtype=float32"] if args.fp32 else [])]
+                 *([f"model.dtype={args.dtype}"] if args.dtype else [])]
         record = {"args": {k: str(v) for k, v in vars(args).items()}, "runs": {name: [] for name in modes}}
         args.out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
@@ -162,7 +166,8 @@ def main() -> None:
                     saved.write_text(json.dumps(record))  # after every run: nothing measured is lost
     a = record["args"]
     title = (f"GRPO, SmolLM2-135M, {args.workload}, 1 trainer + 1 vLLM rank, {a['steps']} steps x {samples_per_step} "
-             f"samples, seeds {a['seeds']}, {a['heldout']} held-out problems")
+             f"samples, seeds {a['seeds']}, {a['heldout']} held-out problems"
+             + (f", {a['dtype']}" if a.get("dtype", "None") != "None" else ""))
     runs = {name: summaries for name, summaries in record["runs"].items() if summaries}  # modes not reached left out
     print("\n".join(report(runs, samples_per_step, title)))
     plot(runs, samples_per_step, title, args.plot or args.out / f"{args.workload}.png")
